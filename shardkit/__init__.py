@@ -1,0 +1,63 @@
+"""shardkit: IterableDataset pipelines over shard files that are correct and fast
+across DataLoader workers and DDP ranks.
+
+Public names are imported lazily so that ``import shardkit`` stays cheap in
+every DataLoader worker; each name lives in the module listed below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from shardkit._version import __version__
+from shardkit.errors import CorruptRecordError, ShardkitError
+
+_EXPORTS: dict[str, str] = {
+    "ShardList": "shardkit.shardlist",
+    "Topology": "shardkit.topology",
+    "plan": "shardkit.plan",
+    "Range": "shardkit.plan",
+    "read_tfrecord": "shardkit.formats.tfrecord",
+    "TFRecordWriter": "shardkit.formats.tfrecord",
+    "build_index": "shardkit.formats.index",
+    "ShardWriter": "shardkit.writer",
+    "decode_example": "shardkit.formats.example",
+    "decode_sequence_example": "shardkit.formats.example",
+    "encode_example": "shardkit.formats.example",
+    "ShardedDataset": "shardkit.dataset",
+    "TFRecordDataset": "shardkit.dataset",
+    "wrap": "shardkit.dataset",
+    "interleave": "shardkit.pipeline",
+    "MixedLoader": "shardkit.loader",
+    "worker_seed": "shardkit.seeding",
+}
+
+__all__ = ["__version__", "CorruptRecordError", "ShardkitError", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from shardkit.dataset import ShardedDataset, TFRecordDataset, wrap
+    from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
+    from shardkit.formats.index import build_index
+    from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
+    from shardkit.loader import MixedLoader
+    from shardkit.pipeline import interleave
+    from shardkit.plan import Range, plan
+    from shardkit.seeding import worker_seed
+    from shardkit.shardlist import ShardList
+    from shardkit.topology import Topology
+    from shardkit.writer import ShardWriter
