@@ -16,8 +16,8 @@ from shardkit.errors import CorruptRecordError, ShardkitError
 _EXPORTS: dict[str, str] = {
     "ShardList": "shardkit.shardlist",
     "Topology": "shardkit.topology",
-    "plan": "shardkit.plan",
-    "Range": "shardkit.plan",
+    "plan": "shardkit.planning",
+    "Range": "shardkit.planning",
     "read_tfrecord": "shardkit.formats.tfrecord",
     "TFRecordWriter": "shardkit.formats.tfrecord",
     "build_index": "shardkit.formats.index",
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
     from shardkit.loader import MixedLoader
     from shardkit.pipeline import interleave
-    from shardkit.plan import Range, plan
+    from shardkit.planning import Range, plan
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import ShardList
     from shardkit.topology import Topology

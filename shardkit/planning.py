@@ -1,0 +1,261 @@
+"""Who reads what: a pure plan from shard record counts to record ranges.
+
+The plan is a function of the record counts, the :class:`~shardkit.Topology`
+and ``(seed, epoch, shuffle, balance)`` only — no I/O, no global state — so
+every rank and every worker computes the same global picture and takes its own
+part of it without talking to the others.
+
+How it works (all vectorised with numpy):
+
+1. **The stream.** The shards' records are laid end to end in one global
+   stream of ``N`` records. Without shuffling the shards keep their order. With
+   shuffling, shards larger than a *block* (about ``N / (8 * world_size)``
+   records) are cut into blocks, and the blocks are permuted with a generator
+   seeded from ``(seed, epoch)``: identical on every rank, different each
+   epoch, and long contiguous ranges stay long.
+2. **Ranks.** Rank ``r`` gets a contiguous chunk of the stream. ``"none"``
+   splits ``N`` as evenly as possible; ``"pad"`` gives every rank
+   ``ceil(N / R)`` records, wrapping round to the start of the stream for the
+   few (fewer than ``R``) missing ones, as ``DistributedSampler`` does;
+   ``"drop"`` gives every rank ``floor(N / R)`` and leaves out the last
+   ``N mod R`` records of the stream.
+3. **Workers.** Each rank's chunk is split evenly over its workers, worker
+   ``w`` getting ``C // W + (w < C % W)`` records. Under ``"pad"`` and
+   ``"drop"`` every rank has the same ``C``, so worker ``w`` reads the same
+   number of records on every rank, and so emits the same number of batches —
+   the condition for DDP not to hang at the end of an epoch.
+
+A shard is therefore split only where a reader's span begins or ends inside
+it (or, when shuffling, into blocks): whole shards and long sequential reads
+are the rule, and no reader is left empty while there are records for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, Union
+
+import numpy as np
+
+from shardkit.errors import ShardkitError
+from shardkit.topology import Topology
+
+Balance = Literal["none", "pad", "drop"]
+BALANCES: tuple[str, ...] = ("none", "pad", "drop")
+
+#: With shuffling, shards are cut into blocks of about ``N / (BLOCKS_PER_RANK * R)``
+#: records so that the pieces of a few large shards are dealt out at random too.
+BLOCKS_PER_RANK = 8
+
+RecordCounts = Union[np.ndarray, Sequence[Union[int, None]], "pyarrow.Array", "pyarrow.ChunkedArray"]  # noqa: F821
+
+
+class PlanError(ShardkitError, ValueError):
+    """The plan's inputs cannot give a correct plan; the message says why and what to do."""
+
+
+class Range(NamedTuple):
+    """Records ``[start, stop)`` of shard ``shard``.
+
+    ``stop`` is None only when the shard's record count is unknown (the plan
+    then hands out whole shards): read the shard to its end.
+    """
+
+    shard: int
+    start: int
+    stop: int | None
+
+
+def plan(
+    num_records: RecordCounts,
+    topology: Topology,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = False,
+    balance: Balance = "pad",
+) -> list[Range]:
+    """The record ranges one (rank, worker) reads, in reading order.
+
+    Args:
+        num_records: the record count of every shard, in shard order. Unknown
+            counts (None, or nulls in a pyarrow array) are accepted with
+            ``balance="none"`` only: whole shards are then dealt out.
+        topology: the reader whose part to return; see :meth:`Topology.current`.
+        seed, epoch: select the permutation when ``shuffle`` is true.
+        shuffle: permute the shards (and the blocks of large shards).
+        balance: ``"none"`` (every record exactly once), ``"pad"`` (every rank
+            reads ``ceil(N / world_size)`` records, repeating a few) or
+            ``"drop"`` (every rank reads ``floor(N / world_size)``).
+
+    Raises:
+        PlanError: on negative counts, unknown counts with ``"pad"``/``"drop"``,
+            a balance that would leave every rank empty, or bad arguments.
+    """
+    _check_arguments(topology, seed, epoch, balance)
+    counts, known = _normalise_counts(num_records)
+    if not known:
+        if balance != "none":
+            raise PlanError(
+                f"balance={balance!r} needs the record count of every shard, but "
+                f"{int(np.count_nonzero(counts < 0))} of {len(counts)} shards have no count. "
+                "Give counts (ShardList(urls, num_records=...), a manifest written by "
+                "ShardWriter, or index files from `shardkit index`), count them with a "
+                "scanning pass, or use balance='none', which deals out whole shards."
+            )
+        return _deal_whole_shards(counts, topology, seed=seed, epoch=epoch, shuffle=shuffle)
+    total = int(counts.sum())
+    rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, balance)
+    worker_offset, worker_size = worker_span(rank_size, topology.num_workers, topology.worker_id)
+    if worker_size == 0:
+        return []
+    stream = _Stream.build(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=topology.world_size)
+    start = rank_start + worker_offset
+    return stream.ranges(start, start + worker_size)
+
+
+def rank_span(total: int, world_size: int, rank: int, balance: Balance) -> tuple[int, int]:
+    """``(start, size)`` of rank ``rank``'s chunk of a ``total``-record stream.
+
+    Positions at or past ``total`` (only under ``"pad"``) wrap round to the
+    start of the stream.
+    """
+    if balance == "none":
+        base, extra = divmod(total, world_size)
+        return rank * base + min(rank, extra), base + (rank < extra)
+    if balance == "pad":
+        per_rank = -(-total // world_size)
+    elif balance == "drop":
+        per_rank = total // world_size
+        if per_rank == 0 and total > 0:
+            raise PlanError(
+                f"balance='drop' with {total} records over world_size={world_size} ranks "
+                "leaves every rank empty; use balance='pad' (repeats records) or "
+                "balance='none' (unequal ranks), or run on fewer ranks"
+            )
+    else:  # pragma: no cover - validated by the caller
+        raise PlanError(f"unknown balance {balance!r}")
+    return rank * per_rank, per_rank
+
+
+def worker_span(rank_size: int, num_workers: int, worker_id: int) -> tuple[int, int]:
+    """``(offset, size)`` of worker ``worker_id``'s part of a rank's chunk."""
+    base, extra = divmod(rank_size, num_workers)
+    return worker_id * base + min(worker_id, extra), base + (worker_id < extra)
+
+
+def reader_counts(total: int, world_size: int, num_workers: int, balance: Balance) -> np.ndarray:
+    """Records each reader gets, as an int64 array of shape ``(world_size, num_workers)``."""
+    if balance not in BALANCES:
+        raise PlanError(f"balance must be one of {BALANCES}, got {balance!r}")
+    out = np.empty((world_size, num_workers), dtype=np.int64)
+    for rank in range(world_size):
+        _, size = rank_span(total, world_size, rank, balance)
+        for worker in range(num_workers):
+            out[rank, worker] = worker_span(size, num_workers, worker)[1]
+    return out
+
+
+class _Stream:
+    """The global record stream: blocks of shards laid end to end."""
+
+    def __init__(self, shard: np.ndarray, first: np.ndarray, end: np.ndarray) -> None:
+        self.shard = shard  # shard index of each block
+        self.first = first  # first record (within its shard) of each block
+        self.end = end  # stream position just past each block
+        self.total = int(end[-1]) if len(end) else 0
+
+    @classmethod
+    def build(cls, counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool, world_size: int) -> _Stream:
+        nonempty = np.flatnonzero(counts)
+        if not shuffle:
+            return cls(nonempty, np.zeros(len(nonempty), np.int64), np.cumsum(counts[nonempty]))
+        sizes = counts[nonempty]
+        block = max(1, -(-int(sizes.sum()) // (BLOCKS_PER_RANK * world_size)))
+        pieces = -(-sizes // block)
+        shard = np.repeat(nonempty, pieces)
+        piece_index = np.arange(len(shard), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        first = piece_index * block
+        length = np.minimum(block, counts[shard] - first)
+        order = np.random.default_rng([seed, epoch]).permutation(len(shard))
+        return cls(shard[order], first[order], np.cumsum(length[order]))
+
+    def ranges(self, start: int, stop: int) -> list[Range]:
+        """The ranges covering stream positions ``[start, stop)``, wrapping past the end."""
+        shards, firsts, lasts = [], [], []
+        while start < stop:
+            position = start % self.total
+            take = min(stop - start, self.total - position)
+            s, f, l = self._cover(position, position + take)
+            shards.append(s)
+            firsts.append(f)
+            lasts.append(l)
+            start += take
+        shard, first, last = (np.concatenate(parts) for parts in (shards, firsts, lasts))
+        # Join neighbours that continue each other in the same shard.
+        keep = np.ones(len(shard), dtype=bool)
+        keep[1:] = (shard[1:] != shard[:-1]) | (first[1:] != last[:-1])
+        last = np.maximum.reduceat(last, np.flatnonzero(keep)) if len(last) else last
+        return [Range(*r) for r in zip(shard[keep].tolist(), first[keep].tolist(), last.tolist())]
+
+    def _cover(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lo = int(np.searchsorted(self.end, start, side="right"))
+        hi = int(np.searchsorted(self.end, stop, side="left")) + 1
+        end = self.end[lo:hi]
+        first = self.first[lo:hi]
+        block_start = end - self._length(lo, hi)
+        begin = np.maximum(block_start, start) - block_start + first
+        finish = np.minimum(end, stop) - block_start + first
+        return self.shard[lo:hi], begin, finish
+
+    def _length(self, lo: int, hi: int) -> np.ndarray:
+        previous_end = self.end[lo - 1] if lo > 0 else 0
+        return np.diff(self.end[lo:hi], prepend=previous_end)
+
+
+def _deal_whole_shards(counts: np.ndarray, topology: Topology, *, seed: int, epoch: int, shuffle: bool) -> list[Range]:
+    candidates = np.flatnonzero(counts != 0)
+    order = np.random.default_rng([seed, epoch]).permutation(candidates) if shuffle else candidates
+    mine = order[topology.rank :: topology.world_size][topology.worker_id :: topology.num_workers]
+    return [Range(int(i), 0, None if counts[i] < 0 else int(counts[i])) for i in mine.tolist()]
+
+
+def _normalise_counts(num_records: RecordCounts) -> tuple[np.ndarray, bool]:
+    """An int64 array with -1 for unknown counts, and whether all are known."""
+    if hasattr(num_records, "to_numpy") and hasattr(num_records, "null_count"):  # pyarrow
+        known_mask = np.asarray(num_records.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        values = np.asarray(num_records.fill_null(-1).to_numpy(zero_copy_only=False))
+    elif isinstance(num_records, np.ndarray):
+        values, known_mask = num_records, None
+    else:
+        items = list(num_records)
+        known_mask = np.array([v is not None for v in items], dtype=bool)
+        values = np.array([-1 if v is None else v for v in items])
+    values = np.asarray(values)
+    if values.ndim != 1:
+        raise PlanError(f"num_records must be one-dimensional, got shape {values.shape}")
+    if values.size and not np.issubdtype(values.dtype, np.integer):
+        if not np.all(np.isfinite(values)) or not np.all(values == np.floor(values)):
+            raise PlanError("num_records must hold whole numbers of records")
+    counts = values.astype(np.int64, copy=False)
+    if known_mask is None:
+        known_mask = np.ones(len(counts), dtype=bool)
+    negative = np.flatnonzero((counts < 0) & known_mask)
+    if len(negative):
+        i = int(negative[0])
+        raise PlanError(f"num_records[{i}] is {int(counts[i])}: record counts cannot be negative")
+    counts = np.where(known_mask, counts, -1)
+    return counts, bool(known_mask.all())
+
+
+def _check_arguments(topology: Topology, seed: int, epoch: int, balance: str) -> None:
+    if not isinstance(topology, Topology):
+        raise PlanError(f"topology must be a shardkit.Topology, got {type(topology).__name__}")
+    if balance not in BALANCES:
+        raise PlanError(f"balance must be one of {BALANCES}, got {balance!r}")
+    for name, value in (("seed", seed), ("epoch", epoch)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise PlanError(f"{name} must be a non-negative int, got {value!r}")
+
+
+__all__ = ["BALANCES", "Balance", "PlanError", "Range", "plan", "rank_span", "reader_counts", "worker_span"]

@@ -1,0 +1,190 @@
+"""Properties of the pure sharding plan: exactly-once, equal counts, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from shardkit import Range, Topology, plan
+from shardkit.planning import PlanError, reader_counts
+
+
+def all_plans(counts, world, workers, **kwargs):
+    """{(rank, worker): ranges} for every reader of the world."""
+    return {
+        (r, w): plan(counts, Topology(r, world, w, workers), **kwargs)
+        for r in range(world)
+        for w in range(workers)
+    }
+
+
+def multiplicity(counts, plans) -> np.ndarray:
+    """How many times each record of the dataset is read, in shard order."""
+    counts = np.asarray(counts, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    diff = np.zeros(int(offsets[-1]) + 1, dtype=np.int64)
+    for ranges in plans.values():
+        for shard, start, stop in ranges:
+            assert 0 <= start < stop <= counts[shard], (shard, start, stop, counts[shard])
+            diff[offsets[shard] + start] += 1
+            diff[offsets[shard] + stop] -= 1
+    return np.cumsum(diff)[:-1]
+
+
+def sizes(plans, world, workers) -> np.ndarray:
+    out = np.zeros((world, workers), dtype=np.int64)
+    for (r, w), ranges in plans.items():
+        out[r, w] = sum(stop - start for _, start, stop in ranges)
+    return out
+
+
+shard_counts = st.lists(st.integers(0, 1000), min_size=0, max_size=500)
+worlds = st.integers(1, 16)
+worker_counts = st.integers(1, 8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shard_counts, worlds, worker_counts, st.booleans(), st.integers(0, 2**32 - 1), st.integers(0, 5))
+def test_none_reads_every_record_exactly_once(counts, world, workers, shuffle, seed, epoch):
+    plans = all_plans(counts, world, workers, balance="none", shuffle=shuffle, seed=seed, epoch=epoch)
+    assert np.all(multiplicity(counts, plans) == 1)
+    per_reader = sizes(plans, world, workers)
+    total = sum(counts)
+    # Even split: readers differ by at most one record per level, and none is
+    # empty while another has two or more.
+    assert per_reader.max() - per_reader.min() <= 2
+    if total >= world * workers:
+        assert per_reader.min() >= 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(shard_counts, worlds, worker_counts, st.booleans(), st.integers(0, 2**32 - 1))
+def test_pad_gives_every_rank_ceil_and_equal_workers(counts, world, workers, shuffle, seed):
+    plans = all_plans(counts, world, workers, balance="pad", shuffle=shuffle, seed=seed)
+    per_reader = sizes(plans, world, workers)
+    total = sum(counts)
+    assert np.all(per_reader.sum(axis=1) == -(-total // world))
+    # worker w reads the same number of records on every rank
+    assert np.all(per_reader == per_reader[0])
+    mult = multiplicity(counts, plans)
+    assert np.all(mult >= 1)  # nothing is lost
+    assert int(mult.sum()) == world * -(-total // world)  # the padding is all the repetition
+    if total >= world:
+        assert np.all(mult <= 2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shard_counts, worlds, worker_counts, st.booleans(), st.integers(0, 2**32 - 1))
+def test_drop_gives_every_rank_floor_and_leaves_out_the_fewest(counts, world, workers, shuffle, seed):
+    total = sum(counts)
+    if 0 < total < world:
+        with pytest.raises(PlanError, match="leaves every rank empty"):
+            plan(counts, Topology(0, world, 0, workers), balance="drop")
+        return
+    plans = all_plans(counts, world, workers, balance="drop", shuffle=shuffle, seed=seed)
+    per_reader = sizes(plans, world, workers)
+    assert np.all(per_reader.sum(axis=1) == total // world)
+    assert np.all(per_reader == per_reader[0])
+    mult = multiplicity(counts, plans)
+    assert np.all(mult <= 1)
+    assert int((mult == 0).sum()) == total % world
+
+
+@settings(max_examples=60, deadline=None)
+@given(shard_counts, worlds, worker_counts, st.sampled_from(["none", "pad"]), st.integers(0, 1000))
+def test_plan_is_deterministic_and_matches_reader_counts(counts, world, workers, balance, seed):
+    first = all_plans(counts, world, workers, balance=balance, shuffle=True, seed=seed, epoch=3)
+    again = all_plans(list(counts), world, workers, balance=balance, shuffle=True, seed=seed, epoch=3)
+    assert first == again
+    expected = reader_counts(sum(counts), world, workers, balance)
+    assert np.array_equal(sizes(first, world, workers), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=10, max_size=200), worlds, worker_counts)
+def test_epoch_changes_the_shuffle_identically_on_every_rank(counts, world, workers):
+    def global_order(epoch):
+        plans = all_plans(counts, world, workers, balance="none", shuffle=True, seed=7, epoch=epoch)
+        return [tuple(r) for key in sorted(plans) for r in plans[key]]
+
+    # >= 10 non-empty shards: the chance that two epochs draw the same order is < 1/10!
+    assert global_order(0) != global_order(1)
+    assert global_order(1) == global_order(1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(0, 100)), max_size=100), worlds, worker_counts, st.booleans())
+def test_unknown_counts_deal_whole_shards_exactly_once(counts, world, workers, shuffle):
+    assume(None in counts)
+    plans = all_plans(counts, world, workers, balance="none", shuffle=shuffle, seed=1)
+    dealt = sorted(r.shard for ranges in plans.values() for r in ranges)
+    assert dealt == [i for i, count in enumerate(counts) if count != 0]  # known-empty shards are skipped
+    for ranges in plans.values():
+        for r in ranges:
+            assert r.start == 0 and r.stop == counts[r.shard]
+    shards_per_reader = [len(v) for v in plans.values()]
+    assert max(shards_per_reader) - min(shards_per_reader) <= 1
+
+
+def test_without_shuffle_whole_shards_are_read_in_order():
+    counts = [100] * 8
+    ranges = plan(counts, Topology(1, 2, 0, 2), balance="none")
+    assert ranges == [Range(4, 0, 100), Range(5, 0, 100)]
+
+
+def test_few_shards_are_split_into_contiguous_ranges():
+    counts = [10, 10]
+    plans = all_plans(counts, 2, 2, balance="none")
+    assert plans[(0, 0)] == [Range(0, 0, 5)]
+    assert plans[(0, 1)] == [Range(0, 5, 10)]
+    assert plans[(1, 0)] == [Range(1, 0, 5)]
+    assert plans[(1, 1)] == [Range(1, 5, 10)]
+
+
+def test_pad_wraps_round_to_the_start_of_the_stream():
+    # 5 records over 2 ranks: 3 each, the sixth is record 0 again.
+    plans = all_plans([5], 2, 1, balance="pad")
+    assert plans[(0, 0)] == [Range(0, 0, 3)]
+    assert plans[(1, 0)] == [Range(0, 3, 5), Range(0, 0, 1)]
+
+
+def test_accepts_numpy_and_pyarrow_counts():
+    topo = Topology(0, 2, 1, 2)
+    expected = plan([3, 4, 5], topo)
+    assert plan(np.array([3, 4, 5], dtype=np.int32), topo) == expected
+    assert plan(pa.array([3, 4, 5], pa.int64()), topo) == expected
+    assert plan(pa.chunked_array([[3], [4, 5]]), topo) == expected
+    unknown = plan(pa.array([3, None, 5]), Topology(0, 1, 0, 1), balance="none")
+    assert unknown == [Range(0, 0, 3), Range(1, 0, None), Range(2, 0, 5)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_records": [3, -1]}, r"num_records\[1\] is -1: record counts cannot be negative"),
+        ({"num_records": [3, None], "balance": "pad"}, r"balance='pad' needs the record count .* 1 of 2 shards"),
+        ({"num_records": [3, None], "balance": "drop"}, r"shardkit index"),
+        ({"num_records": [3], "balance": "even"}, r"balance must be one of"),
+        ({"num_records": [3], "seed": -1}, r"seed must be a non-negative int"),
+        ({"num_records": [3], "epoch": 1.5}, r"epoch must be a non-negative int"),
+        ({"num_records": [[3]]}, r"one-dimensional"),
+        ({"num_records": [1.5]}, r"whole numbers"),
+        ({"num_records": [2], "balance": "drop", "world": 4}, r"balance='drop' with 2 records over world_size=4"),
+        ({"num_records": [3], "topology": (0, 1, 0, 1)}, r"topology must be a shardkit.Topology"),
+    ],
+)
+def test_errors_say_what_is_wrong(kwargs, message):
+    world = kwargs.pop("world", 1)
+    topology = kwargs.pop("topology", Topology(0, world, 0, 1))
+    with pytest.raises(PlanError, match=message):
+        plan(kwargs.pop("num_records"), topology, **kwargs)
+
+
+def test_topology_rejects_impossible_values():
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 2"):
+        Topology(rank=2, world_size=2)
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+        Topology(num_workers=0)
