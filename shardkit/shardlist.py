@@ -1,0 +1,610 @@
+"""The list of shard files, kept in a memory-mapped Arrow IPC file.
+
+A :class:`ShardList` is a table with one row per shard file: its ``url``
+(``string``, or ``large_string`` once the urls pass 2 GiB), its
+``num_records`` (``int64``, null when unknown) and its byte ``size`` (``int64``,
+null when unknown).
+
+The table always lives in an uncompressed Arrow IPC file that is memory-mapped,
+and a ShardList pickles as the path of that file. DataLoader workers therefore
+share the same page-cache pages whatever the start method (fork, forkserver or
+spawn), instead of each holding a copy: reading every entry of a Python list in
+a forked worker touches every object's refcount and copies the page. A list
+built from Python objects is written to a temporary file under
+``tempfile.gettempdir()`` (prefix ``shardkit-``) that the building process
+deletes when the ShardList is garbage-collected or at interpreter exit;
+unpickled copies never delete it.
+
+Urls are read in batches (``slice(...).to_pylist()``); no per-file Python object
+is kept, and columns are never combined into one chunk (that copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import posixpath
+import re
+import tempfile
+import uuid
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from fsspec.implementations.local import LocalFileSystem
+
+from shardkit.errors import ShardkitError
+
+__all__ = ["ShardList", "ShardListError"]
+
+URL = "url"
+NUM_RECORDS = "num_records"
+SIZE = "size"
+
+_BATCH = 4096
+_TEMP_PREFIX = "shardkit-"
+_IPC_MAGIC = b"ARROW1"
+_PARQUET_MAGIC = b"PAR1"
+_GLOB_MAGIC = re.compile(r"[*?\[]")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+IntColumn = Sequence["int | None"] | np.ndarray | pa.Array | pa.ChunkedArray
+
+
+class ShardListError(ShardkitError, ValueError):
+    """Urls, counts, a pattern or a manifest that cannot make a ShardList."""
+
+
+class ShardList:
+    """An immutable list of shard urls with optional record counts and sizes.
+
+    Args:
+        urls: one non-empty url or path per shard, as a sequence of ``str`` or a
+            pyarrow string array.
+        num_records: records in each shard, ``None`` for an unknown count; the
+            whole argument ``None`` when no count is known.
+        sizes: byte size of each shard, ``None`` when unknown.
+
+    Raises:
+        ShardListError: lengths differ, a url is missing or empty, or a count or
+            size is negative; the message names the first offending index.
+
+    The list is written to a temporary Arrow IPC file and memory-mapped; see the
+    module docstring for why. Keep this object alive while DataLoader workers
+    started with spawn or forkserver run: its process owns that file.
+    """
+
+    __hash__ = None  # type: ignore[assignment]  # equality is by content
+
+    def __init__(
+        self,
+        urls: Sequence[str] | pa.Array | pa.ChunkedArray,
+        num_records: IntColumn | None = None,
+        sizes: IntColumn | None = None,
+    ) -> None:
+        url_column = _url_column(urls)
+        n = len(url_column)
+        table = pa.table(
+            {
+                URL: url_column,
+                NUM_RECORDS: _int_column(num_records, n, NUM_RECORDS),
+                SIZE: _int_column(sizes, n, "sizes"),
+            }
+        )
+        self._own(_write_temp(table))
+
+    # -- other constructors -------------------------------------------------
+
+    @classmethod
+    def from_glob(cls, pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
+        """List the files matching ``pattern`` on any fsspec filesystem, sorted.
+
+        Brace groups are expanded first: ranges ``{00000..00127}`` (zero padding
+        kept) and lists ``{train,val}``; then each part is globbed (``*``, ``?``,
+        ``[...]``). A part without glob characters names one file, which must
+        exist. Urls keep their protocol (``s3://...``) except on the local
+        filesystem, where they are absolute paths. Byte sizes are recorded when
+        the listing reports them.
+
+        Raises:
+            ShardListError: nothing matches, or files named without wildcards
+                do not exist.
+        """
+        fs, path = fsspec.core.url_to_fs(pattern, **dict(storage_options or {}))
+        sizes: dict[str, int | None] = {}
+        literal: list[str] = []
+        for part in _expand_braces(path):
+            if _GLOB_MAGIC.search(part):
+                for name, info in fs.glob(part, detail=True).items():
+                    if info.get("type") != "directory":
+                        sizes[name] = info.get("size")
+            else:
+                literal.append(part)
+        missing = _stat_literal(fs, literal, sizes)
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:3])
+            raise ShardListError(
+                f"{len(missing)} file(s) named by {pattern!r} do not exist, e.g. {shown}; "
+                "use a wildcard if some may be absent"
+            )
+        if not sizes:
+            raise ShardListError(f"no files match {pattern!r}; check the path and the storage_options")
+        local = isinstance(fs, LocalFileSystem)
+        by_url = sorted((name if local else fs.unstrip_protocol(name), size) for name, size in sizes.items())
+        return cls([url for url, _ in by_url], sizes=[size for _, size in by_url])
+
+    @classmethod
+    def from_manifest(cls, path: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
+        """Read a manifest: an Arrow IPC file, a Parquet file or JSON lines.
+
+        The format is recognised from the file's first bytes. A JSON-lines
+        manifest holds one ``{"url": ..., "num_records": ..., "size": ...}``
+        object per line (only ``url`` is required). Relative urls resolve
+        against the manifest's directory. A local, uncompressed IPC file with
+        absolute urls and the :meth:`to_manifest` schema is memory-mapped in
+        place, without copying; any other manifest is copied to a temporary
+        IPC file.
+
+        Raises:
+            ShardListError: the manifest has no ``url`` column, cannot be
+                parsed, or holds invalid entries (the message names the row).
+        """
+        fs, fs_path = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
+        local = isinstance(fs, LocalFileSystem)
+        with fs.open(fs_path, "rb") as f:
+            magic = f.read(len(_IPC_MAGIC))
+        if magic == _IPC_MAGIC and local:
+            table, zero_copy = _map_ipc(fs_path)
+        else:
+            table, zero_copy = _read_manifest(fs, fs_path, magic, path), False
+        normal = _normalize_manifest(table, path, _manifest_joiner(fs, fs_path))
+        if zero_copy and normal is table:
+            shards = cls.__new__(cls)
+            shards._borrow(os.path.abspath(fs_path), table)
+            return shards
+        return cls._from_table(normal)
+
+    def to_manifest(self, path: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        """Write this list as an uncompressed Arrow IPC file at ``path``.
+
+        Local paths are written to a temporary file next to ``path`` and renamed
+        over it, so readers never see half a manifest. Any fsspec url works.
+        :meth:`from_manifest` memory-maps the result without copying.
+        """
+        fs, fs_path = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
+        if not isinstance(fs, LocalFileSystem):
+            with fs.open(fs_path, "wb") as f:
+                _write_ipc(self.table, f)
+            return
+        partial = f"{fs_path}.{uuid.uuid4().hex}.partial"
+        try:
+            with pa.OSFile(partial, "wb") as f:
+                _write_ipc(self.table, f)
+            os.replace(partial, fs_path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+
+    def with_num_records(self, num_records: IntColumn) -> ShardList:
+        """A new ShardList with the same urls and sizes and these counts.
+
+        ``num_records`` takes the same forms as in the constructor; use it to
+        store the result of a counting pass.
+        """
+        counts = _int_column(num_records, len(self), NUM_RECORDS)
+        return ShardList._from_table(self.table.set_column(1, NUM_RECORDS, counts))
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> ShardList:
+        """A new ShardList holding the rows at ``indices`` (negative ones count
+        from the end; a boolean mask of length ``len(self)`` also works)."""
+        n = len(self)
+        positions = np.asarray(indices)
+        if positions.dtype == np.bool_:
+            if positions.shape != (n,):
+                raise ShardListError(f"a boolean mask must have {n} entries, got shape {positions.shape}")
+            positions = np.flatnonzero(positions)
+        elif positions.size and positions.dtype.kind not in "iu":
+            raise ShardListError(f"indices must be integers, got dtype {positions.dtype}")
+        positions = positions.astype(np.int64).ravel()
+        positions = np.where(positions < 0, positions + n, positions)
+        bad = np.flatnonzero((positions < 0) | (positions >= n))
+        if bad.size:
+            raise IndexError(f"indices[{bad[0]}] is out of range for a ShardList of {n} urls")
+        return ShardList._from_table(self.table.take(pa.array(positions, pa.int64())))
+
+    # -- reading -------------------------------------------------------------
+
+    @property
+    def table(self) -> pa.Table:
+        """The memory-mapped table (columns ``url``, ``num_records``, ``size``).
+
+        Do not pickle it or a slice of it: pyarrow ships every byte. Pickle the
+        ShardList instead.
+        """
+        if self._table is None:
+            self._table, _ = _map_ipc(self._path)
+        return self._table
+
+    @property
+    def backing_file(self) -> str:
+        """Path of the Arrow IPC file this list is memory-mapped from."""
+        return self._path
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """``sl[i]`` is the i-th url; ``sl[a:b:c]`` is a new ShardList."""
+        n = len(self)
+        if isinstance(index, slice):
+            return self.select(np.arange(*index.indices(n)))
+        i = operator.index(index)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} is out of range for a ShardList of {n} urls")
+        return self.table.column(URL)[i % n].as_py()
+
+    def urls(self, start: int = 0, stop: int | None = None) -> list[str]:
+        """The urls from ``start`` to ``stop`` as a list, read in one batch.
+
+        Bounds follow slice rules (negative counts from the end, clipped).
+        """
+        begin, end, _ = slice(start, stop).indices(len(self))
+        return self.table.column(URL).slice(begin, max(end - begin, 0)).to_pylist()
+
+    def __iter__(self) -> Iterator[str]:
+        column = self.table.column(URL)
+        for begin in range(0, len(column), _BATCH):
+            yield from column.slice(begin, _BATCH).to_pylist()
+
+    @property
+    def num_records(self) -> np.ndarray | None:
+        """Records per shard as a read-only ``int64`` array, or ``None`` if ANY
+        count is unknown (see :attr:`known_counts` for which ones are)."""
+        return _int64_array(self.table.column(NUM_RECORDS))
+
+    @property
+    def known_counts(self) -> np.ndarray:
+        """Boolean array: True where the shard's record count is known."""
+        return self.table.column(NUM_RECORDS).is_valid().to_numpy(zero_copy_only=False)
+
+    @property
+    def total_records(self) -> int | None:
+        """Sum of :attr:`num_records`, or ``None`` if any count is unknown."""
+        column = self.table.column(NUM_RECORDS)
+        if column.null_count:
+            return None
+        return int(pc.sum(column).as_py() or 0)
+
+    @property
+    def sizes(self) -> np.ndarray | None:
+        """Byte size per shard as a read-only ``int64`` array, or ``None`` if
+        any size is unknown."""
+        return _int64_array(self.table.column(SIZE))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardList):
+            return NotImplemented
+        if other is self or other._path == self._path:
+            return True
+        mine, theirs = self.table, other.table
+        if mine.num_rows != theirs.num_rows:
+            return False
+        return all(_same_values(mine.column(name), theirs.column(name)) for name in (URL, NUM_RECORDS, SIZE))
+
+    def __repr__(self) -> str:
+        n = len(self)
+        if n == 0:
+            return "ShardList([])"
+        total = self.total_records
+        records = "unknown" if total is None else str(total)
+        return f"ShardList({n} urls, first={self[0]!r}, last={self[-1]!r}, total_records={records})"
+
+    # -- pickling: by path ----------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self._path, "owns_file": self._finalizer is not None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # An unpickled copy never owns the file; it maps it on first access.
+        self._path = state["path"]
+        self._table = None
+        self._finalizer = None
+
+    def __copy__(self) -> ShardList:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardList:
+        return self  # immutable
+
+    # -- internals --------------------------------------------------------------
+
+    @classmethod
+    def _from_table(cls, table: pa.Table) -> ShardList:
+        shards = cls.__new__(cls)
+        shards._own(_write_temp(table))
+        return shards
+
+    def _own(self, path: str) -> None:
+        self._path = path
+        self._table = None
+        self._finalizer: weakref.finalize | None = weakref.finalize(self, _remove_owned, path, os.getpid())
+
+    def _borrow(self, path: str, table: pa.Table) -> None:
+        self._path = path
+        self._table = table
+        self._finalizer = None
+
+
+def _remove_owned(path: str, owner_pid: int) -> None:
+    """Delete a temporary backing file, only in the process that wrote it
+    (a forked child inherits the finalizer but must not delete the file)."""
+    if os.getpid() == owner_pid:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+# -- columns and validation ----------------------------------------------------
+
+
+def _url_column(urls: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    if isinstance(urls, (pa.Array, pa.ChunkedArray)):
+        if not (pa.types.is_string(urls.type) or pa.types.is_large_string(urls.type)):
+            raise ShardListError(f"urls must be a string array, got type {urls.type}")
+        column = urls
+    elif isinstance(urls, (str, bytes)):
+        raise ShardListError("urls must be a sequence of urls, got a single string; wrap it in a list")
+    else:
+        column = _python_urls(urls if isinstance(urls, Sequence) else list(urls))
+    _check_urls(column, "urls")
+    return column
+
+
+def _python_urls(urls: Sequence[Any]) -> pa.Array:
+    try:
+        column = pa.array(urls, type=pa.string())
+        if isinstance(column, pa.ChunkedArray):  # more than 2 GiB of url bytes
+            column = pa.array(urls, type=pa.large_string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        for i, url in enumerate(urls):
+            if url is not None and not isinstance(url, str):
+                raise ShardListError(f"urls[{i}] is {type(url).__name__}, expected str") from err
+        raise ShardListError(f"urls cannot be stored as UTF-8 text: {err}") from err
+    return column
+
+
+def _check_urls(column: pa.Array | pa.ChunkedArray, label: str) -> None:
+    missing = pc.index(column.is_null(), True).as_py()
+    if missing != -1:
+        raise ShardListError(f"{label}[{missing}] is missing (None); every shard needs a url")
+    empty = pc.index(pc.equal(pc.binary_length(column), 0), True).as_py()
+    if empty != -1:
+        raise ShardListError(f"{label}[{empty}] is an empty string; every shard needs a url")
+
+
+def _int_column(values: IntColumn | None, n: int, label: str) -> pa.Array | pa.ChunkedArray:
+    """An int64 column of ``n`` non-negative values or nulls."""
+    if values is None:
+        return pa.nulls(n, pa.int64())
+    if isinstance(values, (pa.Array, pa.ChunkedArray, np.ndarray)):
+        if isinstance(values, np.ndarray) and values.dtype.kind not in "iu":
+            raise ShardListError(f"{label} must hold integers, got dtype {values.dtype}")
+        try:
+            column = pa.array(values) if isinstance(values, np.ndarray) else values
+            column = column.cast(pa.int64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+            raise ShardListError(f"{label} must hold integers that fit in int64: {err}") from err
+    else:
+        values = values if isinstance(values, Sequence) else list(values)
+        try:
+            column = pa.array(values, type=pa.int64())
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as err:
+            for i, value in enumerate(values):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+                    raise ShardListError(f"{label}[{i}] is {value!r}, expected an int or None") from err
+            raise ShardListError(f"{label} must hold integers that fit in int64: {err}") from err
+    if len(column) != n:
+        raise ShardListError(f"{label} has {len(column)} entries but there are {n} urls")
+    negative = pc.index(pc.less(column, 0), True).as_py()
+    if negative != -1:
+        raise ShardListError(f"{label}[{negative}] is {column[negative].as_py()}; it must be >= 0 or None")
+    return column
+
+
+def _int64_array(column: pa.ChunkedArray) -> np.ndarray | None:
+    """The column as numpy (a view of the mapped file when it has one chunk),
+    or None if any value is null."""
+    if column.null_count:
+        return None
+    if column.num_chunks == 0:
+        return np.empty(0, np.int64)
+    return column.to_numpy()
+
+
+def _same_values(a: pa.ChunkedArray, b: pa.ChunkedArray) -> bool:
+    if a.type != b.type:  # string vs large_string urls
+        a, b = a.cast(pa.large_string()), b.cast(pa.large_string())
+    return a.equals(b)
+
+
+# -- files -----------------------------------------------------------------------
+
+
+def _write_ipc(table: pa.Table, sink: Any) -> None:
+    options = pa.ipc.IpcWriteOptions(compression=None)
+    with pa.ipc.new_file(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+
+
+def _write_temp(table: pa.Table) -> str:
+    """Write ``table`` to a new ``shardkit-*.arrow`` file in the temp dir."""
+    fd, path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".arrow", dir=tempfile.gettempdir())
+    os.close(fd)
+    try:
+        with pa.OSFile(path, "wb") as f:
+            _write_ipc(table, f)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
+
+
+def _map_ipc(path: str) -> tuple[pa.Table, bool]:
+    """Memory-map an IPC file; also say whether every buffer points into the
+    map (False when the file is compressed and was decoded onto the heap)."""
+    try:
+        source = pa.memory_map(path, "r")
+    except FileNotFoundError as err:
+        raise ShardListError(
+            f"the ShardList file {path} is gone: the ShardList that created it was "
+            "garbage-collected or its process exited; keep it alive while workers run"
+        ) from err
+    whole = source.read_buffer()
+    start, end = whole.address, whole.address + whole.size
+    table = pa.ipc.open_file(source).read_all()
+    zero_copy = all(
+        buf is None or buf.size == 0 or start <= buf.address < end
+        for column in table.columns
+        for chunk in column.chunks
+        for buf in chunk.buffers()
+    )
+    return table, zero_copy
+
+
+def _read_manifest(fs: fsspec.AbstractFileSystem, fs_path: str, magic: bytes, path: str) -> pa.Table:
+    """Read a manifest into memory (remote IPC, Parquet, or JSON lines)."""
+    try:
+        with fs.open(fs_path, "rb") as f:
+            if magic == _IPC_MAGIC:
+                return pa.ipc.open_file(f).read_all()
+            if magic.startswith(_PARQUET_MAGIC):
+                import pyarrow.parquet as pq
+
+                return pq.read_table(f)
+            import pyarrow.json as pj
+
+            schema = pa.schema([(URL, pa.string()), (NUM_RECORDS, pa.int64()), (SIZE, pa.int64())])
+            options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+            return pj.read_json(f, parse_options=options)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise ShardListError(f"cannot read manifest {path!r} as Arrow IPC, Parquet or JSON lines: {err}") from err
+
+
+def _normalize_manifest(table: pa.Table, path: str, join: Callable[[str], str]) -> pa.Table:
+    """The manifest as (url, num_records, size) with absolute urls; the same
+    object when nothing had to change. ``join`` resolves a relative url."""
+    names = table.column_names
+    if URL not in names:
+        raise ShardListError(f"manifest {path!r} has no {URL!r} column (it has {names})")
+    urls = table.column(URL)
+    if not (pa.types.is_string(urls.type) or pa.types.is_large_string(urls.type)):
+        raise ShardListError(f"manifest {path!r}: column {URL!r} must be strings, got {urls.type}")
+    _check_urls(urls, f"manifest {path!r}: {URL}")
+    resolved = _resolve_relative(urls, join)
+    counts, sizes = (
+        _int_column(table.column(name) if name in names else None, len(urls), f"manifest {path!r}: {name}")
+        for name in (NUM_RECORDS, SIZE)
+    )
+    unchanged = (
+        names == [URL, NUM_RECORDS, SIZE]
+        and resolved is urls
+        and table.schema.field(NUM_RECORDS).type == pa.int64()
+        and table.schema.field(SIZE).type == pa.int64()
+    )
+    if unchanged:
+        return table
+    return pa.table({URL: resolved, NUM_RECORDS: counts, SIZE: sizes})
+
+
+def _manifest_joiner(fs: fsspec.AbstractFileSystem, manifest_path: str) -> Callable[[str], str]:
+    """A function resolving a relative url against the manifest's directory."""
+    base = posixpath.dirname(manifest_path)
+    if isinstance(fs, LocalFileSystem):
+        return lambda url: posixpath.normpath(posixpath.join(base, url))
+    return lambda url: fs.unstrip_protocol(posixpath.normpath(posixpath.join(base, url)))
+
+
+def _resolve_relative(urls: pa.ChunkedArray, join: Callable[[str], str]) -> pa.ChunkedArray:
+    """``urls`` with relative entries (no ``/`` start, no ``://``) joined;
+    the same object when all are absolute."""
+    absolute = pc.or_(pc.starts_with(urls, "/"), pc.match_substring(urls, "://"))
+    if pc.all(absolute).as_py() is not False:
+        return urls
+    batches = []
+    for begin in range(0, len(urls), 65536):
+        batch = urls.slice(begin, 65536).to_pylist()
+        flags = absolute.slice(begin, 65536).to_pylist()
+        batches.append(pa.array([u if a else join(u) for u, a in zip(batch, flags)], type=urls.type))
+    return pa.chunked_array(batches, type=urls.type)
+
+
+# -- globbing ----------------------------------------------------------------------
+
+
+def _stat_literal(fs: fsspec.AbstractFileSystem, paths: Iterable[str], sizes: dict[str, int | None]) -> list[str]:
+    """Record the sizes of existing files among ``paths`` with one listing per
+    directory; return the paths that are not files."""
+    by_dir: dict[str, list[str]] = defaultdict(list)
+    for path in paths:
+        by_dir[posixpath.dirname(path.rstrip("/"))].append(path.rstrip("/"))
+    missing = []
+    for directory, wanted in by_dir.items():
+        try:
+            listing = {info["name"].rstrip("/"): info for info in fs.ls(directory, detail=True)}
+        except FileNotFoundError:
+            listing = {}
+        for path in wanted:
+            info = listing.get(path)
+            if info is None or info.get("type") == "directory":
+                missing.append(path)
+            else:
+                sizes[path] = info.get("size")
+    return missing
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    """Expand ``{a,b}`` lists and ``{00..12}`` ranges (zero padding kept),
+    left to right and nested; braces that are neither stay literal."""
+    open_at = pattern.find("{")
+    while open_at != -1:
+        close_at, options = _brace_group(pattern, open_at)
+        if options is not None:
+            head, tails = pattern[:open_at], _expand_braces(pattern[close_at + 1 :])
+            return [head + option + tail for part in options for option in _expand_braces(part) for tail in tails]
+        open_at = pattern.find("{", open_at + 1)
+    return [pattern]
+
+
+def _brace_group(pattern: str, open_at: int) -> tuple[int, list[str] | None]:
+    """The index of the brace closing ``pattern[open_at]`` and the group's
+    alternatives, or None when the group is not an expansion."""
+    depth, parts, start = 0, [], open_at + 1
+    for i in range(open_at + 1, len(pattern)):
+        char = pattern[i]
+        if char == "{":
+            depth += 1
+        elif char == "}" and depth:
+            depth -= 1
+        elif char == "}":
+            parts.append(pattern[start:i])
+            if len(parts) > 1:
+                return i, parts
+            bounds = _RANGE.match(parts[0])
+            return i, (_number_range(*bounds.groups()) if bounds else None)
+        elif char == "," and not depth:
+            parts.append(pattern[start:i])
+            start = i + 1
+    return -1, None
+
+
+def _number_range(first: str, last: str) -> list[str]:
+    low, high = int(first), int(last)
+    padded = any(len(b.lstrip("-")) > 1 and b.lstrip("-").startswith("0") for b in (first, last))
+    width = max(len(first), len(last)) if padded else 0
+    step = 1 if high >= low else -1
+    return [f"{value:0{width}d}" for value in range(low, high + step, step)]
