@@ -1,0 +1,115 @@
+"""Seeds derived from (seed, epoch, rank, worker), and the seed of this iteration.
+
+Every reader (one DataLoader worker on one rank) gets its own seed per epoch:
+augmentations then differ across workers and ranks, change every epoch and
+repeat exactly across runs. torch's own worker seeding draws a base seed once
+per DataLoader iterator, so persistent workers never reseed and ranks seeded
+alike augment alike; shardkit reseeds at the start of every pass instead.
+
+User code (a ``.map`` augmentation, say) reads the seed of the running
+iteration with :func:`current_seed`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from shardkit.errors import ShardkitError
+from shardkit.topology import Topology
+
+_MAX_SEED = 2**64
+
+# Streams of randomness derived from the same (seed, epoch, rank, worker): the
+# worker seed itself, and one generator per kind of wrapper that draws numbers.
+WORKER_STREAM = 0
+SHUFFLE_STREAM = 1
+INTERLEAVE_STREAM = 2
+
+_current_seed: int | None = None
+
+
+class SeedError(ShardkitError, ValueError):
+    """A seed that is not a non-negative int, or a seed read before any was set."""
+
+
+def check_seed(seed: int, name: str = "seed") -> int:
+    """Return ``seed`` if it is a non-negative int, else raise :class:`SeedError`."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise SeedError(f"{name} must be an int, got {seed!r} ({type(seed).__name__})")
+    if seed < 0:
+        raise SeedError(f"{name} must be >= 0, got {seed}; use abs() or a hash if it can be negative")
+    return int(seed)
+
+
+def _sequence(seed: int, epoch: int, rank: int, worker: int, stream: int) -> np.random.SeedSequence:
+    key = (check_seed(epoch, "epoch"), check_seed(rank, "rank"), check_seed(worker, "worker"), stream)
+    return np.random.SeedSequence(entropy=check_seed(seed), spawn_key=key)
+
+
+def worker_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
+    """A well-mixed 64-bit seed for one reader in one epoch.
+
+    Distinct (with overwhelming probability) for any change of any argument;
+    the same arguments give the same seed on every machine and run.
+    """
+    state = _sequence(seed, epoch, rank, worker, WORKER_STREAM).generate_state(1, np.uint64)
+    return int(state[0])
+
+
+def generator(seed: int, epoch: int, topology: Topology, stream: int) -> np.random.Generator:
+    """A numpy Generator for one reader in one epoch, independent of
+    :func:`worker_seed` and of other ``stream`` values."""
+    sequence = _sequence(seed, epoch, topology.rank, topology.worker_id, stream)
+    return np.random.default_rng(sequence)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's :mod:`random`, numpy's global generator and torch with ``seed``.
+
+    ``seed`` must be in ``[0, 2**64)``; numpy's legacy seeder takes all 64 bits
+    as two 32-bit words.
+    """
+    check_seed(seed)
+    if seed >= _MAX_SEED:
+        raise SeedError(f"seed must be < 2**64, got {seed}")
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    torch.manual_seed(seed)
+
+
+def seed_iteration(seed: int, epoch: int, topology: Topology) -> int:
+    """Start one pass of a source: derive and record this reader's seed.
+
+    Sources call this at the start of every ``__iter__``. It records
+    :func:`worker_seed` as :func:`current_seed` and, inside a DataLoader worker
+    process only, seeds :mod:`random`, numpy and torch with it. The main
+    process (``num_workers=0``) keeps the RNG state the user gave it: reseeding
+    it would silently override the user's ``torch.manual_seed`` for the model;
+    code that wants per-rank randomness there reads :func:`current_seed`.
+    Returns the seed.
+    """
+    global _current_seed
+    derived = worker_seed(seed, epoch, topology.rank, topology.worker_id)
+    _current_seed = derived
+    if get_worker_info() is not None:
+        seed_everything(derived)
+    return derived
+
+
+def current_seed() -> int:
+    """The seed of the pass running in this process, as set by :func:`seed_iteration`.
+
+    Use it to seed your own generators, e.g. ``numpy.random.default_rng(current_seed())``
+    once per pass. When several sources run in one process (``interleave``), it
+    is the seed of the source that started most recently.
+    """
+    if _current_seed is None:
+        raise SeedError(
+            "no shardkit iteration has started in this process; call current_seed() "
+            "from code that runs while a shardkit dataset is being iterated (e.g. a .map function)"
+        )
+    return _current_seed
