@@ -1,0 +1,583 @@
+"""Chainable wrappers: every shardkit dataset is a :class:`Pipeline`.
+
+``source.shuffle(1000).map(decode).batch(32)`` builds a chain of pipelines,
+each an :class:`~torch.utils.data.IterableDataset` holding its inputs in
+``upstream``. Chain methods return new objects and never change the one they
+are called on.
+
+Plumbing shared along a chain, all answered by the source at the root:
+
+* ``set_epoch(e)`` on any pipeline reaches every source below it;
+* ``epoch``, ``seed`` and ``topology()`` are read from the first upstream;
+* randomness (shuffle buffers, interleave draws) is seeded from
+  (seed, epoch, rank, worker), read when iteration starts, so it differs per
+  reader and per epoch and repeats across runs.
+
+Each ``__iter__`` returns an iterator object that keeps its cursor in
+attributes (no generator frames), so its position can be saved and restored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, default_collate
+
+from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset
+from shardkit.errors import ShardkitError
+from shardkit.seeding import INTERLEAVE_STREAM, SHUFFLE_STREAM, check_seed, generator
+from shardkit.topology import Topology
+
+__all__ = [
+    "Batch",
+    "Filter",
+    "Interleave",
+    "Map",
+    "Pipeline",
+    "PipelineError",
+    "Repeat",
+    "Shuffle",
+    "UnknownLengthError",
+    "interleave",
+]
+
+STOP_RULES = ("first_exhausted", "all_exhausted")
+
+
+class PipelineError(ShardkitError, ValueError):
+    """An argument to a pipeline wrapper that cannot work."""
+
+
+class UnknownLengthError(ShardkitError, TypeError):
+    """``len()`` of a stream whose length is unbounded or not known in advance.
+
+    A :class:`TypeError`, as Python expects from ``__len__``, so ``list(ds)``
+    and ``operator.length_hint`` still work.
+    """
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PipelineError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise PipelineError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_callable(name: str, value: object) -> None:
+    if not callable(value):
+        raise PipelineError(f"{name} must be callable, got {value!r} ({type(value).__name__})")
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class Pipeline(IterableDataset):
+    """Base of every shardkit dataset.
+
+    Sources (no inputs) leave ``upstream`` empty and override ``__iter__``,
+    ``set_epoch``, ``epoch``, ``seed`` and ``topology``. Wrappers hold their
+    inputs in ``upstream`` and inherit the plumbing, which asks the first one.
+    """
+
+    upstream: tuple[Pipeline, ...] = ()
+
+    # -- chaining ------------------------------------------------------------
+
+    def map(self, fn: Callable[[Any], Any]) -> Pipeline:
+        """Apply ``fn`` to every sample."""
+        return Map(self, fn)
+
+    def filter(self, predicate: Callable[[Any], object]) -> Pipeline:
+        """Keep the samples for which ``predicate(sample)`` is truthy."""
+        return Filter(self, predicate)
+
+    def shuffle(self, buffer_size: int, seed: int | None = None) -> Pipeline:
+        """Shuffle through a buffer of ``buffer_size`` samples.
+
+        The order is drawn from (``seed``, epoch, rank, worker); ``seed=None``
+        uses the source's seed. Same topology and epoch, same order; another
+        epoch, another order.
+        """
+        return Shuffle(self, buffer_size, seed)
+
+    def batch(
+        self,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+    ) -> Pipeline:
+        """Group samples into lists of ``batch_size`` and collate each.
+
+        ``collate_fn=None`` uses :func:`torch.utils.data.default_collate`. The
+        last, shorter batch is kept unless ``drop_last``.
+        """
+        return Batch(self, batch_size, collate_fn, drop_last)
+
+    def repeat(self, count: int | None = None) -> Pipeline:
+        """Pass over the data ``count`` times, or forever with ``None``.
+
+        Passes run back to back in the same worker, so there is no stall at an
+        epoch boundary. Pass ``k`` reads epoch ``epoch + k``: shuffles and
+        worker seeds change every pass. An infinite repeat stops if a whole
+        pass yields nothing, instead of spinning.
+        """
+        return Repeat(self, count)
+
+    # -- plumbing ------------------------------------------------------------
+
+    def _first_upstream(self, what: str) -> Pipeline:
+        if not self.upstream:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no upstream, so it is a source and must override {what}"
+            )
+        return self.upstream[0]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of every source below this pipeline.
+
+        Call it before iterating each epoch; it reaches persistent DataLoader
+        workers through shared memory.
+        """
+        check_epoch(epoch)
+        if not self.upstream:
+            raise NotImplementedError(f"{type(self).__name__} is a source and must override set_epoch")
+        for upstream in self.upstream:
+            upstream.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch iteration reads now (inside ``.repeat()``, including its pass)."""
+        return self._first_upstream("epoch").epoch
+
+    @property
+    def seed(self) -> int:
+        """The base seed randomness is derived from."""
+        return self._first_upstream("seed").seed
+
+    def topology(self) -> Topology:
+        """The reader iterating this pipeline, detected when called."""
+        return self._first_upstream("topology()").topology()
+
+    def _unknown_length(self, reason: str) -> UnknownLengthError:
+        return UnknownLengthError(
+            f"len() is undefined for {self!r}: {reason}. Iterate it to count samples, "
+            "or drive training by a fixed number of steps rather than len(loader)"
+        )
+
+    def __len__(self) -> int:
+        raise self._unknown_length(f"{type(self).__name__} is an unbounded or unknown-length stream")
+
+    def __iter__(self) -> Iterator[Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement __iter__")
+
+
+class _Wrapper(Pipeline):
+    """A pipeline with exactly one input."""
+
+    def __init__(self, upstream: Pipeline) -> None:
+        if not isinstance(upstream, Pipeline):
+            raise PipelineError(
+                f"{type(self).__name__} needs a shardkit Pipeline upstream, got {type(upstream).__name__}; "
+                "turn other datasets into one with shardkit.wrap(...)"
+            )
+        self.upstream = (upstream,)
+
+    @property
+    def source(self) -> Pipeline:
+        """The single input of this wrapper."""
+        return self.upstream[0]
+
+
+# -- map ----------------------------------------------------------------------
+
+
+class Map(_Wrapper):
+    """``fn(sample)`` for every sample; see :meth:`Pipeline.map`."""
+
+    def __init__(self, upstream: Pipeline, fn: Callable[[Any], Any]) -> None:
+        super().__init__(upstream)
+        _check_callable("map(fn)", fn)
+        self.fn = fn
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _MapIterator(iter(self.source), self.fn)
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.map({_name(self.fn)})"
+
+
+class _MapIterator:
+    def __init__(self, source: Iterator[Any], fn: Callable[[Any], Any]) -> None:
+        self._source = source
+        self._fn = fn
+
+    def __iter__(self) -> _MapIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self._fn(next(self._source))
+
+
+# -- filter -------------------------------------------------------------------
+
+
+class Filter(_Wrapper):
+    """The samples ``predicate`` accepts; see :meth:`Pipeline.filter`."""
+
+    def __init__(self, upstream: Pipeline, predicate: Callable[[Any], object]) -> None:
+        super().__init__(upstream)
+        _check_callable("filter(predicate)", predicate)
+        self.predicate = predicate
+
+    def __len__(self) -> int:
+        raise self._unknown_length("filter() drops a number of samples known only after reading them")
+
+    def __iter__(self) -> Iterator[Any]:
+        return _FilterIterator(iter(self.source), self.predicate)
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.filter({_name(self.predicate)})"
+
+
+class _FilterIterator:
+    def __init__(self, source: Iterator[Any], predicate: Callable[[Any], object]) -> None:
+        self._source = source
+        self._predicate = predicate
+
+    def __iter__(self) -> _FilterIterator:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            sample = next(self._source)
+            if self._predicate(sample):
+                return sample
+
+
+# -- shuffle ------------------------------------------------------------------
+
+
+class Shuffle(_Wrapper):
+    """A seeded shuffle buffer; see :meth:`Pipeline.shuffle`."""
+
+    def __init__(self, upstream: Pipeline, buffer_size: int, seed: int | None = None) -> None:
+        super().__init__(upstream)
+        self.buffer_size = _check_int("shuffle(buffer_size)", buffer_size, 1)
+        self.shuffle_seed = None if seed is None else check_seed(seed, "shuffle(seed)")
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self) -> Iterator[Any]:
+        seed = self.seed if self.shuffle_seed is None else self.shuffle_seed
+        rng = generator(seed, self.epoch, self.topology(), SHUFFLE_STREAM)
+        return _ShuffleIterator(iter(self.source), self.buffer_size, rng)
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.shuffle({self.buffer_size}, seed={self.shuffle_seed})"
+
+
+class _ShuffleIterator:
+    """Keeps ``buffer_size`` samples; each step pulls one in and hands a random one out."""
+
+    def __init__(self, source: Iterator[Any], buffer_size: int, rng: np.random.Generator) -> None:
+        self._source = source
+        self._buffer_size = buffer_size
+        self._rng = rng
+        self._buffer: list[Any] = []
+        self._exhausted = False
+
+    def __iter__(self) -> _ShuffleIterator:
+        return self
+
+    def __next__(self) -> Any:
+        buffer = self._buffer
+        while not self._exhausted and len(buffer) < self._buffer_size:
+            try:
+                buffer.append(next(self._source))
+            except StopIteration:
+                self._exhausted = True
+        if not buffer:
+            raise StopIteration
+        pick = int(self._rng.random() * len(buffer))
+        sample = buffer[pick]
+        buffer[pick] = buffer[-1]
+        buffer.pop()
+        return sample
+
+
+# -- batch --------------------------------------------------------------------
+
+
+class Batch(_Wrapper):
+    """Collated groups of samples; see :meth:`Pipeline.batch`."""
+
+    def __init__(
+        self,
+        upstream: Pipeline,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(upstream)
+        self.batch_size = _check_int("batch(batch_size)", batch_size, 1)
+        if collate_fn is not None:
+            _check_callable("batch(collate_fn)", collate_fn)
+        if not isinstance(drop_last, bool):
+            raise PipelineError(f"batch(drop_last) must be a bool, got {drop_last!r}")
+        self.collate_fn = default_collate if collate_fn is None else collate_fn
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        """Batches from ``len(upstream)`` samples. Exact when every reader's
+        share is a multiple of ``batch_size``; otherwise each reader may emit
+        one short batch of its own, which this count does not see."""
+        samples = len(self.source)
+        if self.drop_last:
+            return samples // self.batch_size
+        return math.ceil(samples / self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _BatchIterator(iter(self.source), self.batch_size, self.collate_fn, self.drop_last)
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.batch({self.batch_size}, drop_last={self.drop_last})"
+
+
+class _BatchIterator:
+    def __init__(
+        self,
+        source: Iterator[Any],
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        drop_last: bool,
+    ) -> None:
+        self._source = source
+        self._batch_size = batch_size
+        self._collate_fn = collate_fn
+        self._drop_last = drop_last
+
+    def __iter__(self) -> _BatchIterator:
+        return self
+
+    def __next__(self) -> Any:
+        samples = list(itertools.islice(self._source, self._batch_size))
+        if not samples or (self._drop_last and len(samples) < self._batch_size):
+            raise StopIteration
+        return self._collate_fn(samples)
+
+
+# -- repeat -------------------------------------------------------------------
+
+
+class Repeat(_Wrapper):
+    """Back-to-back passes over the upstream; see :meth:`Pipeline.repeat`.
+
+    Pass ``k`` creates and advances the upstream iterator with the epoch
+    offset (:func:`shardkit.epoch.epoch_offset`) raised by ``k``; sources add
+    it to their shared epoch, so the shared value itself never changes.
+    Nested repeats compose: inside an outer pass ``j``, an inner
+    ``repeat(count)`` numbers its passes from ``j * count``.
+    """
+
+    def __init__(self, upstream: Pipeline, count: int | None = None) -> None:
+        super().__init__(upstream)
+        self.count = None if count is None else _check_int("repeat(count)", count, 1)
+
+    def __len__(self) -> int:
+        if self.count is None:
+            raise self._unknown_length("repeat() without a count never ends; pass repeat(count) for a finite length")
+        return self.count * len(self.source)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _RepeatIterator(self.source, self.count)
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.repeat({self.count})"
+
+
+class _RepeatIterator:
+    def __init__(self, upstream: Pipeline, count: int | None) -> None:
+        self._upstream = upstream
+        self._count = count
+        outer = epoch_offset()
+        self._first_offset = outer if count is None else outer * count
+        self._pass = 0
+        self._yielded_this_pass = 0
+        self._source: Iterator[Any] | None = self._start_pass()
+
+    def _start_pass(self) -> Iterator[Any]:
+        return call_with_epoch_offset(self._first_offset + self._pass, iter, self._upstream)
+
+    def __iter__(self) -> _RepeatIterator:
+        return self
+
+    def __next__(self) -> Any:
+        while self._source is not None:
+            try:
+                sample = call_with_epoch_offset(self._first_offset + self._pass, next, self._source)
+            except StopIteration:
+                empty_pass = self._yielded_this_pass == 0
+                self._pass += 1
+                self._yielded_this_pass = 0
+                done = self._count is not None and self._pass >= self._count
+                self._source = None if empty_pass or done else self._start_pass()
+                continue
+            self._yielded_this_pass += 1
+            return sample
+        raise StopIteration
+
+
+# -- interleave -----------------------------------------------------------------
+
+
+def interleave(
+    datasets: Sequence[Pipeline],
+    weights: Sequence[float] | None = None,
+    *,
+    seed: int = 0,
+    stop: str = "first_exhausted",
+) -> Pipeline:
+    """Mix several pipelines, drawing the next source at random by ``weights``.
+
+    Draws are seeded from (``seed``, epoch, rank, worker): deterministic for a
+    given topology and epoch, different per epoch. ``weights=None`` mixes
+    evenly; weights need not sum to 1. A source with weight 0 is never read.
+    ``stop="first_exhausted"`` ends when a drawn source runs out (keeps the
+    mixing ratio exact); ``"all_exhausted"`` keeps drawing from the others
+    until every source is spent. ``set_epoch`` reaches every source.
+    """
+    return Interleave(datasets, weights, seed=seed, stop=stop)
+
+
+class Interleave(Pipeline):
+    """Weighted random mixing of several pipelines; see :func:`interleave`.
+
+    ``epoch`` and ``topology()`` come from the first dataset; ``seed`` is the
+    mixing seed, which a ``.shuffle()`` chained after it also uses by default.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Pipeline],
+        weights: Sequence[float] | None = None,
+        *,
+        seed: int = 0,
+        stop: str = "first_exhausted",
+    ) -> None:
+        self.upstream = _check_datasets(datasets)
+        self.weights = _check_weights(weights, len(self.upstream))
+        self.mix_seed = check_seed(seed, "interleave(seed)")
+        if stop not in STOP_RULES:
+            raise PipelineError(f"interleave(stop) must be one of {STOP_RULES}, got {stop!r}")
+        self.stop = stop
+
+    @property
+    def seed(self) -> int:
+        """The mixing seed given to :func:`interleave`."""
+        return self.mix_seed
+
+    def __len__(self) -> int:
+        if self.stop == "first_exhausted":
+            raise self._unknown_length(
+                "with stop='first_exhausted' it ends when a randomly drawn source runs out; "
+                "stop='all_exhausted' has a length"
+            )
+        return sum(len(d) for d, w in zip(self.upstream, self.weights) if w > 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        rng = generator(self.mix_seed, self.epoch, self.topology(), INTERLEAVE_STREAM)
+        return _InterleaveIterator(self.upstream, self.weights, rng, self.stop == "first_exhausted")
+
+    def __repr__(self) -> str:
+        inputs = ", ".join(repr(d) for d in self.upstream)
+        return f"interleave([{inputs}], weights={list(self.weights)}, seed={self.mix_seed}, stop={self.stop!r})"
+
+
+def _check_datasets(datasets: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
+    if isinstance(datasets, Pipeline) or not isinstance(datasets, Sequence):
+        raise PipelineError(
+            f"interleave(datasets) takes a list of pipelines, got {type(datasets).__name__}; "
+            "write interleave([a, b], ...)"
+        )
+    if not datasets:
+        raise PipelineError("interleave(datasets) needs at least one dataset, got an empty list")
+    for position, dataset in enumerate(datasets):
+        if not isinstance(dataset, Pipeline):
+            raise PipelineError(
+                f"interleave(datasets[{position}]) is a {type(dataset).__name__}, not a shardkit Pipeline; "
+                "turn it into one with shardkit.wrap(...)"
+            )
+    return tuple(datasets)
+
+
+def _check_weights(weights: Sequence[float] | None, count: int) -> tuple[float, ...]:
+    if weights is None:
+        return (1.0,) * count
+    try:
+        values = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        raise PipelineError(f"interleave(weights) must be a sequence of numbers, got {weights!r}") from None
+    if len(values) != count:
+        raise PipelineError(
+            f"interleave got {count} datasets but {len(values)} weights; "
+            "pass one weight per dataset, or weights=None to mix evenly"
+        )
+    for position, value in enumerate(values):
+        if not math.isfinite(value) or value < 0:
+            raise PipelineError(f"interleave(weights[{position}]) must be finite and >= 0, got {value}")
+    if sum(values) == 0:
+        raise PipelineError("interleave(weights) are all zero; give at least one dataset a positive weight")
+    return tuple(values)
+
+
+class _InterleaveIterator:
+    """Draws a source for every sample from the cumulative weights of the live ones."""
+
+    def __init__(
+        self,
+        datasets: tuple[Pipeline, ...],
+        weights: tuple[float, ...],
+        rng: np.random.Generator,
+        stop_on_first: bool,
+    ) -> None:
+        self._weights = weights
+        self._rng = rng
+        self._stop_on_first = stop_on_first
+        self._sources = [iter(d) if w > 0 else None for d, w in zip(datasets, weights)]
+        self._live = [i for i, w in enumerate(weights) if w > 0]
+        self._cumulative = list(itertools.accumulate(weights[i] for i in self._live))
+
+    def __iter__(self) -> _InterleaveIterator:
+        return self
+
+    def _drop(self, index: int) -> None:
+        self._sources[index] = None
+        self._live.remove(index)
+        self._cumulative = list(itertools.accumulate(self._weights[i] for i in self._live))
+
+    def __next__(self) -> Any:
+        while self._live:
+            point = self._rng.random() * self._cumulative[-1]
+            slot = min(bisect_right(self._cumulative, point), len(self._live) - 1)
+            index = self._live[slot]
+            source = self._sources[index]
+            assert source is not None
+            try:
+                return next(source)
+            except StopIteration:
+                if self._stop_on_first:
+                    self._live = []
+                else:
+                    self._drop(index)
+        raise StopIteration
