@@ -157,28 +157,41 @@ def reader_counts(total: int, world_size: int, num_workers: int, balance: Balanc
 
 
 class _Stream:
-    """The global record stream: blocks of shards laid end to end."""
+    """The global record stream: blocks of shards laid end to end.
 
-    def __init__(self, shard: np.ndarray, first: np.ndarray, end: np.ndarray) -> None:
-        self.shard = shard  # shard index of each block
-        self.first = first  # first record (within its shard) of each block
-        self.end = end  # stream position just past each block
+    Block ``k`` of the stream is block ``order[k]`` of the unshuffled blocks
+    (``order`` is None when not shuffled); only the stream ends are computed for
+    every block, the rest only for the blocks one reader touches.
+    """
+
+    def __init__(self, shard: np.ndarray, first: np.ndarray, end: np.ndarray, order: np.ndarray | None) -> None:
+        self._shard = shard  # shard index of each unshuffled block
+        self._first = first  # first record (within its shard) of each unshuffled block
+        self._order = order
+        self.end = end  # stream position just past each block of the stream
         self.total = int(end[-1]) if len(end) else 0
 
     @classmethod
     def build(cls, counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool, world_size: int) -> _Stream:
         nonempty = np.flatnonzero(counts)
-        if not shuffle:
-            return cls(nonempty, np.zeros(len(nonempty), np.int64), np.cumsum(counts[nonempty]))
         sizes = counts[nonempty]
+        if not shuffle:
+            return cls(nonempty, np.zeros(len(nonempty), np.int64), np.cumsum(sizes), None)
         block = max(1, -(-int(sizes.sum()) // (BLOCKS_PER_RANK * world_size)))
-        pieces = -(-sizes // block)
-        shard = np.repeat(nonempty, pieces)
-        piece_index = np.arange(len(shard), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        first = piece_index * block
-        length = np.minimum(block, counts[shard] - first)
+        if int(sizes.max(initial=0)) <= block:  # every shard is one block
+            shard, first, length = nonempty, np.zeros(len(nonempty), np.int64), sizes
+        else:
+            pieces = -(-sizes // block)
+            shard = np.repeat(nonempty, pieces)
+            first = (np.arange(len(shard), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * block
+            length = np.minimum(block, counts[shard] - first)
         order = np.random.default_rng([seed, epoch]).permutation(len(shard))
-        return cls(shard[order], first[order], np.cumsum(length[order]))
+        return cls(shard, first, np.cumsum(length[order]), order)
+
+    def _blocks(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Shard index and first record of stream blocks ``lo:hi``."""
+        index = slice(lo, hi) if self._order is None else self._order[lo:hi]
+        return self._shard[index], self._first[index]
 
     def ranges(self, start: int, stop: int) -> list[Range]:
         """The ranges covering stream positions ``[start, stop)``, wrapping past the end."""
@@ -202,15 +215,11 @@ class _Stream:
         lo = int(np.searchsorted(self.end, start, side="right"))
         hi = int(np.searchsorted(self.end, stop, side="left")) + 1
         end = self.end[lo:hi]
-        first = self.first[lo:hi]
-        block_start = end - self._length(lo, hi)
+        block_start = np.concatenate(([self.end[lo - 1] if lo > 0 else 0], end[:-1]))
+        shard, first = self._blocks(lo, hi)
         begin = np.maximum(block_start, start) - block_start + first
         finish = np.minimum(end, stop) - block_start + first
-        return self.shard[lo:hi], begin, finish
-
-    def _length(self, lo: int, hi: int) -> np.ndarray:
-        previous_end = self.end[lo - 1] if lo > 0 else 0
-        return np.diff(self.end[lo:hi], prepend=previous_end)
+        return shard, begin, finish
 
 
 def _deal_whole_shards(counts: np.ndarray, topology: Topology, *, seed: int, epoch: int, shuffle: bool) -> list[Range]:
