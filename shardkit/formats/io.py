@@ -1,0 +1,224 @@
+"""Open shard files anywhere fsspec reaches, streamed, with optional GZIP/ZLIB.
+
+Readers get a :class:`Stream` (anything with ``read(n)`` and ``close()``) that
+fetches the file in blocks of :data:`BLOCK_SIZE` bytes, so remote files are
+never downloaded whole. Compressed files are inflated on the fly; byte offsets
+past this layer refer to the uncompressed stream.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from typing import IO, Any, Final, Optional, Protocol
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from shardkit.errors import ShardkitError
+
+__all__ = [
+    "BLOCK_SIZE",
+    "COMPRESSIONS",
+    "Sink",
+    "Stream",
+    "check_compression",
+    "open_input",
+    "open_output",
+    "open_raw",
+    "sniff_compression",
+]
+
+BLOCK_SIZE: Final = 4 << 20
+"""Bytes fetched per request from remote storage, and per read from streams."""
+
+COMPRESSIONS: Final = (None, "gzip", "zlib")
+
+_GZIP_MAGIC: Final = b"\x1f\x8b"
+_WBITS: Final = {"gzip": 16 + zlib.MAX_WBITS, "zlib": zlib.MAX_WBITS}
+
+
+class Stream(Protocol):
+    """The minimal binary reader the record readers need."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Sink(Protocol):
+    """The minimal binary writer the record writers need."""
+
+    def write(self, data: bytes, /) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def check_compression(compression: Optional[str], *, allow_auto: bool) -> None:
+    """Raise ``ValueError`` unless ``compression`` is a supported value."""
+    allowed: tuple[Optional[str], ...] = COMPRESSIONS + (("auto",) if allow_auto else ())
+    if compression not in allowed:
+        raise ValueError(f"compression must be one of {allowed}, not {compression!r}")
+
+
+def open_raw(url: str, mode: str, storage_options: Optional[dict[str, Any]] = None) -> IO[bytes]:
+    """Open ``url`` with fsspec in binary ``mode`` ("rb" or "wb"), block-buffered."""
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if mode == "wb" and isinstance(fs, LocalFileSystem):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return fs.open(path, mode, block_size=BLOCK_SIZE)
+
+
+def sniff_compression(head: bytes) -> Optional[str]:
+    """Guess "gzip" or "zlib" from a stream's first bytes, else ``None``.
+
+    A zlib header is two bytes: method 8 in the low nibble of the first, and the
+    pair as a big-endian number divisible by 31.
+    """
+    if head[:2] == _GZIP_MAGIC:
+        return "gzip"
+    if len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
+        return "zlib"
+    return None
+
+
+def open_input(
+    url: str,
+    compression: Optional[str],
+    storage_options: Optional[dict[str, Any]] = None,
+    *,
+    raw: Optional[IO[bytes]] = None,
+    head: bytes = b"",
+) -> Stream:
+    """A readable stream over ``url``'s (decompressed) bytes.
+
+    ``raw``/``head`` let a caller that already opened the file and read its
+    first bytes (to sniff the compression) hand them over instead of reopening.
+    """
+    check_compression(compression, allow_auto=False)
+    stream: Stream = raw if raw is not None else open_raw(url, "rb", storage_options)
+    if head:
+        stream = _Prefixed(head, stream)
+    if compression is None:
+        return stream
+    return _Inflater(stream, url, compression)
+
+
+def open_output(url: str, compression: Optional[str], storage_options: Optional[dict[str, Any]] = None) -> Sink:
+    """A writable binary file at ``url``; GZIP or ZLIB compresses the whole stream."""
+    check_compression(compression, allow_auto=False)
+    raw = open_raw(url, "wb", storage_options)
+    if compression is None:
+        return raw
+    if compression == "gzip":
+        return _ClosingGzip(raw)
+    return _Deflater(raw)
+
+
+class _Prefixed:
+    """Replays bytes already read from a stream before reading the rest of it."""
+
+    def __init__(self, head: bytes, stream: Stream) -> None:
+        self._head = head
+        self._stream = stream
+
+    def read(self, size: int = -1, /) -> bytes:
+        if not self._head:
+            return self._stream.read(size)
+        if size < 0:
+            out, self._head = self._head + self._stream.read(), b""
+            return out
+        out, self._head = self._head[:size], self._head[size:]
+        if len(out) < size:
+            out += self._stream.read(size - len(out))
+        return out
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class _Inflater:
+    """Streaming GZIP/ZLIB decompression with clear errors.
+
+    Concatenated GZIP members are read one after another, as ``gzip`` does.
+    """
+
+    def __init__(self, stream: Stream, url: str, compression: str) -> None:
+        self._stream = stream
+        self._url = url
+        self._compression = compression
+        self._wbits = _WBITS[compression]
+        self._inflate = zlib.decompressobj(self._wbits)
+        self._pending = b""  # compressed input not yet given to the decompressor
+        self._started = False
+        self._done = False
+
+    def read(self, size: int = -1, /) -> bytes:
+        if size < 0:
+            parts = []
+            while chunk := self.read(BLOCK_SIZE):
+                parts.append(chunk)
+            return b"".join(parts)
+        out: list[bytes] = []
+        want = size
+        while want > 0 and not self._done:
+            if not self._pending:
+                self._pending = self._stream.read(BLOCK_SIZE)
+                if not self._pending:
+                    if not self._inflate.eof and self._started:
+                        raise ShardkitError(
+                            f"{self._url}: {self._compression} stream is truncated "
+                            "(the file ends before the end-of-stream marker)"
+                        )
+                    self._done = True
+                    break
+            if self._inflate.eof:  # previous member finished and more input follows
+                self._inflate = zlib.decompressobj(self._wbits)
+            try:
+                chunk = self._inflate.decompress(self._pending, want)
+            except zlib.error as exc:
+                raise ShardkitError(
+                    f"{self._url}: cannot decompress as compression={self._compression!r} ({exc}); "
+                    "pass the right compression or compression='auto'"
+                ) from None
+            self._started = True
+            self._pending = self._inflate.unconsumed_tail or self._inflate.unused_data
+            out.append(chunk)
+            want -= len(chunk)
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class _ClosingGzip(gzip.GzipFile):
+    """A GzipFile that also closes the file it writes into."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        super().__init__(fileobj=raw, mode="wb", filename="", mtime=0)
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
+
+
+class _Deflater:
+    """Write-only ZLIB stream over a binary file."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._deflate = zlib.compressobj()
+
+    def write(self, data: bytes) -> int:
+        self._raw.write(self._deflate.compress(data))
+        return len(data)
+
+    def close(self) -> None:
+        try:
+            self._raw.write(self._deflate.flush())
+        finally:
+            self._raw.close()
