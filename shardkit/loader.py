@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from itertools import islice
 from typing import Any
 
+import numpy
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
@@ -329,7 +330,7 @@ def _join(parts: list[tuple[Any, int, int]]) -> Any:
         if len(parts) == 1:
             tensor, start, stop = parts[0]
             return tensor if start == 0 and stop == len(tensor) else tensor[start:stop]
-        return torch.cat([tensor[start:stop] for tensor, start, stop in parts])
+        return _concat([tensor[start:stop] for tensor, start, stop in parts])
     if isinstance(first, Mapping):
         joined = {key: _join([(p[key], a, b) for p, a, b in parts]) for key in first}
         if isinstance(first, MutableMapping):
@@ -339,13 +340,23 @@ def _join(parts: list[tuple[Any, int, int]]) -> Any:
         return joined
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*_join_fields(parts))
+    if isinstance(first, (list, tuple)) and first and isinstance(first[0], (str, bytes)):
+        # default_collate keeps strings and bytes as they come, along the batch:
+        # a list at the top, a tuple inside a sequence (from zip).
+        return type(first)(item for p, a, b in parts for item in p[a:b])
     if isinstance(first, list):
-        # default_collate keeps strings and bytes as a list along the batch;
-        # any other list holds one collated value per field of the samples.
-        if first and isinstance(first[0], (str, bytes)):
-            return [item for p, a, b in parts for item in p[a:b]]
+        # Any other list holds one collated value per field of the samples.
         return _join_fields(parts)
     raise TypeError(f"cannot join micro-batches of type {type(first).__name__}")
+
+
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.empty((sum(len(t) for t in tensors), *tensors[0].shape[1:]), dtype=tensors[0].dtype)
+    try:
+        numpy.concatenate([t.numpy() for t in tensors], out=out.numpy())
+    except TypeError:
+        torch.cat(tensors, out=out)
+    return out
 
 
 def _join_fields(parts: list[tuple[Any, int, int]]) -> list[Any]:
