@@ -1,0 +1,110 @@
+"""Throughput of shardkit.MixedLoader against a plain DataLoader on the same dataset.
+
+Two cases, both with 2 workers: small samples (a Python int) and large samples
+(a 3x224x224 uint8 tensor). The datasets do no work of their own, so the
+numbers measure loader overhead alone, the case least favourable to
+MixedLoader. Each configuration is timed ``--repeats`` times after one warm-up
+epoch (worker start-up excluded by persistent workers); the best run counts.
+
+    python benchmarks/mixing.py            # full run
+    python benchmarks/mixing.py --quick    # a few seconds, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from shardkit import MixedLoader
+
+WORKERS = 2
+
+
+class IntStream(IterableDataset):
+    """``samples`` ints split evenly over the workers."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(worker, self.samples, workers))
+
+
+class ImageStream(IterableDataset):
+    """``samples`` 3x224x224 uint8 tensors split evenly over the workers."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        image = torch.full((3, 224, 224), worker, dtype=torch.uint8)
+        for _ in range(worker, self.samples, workers):
+            yield image
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dataset: IterableDataset
+    samples: int
+    batch_size: int
+
+
+def epoch_seconds(loader: Iterable[Any]) -> float:
+    start = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - start
+
+
+def compare(case: Case, repeats: int) -> dict[str, float]:
+    """Samples/s per loader: best of ``repeats`` epochs after a warm-up epoch,
+    the loaders taking turns so that load from other processes hits both."""
+    common: dict[str, Any] = {"num_workers": WORKERS, "persistent_workers": True}
+    loaders: dict[str, Iterable[Any]] = {
+        "DataLoader": DataLoader(case.dataset, batch_size=case.batch_size, **common),
+        "MixedLoader": MixedLoader(case.dataset, case.batch_size, **common),
+    }
+    best = {name: float("inf") for name in loaders}
+    for round_ in range(repeats + 1):
+        for name, loader in loaders.items():
+            seconds = epoch_seconds(loader)
+            if round_:
+                best[name] = min(best[name], seconds)
+    return {name: case.samples / seconds for name, seconds in best.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small epochs, one repeat")
+    parser.add_argument("--repeats", type=int, default=None, help="timed epochs per loader")
+    args = parser.parse_args(argv)
+    scale = 1 if args.quick else 8
+    repeats = args.repeats or (1 if args.quick else 3)
+    cases = [
+        Case("int, batch 256", IntStream(50_000 * scale), 50_000 * scale, 256),
+        Case("3x224x224 uint8, batch 32", ImageStream(1_000 * scale), 1_000 * scale, 32),
+    ]
+    print(f"{WORKERS} workers, best of {repeats} epoch(s), samples/s")
+    print(f"{'case':<28}{'DataLoader':>12}{'MixedLoader':>13}{'ratio':>8}")
+    for case in cases:
+        rates = compare(case, repeats)
+        ratio = rates["MixedLoader"] / rates["DataLoader"]
+        print(
+            f"{case.name:<28}{rates['DataLoader']:>12,.0f}{rates['MixedLoader']:>13,.0f}"
+            f"{ratio:>8.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
