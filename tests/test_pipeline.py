@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardkit.epoch import SharedEpoch
 from shardkit.errors import ShardkitError
@@ -243,6 +245,41 @@ def test_shuffle_changes_with_epoch_seed_and_reader():
     w0 = order(worker_id=0, num_workers=2)
     w1 = [i - 1 for i in order(worker_id=1, num_workers=2)]
     assert sorted(w0) == sorted(w1) and w0 != w1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 300),
+    buffer_size=st.integers(1, 400),
+    seed=st.integers(0, 2**70),
+    epoch=st.integers(0, 1000),
+    readers=st.integers(1, 4),
+)
+def test_shuffle_properties(n, buffer_size, seed, epoch, readers):
+    def order(worker_id):
+        source = RangeSource(n, seed=seed, worker_id=worker_id, num_workers=readers)
+        source.set_epoch(epoch)
+        return list(source.shuffle(buffer_size))
+
+    orders = [order(w) for w in range(readers)]
+    assert sorted(i for o in orders for i in o) == list(range(n))
+    assert orders == [order(w) for w in range(readers)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    weights=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4),
+    batch_size=st.integers(1, 9),
+)
+def test_interleave_all_exhausted_then_batch_keeps_every_sample_once(sizes, weights, batch_size):
+    weights = weights[: len(sizes)]
+    if sum(weights) == 0:
+        weights[0] = 1.0
+    mixed = interleave([labelled(n, k) for k, n in enumerate(sizes)], weights, stop="all_exhausted")
+    samples = [s for b in mixed.batch(batch_size, collate_fn=list) for s in b]
+    expected = [(k, i) for k, n in enumerate(sizes) if weights[k] > 0 for i in range(n)]
+    assert sorted(samples) == expected and len(mixed) == len(expected)
 
 
 def test_shuffle_buffer_of_one_keeps_order():
