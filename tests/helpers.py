@@ -1,0 +1,41 @@
+"""Module-level helpers that DataLoader workers started with spawn can unpickle."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import get_worker_info
+
+import shardkit
+
+
+def synthetic_read(url: str, start: int, stop: int | None) -> Iterator[str]:
+    """Records of a synthetic shard named ``<name>-<count>``: ``"<url>:<index>"``."""
+    count = int(url.rsplit("-", 1)[1])
+    for index in range(start, count if stop is None else stop):
+        yield f"{url}:{index}"
+
+
+def synthetic_shards(counts: list[int], *, known: bool = True) -> shardkit.ShardList:
+    urls = [f"mem/shard{i:03d}-{count}" for i, count in enumerate(counts)]
+    return shardkit.ShardList(urls, num_records=counts if known else None)
+
+
+def all_ids(shards: shardkit.ShardList) -> list[str]:
+    return [record for url in shards for record in synthetic_read(url, 0, None)]
+
+
+def tag_worker(sample: object) -> tuple[int, object]:
+    info = get_worker_info()
+    return (-1 if info is None else info.id), sample
+
+
+class CountingStream(torch.utils.data.IterableDataset):
+    """A plain IterableDataset yielding 0..n-1 (no __len__, no __getitem__)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
