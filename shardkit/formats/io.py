@@ -24,6 +24,7 @@ __all__ = [
     "Sink",
     "Stream",
     "check_compression",
+    "make_parent_dirs",
     "open_input",
     "open_output",
     "open_raw",
@@ -64,10 +65,20 @@ def check_compression(compression: Optional[str], *, allow_auto: bool) -> None:
 
 def open_raw(url: str, mode: str, storage_options: Optional[dict[str, Any]] = None) -> IO[bytes]:
     """Open ``url`` with fsspec in binary ``mode`` ("rb" or "wb"), block-buffered."""
+    if mode == "wb":
+        make_parent_dirs(url, storage_options)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if mode == "wb" and isinstance(fs, LocalFileSystem):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return fs.open(path, mode, block_size=BLOCK_SIZE)
+
+
+def make_parent_dirs(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+    """Create the directory ``url`` will be written into, on local filesystems.
+
+    Object stores have no directories to create, so nothing happens there.
+    """
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if isinstance(fs, LocalFileSystem):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
 
 def sniff_compression(head: bytes) -> Optional[str]:
