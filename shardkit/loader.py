@@ -60,7 +60,6 @@ PASSTHROUGH_KWARGS = frozenset(
         "timeout",
         "worker_init_fn",
         "generator",
-        "in_order",
     }
 )
 
@@ -92,8 +91,10 @@ class MixedLoader:
             ``pin_memory``, ``pin_memory_device``, ``persistent_workers``,
             ``prefetch_factor`` (counted in micro-batches),
             ``multiprocessing_context``, ``timeout``, ``worker_init_fn``,
-            ``generator``, ``in_order``. With workers, pinning applies to the
-            assembled batches in the main process.
+            ``generator``. With workers, pinning applies to the assembled
+            batches in the main process. (``in_order`` is not offered: batches
+            need every worker's share, so letting fast workers run ahead
+            would only grow the samples held in the main process.)
     """
 
     def __init__(
@@ -152,7 +153,7 @@ class MixedLoader:
             return
         pin = bool(dataloader_kwargs.pop("pin_memory", False))
         dataloader_kwargs.pop("pin_memory_device", None)
-        self._pin = pin and torch.accelerator.is_available()
+        self._pin = pin and _accelerator_available()
         if pin and not self._pin:
             warnings.warn(
                 "MixedLoader: pin_memory=True but no accelerator is available; "
@@ -207,11 +208,20 @@ class _MicroBatches(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
         info = get_worker_info()
-        worker = 0 if info is None else info.id
+        assert info is not None, "_MicroBatches runs only in DataLoader workers"
+        worker = info.id
         samples = iter(self.dataset)
         while chunk := list(islice(samples, self.size)):
             yield worker, len(chunk), default_collate(chunk) if self.collate else chunk
         yield worker, 0, None
+
+
+def _accelerator_available() -> bool:
+    """Whether pinned memory can be used, as DataLoader decides it."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is None:
+        return torch.cuda.is_available()
+    return bool(accelerator.is_available())
 
 
 def _as_is(message: Any) -> Any:

@@ -16,7 +16,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from shardkit import MixedLoader
 from shardkit.errors import ShardkitError
-from shardkit.loader import LoaderError
+from shardkit.loader import LoaderError, _accelerator_available
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -253,7 +253,7 @@ def test_len_without_dataset_length() -> None:
 
 
 def test_pin_memory_without_accelerator_warns_and_yields() -> None:
-    if torch.accelerator.is_available():
+    if _accelerator_available():
         pytest.skip("an accelerator is present")
     with pytest.warns(UserWarning, match="no accelerator"):
         loader = MixedLoader(Tagged([3, 3]), 4, num_workers=2, pin_memory=True, timeout=30)
@@ -281,7 +281,7 @@ def test_invalid_arguments(kwargs: dict[str, Any], message: str) -> None:
     assert isinstance(error.value, ShardkitError) and isinstance(error.value, ValueError)
 
 
-@pytest.mark.parametrize("name", ["shuffle", "sampler", "batch_sampler", "bogus"])
+@pytest.mark.parametrize("name", ["shuffle", "sampler", "batch_sampler", "in_order", "bogus"])
 def test_unknown_dataloader_arguments(name: str) -> None:
     with pytest.raises(TypeError, match=f"unexpected keyword argument.*{name}.*passes only"):
         MixedLoader(Tagged([1]), 2, num_workers=1, **{name: None})
