@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -52,6 +53,123 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar(url: str, compression: str | None, storage_options: dict | None = None) -> Any:
+    """A tqdm bar over a TFRecord file's bytes (total unknown if it is compressed)."""
+    import fsspec
+    from tqdm import tqdm
+
+    from shardkit.formats.io import open_raw
+    from shardkit.formats.tfrecord import detect_compression
+
+    if compression == "auto":
+        with open_raw(url, "rb", storage_options) as raw:
+            compression = detect_compression(raw.read(12))
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    total = fs.size(path) if compression is None else None
+    return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=False, disable=None)
+
+
+def _with_progress(url: str, compression: str | None, job: Callable[[Callable[[int], None]], Any]) -> Any:
+    """Run ``job(progress)`` with a progress bar that ``progress(bytes_done)`` advances."""
+    with _progress_bar(url, compression) as bar:
+        return job(lambda done: bar.update(done - bar.n))
+
+
+def _feature_schema(records: list[bytes]) -> dict[str, tuple[str, int, int]]:
+    """Feature name -> (kind, fewest values, most values) over tf.Example records."""
+    import numpy as np
+
+    from shardkit.formats.example import decode_example
+
+    schema: dict[str, tuple[str, int, int]] = {}
+    for record in records:
+        for name, value in decode_example(record).items():
+            if isinstance(value, np.ndarray):
+                kind = "int64" if value.dtype == np.int64 else "float"
+            else:
+                kind = "bytes" if value else "empty"
+            old_kind, low, high = schema.get(name, (kind, len(value), len(value)))
+            if old_kind != kind:
+                kind = f"{old_kind}|{kind}" if kind not in old_kind.split("|") else old_kind
+            schema[name] = (kind, min(low, len(value)), max(high, len(value)))
+    return schema
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    import itertools
+
+    from shardkit.errors import ShardkitError
+    from shardkit.formats.tfrecord import read_tfrecord
+
+    sizes = []
+    first: list[bytes] = []
+    for record in read_tfrecord(args.url, compression=args.compression, verify=False):
+        sizes.append(len(record))
+        if len(first) < args.records:
+            first.append(record)
+    print(f"{args.url}: {len(sizes)} records, {sum(sizes)} data bytes")
+    if sizes:
+        print(f"record size: min {min(sizes)}, mean {sum(sizes) / len(sizes):.1f}, max {max(sizes)} bytes")
+    if not first:
+        return 0
+    try:
+        schema = _feature_schema(first)
+    except ShardkitError:
+        print(f"the first {len(first)} records are not tf.Example messages")
+        return 0
+    print(f"features of the first {len(first)} records (tf.Example):")
+    width = max(itertools.chain([7], map(len, schema)))
+    for name, (kind, low, high) in sorted(schema.items()):
+        count = str(low) if low == high else f"{low}..{high}"
+        print(f"  {name:<{width}}  {kind:<6} x {count}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from shardkit.errors import CorruptRecordError
+    from shardkit.formats.tfrecord import verify_tfrecord
+
+    failed = 0
+    for url in args.urls:
+        try:
+            count = _with_progress(
+                url, args.compression, lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress)
+            )
+        except CorruptRecordError as error:
+            failed += 1
+            print(f"CORRUPT {error}", file=sys.stderr)
+        else:
+            print(f"ok {url}: {count} records")
+    return 1 if failed else 0
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    from shardkit.formats.index import build_index
+
+    for url in args.urls:
+        path = _with_progress(
+            url, args.compression, lambda progress: build_index(url, compression=args.compression, progress=progress)
+        )
+        print(f"{url} -> {path}")
+    return 0
+
+
+def _compression_arg(value: str) -> str | None:
+    value = value.lower()
+    if value not in ("auto", "none", "gzip", "zlib"):
+        raise argparse.ArgumentTypeError(f"expected auto, none, gzip or zlib, not {value!r}")
+    return None if value == "none" else value
+
+
+def _add_compression_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compression",
+        default="auto",
+        type=_compression_arg,
+        help="auto (default: detect from the first bytes), none, gzip or zlib",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``shardkit`` console script."""
     parser = argparse.ArgumentParser(prog="shardkit", description=__doc__.splitlines()[0])
@@ -74,6 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--shuffle", action="store_true")
     plan_cmd.add_argument("--show", type=int, default=3, help="ranges to print per reader (default 3)")
     plan_cmd.set_defaults(func=_cmd_plan)
+
+    inspect_cmd = sub.add_parser("inspect", help="record count, sizes and feature schema of a TFRecord file")
+    inspect_cmd.add_argument("url", help="a TFRecord file: path or fsspec URL")
+    inspect_cmd.add_argument("--records", type=int, default=10, help="records to read the schema from (default 10)")
+    _add_compression_option(inspect_cmd)
+    inspect_cmd.set_defaults(func=_cmd_inspect)
+
+    verify_cmd = sub.add_parser("verify", help="check every CRC of TFRecord files; exit 1 on corruption")
+    verify_cmd.add_argument("urls", nargs="+", metavar="URL", help="TFRecord files: paths or fsspec URLs")
+    _add_compression_option(verify_cmd)
+    verify_cmd.set_defaults(func=_cmd_verify)
+
+    index_cmd = sub.add_parser("index", help="write an index file (record byte offsets) beside each TFRecord file")
+    index_cmd.add_argument("urls", nargs="+", metavar="URL", help="TFRecord files: paths or fsspec URLs")
+    _add_compression_option(index_cmd)
+    index_cmd.set_defaults(func=_cmd_index)
     return parser
 
 
