@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 STOP_RULES = ("first_exhausted", "all_exhausted")
+_UNIFORM_BLOCK = 1024  # one Generator call per this many draws: a scalar call costs ~1 us
 
 
 class PipelineError(ShardkitError, ValueError):
@@ -76,6 +77,27 @@ def _check_callable(name: str, value: object) -> None:
 
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class _Uniforms:
+    """Uniform floats in [0, 1) from ``rng``, drawn a block at a time.
+
+    The sequence is fixed by the generator's state, so a position in it is
+    (generator state at the block's start, index in the block).
+    """
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+        self._block: list[float] = []
+        self._next = 0
+
+    def draw(self) -> float:
+        if self._next == len(self._block):
+            self._block = self._rng.random(_UNIFORM_BLOCK).tolist()
+            self._next = 0
+        value = self._block[self._next]
+        self._next += 1
+        return value
 
 
 class Pipeline(IterableDataset):
@@ -293,7 +315,7 @@ class _ShuffleIterator:
     def __init__(self, source: Iterator[Any], buffer_size: int, rng: np.random.Generator) -> None:
         self._source = source
         self._buffer_size = buffer_size
-        self._rng = rng
+        self._uniforms = _Uniforms(rng)
         self._buffer: list[Any] = []
         self._exhausted = False
 
@@ -309,7 +331,7 @@ class _ShuffleIterator:
                 self._exhausted = True
         if not buffer:
             raise StopIteration
-        pick = int(self._rng.random() * len(buffer))
+        pick = int(self._uniforms.draw() * len(buffer))
         sample = buffer[pick]
         buffer[pick] = buffer[-1]
         buffer.pop()
@@ -552,7 +574,7 @@ class _InterleaveIterator:
         stop_on_first: bool,
     ) -> None:
         self._weights = weights
-        self._rng = rng
+        self._uniforms = _Uniforms(rng)
         self._stop_on_first = stop_on_first
         self._sources = [iter(d) if w > 0 else None for d, w in zip(datasets, weights)]
         self._live = [i for i, w in enumerate(weights) if w > 0]
@@ -568,7 +590,7 @@ class _InterleaveIterator:
 
     def __next__(self) -> Any:
         while self._live:
-            point = self._rng.random() * self._cumulative[-1]
+            point = self._uniforms.draw() * self._cumulative[-1]
             slot = min(bisect_right(self._cumulative, point), len(self._live) - 1)
             index = self._live[slot]
             source = self._sources[index]
