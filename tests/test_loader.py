@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from shardkit import MixedLoader
+from shardkit import MixedLoader, wrap
 from shardkit.errors import ShardkitError
 from shardkit.loader import LoaderError, _accelerator_available
 
@@ -197,6 +197,19 @@ def test_ranks_with_equal_totals_yield_equal_batch_counts() -> None:
             for c in counts_per_rank
         }
         assert lengths == {4 if drop_last else 5}
+
+
+@pytest.mark.parametrize("balance", ["pad", "drop"])
+def test_ranks_of_a_shardkit_source_yield_equal_batch_counts(balance: str) -> None:
+    lengths = set()
+    for rank in range(3):
+        source = wrap(list(range(103)), rank=rank, world_size=3, balance=balance)
+        loader = MixedLoader(source, 8, num_workers=2)
+        batches = list(loader)
+        assert len(loader) == len(batches)
+        assert len({int(x) for b in batches for x in b}) == sum(len(b) for b in batches)
+        lengths.add(len(batches))
+    assert lengths == {5}
 
 
 def test_custom_collate_fn_sees_whole_batches() -> None:
