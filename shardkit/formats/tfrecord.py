@@ -92,8 +92,12 @@ def _blocks(stream: Any, src: _Source, *, first_index: int, offset: int, check_h
             pos = nxt
         if ends:
             block = _Block(buf, ends, index, offset)
-            if check_headers:
-                _check_headers(block, src)
+            bad = _first_bad_header(block) if check_headers else None
+            if bad is not None:  # hand out the good records before it, then raise
+                if bad:
+                    yield block._replace(ends=ends[:bad])
+                start = ends[bad - 1] if bad else 0
+                raise src.error(index + bad, offset + start, _length_crc_reason(buf[start : start + _HEADER]))
             yield block
             index += len(ends)
             offset += pos
@@ -136,15 +140,13 @@ def _u32_at(arr: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr[positions[:, None] + _U32_BYTES]).view("<u4").ravel()
 
 
-def _check_headers(block: _Block, src: _Source) -> None:
+def _first_bad_header(block: _Block) -> Optional[int]:
+    """Index (within the block) of the first record whose length CRC is wrong."""
     starts = _starts(block)
     lengths = np.array(block.ends, dtype=np.int64) - starts - _OVERHEAD
     stored = _u32_at(np.frombuffer(block.buf, np.uint8), starts + 8)
     bad = np.flatnonzero(masked_crc32c_of_lengths(lengths.astype(np.uint64)) != stored)
-    if bad.size:
-        k = int(bad[0])
-        start = int(starts[k])
-        raise src.error(block.first_index + k, block.offset + start, _length_crc_reason(block.buf[start : start + _HEADER]))
+    return int(bad[0]) if bad.size else None
 
 
 def _records(block: _Block, lo: int, hi: int, src: _Source, verify: bool) -> Iterator[bytes]:

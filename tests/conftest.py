@@ -1,0 +1,63 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """A local S3-compatible server (moto in server mode) on 127.0.0.1."""
+
+    endpoint_url: str
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options that reach this server."""
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"},
+            "use_listings_cache": False,
+            "skip_instance_cache": True,
+        }
+
+    def new_bucket(self) -> str:
+        """Create a bucket with a fresh name and return ``s3://<name>``."""
+        import fsspec
+
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        fsspec.filesystem("s3", **self.storage_options()).mkdir(name)
+        return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """Start moto's S3 server on a free port of 127.0.0.1 for the whole session."""
+    pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    credentials = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {name: os.environ.get(name) for name in credentials}
+    os.environ.update(credentials)
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield S3Server(f"http://{host}:{port}")
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
