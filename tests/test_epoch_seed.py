@@ -15,7 +15,7 @@ from shardkit import seeding
 from shardkit.epoch import SharedEpoch, call_with_epoch_offset, epoch_offset
 from shardkit.seeding import SeedError, current_seed, seed_everything, worker_seed
 from shardkit.topology import Topology
-from test_pipeline import EpochTagged, RangeSource
+from tests.test_pipeline import EpochTagged, RangeSource
 
 
 def probe(item: tuple[int, int]) -> dict[str, float]:
