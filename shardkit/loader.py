@@ -39,10 +39,9 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from itertools import islice
 from typing import Any
 
-import numpy
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from shardkit.errors import ShardkitError
@@ -83,10 +82,11 @@ class MixedLoader:
             workers and joins micro-batches in the main process.
         drop_last: drop the last batch of an epoch if it is not full.
         seed: seeds the placement of the workers' shares in each batch.
-        micro_batch_size: samples per message from a worker; defaults to
-            ``batch_size``. Smaller values shorten the wait for the first
-            batch and the samples held in the main process (up to about
-            ``num_workers * micro_batch_size``) at the cost of more messages.
+        micro_batch_size: samples per message from a worker (with workers);
+            defaults to ``batch_size``. The main process holds one or two
+            micro-batches per worker; smaller values shorten that and the
+            wait for the first batch, at the cost of more messages, which
+            cost most when samples are small.
         **dataloader_kwargs: passed to the underlying DataLoader; one of
             ``pin_memory``, ``pin_memory_device``, ``persistent_workers``,
             ``prefetch_factor`` (counted in micro-batches),
@@ -369,7 +369,7 @@ def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     out = torch.empty((sum(len(t) for t in tensors), *tensors[0].shape[1:]), dtype=tensors[0].dtype)
     try:
-        numpy.concatenate([t.numpy() for t in tensors], out=out.numpy())
+        np.concatenate([t.numpy() for t in tensors], out=out.numpy())
     except TypeError:
         torch.cat(tensors, out=out)
     return out
