@@ -475,9 +475,10 @@ def interleave(
     Draws are seeded from (``seed``, epoch, rank, worker): deterministic for a
     given topology and epoch, different per epoch. ``weights=None`` mixes
     evenly; weights need not sum to 1. A source with weight 0 is never read.
-    ``stop="first_exhausted"`` ends when a drawn source runs out (keeps the
-    mixing ratio exact); ``"all_exhausted"`` keeps drawing from the others
-    until every source is spent. ``set_epoch`` reaches every source.
+    ``stop="first_exhausted"`` ends when a drawn source runs out, so the mix
+    follows the weights to the end; ``"all_exhausted"`` keeps drawing from the
+    others, reweighted, until every source is spent. ``set_epoch`` reaches
+    every source.
     """
     return Interleave(datasets, weights, seed=seed, stop=stop)
 
