@@ -22,7 +22,7 @@ class S3Server:
         return {
             "key": "testing",
             "secret": "testing",
-            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"},
+            "client_kwargs": {"endpoint_url": self.endpoint_url},
             "use_listings_cache": False,
             "skip_instance_cache": True,
         }

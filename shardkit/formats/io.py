@@ -64,11 +64,14 @@ def check_compression(compression: Optional[str], *, allow_auto: bool) -> None:
 
 
 def open_raw(url: str, mode: str, storage_options: Optional[dict[str, Any]] = None) -> IO[bytes]:
-    """Open ``url`` with fsspec in binary ``mode`` ("rb" or "wb"), block-buffered."""
-    if mode == "wb":
-        make_parent_dirs(url, storage_options)
+    """Open ``url`` with fsspec in binary ``mode`` ("rb" or "wb"); reads fetch BLOCK_SIZE at a time."""
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return fs.open(path, mode, block_size=BLOCK_SIZE)
+    if mode == "wb":  # writers keep the filesystem's block size: S3 uploads need parts >= 5 MB
+        make_parent_dirs(url, storage_options)
+        return fs.open(path, mode)
+    # Readers ask for whole blocks, so fsspec's own read-ahead would only double
+    # each request: with no cache, every read is one ranged GET of that size.
+    return fs.open(path, mode, block_size=BLOCK_SIZE, cache_type="none")
 
 
 def make_parent_dirs(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:

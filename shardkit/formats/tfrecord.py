@@ -199,8 +199,8 @@ def _open(
     raw = open_raw(url, "rb", storage_options)
     try:
         head = b""
-        if compression == "auto":
-            head = raw.read(_HEADER)
+        if compression == "auto":  # the first block itself, unless about to seek away
+            head = raw.read(_HEADER if seek_to else BLOCK_SIZE)
             compression = detect_compression(head)
         if compression is None and seek_to:
             raw.seek(seek_to)
