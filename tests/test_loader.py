@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from shardkit import MixedLoader, wrap
 from shardkit.errors import ShardkitError
-from shardkit.loader import LoaderError, _accelerator_available
+from shardkit.loader import LoaderError, _accelerator_available, _Mixer
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -172,6 +173,31 @@ def test_same_seed_same_batches_whatever_the_timing() -> None:
     assert first == slow
     other_seed = run(MixedLoader(Tagged(counts), 8, num_workers=3, seed=8))
     assert other_seed != first
+
+
+@pytest.mark.parametrize(("counts", "batch_size", "micro"), [([7, 30, 0, 12], 5, 3), ([3, 3, 3], 2, 2), ([2, 1, 2, 1, 2], 2, 1), ([50, 1], 9, 9)])
+def test_batches_do_not_depend_on_arrival_order(counts: list[int], batch_size: int, micro: int) -> None:
+    """Feed the assembler every worker's messages in random interleavings."""
+    loader = MixedLoader(Tagged(counts), batch_size, num_workers=len(counts), seed=3)
+    streams = [
+        [
+            (w, len(chunk), default_collate([make_sample(w, i) for i in chunk]))
+            for chunk in (range(s, min(s + micro, n)) for s in range(0, n, micro))
+        ]
+        + [(w, 0, None)]
+        for w, n in enumerate(counts)
+    ]
+    rng = random.Random(0)
+    results = []
+    for _ in range(40):
+        queues = [list(stream) for stream in streams]
+        arrivals = []
+        while any(queues):
+            arrivals.append(rng.choice([q for q in queues if q]).pop(0))
+        results.append([ids(batch) for batch in _Mixer(loader, iter(arrivals))])
+    assert all(result == results[0] for result in results)
+    check_shares(results[0], counts, batch_size)
+    assert sorted(s for b in results[0] for s in b) == [(w, i) for w, n in enumerate(counts) for i in range(n)]
 
 
 def test_epoch_reaches_dataset_and_changes_order_with_persistent_workers() -> None:
