@@ -88,16 +88,7 @@ class ShardList:
         num_records: IntColumn | None = None,
         sizes: IntColumn | None = None,
     ) -> None:
-        url_column = _url_column(urls)
-        n = len(url_column)
-        table = pa.table(
-            {
-                URL: url_column,
-                NUM_RECORDS: _int_column(num_records, n, NUM_RECORDS),
-                SIZE: _int_column(sizes, n, "sizes"),
-            }
-        )
-        self._own(_write_temp(table))
+        self._own(_persist(lambda: _build_table(urls, num_records, sizes)))
 
     # -- other constructors -------------------------------------------------
 
@@ -159,16 +150,16 @@ class ShardList:
         local = isinstance(fs, LocalFileSystem)
         with fs.open(fs_path, "rb") as f:
             magic = f.read(len(_IPC_MAGIC))
+        join = _manifest_joiner(fs, fs_path)
         if magic == _IPC_MAGIC and local:
             table, zero_copy = _map_ipc(fs_path)
-        else:
-            table, zero_copy = _read_manifest(fs, fs_path, magic, path), False
-        normal = _normalize_manifest(table, path, _manifest_joiner(fs, fs_path))
-        if zero_copy and normal is table:
-            shards = cls.__new__(cls)
-            shards._borrow(os.path.abspath(fs_path), table)
-            return shards
-        return cls._from_table(normal)
+            if zero_copy and _normalize_manifest(table, path, join) is table:
+                shards = cls.__new__(cls)
+                shards._borrow(os.path.abspath(fs_path), table)
+                return shards
+            del table
+            return cls._build(lambda: _normalize_manifest(_map_ipc(fs_path)[0], path, join))
+        return cls._build(lambda: _normalize_manifest(_read_manifest(fs, fs_path, magic, path), path, join))
 
     def to_manifest(self, path: str, storage_options: Mapping[str, Any] | None = None) -> None:
         """Write this list as an uncompressed Arrow IPC file at ``path``.
@@ -197,8 +188,9 @@ class ShardList:
         ``num_records`` takes the same forms as in the constructor; use it to
         store the result of a counting pass.
         """
-        counts = _int_column(num_records, len(self), NUM_RECORDS)
-        return ShardList._from_table(self.table.set_column(1, NUM_RECORDS, counts))
+        return ShardList._build(
+            lambda: self.table.set_column(1, NUM_RECORDS, _int_column(num_records, len(self), NUM_RECORDS))
+        )
 
     def select(self, indices: Sequence[int] | np.ndarray) -> ShardList:
         """A new ShardList holding the rows at ``indices`` (negative ones count
@@ -216,7 +208,7 @@ class ShardList:
         bad = np.flatnonzero((positions < 0) | (positions >= n))
         if bad.size:
             raise IndexError(f"indices[{bad[0]}] is out of range for a ShardList of {n} urls")
-        return ShardList._from_table(self.table.take(pa.array(positions, pa.int64())))
+        return ShardList._build(lambda: self.table.take(pa.array(positions, pa.int64())))
 
     # -- reading -------------------------------------------------------------
 
@@ -325,9 +317,9 @@ class ShardList:
     # -- internals --------------------------------------------------------------
 
     @classmethod
-    def _from_table(cls, table: pa.Table) -> ShardList:
+    def _build(cls, make_table: Callable[[], pa.Table]) -> ShardList:
         shards = cls.__new__(cls)
-        shards._own(_write_temp(table))
+        shards._own(_persist(make_table))
         return shards
 
     def _own(self, path: str) -> None:
@@ -350,6 +342,18 @@ def _remove_owned(path: str, owner_pid: int) -> None:
 
 
 # -- columns and validation ----------------------------------------------------
+
+
+def _build_table(urls: Any, num_records: IntColumn | None, sizes: IntColumn | None) -> pa.Table:
+    url_column = _url_column(urls)
+    n = len(url_column)
+    return pa.table(
+        {
+            URL: url_column,
+            NUM_RECORDS: _int_column(num_records, n, NUM_RECORDS),
+            SIZE: _int_column(sizes, n, "sizes"),
+        }
+    )
 
 
 def _url_column(urls: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
@@ -451,6 +455,16 @@ def _write_temp(table: pa.Table) -> str:
     except BaseException:
         os.unlink(path)
         raise
+    return path
+
+
+def _persist(make_table: Callable[[], pa.Table]) -> str:
+    """Write the table ``make_table`` builds to a temporary file, then hand
+    the heap it used back to the OS. The table must have no other reference:
+    Arrow's allocator (mimalloc) keeps freed pages resident, and every forked
+    worker would inherit them (measured: 1.8x the data size instead of 1.0x)."""
+    path = _write_temp(make_table())
+    pa.default_memory_pool().release_unused()
     return path
 
 
