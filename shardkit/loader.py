@@ -268,7 +268,14 @@ class _Mixer(Iterator[Any]):
 
     def _allocate(self) -> dict[int, int]:
         """Shares of the next batch per worker, in placement order, pulling
-        messages until every worker's share is known to be available."""
+        messages until every worker's share is known to be available.
+
+        A worker that may still send data counts as unlimited, so shares only
+        change when a worker is known to run dry. Workers are ordered by a
+        per-worker key, which leaves the relative order of the others alone
+        whether or not a finished worker's end marker has arrived yet: the
+        result depends on what each worker yields, not on arrival order.
+        """
         while True:
             key = _mix64(self._epoch_key ^ self.batch_index)
             active = [w for w, left in enumerate(self._available) if left or not self._done[w]]
