@@ -178,6 +178,18 @@ def test_decode_matches_protobuf_on_canonical_messages(features: dict) -> None:
     assert normal_example(decode_example(record)) == reference_example(record)
 
 
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.binary(max_size=40), example_record().flatmap(lambda r: st.integers(0, len(r)).map(lambda i: r[:i]))))
+def test_garbage_and_truncated_records_fail_exactly_when_protobuf_fails(record: bytes) -> None:
+    try:
+        expected = reference_example(record)
+    except Exception:  # protobuf's DecodeError
+        with pytest.raises(ShardkitError, match="malformed tf.Example"):
+            decode_example(record)
+    else:
+        assert normal_example(decode_example(record)) == expected
+
+
 def test_decoded_types() -> None:
     example = example_pb2.Example()
     f = example.features.feature

@@ -71,6 +71,8 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 def _skip(buf: bytes, pos: int, tag: int) -> int:
     """Skip the value of an unknown field whose tag was just read."""
+    if tag < 8:
+        raise _Malformed(f"field number 0 at byte {pos}")
     wire = tag & 7
     if wire == 0:
         return _varint(buf, pos)[1]
@@ -104,7 +106,7 @@ def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int]]:
             pos += 1
         else:
             tag, pos = _varint(buf, pos)
-        if tag & 7 == 2:
+        if tag & 7 == 2 and tag > 8:
             length = buf[pos]
             if length < 0x80:
                 pos += 1
