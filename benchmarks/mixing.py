@@ -1,11 +1,11 @@
 """Throughput of shardkit.MixedLoader against a plain DataLoader on the same dataset.
 
-Two cases, both with 2 workers: small samples (a Python int) and large samples
-(a 3x224x224 uint8 tensor). The datasets do no work of their own, so the
-numbers measure loader overhead alone, the case least favourable to
-MixedLoader; the "random pixels" row adds per-sample work of the order of
-decoding a small image. Each configuration is timed ``--repeats`` times after one warm-up
-epoch (worker start-up excluded by persistent workers); the best run counts.
+Small samples (a Python int) and large samples (a 3x224x224 uint8 tensor),
+2 workers. The datasets do no work of their own, so most rows measure loader
+overhead alone, the case least favourable to MixedLoader; the "random pixels"
+row adds per-sample work of the order of decoding a small image. Each row is
+timed ``--repeats`` times after a warm-up epoch (persistent workers, so no
+start-up), the two loaders taking turns; the best epoch counts.
 
 MixedLoader copies each batch once in the main process while joining the
 workers' micro-batches; that copy is where the first touch of the
