@@ -257,6 +257,8 @@ class _Mixer(Iterator[Any]):
         if size == 0 or (self._drop_last and size < self._batch_size):
             self._finished = True
             self._source = None  # lets the DataLoader shut its workers down
+            for queue in self._pending:  # a dropped last batch
+                queue.clear()
             raise StopIteration
         parts = [part for worker, share in shares.items() for part in self._take(worker, share)]
         if self._collate_fn is None:
