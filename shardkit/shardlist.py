@@ -31,7 +31,7 @@ import uuid
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import fsspec
 import numpy as np
@@ -54,6 +54,7 @@ _PARQUET_MAGIC = b"PAR1"
 _GLOB_MAGIC = re.compile(r"[*?\[]")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
+#: What counts and sizes may be given as: ints and Nones, or an integer array.
 IntColumn = Sequence["int | None"] | np.ndarray | pa.Array | pa.ChunkedArray
 
 
@@ -154,6 +155,7 @@ class ShardList:
         if magic == _IPC_MAGIC and local:
             table, zero_copy = _map_ipc(fs_path)
             if zero_copy and _normalize_manifest(table, path, join) is table:
+                _release_heap()  # what validating the urls allocated
                 shards = cls.__new__(cls)
                 shards._borrow(os.path.abspath(fs_path), table)
                 return shards
@@ -231,7 +233,13 @@ class ShardList:
     def __len__(self) -> int:
         return self.table.num_rows
 
-    def __getitem__(self, index: int | slice) -> Any:
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> ShardList: ...
+
+    def __getitem__(self, index: int | slice) -> str | ShardList:
         """``sl[i]`` is the i-th url; ``sl[a:b:c]`` is a new ShardList."""
         n = len(self)
         if isinstance(index, slice):
@@ -460,12 +468,17 @@ def _write_temp(table: pa.Table) -> str:
 
 def _persist(make_table: Callable[[], pa.Table]) -> str:
     """Write the table ``make_table`` builds to a temporary file, then hand
-    the heap it used back to the OS. The table must have no other reference:
-    Arrow's allocator (mimalloc) keeps freed pages resident, and every forked
-    worker would inherit them (measured: 1.8x the data size instead of 1.0x)."""
+    the heap it used back to the OS (the table must have no other reference)."""
     path = _write_temp(make_table())
-    pa.default_memory_pool().release_unused()
+    _release_heap()
     return path
+
+
+def _release_heap() -> None:
+    """Return freed Arrow memory to the OS. Arrow's allocator (mimalloc) keeps
+    freed pages resident, and every forked worker would inherit them (measured
+    on 2M urls: 1.8x the data size in PSS instead of 1.0x)."""
+    pa.default_memory_pool().release_unused()
 
 
 def _map_ipc(path: str) -> tuple[pa.Table, bool]:
@@ -475,8 +488,9 @@ def _map_ipc(path: str) -> tuple[pa.Table, bool]:
         source = pa.memory_map(path, "r")
     except FileNotFoundError as err:
         raise ShardListError(
-            f"the ShardList file {path} is gone: the ShardList that created it was "
-            "garbage-collected or its process exited; keep it alive while workers run"
+            f"the Arrow IPC file {path} behind this ShardList is gone. A temporary file "
+            "is deleted when the ShardList that wrote it is garbage-collected or its "
+            "process exits: keep that ShardList alive while workers run"
         ) from err
     whole = source.read_buffer()
     start, end = whole.address, whole.address + whole.size
