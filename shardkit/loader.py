@@ -369,17 +369,25 @@ def _join(parts: list[tuple[Any, int, int]]) -> Any:
     raise TypeError(f"cannot join micro-batches of type {type(first).__name__}")
 
 
+#: Copies below this many elements run on one thread in torch too (its grain size).
+_SERIAL_COPY_ELEMENTS = 32768
+
+
 def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat`` along dim 0, copied by numpy where the dtype allows.
+    """``torch.cat`` along dim 0, large copies done by numpy where the dtype allows.
 
     The main process shares the CPU with busy workers; torch's intra-op
-    threads then spin and wait for each other, which made ``torch.cat`` 2-3x
-    slower than numpy's single-threaded copy in ``benchmarks/mixing.py``.
+    threads then spin and wait for each other, which made ``torch.cat`` of
+    3x224x224 images 2-3x slower than numpy's single-threaded copy in
+    ``benchmarks/mixing.py``.
     """
-    out = torch.empty((sum(len(t) for t in tensors), *tensors[0].shape[1:]), dtype=tensors[0].dtype)
+    if sum(t.numel() for t in tensors) < _SERIAL_COPY_ELEMENTS:
+        return torch.cat(tensors)
+    rows = sum(len(t) for t in tensors)
+    out = torch.empty((rows, *tensors[0].shape[1:]), dtype=tensors[0].dtype)
     try:
         np.concatenate([t.numpy() for t in tensors], out=out.numpy())
-    except TypeError:
+    except TypeError:  # a dtype numpy lacks, such as bfloat16
         torch.cat(tensors, out=out)
     return out
 

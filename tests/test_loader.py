@@ -266,16 +266,25 @@ def test_no_workers_batches_plainly() -> None:
     assert [len(ids(b)) for b in MixedLoader(dataset, 4, drop_last=True)] == [4, 4]
 
 
-def test_large_tensor_samples() -> None:
-    class Images(IterableDataset):
-        def __iter__(self) -> Iterator[torch.Tensor]:
-            worker = get_worker_info().id
-            return (torch.full((3, 224, 224), worker, dtype=torch.uint8) for _ in range(10))
+class Images(IterableDataset):
+    """Ten 3x224x224 images per worker, filled with the worker id."""
 
-    batches = list(MixedLoader(Images(), 8, num_workers=2))
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        worker = get_worker_info().id
+        return (torch.full((3, 224, 224), worker, dtype=self.dtype) for _ in range(10))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16])
+def test_large_tensor_samples(dtype: torch.dtype) -> None:
+    batches = list(MixedLoader(Images(dtype), 8, num_workers=2))
     assert [b.shape for b in batches] == [torch.Size([8, 3, 224, 224])] * 2 + [torch.Size([4, 3, 224, 224])]
     for batch in batches:
+        assert batch.dtype == dtype
         assert Counter(batch[:, 0, 0, 0].tolist()) == {0: len(batch) // 2, 1: len(batch) // 2}
+        assert all(torch.equal(image, torch.full_like(image, image[0, 0, 0])) for image in batch)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
