@@ -87,7 +87,7 @@ class MixedLoader:
             micro-batches per worker; smaller values shorten that and the
             wait for the first batch, at the cost of more messages, which
             cost most when samples are small.
-        **dataloader_kwargs: passed to the underlying DataLoader; one of
+        **dataloader_kwargs: passed to the underlying DataLoader; any of
             ``pin_memory``, ``pin_memory_device``, ``persistent_workers``,
             ``prefetch_factor`` (counted in micro-batches),
             ``multiprocessing_context``, ``timeout``, ``worker_init_fn``,
