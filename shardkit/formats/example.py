@@ -43,6 +43,7 @@ _F3_LEN: Final = 0x1A
 _F1_VARINT: Final = 0x08
 _F1_FIXED32: Final = 0x0D
 _U64: Final = (1 << 64) - 1
+_MAX_TAG: Final = (1 << 32) - 1  # field numbers go up to 2**29 - 1
 _SMALL_PACKED: Final = 24  # below this many bytes, decode varints in Python
 _BYTES, _FLOAT, _INT64 = _F1_LEN, _F2_LEN, _F3_LEN  # Feature's oneof members, by tag
 
@@ -71,8 +72,8 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 def _skip(buf: bytes, pos: int, tag: int) -> int:
     """Skip the value of an unknown field whose tag was just read."""
-    if tag < 8:
-        raise _Malformed(f"field number 0 at byte {pos}")
+    if tag < 8 or tag > _MAX_TAG:
+        raise _Malformed(f"field number {tag >> 3} out of range at byte {pos}")
     wire = tag & 7
     if wire == 0:
         return _varint(buf, pos)[1]
@@ -106,7 +107,7 @@ def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int]]:
             pos += 1
         else:
             tag, pos = _varint(buf, pos)
-        if tag & 7 == 2 and tag > 8:
+        if tag & 7 == 2 and 8 < tag <= _MAX_TAG:
             length = buf[pos]
             if length < 0x80:
                 pos += 1
@@ -243,7 +244,8 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
     Handles entries of exactly (key, value), each Feature holding one kind and
     each list one packed run (or only values, for bytes); anything else (unknown
     fields, unpacked values, merged messages) returns ``None`` and the general
-    decoder runs instead. Both paths give the same result.
+    decoder runs instead. Both paths give the same result. Lengths of one or two
+    bytes are decoded inline: a call per length costs about 10% of the decode.
     """
     out: dict[str, Value] = {}
     varint = _varint
@@ -253,6 +255,9 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
         length = buf[pos + 1]
         if length < 0x80:
             pos += 2
+        elif buf[pos + 2] < 0x80:
+            length = (length & 0x7F) | buf[pos + 2] << 7
+            pos += 3
         else:
             length, pos = varint(buf, pos + 1)
         stop = pos + length
@@ -266,6 +271,9 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
         length = buf[pos + 1]
         if length < 0x80:
             pos += 2
+        elif buf[pos + 2] < 0x80:
+            length = (length & 0x7F) | buf[pos + 2] << 7
+            pos += 3
         else:
             length, pos = varint(buf, pos + 1)
         if pos + length != stop:
@@ -277,6 +285,9 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
         length = buf[pos + 1]
         if length < 0x80:
             pos += 2
+        elif buf[pos + 2] < 0x80:
+            length = (length & 0x7F) | buf[pos + 2] << 7
+            pos += 3
         else:
             length, pos = varint(buf, pos + 1)
         if pos + length != stop:
@@ -289,6 +300,9 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
                 length = buf[pos + 1]
                 if length < 0x80:
                     pos += 2
+                elif buf[pos + 2] < 0x80:
+                    length = (length & 0x7F) | buf[pos + 2] << 7
+                    pos += 3
                 else:
                     length, pos = varint(buf, pos + 1)
                 items.append(buf[pos : pos + length])
@@ -305,6 +319,9 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
         length = buf[pos + 1]
         if length < 0x80:
             pos += 2
+        elif buf[pos + 2] < 0x80:
+            length = (length & 0x7F) | buf[pos + 2] << 7
+            pos += 3
         else:
             length, pos = varint(buf, pos + 1)
         if pos + length != stop:
