@@ -75,7 +75,22 @@ class _Source(Pipeline):
         return self._seed
 
     def topology(self) -> Topology:
+        if self.rank is None and self._process_group is not None:
+            return Topology.current(rank=self._process_group[0], world_size=self._process_group[1])
         return Topology.current(rank=self.rank, world_size=self.world_size)
+
+    _process_group: tuple[int, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for DataLoader workers (spawn, forkserver): carry this
+        process's torch.distributed rank, which a fresh worker process cannot see."""
+        state = self.__dict__.copy()
+        if self.rank is None:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                state["_process_group"] = (dist.get_rank(), dist.get_world_size())
+        return state
 
     def _start(self) -> tuple[Topology, int]:
         """Detect the reader and seed it for this pass; returns (topology, epoch)."""
@@ -259,7 +274,7 @@ class ShardedDataset(_PlannedSource):
         warnings.warn(f"skipping {lost} of {url} from record {position}: {error}", stacklevel=2)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         try:
             pickle.dumps(self.read_fn)
         except Exception as error:
