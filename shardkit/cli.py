@@ -20,79 +20,43 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from shardkit.planning import plan
     from shardkit.shardlist import ShardList
-    from shardkit.topology import Topology
 
-    shards = ShardList.from_manifest(args.manifest)
-    counts = shards.table.column("num_records")
     options = {"seed": args.seed, "epoch": args.epoch, "shuffle": args.shuffle, "balance": args.balance}
-    print(
-        f"{len(shards)} shards, {shards.total_records if counts.null_count == 0 else 'unknown'} records; "
-        f"world_size={args.world_size}, num_workers={args.num_workers}, "
-        + ", ".join(f"{k}={v}" for k, v in options.items())
-    )
-    print(f"{'rank':>4} {'worker':>6} {'records':>10} {'ranges':>7}  first ranges")
-    rank_totals = []
-    for rank in range(args.world_size):
-        rank_total = 0
-        for worker in range(args.num_workers):
-            ranges = plan(counts, Topology(rank, args.world_size, worker, args.num_workers), **options)
-            known = [r.stop - r.start for r in ranges if r.stop is not None]
-            records = str(sum(known)) if len(known) == len(ranges) else "?"
-            rank_total += sum(known)
-            shown = ", ".join(
-                f"{shards[r.shard].rsplit('/', 1)[-1]}[{r.start}:{'' if r.stop is None else r.stop}]"
-                for r in ranges[: args.show]
-            )
-            more = f" ... (+{len(ranges) - args.show})" if len(ranges) > args.show else ""
-            print(f"{rank:>4} {worker:>6} {records:>10} {len(ranges):>7}  {shown}{more}")
-        rank_totals.append(rank_total)
-    if counts.null_count == 0:
-        print("records per rank: " + ", ".join(str(t) for t in rank_totals))
+    shards = ShardList.from_manifest(args.manifest)
+    print(format_plan(shards, args.world_size, args.num_workers, show=args.show, **options))
     return 0
 
 
-def _progress_bar(url: str, compression: str | None, storage_options: dict | None = None) -> Any:
-    """A tqdm bar over a TFRecord file's bytes (total unknown if it is compressed)."""
-    import fsspec
-    from tqdm import tqdm
+def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3, **options: Any) -> str:
+    """A table of who reads what: each reader's record count and first ranges."""
+    from shardkit.planning import plan
+    from shardkit.topology import Topology
 
-    from shardkit.formats.io import open_raw
-    from shardkit.formats.tfrecord import detect_compression
-
-    if compression == "auto":
-        with open_raw(url, "rb", storage_options) as raw:
-            compression = detect_compression(raw.read(12))
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    total = fs.size(path) if compression is None else None
-    return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=False, disable=None)
-
-
-def _with_progress(url: str, compression: str | None, job: Callable[[Callable[[int], None]], Any]) -> Any:
-    """Run ``job(progress)`` with a progress bar that ``progress(bytes_done)`` advances."""
-    with _progress_bar(url, compression) as bar:
-        return job(lambda done: bar.update(done - bar.n))
-
-
-def _feature_schema(records: list[bytes]) -> dict[str, tuple[str, int, int]]:
-    """Feature name -> (kind, fewest values, most values) over tf.Example records."""
-    import numpy as np
-
-    from shardkit.formats.example import decode_example
-
-    schema: dict[str, tuple[str, int, int]] = {}
-    for record in records:
-        for name, value in decode_example(record).items():
-            if isinstance(value, np.ndarray):
-                kind = "int64" if value.dtype == np.int64 else "float"
-            else:
-                kind = "bytes" if value else "empty"
-            old_kind, low, high = schema.get(name, (kind, len(value), len(value)))
-            if old_kind != kind:
-                kind = f"{old_kind}|{kind}" if kind not in old_kind.split("|") else old_kind
-            schema[name] = (kind, min(low, len(value)), max(high, len(value)))
-    return schema
+    counts = shards.table.column("num_records")
+    known = counts.null_count == 0
+    lines = [
+        f"{len(shards)} shards, {shards.total_records if known else 'unknown'} records; "
+        f"world_size={world_size}, num_workers={num_workers}, " + ", ".join(f"{k}={v}" for k, v in options.items()),
+        f"{'rank':>4} {'worker':>6} {'records':>10} {'ranges':>7}  first ranges",
+    ]
+    rank_totals = []
+    for rank in range(world_size):
+        rank_total = 0
+        for worker in range(num_workers):
+            ranges = plan(counts, Topology(rank, world_size, worker, num_workers), **options)
+            sizes = [r.stop - r.start for r in ranges if r.stop is not None]
+            rank_total += sum(sizes)
+            shown = ", ".join(
+                f"{shards[r.shard].rsplit('/', 1)[-1]}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
+            )
+            more = f" ... (+{len(ranges) - show})" if len(ranges) > show else ""
+            records = str(sum(sizes)) if len(sizes) == len(ranges) else "?"
+            lines.append(f"{rank:>4} {worker:>6} {records:>10} {len(ranges):>7}  {shown}{more}")
+        rank_totals.append(rank_total)
+    if known:
+        lines.append("records per rank: " + ", ".join(str(t) for t in rank_totals))
+    return "\n".join(lines)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

@@ -374,14 +374,14 @@ class TFRecordReader:
     def __call__(self, url: str, start: int, stop: int | None) -> Iterator[Any]:
         from shardkit.formats.tfrecord import read_tfrecord
 
-        index = self._index_path(url) if start > 0 and self.compression in (None, "auto") else None
+        seekable = start > 0 and self.compression in (None, "auto")
         records = read_tfrecord(
             url,
             compression=self.compression,
             verify=self.verify,
             start=start,
             stop=stop,
-            index=index,
+            index=self._offsets(url) if seekable else None,
             storage_options=self.storage_options,
         )
         decode = self._decoder()
@@ -389,24 +389,24 @@ class TFRecordReader:
 
     def count(self, url: str) -> int:
         """Records in ``url``: from its index file if there is one, else a framing scan."""
-        from shardkit.formats.index import read_index
         from shardkit.formats.tfrecord import count_records
 
-        index = self._index_path(url)
-        if index is not None:
-            return len(read_index(index))
+        offsets = self._offsets(url)
+        if offsets is not None:
+            return len(offsets)
         return count_records(url, compression=self.compression, storage_options=self.storage_options)
 
-    def _index_path(self, url: str) -> str | None:
+    def _offsets(self, url: str) -> np.ndarray | None:
+        """The record offsets from ``url``'s index file, or None when there is none (or ``index=False``)."""
         if not self.index:
             return None
         import fsspec
 
-        from shardkit.formats.index import index_path_for
+        from shardkit.formats.index import index_path_for, read_index
 
         path = index_path_for(url)
         fs, fs_path = fsspec.core.url_to_fs(path, **(self.storage_options or {}))
-        return path if fs.exists(fs_path) else None
+        return read_index(path, storage_options=self.storage_options) if fs.exists(fs_path) else None
 
     def _decoder(self) -> Callable[[bytes], Any] | None:
         if callable(self.decode):
