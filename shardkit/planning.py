@@ -114,6 +114,86 @@ def plan(
     return stream.ranges(start, start + worker_size)
 
 
+def plan_intervals(
+    num_records: RecordCounts,
+    topology: Topology,
+    intervals: Sequence[tuple[int, int]],
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = False,
+    balance: Balance = "pad",
+) -> list[tuple[int, Range]]:
+    """The ranges holding positions ``intervals`` of this rank's chunk, in order.
+
+    Positions count records from the start of rank ``topology.rank``'s chunk
+    (``0 <= position < rank_span(...)[1]``), which does not depend on the number
+    of workers: resuming uses them to say what is left of an epoch. Each range
+    comes with the chunk position of its first record. The worker fields of
+    ``topology`` are not used; every record count must be known.
+
+    Raises:
+        PlanError: on unknown counts, intervals outside the chunk, or the
+            errors of :func:`plan`.
+    """
+    _check_arguments(topology, seed, epoch, balance)
+    counts, known = _normalise_counts(num_records)
+    if not known:
+        raise PlanError(
+            "planning by position needs the record count of every shard; give counts "
+            "(a manifest, index files) or call count_records() on the dataset"
+        )
+    total = int(counts.sum())
+    rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, balance)
+    stream = _Stream.build(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=topology.world_size)
+    out: list[tuple[int, Range]] = []
+    for start, stop in intervals:
+        if not 0 <= start <= stop <= rank_size:
+            raise PlanError(f"interval [{start}, {stop}) is outside this rank's chunk of {rank_size} records")
+        position = start
+        for piece in stream.ranges(rank_start + start, rank_start + stop) if stop > start else []:
+            out.append((position, piece))
+            position += piece.stop - piece.start
+    return out
+
+
+def union(intervals: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint, non-empty ``(start, stop)`` intervals covering the same positions."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted((int(a), int(b)) for a, b in intervals if b > a):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def share(intervals: Sequence[Sequence[int]], num_workers: int, worker_id: int) -> list[tuple[int, int]]:
+    """Worker ``worker_id``'s part of the positions in ``intervals``.
+
+    The positions, in order, are split as :func:`worker_span` splits a chunk:
+    worker ``w`` gets the ``w``-th run of ``n // num_workers`` (or one more)
+    of them, so the parts are disjoint, cover every position and differ in
+    size by at most one.
+    """
+    merged = union(intervals)
+    total = sum(stop - start for start, stop in merged)
+    offset, size = worker_span(total, num_workers, worker_id)
+    out: list[tuple[int, int]] = []
+    for start, stop in merged:
+        length = stop - start
+        if offset >= length:
+            offset -= length
+            continue
+        take = min(size, length - offset)
+        if take <= 0:
+            break
+        out.append((start + offset, start + offset + take))
+        size -= take
+        offset = 0
+    return out
+
+
 def rank_span(total: int, world_size: int, rank: int, balance: Balance) -> tuple[int, int]:
     """``(start, size)`` of rank ``rank``'s chunk of a ``total``-record stream.
 
@@ -267,4 +347,16 @@ def _check_arguments(topology: Topology, seed: int, epoch: int, balance: str) ->
             raise PlanError(f"{name} must be a non-negative int, got {value!r}")
 
 
-__all__ = ["BALANCES", "Balance", "PlanError", "Range", "plan", "rank_span", "reader_counts", "worker_span"]
+__all__ = [
+    "BALANCES",
+    "Balance",
+    "PlanError",
+    "Range",
+    "plan",
+    "plan_intervals",
+    "rank_span",
+    "reader_counts",
+    "share",
+    "union",
+    "worker_span",
+]

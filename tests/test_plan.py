@@ -188,3 +188,59 @@ def test_topology_rejects_impossible_values():
         Topology(rank=2, world_size=2)
     with pytest.raises(ValueError, match="num_workers must be >= 1"):
         Topology(num_workers=0)
+
+
+# -- positions of a rank's chunk (resume) ---------------------------------------
+
+intervals_strategy = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 60)), max_size=12).map(
+    lambda pairs: [(start, start + length) for start, length in pairs]
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(intervals_strategy, worker_counts)
+def test_share_splits_the_union_evenly_and_exactly(intervals, workers):
+    from shardkit.planning import share, union
+
+    merged = union(intervals)
+    positions = [p for start, stop in merged for p in range(start, stop)]
+    assert sorted(set(p for start, stop in intervals for p in range(start, stop))) == positions
+    parts = [[p for a, b in share(intervals, workers, w) for p in range(a, b)] for w in range(workers)]
+    assert [p for part in parts for p in part] == positions
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(shard_counts, worlds, worker_counts, st.sampled_from(["none", "pad", "drop"]), st.booleans(), st.integers(0, 99))
+def test_plan_intervals_of_a_worker_share_is_the_plan(counts, world, workers, balance, shuffle, seed):
+    from shardkit.planning import plan_intervals, rank_span, share
+
+    total = sum(counts)
+    assume(balance != "drop" or total == 0 or total >= world)
+    for rank in range(world):
+        size = rank_span(total, world, rank, balance)[1]
+        for worker in range(workers):
+            topology = Topology(rank, world, worker, workers)
+            kwargs = dict(seed=seed, epoch=2, shuffle=shuffle, balance=balance)
+            pieces = plan_intervals(counts, topology, share([(0, size)], workers, worker), **kwargs)
+            # The plan joins ranges that continue each other; so join the pieces too.
+            joined: list[Range] = []
+            for _, piece in pieces:
+                if joined and joined[-1].shard == piece.shard and joined[-1].stop == piece.start:
+                    joined[-1] = Range(piece.shard, joined[-1].start, piece.stop)
+                else:
+                    joined.append(piece)
+            assert joined == plan(counts, topology, **kwargs)
+            position = share([(0, size)], workers, worker)[0][0] if pieces else 0
+            for start, piece in pieces:  # positions count the records of the pieces
+                assert start >= position
+                position = start + piece.stop - piece.start
+
+
+def test_plan_intervals_rejects_unknown_counts_and_foreign_positions():
+    from shardkit.planning import plan_intervals
+
+    with pytest.raises(PlanError, match="record count of every shard"):
+        plan_intervals([3, None], Topology(), [(0, 1)], balance="none")
+    with pytest.raises(PlanError, match="outside this rank's chunk of 5 records"):
+        plan_intervals([5], Topology(), [(2, 9)])
