@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import posixpath
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,9 @@ def cache_path(shards: ShardList) -> str | None:
     return posixpath.join(posixpath.dirname(shards[0]), CACHE_NAME)
 
 
-def resolve_counts(shards: ShardList, count_fn: CountFn | None, *, why: str) -> ShardList:
+def resolve_counts(
+    shards: ShardList, count_fn: CountFn | None, *, why: str, storage_options: dict[str, Any] | None = None
+) -> ShardList:
     """``shards`` with every record count filled in.
 
     Args:
@@ -49,13 +52,14 @@ def resolve_counts(shards: ShardList, count_fn: CountFn | None, *, why: str) -> 
         count_fn: counts the records of one url; None when the format has no
             way to count.
         why: what needs the counts, for the log line and the error message.
+        storage_options: fsspec options for the cache beside the data.
 
     Raises:
         CountsUnavailableError: counts are missing and ``count_fn`` is None.
     """
     if shards.num_records is not None:
         return shards
-    cached = _read_cache(shards)
+    cached = _read_cache(shards, storage_options)
     if cached is not None:
         return cached
     if count_fn is None:
@@ -70,7 +74,7 @@ def resolve_counts(shards: ShardList, count_fn: CountFn | None, *, why: str) -> 
     counts = shards.table.column("num_records").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
     counts[missing] = _count(shards, missing, count_fn)
     counted = shards.with_num_records(counts)
-    _write_cache(counted)
+    _write_cache(counted, storage_options)
     return counted
 
 
@@ -91,13 +95,13 @@ def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndar
     return np.array([local[int(i)] for i in missing], dtype=np.int64)
 
 
-def _read_cache(shards: ShardList) -> ShardList | None:
+def _read_cache(shards: ShardList, storage_options: dict[str, Any] | None) -> ShardList | None:
     path = cache_path(shards)
     if path is None:
         return None
     try:
-        cached = ShardList.from_manifest(path)
-    except (OSError, ShardkitError):
+        cached = ShardList.from_manifest(path, storage_options=storage_options)
+    except Exception:  # noqa: BLE001 - no cache, or an unreadable one: count instead
         return None
     if cached.num_records is None:
         return None
@@ -114,11 +118,11 @@ def _read_cache(shards: ShardList) -> ShardList | None:
     return shards.with_num_records(counts)
 
 
-def _write_cache(shards: ShardList) -> None:
+def _write_cache(shards: ShardList, storage_options: dict[str, Any] | None) -> None:
     path = cache_path(shards)
     if path is None:
         return
     try:
-        shards.to_manifest(path)
-    except (OSError, ShardkitError) as error:  # read-only storage: count again next time
+        shards.to_manifest(path, storage_options=storage_options)
+    except Exception as error:  # noqa: BLE001 - read-only storage: count again next time
         logger.info("shardkit: could not cache record counts at %s (%s)", path, error)

@@ -211,6 +211,7 @@ class ShardedDataset(_PlannedSource):
         if count_fn is not None and not callable(count_fn):
             raise DatasetError(f"count_fn must be callable as count_fn(url) -> int, got {count_fn!r}")
         self.shards = as_shard_list(shards, storage_options)
+        self.storage_options = storage_options
         self.read_fn = read_fn
         self.on_error: OnError = on_error
         self.count_fn = count_fn
@@ -222,7 +223,7 @@ class ShardedDataset(_PlannedSource):
         Call it before building the DataLoader so that workers do not each
         count; the counts are also cached beside the data where writable.
         """
-        self.shards = resolve_counts(self.shards, self.count_fn, why=repr(self))
+        self.shards = resolve_counts(self.shards, self.count_fn, why=repr(self), storage_options=self.storage_options)
         return self
 
     def stats(self) -> ReadStats:
