@@ -49,7 +49,7 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
     from shardkit.dataset import ShardedDataset, TFRecordDataset, wrap
     from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
     from shardkit.formats.index import build_index

@@ -59,6 +59,48 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
     return "\n".join(lines)
 
 
+def _progress_bar(url: str, compression: str | None, storage_options: dict | None = None) -> Any:
+    """A tqdm bar over a TFRecord file's bytes (total unknown if it is compressed)."""
+    import fsspec
+    from tqdm import tqdm
+
+    from shardkit.formats.io import open_raw
+    from shardkit.formats.tfrecord import detect_compression
+
+    if compression == "auto":
+        with open_raw(url, "rb", storage_options) as raw:
+            compression = detect_compression(raw.read(12))
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    total = fs.size(path) if compression is None else None
+    return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=False, disable=None)
+
+
+def _with_progress(url: str, compression: str | None, job: Callable[[Callable[[int], None]], Any]) -> Any:
+    """Run ``job(progress)`` with a progress bar that ``progress(bytes_done)`` advances."""
+    with _progress_bar(url, compression) as bar:
+        return job(lambda done: bar.update(done - bar.n))
+
+
+def _feature_schema(records: list[bytes]) -> dict[str, tuple[str, int, int]]:
+    """Feature name -> (kind, fewest values, most values) over tf.Example records."""
+    import numpy as np
+
+    from shardkit.formats.example import decode_example
+
+    schema: dict[str, tuple[str, int, int]] = {}
+    for record in records:
+        for name, value in decode_example(record).items():
+            if isinstance(value, np.ndarray):
+                kind = "int64" if value.dtype == np.int64 else "float"
+            else:
+                kind = "bytes" if value else "empty"
+            old_kind, low, high = schema.get(name, (kind, len(value), len(value)))
+            if old_kind != kind:
+                kind = f"{old_kind}|{kind}" if kind not in old_kind.split("|") else old_kind
+            schema[name] = (kind, min(low, len(value)), max(high, len(value)))
+    return schema
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import itertools
 

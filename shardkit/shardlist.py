@@ -40,6 +40,7 @@ import pyarrow.compute as pc
 from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError
+from shardkit.tempfiles import delete_with
 
 __all__ = ["ShardList", "ShardListError"]
 
@@ -333,20 +334,12 @@ class ShardList:
     def _own(self, path: str) -> None:
         self._path = path
         self._table = None
-        self._finalizer: weakref.finalize | None = weakref.finalize(self, _remove_owned, path, os.getpid())
+        self._finalizer: weakref.finalize | None = delete_with(self, path)
 
     def _borrow(self, path: str, table: pa.Table) -> None:
         self._path = path
         self._table = table
         self._finalizer = None
-
-
-def _remove_owned(path: str, owner_pid: int) -> None:
-    """Delete a temporary backing file, only in the process that wrote it
-    (a forked child inherits the finalizer but must not delete the file)."""
-    if os.getpid() == owner_pid:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 # -- columns and validation ----------------------------------------------------

@@ -10,15 +10,15 @@ under every start method.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import tempfile
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from shardkit.tempfiles import delete_with
 
 READ, SKIPPED, ERRORS = 0, 1, 2
 
@@ -62,7 +62,7 @@ class SharedStats:
         self._counts = torch.zeros((num_shards, 3), dtype=torch.int64).share_memory_()
         fd, self._lock_path = tempfile.mkstemp(prefix="shardkit-stats-", suffix=".lock")
         os.close(fd)
-        self._finalizer = weakref.finalize(self, _remove_owned, self._lock_path, os.getpid())
+        self._finalizer = delete_with(self, self._lock_path)
 
     def __getstate__(self) -> dict[str, object]:
         return {"counts": self._counts, "lock_path": self._lock_path}
@@ -88,9 +88,3 @@ class SharedStats:
     def snapshot(self) -> ReadStats:
         counts = self._counts.numpy().copy()
         return ReadStats(read=counts[:, READ], skipped=counts[:, SKIPPED], errors=counts[:, ERRORS])
-
-
-def _remove_owned(path: str, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)

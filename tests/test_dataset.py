@@ -7,7 +7,6 @@ import functools
 import pickle
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
