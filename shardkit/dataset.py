@@ -9,15 +9,23 @@ start of ``__iter__``: detect its :class:`~shardkit.Topology`, read the epoch
 from shared memory, seed ``random``/numpy/torch for this reader, and take its
 part of the :func:`~shardkit.plan`. Nothing about the topology is read in
 ``__init__``: a dataset built before the process group exists still splits.
+
+Resuming (``state_dict`` / ``load_state_dict``, see :mod:`shardkit.state`):
+a planned source saves the positions of its rank's chunk it has not read yet.
+The chunk does not depend on the number of workers, so a state merged from
+all workers resumes with any number of them, each reading an even part of
+what is left. A ``wrap`` of a plain iterable saves how many items its reader
+stepped past and resumes into the same reader slot only.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
@@ -26,9 +34,10 @@ from shardkit.counting import CountFn, resolve_counts
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.pipeline import Pipeline
-from shardkit.planning import BALANCES, Balance, Range, plan, rank_span
+from shardkit.planning import BALANCES, Balance, Range, plan, plan_intervals, rank_span, share, union
 from shardkit.seeding import check_seed, seed_iteration
 from shardkit.shardlist import ShardList
+from shardkit.state import State, StateError, applies, check, expect_equal, node, own_share, share_of
 from shardkit.stats import ReadStats, SharedStats
 from shardkit.topology import Topology
 
@@ -81,10 +90,13 @@ class _Source(Pipeline):
 
     _process_group: tuple[int, int] | None = None
 
+    def _load_upstream(self, state: State) -> None:
+        """A source has no inputs."""
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for DataLoader workers (spawn, forkserver): carry this
         process's torch.distributed rank, which a fresh worker process cannot see."""
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         if self.rank is None:
             import torch.distributed as dist
 
@@ -99,8 +111,16 @@ class _Source(Pipeline):
         return topology, epoch
 
 
+class _Skipped(NamedTuple):
+    """Yielded by ``_read`` in place of ``records`` records it could not read (on_error='skip')."""
+
+    records: int
+
+
 class _PlannedSource(_Source):
     """A source whose records are ranges of numbered shards, split by :func:`plan`."""
+
+    _state_kind = "planned"
 
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
         """Per-shard record counts for the plan: an int64 array, or, where some
@@ -110,12 +130,40 @@ class _PlannedSource(_Source):
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
         raise NotImplementedError
 
-    def _plan(self, topology: Topology, epoch: int) -> list[Range]:
+    def _counts(self, topology: Topology) -> tuple[Any, Balance]:
+        """Record counts for the plan and the balance to plan with."""
         required = topology.world_size > 1 and self.balance != "none"
         counts = self._record_counts(topology, required=required)
         # Unknown counts on one rank: whole shards to the workers, nothing to equalise.
         balance = self.balance if isinstance(counts, np.ndarray) else "none"
-        return plan(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffle, balance=balance)
+        return counts, balance
+
+    def _fingerprint(self, counts: Any) -> dict[str, Any]:
+        """What a state must agree on with the dataset it is loaded into (no file names)."""
+        if not isinstance(counts, np.ndarray):
+            raise StateError(
+                f"{self!r}: resuming needs the record count of every shard, and some are unknown; "
+                "call count_records() (or give counts: a manifest, index files) before iterating"
+            )
+        return {
+            "shards": len(counts),
+            "records": int(counts.sum()),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "balance": self.balance,
+        }
+
+    def load_state_dict(self, state: State) -> None:
+        """Resume from ``state`` at the next ``__iter__``; see :meth:`Pipeline.load_state_dict`.
+
+        Raises:
+            StateError: the state is of another dataset (shard count, record
+                count, seed, shuffle, balance) or another format version.
+        """
+        check(state, self._state_kind, self)
+        counts, _ = self._counts(self.topology())
+        expect_equal(self, "dataset", state["fingerprint"], self._fingerprint(counts))
+        self._pending = state
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all of its workers together)."""
@@ -125,20 +173,73 @@ class _PlannedSource(_Source):
             raise self._unknown_length("the record counts of its shards are unknown (call count_records() first)")
         return rank_span(int(counts.sum()), topology.world_size, topology.rank, self.balance)[1]
 
-    def __iter__(self) -> Iterator[Any]:
+    def _open(self, state: State | None) -> Iterator[Any]:
         topology, epoch = self._start()
-        return _RangeReader(self, self._plan(topology, epoch))
+        counts, balance = self._counts(topology)
+        kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle, "balance": balance}
+        if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
+            if state is not None:
+                self._fingerprint(counts)  # raises, naming the fix
+            return _RangeReader(self, [(None, r) for r in plan(counts, topology, **kwargs)], epoch, topology, None)
+        fingerprint = self._fingerprint(counts)
+        size = rank_span(int(counts.sum()), topology.world_size, topology.rank, balance)[1]
+        intervals = share([(0, size)], topology.num_workers, topology.worker_id)
+        if state is not None and applies(state, epoch, self):
+            expect_equal(self, "dataset", state["fingerprint"], fingerprint)
+            expect_equal(self, "world_size", state["world_size"], topology.world_size)
+            expect_equal(self, "rank", state["rank"], topology.rank)
+            remaining = state["remaining"]
+            own = own_share(state, topology.worker_id, topology.num_workers, self)
+            intervals = union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)
+        pieces = plan_intervals(counts, topology, intervals, **kwargs)
+        return _RangeReader(self, pieces, epoch, topology, fingerprint)
 
 
 class _RangeReader:
-    """Reads one reader's ranges in order; the cursor is (range, records done)."""
+    """Reads one reader's ranges in order; the cursor is (range, records done).
 
-    def __init__(self, source: _PlannedSource, ranges: list[Range]) -> None:
+    Each range comes with the rank-chunk position of its first record (None
+    when record counts are unknown), so what is left can be saved as positions.
+    """
+
+    def __init__(
+        self,
+        source: _PlannedSource,
+        pieces: list[tuple[int | None, Range]],
+        epoch: int,
+        topology: Topology,
+        fingerprint: dict[str, Any] | None,
+    ) -> None:
         self._source = source
-        self.ranges = ranges
+        self.positions = [position for position, _ in pieces]
+        self.ranges = [piece for _, piece in pieces]
         self.range_index = 0
         self.done_in_range = 0
         self._records: Iterator[Any] | None = None
+        self._epoch = epoch
+        self._topology = topology
+        self._fingerprint = fingerprint
+
+    def state_dict(self) -> State:
+        """The positions of this reader's part not read yet (records, not samples)."""
+        if self._fingerprint is None:
+            self._source._fingerprint(None)  # raises, naming the fix
+        remaining = []
+        for index in range(self.range_index, len(self.ranges)):
+            _, start, stop = self.ranges[index]
+            position = self.positions[index]
+            done = self.done_in_range if index == self.range_index else 0
+            remaining.append((position + done, position + stop - start))  # type: ignore[operator]
+        topology = self._topology
+        return node(
+            "planned",
+            epoch=self._epoch,
+            world_size=topology.world_size,
+            rank=topology.rank,
+            fingerprint=self._fingerprint,
+            remaining=[list(interval) for interval in union(remaining)],
+            share=share_of(topology.worker_id, topology.num_workers),
+        )
 
     def __iter__(self) -> _RangeReader:
         return self
@@ -152,6 +253,9 @@ class _RangeReader:
                 sample = next(self._records)
             except StopIteration:
                 self._finish_range()
+                continue
+            if isinstance(sample, _Skipped):
+                self.done_in_range += sample.records
                 continue
             self.done_in_range += 1
             return sample
@@ -247,6 +351,8 @@ class ShardedDataset(_PlannedSource):
         return self.shards.table.column("num_records")
 
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
+        """The samples of records ``[start, stop)``, with a :class:`_Skipped` for
+        records skipped under ``on_error="skip"`` so that positions stay exact."""
         url = self.shards[shard]
         position = start
         try:
@@ -267,12 +373,14 @@ class ShardedDataset(_PlannedSource):
             # One record's data is bad, the framing around it is fine: skip just it.
             self._stats.add(shard, skipped=1)
             warnings.warn(f"skipping record {position} of {url}: {error}", stacklevel=2)
+            yield _Skipped(1)
             yield from self._read(shard, position + 1, stop)
             return
         lost = "the rest of the shard (count unknown)" if stop is None else f"{stop - position} records"
+        warnings.warn(f"skipping {lost} of {url} from record {position}: {error}", stacklevel=2)
         if stop is not None:
             self._stats.add(shard, skipped=stop - position)
-        warnings.warn(f"skipping {lost} of {url} from record {position}: {error}", stacklevel=2)
+            yield _Skipped(stop - position)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -487,9 +595,15 @@ class StreamSource(_Source):
         super().__init__(shuffle=False, seed=seed, balance=balance, rank=rank, world_size=world_size)
         self.iterable = iterable
 
-    def __iter__(self) -> Iterator[Any]:
-        topology, _ = self._start()
-        return _StrideReader(iter(self.iterable), topology.reader_index, topology.num_readers, self.balance)
+    _state_kind = "stream"
+
+    def _open(self, state: State | None) -> Iterator[Any]:
+        topology, epoch = self._start()
+        reader = _StrideReader(iter(self.iterable), topology.reader_index, topology.num_readers, self.balance, epoch)
+        if state is not None and applies(state, epoch, self):
+            expect_equal(self, "reader slot [rank * num_workers + worker, readers]", state["reader"], reader.slot)
+            reader.skip(state["items"], state["done"])
+        return reader
 
     def __repr__(self) -> str:
         return f"wrap({type(self.iterable).__name__}, balance={self.balance!r})"
@@ -503,12 +617,28 @@ class _StrideReader:
     reader (wrapping round the group), so all readers yield the same number.
     """
 
-    def __init__(self, items: Iterator[Any], reader: int, readers: int, balance: Balance) -> None:
+    def __init__(self, items: Iterator[Any], reader: int, readers: int, balance: Balance, epoch: int) -> None:
         self._items = items
         self._reader = reader
         self._readers = readers
         self._balance = balance
         self._done = False
+        self._epoch = epoch
+        self.items_seen = 0
+
+    @property
+    def slot(self) -> list[int]:
+        return [self._reader, self._readers]
+
+    def skip(self, items: int, done: bool) -> None:
+        """Step past the ``items`` items a saved reader had stepped past (they are read again)."""
+        for _ in itertools.islice(self._items, items):
+            self.items_seen += 1
+        self._done = done
+
+    def state_dict(self) -> State:
+        """How many items this reader has stepped past; resuming replays them."""
+        return node("stream", epoch=self._epoch, reader=self.slot, items=self.items_seen, done=self._done)
 
     def __iter__(self) -> _StrideReader:
         return self
@@ -518,6 +648,7 @@ class _StrideReader:
             raise StopIteration
         group = []
         for item in self._items:
+            self.items_seen += 1
             group.append(item)
             if len(group) == self._readers:
                 return group[self._reader]

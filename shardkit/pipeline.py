@@ -14,7 +14,11 @@ Plumbing shared along a chain, all answered by the source at the root:
   reader and per epoch and repeats across runs.
 
 Each ``__iter__`` returns an iterator object that keeps its cursor in
-attributes (no generator frames), so its position can be saved and restored.
+attributes (no generator frames), so its position can be saved and restored:
+every pipeline has ``state_dict()`` (where its latest iteration in this
+process stands) and ``load_state_dict(state)`` (resume there at the next
+``__iter__``), the Stateful protocol of torchdata's ``StatefulDataLoader``.
+The format is described in :mod:`shardkit.state`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ from torch.utils.data import IterableDataset, default_collate
 from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset
 from shardkit.errors import ShardkitError
 from shardkit.seeding import INTERLEAVE_STREAM, SHUFFLE_STREAM, check_seed, generator
+from shardkit.state import (
+    State,
+    StateError,
+    applies,
+    check,
+    decode,
+    encode,
+    generator_state,
+    node,
+    own_share,
+    restore_generator,
+    share_of,
+)
 from shardkit.topology import Topology
 
 __all__ = [
@@ -86,18 +103,53 @@ class _Uniforms:
     (generator state at the block's start, index in the block).
     """
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, state: State | None = None) -> None:
         self._rng = rng
         self._block: list[float] = []
+        self._next = 0
+        self._block_start: dict[str, Any] | None = None
+        if state is not None:
+            self._rng = restore_generator(state["generator"])
+            if state["next"]:
+                self._draw_block()
+                self._next = state["next"]
+
+    def _draw_block(self) -> None:
+        self._block_start = generator_state(self._rng)
+        self._block = self._rng.random(_UNIFORM_BLOCK).tolist()
         self._next = 0
 
     def draw(self) -> float:
         if self._next == len(self._block):
-            self._block = self._rng.random(_UNIFORM_BLOCK).tolist()
-            self._next = 0
+            self._draw_block()
         value = self._block[self._next]
         self._next += 1
         return value
+
+    def state_dict(self) -> State:
+        """The position in the sequence: generator state at the block's start and index in it."""
+        if self._block_start is None:
+            return {"generator": generator_state(self._rng), "next": 0}
+        return {"generator": self._block_start, "next": self._next}
+
+
+def _same_reader(state: State, own: bool, topology: Topology) -> bool:
+    """Whether ``state`` continues this reader's own draws: its own worker
+    state, or a one-worker state resumed by one worker (merged states drop
+    the generator position)."""
+    return own or (topology.num_workers == 1 and state["rng"] is not None)
+
+
+def _iterator_state(iterator: Iterator[Any]) -> State:
+    """The state of an upstream iterator, which must be a shardkit one."""
+    state_dict = getattr(iterator, "state_dict", None)
+    if state_dict is None:
+        raise StateError(
+            f"cannot save the position of a {type(iterator).__name__}: it has no state_dict(). "
+            "Pipelines whose __iter__ returns a generator cannot be resumed; return an iterator "
+            "object that keeps its cursor in attributes and implements state_dict()"
+        )
+    return state_dict()
 
 
 class Pipeline(IterableDataset):
@@ -109,6 +161,11 @@ class Pipeline(IterableDataset):
     """
 
     upstream: tuple[Pipeline, ...] = ()
+
+    #: The ``kind`` of this stage's state node; see :mod:`shardkit.state`.
+    _state_kind = ""
+    _iterator: Any = None
+    _pending: State | None = None
 
     # -- chaining ------------------------------------------------------------
 
@@ -197,7 +254,62 @@ class Pipeline(IterableDataset):
         raise self._unknown_length(f"{type(self).__name__} is an unbounded or unknown-length stream")
 
     def __iter__(self) -> Iterator[Any]:
-        raise NotImplementedError(f"{type(self).__name__} must implement __iter__")
+        """Start an iteration, resuming a state given to :meth:`load_state_dict`."""
+        state, self._pending = self._pending, None
+        iterator = self._open(state)
+        self._iterator = iterator
+        return iterator
+
+    def _open(self, state: State | None) -> Iterator[Any]:
+        """A new iterator; ``state`` is this stage's loaded state node, if any."""
+        raise NotImplementedError(f"{type(self).__name__} must implement __iter__ or _open")
+
+    # -- state ---------------------------------------------------------------
+
+    def state_dict(self) -> State:
+        """Where the latest iteration of this pipeline in this process stands.
+
+        Plain data (dicts, lists, ints, strings) that ``json`` and
+        ``torch.save`` can hold; see :mod:`shardkit.state` for the format.
+        Before any iteration it is the state given to :meth:`load_state_dict`.
+        With DataLoader workers, each worker's copy has its own: save the
+        loader's state (``StatefulDataLoader.state_dict()``,
+        :meth:`MixedLoader.state_dict`) instead.
+        """
+        if self._iterator is not None:
+            return self._iterator.state_dict()
+        if self._pending is not None:
+            return self._pending
+        raise StateError(
+            f"{self!r} has not been iterated in this process, so it has no position to save; "
+            "with DataLoader workers save the loader's state (StatefulDataLoader or MixedLoader)"
+        )
+
+    def load_state_dict(self, state: State) -> None:
+        """Resume from ``state`` (from :meth:`state_dict`) at the next ``__iter__``.
+
+        It applies to the next iteration here and in every DataLoader worker
+        started from this object afterwards. It does not set the epoch: call
+        ``set_epoch(state["epoch"])`` too (an iteration of a later epoch
+        ignores the state; of an earlier one, raises).
+
+        Raises:
+            StateError: the state is of another pipeline, another dataset
+                (shards, records, seed, shuffle, balance) or version.
+        """
+        check(state, self._state_kind, self)
+        self._load_upstream(state)
+        self._pending = state
+
+    def _load_upstream(self, state: State) -> None:
+        """Pass the inputs' parts of ``state`` to the inputs."""
+        self._first_upstream("load_state_dict").load_state_dict(state["upstream"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the live iterator (DataLoader workers make their own)."""
+        state = self.__dict__.copy()
+        state.pop("_iterator", None)
+        return state
 
 
 class _Wrapper(Pipeline):
@@ -228,10 +340,12 @@ class Map(_Wrapper):
         _check_callable("map(fn)", fn)
         self.fn = fn
 
+    _state_kind = "map"
+
     def __len__(self) -> int:
         return len(self.source)
 
-    def __iter__(self) -> Iterator[Any]:
+    def _open(self, state: State | None) -> Iterator[Any]:
         return _MapIterator(iter(self.source), self.fn)
 
     def __repr__(self) -> str:
@@ -249,6 +363,9 @@ class _MapIterator:
     def __next__(self) -> Any:
         return self._fn(next(self._source))
 
+    def state_dict(self) -> State:
+        return node("map", upstream=_iterator_state(self._source))
+
 
 # -- filter -------------------------------------------------------------------
 
@@ -264,7 +381,9 @@ class Filter(_Wrapper):
     def __len__(self) -> int:
         raise self._unknown_length("filter() drops a number of samples known only after reading them")
 
-    def __iter__(self) -> Iterator[Any]:
+    _state_kind = "filter"
+
+    def _open(self, state: State | None) -> Iterator[Any]:
         return _FilterIterator(iter(self.source), self.predicate)
 
     def __repr__(self) -> str:
@@ -285,6 +404,9 @@ class _FilterIterator:
             if self._predicate(sample):
                 return sample
 
+    def state_dict(self) -> State:
+        return node("filter", upstream=_iterator_state(self._source))
+
 
 # -- shuffle ------------------------------------------------------------------
 
@@ -300,10 +422,16 @@ class Shuffle(_Wrapper):
     def __len__(self) -> int:
         return len(self.source)
 
-    def __iter__(self) -> Iterator[Any]:
+    _state_kind = "shuffle"
+
+    def _open(self, state: State | None) -> Iterator[Any]:
         seed = self.seed if self.shuffle_seed is None else self.shuffle_seed
-        rng = generator(seed, self.epoch, self.topology(), SHUFFLE_STREAM)
-        return _ShuffleIterator(iter(self.source), self.buffer_size, rng)
+        epoch, topology = self.epoch, self.topology()
+        rng = generator(seed, epoch, topology, SHUFFLE_STREAM)
+        iterator = _ShuffleIterator(iter(self.source), self.buffer_size, rng, epoch, topology)
+        if state is not None and applies(state, epoch, self):
+            iterator.restore(state, own_share(state, topology.worker_id, topology.num_workers, self))
+        return iterator
 
     def __repr__(self) -> str:
         return f"{self.source!r}.shuffle({self.buffer_size}, seed={self.shuffle_seed})"
@@ -312,12 +440,40 @@ class Shuffle(_Wrapper):
 class _ShuffleIterator:
     """Keeps ``buffer_size`` samples; each step pulls one in and hands a random one out."""
 
-    def __init__(self, source: Iterator[Any], buffer_size: int, rng: np.random.Generator) -> None:
+    def __init__(
+        self, source: Iterator[Any], buffer_size: int, rng: np.random.Generator, epoch: int, topology: Topology
+    ) -> None:
         self._source = source
         self._buffer_size = buffer_size
         self._uniforms = _Uniforms(rng)
         self._buffer: list[Any] = []
         self._exhausted = False
+        self._epoch = epoch
+        self._topology = topology
+
+    def restore(self, state: State, own: bool) -> None:
+        """Refill the buffer (and, for this worker's own state, the draws) from ``state``.
+
+        A whole-rank state's buffered samples are dealt out: worker ``w`` of
+        ``n`` takes every ``n``-th one from the ``w``-th on.
+        """
+        buffered = [sample for chunk in state["buffer"] for sample in decode(chunk)]
+        topology = self._topology
+        self._buffer = buffered if own else buffered[topology.worker_id :: topology.num_workers]
+        if _same_reader(state, own, topology):
+            self._uniforms = _Uniforms(self._uniforms._rng, state["rng"])
+
+    def state_dict(self) -> State:
+        """The buffered samples are saved (encoded), so a restore is exact without re-reading."""
+        topology = self._topology
+        return node(
+            "shuffle",
+            epoch=self._epoch,
+            buffer=[encode(self._buffer)] if self._buffer else [],
+            rng=self._uniforms.state_dict(),
+            share=share_of(topology.worker_id, topology.num_workers),
+            upstream=_iterator_state(self._source),
+        )
 
     def __iter__(self) -> _ShuffleIterator:
         return self
@@ -369,7 +525,9 @@ class Batch(_Wrapper):
             return samples // self.batch_size
         return math.ceil(samples / self.batch_size)
 
-    def __iter__(self) -> Iterator[Any]:
+    _state_kind = "batch"
+
+    def _open(self, state: State | None) -> Iterator[Any]:
         return _BatchIterator(iter(self.source), self.batch_size, self.collate_fn, self.drop_last)
 
     def __repr__(self) -> str:
@@ -398,6 +556,10 @@ class _BatchIterator:
             raise StopIteration
         return self._collate_fn(samples)
 
+    def state_dict(self) -> State:
+        """A batch is made in one step, so no partial batch is ever pending."""
+        return node("batch", upstream=_iterator_state(self._source))
+
 
 # -- repeat -------------------------------------------------------------------
 
@@ -421,22 +583,42 @@ class Repeat(_Wrapper):
             raise self._unknown_length("repeat() without a count never ends; pass repeat(count) for a finite length")
         return self.count * len(self.source)
 
-    def __iter__(self) -> Iterator[Any]:
-        return _RepeatIterator(self.source, self.count)
+    _state_kind = "repeat"
+
+    def _open(self, state: State | None) -> Iterator[Any]:
+        epoch = self.epoch
+        return _RepeatIterator(self.source, self.count, epoch, state if state and applies(state, epoch, self) else None)
+
+    def _load_upstream(self, state: State) -> None:
+        if state["upstream"] is not None:  # None: every pass is done
+            self.source.load_state_dict(state["upstream"])
 
     def __repr__(self) -> str:
         return f"{self.source!r}.repeat({self.count})"
 
 
 class _RepeatIterator:
-    def __init__(self, upstream: Pipeline, count: int | None) -> None:
+    def __init__(self, upstream: Pipeline, count: int | None, epoch: int, state: State | None = None) -> None:
         self._upstream = upstream
         self._count = count
+        self._epoch = epoch
         outer = epoch_offset()
         self._first_offset = outer if count is None else outer * count
         self._pass = 0
         self._yielded_this_pass = 0
-        self._source: Iterator[Any] | None = self._start_pass()
+        if state is not None:
+            self._pass = state["pass"]
+            self._yielded_this_pass = int(state["yielded"])
+        self._source: Iterator[Any] | None = None
+        if state is None or state["upstream"] is not None:
+            self._source = self._start_pass()
+
+    def state_dict(self) -> State:
+        """The pass, whether it has yielded yet, and the pass's upstream state (None when done)."""
+        upstream = None if self._source is None else _iterator_state(self._source)
+        return node(
+            "repeat", epoch=self._epoch, **{"pass": self._pass}, yielded=self._yielded_this_pass > 0, upstream=upstream
+        )
 
     def _start_pass(self) -> Iterator[Any]:
         return call_with_epoch_offset(self._first_offset + self._pass, iter, self._upstream)
@@ -518,9 +700,23 @@ class Interleave(Pipeline):
             )
         return sum(len(d) for d, w in zip(self.upstream, self.weights) if w > 0)
 
-    def __iter__(self) -> Iterator[Any]:
-        rng = generator(self.mix_seed, self.epoch, self.topology(), INTERLEAVE_STREAM)
-        return _InterleaveIterator(self.upstream, self.weights, rng, self.stop == "first_exhausted")
+    _state_kind = "interleave"
+
+    def _open(self, state: State | None) -> Iterator[Any]:
+        epoch, topology = self.epoch, self.topology()
+        rng = generator(self.mix_seed, epoch, topology, INTERLEAVE_STREAM)
+        iterator = _InterleaveIterator(self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology)
+        if state is not None and applies(state, epoch, self):
+            iterator.restore(state, own_share(state, topology.worker_id, topology.num_workers, self))
+        return iterator
+
+    def _load_upstream(self, state: State) -> None:
+        inputs = state["upstream"]
+        if len(inputs) != len(self.upstream):
+            raise StateError(f"{self!r}: the state has {len(inputs)} inputs, this interleave {len(self.upstream)}")
+        for dataset, part in zip(self.upstream, inputs):
+            if part is not None:
+                dataset.load_state_dict(part)
 
     def __repr__(self) -> str:
         inputs = ", ".join(repr(d) for d in self.upstream)
@@ -573,19 +769,46 @@ class _InterleaveIterator:
         weights: tuple[float, ...],
         rng: np.random.Generator,
         stop_on_first: bool,
+        epoch: int,
+        topology: Topology,
     ) -> None:
         self._weights = weights
         self._uniforms = _Uniforms(rng)
         self._stop_on_first = stop_on_first
+        self._epoch = epoch
+        self._topology = topology
         self._sources = [iter(d) if w > 0 else None for d, w in zip(datasets, weights)]
         self._live = [i for i, w in enumerate(weights) if w > 0]
         self._cumulative = list(itertools.accumulate(weights[i] for i in self._live))
+        self._stopped = False
+
+    def restore(self, state: State, own: bool) -> None:
+        """Take the live inputs (and, for this worker's own state, the draws) from ``state``."""
+        self._live = [i for i in state["live"] if self._sources[i] is not None]
+        self._cumulative = list(itertools.accumulate(self._weights[i] for i in self._live))
+        self._stopped = bool(state["stopped"])
+        if self._stopped:
+            self._live = []
+        if _same_reader(state, own, self._topology):
+            self._uniforms = _Uniforms(self._uniforms._rng, state["rng"])
+
+    def state_dict(self) -> State:
+        """Every input's state (None for weight 0), the live inputs and the draws."""
+        topology = self._topology
+        return node(
+            "interleave",
+            epoch=self._epoch,
+            upstream=[None if s is None else _iterator_state(s) for s in self._sources],
+            live=list(self._live),
+            rng=self._uniforms.state_dict(),
+            stopped=self._stopped,
+            share=share_of(topology.worker_id, topology.num_workers),
+        )
 
     def __iter__(self) -> _InterleaveIterator:
         return self
 
     def _drop(self, index: int) -> None:
-        self._sources[index] = None
         self._live.remove(index)
         self._cumulative = list(itertools.accumulate(self._weights[i] for i in self._live))
 
@@ -601,6 +824,7 @@ class _InterleaveIterator:
             except StopIteration:
                 if self._stop_on_first:
                     self._live = []
+                    self._stopped = True
                 else:
                     self._drop(index)
         raise StopIteration
