@@ -27,6 +27,18 @@ How a batch is made:
   the longest sample, custom batch classes), so micro-batches then travel as
   lists of samples and ``collate_fn`` is called once per output batch, in the
   main process, exactly as DataLoader would call it.
+
+Resuming (:meth:`MixedLoader.state_dict` / :meth:`MixedLoader.load_state_dict`):
+every message from a worker carries its dataset's state after that
+micro-batch, and the main process knows which samples went out in batches.
+The saved state holds, per worker, the dataset state just past what was
+delivered, and, when a micro-batch was cut part-way, its undelivered tail as
+encoded samples (at most one micro-batch per worker; samples still waiting in
+whole micro-batches are read again instead). Restored with the same number of
+workers, each worker resumes its own state and the batches are the ones the
+uninterrupted run would have made. With another number, the worker states
+are merged (:func:`shardkit.state.merge`) and split anew: exactly the samples
+not yet delivered follow, in another order.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from shardkit.errors import ShardkitError
+from shardkit.state import State, StateError, applies, check, decode, encode, merge, node
 
 __all__ = ["LoaderError", "MixedLoader"]
 
@@ -189,31 +202,155 @@ class MixedLoader:
             return samples // self.batch_size
         return math.ceil(samples / self.batch_size)
 
+    _resume: State | None = None
+    _mixer: _Mixer | None = None
+    _iterated = False
+
     def __iter__(self) -> Iterator[Any]:
-        """Iterate one epoch of batches."""
+        """Iterate one epoch of batches, resuming a state given to :meth:`load_state_dict`."""
+        resume, self._resume = self._resume, None
+        if resume is not None and not applies(resume, self.epoch, self):
+            resume = None
+        self._iterated = True
         if self.num_workers == 0:
+            if resume is not None:
+                self._resume_in_process(resume)
             return iter(self._loader)
-        return _Mixer(self, iter(self._loader))
+        micro_batches = self._loader.dataset
+        if resume is not None:
+            saved = resume["workers"]
+            same = resume["num_workers"] == self.num_workers
+            micro_batches.states = list(saved) if same else [merge(saved)] * self.num_workers
+        self._mixer = _Mixer(self, iter(self._loader), resume)
+        return self._mixer
+
+    def state_dict(self) -> State:
+        """What the batches returned so far have delivered, as plain data.
+
+        Call it between batches (in the training loop, with the model's
+        checkpoint). It holds the epoch, the batch index, each worker's
+        dataset state and the encoded undelivered tail of at most one
+        micro-batch per worker; see the module docstring. The dataset must
+        be Stateful (every shardkit pipeline is).
+
+        Raises:
+            StateError: before any iteration (and no state loaded), or when
+                the dataset cannot save its position.
+        """
+        if not self._iterated:
+            if self._resume is not None:
+                return self._resume
+            raise StateError("MixedLoader.state_dict(): nothing has been iterated yet, so there is no position to save")
+        if self.num_workers == 0:
+            dataset_state = _dataset_state(self.dataset)
+            return self._state(batch_index=-1, finished=False, workers=[dataset_state], carry=[])
+        assert self._mixer is not None
+        return self._mixer.state_dict()
+
+    def _state(self, **fields: Any) -> State:
+        return node(
+            "mixed_loader",
+            epoch=self.epoch,
+            num_workers=self.num_workers,
+            batch_size=self.batch_size,
+            **fields,
+        )
+
+    def load_state_dict(self, state: State) -> None:
+        """Resume from ``state`` (from :meth:`state_dict`) at the next iteration.
+
+        Sets the epoch to the state's (and the dataset's, through
+        ``set_epoch``); iterate, then go on with ``set_epoch(epoch + 1)``.
+        ``num_workers`` may differ from the saving loader's: the remaining
+        samples are then split anew (exactly once; in another order).
+        Call it before the first iteration: persistent workers that are
+        already running cannot be given a state.
+
+        Raises:
+            StateError: a state of another kind or version, of a dataset it
+                does not fit (see :meth:`shardkit.pipeline.Pipeline.load_state_dict`),
+                or given after persistent workers started.
+        """
+        check(state, "mixed_loader", self)
+        if self.num_workers and getattr(self._loader, "_iterator", None) is not None:
+            raise StateError(
+                "MixedLoader.load_state_dict() after persistent workers have started; "
+                "build a new MixedLoader and load the state before iterating it"
+            )
+        if self.num_workers == 0 and state["carry"]:
+            raise StateError(
+                "this state holds samples cut out of micro-batches, which only a MixedLoader with "
+                "num_workers >= 1 can deliver; restore it with workers"
+            )
+        self.set_epoch(state["epoch"])
+        self._resume = state
+
+    def _resume_in_process(self, state: State) -> None:
+        saved = state["workers"]
+        load = getattr(self.dataset, "load_state_dict", None)
+        if load is None:
+            raise StateError(f"{type(self.dataset).__name__} has no load_state_dict(); it cannot resume")
+        load(saved[0] if len(saved) == 1 else merge(saved))
+
+
+#: ``count`` of the message a worker sends first, with its dataset's starting state.
+_START = -1
+
+Message = tuple[int, int, Any, Any]
 
 
 class _MicroBatches(IterableDataset):
-    """Runs in each worker: cuts the dataset's stream into micro-batches tagged
-    ``(worker_id, count, payload)`` and ends with ``(worker_id, 0, None)``, so
-    the main process knows when a worker has no more data."""
+    """Runs in each worker: sends ``(worker_id, -1, None, state)`` first, then
+    the dataset's stream cut into micro-batches ``(worker_id, count, payload,
+    state)``, and ends with ``(worker_id, 0, None, state)``, so the main
+    process knows when a worker has no more data. ``state`` is the dataset's
+    state after the message (None if it has none; a string saying why if it
+    cannot save one). ``states``, when set, are loaded into each worker's
+    dataset before its next iteration, once."""
 
     def __init__(self, dataset: IterableDataset, size: int, *, collate: bool) -> None:
         self.dataset = dataset
         self.size = size
         self.collate = collate
+        self.states: list[State] | None = None
 
-    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+    def __iter__(self) -> Iterator[Message]:
         info = get_worker_info()
         assert info is not None, "_MicroBatches runs only in DataLoader workers"
         worker = info.id
+        states, self.states = self.states, None
+        if states is not None:
+            self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
         samples = iter(self.dataset)
+        saver = _StateSaver(self.dataset)
+        yield worker, _START, None, saver()
         while chunk := list(islice(samples, self.size)):
-            yield worker, len(chunk), default_collate(chunk) if self.collate else chunk
-        yield worker, 0, None
+            yield worker, len(chunk), default_collate(chunk) if self.collate else chunk, saver()
+        yield worker, 0, None, saver()
+
+
+class _StateSaver:
+    """Calls ``dataset.state_dict()``; after a failure, returns its message instead of retrying."""
+
+    def __init__(self, dataset: IterableDataset) -> None:
+        stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+        self._dataset = dataset
+        self._failure: str | None = None if stateful else f"{type(dataset).__name__} has no state_dict()/load_state_dict()"
+
+    def __call__(self) -> State | str:
+        if self._failure is None:
+            try:
+                return self._dataset.state_dict()  # type: ignore[attr-defined]
+            except StateError as error:
+                self._failure = str(error)
+        return self._failure
+
+
+def _dataset_state(dataset: IterableDataset) -> State:
+    state = _StateSaver(dataset)()
+    if isinstance(state, str):
+        raise StateError(f"MixedLoader cannot save its position: {state}")
+    return state
 
 
 def _accelerator_available() -> bool:
@@ -231,23 +368,79 @@ def _as_is(message: Any) -> Any:
 
 class _Mixer(Iterator[Any]):
     """One epoch of assembly. All state lives here (pending micro-batches per
-    worker, which workers are done, the batch index) so that it can be saved
-    and restored."""
+    worker, which workers are done, the batch index, each worker's dataset
+    state past what was delivered) so that it can be saved and restored.
 
-    def __init__(self, loader: MixedLoader, source: Iterator[tuple[int, int, Any]]) -> None:
-        self._source: Iterator[tuple[int, int, Any]] | None = source
+    A restored state's undelivered tails go first: into their worker's queue
+    when the worker count is the same, else into extra queues of their own
+    (one per tail, already done) that the water-filling drains like workers.
+    """
+
+    def __init__(self, loader: MixedLoader, source: Iterator[Message], resume: State | None = None) -> None:
+        self._loader = loader
+        self._source: Iterator[Message] | None = source
         self._batch_size = loader.batch_size
         self._collate_fn = loader.collate_fn
         self._drop_last = loader.drop_last
         self._pin = loader._pin
         self._epoch_key = _mix64(_mix64(loader.seed) ^ loader.epoch)
-        workers = loader.num_workers
-        # Per worker: deque of [payload, offset, count] and samples left in it.
+        self._workers = workers = loader.num_workers
+        # Per queue: deque of [payload, offset, count, dataset state after it, carried]
+        # and samples left in it. Queues past the workers' hold restored tails.
         self._pending: list[deque[list[Any]]] = [deque() for _ in range(workers)]
         self._available = [0] * workers
         self._done = [False] * workers
+        # Per worker: its dataset state past the entries that left its queue
+        # (None until its first message), and after its last message.
+        self._base: list[Any] = [None] * workers
+        self._final: list[Any] = [None] * workers
         self.batch_index = 0
         self._finished = False
+        if resume is not None:
+            self._restore(resume)
+
+    def _restore(self, state: State) -> None:
+        self.batch_index = state["batch_index"]
+        self._finished = state["finished"]
+        if self._finished:
+            self._source = None
+        same = state["num_workers"] == self._workers
+        for tail in state["carry"]:
+            worker = tail["worker"] if same and tail["worker"] is not None else None
+            if worker is None:
+                worker = len(self._pending)
+                self._pending.append(deque())
+                self._available.append(0)
+                self._done.append(True)
+            dataset_state = state["workers"][worker] if worker < self._workers else None
+            self._pending[worker].appendleft([decode(tail["payload"]), 0, tail["count"], dataset_state, True])
+            self._available[worker] += tail["count"]
+
+    def state_dict(self) -> State:
+        """The loader's state: see :meth:`MixedLoader.state_dict`."""
+        while self._source is not None and any(base is None for base in self._base):
+            self._pull()  # every worker's starting state, for those that delivered nothing yet
+        workers: list[Any] = []
+        carry: list[dict[str, Any]] = []
+        for worker, queue in enumerate(self._pending):
+            real = worker < self._workers
+            state = self._base[worker] if real else None
+            if real and not queue and self._done[worker]:
+                state = self._final[worker]
+            if queue and (queue[0][1] > 0 or queue[0][4]):  # cut part-way, or a restored tail
+                payload, start, count, after, _ = queue[0]
+                collated = self._collate_fn is None
+                tail = {"worker": worker if real else None, "count": count - start}
+                carry.append({**tail, "payload": encode(_tail(payload, start, count, collated=collated))})
+                state = after
+            if real:
+                if not isinstance(state, dict):
+                    reason = state if isinstance(state, str) else "a worker sent no state"
+                    raise StateError(f"MixedLoader cannot save its position: {reason}")
+                workers.append(state)
+        return self._loader._state(
+            batch_index=self.batch_index, finished=self._finished, workers=workers, carry=carry
+        )
 
     def __next__(self) -> Any:
         if self._finished:
@@ -291,15 +484,19 @@ class _Mixer(Iterator[Any]):
     def _pull(self) -> None:
         """Receive one message from the workers."""
         try:
-            worker, count, payload = next(self._source)  # type: ignore[arg-type]
+            worker, count, payload, state = next(self._source)  # type: ignore[arg-type]
         except StopIteration:
             # Every worker ends with an end marker; this only guards against a hang.
             self._done = [True] * len(self._done)
+            self._source = None
             return
-        if count == 0:
+        if count == _START:
+            self._base[worker] = state
+        elif count == 0:
             self._done[worker] = True
+            self._final[worker] = state
         else:
-            self._pending[worker].append([payload, 0, count])
+            self._pending[worker].append([payload, 0, count, state, False])
             self._available[worker] += count
 
     def _take(self, worker: int, share: int) -> list[tuple[Any, int, int]]:
@@ -309,15 +506,43 @@ class _Mixer(Iterator[Any]):
         self._available[worker] -= share
         while share:
             entry = queue[0]
-            payload, start, count = entry
+            payload, start, count, state, _ = entry
             stop = min(count, start + share)
             parts.append((payload, start, stop))
             share -= stop - start
             if stop == count:
                 queue.popleft()
+                if worker < self._workers:
+                    self._base[worker] = state
             else:
                 entry[1] = stop
         return parts
+
+
+def _tail(payload: Any, start: int, stop: int, *, collated: bool) -> Any:
+    """Samples ``start:stop`` of a micro-batch, in memory of their own (a slice
+    of a tensor would otherwise save the whole micro-batch's storage)."""
+    if not collated:
+        return payload[start:stop]
+    return _own_memory(_join([(payload, start, stop)]))
+
+
+def _own_memory(value: Any) -> Any:
+    """``value`` with every tensor in it copied."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, Mapping):
+        copied = {key: _own_memory(item) for key, item in value.items()}
+        if isinstance(value, MutableMapping):
+            clone = copy.copy(value)
+            clone.update(copied)
+            return clone
+        return copied
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*map(_own_memory, value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(_own_memory, value))
+    return value
 
 
 def _water_fill(total: int, order: list[int], caps: dict[int, int | None]) -> dict[int, int]:
