@@ -1,0 +1,538 @@
+"""End-to-end comparison of shardkit with the loaders users pick instead (issue 7).
+
+One run generates one content and reads it with every loader:
+
+- content: ``--shards`` x ``--records`` records of about 1 KB, each a bytes
+  payload and an int label. The payload starts with a marker and the sample's
+  global id, so every loader's output can be checked for duplicates and
+  losses. Written as TFRecord (read by shardkit and by the ``tfrecord``
+  package, each with its own index files), as WebDataset tar shards and as
+  Parquet (Hugging Face ``datasets`` streaming).
+- throughput: samples/s of one epoch through a DataLoader with ``--workers``
+  workers and batch ``--batch``, persistent workers, measured on epoch 2 (the
+  workers are up, the files are in the page cache). Every loader yields the
+  same thing, ``[list of payload bytes, int64 label tensor]``, except
+  ``shardkit raw``, which yields the record bytes only (no Example decoding).
+  Loaders run round-robin ``--repeat`` times; the best epoch of each is kept,
+  so load from other processes on the machine hurts every loader alike.
+- time to first batch: from ``iter(loader)`` to the first batch, in epoch 1
+  (workers start, files open) and epoch 2 (persistent workers).
+- correctness: every sample id seen with 1 rank and with 2 simulated ranks
+  (``RANK``/``WORLD_SIZE`` set in the environment, and each loader's
+  documented way to split by rank), ``--workers`` workers each: duplicates,
+  missing samples, and batches per rank (unequal counts hang DDP).
+- memory: total PSS of the parent and ``--workers`` DataLoader workers that
+  each read a 1M-entry shard url list, over an empty-list control, divided by
+  the list's data size, for a Python list (what the alternatives hold) and a
+  ShardList. Measured by ``benchmarks/memory.py``, each in a fresh interpreter.
+
+Ratios are ``shardkit decoded samples/s / loader samples/s`` from the same
+run: above 1 means shardkit is faster. ``--quick`` is a smoke run (8 x 1,000
+records, one repeat, 200k-entry list, fork only) that finishes in well under
+2 minutes on 2 cores; its numbers are not meant to be quoted.
+
+    python benchmarks/compare.py [--quick] [--shards 32] [--records 5000] [--repeat 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+# ``benchmarks/tfrecord.py`` would shadow the ``tfrecord`` package compared here.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+# Hugging Face datasets reads local Parquet files here; it must never touch the network.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import shardkit  # noqa: E402
+
+TABLE_HEADER = "| loader | samples/s | shardkit is | 1st batch ep 1 | 1st batch ep 2 | 1 rank: dup / missing | 2 ranks: dup / missing | batches r0 / r1 | note |"
+MARK = b"SKID"
+PAYLOAD_BYTES = 1000
+TARGET_SPEEDUP = 1.5
+TARGET_PSS = 1.1
+
+
+# ---------------------------------------------------------------- content
+
+
+@dataclass
+class Content:
+    root: str
+    shards: int
+    records: int
+    tfrecord: list[str] = field(default_factory=list)
+    tar: list[str] = field(default_factory=list)
+    parquet: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.shards * self.records
+
+    def name(self, shard: int) -> str:
+        return f"shard-{shard:05d}"
+
+
+def _payload(rng: np.random.Generator, sample: int) -> bytes:
+    return MARK + sample.to_bytes(8, "little") + rng.bytes(PAYLOAD_BYTES - 12)
+
+
+def sample_id(payload: bytes) -> int:
+    """The global id written into a payload (or into a raw record holding one)."""
+    at = payload.find(MARK)
+    return int.from_bytes(payload[at + 4 : at + 12], "little")
+
+
+def make_content(root: str, shards: int, records: int) -> Content:
+    """Write the same samples as TFRecord (+ both index formats), tar and Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import webdataset as wds
+    from tfrecord.tools.tfrecord2idx import create_index
+
+    content = Content(root, shards, records)
+    for kind in ("tfrecord", "tar", "parquet"):
+        os.makedirs(os.path.join(root, kind), exist_ok=True)
+    rng = np.random.default_rng(0)
+    for shard in range(shards):
+        name = content.name(shard)
+        ids = range(shard * records, (shard + 1) * records)
+        payloads = [_payload(rng, i) for i in ids]
+        labels = [i % 1000 for i in ids]
+
+        url = os.path.join(root, "tfrecord", f"{name}.tfrecord")
+        with shardkit.TFRecordWriter(url) as writer:
+            for payload, label in zip(payloads, labels):
+                writer.write(shardkit.encode_example({"payload": [payload], "label": [label]}))
+        shardkit.build_index(url)  # shardkit's binary index: <url>.idx
+        create_index(url, os.path.join(root, "tfrecord", f"{name}.tfindex"))  # the tfrecord package's text index
+        content.tfrecord.append(url)
+
+        tar = os.path.join(root, "tar", f"{name}.tar")
+        with wds.TarWriter(tar) as sink:
+            for i, payload, label in zip(ids, payloads, labels):
+                sink.write({"__key__": f"{i:010d}", "payload.bin": payload, "cls": str(label).encode()})
+        content.tar.append(tar)
+
+        path = os.path.join(root, "parquet", f"{name}.parquet")
+        table = pa.table({"payload": pa.array(payloads, pa.binary()), "label": pa.array(labels, pa.int64())})
+        pq.write_table(table, path)
+        content.parquet.append(path)
+    return content
+
+
+# ---------------------------------------------------------------- loaders
+# Every loader yields [list of payload bytes, int64 tensor of labels] per batch
+# (shardkit raw: the list of record bytes). Per-sample conversion happens in
+# the workers, in each loader's own transform hook; DataLoader's default_collate
+# makes the batch. Functions are module-level so that they pickle.
+
+
+def _example_pair(example: dict[str, Any]) -> tuple[bytes, int]:
+    return example["payload"][0], int(example["label"][0])
+
+
+def _tfrecord_pkg_pair(example: dict[str, Any]) -> tuple[bytes, int]:
+    # description "byte" gives the first value of the bytes_list as bytes.
+    return example["payload"], int(example["label"][0])
+
+
+def _hf_collate(rows: list[dict[str, Any]]) -> list[Any]:
+    return [[row["payload"] for row in rows], torch.tensor([row["label"] for row in rows], dtype=torch.int64)]
+
+
+@dataclass
+class Setup:
+    workers: int
+    batch: int
+    persistent: bool = True
+    rank: int | None = None
+    world_size: int | None = None
+
+
+def _dataloader(dataset: Any, setup: Setup, **kwargs: Any) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=setup.batch,
+        num_workers=setup.workers,
+        persistent_workers=setup.persistent and setup.workers > 0,
+        **kwargs,
+    )
+
+
+def shardkit_raw(content: Content, setup: Setup) -> Iterable[Any]:
+    dataset = shardkit.TFRecordDataset(content.tfrecord, decode="raw", rank=setup.rank, world_size=setup.world_size)
+    return _dataloader(dataset, setup)
+
+
+def _shardkit_decoded_dataset(content: Content, setup: Setup) -> Any:
+    return shardkit.TFRecordDataset(content.tfrecord, decode="example", rank=setup.rank, world_size=setup.world_size).map(
+        _example_pair
+    )
+
+
+def shardkit_decoded(content: Content, setup: Setup) -> Iterable[Any]:
+    return _dataloader(_shardkit_decoded_dataset(content, setup), setup)
+
+
+def shardkit_mixed(content: Content, setup: Setup) -> Iterable[Any]:
+    return shardkit.MixedLoader(
+        _shardkit_decoded_dataset(content, setup),
+        setup.batch,
+        num_workers=setup.workers,
+        persistent_workers=setup.persistent and setup.workers > 0,
+    )
+
+
+def tfrecord_package(content: Content, setup: Setup) -> Iterable[Any]:
+    # The package has no notion of ranks: with index files it splits each
+    # file's records between the workers of one process, and every rank reads
+    # everything. infinite=False gives one epoch.
+    from tfrecord.torch.dataset import MultiTFRecordDataset
+
+    folder = os.path.join(content.root, "tfrecord")
+    dataset = MultiTFRecordDataset(
+        os.path.join(folder, "{}.tfrecord"),
+        os.path.join(folder, "{}.tfindex"),
+        {content.name(shard): 1.0 for shard in range(content.shards)},
+        description={"payload": "byte", "label": "int"},
+        transform=_tfrecord_pkg_pair,
+        infinite=False,
+    )
+    return _dataloader(dataset, setup)
+
+
+def webdataset_loader(content: Content, setup: Setup) -> Iterable[Any]:
+    # The documented multi-node recipe: split_by_node (rank from RANK /
+    # WORLD_SIZE, then torch.distributed) and split_by_worker, whole shards each.
+    import webdataset as wds
+
+    dataset = (
+        wds.WebDataset(
+            content.tar,
+            shardshuffle=False,
+            nodesplitter=wds.split_by_node,
+            workersplitter=wds.split_by_worker,
+        )
+        .to_tuple("payload.bin", "cls")
+        .map_tuple(bytes, int)
+    )
+    return _dataloader(dataset, setup)
+
+
+def hf_datasets(content: Content, setup: Setup) -> Iterable[Any]:
+    # load_dataset(..., streaming=True) over local Parquet; ranks through
+    # split_dataset_by_node (whole shards when num_shards % world_size == 0).
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    dataset = load_dataset("parquet", data_files=content.parquet, split="train", streaming=True)
+    if setup.world_size is not None:
+        dataset = split_dataset_by_node(dataset, rank=setup.rank, world_size=setup.world_size)
+    return _dataloader(dataset, setup, collate_fn=_hf_collate)
+
+
+@dataclass
+class Loader:
+    name: str
+    make: Callable[[Content, Setup], Iterable[Any]]
+    shardkit: bool = False
+
+
+LOADERS = [
+    Loader("shardkit TFRecordDataset, decoded", shardkit_decoded, shardkit=True),
+    Loader("shardkit TFRecordDataset, raw bytes", shardkit_raw, shardkit=True),
+    Loader("shardkit MixedLoader, decoded", shardkit_mixed, shardkit=True),
+    Loader("tfrecord MultiTFRecordDataset + index", tfrecord_package),
+    Loader("webdataset WebDataset, split_by_worker", webdataset_loader),
+    Loader("HF datasets streaming (Parquet)", hf_datasets),
+]
+REFERENCE = LOADERS[0].name
+
+
+def _close(loader: Any) -> None:
+    """Shut persistent workers down now rather than at some later collection."""
+    inner = getattr(loader, "_loader", loader)
+    iterator = getattr(inner, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    gc.collect()
+
+
+# ---------------------------------------------------------------- measurements
+
+
+@dataclass
+class Result:
+    rate: float = 0.0  # best samples/s over the repeats (epoch 2)
+    first_1: float = float("inf")  # best time to the first batch of epoch 1
+    first_2: float = float("inf")  # ... of epoch 2, persistent workers
+    samples: int = -1  # samples of the last epoch measured
+    error: str = ""
+    dup_1: int = -1
+    missing_1: int = -1
+    dup_2: int = -1
+    missing_2: int = -1
+    batches: tuple[int, ...] = ()
+
+
+def _batch_size(batch: Any) -> int:
+    return len(batch[0]) if isinstance(batch, (list, tuple)) and isinstance(batch[0], (list, tuple)) else len(batch)
+
+
+def time_epochs(loader: Loader, content: Content, setup: Setup, result: Result) -> None:
+    """Two epochs on one loader with persistent workers; keeps the best figures."""
+    data = loader.make(content, setup)
+    try:
+        for epoch in (1, 2):
+            start = time.perf_counter()
+            batches = iter(data)
+            first = next(batches)
+            first_at = time.perf_counter() - start
+            samples = _batch_size(first)
+            for batch in batches:
+                samples += _batch_size(batch)
+            elapsed = time.perf_counter() - start
+            del batches
+            if epoch == 1:
+                result.first_1 = min(result.first_1, first_at)
+            else:
+                result.first_2 = min(result.first_2, first_at)
+                result.rate = max(result.rate, samples / elapsed)
+                result.samples = samples
+    finally:
+        _close(data)
+
+
+def _ids(batch: Any) -> list[int]:
+    payloads = batch if isinstance(batch[0], (bytes, bytearray)) else batch[0]
+    return [sample_id(bytes(p)) for p in payloads]
+
+
+def check_splits(loader: Loader, content: Content, workers: int, batch: int, result: Result) -> None:
+    """Every id seen with 1 rank, then with 2 simulated ranks, non-persistent workers."""
+    single = Counter()
+    data = loader.make(content, Setup(workers, batch, persistent=False))
+    for b in data:
+        single.update(_ids(b))
+    result.dup_1 = sum(single.values()) - len(single)
+    result.missing_1 = content.total - len(single.keys() & range(content.total))
+
+    seen: Counter[int] = Counter()
+    batches = []
+    saved = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    try:
+        for rank in range(2):
+            os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0")
+            data = loader.make(content, Setup(workers, batch, persistent=False, rank=rank, world_size=2))
+            count = 0
+            for b in data:
+                seen.update(_ids(b))
+                count += 1
+            batches.append(count)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    result.dup_2 = sum(seen.values()) - len(seen)
+    result.missing_2 = content.total - len(seen.keys() & range(content.total))
+    result.batches = tuple(batches)
+
+
+def _memory_module() -> Any:
+    spec = importlib.util.spec_from_file_location("_shardkit_bench_memory", os.path.join(_HERE, "memory.py"))
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def measure_memory(entries: int, workers: int, methods: list[str]) -> list[tuple[str, float, float, float, float]]:
+    """(method, list ratio, list extra MiB, ShardList ratio, ShardList extra MiB) per start method."""
+    memory = _memory_module()
+    rows = []
+    for method in methods:
+        cells: list[float] = []
+        for kind in ("list", "shardlist"):
+            full = memory._run(kind, method, entries, workers)
+            control = memory._run(kind, method, 0, workers)
+            extra = (full["pss_kib"] - control["pss_kib"]) * 1024
+            cells += [extra / full["data_bytes"], extra / 2**20]
+        rows.append((method, *cells))
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+
+def _dup_missing(dup: int, missing: int) -> str:
+    return "-" if dup < 0 else f"{dup:,} / {missing:,}"
+
+
+def _seconds(value: float) -> str:
+    return "-" if value == float("inf") else f"{value:.2f} s"
+
+
+def note_for(loader: Loader, result: Result, reference: Result, total: int) -> str:
+    notes = []
+    if result.error:
+        return f"failed: {result.error}"
+    if result.samples not in (-1, total):
+        notes.append(f"epoch gave {result.samples:,} of {total:,} samples")
+    if loader.name == "shardkit TFRecordDataset, raw bytes":
+        notes.append("record bytes only, no Example decoding")
+    if result.dup_2 > 0 and loader.name.startswith("tfrecord"):
+        notes.append("no rank support: every rank reads everything")
+    if len(set(result.batches)) > 1:
+        notes.append("ranks yield different batch counts: DDP hangs at the last collective")
+    if not loader.shardkit and reference.rate and result.rate and reference.rate / result.rate < TARGET_SPEEDUP:
+        notes.append(f"below the {TARGET_SPEEDUP}x target")
+    return "; ".join(notes)
+
+
+def print_table(results: dict[str, Result], total: int) -> None:
+    reference = results[REFERENCE]
+    print(TABLE_HEADER)
+    print("|" + "---|" * TABLE_HEADER.count(" | ") + "---|")
+    for loader in LOADERS:
+        r = results[loader.name]
+        ratio = f"{reference.rate / r.rate:.2f}x" if r.rate and reference.rate else "-"
+        batches = " / ".join(f"{b:,}" for b in r.batches) or "-"
+        print(
+            f"| {loader.name} | {r.rate:,.0f} | {ratio} | {_seconds(r.first_1)} | {_seconds(r.first_2)} "
+            f"| {_dup_missing(r.dup_1, r.missing_1)} | {_dup_missing(r.dup_2, r.missing_2)} | {batches} "
+            f"| {note_for(loader, r, reference, total)} |"
+        )
+
+
+def _one_line(error: Exception) -> str:
+    """The error's type and last message line (a worker's traceback is in the message)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:200].replace("|", "/")
+
+
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import datasets
+    import tfrecord
+    import webdataset
+
+    versions = (
+        f"shardkit {shardkit.__version__}, torch {torch.__version__}, tfrecord {getattr(tfrecord, '__version__', '1.14.6')}, "
+        f"webdataset {webdataset.__version__}, datasets {datasets.__version__}"
+    )
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.release()}; {versions}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 8 x 1,000 records, 1 repeat, 200k-entry list, fork only")
+    parser.add_argument("--shards", type=int, default=32)
+    parser.add_argument("--records", type=int, default=5000, help="records per shard")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3, help="round-robin passes; the best of each loader is kept")
+    parser.add_argument("--list-entries", type=int, default=1_000_000, help="shard urls in the memory row's list")
+    parser.add_argument("--methods", default="fork,forkserver,spawn", help="start methods for the memory row")
+    parser.add_argument("--dir", help="where to write the content (default: a temporary directory, removed at the end)")
+    parser.add_argument("--only", help="comma-separated substrings: run only the loaders whose name contains one")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shards, args.records, args.repeat, args.list_entries, args.methods = 8, 1000, 1, 200_000, "fork"
+    loaders = [l for l in LOADERS if not args.only or any(s.strip() in l.name for s in args.only.split(","))]
+    if LOADERS[0] not in loaders:
+        loaders.insert(0, LOADERS[0])
+
+    root = args.dir or tempfile.mkdtemp(prefix="shardkit-compare-")
+    os.makedirs(root, exist_ok=True)
+    os.environ.setdefault("HF_HOME", os.path.join(root, "hf-home"))  # nothing of ours in ~/.cache
+    began = time.perf_counter()
+    try:
+        print(f"machine: {_machine()}")
+        print(f"command: python benchmarks/compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+        print(f"load average at start: {_loadavg()}", flush=True)
+        content = make_content(root, args.shards, args.records)
+        size = sum(os.path.getsize(p) for p in content.tfrecord)
+        print(
+            f"content: {args.shards} shards x {args.records:,} records = {content.total:,} samples "
+            f"({size / 2**20:,.0f} MiB of TFRecord), written in {time.perf_counter() - began:.1f} s; "
+            f"{args.workers} workers, batch {args.batch}, best of {args.repeat}",
+            flush=True,
+        )
+
+        results = {l.name: Result() for l in LOADERS}
+        for _ in range(args.repeat):
+            for loader in loaders:
+                if results[loader.name].error:
+                    continue
+                try:
+                    time_epochs(loader, content, Setup(args.workers, args.batch), results[loader.name])
+                except Exception as error:  # report it in the table, keep measuring the others
+                    results[loader.name].error = _one_line(error)
+        print(f"load average after throughput: {_loadavg()}", flush=True)
+        for loader in loaders:
+            if not results[loader.name].error:
+                try:
+                    check_splits(loader, content, args.workers, args.batch, results[loader.name])
+                except Exception as error:
+                    results[loader.name].error = "correctness pass: " + _one_line(error)
+
+        print()
+        print_table({l.name: results[l.name] for l in LOADERS}, content.total)
+        print()
+        reference = results[REFERENCE]
+        others = [l for l in loaders if not l.shardkit and results[l.name].rate]
+        if others and reference.rate:
+            slowest = min(reference.rate / results[l.name].rate for l in others)
+            print(f"throughput target shardkit >= {TARGET_SPEEDUP}x each alternative: {'met' if slowest >= TARGET_SPEEDUP else 'NOT met'} (lowest {slowest:.2f}x)")
+
+        print(f"\nmemory: {args.list_entries:,} shard urls, parent + {args.workers} workers each reading every entry;")
+        print("extra PSS over an empty-list control / the list's data size (extra MiB in brackets)\n")
+        print("| start method | Python list (what the alternatives hold) | shardkit ShardList |")
+        print("|---|---|---|")
+        worst = 0.0
+        for method, list_ratio, list_mib, sl_ratio, sl_mib in measure_memory(
+            args.list_entries, args.workers, args.methods.split(",")
+        ):
+            worst = max(worst, sl_ratio)
+            print(f"| {method} | {list_ratio:.2f}x ({list_mib:,.0f} MiB) | {sl_ratio:.2f}x ({sl_mib:,.0f} MiB) |")
+        caveat = " (--quick: at this list size a few MiB of per-process noise is a large fraction of the data)" if args.quick else ""
+        print(f"memory target ShardList <= {TARGET_PSS}x: {'met' if worst <= TARGET_PSS else 'NOT met'} (worst {worst:.2f}x){caveat}")
+        print(f"\nload average at end: {_loadavg()}; total {time.perf_counter() - began:.0f} s")
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
