@@ -29,7 +29,7 @@ def run_ddp(world_size: int, context: str, balance: str) -> dict:
 
 @pytest.mark.parametrize(
     ("world_size", "context", "balance"),
-    [(2, "fork", "pad"), (3, "spawn", "pad"), (3, "fork", "drop"), (2, "spawn", "none")],
+    [(2, "spawn", "pad"), (3, "fork", "drop"), (2, "fork", "none")],
 )
 def test_gloo_ranks_yield_equal_batches_and_cover_the_data(world_size, context, balance):
     result = run_ddp(world_size, context, balance)
