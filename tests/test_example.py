@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tfrecord import example_pb2
 
@@ -178,9 +178,42 @@ def test_decode_matches_protobuf_on_canonical_messages(features: dict) -> None:
     assert normal_example(decode_example(record)) == reference_example(record)
 
 
+def map_entry_with_other_fields(record: bytes) -> bool:
+    """Whether a Features map entry holds fields besides key and value.
+
+    protobuf's runtimes disagree on such entries: C++ keeps key and value and
+    drops the rest, upb (Python) turns the whole entry into an unknown field.
+    shardkit does as C++; the comparison with upb skips these records.
+    """
+    from shardkit.formats.example import _fields
+
+    try:
+        return any(
+            etag not in (0x0A, 0x12)
+            for tag, a, b in _fields(record, 0, len(record))
+            if tag == 0x0A
+            for ftag, fa, fb in _fields(record, a, b)
+            if ftag == 0x0A
+            for etag, _, _ in _fields(record, fa, fb)
+        )
+    except Exception:
+        return False
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(st.binary(max_size=40), example_record().flatmap(lambda r: st.integers(0, len(r)).map(lambda i: r[:i]))))
+@given(
+    st.one_of(
+        st.binary(max_size=40),
+        example_record().flatmap(lambda r: st.integers(0, len(r)).map(lambda i: r[:i])),  # truncated
+        example_record().flatmap(  # a few bytes overwritten
+            lambda r: st.tuples(st.integers(0, len(r)), st.binary(min_size=1, max_size=3)).map(
+                lambda cut: r[: cut[0]] + cut[1] + r[cut[0] + len(cut[1]) :]
+            )
+        ),
+    )
+)
 def test_garbage_and_truncated_records_fail_exactly_when_protobuf_fails(record: bytes) -> None:
+    assume(not map_entry_with_other_fields(record))
     try:
         expected = reference_example(record)
     except Exception:  # protobuf's DecodeError

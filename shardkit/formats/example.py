@@ -96,9 +96,10 @@ def _skip(buf: bytes, pos: int, tag: int) -> int:
 
 
 def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int]]:
-    """The (tag, start, stop) of every length-delimited field in ``buf[pos:end]``.
+    """The (tag, start, stop) of every field in ``buf[pos:end]``.
 
-    Other fields are skipped, as unknown fields; nothing here uses them.
+    ``buf[start:stop]`` is the payload of a length-delimited field and the
+    encoded value of any other (a varint's bytes, a fixed32's 4 bytes...).
     """
     out = []
     while pos < end:
@@ -116,19 +117,22 @@ def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int]]:
             out.append((tag, pos, pos + length))
             pos += length
         else:
+            start = pos
             pos = _skip(buf, pos, tag)
+            out.append((tag, start, pos))
     if pos != end:
         raise _Malformed(f"field runs past the end of its message (byte {pos} > {end})")
     return out
 
 
-def _map_entries(buf: bytes, spans: list[tuple[int, int]]) -> dict[str, list[tuple[int, int]]]:
+def _map_entries(buf: bytes, spans: list[tuple[int, int]]) -> list[tuple[str, list[tuple[int, int]]]]:
     """Decode map<string, message> entries from the spans of the map's messages.
 
-    Returns key -> spans of the value message (several if the entry repeats the
-    value field, which protobuf merges). A repeated key replaces the earlier entry.
+    Returns (key, spans of the value message) per entry, in order: several
+    spans if the entry repeats the value field, which protobuf merges. Callers
+    decode every entry, as protobuf does, and keep the last of a repeated key.
     """
-    entries: dict[str, list[tuple[int, int]]] = {}
+    entries = []
     for start, stop in spans:
         for tag, a, b in _fields(buf, start, stop):
             if tag != _F1_LEN:
@@ -140,56 +144,48 @@ def _map_entries(buf: bytes, spans: list[tuple[int, int]]) -> dict[str, list[tup
                     key = buf[ea:eb].decode("utf-8")
                 elif etag == _F2_LEN:
                     value.append((ea, eb))
-            entries[key] = value
+            entries.append((key, value))
     return entries
 
 
 def _feature(buf: bytes, spans: list[tuple[int, int]]) -> Value:
-    """Decode one Feature from the spans its message bytes occupy."""
-    kind = 0
-    parts: list[tuple[int, int]] = []
+    """Decode one Feature from the spans its message bytes occupy.
+
+    The last oneof member set wins; a member replaced by another is still
+    decoded, so that malformed bytes fail as they do in protobuf.
+    """
+    members: list[tuple[int, list[tuple[int, int]]]] = []  # (kind, parts), a new one per change of kind
     for start, stop in spans:
         for tag, a, b in _fields(buf, start, stop):
-            if tag == kind:
-                parts.append((a, b))
+            if members and tag == members[-1][0]:
+                members[-1][1].append((a, b))  # the same member again: merged
             elif tag in (_BYTES, _FLOAT, _INT64):
-                kind = tag
-                parts = [(a, b)]
-    if kind == _INT64:
-        return _int64_list(buf, parts)
-    if kind == _FLOAT:
-        return _float_list(buf, parts)
-    if kind == _BYTES:
-        return [buf[va:vb] for a, b in parts for tag, va, vb in _fields(buf, a, b) if tag == _F1_LEN]
-    return []
+                members.append((tag, [(a, b)]))
+    value: Value = []
+    for kind, parts in members:
+        if kind == _INT64:
+            value = _int64_list(buf, parts)
+        elif kind == _FLOAT:
+            value = _float_list(buf, parts)
+        else:
+            value = [buf[va:vb] for a, b in parts for tag, va, vb in _fields(buf, a, b) if tag == _F1_LEN]
+    return value
 
 
 def _int64_list(buf: bytes, parts: list[tuple[int, int]]) -> np.ndarray:
-    if len(parts) == 1 and parts[0][0] < parts[0][1]:
-        a, b = parts[0]
-        if buf[a] == _F1_LEN:  # a single packed run: the common case
-            length, pos = _varint(buf, a + 1)
-            if pos + length == b:
-                return _packed_varints(buf, pos, b)
-    values: list[np.ndarray] = []
-    for a, b in parts:
-        pos = a
-        while pos < b:
-            tag, pos = _varint(buf, pos)
-            if tag == _F1_LEN:
-                length, pos = _varint(buf, pos)
-                values.append(_packed_varints(buf, pos, pos + length))
-                pos += length
-            elif tag == _F1_VARINT:
-                value, pos = _varint(buf, pos)
-                values.append(np.array([value], dtype=np.uint64).view(np.int64))
-            else:
-                pos = _skip(buf, pos, tag)
+    values = [
+        _packed_varints(buf, start, stop)  # an unpacked value is a packed run of one
+        for a, b in parts
+        for tag, start, stop in _fields(buf, a, b)
+        if tag in (_F1_LEN, _F1_VARINT)
+    ]
     return np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
 
 
 def _packed_varints(buf: bytes, start: int, stop: int) -> np.ndarray:
     """Decode packed int64 varints (two's complement, not zigzag) to an int64 array."""
+    if stop - start == 1 and buf[start] < 0x80:  # one small value, the commonest case (labels)
+        return np.array((buf[start],), dtype=np.int64)
     chunk = buf[start:stop]
     if chunk.isascii():  # every value below 128: one byte each
         if len(chunk) <= _SMALL_PACKED:
@@ -200,8 +196,10 @@ def _packed_varints(buf: bytes, start: int, stop: int) -> np.ndarray:
         pos = start
         while pos < stop:
             value, pos = _varint(buf, pos)
-            values.append(value)
-        return np.array(values, dtype=np.uint64).view(np.int64)
+            values.append(value - (value >> 63 << 64))  # as int64
+        if pos != stop:
+            raise _Malformed(f"packed varints end inside a value (bytes {start}..{stop})")
+        return np.array(values, dtype=np.int64)
     raw = np.frombuffer(chunk, dtype=np.uint8)
     last = np.flatnonzero(raw < 0x80)
     if not last.size or last[-1] != raw.size - 1:
@@ -217,25 +215,14 @@ def _packed_varints(buf: bytes, start: int, stop: int) -> np.ndarray:
 
 
 def _float_list(buf: bytes, parts: list[tuple[int, int]]) -> np.ndarray:
-    values: list[np.ndarray] = []
+    values = []
     for a, b in parts:
-        pos = a
-        while pos < b:
-            tag, pos = _varint(buf, pos)
-            if tag == _F1_LEN:
-                length, pos = _varint(buf, pos)
-                if length % 4:
-                    raise _Malformed(f"packed floats of {length} bytes at byte {pos}")
-                values.append(np.frombuffer(buf, dtype="<f4", count=length // 4, offset=pos))
-                pos += length
-            elif tag == _F1_FIXED32:
-                values.append(np.frombuffer(buf, dtype="<f4", count=1, offset=pos))
-                pos += 4
-            else:
-                pos = _skip(buf, pos, tag)
-    if len(values) == 1:
-        return values[0].astype(np.float32)  # copies: writable, native byte order
-    return np.concatenate(values).astype(np.float32) if values else np.zeros(0, dtype=np.float32)
+        for tag, start, stop in _fields(buf, a, b):
+            if tag in (_F1_LEN, _F1_FIXED32):  # packed run, or one unpacked value
+                if (stop - start) % 4:
+                    raise _Malformed(f"packed floats of {stop - start} bytes at byte {start}")
+                values.append(np.frombuffer(buf, dtype="<f4", count=(stop - start) // 4, offset=start))
+    return np.concatenate(values) if values else np.zeros(0, dtype=np.float32)
 
 
 def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Value]]:
@@ -329,7 +316,7 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
         if kind == _INT64:
             out[key] = _packed_varints(buf, pos, stop)
         elif kind == _FLOAT and not length % 4:
-            out[key] = np.frombuffer(buf, dtype="<f4", count=length // 4, offset=pos).astype(np.float32)
+            out[key] = np.frombuffer(buf, dtype="<f4", count=length // 4, offset=pos).copy()  # writable
         else:
             return None
         pos = stop
@@ -337,7 +324,7 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
 
 
 def _features(buf: bytes, spans: list[tuple[int, int]]) -> dict[str, Value]:
-    return {key: _feature(buf, value) for key, value in _map_entries(buf, spans).items()}
+    return {key: _feature(buf, value) for key, value in _map_entries(buf, spans)}
 
 
 def _as_bytes(record: BytesLike) -> bytes:
@@ -377,7 +364,7 @@ def decode_sequence_example(record: BytesLike) -> tuple[dict[str, Value], dict[s
         lists = _map_entries(buf, [(a, b) for tag, a, b in fields if tag == _F2_LEN])
         feature_lists = {
             key: [_feature(buf, [(a, b)]) for start, stop in spans for tag, a, b in _fields(buf, start, stop) if tag == _F1_LEN]
-            for key, spans in lists.items()
+            for key, spans in lists
         }
         return context, feature_lists
     except (_Malformed, IndexError, UnicodeDecodeError, ValueError) as exc:
