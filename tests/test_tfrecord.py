@@ -82,10 +82,18 @@ def test_round_trip(tmp_path, compression: str | None) -> None:
     assert verify_tfrecord(path) == len(RECORDS)
 
 
+@pytest.fixture(params=["local", "memory"])
+def place(request: pytest.FixtureRequest, tmp_path) -> str:
+    """A directory URL: local files are memory-mapped, memory:// ones streamed."""
+    if request.param == "local":
+        return str(tmp_path)
+    return f"memory://{request.node.name}"
+
+
 @pytest.mark.parametrize("compression", [None, "gzip", "zlib"])
-def test_records_straddling_blocks(tmp_path, small_blocks: None, compression: str | None) -> None:
+def test_records_straddling_blocks(place: str, small_blocks: None, compression: str | None) -> None:
     records = [os.urandom(n) for n in (0, 1, 3, 20, 7, 100, 0, 2)]
-    path = write(tmp_path / "a.tfrecord", records, compression)
+    path = write(f"{place}/a.tfrecord", records, compression)
     assert list(read_tfrecord(path)) == records
     assert list(read_tfrecord(path, start=2, stop=5)) == records[2:5]
     assert count_records(path) == len(records)
@@ -189,12 +197,15 @@ def flipped(data: bytes, position: int) -> bytes:
     [(0, "length CRC mismatch"), (3, "length CRC mismatch"), (9, "length CRC mismatch"),
      (12, "data CRC mismatch"), (12 + 299, "data CRC mismatch"), (12 + 300 + 2, "data CRC mismatch")],
 )
-def test_flipped_bit_names_record_offset_and_check(tmp_path, where: int, reason: str) -> None:
+def test_flipped_bit_names_record_offset_and_check(place: str, where: int, reason: str) -> None:
+    import fsspec
+
     records = [b"first", os.urandom(300), b"third"]
     data = b"".join(map(framed, records))
     second = len(framed(records[0]))
-    path = tmp_path / "bad.tfrecord"
-    path.write_bytes(flipped(data, second + where))
+    path = f"{place}/bad.tfrecord"
+    with fsspec.open(path, "wb") as f:
+        f.write(flipped(data, second + where))
     got = []
     with pytest.raises(CorruptRecordError) as info:
         for record in read_tfrecord(str(path)):
@@ -210,15 +221,18 @@ def test_flipped_bit_names_record_offset_and_check(tmp_path, where: int, reason:
         assert list(read_tfrecord(str(path), verify=False))[0] == records[0]
 
 
-def test_truncation_at_every_boundary(tmp_path, small_blocks: None) -> None:
+def test_truncation_at_every_boundary(place: str, small_blocks: None) -> None:
+    import fsspec
+
     records = [b"abc", b"", os.urandom(20)]
     data = b"".join(map(framed, records))
     boundaries = {0}
     for record in records:
         boundaries.add(max(boundaries) + len(framed(record)))
-    path = tmp_path / "cut.tfrecord"
+    path = f"{place}/cut.tfrecord"
     for cut in range(len(data)):
-        path.write_bytes(data[:cut])
+        with fsspec.open(path, "wb") as f:
+            f.write(data[:cut])
         if cut in boundaries:
             count = sorted(boundaries).index(cut)
             assert list(read_tfrecord(str(path), compression=None)) == records[:count]

@@ -31,7 +31,16 @@ from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.crc import crc32c, mask, masked_crc32c, masked_crc32c_of_lengths, unmask_array
-from shardkit.formats.io import BLOCK_SIZE, Sink, Stream, check_compression, open_input, open_output, open_raw, sniff_compression
+from shardkit.formats.io import (
+    BLOCK_SIZE,
+    Sink,
+    Stream,
+    check_compression,
+    open_input,
+    open_output,
+    open_raw,
+    sniff_compression,
+)
 
 __all__ = ["TFRecordWriter", "count_records", "detect_compression", "read_tfrecord", "scan_offsets", "verify_tfrecord"]
 
@@ -260,7 +269,7 @@ def _open(
         local = isinstance(raw, LocalFileOpener)
         head = b""
         if compression == "auto":  # read the first block itself, unless seeking or mapping
-            head = raw.read(_HEADER if seek_to or local else BLOCK_SIZE)
+            head = raw.read(_HEADER if seek_to or local else max(BLOCK_SIZE, _HEADER))
             compression = detect_compression(head)
         src = _Source(url, compression)
         if compression is None and local and os.fstat(raw.fileno()).st_size > 0:
