@@ -221,7 +221,11 @@ class MixedLoader:
             saved = resume["workers"]
             same = resume["num_workers"] == self.num_workers
             micro_batches.states = list(saved) if same else [merge(saved)] * self.num_workers
-        self._mixer = _Mixer(self, iter(self._loader), resume)
+        try:
+            source = iter(self._loader)  # starts the workers, each with its copy of the states
+        finally:
+            micro_batches.states = None
+        self._mixer = _Mixer(self, source, resume)
         return self._mixer
 
     def state_dict(self) -> State:
@@ -242,19 +246,10 @@ class MixedLoader:
                 return self._resume
             raise StateError("MixedLoader.state_dict(): nothing has been iterated yet, so there is no position to save")
         if self.num_workers == 0:
-            dataset_state = _dataset_state(self.dataset)
-            return self._state(batch_index=-1, finished=False, workers=[dataset_state], carry=[])
+            workers = [_dataset_state(self.dataset)]
+            return _loader_state(self, batch_index=-1, finished=False, workers=workers, carry=[])
         assert self._mixer is not None
         return self._mixer.state_dict()
-
-    def _state(self, **fields: Any) -> State:
-        return node(
-            "mixed_loader",
-            epoch=self.epoch,
-            num_workers=self.num_workers,
-            batch_size=self.batch_size,
-            **fields,
-        )
 
     def load_state_dict(self, state: State) -> None:
         """Resume from ``state`` (from :meth:`state_dict`) at the next iteration.
@@ -346,6 +341,16 @@ class _StateSaver:
         return self._failure
 
 
+def _loader_state(loader: MixedLoader | _Mixer, **fields: Any) -> State:
+    return node(
+        "mixed_loader",
+        epoch=loader.epoch,
+        num_workers=loader.num_workers,
+        batch_size=loader.batch_size,
+        **fields,
+    )
+
+
 def _dataset_state(dataset: IterableDataset) -> State:
     state = _StateSaver(dataset)()
     if isinstance(state, str):
@@ -377,7 +382,7 @@ class _Mixer(Iterator[Any]):
     """
 
     def __init__(self, loader: MixedLoader, source: Iterator[Message], resume: State | None = None) -> None:
-        self._loader = loader
+        self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
         self._batch_size = loader.batch_size
         self._collate_fn = loader.collate_fn
@@ -438,9 +443,7 @@ class _Mixer(Iterator[Any]):
                     reason = state if isinstance(state, str) else "a worker sent no state"
                     raise StateError(f"MixedLoader cannot save its position: {reason}")
                 workers.append(state)
-        return self._loader._state(
-            batch_index=self.batch_index, finished=self._finished, workers=workers, carry=carry
-        )
+        return _loader_state(self, batch_index=self.batch_index, finished=self._finished, workers=workers, carry=carry)
 
     def __next__(self) -> Any:
         if self._finished:

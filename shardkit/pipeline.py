@@ -133,6 +133,13 @@ class _Uniforms:
         return {"generator": self._block_start, "next": self._next}
 
 
+def _discard_pending(pipeline: Pipeline) -> None:
+    """Forget the loaded states of ``pipeline`` and everything upstream of it."""
+    pipeline._pending = None
+    for upstream in pipeline.upstream:
+        _discard_pending(upstream)
+
+
 def _same_reader(state: State, own: bool, topology: Topology) -> bool:
     """Whether ``state`` continues this reader's own draws: its own worker
     state, or a one-worker state resumed by one worker (merged states drop
@@ -587,7 +594,12 @@ class Repeat(_Wrapper):
 
     def _open(self, state: State | None) -> Iterator[Any]:
         epoch = self.epoch
-        return _RepeatIterator(self.source, self.count, epoch, state if state and applies(state, epoch, self) else None)
+        if state is not None and not applies(state, epoch, self):
+            # The inputs' states are of later passes of an old epoch, whose
+            # epoch numbers a pass of this epoch may share: drop them.
+            _discard_pending(self.source)
+            state = None
+        return _RepeatIterator(self.source, self.count, epoch, state)
 
     def _load_upstream(self, state: State) -> None:
         if state["upstream"] is not None:  # None: every pass is done
