@@ -272,8 +272,8 @@ def _open(
             head = raw.read(_HEADER if seek_to or local else max(BLOCK_SIZE, _HEADER))
             compression = detect_compression(head)
         src = _Source(url, compression)
-        if compression is None and local and os.fstat(raw.fileno()).st_size > 0:
-            mapped = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped = _map(raw) if compression is None and local else None
+        if mapped is not None:
             raw.close()
             return mapped, src
         if compression is None and seek_to:
@@ -283,6 +283,16 @@ def _open(
     except BaseException:
         raw.close()
         raise
+
+
+def _map(raw: LocalFileOpener) -> Optional[mmap.mmap]:
+    """Memory-map a local file read-only; ``None`` if it is empty or cannot be mapped."""
+    try:
+        if os.fstat(raw.fileno()).st_size == 0:
+            return None
+        return mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):  # e.g. a filesystem without mmap support
+        return None
 
 
 def read_tfrecord(
