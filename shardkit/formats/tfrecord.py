@@ -184,12 +184,13 @@ def _blocks(source: Union[Stream, mmap.mmap], src: _Source, *, first_index: int,
     return _stream_blocks(source, src, first_index, offset, check_headers)
 
 
-def _starts(block: _Block) -> np.ndarray:
+def _spans(block: _Block) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end positions of the block's records, as arrays."""
     ends = np.array(block.ends, dtype=np.int64)
     starts = np.empty_like(ends)
     starts[0] = block.first
     starts[1:] = ends[:-1]
-    return starts
+    return starts, ends
 
 
 def _u32_at(arr: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -199,10 +200,9 @@ def _u32_at(arr: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def _first_bad_header(block: _Block) -> Optional[int]:
     """Index (within the block) of the first record whose length CRC is wrong."""
-    starts = _starts(block)
-    lengths = np.array(block.ends, dtype=np.int64) - starts - _OVERHEAD
+    starts, ends = _spans(block)
     stored = _u32_at(np.frombuffer(block.buf, np.uint8), starts + 8)
-    bad = np.flatnonzero(masked_crc32c_of_lengths(lengths.astype(np.uint64)) != stored)
+    bad = np.flatnonzero(masked_crc32c_of_lengths(ends - starts - _OVERHEAD) != stored)
     return int(bad[0]) if bad.size else None
 
 
@@ -412,7 +412,7 @@ def scan_offsets(
     index; ``progress(nbytes)`` is called after each block with the bytes done.
     """
     blocks = _scan(url, compression, storage_options, check_headers=True, progress=progress)
-    parts = [block.offset + _starts(block) for block, _ in blocks]
+    parts = [block.offset + _spans(block)[0] for block, _ in blocks]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
