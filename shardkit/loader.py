@@ -100,6 +100,12 @@ class MixedLoader:
             micro-batches per worker; smaller values shorten that and the
             wait for the first batch, at the cost of more messages, which
             cost most when samples are small.
+        resumable: track the position for :meth:`state_dict`. Each worker
+            then sends its dataset's state with every micro-batch: about
+            25 us for a source, but a ``.shuffle(n)`` buffer inside the
+            dataset is encoded whole into every message. With large samples
+            in a large buffer, shuffle before decoding, or pass False when
+            you do not resume.
         **dataloader_kwargs: passed to the underlying DataLoader; any of
             ``pin_memory``, ``pin_memory_device``, ``persistent_workers``,
             ``prefetch_factor`` (counted in micro-batches),
@@ -120,6 +126,7 @@ class MixedLoader:
         drop_last: bool = False,
         seed: int = 0,
         micro_batch_size: int | None = None,
+        resumable: bool = True,
         **dataloader_kwargs: Any,
     ) -> None:
         if not isinstance(dataset, IterableDataset):
@@ -137,6 +144,8 @@ class MixedLoader:
             raise LoaderError(f"collate_fn must be callable or None, got {collate_fn!r}")
         if not isinstance(drop_last, bool):
             raise LoaderError(f"drop_last must be a bool, got {drop_last!r}")
+        if not isinstance(resumable, bool):
+            raise LoaderError(f"resumable must be a bool, got {resumable!r}")
         unknown = sorted(set(dataloader_kwargs) - PASSTHROUGH_KWARGS)
         if unknown:
             raise TypeError(
@@ -152,6 +161,7 @@ class MixedLoader:
         self.drop_last = drop_last
         self.seed = seed
         self.micro_batch_size = batch_size if micro_batch_size is None else micro_batch_size
+        self.resumable = resumable
         self.epoch = 0
 
         if num_workers == 0:
@@ -174,7 +184,7 @@ class MixedLoader:
                 stacklevel=2,
             )
         self._loader = DataLoader(
-            _MicroBatches(dataset, self.micro_batch_size, collate=collate_fn is None),
+            _MicroBatches(dataset, self.micro_batch_size, collate=collate_fn is None, resumable=resumable),
             batch_size=None,
             num_workers=num_workers,
             collate_fn=_as_is,
@@ -245,6 +255,8 @@ class MixedLoader:
             if self._resume is not None:
                 return self._resume
             raise StateError("MixedLoader.state_dict(): nothing has been iterated yet, so there is no position to save")
+        if not self.resumable:
+            raise StateError("MixedLoader cannot save its position: it was built with resumable=False")
         if self.num_workers == 0:
             workers = [_dataset_state(self.dataset)]
             return _loader_state(self, batch_index=-1, finished=False, workers=workers, carry=[])
@@ -303,10 +315,11 @@ class _MicroBatches(IterableDataset):
     cannot save one). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once."""
 
-    def __init__(self, dataset: IterableDataset, size: int, *, collate: bool) -> None:
+    def __init__(self, dataset: IterableDataset, size: int, *, collate: bool, resumable: bool) -> None:
         self.dataset = dataset
         self.size = size
         self.collate = collate
+        self.resumable = resumable
         self.states: list[State] | None = None
 
     def __iter__(self) -> Iterator[Message]:
@@ -317,7 +330,7 @@ class _MicroBatches(IterableDataset):
         if states is not None:
             self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
         samples = iter(self.dataset)
-        saver = _StateSaver(self.dataset)
+        saver = _StateSaver(self.dataset, self.resumable)
         yield worker, _START, None, saver()
         while chunk := list(islice(samples, self.size)):
             yield worker, len(chunk), default_collate(chunk) if self.collate else chunk, saver()
@@ -327,10 +340,14 @@ class _MicroBatches(IterableDataset):
 class _StateSaver:
     """Calls ``dataset.state_dict()``; after a failure, returns its message instead of retrying."""
 
-    def __init__(self, dataset: IterableDataset) -> None:
+    def __init__(self, dataset: IterableDataset, resumable: bool = True) -> None:
         stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
         self._dataset = dataset
-        self._failure: str | None = None if stateful else f"{type(dataset).__name__} has no state_dict()/load_state_dict()"
+        self._failure: str | None = None
+        if not stateful:
+            self._failure = f"{type(dataset).__name__} has no state_dict()/load_state_dict()"
+        elif not resumable:
+            self._failure = "it was built with resumable=False"
 
     def __call__(self) -> State | str:
         if self._failure is None:

@@ -359,3 +359,18 @@ def test_example_runs() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "exactly once" in result.stdout
+
+
+def test_mixed_loader_says_why_it_cannot_save() -> None:
+    loader = MixedLoader(CountingStream(20), 4, num_workers=1)
+    with pytest.raises(StateError, match="nothing has been iterated"):
+        loader.state_dict()
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(StateError, match="CountingStream has no state_dict"):
+        loader.state_dict()
+    loader = MixedLoader(shuffled(), 4, num_workers=1, resumable=False)
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(StateError, match="resumable=False"):
+        loader.state_dict()
