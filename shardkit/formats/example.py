@@ -17,7 +17,10 @@ values come out as numpy arrays straight from the bytes (see
 
 Decoding follows protobuf's rules exactly: packed and unpacked repeated
 values, negative int64 as 10-byte varints, repeated map keys (last wins),
-repeated sub-messages merged, the last oneof member wins, unknown fields skipped.
+repeated sub-messages merged, the last oneof member wins, unknown fields skipped,
+and bytes that protobuf rejects are rejected. One corner where protobuf's own
+runtimes disagree: a map entry carrying fields besides key and value is kept
+(as the C++ runtime does), not turned into an unknown field (as upb does).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ Value = Union[np.ndarray, list]
 
 BytesLike = Union[bytes, bytearray, memoryview]
 
-# Tags (field number << 3 | wire type) of the length-delimited fields used here.
+# Tags (field number << 3 | wire type) used here.
 _F1_LEN: Final = 0x0A
 _F2_LEN: Final = 0x12
 _F3_LEN: Final = 0x1A
@@ -336,6 +339,8 @@ def decode_example(record: BytesLike) -> dict[str, Value]:
 
     ``int64_list`` becomes an int64 numpy array, ``float_list`` a float32 numpy
     array, ``bytes_list`` a ``list[bytes]``, and a Feature with no kind set ``[]``.
+    Arrays are fresh and writable. Raises :class:`~shardkit.ShardkitError` on
+    bytes that are not a valid Example.
     """
     buf = _as_bytes(record)
     try:
