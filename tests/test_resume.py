@@ -374,3 +374,43 @@ def test_mixed_loader_says_why_it_cannot_save() -> None:
     next(iterator)
     with pytest.raises(StateError, match="resumable=False"):
         loader.state_dict()
+
+
+def test_tfrecord_dataset_resumes_mid_shard(tmp_path: Path) -> None:
+    import shardkit
+
+    urls = []
+    for shard, size in enumerate([12, 7, 20]):
+        urls.append(f"{tmp_path}/part-{shard}.tfrecord")
+        with shardkit.TFRecordWriter(urls[-1]) as out:
+            for index in range(size):
+                out.write(f"{shard}:{index}".encode())
+    shardkit.build_index(urls[2])  # one shard seeks by index, the others scan to the start
+
+    def make() -> Pipeline:
+        shards = shardkit.ShardList(urls, num_records=[12, 7, 20])
+        return shardkit.TFRecordDataset(shards, decode="raw", shuffle=True, seed=2)
+
+    full = list(make())
+    for cut in (1, 5, 17, 38):
+        dataset = make()
+        iterator = iter(dataset)
+        before = [next(iterator) for _ in range(cut)]
+        assert before + list(_loaded(make(), roundtrip(dataset.state_dict()))) == full
+
+
+def test_merge_refuses_what_cannot_be_split_anew() -> None:
+    def repeat(passes: int, upstream: Any) -> dict[str, Any]:
+        return {"version": 1, "kind": "repeat", "epoch": 0, "pass": passes, "yielded": True, "upstream": upstream}
+
+    planned = {"version": 1, "kind": "planned", "epoch": 0, "world_size": 1, "rank": 0, "fingerprint": {}}
+    workers = [{**planned, "remaining": [[w * 10, w * 10 + 5]], "share": [w, 2]} for w in range(2)]
+    assert merge(workers)["remaining"] == [[0, 5], [10, 15]]
+    with pytest.raises(StateError, match="different repeat\\(\\) passes \\[0, 1\\]"):
+        merge([repeat(0, workers[0]), repeat(1, workers[1])])
+    with pytest.raises(StateError, match="different epoch"):
+        merge([workers[0], {**workers[1], "epoch": 1}])
+    mix = {"version": 1, "kind": "interleave", "epoch": 0, "upstream": [workers[0]], "live": [0], "rng": None}
+    stopped = [{**mix, "stopped": w == 0, "share": [w, 2], "upstream": [workers[w]]} for w in range(2)]
+    with pytest.raises(StateError, match="first_exhausted"):
+        merge(stopped)
