@@ -214,6 +214,7 @@ def test_flipped_bit_names_record_offset_and_check(place: str, where: int, reaso
     error = info.value
     assert (error.url, error.record_index, error.offset) == (str(path), 1, second)
     assert reason in error.reason and "expected 0x" in error.reason and "found 0x" in error.reason
+    assert error.framing_intact == reason.startswith("data")  # the records after a bad data CRC can still be found
     assert f"record 1 at byte offset {second}" in str(error)
     with pytest.raises(CorruptRecordError, match=reason):
         verify_tfrecord(str(path))

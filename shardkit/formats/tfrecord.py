@@ -67,10 +67,10 @@ class _Source(NamedTuple):
     url: str
     compression: Optional[str]
 
-    def error(self, index: int, offset: int, reason: str) -> CorruptRecordError:
+    def error(self, index: int, offset: int, reason: str, *, framing_intact: bool = False) -> CorruptRecordError:
         if self.compression is not None:
             reason += f" (offset in the uncompressed {self.compression} stream)"
-        return CorruptRecordError(self.url, index, offset, reason)
+        return CorruptRecordError(self.url, index, offset, reason, framing_intact=framing_intact)
 
     def length_error(self, index: int, offset: int, header: bytes) -> CorruptRecordError:
         """A bad length CRC; at the very start of a plain read, say if the file looks compressed."""
@@ -232,7 +232,7 @@ def _batches(block: _Block, lo: int, hi: int, src: _Source, verify: bool) -> Ite
                 k = next(k for k, (got, want) in enumerate(zip(crcs, expected)) if got != want)
                 yield records[:k]
                 reason = _data_crc_reason(records[k], mask(expected[k]))
-                raise src.error(block.first_index + i + k, block.offset + starts[i + k], reason)
+                raise src.error(block.first_index + i + k, block.offset + starts[i + k], reason, framing_intact=True)
         yield records
 
 
