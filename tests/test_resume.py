@@ -10,6 +10,7 @@ the same batches when the worker count is the same, the same samples
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -239,20 +240,16 @@ def test_loading_a_state_that_does_not_fit_fails_clearly() -> None:
 
 def test_worker_states_merge_and_split_over_any_worker_count() -> None:
     """The dataset-level mechanism MixedLoader uses: merge all workers' states, split anew."""
-    from torch.utils.data import get_worker_info
-
     states, delivered = [], []
     for worker in range(3):
         dataset = Shuffle(source(), 4)
-        info = torch.utils.data._utils.worker.WorkerInfo(id=worker, num_workers=3, seed=0, dataset=dataset)
-        torch.utils.data._utils.worker._worker_info = info
-        try:
-            assert get_worker_info().id == worker
+
+        def read_some(dataset: Pipeline = dataset, worker: int = worker) -> dict[str, Any]:
             iterator = iter(dataset)
-            delivered += [next(iterator) for _ in range(5 + worker)]
-            states.append(dataset.state_dict())
-        finally:
-            torch.utils.data._utils.worker._worker_info = None
+            delivered.extend(next(iterator) for _ in range(5 + worker))
+            return dataset.state_dict()
+
+        states.append(_as_worker(worker, 3, read_some))
     with pytest.raises(StateError, match="worker 0's of 3"):
         iter(_loaded(Shuffle(source(), 4), states[0]))
     with pytest.raises(StateError, match="all 3 workers"):
@@ -414,3 +411,58 @@ def test_merge_refuses_what_cannot_be_split_anew() -> None:
     stopped = [{**mix, "stopped": w == 0, "share": [w, 2], "upstream": [workers[w]]} for w in range(2)]
     with pytest.raises(StateError, match="first_exhausted"):
         merge(stopped)
+
+
+def _as_worker(worker: int, workers: int, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` as DataLoader worker ``worker`` of ``workers`` would, in this process
+    (sources then seed the global generators: put them back afterwards)."""
+    import random
+
+    import numpy as np
+    from torch.utils.data._utils import worker as worker_module
+
+    saved = random.getstate(), np.random.get_state()
+    worker_module._worker_info = worker_module.WorkerInfo(id=worker, num_workers=workers, seed=0, dataset=None)
+    try:
+        with torch.random.fork_rng():
+            return fn()
+    finally:
+        worker_module._worker_info = None
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+
+
+@pytest.mark.parametrize("trial", range(60))
+def test_random_worker_states_merge_into_exactly_the_rest(trial: int) -> None:
+    """Workers stop anywhere; their merged state, split over another worker count, reads exactly the rest."""
+    import random
+
+    rng = random.Random(trial)
+    counts = [rng.randint(0, 15) for _ in range(rng.randint(1, 6))]
+    kind = ["source", "shuffled", "interleaved"][trial % 3]
+
+    def make() -> Pipeline:
+        base = ShardedDataset(synthetic_shards(counts), synthetic_read, shuffle=True, seed=trial, balance="none")
+        if kind == "source":
+            return base
+        if kind == "shuffled":
+            return Shuffle(base, 7).filter(_keep)
+        items = wrap([f"item:{i}" for i in range(23)], shuffle=True, balance="none")
+        return interleave([Shuffle(base, 3), items], weights=[3, 1], stop="all_exhausted")
+
+    before, after = rng.randint(1, 4), rng.randint(1, 4)
+    full = sorted(s for w in range(before) for s in _as_worker(w, before, lambda: list(make())))
+    delivered: list[str] = []
+    states = []
+    for worker in range(before):
+        dataset = make()
+
+        def read_some(dataset: Pipeline = dataset) -> dict[str, Any]:
+            iterator = iter(dataset)
+            delivered.extend(itertools.islice(iterator, rng.randint(0, 20)))
+            return roundtrip(dataset.state_dict())
+
+        states.append(_as_worker(worker, before, read_some))
+    merged = merge(states)
+    rest = [s for w in range(after) for s in _as_worker(w, after, lambda: list(_loaded(make(), merged)))]
+    assert sorted(delivered + rest) == full
