@@ -151,8 +151,14 @@ def main() -> None:
             times[name] = min(times[name], time.process_time() - cpu)
             walls[name] = min(walls[name], time.perf_counter() - start)
 
-    raw_read, tf_raw, tf_parsed = times["read the file's bytes"], times["tfrecord raw (no CRC)"], times["tfrecord parsed"]
-    print(f"{'case':<28}{'CPU s':>8}{'wall s':>8}{'MB/s':>7}{'vs tfrecord raw':>17}{'vs read':>9}{'vs tfrecord parsed':>20}")
+    raw_read, tf_raw, tf_parsed = (
+        times["read the file's bytes"],
+        times["tfrecord raw (no CRC)"],
+        times["tfrecord parsed"],
+    )
+    print(
+        f"{'case':<28}{'CPU s':>8}{'wall s':>8}{'MB/s':>7}{'vs tfrecord raw':>17}{'vs read':>9}{'vs tfrecord parsed':>20}"
+    )
     for name, seconds in times.items():
         print(
             f"{name:<28}{seconds:>8.3f}{walls[name]:>8.3f}{size / seconds / 1e6:>7.0f}"
@@ -160,9 +166,15 @@ def main() -> None:
         )
     crc_on, decoded = times["shardkit raw, CRC on"], times["shardkit decoded (CRC on)"]
     print("targets:")
-    print(f"  raw with CRC >= 2x tfrecord raw:        {tf_raw / crc_on:5.2f}x  {'met' if tf_raw / crc_on >= 2 else 'NOT met'}")
-    print(f"  raw with CRC >= 0.7x reading the bytes: {raw_read / crc_on:5.2f}x  {'met' if raw_read / crc_on >= 0.7 else 'NOT met'}")
-    print(f"  decoded >= 3x tfrecord parsed:          {tf_parsed / decoded:5.2f}x  {'met' if tf_parsed / decoded >= 3 else 'NOT met'}")
+    print(
+        f"  raw with CRC >= 2x tfrecord raw:        {tf_raw / crc_on:5.2f}x  {'met' if tf_raw / crc_on >= 2 else 'NOT met'}"
+    )
+    print(
+        f"  raw with CRC >= 0.7x reading the bytes: {raw_read / crc_on:5.2f}x  {'met' if raw_read / crc_on >= 0.7 else 'NOT met'}"
+    )
+    print(
+        f"  decoded >= 3x tfrecord parsed:          {tf_parsed / decoded:5.2f}x  {'met' if tf_parsed / decoded >= 3 else 'NOT met'}"
+    )
 
     import importlib
 
@@ -177,6 +189,7 @@ def main() -> None:
             continue
         seconds = best(lambda crc=crc: list(map(crc, records)), args.repeat) * scale
         print(f"  data CRCs with {f'{module}.{function}':<22}{seconds:>7.3f} s")
+
     def shardkit_decoder() -> None:
         for record in records:
             decode_example(record)

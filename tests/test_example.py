@@ -124,9 +124,7 @@ def feature_message(draw: st.DrawFn) -> bytes:
         out += field(draw(st.sampled_from([1, 2, 3])), 2, b"")
     if kind == "none":
         return out
-    values = draw(
-        st.lists({"int64": INT64, "float": FLOAT32, "bytes": st.binary(max_size=6)}[kind], max_size=6)
-    )
+    values = draw(st.lists({"int64": INT64, "float": FLOAT32, "bytes": st.binary(max_size=6)}[kind], max_size=6))
     number = {"bytes": 1, "float": 2, "int64": 3}[kind]
     split = draw(st.integers(0, len(values)))
     for part in (values[:split], values[split:]) if draw(st.booleans()) else (values,):
@@ -160,7 +158,9 @@ def test_decode_matches_protobuf_on_any_wire_form(record: bytes) -> None:
 @given(
     st.dictionaries(
         KEYS,
-        st.one_of(st.lists(INT64, max_size=20), st.lists(FLOAT32, max_size=20), st.lists(st.binary(max_size=30), max_size=4)),
+        st.one_of(
+            st.lists(INT64, max_size=20), st.lists(FLOAT32, max_size=20), st.lists(st.binary(max_size=30), max_size=4)
+        ),
         max_size=6,
     )
 )
@@ -282,14 +282,18 @@ def test_nan_payload_round_trips() -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(feature_message(), max_size=4), st.lists(feature_message(), max_size=4), KEYS, unknown_fields())
 def test_sequence_example_matches_protobuf(context_features, list_features, key, noise) -> None:
-    context = b"".join(field(1, 2, field(1, 2, f"c{i}".encode()) + field(2, 2, f)) for i, f in enumerate(context_features))
+    context = b"".join(
+        field(1, 2, field(1, 2, f"c{i}".encode()) + field(2, 2, f)) for i, f in enumerate(context_features)
+    )
     feature_list = b"".join(field(1, 2, f) for f in list_features)
     lists = field(1, 2, field(1, 2, key.encode()) + field(2, 2, feature_list))
     record = noise + field(1, 2, context) + field(2, 2, lists) + noise
     reference = example_pb2.SequenceExample.FromString(record)
     got_context, got_lists = decode_sequence_example(record)
     assert normal_example(got_context) == {k: reference_feature(f) for k, f in reference.context.feature.items()}
-    expected_lists = {k: [reference_feature(f) for f in fl.feature] for k, fl in reference.feature_lists.feature_list.items()}
+    expected_lists = {
+        k: [reference_feature(f) for f in fl.feature] for k, fl in reference.feature_lists.feature_list.items()
+    }
     assert {k: [normal(v) for v in vs] for k, vs in got_lists.items()} == expected_lists
 
 

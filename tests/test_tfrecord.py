@@ -194,8 +194,14 @@ def flipped(data: bytes, position: int) -> bytes:
 
 @pytest.mark.parametrize(
     ("where", "reason"),
-    [(0, "length CRC mismatch"), (3, "length CRC mismatch"), (9, "length CRC mismatch"),
-     (12, "data CRC mismatch"), (12 + 299, "data CRC mismatch"), (12 + 300 + 2, "data CRC mismatch")],
+    [
+        (0, "length CRC mismatch"),
+        (3, "length CRC mismatch"),
+        (9, "length CRC mismatch"),
+        (12, "data CRC mismatch"),
+        (12 + 299, "data CRC mismatch"),
+        (12 + 300 + 2, "data CRC mismatch"),
+    ],
 )
 def test_flipped_bit_names_record_offset_and_check(place: str, where: int, reason: str) -> None:
     import fsspec
@@ -267,11 +273,13 @@ def test_offsets_in_compressed_errors_say_uncompressed(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("written", "given", "match"),
-    [(None, "gzip", "cannot decompress as compression='gzip'"),
-     (None, "zlib", "cannot decompress as compression='zlib'"),
-     ("gzip", "zlib", "cannot decompress as compression='zlib'"),
-     ("gzip", None, "starts like a gzip stream"),
-     ("zlib", None, "starts like a zlib stream")],
+    [
+        (None, "gzip", "cannot decompress as compression='gzip'"),
+        (None, "zlib", "cannot decompress as compression='zlib'"),
+        ("gzip", "zlib", "cannot decompress as compression='zlib'"),
+        ("gzip", None, "starts like a gzip stream"),
+        ("zlib", None, "starts like a zlib stream"),
+    ],
 )
 def test_wrong_compression_is_a_clear_error(tmp_path, written: str | None, given: str | None, match: str) -> None:
     path = write(tmp_path / "a.tfrecord", RECORDS, written)
@@ -404,7 +412,9 @@ def test_shard_writer_validation_and_failure(tmp_path) -> None:
 
 
 def test_cli_inspect(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write(tmp_path / "a.tfrecord", [shardkit.encode_example({"y": i, "img": b"abc", "f": [1.0, 2.0]}) for i in range(7)])
+    path = write(
+        tmp_path / "a.tfrecord", [shardkit.encode_example({"y": i, "img": b"abc", "f": [1.0, 2.0]}) for i in range(7)]
+    )
     assert main(["inspect", path]) == 0
     out = capsys.readouterr().out
     assert "7 records" in out

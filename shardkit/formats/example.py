@@ -368,7 +368,12 @@ def decode_sequence_example(record: BytesLike) -> tuple[dict[str, Value], dict[s
         context = _features(buf, [(a, b) for tag, a, b in fields if tag == _F1_LEN])
         lists = _map_entries(buf, [(a, b) for tag, a, b in fields if tag == _F2_LEN])
         feature_lists = {
-            key: [_feature(buf, [(a, b)]) for start, stop in spans for tag, a, b in _fields(buf, start, stop) if tag == _F1_LEN]
+            key: [
+                _feature(buf, [(a, b)])
+                for start, stop in spans
+                for tag, a, b in _fields(buf, start, stop)
+                if tag == _F1_LEN
+            ]
             for key, spans in lists
         }
         return context, feature_lists
@@ -421,7 +426,9 @@ def _kind_of(key: str, value: Any) -> tuple[int, Any]:
     if isinstance(value, (bytes, bytearray, str, int, float, np.generic)):
         value = [value]
     if not isinstance(value, Sequence):
-        raise TypeError(f"feature {key!r}: expected bytes, str, int, float, a sequence or an array, not {type(value).__name__}")
+        raise TypeError(
+            f"feature {key!r}: expected bytes, str, int, float, a sequence or an array, not {type(value).__name__}"
+        )
     if not value:
         return 0, value
     first = value[0]
@@ -455,4 +462,3 @@ def encode_example(features: Mapping[str, Any]) -> bytes:
     (float32); an empty list -> a Feature with no kind set (decodes to ``[]``).
     """
     return _delimited(_F1_LEN, b"".join(_encode_feature(key, value) for key, value in features.items()))
-

@@ -84,10 +84,14 @@ class _Source(NamedTuple):
             reason += f"; the file starts like a {guess} stream: pass compression={guess!r} or 'auto'"
         return self.error(index, offset, reason)
 
-    def truncated(self, index: int, offset: int, header: bytes, available: int, check_header: bool) -> CorruptRecordError:
+    def truncated(
+        self, index: int, offset: int, header: bytes, available: int, check_header: bool
+    ) -> CorruptRecordError:
         """The stream ends ``available`` bytes into the record that starts with ``header``."""
         if len(header) < _HEADER:
-            return self.error(index, offset, f"file ends inside record header: expected {_HEADER - available} more bytes")
+            return self.error(
+                index, offset, f"file ends inside record header: expected {_HEADER - available} more bytes"
+            )
         if check_header and masked_crc32c(header[:8]) != _unpack_header(header)[1]:
             return self.length_error(index, offset, header)
         missing = _unpack_length(header)[0] + _OVERHEAD - available
@@ -130,11 +134,15 @@ def _checked(block: _Block, src: _Source, check_headers: bool) -> Iterator[_Bloc
             if bad:
                 yield block._replace(ends=block.ends[:bad])
             start = block.ends[bad - 1] if bad else block.first
-            raise src.length_error(block.first_index + bad, block.offset + start, bytes(block.buf[start : start + _HEADER]))
+            raise src.length_error(
+                block.first_index + bad, block.offset + start, bytes(block.buf[start : start + _HEADER])
+            )
     yield block
 
 
-def _stream_blocks(stream: Stream, src: _Source, first_index: int, offset: int, check_headers: bool) -> Iterator[_Block]:
+def _stream_blocks(
+    stream: Stream, src: _Source, first_index: int, offset: int, check_headers: bool
+) -> Iterator[_Block]:
     index = first_index
     rest = b""
     need = BLOCK_SIZE
@@ -159,7 +167,9 @@ def _stream_blocks(stream: Stream, src: _Source, first_index: int, offset: int, 
             need = max(BLOCK_SIZE, _unpack_length(rest)[0] + _OVERHEAD - len(rest))
 
 
-def _mapped_blocks(mapped: mmap.mmap, src: _Source, first_index: int, offset: int, check_headers: bool) -> Iterator[_Block]:
+def _mapped_blocks(
+    mapped: mmap.mmap, src: _Source, first_index: int, offset: int, check_headers: bool
+) -> Iterator[_Block]:
     index = first_index
     pos = offset
     end = len(mapped)
@@ -172,7 +182,9 @@ def _mapped_blocks(mapped: mmap.mmap, src: _Source, first_index: int, offset: in
         pos = ends[-1]
 
 
-def _blocks(source: Union[Stream, mmap.mmap], src: _Source, *, first_index: int, offset: int, check_headers: bool) -> Iterator[_Block]:
+def _blocks(
+    source: Union[Stream, mmap.mmap], src: _Source, *, first_index: int, offset: int, check_headers: bool
+) -> Iterator[_Block]:
     """Blocks of whole records from ``source`` at record ``first_index``, byte ``offset``.
 
     Raises :class:`~shardkit.CorruptRecordError` if the data ends inside a
@@ -391,7 +403,9 @@ def _scan(
         source.close()
 
 
-def count_records(url: str, *, compression: Optional[str] = "auto", storage_options: Optional[dict[str, Any]] = None) -> int:
+def count_records(
+    url: str, *, compression: Optional[str] = "auto", storage_options: Optional[dict[str, Any]] = None
+) -> int:
     """Number of records in a TFRecord file, from a fast framing scan (no CRC checks).
 
     Raises :class:`~shardkit.CorruptRecordError` if the file ends inside a record.
@@ -449,7 +463,9 @@ class TFRecordWriter:
     ``compression`` is ``None``, ``"gzip"`` or ``"zlib"`` (whole-stream, as TensorFlow).
     """
 
-    def __init__(self, url: str, compression: Optional[str] = None, storage_options: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self, url: str, compression: Optional[str] = None, storage_options: Optional[dict[str, Any]] = None
+    ) -> None:
         self.url = url
         self.compression = compression
         self.num_records = 0
