@@ -17,16 +17,26 @@ Kinds (version 1):
   None when it is the whole rank's. Positions count records, not samples: a
   record skipped under ``on_error="skip"`` counts as read.
 * ``"stream"`` (``wrap`` of a plain iterable): ``items`` the reader has
-  stepped past and its ``reader`` slot; resuming replays and skips them.
+  stepped past, whether it is ``done``, and its ``reader`` slot; resuming
+  iterates the iterable again and skips them (it must repeat itself).
 * ``"map"``, ``"filter"``, ``"batch"``: only ``upstream`` (a batch is built
   in one step, so there is never a partial one to save).
 * ``"shuffle"``: the buffered samples (``buffer``: chunks encoded with
   :func:`encode`), the generator position (``rng``) and ``share``. The
   contents are saved rather than re-derived: exact and cheap to restore, at
   the cost of a state as large as the buffer.
-* ``"repeat"``: the ``pass`` and whether it has yielded (``yielded``).
+* ``"repeat"``: the ``pass``, whether it has yielded (``yielded``) and the
+  pass's ``upstream`` state (None once every pass is done).
 * ``"interleave"``: per-input states (None for inputs never read), the
   ``live`` inputs, the generator position, ``stopped`` and ``share``.
+
+Every stage that draws or reads also records the ``epoch`` its iteration
+reads (inside ``repeat``, including the pass). A loaded state resumes an
+iteration of that epoch; an iteration of a later epoch ignores it.
+
+Samples are kept only where they cannot be read again: shuffle buffers, and
+the undelivered tail of a micro-batch in :class:`~shardkit.MixedLoader`.
+:func:`decode` unpickles them: load only states you wrote.
 
 States of all DataLoader workers of one rank merge (:func:`merge`) into one
 state of the rank (``share`` None) that any number of workers can resume:
