@@ -187,8 +187,12 @@ def _int64_list(buf: bytes, parts: list[tuple[int, int]]) -> np.ndarray:
 
 def _packed_varints(buf: bytes, start: int, stop: int) -> np.ndarray:
     """Decode packed int64 varints (two's complement, not zigzag) to an int64 array."""
-    if stop - start == 1 and buf[start] < 0x80:  # one small value, the commonest case (labels)
-        return np.array((buf[start],), dtype=np.int64)
+    size = stop - start
+    if size <= 2:  # one value below 2**14, the commonest case (labels): no list, no slice
+        if size == 1 and buf[start] < 0x80:
+            return np.array((buf[start],), dtype=np.int64)
+        if size == 2 and buf[start] >= 0x80 > buf[start + 1]:
+            return np.array(((buf[start] & 0x7F) | buf[start + 1] << 7,), dtype=np.int64)
     chunk = buf[start:stop]
     if chunk.isascii():  # every value below 128: one byte each
         if len(chunk) <= _SMALL_PACKED:
