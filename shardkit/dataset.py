@@ -65,7 +65,7 @@ class _Source(Pipeline):
             )
         if rank is not None:
             Topology(rank=rank, world_size=world_size)  # type: ignore[arg-type]  # validates
-        self.shuffle = bool(shuffle)
+        self.shuffle_shards = bool(shuffle)
         self.balance: Balance = balance
         self.rank = rank
         self.world_size = world_size
@@ -149,7 +149,7 @@ class _PlannedSource(_Source):
             "shards": len(counts),
             "records": int(counts.sum()),
             "seed": self.seed,
-            "shuffle": self.shuffle,
+            "shuffle": self.shuffle_shards,
             "balance": self.balance,
         }
 
@@ -176,7 +176,7 @@ class _PlannedSource(_Source):
     def _open(self, state: State | None) -> Iterator[Any]:
         topology, epoch = self._start()
         counts, balance = self._counts(topology)
-        kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle, "balance": balance}
+        kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle_shards, "balance": balance}
         if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
             if state is not None:
                 self._fingerprint(counts)  # raises, naming the fix
@@ -395,7 +395,7 @@ class ShardedDataset(_PlannedSource):
         return state
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle}, balance={self.balance!r})"
+        return f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle_shards}, balance={self.balance!r})"
 
 
 def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict[str, Any] | None = None) -> ShardList:
@@ -577,15 +577,15 @@ class MapSource(_PlannedSource):
         # Shuffled: every index is a shard of one record, so the plan permutes
         # them all; otherwise one shard of len(dataset) records.
         size = len(self.dataset)
-        return np.ones(size, dtype=np.int64) if self.shuffle else np.array([size], dtype=np.int64)
+        return np.ones(size, dtype=np.int64) if self.shuffle_shards else np.array([size], dtype=np.int64)
 
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
-        if self.shuffle:
+        if self.shuffle_shards:
             start, stop = shard, shard + 1
         return map(self.dataset.__getitem__, range(start, stop))
 
     def __repr__(self) -> str:
-        return f"wrap({type(self.dataset).__name__} of {len(self.dataset)}, shuffle={self.shuffle}, balance={self.balance!r})"
+        return f"wrap({type(self.dataset).__name__} of {len(self.dataset)}, shuffle={self.shuffle_shards}, balance={self.balance!r})"
 
 
 class StreamSource(_Source):

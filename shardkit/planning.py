@@ -279,10 +279,10 @@ class _Stream:
         while start < stop:
             position = start % self.total
             take = min(stop - start, self.total - position)
-            s, f, l = self._cover(position, position + take)
-            shards.append(s)
-            firsts.append(f)
-            lasts.append(l)
+            piece_shard, piece_first, piece_last = self._cover(position, position + take)
+            shards.append(piece_shard)
+            firsts.append(piece_first)
+            lasts.append(piece_last)
             start += take
         shard, first, last = (np.concatenate(parts) for parts in (shards, firsts, lasts))
         # Join neighbours that continue each other in the same shard.

@@ -282,3 +282,16 @@ def test_on_error_skip_counts_what_it_skips_across_workers():
     assert stats.errors.tolist() == [0, 1, 1, 0]
     assert stats.failed_shards() == [1, 2]
     assert "bad-6:2" not in seen and "bad-6:0" in seen
+
+
+def test_sources_chain_a_shuffle_buffer():
+    # shuffle=True (shards) and .shuffle(n) (a sample buffer) must not collide.
+    shards = synthetic_shards(COUNTS)
+    for source in (
+        ShardedDataset(shards, synthetic_read, shuffle=True, balance="none"),
+        shardkit.wrap(Squares(20), shuffle=True),
+        shardkit.wrap(CountingStream(20)),
+    ):
+        buffered = source.shuffle(8, seed=1)
+        assert sorted(buffered, key=str) == sorted(source, key=str)
+        assert list(buffered) != list(source)
