@@ -31,7 +31,7 @@ def run_world(make, world_size, **kwargs):
     return [run_rank(make(rank, world_size), **kwargs) for rank in range(world_size)]
 
 
-@pytest.mark.parametrize("num_workers", [0, 1, 2, 4])
+@pytest.mark.parametrize("num_workers", [0, 2, 3, 4])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_balance_none_yields_every_record_exactly_once(num_workers, world_size, shuffle):
@@ -46,7 +46,7 @@ def test_balance_none_yields_every_record_exactly_once(num_workers, world_size, 
 
 
 @pytest.mark.parametrize("balance", ["pad", "drop"])
-@pytest.mark.parametrize("num_workers", [0, 1, 2, 4])
+@pytest.mark.parametrize("num_workers", [0, 2, 3, 4])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_pad_and_drop_give_every_rank_the_same_batches(balance, num_workers, world_size):
     shards = synthetic_shards(COUNTS)
