@@ -206,9 +206,9 @@ def shardkit_raw(content: Content, setup: Setup) -> Iterable[Any]:
 
 
 def _shardkit_decoded_dataset(content: Content, setup: Setup) -> Any:
-    return shardkit.TFRecordDataset(content.tfrecord, decode="example", rank=setup.rank, world_size=setup.world_size).map(
-        _example_pair
-    )
+    return shardkit.TFRecordDataset(
+        content.tfrecord, decode="example", rank=setup.rank, world_size=setup.world_size
+    ).map(_example_pair)
 
 
 def shardkit_decoded(content: Content, setup: Setup) -> Iterable[Any]:
@@ -510,7 +510,9 @@ def _source_state() -> str:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__)))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "shardkit"], cwd=root, capture_output=True, text=True, check=True
         )
@@ -524,7 +526,9 @@ def _source_state() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 8 x 1,000 records, 1 repeat, 200k-entry list, fork only")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 8 x 1,000 records, 1 repeat, 200k-entry list, fork only"
+    )
     parser.add_argument("--shards", type=int, default=32)
     parser.add_argument("--records", type=int, default=5000, help="records per shard")
     parser.add_argument("--workers", type=int, default=2)
@@ -539,7 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.shards, args.records, args.repeat, args.list_entries, args.methods = 8, 1000, 1, 200_000, "fork"
         args.memory_repeat = 1
-    loaders = [l for l in LOADERS if not args.only or any(s.strip() in l.name for s in args.only.split(","))]
+    loaders = [
+        entry for entry in LOADERS if not args.only or any(s.strip() in entry.name for s in args.only.split(","))
+    ]
     if LOADERS[0] not in loaders:
         loaders.insert(0, LOADERS[0])
 
@@ -561,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-        results = {l.name: Result() for l in LOADERS}
+        results = {entry.name: Result() for entry in LOADERS}
         for _ in range(args.repeat):
             for loader in loaders:
                 if results[loader.name].error:
@@ -582,21 +588,29 @@ def main(argv: list[str] | None = None) -> int:
                     results[loader.name].error = "correctness pass: " + _one_line(error)
 
         print()
-        print_table({l.name: results[l.name] for l in LOADERS}, content.total)
+        print_table({entry.name: results[entry.name] for entry in LOADERS}, content.total)
         print()
         reference = results[REFERENCE]
-        others = [l for l in loaders if not l.shardkit and results[l.name].rate]
+        others = [entry for entry in loaders if not entry.shardkit and results[entry.name].rate]
         if others and reference.rate:
             for what, rate in (("", "rate"), (", labels as list", "list_rate")):
-                ratios = [getattr(reference, rate) / getattr(results[l.name], rate) for l in others if getattr(results[l.name], rate)]
+                ratios = [
+                    getattr(reference, rate) / getattr(results[entry.name], rate)
+                    for entry in others
+                    if getattr(results[entry.name], rate)
+                ]
                 if ratios:
                     slowest = min(ratios)
                     verdict = "met" if slowest >= TARGET_SPEEDUP else "NOT met"
-                    print(f"throughput target shardkit >= {TARGET_SPEEDUP}x each alternative{what}: {verdict} (lowest {slowest:.2f}x)")
+                    print(
+                        f"throughput target shardkit >= {TARGET_SPEEDUP}x each alternative{what}: {verdict} (lowest {slowest:.2f}x)"
+                    )
 
         print(f"\nmemory: {args.list_entries:,} shard urls, parent + {args.workers} workers each reading every entry;")
         print("extra PSS over an empty-list control / the list's data size (extra MiB in brackets)\n")
-        print(f"| start method | Python list (what the alternatives hold) | shardkit ShardList (median of {args.memory_repeat}) |")
+        print(
+            f"| start method | Python list (what the alternatives hold) | shardkit ShardList (median of {args.memory_repeat}) |"
+        )
         print("|---|---|---|")
         worst = 0.0
         for method, list_ratio, list_mib, sl_ratio, sl_mib in measure_memory(
@@ -604,8 +618,14 @@ def main(argv: list[str] | None = None) -> int:
         ):
             worst = max(worst, sl_ratio)
             print(f"| {method} | {list_ratio:.2f}x ({list_mib:,.0f} MiB) | {sl_ratio:.2f}x ({sl_mib:,.0f} MiB) |")
-        caveat = " (--quick: at this list size a few MiB of per-process noise is a large fraction of the data)" if args.quick else ""
-        print(f"memory target ShardList <= {TARGET_PSS}x: {'met' if worst <= TARGET_PSS else 'NOT met'} (worst {worst:.2f}x){caveat}")
+        caveat = (
+            " (--quick: at this list size a few MiB of per-process noise is a large fraction of the data)"
+            if args.quick
+            else ""
+        )
+        print(
+            f"memory target ShardList <= {TARGET_PSS}x: {'met' if worst <= TARGET_PSS else 'NOT met'} (worst {worst:.2f}x){caveat}"
+        )
         print(f"\nload average at end: {_loadavg()}; total {time.perf_counter() - began:.0f} s")
     finally:
         if not args.dir:
