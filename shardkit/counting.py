@@ -70,7 +70,11 @@ def resolve_counts(
             "pass count_fn=, or use balance='none' to deal out whole shards"
         )
     missing = np.flatnonzero(~shards.known_counts)
-    logger.warning("shardkit: counting the records of %d shards once, for %s", len(missing), why)
+    logger.warning(
+        "shardkit: counting the records of %d shards once (index files where present, else a framing scan), for %s",
+        len(missing),
+        why,
+    )
     counts = shards.table.column("num_records").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
     counts[missing] = _count(shards, missing, count_fn)
     counted = shards.with_num_records(counts)
