@@ -552,17 +552,22 @@ def _own_memory(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, Mapping):
-        copied = {key: _own_memory(item) for key, item in value.items()}
-        if isinstance(value, MutableMapping):
-            clone = copy.copy(value)
-            clone.update(copied)
-            return clone
-        return copied
+        return _same_mapping_type(value, {key: _own_memory(item) for key, item in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*map(_own_memory, value))
     if isinstance(value, (list, tuple)):
         return type(value)(map(_own_memory, value))
     return value
+
+
+def _same_mapping_type(template: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
+    """``values`` in a mapping of ``template``'s type where it can be copied and
+    updated (as ``default_collate`` keeps the sample's mapping type), else a dict."""
+    if isinstance(template, MutableMapping):
+        clone = copy.copy(template)
+        clone.update(values)
+        return clone
+    return values
 
 
 def _water_fill(total: int, order: list[int], caps: dict[int, int | None]) -> dict[int, int]:
@@ -596,12 +601,7 @@ def _join(parts: list[tuple[Any, int, int]]) -> Any:
             return tensor if start == 0 and stop == len(tensor) else tensor[start:stop]
         return _concat([tensor[start:stop] for tensor, start, stop in parts])
     if isinstance(first, Mapping):
-        joined = {key: _join([(p[key], a, b) for p, a, b in parts]) for key in first}
-        if isinstance(first, MutableMapping):
-            clone = copy.copy(first)
-            clone.update(joined)
-            return clone
-        return joined
+        return _same_mapping_type(first, {key: _join([(p[key], a, b) for p, a, b in parts]) for key in first})
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*_join_fields(parts))
     if isinstance(first, (list, tuple)) and first and isinstance(first[0], (str, bytes)):
