@@ -1,6 +1,6 @@
 """Epoch-boundary stall: how long training waits for the first batch of epoch 2.
 
-A synthetic source sleeps a fixed time per sample (I/O-like latency that does
+A map-style dataset sleeps a fixed time per sample (I/O-like latency that does
 not fight other processes for the 2 shared cores), runs through a shuffle
 buffer and is batched in DataLoader workers. Ways to reach epoch 2 (the first
 two also without the shuffle buffer, to separate its refill from the workers'):
@@ -22,60 +22,32 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader
 
-from shardkit.epoch import SharedEpoch
+import shardkit
 from shardkit.pipeline import Pipeline
-from shardkit.seeding import seed_iteration
-from shardkit.topology import Topology
 
 
-class SleepySource(Pipeline):
-    """``range(n)`` split over readers, sleeping ``cost`` seconds per sample."""
+class SleepyItems:
+    """A map-style dataset of ``n`` ints that sleeps ``cost`` seconds per item."""
 
     def __init__(self, n: int, cost: float) -> None:
         self.n = n
         self.cost = cost
-        self._epoch = SharedEpoch()
-
-    def set_epoch(self, epoch: int) -> None:
-        self._epoch.set(epoch)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch.effective()
-
-    @property
-    def seed(self) -> int:
-        return 0
-
-    def topology(self) -> Topology:
-        return Topology.current()
 
     def __len__(self) -> int:
         return self.n
 
-    def __iter__(self) -> Iterator[int]:
-        topology = self.topology()
-        seed_iteration(self.seed, self.epoch, topology)
-        return _Sleepy(range(topology.reader_index, self.n, topology.num_readers), self.cost)
-
-
-class _Sleepy:
-    def __init__(self, indices: range, cost: float) -> None:
-        self._indices = iter(indices)
-        self._cost = cost
-
-    def __iter__(self) -> _Sleepy:
-        return self
-
-    def __next__(self) -> int:
-        index = next(self._indices)
-        time.sleep(self._cost)
+    def __getitem__(self, index: int) -> int:
+        time.sleep(self.cost)
         return index
+
+
+def sleepy_source(n: int, cost: float) -> Pipeline:
+    """``SleepyItems`` as a shardkit source, split over the DataLoader workers."""
+    return shardkit.wrap(SleepyItems(n, cost))
 
 
 @dataclass
@@ -133,7 +105,7 @@ def _epoch_waits(loader: DataLoader) -> list[float]:
 
 
 def by_set_epoch(config: Config, persistent: bool, window: int, shuffle: bool = True) -> Result:
-    source = SleepySource(config.samples, config.cost)
+    source = sleepy_source(config.samples, config.cost)
     pipeline = source.shuffle(config.buffer_size) if shuffle else source
     pipeline = pipeline.batch(config.batch_size)
     loader = _loader(pipeline, config, persistent)
@@ -144,7 +116,7 @@ def by_set_epoch(config: Config, persistent: bool, window: int, shuffle: bool = 
 
 
 def by_repeat(config: Config, shuffle_first: bool, window: int) -> Result:
-    source = SleepySource(config.samples, config.cost)
+    source = sleepy_source(config.samples, config.cost)
     if shuffle_first:
         name, pipeline = "shuffle().repeat()", source.shuffle(config.buffer_size).repeat()
     else:
