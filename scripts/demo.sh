@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job of the README: sets up, then runs `shardkit demo` on data it generates.
+# The main job of the README: sets up .venv (the package alone), then runs
+# `shardkit demo` on data it generates in a temporary directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec shardkit demo "$@"
+exec .venv/bin/shardkit demo "$@"

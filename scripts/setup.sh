@@ -1,8 +1,30 @@
 #!/usr/bin/env bash
-# Installs shardkit and what its tests need into the current Python.
+# Sets up the project's own environment in .venv (git-ignored) and installs
+# shardkit into it: `setup.sh` for the package alone, `setup.sh dev` with the
+# test extras. pip runs only when pyproject.toml (or the extras asked for)
+# changed since the last install, so a second run starts at once.
 # torch goes first and pinned: its CPU wheel lies on this machine's disk, and a
 # bare `torch` requirement could pull a multi-GB CUDA build instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+extras="${1:-}"
+venv=.venv
+if [[ ! -x "$venv/bin/python" ]]; then
+    echo "shardkit: creating the project environment in $PWD/$venv" >&2
+    python3 -m venv "$venv"
+fi
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) ${extras:-core}"
+stamp="$venv/.shardkit-installed"
+if [[ -f "$stamp" ]] && grep -qxF "$want" "$stamp"; then
+    exit 0
+fi
+echo "shardkit: installing into $PWD/$venv (${extras:-core})" >&2
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" "torch==2.13.0"
+if [[ -n "$extras" ]]; then
+    "${pip[@]}" -e ".[$extras]"
+else
+    "${pip[@]}" -e .
+fi
+# A dev install also satisfies a later core-only run: remember both.
+{ echo "$want"; [[ -n "$extras" ]] && echo "${want% *} core"; } > "$stamp"
