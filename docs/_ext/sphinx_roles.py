@@ -1,0 +1,38 @@
+"""A griffe extension for the docs build: Sphinx roles in docstrings become inline code.
+
+shardkit's docstrings cross-reference with Sphinx roles (``:func:`~shardkit.plan```),
+which Markdown would show verbatim. This turns each role into inline code
+holding the name as a reader would type it (the last component with ``~``,
+the full path otherwise); reST double backticks are already inline code in
+Markdown. Loaded by ``mkdocs.yml`` (mkdocstrings ``extensions``); it never
+touches the package itself.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import griffe
+
+ROLE = re.compile(r":(?:py:)?(?:func|meth|class|mod|attr|data|exc|obj|const):`(~?)([^`]+)`")
+
+
+def _plain(match: re.Match[str]) -> str:
+    short, target = match.groups()
+    if short:
+        target = target.rsplit(".", 1)[-1]
+    return f"`{target}`"
+
+
+def replace_roles(text: str) -> str:
+    """``text`` with every Sphinx cross-reference role replaced by inline code."""
+    return ROLE.sub(_plain, text)
+
+
+class SphinxRoles(griffe.Extension):
+    """Rewrite the roles of every docstring griffe loads."""
+
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = replace_roles(obj.docstring.value)
