@@ -63,6 +63,9 @@ def test_the_site_builds_in_strict_mode_with_no_warning_and_writes_only_where_to
     assert "TFRecordDataset" in sources and "on_error" in sources  # docstrings were rendered
     guarantees = (tmp_path / "site" / "guarantees" / "index.html").read_text()
     assert "CorruptRecordError" in guarantees
+    remote = re.compile(r'<(?:script|img|iframe)[^>]+src="(?:https?:)?//|<link[^>]+href="(?:https?:)?//')
+    for page in (tmp_path / "site").rglob("*.html"):  # nothing loaded from elsewhere when a page is viewed
+        assert not remote.search(page.read_text()), page
 
 
 def test_a_broken_link_fails_the_build(tmp_path):
@@ -120,14 +123,14 @@ def test_the_docstring_examples_of_the_module_run_as_shown(module_name):
     assert result.failed == 0
 
 
-def test_sphinx_roles_in_docstrings_become_inline_code():
+def test_sphinx_roles_in_docstrings_become_inline_code_and_literal_markers_colons():
     sys.path.insert(0, str(DOCS / "_ext"))
     try:
         from sphinx_roles import replace_roles
     finally:
         sys.path.remove(str(DOCS / "_ext"))
-    text = "see :func:`~shardkit.plan`, :class:`shardkit.Topology` and :meth:`Pipeline.map`"
-    assert replace_roles(text) == "see `plan`, `shardkit.Topology` and `Pipeline.map`"
+    text = "see :func:`~shardkit.plan`, :class:`shardkit.Topology` and :meth:`Pipeline.map`::\n\n    code"
+    assert replace_roles(text) == "see `plan`, `shardkit.Topology` and `Pipeline.map`:\n\n    code"
 
 
 def guide_scripts() -> list[tuple[str, str]]:

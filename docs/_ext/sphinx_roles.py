@@ -1,11 +1,13 @@
-"""A griffe extension for the docs build: Sphinx roles in docstrings become inline code.
+"""A griffe extension for the docs build: the reST bits of docstrings, in Markdown.
 
-shardkit's docstrings cross-reference with Sphinx roles (``:func:`~shardkit.plan```),
-which Markdown would show verbatim. This turns each role into inline code
-holding the name as a reader would type it (the last component with ``~``,
-the full path otherwise); reST double backticks are already inline code in
-Markdown. Loaded by ``mkdocs.yml`` (mkdocstrings ``extensions``); it never
-touches the package itself.
+shardkit's docstrings cross-reference with Sphinx roles (``:func:`~shardkit.plan```)
+and introduce code blocks with a paragraph ending in ``::``, which Markdown
+would show verbatim. This turns each role into inline code holding the name
+as a reader would type it (the last component with ``~``, the full path
+otherwise), and a closing ``::`` into ``:`` (the indented block after it is
+already a code block in Markdown, as reST double backticks are inline code).
+Loaded by ``mkdocs.yml`` (mkdocstrings ``extensions``); it never touches the
+package itself.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import griffe
 
 ROLE = re.compile(r":(?:py:)?(?:func|meth|class|mod|attr|data|exc|obj|const):`(~?)([^`]+)`")
+LITERAL_MARKER = re.compile(r"(?<=\S)::$", flags=re.MULTILINE)
 
 
 def _plain(match: re.Match[str]) -> str:
@@ -26,8 +29,9 @@ def _plain(match: re.Match[str]) -> str:
 
 
 def replace_roles(text: str) -> str:
-    """``text`` with every Sphinx cross-reference role replaced by inline code."""
-    return ROLE.sub(_plain, text)
+    """``text`` with every Sphinx cross-reference role replaced by inline code,
+    and a ``::`` that ends a line (a reST literal-block marker) by ``:``."""
+    return LITERAL_MARKER.sub(":", ROLE.sub(_plain, text))
 
 
 class SphinxRoles(griffe.Extension):
