@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "compare.py"
 HEADER = "| loader | samples/s | shardkit is |"
