@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "Pipeline": "shardkit.pipeline",
     "MixedLoader": "shardkit.loader",
     "worker_seed": "shardkit.seeding",
+    "shuffle_quality": "shardkit.quality",
 }
 
 __all__ = ["__version__", "CorruptRecordError", "ShardkitError", *_EXPORTS]
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.loader import MixedLoader
     from shardkit.pipeline import Pipeline, interleave
     from shardkit.planning import Range, plan
+    from shardkit.quality import shuffle_quality
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import ShardList
     from shardkit.topology import Topology
