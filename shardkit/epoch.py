@@ -52,7 +52,7 @@ class SharedEpoch:
     main process is visible to a persistent worker the next time it calls
     ``__iter__``. (A plain :func:`pickle.dumps` copies the value instead.)
 
-    Examples:
+    Example:
         >>> from shardkit.epoch import SharedEpoch
         >>> epoch = SharedEpoch()
         >>> epoch.set(3)

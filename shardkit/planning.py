@@ -60,7 +60,7 @@ class Range(NamedTuple):
     ``stop`` is None only when the shard's record count is unknown (the plan
     then hands out whole shards): read the shard to its end.
 
-    Examples:
+    Example:
         >>> from shardkit import Range
         >>> shard, start, stop = Range(shard=2, start=0, stop=30)
         >>> stop - start
@@ -98,7 +98,7 @@ def plan(
         PlanError: on negative counts, unknown counts with ``"pad"``/``"drop"``,
             a balance that would leave every rank empty, or bad arguments.
 
-    Examples:
+    Example:
         Three shards of 100, 50 and 30 records over 2 ranks: each rank reads
         90 records; rank 1 starts inside shard 0.
 

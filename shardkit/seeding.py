@@ -56,7 +56,7 @@ def worker_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
     Distinct (with overwhelming probability) for any change of any argument;
     the same arguments give the same seed on every machine and run.
 
-    Examples:
+    Example:
         >>> from shardkit import worker_seed
         >>> worker_seed(42, epoch=0, rank=0, worker=1) == worker_seed(42, epoch=0, rank=0, worker=1)
         True
@@ -116,7 +116,7 @@ def current_seed() -> int:
     once per pass. When several sources run in one process (``interleave``), it
     is the seed of the source that started most recently.
 
-    Examples:
+    Example:
         An augmentation that draws from its own generator, seeded per reader
         and per epoch:
 

@@ -32,7 +32,7 @@ class Topology:
     """Where one reader sits: its DDP rank among ``world_size`` ranks and its
     DataLoader worker among ``num_workers`` workers of that rank.
 
-    Examples:
+    Example:
         >>> from shardkit import Topology
         >>> reader = Topology(rank=1, world_size=2, worker_id=2, num_workers=4)
         >>> reader.num_readers, reader.reader_index
@@ -79,7 +79,7 @@ class Topology:
         ``WORLD_SIZE`` environment variables that ``torchrun`` sets, else the
         process is alone (rank 0 of 1).
 
-        Examples:
+        Example:
             In the main process (no DataLoader worker), with the rank given:
 
             >>> from shardkit import Topology

@@ -31,6 +31,7 @@ DOCTESTED = [
     "shardkit.seeding",
     "shardkit.epoch",
     "shardkit.formats.example",
+    "shardkit.quality",
 ]
 
 
@@ -124,7 +125,7 @@ def test_the_docstring_examples_of_the_module_run_as_shown(module_name):
     assert result.failed == 0
 
 
-def test_sphinx_roles_in_docstrings_become_inline_code_and_literal_markers_colons():
+def test_the_rest_of_docstrings_becomes_markdown_for_the_site():
     sys.path.insert(0, str(DOCS / "_ext"))
     try:
         from sphinx_roles import replace_roles
@@ -132,6 +133,7 @@ def test_sphinx_roles_in_docstrings_become_inline_code_and_literal_markers_colon
         sys.path.remove(str(DOCS / "_ext"))
     text = "see :func:`~shardkit.plan`, :class:`shardkit.Topology` and :meth:`Pipeline.map`::\n\n    code"
     assert replace_roles(text) == "see `plan`, `shardkit.Topology` and `Pipeline.map`:\n\n    code"
+    assert replace_roles("Sum.\n\n    Example:\n        >>> 1 + 1\n        2") == "Sum.\n\n    Examples:\n        >>> 1 + 1\n        2"
 
 
 def guide_scripts() -> list[tuple[str, str]]:

@@ -6,6 +6,9 @@ would show verbatim. This turns each role into inline code holding the name
 as a reader would type it (the last component with ``~``, the full path
 otherwise), and a closing ``::`` into ``:`` (the indented block after it is
 already a code block in Markdown, as reST double backticks are inline code).
+The project writes usage examples under ``Example:``; griffe's Google parser
+knows the section as ``Examples:`` (any other title is an admonition, in
+which ``>>>`` lines would show as quotes), so the title is renamed.
 Loaded by ``mkdocs.yml`` (mkdocstrings ``extensions``); it never touches the
 package itself.
 """
@@ -19,6 +22,7 @@ import griffe
 
 ROLE = re.compile(r":(?:py:)?(?:func|meth|class|mod|attr|data|exc|obj|const):`(~?)([^`]+)`")
 LITERAL_MARKER = re.compile(r"(?<=\S)::$", flags=re.MULTILINE)
+EXAMPLE_TITLE = re.compile(r"^(\s*)Example:[ \t]*$", flags=re.MULTILINE)
 
 
 def _plain(match: re.Match[str]) -> str:
@@ -30,7 +34,9 @@ def _plain(match: re.Match[str]) -> str:
 
 def replace_roles(text: str) -> str:
     """``text`` with every Sphinx cross-reference role replaced by inline code,
-    and a ``::`` that ends a line (a reST literal-block marker) by ``:``."""
+    a ``::`` that ends a line (a reST literal-block marker) by ``:``, and an
+    ``Example:`` section title by ``Examples:``."""
+    text = EXAMPLE_TITLE.sub(r"\1Examples:", text)
     return LITERAL_MARKER.sub(":", ROLE.sub(_plain, text))
 
 

@@ -346,7 +346,7 @@ def decode_example(record: BytesLike) -> dict[str, Value]:
     Arrays are fresh and writable. Raises :class:`~shardkit.ShardkitError` on
     bytes that are not a valid Example.
 
-    Examples:
+    Example:
         >>> import shardkit
         >>> record = shardkit.encode_example({"label": [3], "score": [0.5], "text": "hi"})
         >>> shardkit.decode_example(record)
@@ -471,7 +471,7 @@ def encode_example(features: Mapping[str, Any]) -> bytes:
     or integer arrays -> ``int64_list``; floats or float arrays -> ``float_list``
     (float32); an empty list -> a Feature with no kind set (decodes to ``[]``).
 
-    Examples:
+    Example:
         >>> import numpy as np
         >>> import shardkit
         >>> record = shardkit.encode_example({"image": [b"<png bytes>"], "box": np.zeros(4), "id": 7})
