@@ -345,6 +345,12 @@ def decode_example(record: BytesLike) -> dict[str, Value]:
     array, ``bytes_list`` a ``list[bytes]``, and a Feature with no kind set ``[]``.
     Arrays are fresh and writable. Raises :class:`~shardkit.ShardkitError` on
     bytes that are not a valid Example.
+
+    Example:
+        >>> import shardkit
+        >>> record = shardkit.encode_example({"label": [3], "score": [0.5], "text": "hi"})
+        >>> shardkit.decode_example(record)
+        {'label': array([3]), 'score': array([0.5], dtype=float32), 'text': [b'hi']}
     """
     buf = _as_bytes(record)
     try:
@@ -464,5 +470,12 @@ def encode_example(features: Mapping[str, Any]) -> bytes:
     Values: ``bytes``/``str`` or sequences of them -> ``bytes_list``; ints, bools
     or integer arrays -> ``int64_list``; floats or float arrays -> ``float_list``
     (float32); an empty list -> a Feature with no kind set (decodes to ``[]``).
+
+    Example:
+        >>> import numpy as np
+        >>> import shardkit
+        >>> record = shardkit.encode_example({"image": [b"<png bytes>"], "box": np.zeros(4), "id": 7})
+        >>> sorted(shardkit.decode_example(record).items())
+        [('box', array([0., 0., 0., 0.], dtype=float32)), ('id', array([7])), ('image', [b'<png bytes>'])]
     """
     return _delimited(_F1_LEN, b"".join(_encode_feature(key, value) for key, value in features.items()))
