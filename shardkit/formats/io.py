@@ -21,6 +21,7 @@ from shardkit.errors import ShardkitError
 __all__ = [
     "BLOCK_SIZE",
     "COMPRESSIONS",
+    "CompressedStreamError",
     "Sink",
     "Stream",
     "check_compression",
@@ -152,10 +153,41 @@ class _Prefixed:
         self._stream.close()
 
 
+class CompressedStreamError(ShardkitError):
+    """A GZIP/ZLIB stream cannot be inflated: damaged, truncated, or not compressed at all.
+
+    Raised by the streams :func:`open_input` returns. The stream does not know
+    which record it was inflating, so the record readers catch this and raise a
+    :class:`~shardkit.CorruptRecordError` that names it. ``compressed_offset``
+    is the position in the compressed file where inflating failed (the start of
+    the piece of at most :data:`_FEED` bytes being inflated, or the file size if
+    it ended early); ``not_compressed`` is true when the file does not even start
+    with this compression's header, so it is not in this compression at all.
+    """
+
+    def __init__(self, url: str, reason: str, compressed_offset: int, not_compressed: bool = False) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.compressed_offset = compressed_offset
+        self.not_compressed = not_compressed
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.url, self.reason, self.compressed_offset, self.not_compressed))
+
+
+_FEED: Final = 64 << 10
+"""Compressed bytes inflated per call: damage costs at most the output of one such piece before it."""
+
+
 class _Inflater:
-    """Streaming GZIP/ZLIB decompression with clear errors.
+    """Streaming GZIP/ZLIB decompression with located errors.
 
     Concatenated GZIP members are read one after another, as ``gzip`` does.
+    Input is inflated :data:`_FEED` bytes at a time; when a piece fails, what the
+    pieces before it produced is returned first and the
+    :class:`CompressedStreamError` raised on the next read, so the records before
+    the damage are still delivered.
     """
 
     def __init__(self, stream: Stream, url: str, compression: str) -> None:
@@ -164,9 +196,12 @@ class _Inflater:
         self._compression = compression
         self._wbits = _WBITS[compression]
         self._inflate = zlib.decompressobj(self._wbits)
-        self._pending = b""  # compressed input not yet given to the decompressor
+        self._pending = b""  # compressed input read from the file, consumed from _pos on
+        self._pos = 0
+        self._base = 0  # compressed offset of _pending[0]
         self._started = False
         self._done = False
+        self._error: Optional[CompressedStreamError] = None
 
     def read(self, size: int = -1, /) -> bytes:
         if size < 0:
@@ -176,31 +211,57 @@ class _Inflater:
             return b"".join(parts)
         out: list[bytes] = []
         want = size
-        while want > 0 and not self._done:
+        try:
+            while want > 0 and not self._done:
+                chunk = self._inflate_some(want)
+                out.append(chunk)
+                want -= len(chunk)
+        except CompressedStreamError as error:
+            if not out:
+                raise
+            self._error = error  # deliver the good output first, fail on the next read
+            self._done = True
+        data = b"".join(out)
+        if not data and self._error is not None:
+            raise self._error
+        return data
+
+    def _inflate_some(self, want: int) -> bytes:
+        """Inflate the next piece of input into at most ``want`` bytes (``b""`` at the end)."""
+        if self._pos >= len(self._pending):
+            self._base += len(self._pending)
+            self._pending, self._pos = self._stream.read(BLOCK_SIZE), 0
             if not self._pending:
-                self._pending = self._stream.read(BLOCK_SIZE)
-                if not self._pending:
-                    if not self._inflate.eof and self._started:
-                        raise ShardkitError(
-                            f"{self._url}: {self._compression} stream is truncated "
-                            "(the file ends before the end-of-stream marker)"
-                        )
-                    self._done = True
-                    break
-            if self._inflate.eof:  # previous member finished and more input follows
-                self._inflate = zlib.decompressobj(self._wbits)
-            try:
-                chunk = self._inflate.decompress(self._pending, want)
-            except zlib.error as exc:
-                raise ShardkitError(
-                    f"{self._url}: cannot decompress as compression={self._compression!r} ({exc}); "
-                    "pass the right compression or compression='auto'"
-                ) from None
-            self._started = True
-            self._pending = self._inflate.unconsumed_tail or self._inflate.unused_data
-            out.append(chunk)
-            want -= len(chunk)
-        return b"".join(out)
+                if not self._inflate.eof and self._started:
+                    raise CompressedStreamError(
+                        self._url,
+                        f"{self._compression} stream is truncated: the compressed file ends at byte {self._base} "
+                        "before the end-of-stream marker",
+                        self._base,
+                    )
+                self._done = True
+                return b""
+        if self._inflate.eof:  # previous member finished and more input follows
+            self._inflate = zlib.decompressobj(self._wbits)
+        piece = memoryview(self._pending)[self._pos : self._pos + _FEED]
+        try:
+            chunk = self._inflate.decompress(piece, want)
+        except zlib.error as exc:
+            raise self._damaged(exc, len(piece)) from None
+        self._started = True
+        self._pos += len(piece) - len(self._inflate.unconsumed_tail) - len(self._inflate.unused_data)
+        return chunk
+
+    def _damaged(self, exc: zlib.error, piece: int) -> CompressedStreamError:
+        at = self._base + self._pos
+        if at == 0 and sniff_compression(self._pending[:2]) != self._compression:
+            reason = (
+                f"cannot decompress as compression={self._compression!r} ({exc}): the file is not "
+                f"{self._compression} data from its first byte; pass the right compression or compression='auto'"
+            )
+            return CompressedStreamError(self._url, reason, at, not_compressed=True)
+        reason = f"{self._compression} stream is damaged in compressed bytes {at}..{at + piece} ({exc})"
+        return CompressedStreamError(self._url, reason, at)
 
     def close(self) -> None:
         self._stream.close()
