@@ -12,9 +12,25 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
 - Records are cut and their data CRCs computed and compared in batches of
   :data:`_BATCH`, and handed out through ``itertools.chain``: no Python frame
   per record beyond the slicing loop.
-- Local uncompressed files are memory-mapped: no fresh multi-megabyte buffer
-  per block, whose page faults cost more than all the CRC checks.
+- Local uncompressed files are read with one ``os.pread`` per block, at a
+  record boundary. Not memory-mapped: a mapped file truncated under the reader
+  kills the process with SIGBUS, and the map measured slower anyway (0.86x its
+  CPU time with CRCs, 0.75x without, on 100k 1 KB records: the map's page faults
+  cost more than copying the block; a reused ``readinto`` buffer measured the
+  same as a fresh ``bytes``, which slices into records directly).
 - Remote and compressed files are streamed: one ranged read per block.
+
+What the reader does with bad input (each case has a fault-injection test in
+``tests/test_faults_tfrecord.py``): every malformed byte sequence ends in a
+:class:`~shardkit.CorruptRecordError` naming the url, record index and byte
+offset, after the good records before it. A length field is never trusted for
+an allocation: it is checked against its CRC (when verifying) and against the
+bytes the file holds, and a record longer than a block is gathered a block at a
+time. A damaged GZIP/ZLIB stream is reported at the record being inflated, with
+the compressed position. A local file cut short while being read is reported
+as truncated (even when the cut falls between records); a file replaced by a
+rename while being read is read to its end as it was, since the open
+descriptor keeps the old inode.
 """
 
 from __future__ import annotations
@@ -255,9 +271,8 @@ def _check_file_end(
         raise src.truncated(index, pos, tail[:_HEADER], len(tail), check_headers)
     file_size = os.fstat(fd).st_size
     if file_size < opened_size:
-        raise src.error(
-            index, pos, f"file shrank from {opened_size} to {file_size} bytes while being read (truncated under the reader)"
-        )
+        reason = f"file shrank from {opened_size} to {file_size} bytes while being read (truncated under the reader)"
+        raise src.error(index, pos, reason)
     if unstarted:
         raise src.error(index, pos, "file ends where this record should start (as the index says)")
 
