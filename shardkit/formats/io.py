@@ -3,7 +3,10 @@
 Readers get a :class:`Stream` (anything with ``read(n)`` and ``close()``) that
 fetches the file in blocks of :data:`BLOCK_SIZE` bytes, so remote files are
 never downloaded whole. Compressed files are inflated on the fly; byte offsets
-past this layer refer to the uncompressed stream.
+past this layer refer to the uncompressed stream. A compressed stream that is
+damaged, truncated or not compressed at all raises
+:class:`CompressedStreamError` with the compressed byte at fault, after the
+bytes inflated before it; the record readers add the record it was in.
 """
 
 from __future__ import annotations

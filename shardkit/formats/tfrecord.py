@@ -157,14 +157,15 @@ def _checked(block: _Block, src: _Source, check_headers: bool) -> Iterator[_Bloc
 
 
 def _stream_blocks(
-    stream: Stream, src: _Source, first_index: int, offset: int, check_headers: bool, size: Optional[int]
+    stream: Stream, src: _Source, first_index: int, offset: int, check_headers: bool
 ) -> Iterator[_Block]:
-    """Blocks from a stream read :data:`BLOCK_SIZE` bytes at a time; ``size``, if known, is the stream's length.
+    """Blocks from a stream read :data:`BLOCK_SIZE` bytes at a time.
 
     A record longer than a block is gathered read by read up to its stated
     length, never by one request of that length: a corrupt length field can say
     2**64 - 1 (with a valid CRC, when unverified or forged), and must cost at
-    most the bytes the stream really holds.
+    most the bytes the stream really holds; when the stream's size is known
+    (``src.size``), a length it cannot hold is reported without reading on.
     """
     index = first_index
     rest = b""
@@ -189,8 +190,8 @@ def _stream_blocks(
                 raise src.length_error(index, offset, rest[:_HEADER])
             need = _unpack_length(rest)[0] + _OVERHEAD
             if need > len(rest) + BLOCK_SIZE:  # the next read would not finish it: gather it whole
-                if size is not None and offset + need > size:
-                    raise src.truncated(index, offset, rest[:_HEADER], size - offset, False)
+                if src.size is not None and offset + need > src.size:
+                    raise src.truncated(index, offset, rest[:_HEADER], src.size - offset, False)
                 record = _gather(stream, src, index, offset, rest, need)
                 yield _Block(record, 0, [need], index, offset)
                 index += 1
@@ -293,7 +294,7 @@ def _blocks(
     """
     if isinstance(source, LocalFileOpener):
         return _file_blocks(source.fileno(), src, first_index, offset, check_headers)
-    return _stream_blocks(source, src, first_index, offset, check_headers, src.size)
+    return _stream_blocks(source, src, first_index, offset, check_headers)
 
 
 def _spans(block: _Block) -> tuple[np.ndarray, np.ndarray]:
