@@ -14,13 +14,13 @@ import itertools
 import json
 import os
 import random
-import re
 import struct
 import subprocess
 import sys
 import textwrap
 import tracemalloc
 import zlib
+from collections.abc import Callable
 
 import fsspec
 import pytest
@@ -253,7 +253,7 @@ CHILD = textwrap.dedent(
 )
 
 
-def run_child_and_change_file(path: str, pause_after: int, change) -> tuple[int, list, str]:  # noqa: ANN001
+def run_child_and_change_file(path: str, pause_after: int, change: Callable[[], object]) -> tuple[int, list, str]:
     """Read ``path`` in a subprocess, call ``change()`` once it has read ``pause_after`` records, let it finish."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     child = subprocess.Popen(
