@@ -67,8 +67,10 @@ def entry_schema() -> tuple[type, type]:
             nested.options.ClearField("map_entry")
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
-    get = message_factory.GetMessageClass
-    return get(pool.FindMessageTypeByName("entries.Example")), get(pool.FindMessageTypeByName("entries.SequenceExample"))
+    example, sequence_example = (
+        pool.FindMessageTypeByName(f"entries.{name}") for name in ("Example", "SequenceExample")
+    )
+    return message_factory.GetMessageClass(example), message_factory.GetMessageClass(sequence_example)
 
 
 def has_unknown_fields(message: object) -> bool:
@@ -194,7 +196,8 @@ def encode_field(f: F) -> bytes:
 
 KEYS = [b"a", b"b", b"", "ключ".encode()]  # few keys: repeated keys are common
 NOT_UTF8 = [b"\xff", b"\xed\xa0\x80", b"\xc0\x80", b"\xf4\x90\x80\x80", b"k\xe2\x82"]  # surrogate, overlong, > U+10FFFF
-INT64S = [0, 1, 127, 128, 300, -1, -2, 2**63 - 1, -(2**63), 2**64 - 1, 2**64, 2**69 + 5, 2**70]  # past 2**64: dropped bits
+# Past 2**64 - 1: 10-byte varints whose bits past the 64th are dropped, and an 11-byte varint.
+INT64S = [0, 1, 127, 128, 300, -1, -2, 2**63 - 1, -(2**63), 2**64 - 1, 2**64, 2**69 + 5, 2**70]
 FLOAT_BITS = [0, 0x80000000, 0x3F800000, 0x7F800000, 0x7FC00000, 0x7FC00001, 0xFF800001, 0x00000001]
 
 
@@ -203,7 +206,9 @@ def small_int(r: random.Random) -> int:
 
 
 def float_bytes(r: random.Random, n: int) -> bytes:
-    return b"".join(struct.pack("<I", r.choice(FLOAT_BITS) if r.random() < 0.3 else r.getrandbits(32)) for _ in range(n))
+    return b"".join(
+        struct.pack("<I", r.choice(FLOAT_BITS) if r.random() < 0.3 else r.getrandbits(32)) for _ in range(n)
+    )
 
 
 def list_fields(r: random.Random, kind: int) -> list[F]:
@@ -245,10 +250,15 @@ def example_fields(r: random.Random) -> list[F]:
     return [F(1, 2, features_fields(r)) for _ in range(r.choice([0, 1, 1, 1, 2]))]
 
 
+def feature_list_fields(r: random.Random) -> list[F]:
+    return [F(1, 2, feature_fields(r)) for _ in range(r.choice([0, 1, 2, 3]))]
+
+
 def sequence_example_fields(r: random.Random) -> list[F]:
+    """Context and feature lists in either order, either of them repeated (merged) or missing."""
     context = [F(1, 2, features_fields(r)) for _ in range(r.choice([0, 1, 1, 2]))]
     lists = [
-        F(2, 2, [entry(r, [F(1, 2, feature_fields(r)) for _ in range(r.choice([0, 1, 2, 3]))]) for _ in range(r.choice([0, 1, 2, 3]))])
+        F(2, 2, [entry(r, feature_list_fields(r)) for _ in range(r.choice([0, 1, 2, 3]))])
         for _ in range(r.choice([0, 1, 1, 2]))
     ]
     fields = context + lists
@@ -260,7 +270,9 @@ def sequence_example_fields(r: random.Random) -> list[F]:
 
 
 def unknown_field(r: random.Random, depth: int = 0) -> F:
-    """A field of any wire type; groups nest, sometimes to around the depth limit."""
+    """A field of any wire type; groups nest, sometimes to around the depth limit, rarely 10,000 deep."""
+    if depth == 0 and r.random() < 0.01:
+        return groups(r.choice([1_000, 10_000]))
     # known numbers too (a wrong wire type makes them unknown), and 0, which protobuf takes inside groups only
     number = r.choice([0, 1, 2, 3, 4, 15, 16, 2047, 2**29 - 1] if depth else [1, 2, 3, 4, 15, 16, 2047, 2**29 - 1])
     wire = r.choice([0, 1, 2, 3, 5])
@@ -321,7 +333,9 @@ def mutate_tree(r: random.Random, fields: list[F]) -> None:
         setattr(f, r.choice(["tag_pad", "pad"]), r.choice([1, 2, 3, 4, 5, 6, 9]))
     elif op == "length" and f.wire == 2:
         true_length = len(encode(f.value) if isinstance(f.value, list) else f.value)
-        f.length = r.choice([true_length + r.choice([-2, -1, 1, 2]), -1, -(2**31), -(2**63), 2**31 - 1, 2**32, 2**64 - 1])
+        f.length = r.choice(
+            [true_length + r.choice([-2, -1, 1, 2]), -1, -(2**31), -(2**63), 2**31 - 1, 2**32, 2**64 - 1]
+        )
     elif op == "huge" and f.wire == 0:
         f.value = r.choice([2**63, 2**64 - 1, 2**64 + 1, 2**70 - 1, 2**70])
     elif op == "replace" and f.wire == 2:
@@ -484,7 +498,10 @@ LEVELS = [("Example", level) for level in range(5)] + [("SequenceExample", level
 def test_groups_nest_as_deep_as_protobuf_allows_and_no_deeper(message: str, level: int) -> None:
     _, reference, decoded = CASES[message]
     allowed = DEPTH_LIMIT - level  # every enclosing message counts as a level
-    deepest, too_deep = with_field_at(message, level, groups(allowed)), with_field_at(message, level, groups(allowed + 1))
+    deepest, too_deep = (
+        with_field_at(message, level, groups(allowed)),
+        with_field_at(message, level, groups(allowed + 1)),
+    )
     assert reference(deepest) != REJECTED
     assert decoded(deepest) == reference(deepest)
     assert reference(too_deep) == REJECTED
@@ -508,3 +525,89 @@ def test_ten_thousand_nested_unknown_messages_are_skipped_unread(message: str, l
     record = with_field_at(message, level, raw(nested))
     _, reference, decoded = CASES[message]
     assert reference(record) != REJECTED and decoded(record) == reference(record)
+
+
+# --------------------------------------------------------------------------- the documented corner
+
+
+def entry_fields(key: bytes | None, feature: list[F], *extra: F) -> F:
+    return F(1, 2, ([F(1, 2, key)] if key is not None else []) + [F(2, 2, feature), *extra])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [F(3, 0, 1), F(1, 0, 7), F(2, 5, b"\0\0\0\0"), F(9, 3, [F(1, 2, b"x")])],
+    ids=["unknown-number", "key-as-varint", "value-as-fixed32", "unknown-group"],
+)
+def test_a_map_entry_with_other_fields_is_kept_where_upb_leaves_it_out(extra: F) -> None:
+    earlier = entry_fields(b"k", [F(3, 2, [F(1, 0, 1)])])
+    later = entry_fields(b"k", [F(3, 2, [F(1, 0, 2)])], extra)
+    record = encode([F(1, 2, [earlier, later])])
+    assert list(example_pb2.Example.FromString(record).features.feature["k"].int64_list.value) == [1]  # upb
+    assert decode_example(record)["k"].tolist() == [2]  # shardkit, like protobuf's C++ runtime
+    assert decoded_example(record) == reference_example(record)
+
+
+def test_a_feature_list_entry_with_other_fields_is_kept_with_its_last_key() -> None:
+    entry = F(
+        1, 2, [F(1, 2, b"a"), F(2, 2, [F(1, 2, [F(2, 2, [F(1, 2, b"\0\0\x80?")])])]), F(1, 2, b"b"), F(5, 1, bytes(8))]
+    )
+    record = encode([F(2, 2, [entry])])
+    assert dict(example_pb2.SequenceExample.FromString(record).feature_lists.feature_list) == {}  # upb
+    context, lists = decode_sequence_example(record)
+    assert context == {} and list(lists) == ["b"] and [v.tolist() for v in lists["b"]] == [[1.0]]
+
+
+def test_a_corner_entry_is_still_checked_like_any_other() -> None:
+    not_utf8 = encode([F(1, 2, [entry_fields(b"\xff", [], F(3, 0, 1))])])
+    bad_feature = encode([F(1, 2, [entry_fields(b"k", [F(2, 2, b"\x0a\x03abc")], F(3, 0, 1))])])  # 3 bytes of floats
+    for record in (not_utf8, bad_feature):
+        assert reference_example(record) == REJECTED
+        with pytest.raises(ShardkitError, match="malformed tf.Example"):
+            decode_example(record)
+
+
+# --------------------------------------------------------------------------- cases the fuzzer found, kept as examples
+
+
+def bent(f: F, **encoding: int) -> F:
+    """``f`` with its encoding bent: ``tag_pad``, ``pad``, ``length`` or ``end`` set."""
+    for name, value in encoding.items():
+        setattr(f, name, value)
+    return f
+
+
+ONE_ENTRY = F(1, 2, [entry_fields(b"k", [])])
+
+
+@pytest.mark.parametrize(
+    ("fields", "accepted"),
+    [
+        pytest.param(
+            [F(1, 2, [entry_fields(b"k", [F(3, 2, [F(1, 2, b"\x01")])]), F(1, 2, [])])], True, id="empty-entry-last"
+        ),
+        pytest.param([F(1, 2, [entry_fields(b"k", [F(4, 2, b"")])])], True, id="empty-unknown-field-in-feature"),
+        pytest.param([ONE_ENTRY, bent(F(5, 0, 0), tag_pad=4)], True, id="tag-of-5-bytes"),
+        pytest.param([ONE_ENTRY, bent(F(5, 0, 0), tag_pad=5)], False, id="tag-of-6-bytes"),
+        pytest.param([ONE_ENTRY, bent(F(5, 0, 0), tag_pad=9)], False, id="tag-of-10-bytes"),
+        pytest.param([raw(b"\x8a\x80\x80\x80\x0f\x00")], True, id="largest-5-byte-tag"),
+        pytest.param([raw(b"\x8a\x80\x80\x80\x10\x00")], False, id="5-byte-tag-past-32-bits"),
+        pytest.param([bent(F(1, 2, []), pad=4)], True, id="length-of-5-bytes"),
+        pytest.param([bent(F(1, 2, []), pad=5)], False, id="length-of-6-bytes"),
+        pytest.param([bent(F(1, 2, []), length=-1)], False, id="negative-length"),
+        pytest.param(
+            [F(7, 3, [F(0, 0, 0), F(0, 3, [F(0, 2, b"")]), F(0, 5, b"\0\0\0\0")])], True, id="field-0-in-group"
+        ),
+        pytest.param([F(0, 3, [])], False, id="group-with-field-0"),
+        pytest.param([bent(F(7, 3, []), end=8)], False, id="mismatched-end-group"),
+        pytest.param([bent(F(7, 3, [F(1, 0, 1)]), end=-1)], False, id="group-not-closed"),
+        pytest.param(
+            [F(1, 2, [bent(F(7, 3, []), end=-1)]), raw(b"\x3c")], False, id="group-closed-outside-its-message"
+        ),
+        pytest.param([raw(b"\x3b\xbc\x80\x80\x80\x00")], True, id="end-group-tag-overlong"),
+    ],
+)
+def test_records_found_by_fuzzing_decode_as_protobuf_does(fields: list[F], accepted: bool) -> None:
+    record = encode(fields)
+    assert (reference_example(record) != REJECTED) is accepted
+    assert decoded_example(record) == reference_example(record)
