@@ -611,3 +611,19 @@ def test_records_found_by_fuzzing_decode_as_protobuf_does(fields: list[F], accep
     record = encode(fields)
     assert (reference_example(record) != REJECTED) is accepted
     assert decoded_example(record) == reference_example(record)
+
+
+def test_keys_are_taken_exactly_when_protobuf_finds_them_utf8() -> None:
+    """Every lead byte with continuation bytes at the edges of UTF-8's ranges (overlong, surrogate, > U+10FFFF)."""
+    edges = [0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xFF]
+    keys = [bytes([a]) for a in range(256)]
+    keys += [bytes([a, b]) for a in range(0x80, 0x100) for b in edges]
+    keys += [bytes([a, b, c]) for a in range(0xE0, 0xF0) for b in edges for c in edges[2:8]]
+    keys += [bytes([a, b, c, d]) for a in range(0xF0, 0xF8) for b in edges for c in edges[2:8] for d in edges[2:8]]
+    verdicts = Counter()
+    for key in keys:
+        record = encode([F(1, 2, [entry_fields(key, [])])])
+        expected = reference_example(record)
+        assert decoded_example(record) == expected, key
+        verdicts[expected == REJECTED] += 1
+    assert verdicts[True] > 1000 and verdicts[False] > 1000, verdicts
