@@ -21,27 +21,30 @@ repeated sub-messages merged, the last oneof member wins, unknown fields skipped
 and bytes that protobuf rejects are rejected. ``tests/test_example_fuzz.py``
 checks this against protobuf's upb runtime on tens of thousands of mutated
 records. Bytes are rejected with :class:`~shardkit.ShardkitError` ("malformed
-tf.Example (N bytes): <what and where>"), never with another exception, when:
+tf.Example (N bytes): <what, at which byte>", or tf.SequenceExample), never
+with another exception, when:
 
 * a tag or a length is a varint of more than 5 bytes, or any other varint of
-  more than 10 (bits past the 64th of a 10-byte varint are dropped);
+  more than 10 (the bits past the 64th of a 10-byte varint are dropped);
 * a field number is 0 (allowed inside unknown groups only, as upb allows it)
-  or past 2**29 - 1, a wire type is 6 or 7, an end-group tag does not match;
-* a field runs past the end of its message, a packed varint past its run,
-  packed floats are not a multiple of 4 bytes, a key is not UTF-8 (proto3);
-* unknown groups nest too deeply. Like protobuf (its default recursion limit
-  is 100), every enclosing message counts a level -- the record is level 0,
-  then Features (FeatureLists) 1, a map entry 2, a Feature (FeatureList) 3,
-  the value list (a FeatureList's Feature) 4, its value list 5 -- and so does
-  every group, up to 100 in all. Groups are skipped iteratively, so even
-  10,000 levels cost no recursion. Unknown length-delimited fields are never
-  parsed, so their contents may nest arbitrarily deep, as in protobuf.
+  or past 2**29 - 1, a wire type is 6 or 7, an end-group tag matches no open
+  group, a group is not closed inside its message;
+* a field runs past the end of its message, a packed varint past the end of
+  its run, packed floats are not a multiple of 4 bytes, a key is not UTF-8;
+* unknown groups nest too deeply. As in protobuf (its default recursion limit
+  is 100), every enclosing message counts a level and so does every group, up
+  to 100 in all: Example 0 > Features 1 > map entry 2 > Feature 3 > value
+  list 4, and SequenceExample 0 > FeatureLists 1 > entry 2 > FeatureList 3 >
+  Feature 4 > value list 5 (its context as in Example). Groups are skipped
+  iteratively: 10,000 levels cost no recursion. Unknown length-delimited
+  fields are never parsed, so what they hold may nest arbitrarily deep, as in
+  protobuf.
 
 The one corner, where protobuf's own runtimes disagree: a map entry
 (``Features.feature``, ``FeatureLists.feature_list``) that holds any field
 besides key (field 1) and value (field 2), both length-delimited -- another
 field number, a key or value with another wire type, an unknown group -- is
-kept, as protobuf's C++ runtime keeps it: its last key (``""`` if none) and its
+kept, as protobuf's C++ and pure-Python runtimes keep it: its last key (``""`` if none) and its
 merged value (empty if none) enter the map like any other entry's. upb, the
 runtime of Python's protobuf, leaves such an entry out of the map (keeping it
 as an unknown field), so there an earlier entry with the same key, or none,
