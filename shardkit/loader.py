@@ -405,7 +405,9 @@ def _check_loader_state(state: State, loader: MixedLoader) -> list[Any]:
     tails = [_check_tail(tail, index, num_workers, loader) for index, tail in enumerate(carry)]
     owners = [tail["worker"] for tail in carry if tail["worker"] is not None]
     if len(owners) != len(set(owners)):
-        raise StateError(f"{where}: state['carry'] holds more than one tail of worker(s) {owners}; a worker has at most one")
+        raise StateError(
+            f"{where}: state['carry'] holds more than one tail of worker(s) {owners}; a worker has at most one"
+        )
     return tails
 
 
@@ -425,7 +427,9 @@ def _check_tail(tail: Any, index: int, num_workers: int, loader: MixedLoader) ->
     else:
         length, form = _collated_length(samples), "a collated micro-batch"
     if length != count:
-        raise StateError(f"{where}: the carried samples must be {form} of {count} samples; got {_describe(samples, length)}")
+        raise StateError(
+            f"{where}: the carried samples must be {form} of {count} samples; got {_describe(samples, length)}"
+        )
     return samples
 
 
@@ -470,7 +474,11 @@ class _Mixer(Iterator[Any]):
     """
 
     def __init__(
-        self, loader: MixedLoader, source: Iterator[Message], resume: State | None = None, tails: list[Any] | None = None
+        self,
+        loader: MixedLoader,
+        source: Iterator[Message],
+        resume: State | None = None,
+        tails: list[Any] | None = None,
     ) -> None:
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source

@@ -91,9 +91,29 @@ def check(state: object, kind: str, owner: object) -> State:
 
 
 def expect_equal(owner: object, what: str, saved: object, actual: object) -> None:
-    """Raise :class:`StateError` naming ``what`` if the saved and actual values differ."""
-    if saved != actual:
+    """Raise :class:`StateError` naming ``what`` if the saved and actual values differ
+    (in type too: a saved ``1`` does not stand for ``True``)."""
+    if not _same_data(saved, actual):
         raise StateError(f"{owner!r}: the state was saved with {what} {saved!r}, but here it is {actual!r}")
+
+
+def _same_data(saved: object, actual: object) -> bool:
+    """Equal plain data of equal types, lists and tuples alike (JSON keeps no tuples)."""
+    if isinstance(actual, np.generic):  # a numpy number computed here is saved as its Python value
+        actual = actual.item()
+    if isinstance(actual, (list, tuple)):
+        return (
+            type(saved) in (list, tuple)
+            and len(saved) == len(actual)  # type: ignore[arg-type]
+            and all(map(_same_data, saved, actual))  # type: ignore[call-overload]
+        )
+    if isinstance(actual, dict):
+        return (
+            type(saved) is dict
+            and saved.keys() == actual.keys()
+            and all(_same_data(saved[key], value) for key, value in actual.items())
+        )
+    return type(saved) is type(actual) and saved == actual
 
 
 def applies(state: State, epoch: int, owner: object) -> bool:
@@ -198,7 +218,10 @@ def _share(state: State, where: str) -> None:
     if share is None:
         return
     if len(share) != 2 or any(type(v) is not int for v in share) or not 0 <= share[0] < share[1]:
-        raise StateError(f"{where}: state['share'] must be None or [worker, num_workers] with 0 <= worker < num_workers, got {_short(share)}")
+        raise StateError(
+            f"{where}: state['share'] must be None or [worker, num_workers] with 0 <= worker < num_workers, "
+            f"got {_short(share)}"
+        )
 
 
 def _epoch(state: State, where: str) -> None:
@@ -230,7 +253,9 @@ def _check_stream(state: State, where: str) -> None:
     _epoch(state, where)
     reader = field(state, "reader", where, *_SEQUENCE)
     if len(reader) != 2 or any(type(v) is not int for v in reader) or not 0 <= reader[0] < reader[1]:
-        raise StateError(f"{where}: state['reader'] must be [slot, readers] with 0 <= slot < readers, got {_short(reader)}")
+        raise StateError(
+            f"{where}: state['reader'] must be [slot, readers] with 0 <= slot < readers, got {_short(reader)}"
+        )
     whole_number(state, "items", where)
     field(state, "done", where, bool)
 
@@ -249,7 +274,25 @@ def _check_shuffle(state: State, where: str) -> None:
     field(state, "samples", where, list)
     _draws(state, where)
     _share(state, where)
-    field(state, "upstream", where, dict)
+    _check_inputs_epoch(state, [field(state, "upstream", where, dict)], where)
+
+
+def _check_inputs_epoch(state: State, inputs: Sequence[Any], where: str) -> None:
+    """The inputs of a shuffle or interleave read the epoch it reads (an
+    older stage state over newer inputs would drop what it held)."""
+    for part in inputs:
+        epoch = _first_epoch(part)
+        if type(epoch) is int and epoch >= 0 and epoch != state["epoch"]:  # else its own check names it
+            raise StateError(f"{where}: the state is of epoch {state['epoch']} but its inputs' of epoch {epoch}")
+
+
+def _first_epoch(state: Any) -> Any:
+    """The epoch of the first stage at or below ``state`` that records one."""
+    while isinstance(state, dict):
+        if "epoch" in state:
+            return state["epoch"]
+        state = state.get("upstream")
+    return None
 
 
 def _check_repeat(state: State, where: str) -> None:
@@ -272,11 +315,15 @@ def _check_interleave(state: State, where: str) -> None:
         if type(part) not in (dict, type(None)):
             raise StateError(f"{where}: state['upstream'][{index}] must be a dict or None, got {type(part).__name__}")
     live = field(state, "live", where, *_SEQUENCE)
-    if any(type(i) is not int for i in live) or list(live) != sorted(set(live)) or not set(live) <= set(range(len(inputs))):
-        raise StateError(f"{where}: state['live'] must be increasing indices of inputs below {len(inputs)}, got {_short(live)}")
+    indices = all(type(i) is int for i in live) and list(live) == sorted(set(live))
+    if not indices or not set(live) <= set(range(len(inputs))):
+        raise StateError(
+            f"{where}: state['live'] must be increasing indices of inputs below {len(inputs)}, got {_short(live)}"
+        )
     _draws(state, where)
     field(state, "stopped", where, bool)
     _share(state, where)
+    _check_inputs_epoch(state, inputs, where)
 
 
 _SCHEMAS: dict[str, Callable[[State, str], None]] = {
@@ -322,7 +369,9 @@ def _check_node(state: object, kind: str | None, where: str) -> State:
         raise StateError(f"{where}: a state must be a dict from state_dict(), got {type(state).__name__}")
     version = state.get("version")
     if type(version) is not int or version != VERSION:
-        raise StateError(f"{where}: state version {_short(version)} is not supported; this shardkit reads version {VERSION}")
+        raise StateError(
+            f"{where}: state version {_short(version)} is not supported; this shardkit reads version {VERSION}"
+        )
     saved = state.get("kind")
     if kind is not None and saved != kind:
         raise StateError(
@@ -423,7 +472,9 @@ def _encode_container(value: Any, depth: int) -> list[Any]:
         try:
             if type(value) is dict:
                 if type(key) not in _KEY_TYPES:
-                    raise _Unsavable(f"a dict key of type {_type_name(key)} (keys must be str, int, float, bool, bytes or None)")
+                    raise _Unsavable(
+                        f"a dict key of type {_type_name(key)} (keys must be str, int, float, bool, bytes or None)"
+                    )
                 out.append(_encode(key, depth))
             out.append(_encode(item, depth))
         except _Unsavable as error:
@@ -435,7 +486,9 @@ def _encode_container(value: Any, depth: int) -> list[Any]:
 def _encode_array(value: np.ndarray | np.generic) -> list[Any]:
     dtype = value.dtype
     if dtype.kind not in _ARRAY_KINDS or dtype.hasobject or not _NUMPY_DTYPE.fullmatch(dtype.str):
-        raise _Unsavable(f"a numpy {type(value).__name__} of dtype {dtype} (object and structured dtypes can hold code)")
+        raise _Unsavable(
+            f"a numpy {type(value).__name__} of dtype {dtype} (object and structured dtypes can hold code)"
+        )
     data = _b64(np.ascontiguousarray(value).tobytes())
     if isinstance(value, np.generic):
         return ["numpy", dtype.str, data]
@@ -621,12 +674,15 @@ def restore_generator(state: dict[str, Any], where: str = "state") -> np.random.
     """
     name = state.get("bit_generator")
     if name not in _BIT_GENERATORS:
-        raise StateError(f"{where}: unknown bit generator {_short(name)} in the state; known: {', '.join(_BIT_GENERATORS)}")
+        known = ", ".join(_BIT_GENERATORS)
+        raise StateError(f"{where}: unknown bit generator {_short(name)} in the state; known: {known}")
     bit_generator = getattr(np.random, name)()
     try:
         bit_generator.state = state
     except (TypeError, ValueError, KeyError, IndexError, OverflowError) as error:
         raise StateError(f"{where}: the saved {name} generator state is not valid: {error}") from None
+    if not _same_data(state, bit_generator.state):  # numpy accepts some stand-ins (True for 1, extra keys)
+        raise StateError(f"{where}: the saved {name} generator state is not one numpy writes: {_short(state)}")
     return np.random.Generator(bit_generator)
 
 
