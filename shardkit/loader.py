@@ -106,7 +106,11 @@ class MixedLoader:
             25 us for a source, but a ``.shuffle(n)`` buffer inside the
             dataset is encoded whole into every message. With large samples
             in a large buffer, shuffle before decoding, or pass False when
-            you do not resume.
+            you do not resume. Saved samples (a shuffle buffer, the cut
+            tail of a micro-batch) are plain data, never pickled (see
+            :func:`shardkit.state.encode` for the types a state holds);
+            ``state_dict()`` raises :class:`~shardkit.state.StateError` for
+            samples of other types.
         **dataloader_kwargs: passed to the underlying DataLoader; any of
             ``pin_memory``, ``pin_memory_device``, ``persistent_workers``,
             ``prefetch_factor`` (counted in micro-batches),
@@ -399,6 +403,7 @@ def _check_loader_state(state: State, loader: MixedLoader) -> list[Any]:
     for index, worker_state in enumerate(workers):
         if isinstance(loader.dataset, Pipeline):
             validate(worker_state, f"{where}: state['workers'][{index}]")
+            check(worker_state, loader.dataset._state_kind, loader.dataset)
         elif not isinstance(worker_state, dict):
             raise StateError(f"{where}: state['workers'][{index}] must be a dict, got {type(worker_state).__name__}")
     carry = field(state, "carry", where, list, tuple)

@@ -352,6 +352,7 @@ TAMPERED = {
     "planned: share past workers": ("planned", put("share", [2, 2]), r"\[worker, num_workers\]"),
     "planned: share as text": ("planned", put("share", "0/2"), "must be None or list or tuple, got str"),
     "shuffle: missing samples": ("shuffle", drop("samples"), "has no 'samples'"),
+    "shuffle: older than its input": ("shuffle", put("epoch", 1), "state is of epoch 1 but its inputs' of epoch 0"),
     "shuffle: draws past the block": ("shuffle", lambda n: n["rng"].update(next=5000), "must be <= 1024"),
     "shuffle: unknown generator": ("shuffle", lambda n: n["rng"]["generator"].update(bit_generator="seed"), "unknown"),
     "shuffle: generator state": ("shuffle", lambda n: n["rng"]["generator"].update(has_uint32=True), "not one numpy"),
@@ -431,6 +432,7 @@ LOADER_TAMPERED = [
     (lambda s: s["carry"].append(copy.deepcopy(s["carry"][0])), "more than one tail"),
     (lambda s: s["carry"][0].pop("payload"), "has no 'payload'"),
     (lambda s: s["workers"][0].update(kind="shuffle"), "workers'\\]\\[0\\]: the state has no 'epoch'"),
+    (lambda s: s["workers"][1].update(kind="filter"), "'filter' stage but this stage is 'map'"),
 ]
 
 
