@@ -47,7 +47,7 @@ import copy
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -218,7 +218,7 @@ class MixedLoader:
         return math.ceil(samples / self.batch_size)
 
     _resume: State | None = None
-    _tails: list[Any] = []  # the loaded state's carried tails, decoded
+    _tails: tuple[Any, ...] = ()  # the loaded state's carried tails, decoded
     _mixer: _Mixer | None = None
     _iterated = False
 
@@ -241,7 +241,7 @@ class MixedLoader:
             source = iter(self._loader)  # starts the workers, each with its copy of the states
         finally:
             micro_batches.states = None
-        self._mixer = _Mixer(self, source, resume, self._tails if resume is not None else [])
+        self._mixer = _Mixer(self, source, resume, self._tails if resume is not None else ())
         return self._mixer
 
     def state_dict(self) -> State:
@@ -298,7 +298,7 @@ class MixedLoader:
             )
         self.set_epoch(state["epoch"])
         self._resume = state
-        self._tails = tails
+        self._tails = tuple(tails)
 
     def _resume_in_process(self, state: State) -> None:
         saved = state["workers"]
@@ -483,7 +483,7 @@ class _Mixer(Iterator[Any]):
         loader: MixedLoader,
         source: Iterator[Message],
         resume: State | None = None,
-        tails: list[Any] | None = None,
+        tails: Sequence[Any] = (),
     ) -> None:
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
@@ -505,9 +505,9 @@ class _Mixer(Iterator[Any]):
         self.batch_index = 0
         self._finished = False
         if resume is not None:
-            self._restore(resume, tails or [])
+            self._restore(resume, tails)
 
-    def _restore(self, state: State, tails: list[Any]) -> None:
+    def _restore(self, state: State, tails: Sequence[Any]) -> None:
         """Resume the position of ``state``, whose carried samples ``tails`` holds decoded."""
         self.batch_index = state["batch_index"]
         self._finished = state["finished"]
