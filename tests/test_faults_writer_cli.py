@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -198,3 +199,264 @@ def test_writer_on_a_remote_filesystem_publishes_by_rename(tmp_path):
     assert names == ["train-000.tfrecord", "train-001.tfrecord", "train.manifest.arrow"]
     shards = ShardList.from_manifest(f"{root}/train.manifest.arrow")
     assert [r for url in shards for r in read_tfrecord(url)] == [b"%d" % i for i in range(6)]
+
+
+# --------------------------------------------------------------------------- the CLI, faults
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *argv], capture_output=True, text=True, timeout=120, env=ENV
+    )
+
+
+def write_records(path, count: int, compression: str | None = None) -> str:
+    with shardkit.TFRecordWriter(str(path), compression=compression) as writer:
+        for i in range(count):
+            writer.write(shardkit.encode_example({"i": i, "pad": b"p" * 20}))
+    return str(path)
+
+
+def flip(path, position: int) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[position] ^= 0x10
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """One file or path per fault class, plus good inputs."""
+    root = tmp_path_factory.mktemp("cli")
+    good = write_records(root / "good.tfrecord", 5)
+    record = os.path.getsize(good) // 5
+    corrupt = write_records(root / "corrupt.tfrecord", 5)
+    flip(corrupt, 2 * record + 14)  # a data byte of record 2: data CRC mismatch
+    truncated = write_records(root / "truncated.tfrecord", 5)
+    os.truncate(truncated, 3 * record + 7)  # ends inside record 3's header
+    manifest = str(root / "good.manifest.arrow")
+    ShardList([good], num_records=[5]).to_manifest(manifest)
+    cut = str(root / "cut.manifest.arrow")
+    open(cut, "wb").write(open(manifest, "rb").read()[:200])
+    (root / "garbage.jsonl").write_text("{not json\n")
+    (root / "nourl.jsonl").write_text('{"path": "a", "num_records": 1}\n')
+    (root / "afile").write_text("a file, not a directory")
+    (root / "adir").mkdir()
+    indexed = root / "indexed"
+    indexed.mkdir()
+    write_records(indexed / "a.tfrecord", 3)
+    (indexed / "a.tfrecord.idx").write_bytes(b"SKTFIDX1" + b"\x05" + b"\0" * 7)  # a truncated index
+    return {
+        "root": str(root),
+        "good": good,
+        "corrupt": corrupt,
+        "truncated": truncated,
+        "manifest": manifest,
+        "cut": cut,
+        "garbage": str(root / "garbage.jsonl"),
+        "nourl": str(root / "nourl.jsonl"),
+        "missing": str(root / "missing.tfrecord"),
+        "dir": str(root / "adir"),
+        "afile": str(root / "afile"),
+        "noglob": str(root / "nothing-*.tfrecord"),
+        "badindex": str(indexed / "*.tfrecord"),
+    }
+
+
+# (command, fault, argv with {name} placeholders, exit code, a fragment the error line must hold)
+FAULTS = [
+    ("demo", "workdir is a file", ["--workdir", "{afile}"], 2, "{afile}: exists and is not a directory"),
+    ("demo", "workdir under a file", ["--workdir", "{afile}/sub"], 2, "not a directory"),
+    ("demo", "unknown option", ["--bogus"], 2, "unrecognized arguments: --bogus"),
+    ("plan", "missing manifest", ["{missing}"], 2, "{missing}: no such file"),
+    ("plan", "directory", ["{dir}"], 2, "{dir}: is a directory"),
+    ("plan", "glob matching nothing", ["{noglob}"], 2, "no files match"),
+    ("plan", "malformed manifest", ["{garbage}"], 2, "cannot read manifest"),
+    ("plan", "truncated manifest", ["{cut}"], 2, "{cut}"),
+    ("plan", "manifest without urls", ["{nourl}"], 2, "{nourl}"),
+    ("plan", "corrupt index file", ["{badindex}"], 2, "index file is truncated"),
+    ("plan", "bad number", ["{manifest}", "--world-size", "0"], 2, "--world-size: must be >= 1"),
+    ("plan", "not a number", ["{manifest}", "--num-workers", "two"], 2, "expected an integer, not 'two'"),
+    ("plan", "missing argument", [], 2, "required: SOURCE"),
+    ("inspect", "missing file", ["{missing}"], 2, "{missing}: no such file"),
+    ("inspect", "directory", ["{dir}"], 2, "{dir}: is a directory"),
+    ("inspect", "glob matching nothing", ["{noglob}"], 2, "no files match"),
+    ("inspect", "manifest given as data", ["{manifest}"], 1, "{manifest}: record 0 at byte offset 0"),
+    ("inspect", "corrupt file", ["{corrupt}"], 1, "{corrupt}: record 2 at byte offset"),
+    ("inspect", "truncated file", ["{truncated}"], 1, "{truncated}: record 3 at byte offset"),
+    ("inspect", "bad compression", ["{good}", "--compression", "lz4"], 2, "expected auto, none, gzip or zlib"),
+    ("verify", "missing file", ["{missing}"], 2, "{missing}: no such file"),
+    ("verify", "directory", ["{dir}"], 2, "{dir}: is a directory"),
+    ("verify", "glob matching nothing", ["{noglob}"], 2, "no files match"),
+    ("verify", "manifest given as data", ["{manifest}"], 1, "{manifest}: record 0 at byte offset 0"),
+    ("verify", "corrupt file", ["{corrupt}"], 1, "{corrupt}: record 2 at byte offset"),
+    ("verify", "truncated file", ["{truncated}"], 1, "{truncated}: record 3 at byte offset"),
+    ("verify", "no arguments", [], 2, "required: URL"),
+    ("index", "missing file", ["{missing}"], 2, "{missing}: no such file"),
+    ("index", "directory", ["{dir}"], 2, "{dir}: is a directory"),
+    ("index", "glob matching nothing", ["{noglob}"], 2, "no files match"),
+    ("index", "manifest given as data", ["{manifest}"], 1, "{manifest}: record 0 at byte offset 0"),
+    ("index", "truncated file", ["{truncated}"], 1, "{truncated}: record 3 at byte offset"),
+    ("index", "unknown option", ["{good}", "--fast"], 2, "unrecognized arguments: --fast"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, fault, argv, code, fragment", FAULTS, ids=[f"{c}-{f}" for c, f, *_ in FAULTS])
+def test_every_command_reports_each_fault_as_one_line_and_a_documented_exit_code(
+    files, command, fault, argv, code, fragment
+):
+    done = run_cli(command, *[arg.format(**files) for arg in argv])
+    lines = done.stderr.splitlines()
+    assert "Traceback" not in done.stderr
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"shardkit {command}: error: "), lines[0]
+    assert fragment.format(**files) in lines[0]
+    assert done.returncode == code, (done.returncode, lines[0])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+@pytest.mark.parametrize("command", ["plan", "inspect", "verify", "index"])
+def test_an_unreadable_file_is_one_line_and_exit_2(tmp_path, command):
+    path = write_records(tmp_path / "secret.tfrecord", 3) if command != "plan" else str(tmp_path / "m.arrow")
+    if command == "plan":
+        ShardList(["a"], num_records=[1]).to_manifest(path)
+    os.chmod(path, 0)
+    done = run_cli(command, path)
+    assert done.stderr.splitlines() == [f"shardkit {command}: error: {path}: permission denied"]
+    assert done.returncode == 2
+
+
+@pytest.mark.slow
+def test_help_documents_the_exit_codes_of_every_command():
+    top = run_cli("--help")
+    assert top.returncode == 0
+    for line in ("0    success", "1    corrupt data found", "2    usage error or unreadable input"):
+        assert line in top.stdout
+    for command in ("demo", "plan", "inspect", "verify", "index"):
+        done = run_cli(command, "--help")
+        assert done.returncode == 0 and "exit codes: 0 " in done.stdout, command
+    assert "ShardWriter" in run_cli("plan", "--help").stdout and "to_manifest" in run_cli("plan", "--help").stdout
+
+
+# --------------------------------------------------------------------------- the CLI, several files
+
+
+@pytest.mark.slow
+def test_verify_checks_every_file_after_a_failure_and_reports_each_with_its_location(files):
+    done = run_cli("verify", files["good"], files["corrupt"], files["truncated"], files["good"])
+    assert done.stdout.splitlines() == [f"ok {files['good']}: 5 records"] * 2
+    errors = done.stderr.splitlines()
+    assert len(errors) == 2
+    assert re.fullmatch(rf"shardkit verify: error: {re.escape(files['corrupt'])}: record 2 at byte offset \d+: data CRC mismatch.*", errors[0])
+    assert errors[1].startswith(f"shardkit verify: error: {files['truncated']}: record 3 at byte offset")
+    assert done.returncode == 1
+    done = run_cli("verify", files["corrupt"], files["missing"], files["good"])
+    assert len(done.stderr.splitlines()) == 2 and done.stdout.count("ok ") == 1
+    assert done.returncode == 2  # an input that cannot be read wins over corrupt data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_verify_reports_gzip_damage_on_one_line_with_what_the_error_carries(tmp_path, damage):
+    from shardkit.errors import CorruptRecordError
+
+    path = write_records(tmp_path / "a.tfrecord.gz", 400, "gzip")
+    if damage == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        flip(path, os.path.getsize(path) // 2)
+    with pytest.raises(shardkit.ShardkitError) as raised:
+        verify_tfrecord(path)
+    done = run_cli("verify", path)
+    assert done.stderr.splitlines() == [f"shardkit verify: error: {raised.value}"]
+    assert path in done.stderr
+    assert done.returncode == (1 if isinstance(raised.value, CorruptRecordError) else 2)
+
+
+@pytest.mark.slow
+def test_index_is_written_by_rename_and_a_corrupt_file_keeps_its_old_index(tmp_path):
+    from shardkit.formats.index import read_index
+
+    good = write_records(tmp_path / "good.tfrecord", 4)
+    bad = write_records(tmp_path / "bad.tfrecord", 6)
+    assert run_cli("index", bad).returncode == 0
+    old_index = open(bad + ".idx", "rb").read()
+    os.truncate(bad, os.path.getsize(bad) - 3)
+    done = run_cli("index", str(tmp_path / "*.tfrecord"))
+    assert done.returncode == 1
+    assert done.stdout.splitlines() == [f"{good} -> {good}.idx"]
+    assert done.stderr.splitlines()[0].startswith(f"shardkit index: error: {bad}: record 5 at byte offset")
+    assert len(read_index(good + ".idx")) == 4
+    assert open(bad + ".idx", "rb").read() == old_index
+    assert leftovers(str(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------- inspect, plan
+
+
+def sequence_example(length: int) -> bytes:
+    from tfrecord import example_pb2  # protobuf's own encoder, independent of shardkit's decoder
+
+    message = example_pb2.SequenceExample()
+    message.context.feature["length"].int64_list.value.append(length)
+    for step in range(length):
+        message.feature_lists.feature_list["tokens"].feature.add().int64_list.value.extend([step, step + 1])
+        message.feature_lists.feature_list["frames"].feature.add().float_list.value.extend([0.5] * 3)
+    return message.SerializeToString()
+
+
+def test_inspect_recognises_sequence_examples_and_reports_compression_and_crc_checks(tmp_path, capsys):
+    from shardkit.cli import main
+
+    path = str(tmp_path / "seq.tfrecord.gz")
+    with shardkit.TFRecordWriter(path, compression="gzip") as writer:
+        for length in (2, 5, 3):
+            writer.write(sequence_example(length))
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{path}: 3 records, ")
+    assert out[0].endswith("; compression: gzip (detected); every length and data CRC checked")
+    assert out[2:] == [
+        "the first 3 records are tf.SequenceExample messages",
+        "  context features:",
+        "    length   int64  x 1",
+        "  feature lists:",
+        "    frames   float  x 3 per step, 2..5 steps",
+        "    tokens   int64  x 2 per step, 2..5 steps",
+    ]
+
+
+def test_inspect_tells_examples_from_other_records_and_says_when_crcs_were_skipped(tmp_path, capsys):
+    from shardkit.cli import main
+
+    examples = write_records(tmp_path / "ex.tfrecord", 4)
+    with shardkit.TFRecordWriter(str(tmp_path / "raw.tfrecord")) as writer:
+        writer.write(b"\xff\xff\xff")  # field 31 with wire type 7: not a protobuf message
+    assert main(["inspect", "--records", "2", examples, str(tmp_path / "raw.tfrecord")]) == 0
+    out = capsys.readouterr().out
+    assert "the first 2 records are tf.Example messages; features:\n  i        int64  x 1\n  pad      bytes  x 1" in out
+    assert "the first 1 records are neither tf.Example nor tf.SequenceExample messages" in out
+    flip(examples, os.path.getsize(examples) // 4 + 14)  # a data byte of record 1
+    assert main(["inspect", examples]) == 1
+    assert re.search(r"record 1 at byte offset \d+: data CRC mismatch", capsys.readouterr().err)
+    assert main(["inspect", "--no-verify", examples]) == 0
+    assert "compression: none (detected); CRCs NOT checked (--no-verify)" in capsys.readouterr().out
+
+
+def test_plan_takes_a_glob_with_counts_from_index_files(tmp_path, capsys):
+    from shardkit.cli import main
+    from shardkit.formats.index import build_index
+
+    paths = [write_records(tmp_path / f"train-{i}.tfrecord", n) for i, n in enumerate((3, 8, 5))]
+    glob_arg = str(tmp_path / "train-*.tfrecord")
+    assert main(["plan", glob_arg, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardkit plan: error: balance='pad' needs the record count") and err.count("\n") == 1
+    assert main(["plan", glob_arg, "--world-size", "2", "--balance", "none"]) == 0
+    assert "record counts: unknown (no index files; write them with `shardkit index`)" in capsys.readouterr().out
+    for path in paths:
+        build_index(path)
+    assert main(["plan", glob_arg, "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "record counts: from index files (3 of 3 shards)" in out
+    assert "3 shards, 16 records" in out and "records per rank: 8, 8" in out
