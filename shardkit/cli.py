@@ -373,17 +373,17 @@ def _write_index(url: str, compression: str | None) -> str:
     """Build ``url``'s index under a temporary name and rename it into place: a reader
     never finds a partial index, and a corrupt file leaves the old index (if any) alone."""
     from shardkit.formats.index import build_index, index_path_for
-    from shardkit.writer import _partial_name, _publish, _remove
+    from shardkit.writer import partial_name, publish, remove_if_present
 
     target = index_path_for(url)
-    partial = _partial_name(target)
+    partial = partial_name(target)
     try:
         _with_progress(
             url, compression, lambda progress: build_index(url, partial, compression=compression, progress=progress)
         )
-        _publish(partial, target, None)
+        publish(partial, target, None)
     finally:
-        _remove(partial, None)
+        remove_if_present(partial, None)
     return target
 
 

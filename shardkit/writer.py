@@ -25,6 +25,11 @@ their final names (each is whole and valid, and they may already have replaced
 an earlier run's shards, so deleting them would restore nothing). A process
 killed outright leaves at most one ``.partial`` file per shard directory and
 no manifest; delete the ``.partial`` files and run again.
+
+Shards of an earlier run numbered beyond this run's last one are left where
+they are (they are whole files; deleting what this run did not write is not
+the writer's call): the manifest does not list them, but a glob over the
+directory would find them.
 """
 
 from __future__ import annotations
@@ -136,7 +141,7 @@ class ShardWriter:
     def _start(self) -> None:
         """Begin the run: remove an earlier run's manifest before any shard it lists is replaced."""
         if not self._started:
-            _remove(self.manifest, self.storage_options)
+            remove_if_present(self.manifest, self.storage_options)
             _sync_parent(self.manifest, self.storage_options)
             self._started = True
 
@@ -144,7 +149,8 @@ class ShardWriter:
         self._start()
         self._finish_shard()
         url = self.pattern % len(self._urls)
-        self._current = TFRecordWriter(_partial_name(url), compression=self.compression, storage_options=self.storage_options)
+        options = self.storage_options
+        self._current = TFRecordWriter(partial_name(url), compression=self.compression, storage_options=options)
         self._current_url = url
         return self._current
 
@@ -153,7 +159,7 @@ class ShardWriter:
         if self._current is not None:
             current = self._current
             current.close()
-            _publish(current.url, self._current_url, self.storage_options)
+            publish(current.url, self._current_url, self.storage_options)
             self._current = None
             self._urls.append(self._current_url)
             self._counts.append(current.num_records)
@@ -166,7 +172,7 @@ class ShardWriter:
             try:
                 current.close()
             finally:
-                _remove(current.url, self.storage_options)
+                remove_if_present(current.url, self.storage_options)
 
     def close(self) -> ShardList:
         """Publish the last shard, then the manifest; return the shards as a ShardList.
@@ -186,7 +192,7 @@ class ShardWriter:
             shards = ShardList(self._urls, num_records=self._counts)
             for url in {os.path.dirname(u): u for u in self._urls}.values():
                 _sync_parent(url, self.storage_options)  # the shard renames are durable before the manifest
-            _write_manifest(shards, self.manifest, self.storage_options)
+            write_manifest(shards, self.manifest, self.storage_options)
             self.shards = shards
         return self.shards
 
@@ -201,9 +207,10 @@ class ShardWriter:
 
 
 # --------------------------------------------------------------------------- atomic publishing
+# Also used by `shardkit index` and `shardkit demo`, which write files the same way.
 
 
-def _partial_name(url: str) -> str:
+def partial_name(url: str) -> str:
     """A fresh temporary name in ``url``'s directory (so renaming it is atomic)."""
     return f"{url}.{uuid.uuid4().hex[:16]}{PARTIAL_SUFFIX}"
 
@@ -213,7 +220,7 @@ def _local(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.Abs
     return fs, path, isinstance(fs, LocalFileSystem)
 
 
-def _publish(partial: str, final: str, storage_options: dict[str, Any] | None) -> None:
+def publish(partial: str, final: str, storage_options: dict[str, Any] | None) -> None:
     """Rename the complete file ``partial`` to ``final``, replacing what is there."""
     fs, partial_path, local = _local(partial, storage_options)
     final_path = fsspec.core.url_to_fs(final, **(storage_options or {}))[1]
@@ -228,7 +235,7 @@ def _publish(partial: str, final: str, storage_options: dict[str, Any] | None) -
         fs.mv(partial_path, final_path)
 
 
-def _remove(url: str, storage_options: dict[str, Any] | None) -> None:
+def remove_if_present(url: str, storage_options: dict[str, Any] | None) -> None:
     """Delete ``url`` if it exists."""
     fs, path, local = _local(url, storage_options)
     with contextlib.suppress(FileNotFoundError):
@@ -253,13 +260,13 @@ def _sync_parent(url: str, storage_options: dict[str, Any] | None) -> None:
         os.close(fd)
 
 
-def _write_manifest(shards: ShardList, manifest: str, storage_options: dict[str, Any] | None) -> None:
+def write_manifest(shards: ShardList, manifest: str, storage_options: dict[str, Any] | None) -> None:
     """Write ``shards`` to a temporary name beside ``manifest`` and rename it into place."""
     make_parent_dirs(manifest, storage_options)
-    partial = _partial_name(manifest)
+    partial = partial_name(manifest)
     try:
         shards.to_manifest(partial, storage_options=storage_options)
-        _publish(partial, manifest, storage_options)
+        publish(partial, manifest, storage_options)
         _sync_parent(manifest, storage_options)
     finally:
-        _remove(partial, storage_options)
+        remove_if_present(partial, storage_options)
