@@ -23,6 +23,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shardkit.errors import ShardkitError
+
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EXIT_CODES = f"""\
@@ -55,8 +57,6 @@ def _one_line(text: str) -> str:
 def describe_error(error: BaseException, where: str | None = None) -> str:
     """One line saying what went wrong and where: the url, and for corrupt data the
     record index and byte offset the error carries."""
-    from shardkit.errors import ShardkitError
-
     if isinstance(error, OSError) and not isinstance(error, ShardkitError):
         where = getattr(error, "filename", None) or where
         reason = {
@@ -76,10 +76,11 @@ def describe_error(error: BaseException, where: str | None = None) -> str:
 
 
 def exit_code_of(error: BaseException) -> int:
-    """:data:`EXIT_CORRUPT` for corrupt data, :data:`EXIT_USAGE` for anything else."""
+    """:data:`EXIT_CORRUPT` for corrupt data or data that contradicts its manifest or
+    index, :data:`EXIT_USAGE` for anything else."""
     from shardkit.errors import CorruptRecordError
 
-    return EXIT_CORRUPT if isinstance(error, CorruptRecordError) else EXIT_USAGE
+    return EXIT_CORRUPT if isinstance(error, (CorruptRecordError, MismatchError)) else EXIT_USAGE
 
 
 def _fail(args: argparse.Namespace, error: BaseException, where: str | None = None) -> int:
@@ -99,13 +100,14 @@ def _expand(pattern: str) -> list[str]:
     return ShardList.from_glob(pattern).urls()
 
 
-def _each_file(args: argparse.Namespace, job: Callable[[str], Any]) -> int:
-    """Run ``job(url)`` on every file ``args.urls`` names, even after failures;
-    report each failure on its own line and return the worst exit code."""
+def _each_file(args: argparse.Namespace, job: Callable[[str], Any], listed: Sequence[str] = ()) -> int:
+    """Run ``job(url)`` on every file in ``listed`` (taken literally) and every file
+    ``args.urls`` names, even after failures; report each failure on its own line
+    and return the worst exit code."""
     status = EXIT_OK
-    for pattern in args.urls:
+    for pattern in [*listed, *args.urls]:
         try:
-            urls = _expand(pattern)
+            urls = [pattern] if pattern in listed else _expand(pattern)
         except Exception as error:  # noqa: BLE001 - reported, then the next pattern
             status = max(status, _fail(args, error, pattern))
             continue
@@ -300,8 +302,6 @@ def _schema_lines(schema: Schema, indent: str, steps: Schema | None = None) -> l
 
 def _message_lines(records: list[bytes]) -> list[str]:
     """What the first records are: tf.SequenceExample, tf.Example, or neither."""
-    from shardkit.errors import ShardkitError
-
     label = f"the first {len(records)} records"
     try:
         sequence = _sequence_schema(records)
@@ -353,16 +353,43 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- verify, index
 
 
+class MismatchError(ShardkitError):
+    """A file contradicts what its manifest or index file says about it."""
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from shardkit.shardlist import ShardList
+
+    expected: dict[str, tuple[int | None, int | None]] = {}
+    if args.manifest:
+        try:
+            shards = ShardList.from_manifest(args.manifest)
+        except Exception as error:  # noqa: BLE001 - one line, exit 2
+            return _fail(args, error, args.manifest)
+        counts, sizes = (shards.table.column(name).to_pylist() for name in ("num_records", "size"))
+        expected = dict(zip(shards.urls(), zip(counts, sizes)))
+    return _each_file(args, lambda url: _verify_one(url, args, *expected.get(url, (None, None))), listed=list(expected))
+
+
+def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int | None) -> None:
+    """Check every CRC of ``url``, then its record count against the manifest and its index file."""
+    import fsspec
+
     from shardkit.formats.tfrecord import verify_tfrecord
 
-    def verify(url: str) -> None:
-        count = _with_progress(
-            url, args.compression, lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress)
-        )
-        print(f"ok {url}: {count} records")
-
-    return _each_file(args, verify)
+    where = f"the manifest {args.manifest}"
+    if size is not None and (actual := fsspec.core.url_to_fs(url)[0].size(url)) != size:
+        raise MismatchError(f"{url}: {actual} bytes, but {where} says {size}; the file changed since it was listed")
+    found = _with_progress(
+        url, args.compression, lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress)
+    )
+    if count is not None and found != count:
+        raise MismatchError(f"{url}: {found} records, but {where} says {count}")
+    indexed = _index_counts([url])[0]
+    if indexed is not None and found != indexed:
+        raise MismatchError(f"{url}: {found} records, but its index file says {indexed}; rebuild it with shardkit index")
+    checked = " (count matches the manifest)" if count is not None else ""
+    print(f"ok {url}: {found} records{checked}")
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
@@ -419,10 +446,10 @@ def _add_compression_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_urls(parser: argparse.ArgumentParser) -> None:
+def _add_urls(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "urls",
-        nargs="+",
+        nargs="+" if required else "*",
         metavar="URL",
         help="TFRecord files: paths, fsspec URLs (s3://, gs://, https://...) or quoted globs such as "
         "'data/train-*.tfrecord' or 'data/train-{00000..00127}.tfrecord'",
@@ -521,12 +548,18 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "verify",
         "check every CRC of TFRecord files; exit 1 on corruption",
-        "Check every length and data CRC of every file; each bad file is reported on its own line with "
+        "Check every length and data CRC of every file, and that each holds the record count its "
+        "manifest (--manifest) or index file gives. Each bad file is reported on its own line with "
         "the record index and byte offset of the damage, and the remaining files are still checked.",
-        "0 every file is sound; 1 at least one file is corrupt; 2 bad arguments or an input cannot be "
-        "read (2 wins over 1).",
+        "0 every file is sound; 1 at least one file is corrupt, or contradicts its manifest or index "
+        "file (record count, byte size); 2 bad arguments or an input cannot be read (2 wins over 1).",
     )
-    _add_urls(verify_cmd)
+    _add_urls(verify_cmd, required=False)
+    verify_cmd.add_argument(
+        "--manifest",
+        help="also verify every shard this manifest lists, and that each holds the record count "
+        "and byte size the manifest gives",
+    )
     _add_compression_option(verify_cmd)
     verify_cmd.set_defaults(func=_cmd_verify)
 
@@ -549,9 +582,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; a usage error exits 2 with one line naming the sub-command it concerns."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = subparsers.choices[args.command]
     if extra:  # argparse would blame the top-level parser: "shardkit: error: ..."
-        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        subparsers.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "verify" and not args.urls and not args.manifest:
+        command.error("give URL arguments, --manifest, or both")
     return args
 
 

@@ -71,7 +71,7 @@ class ShardWriter:
     when the next record would take it past ``max_bytes`` framed (uncompressed)
     bytes; a record larger than ``max_bytes`` gets a shard of its own. On
     :meth:`close` the manifest (see :meth:`shardkit.ShardList.to_manifest`) is
-    written with every shard's url and record count, at ``manifest`` or
+    written with every shard's url, record count and byte size, at ``manifest`` or
     :func:`default_manifest_path` ``(pattern)``::
 
         with ShardWriter("s3://bucket/train-%05d.tfrecord", max_records=10_000) as writer:
@@ -115,6 +115,7 @@ class ShardWriter:
         self.shards: ShardList | None = None  # set by close()
         self._urls: list[str] = []  # published shards
         self._counts: list[int] = []
+        self._sizes: list[int] = []  # bytes on storage, so that readers can tell a replaced file
         self._current: TFRecordWriter | None = None
         self._current_url = ""  # final name of the shard being written to self._current.url
         self._started = False
@@ -161,6 +162,8 @@ class ShardWriter:
             current.close()
             publish(current.url, self._current_url, self.storage_options)
             self._current = None
+            fs, path = fsspec.core.url_to_fs(self._current_url, **(self.storage_options or {}))
+            self._sizes.append(fs.size(path))
             self._urls.append(self._current_url)
             self._counts.append(current.num_records)
 
@@ -189,7 +192,7 @@ class ShardWriter:
             except BaseException:
                 self._abort()
                 raise
-            shards = ShardList(self._urls, num_records=self._counts)
+            shards = ShardList(self._urls, num_records=self._counts, sizes=self._sizes)
             for url in {os.path.dirname(u): u for u in self._urls}.values():
                 _sync_parent(url, self.storage_options)  # the shard renames are durable before the manifest
             write_manifest(shards, self.manifest, self.storage_options)

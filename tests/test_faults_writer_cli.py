@@ -290,7 +290,9 @@ FAULTS = [
     ("verify", "manifest given as data", ["{manifest}"], 1, "{manifest}: record 0 at byte offset 0"),
     ("verify", "corrupt file", ["{corrupt}"], 1, "{corrupt}: record 2 at byte offset"),
     ("verify", "truncated file", ["{truncated}"], 1, "{truncated}: record 3 at byte offset"),
-    ("verify", "no arguments", [], 2, "required: URL"),
+    ("verify", "no arguments", [], 2, "give URL arguments, --manifest, or both"),
+    ("verify", "missing manifest", ["--manifest", "{missing}"], 2, "{missing}: no such file"),
+    ("verify", "malformed manifest", ["--manifest", "{garbage}"], 2, "cannot read manifest"),
     ("index", "missing file", ["{missing}"], 2, "{missing}: no such file"),
     ("index", "directory", ["{dir}"], 2, "{dir}: is a directory"),
     ("index", "glob matching nothing", ["{noglob}"], 2, "no files match"),
@@ -460,3 +462,24 @@ def test_plan_takes_a_glob_with_counts_from_index_files(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "record counts: from index files (3 of 3 shards)" in out
     assert "3 shards, 16 records" in out and "records per rank: 8, 8" in out
+
+
+@pytest.mark.slow
+def test_verify_with_a_manifest_catches_a_shard_replaced_or_miscounted(tmp_path):
+    pattern = str(tmp_path / "train-%05d.tfrecord")
+    shards = write_run(pattern, "run", 25, max_records=10)
+    assert shards.sizes.tolist() == [os.path.getsize(pattern % i) for i in range(3)]
+    manifest = str(tmp_path / "train.manifest.arrow")
+    done = run_cli("verify", "--manifest", manifest)
+    assert done.returncode == 0 and done.stdout.count("(count matches the manifest)") == 3, done.stderr
+    with shardkit.TFRecordWriter(pattern % 1) as writer:  # same count, other bytes: a replaced file
+        for i in range(10):
+            writer.write(b"other:%06d:" % i)
+    ShardList([pattern % 0], num_records=[9]).to_manifest(str(tmp_path / "miscounted.arrow"))
+    done = run_cli("verify", "--manifest", manifest)
+    assert done.returncode == 1
+    line = f"shardkit verify: error: {pattern % 1}: {os.path.getsize(pattern % 1)} bytes, but the manifest {manifest} says"
+    assert done.stderr.startswith(line) and done.stderr.count("\n") == 1
+    done = run_cli("verify", "--manifest", str(tmp_path / "miscounted.arrow"))
+    assert done.stderr == f"shardkit verify: error: {pattern % 0}: 10 records, but the manifest {tmp_path}/miscounted.arrow says 9\n"
+    assert done.returncode == 1
