@@ -483,3 +483,28 @@ def test_verify_with_a_manifest_catches_a_shard_replaced_or_miscounted(tmp_path)
     done = run_cli("verify", "--manifest", str(tmp_path / "miscounted.arrow"))
     assert done.stderr == f"shardkit verify: error: {pattern % 0}: 10 records, but the manifest {tmp_path}/miscounted.arrow says 9\n"
     assert done.returncode == 1
+
+
+def test_writer_on_s3_replaces_an_earlier_run_by_copy_and_leaves_nothing_after_an_exception(s3_server):
+    options = s3_server.storage_options()
+    root = s3_server.new_bucket()
+    fs = fsspec.filesystem("s3", **options)
+    pattern = f"{root}/train-%03d.tfrecord"
+    with shardkit.ShardWriter(pattern, max_records=4, storage_options=options) as writer:
+        for i in range(10):
+            writer.write(b"old:%d" % i)
+    with pytest.raises(RuntimeError):
+        with shardkit.ShardWriter(pattern, max_records=4, storage_options=options) as writer:
+            for i in range(6):
+                writer.write(b"new:%d" % i)
+            raise RuntimeError
+    names = sorted(path.rsplit("/", 1)[1] for path in fs.ls(root, detail=False))
+    assert names == ["train-000.tfrecord", "train-001.tfrecord", "train-002.tfrecord"]  # no manifest, no .partial
+    assert list(read_tfrecord(pattern % 0, storage_options=options)) == [b"new:%d" % i for i in range(4)]
+    assert list(read_tfrecord(pattern % 1, storage_options=options)) == [b"old:%d" % i for i in range(4, 8)]
+    with shardkit.ShardWriter(pattern, max_records=4, storage_options=options) as writer:
+        for i in range(5):
+            writer.write(b"last:%d" % i)
+    shards = ShardList.from_manifest(f"{root}/train.manifest.arrow", storage_options=options)
+    assert shards.num_records.tolist() == [4, 1]
+    assert shards.sizes.tolist() == [fs.size(url) for url in shards]
