@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import CorruptRecordError, ShardkitError
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -78,8 +78,6 @@ def describe_error(error: BaseException, where: str | None = None) -> str:
 def exit_code_of(error: BaseException) -> int:
     """:data:`EXIT_CORRUPT` for corrupt data or data that contradicts its manifest or
     index, :data:`EXIT_USAGE` for anything else."""
-    from shardkit.errors import CorruptRecordError
-
     return EXIT_CORRUPT if isinstance(error, (CorruptRecordError, MismatchError)) else EXIT_USAGE
 
 
@@ -104,18 +102,24 @@ def _each_file(args: argparse.Namespace, job: Callable[[str], Any], listed: Sequ
     """Run ``job(url)`` on every file in ``listed`` (taken literally) and every file
     ``args.urls`` names, even after failures; report each failure on its own line
     and return the worst exit code."""
-    status = EXIT_OK
-    for pattern in [*listed, *args.urls]:
+    status = _run_each(args, job, listed)
+    for pattern in args.urls:
         try:
-            urls = [pattern] if pattern in listed else _expand(pattern)
+            urls = _expand(pattern)
         except Exception as error:  # noqa: BLE001 - reported, then the next pattern
             status = max(status, _fail(args, error, pattern))
             continue
-        for url in urls:
-            try:
-                job(url)
-            except Exception as error:  # noqa: BLE001 - one line per bad file, then the next
-                status = max(status, _fail(args, error, url))
+        status = max(status, _run_each(args, job, urls))
+    return status
+
+
+def _run_each(args: argparse.Namespace, job: Callable[[str], Any], urls: Sequence[str]) -> int:
+    status = EXIT_OK
+    for url in urls:
+        try:
+            job(url)
+        except Exception as error:  # noqa: BLE001 - one line per bad file, then the next
+            status = max(status, _fail(args, error, url))
     return status
 
 
@@ -159,16 +163,23 @@ def _load_shards(source: str) -> tuple[Any, str]:
 
 def _index_counts(urls: list[str]) -> list[int | None]:
     """Each file's record count from the index file beside it, None where there is none."""
+    import posixpath
+
     import fsspec
 
     from shardkit.formats.index import index_path_for, read_index
 
-    counts: list[int | None] = []
-    for url in urls:
-        index = index_path_for(url)
-        fs, path = fsspec.core.url_to_fs(index)
-        counts.append(len(read_index(index)) if fs.isfile(path) else None)
-    return counts
+    indexes = [(index_path_for(url), *fsspec.core.url_to_fs(index_path_for(url))) for url in urls]
+    by_directory: dict[Any, set[str]] = {}
+    for _, fs, path in indexes:
+        by_directory.setdefault((fs, posixpath.dirname(path)), set()).add(path)
+    present: set[str] = set()
+    for (fs, directory), wanted in by_directory.items():
+        try:  # one listing per directory rather than one request per file
+            present.update(wanted.intersection(fs.ls(directory, detail=False)))
+        except Exception:  # noqa: BLE001 - a store that cannot list (plain HTTP): ask per file
+            present.update(path for path in wanted if fs.isfile(path))
+    return [len(read_index(index)) if path in present else None for index, _, path in indexes]
 
 
 def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3, **options: Any) -> str:
