@@ -51,7 +51,16 @@ class _Parser(argparse.ArgumentParser):
 
 def _one_line(text: str) -> str:
     """``text`` with its line breaks folded, so that one error stays one line."""
-    return re.sub(r"\s*\n\s*", " | ", text.strip()) or "(no message)"
+    return re.sub(r"\s*[\r\n]+\s*", " | ", text.strip()) or "(no message)"
+
+
+_OS_REASONS: dict[type, str] = {
+    FileNotFoundError: "no such file or directory",
+    FileExistsError: "exists and is not a directory",
+    IsADirectoryError: "is a directory; give files, or a glob such as 'dir/*.tfrecord'",
+    NotADirectoryError: "a part of the path is not a directory",
+    PermissionError: "permission denied",
+}
 
 
 def describe_error(error: BaseException, where: str | None = None) -> str:
@@ -59,13 +68,7 @@ def describe_error(error: BaseException, where: str | None = None) -> str:
     record index and byte offset the error carries."""
     if isinstance(error, OSError) and not isinstance(error, ShardkitError):
         where = getattr(error, "filename", None) or where
-        reason = {
-            FileNotFoundError: "no such file or directory",
-            FileExistsError: "exists and is not a directory",
-            IsADirectoryError: "is a directory; give files, or a glob such as 'dir/*.tfrecord'",
-            NotADirectoryError: "a part of the path is not a directory",
-            PermissionError: "permission denied",
-        }.get(type(error)) or error.strerror or f"{type(error).__name__}: {error}"
+        reason = _OS_REASONS.get(type(error)) or error.strerror or f"{type(error).__name__}: {error}"
     elif isinstance(error, ShardkitError):
         reason = str(error)
     else:
@@ -202,7 +205,8 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
             sizes = [r.stop - r.start for r in ranges if r.stop is not None]
             rank_total += sum(sizes)
             shown = ", ".join(
-                f"{shards[r.shard].rsplit('/', 1)[-1]}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
+                f"{shards[r.shard].rsplit('/', 1)[-1]}[{r.start}:{'' if r.stop is None else r.stop}]"
+                for r in ranges[:show]
             )
             more = f" ... (+{len(ranges) - show})" if len(ranges) > show else ""
             records = str(sum(sizes)) if len(sizes) == len(ranges) else "?"
@@ -337,7 +341,10 @@ def _message_lines(records: list[bytes]) -> list[str]:
 def _inspect_one(url: str, args: argparse.Namespace) -> None:
     from shardkit.formats.tfrecord import read_tfrecord
 
-    compression, how = (args.compression, "given") if args.compression != "auto" else (_detect_compression(url), "detected")
+    if args.compression == "auto":
+        compression, how = _detect_compression(url), "detected"
+    else:
+        compression, how = args.compression, "given"
     verify = not args.no_verify
     count = total = 0
     smallest, largest = None, 0
@@ -389,7 +396,8 @@ def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int
     from shardkit.formats.tfrecord import verify_tfrecord
 
     where = f"the manifest {args.manifest}"
-    if size is not None and (actual := fsspec.core.url_to_fs(url)[0].size(url)) != size:
+    fs, path = fsspec.core.url_to_fs(url)
+    if size is not None and (actual := fs.size(path)) != size:
         raise MismatchError(f"{url}: {actual} bytes, but {where} says {size}; the file changed since it was listed")
     found = _with_progress(
         url, args.compression, lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress)
@@ -398,7 +406,9 @@ def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int
         raise MismatchError(f"{url}: {found} records, but {where} says {count}")
     indexed = _index_counts([url])[0]
     if indexed is not None and found != indexed:
-        raise MismatchError(f"{url}: {found} records, but its index file says {indexed}; rebuild it with shardkit index")
+        raise MismatchError(
+            f"{url}: {found} records, but its index file says {indexed}; rebuild it with shardkit index"
+        )
     checked = " (count matches the manifest)" if count is not None else ""
     print(f"ok {url}: {found} records{checked}")
 
@@ -530,7 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan_cmd.add_argument("source", metavar="SOURCE", help="a shard manifest, or a quoted glob of shard files")
     plan_cmd.add_argument("--world-size", type=_int_at_least(1), default=1, help="number of DDP ranks (default 1)")
-    plan_cmd.add_argument("--num-workers", type=_int_at_least(1), default=1, help="DataLoader workers per rank (default 1)")
+    plan_cmd.add_argument(
+        "--num-workers", type=_int_at_least(1), default=1, help="DataLoader workers per rank (default 1)"
+    )
     plan_cmd.add_argument("--balance", choices=("none", "pad", "drop"), default="pad")
     plan_cmd.add_argument("--seed", type=_int_at_least(0), default=0)
     plan_cmd.add_argument("--epoch", type=_int_at_least(0), default=0)

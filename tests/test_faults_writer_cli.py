@@ -349,7 +349,10 @@ def test_verify_checks_every_file_after_a_failure_and_reports_each_with_its_loca
     assert done.stdout.splitlines() == [f"ok {files['good']}: 5 records"] * 2
     errors = done.stderr.splitlines()
     assert len(errors) == 2
-    assert re.fullmatch(rf"shardkit verify: error: {re.escape(files['corrupt'])}: record 2 at byte offset \d+: data CRC mismatch.*", errors[0])
+    corrupt = re.escape(files["corrupt"])
+    assert re.fullmatch(
+        rf"shardkit verify: error: {corrupt}: record 2 at byte offset \d+: data CRC mismatch.*", errors[0]
+    )
     assert errors[1].startswith(f"shardkit verify: error: {files['truncated']}: record 3 at byte offset")
     assert done.returncode == 1
     done = run_cli("verify", files["corrupt"], files["missing"], files["good"])
@@ -478,10 +481,12 @@ def test_verify_with_a_manifest_catches_a_shard_replaced_or_miscounted(tmp_path)
     ShardList([pattern % 0], num_records=[9]).to_manifest(str(tmp_path / "miscounted.arrow"))
     done = run_cli("verify", "--manifest", manifest)
     assert done.returncode == 1
-    line = f"shardkit verify: error: {pattern % 1}: {os.path.getsize(pattern % 1)} bytes, but the manifest {manifest} says"
+    size = os.path.getsize(pattern % 1)
+    line = f"shardkit verify: error: {pattern % 1}: {size} bytes, but the manifest {manifest} says"
     assert done.stderr.startswith(line) and done.stderr.count("\n") == 1
-    done = run_cli("verify", "--manifest", str(tmp_path / "miscounted.arrow"))
-    assert done.stderr == f"shardkit verify: error: {pattern % 0}: 10 records, but the manifest {tmp_path}/miscounted.arrow says 9\n"
+    miscounted = str(tmp_path / "miscounted.arrow")
+    done = run_cli("verify", "--manifest", miscounted)
+    assert done.stderr == f"shardkit verify: error: {pattern % 0}: 10 records, but the manifest {miscounted} says 9\n"
     assert done.returncode == 1
 
 
