@@ -8,9 +8,12 @@ file and the fix, or read correctly anyway; never silently wrong.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
+import re
 
+import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
@@ -18,6 +21,7 @@ import shardkit
 from shardkit import ShardList, TFRecordDataset
 from shardkit.counting import identity, resolve_counts
 from shardkit.dataset import TFRecordReader
+from shardkit.formats.index import IndexFileError, load_index
 from shardkit.state import StateError
 
 
@@ -187,6 +191,146 @@ def test_the_url_digest_is_stable_across_chunking_and_string_types():
     assert ShardList(["/ab", "/c"]).url_digest() != ShardList(["/a", "/bc"]).url_digest()
 
 
-def _loader_ids(dataset, workers: int) -> list[bytes]:
-    loader = DataLoader(dataset, batch_size=None, num_workers=workers)
-    return list(loader)
+# -- index files ------------------------------------------------------------------------------
+
+RECORDS = [f"record {i:02d}".encode() for i in range(20)]  # 9 data bytes each: 25 framed
+
+
+def _framed(records: list[bytes], tmp_path) -> bytes:
+    scratch = write_tfrecord(str(tmp_path / "scratch.tfrecord"), records)
+    data = open(scratch, "rb").read()
+    os.unlink(scratch)
+    return data
+
+
+def _set_offsets(index: str, change) -> None:
+    raw = bytearray(open(index, "rb").read())
+    offsets = np.frombuffer(bytes(raw[24:]), "<u8").copy()
+    change(offsets)
+    raw[24:] = offsets.tobytes()
+    open(index, "wb").write(bytes(raw))
+
+
+def _grow(url, index, tmp_path):
+    with open(url, "ab") as f:
+        f.write(_framed([b"appended!"], tmp_path))
+    return [*RECORDS, b"appended!"]
+
+
+def _shrink(url, index, tmp_path):
+    with open(url, "r+b") as f:
+        f.truncate(15 * 25)  # at a record boundary: the shard itself is sound
+    return RECORDS[:15]
+
+
+def _rewrite_same_size(url, index, tmp_path):
+    records = [f"{i}".encode().ljust(34) for i in range(10)]  # 10 x 50 bytes: the same 500 bytes
+    write_tfrecord(url, records)
+    return records
+
+
+def _offset_past_eof(url, index, tmp_path):
+    _set_offsets(index, lambda offsets: offsets.__setitem__(19, 10_000))
+    return RECORDS
+
+
+def _negative_offset(url, index, tmp_path):
+    _set_offsets(index, lambda offsets: offsets.__setitem__(7, np.uint64(2**64 - 25)))
+    return RECORDS
+
+
+def _unsorted(url, index, tmp_path):
+    _set_offsets(index, lambda offsets: offsets.__setitem__(slice(3, 5), offsets[3:5][::-1].copy()))
+    return RECORDS
+
+
+def _truncated_index(url, index, tmp_path):
+    with open(index, "r+b") as f:
+        f.truncate(24 + 8 * 12)
+    return RECORDS
+
+
+def _stale_text_index(url, index, tmp_path):
+    offsets = np.arange(21) * 25  # the tfrecord package's "offset length" lines
+    open(index, "w").write("".join(f"{o} 25\n" for o in offsets[:-1]))
+    return _grow(url, index, tmp_path)
+
+
+def _negative_text_index(url, index, tmp_path):
+    open(index, "w").write("0 25\n-25 25\n" + "".join(f"{o} 25\n" for o in range(50, 500, 25)))
+    return RECORDS
+
+
+INDEX_DEFECTS = {
+    "shard grew": (_grow, r"it describes 500 bytes but the file has 525 \(it grew\)"),
+    "shard shrank": (_shrink, r"it describes 500 bytes but the file has 375 \(it shrank\)"),
+    "shard rewritten, same size": (_rewrite_same_size, "no record of the file ends at its end"),
+    "offset past the end": (_offset_past_eof, "the last offset 10000 leaves no room for a record before 500"),
+    "negative offset": (_negative_offset, "is not a file position"),
+    "unsorted offsets": (_unsorted, r"offset 4 \(75\) is not past offset 3 \(100\)"),
+    "truncated index": (_truncated_index, "should hold 20 offsets but has 96 bytes"),
+    "stale text index": (_stale_text_index, "it describes 500 bytes but the file has 525"),
+    "negative text offset": (_negative_text_index, "line 1: record at 0 of length 25 is not followed"),
+}
+
+
+@pytest.fixture(params=list(INDEX_DEFECTS))
+def bad_index(request, tmp_path):
+    """A shard with an index, then one defect injected: (url, index path, true records, expected problem)."""
+    damage, problem = INDEX_DEFECTS[request.param]
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    index = shardkit.build_index(url)
+    truth = damage(url, index, tmp_path)
+    return url, index, truth, problem
+
+
+def test_counting_with_a_bad_index_warns_and_scans(bad_index):
+    url, index, truth, problem = bad_index
+    with pytest.warns(UserWarning, match=f"index file {index} does not fit {url}: .*({problem})"):
+        counts = TFRecordDataset([url], decode="raw").count_records().shards.num_records.tolist()
+    assert counts == [len(truth)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("workers", "rank", "world_size"), [(0, 1, 2), (2, 0, 1)])
+def test_seeking_with_a_bad_index_raises_naming_both_files_and_the_fix(bad_index, workers, rank, world_size):
+    url, index, truth, problem = bad_index
+    shards = ShardList([url], num_records=[len(truth)])  # true counts: only the index is wrong
+    dataset = TFRecordDataset(shards, decode="raw", rank=rank, world_size=world_size)
+    with pytest.raises(IndexFileError) as info:  # rank 1 / worker 1 starts mid-shard, so seeks
+        list(DataLoader(dataset, batch_size=None, num_workers=workers))
+    message = str(info.value)
+    assert url in message and index in message and f"shardkit index {url}" in message
+    assert re.search(problem, message)
+    # Without the index the same reader reads the shard's true records; so does it after a rebuild.
+    def read(source):
+        return list(DataLoader(source, batch_size=None, num_workers=workers))
+
+    plain = read(TFRecordDataset(shards, decode="raw", rank=rank, world_size=world_size, index=False))
+    assert len(plain) == -(-len(truth) // world_size) and set(plain) <= set(truth)
+    if world_size == 1:
+        assert sorted(plain) == sorted(truth)
+    shardkit.build_index(url)
+    assert read(dataset) == plain
+
+
+def test_a_valid_index_still_seeks_and_counts(tmp_path):
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    shardkit.build_index(url)
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".partial")]
+    reader = TFRecordReader("raw")
+    assert reader.count(url) == 20
+    assert list(reader(url, 13, 17)) == RECORDS[13:17]
+    assert load_index(url).tolist() == list(range(0, 500, 25))
+
+
+def test_an_index_beside_a_compressed_shard_is_not_used(tmp_path):
+    url = str(tmp_path / "data.tfrecord.gz")
+    with shardkit.TFRecordWriter(url, compression="gzip") as out:
+        for record in RECORDS:
+            out.write(record)
+    shardkit.build_index(url)
+    assert load_index(url) is None  # cannot be checked against the compressed bytes
+    with open(url, "ab") as f:  # a stale one is therefore never trusted either
+        f.write(gzip.compress(_framed([b"more"], tmp_path)))
+    assert TFRecordReader("raw").count(url) == 21
