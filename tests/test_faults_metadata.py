@@ -8,21 +8,29 @@ file and the fix, or read correctly anyway; never silently wrong.
 
 from __future__ import annotations
 
+import gc
 import gzip
+import json
 import logging
 import os
 import re
+import subprocess
+import sys
+import tempfile
+import warnings
 
 import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
 import shardkit
-from shardkit import ShardList, TFRecordDataset
+from shardkit import ShardedDataset, ShardList, TFRecordDataset
 from shardkit.counting import identity, resolve_counts
 from shardkit.dataset import TFRecordReader
 from shardkit.formats.index import IndexFileError, load_index
+from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError
+from tests.helpers import all_ids, synthetic_read, synthetic_shards
 
 
 def write_tfrecord(path: str, records: list[bytes]) -> str:
@@ -334,3 +342,86 @@ def test_an_index_beside_a_compressed_shard_is_not_used(tmp_path):
     with open(url, "ab") as f:  # a stale one is therefore never trusted either
         f.write(gzip.compress(_framed([b"more"], tmp_path)))
     assert TFRecordReader("raw").count(url) == 21
+
+
+# -- manifests --------------------------------------------------------------------------------
+
+
+def _replace_by_rename(path: str, other: ShardList) -> None:
+    other.to_manifest(path)
+
+
+def _overwrite_in_place(path: str, other: ShardList) -> None:
+    with open(path, "r+b") as f:  # the same inode: what a mapped manifest would see
+        f.write(open(other.backing_file, "rb").read())
+        f.truncate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replace", [_replace_by_rename, _overwrite_in_place])
+def test_spawn_workers_read_the_list_the_dataset_was_planned_with(tmp_path, replace):
+    path = str(tmp_path / "train.arrow")
+    original = ShardList([f"/mem/shard{i}-{count}" for i, count in enumerate([3, 5, 2, 4])])
+    original.to_manifest(path)
+    dataset = ShardedDataset(ShardList.from_manifest(path), synthetic_read, balance="none")
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    replace(path, ShardList([f"mem/other{i}-7" for i in range(9)]))
+    assert sorted(loader) == sorted(all_ids(original))
+
+
+TRUNCATE_SCRIPT = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from torch.utils.data import DataLoader
+from shardkit import ShardList, ShardedDataset
+from tests.helpers import synthetic_read
+
+if __name__ == "__main__":
+    path = sys.argv[1]
+    shards = ShardList.from_manifest(path)
+    os.truncate(path, 0 if sys.argv[2] == "empty" else os.path.getsize(path) // 2)
+    dataset = ShardedDataset(shards, synthetic_read, balance="none")
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    print(len(list(shards)), len(list(loader)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut", ["empty", "half"])
+def test_a_manifest_truncated_after_loading_cannot_kill_the_process(tmp_path, cut):
+    path = str(tmp_path / "train.arrow")
+    counts = [3] * 2000  # a manifest several pages long, of absolute urls: the layout that used to be mapped in place
+    ShardList([f"/mem/shard{i:04d}-3" for i in range(2000)], num_records=counts).to_manifest(path)
+    script = tmp_path / "run.py"
+    script.write_text(TRUNCATE_SCRIPT.format(repo=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    result = subprocess.run([sys.executable, str(script), path, cut], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])  # -7 was SIGBUS
+    assert result.stdout.split() == ["2000", str(sum(counts))]
+
+
+def test_a_manifest_truncated_before_loading_is_a_clear_error_and_leaves_no_copy(tmp_path, monkeypatch):
+    path = str(tmp_path / "train.arrow")
+    ShardList(["/mem/a-3", "/mem/b-4"]).to_manifest(path)
+    os.truncate(path, os.path.getsize(path) // 2)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    with pytest.raises(ShardListError, match="cannot read manifest .*train.arrow.* as Arrow IPC"):
+        ShardList.from_manifest(path)
+    gc.collect()
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_duplicate_urls_warn_naming_the_url_and_its_positions(tmp_path):
+    with pytest.warns(DuplicateShardWarning, match=r"urls: '/d/b' is listed 3 times \(at positions \[1, 3, 4\]\)"):
+        ShardList(["/d/a", "/d/b", "/d/c", "/d/b", "/d/b", "/d/c"])
+    path = tmp_path / "list.jsonl"
+    path.write_text("".join(json.dumps({"url": url}) + "\n" for url in ["/d/x", "/d/y", "/d/x"]))
+    with pytest.warns(DuplicateShardWarning, match=r"manifest .*list.jsonl.*'/d/x' is listed 2 times \(at positions \[0, 2\]\)"):
+        ShardList.from_manifest(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardList([f"/d/{i}" for i in reversed(range(100))])  # distinct, unsorted: no warning
+        ShardList(["/d/a", "/d/b"]).select([0, 0, 1])  # repeating on purpose: no warning
+        for name in "ab":
+            open(tmp_path / f"{name}.rec", "wb").close()
+        ShardList.from_glob(f"{tmp_path}/{{a,b,a}}.rec")  # a glob lists a file once
