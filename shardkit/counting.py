@@ -180,16 +180,20 @@ def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndar
 
 
 def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> list[str | None]:
-    """The :func:`identity` of every shard's file (None where it cannot be read),
-    from one listing per directory rather than one request per file."""
-    by_dir: dict[str, list[int]] = defaultdict(list)
+    """The :func:`identity` of every shard's file (None where it cannot be read):
+    one ``os.stat`` per local path, one listing per directory elsewhere (not one
+    request per object)."""
     urls = list(shards)
-    for i, url in enumerate(urls):
-        by_dir[posixpath.dirname(url)].append(i)
     found: list[str | None] = [None] * len(urls)
+    by_dir: dict[str, list[int]] = defaultdict(list)
+    for i, url in enumerate(urls):
+        if "://" in url:
+            by_dir[posixpath.dirname(url)].append(i)
+        else:
+            found[i] = _local_identity(url)
     for directory, positions in by_dir.items():
         try:
-            fs, fs_dir = fsspec.core.url_to_fs(directory or ".", **(storage_options or {}))
+            fs, fs_dir = fsspec.core.url_to_fs(directory, **(storage_options or {}))
             listing = {info["name"].rstrip("/"): info for info in fs.ls(fs_dir, detail=True)}
         except Exception as error:  # noqa: BLE001 - unreachable: these shards are counted, not cached
             logger.debug("shardkit: cannot list %s for the counts cache (%s)", directory, error)
@@ -199,6 +203,15 @@ def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> li
             if info is not None and info.get("type") != "directory":
                 found[i] = identity(info)
     return found
+
+
+def _local_identity(path: str) -> str | None:
+    """:func:`identity` of a local file from one ``stat`` (fsspec's ``info`` costs 10x more), to the nanosecond."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return identity({"size": st.st_size, "mtime": st.st_mtime_ns, "ino": st.st_ino, "created": st.st_ctime_ns})
 
 
 def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
