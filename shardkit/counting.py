@@ -245,7 +245,11 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
 def _write_cache(path: str, shards: ShardList, counts: np.ndarray, identities: list[str | None]) -> None:
     """Write the cache atomically (temporary name, then rename); a failure only costs a recount later."""
     table = pa.table(
-        [shards.table.column("url").cast(pa.large_string()), pa.array(counts, pa.int64()), pa.array(identities, pa.large_string())],
+        [
+            shards.table.column("url").cast(pa.large_string()),
+            pa.array(counts, pa.int64()),
+            pa.array(identities, pa.large_string()),
+        ],
         schema=_SCHEMA,
     )
     partial = f"{path}.{uuid.uuid4().hex}.partial"

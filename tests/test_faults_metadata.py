@@ -30,7 +30,7 @@ from shardkit.dataset import TFRecordReader
 from shardkit.formats.index import IndexFileError, load_index
 from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError
-from tests.helpers import all_ids, synthetic_read, synthetic_shards
+from tests.helpers import all_ids, synthetic_read
 
 
 def write_tfrecord(path: str, records: list[bytes]) -> str:
@@ -123,6 +123,30 @@ def test_a_damaged_counts_cache_is_ignored_and_rewritten(tmp_path, caplog, count
     assert "ignoring the" in caplog.text and "counting the records of 3 shards" in caplog.text
     assert open(cache, "rb").read() == data  # rewritten whole
     assert sorted(os.listdir(counts_cache_dir)) == [name]  # no partial file left
+
+
+def test_an_s3_object_rewritten_with_the_same_size_is_recounted_by_its_etag(s3_server, caplog, counts_cache_dir):
+    options = s3_server.storage_options()
+    root = f"{s3_server.new_bucket()}/data"
+    urls = []
+    for shard, records in enumerate([[b"a" * 10] * 4, [b"b" * 10] * 3]):
+        url = f"{root}/part-{shard}.tfrecord"
+        with shardkit.TFRecordWriter(url, storage_options=options) as out:
+            for record in records:
+                out.write(record)
+        urls.append(url)
+
+    def count():
+        dataset = TFRecordDataset(urls, rank=0, world_size=2, storage_options=options)
+        return dataset.count_records().shards.num_records.tolist()
+
+    assert count() == [4, 3]
+    with shardkit.TFRecordWriter(urls[0], storage_options=options) as out:
+        out.write(b"x" * 36)
+        out.write(b"y" * 36)  # the same 104 bytes, another ETag
+    caplog.set_level(logging.INFO, logger="shardkit")
+    assert count() == [2, 3]
+    assert "counting the records of 1 shards once" in caplog.text
 
 
 def test_an_empty_cache_dir_setting_turns_the_cache_off(tmp_path, monkeypatch, caplog):
@@ -310,6 +334,7 @@ def test_seeking_with_a_bad_index_raises_naming_both_files_and_the_fix(bad_index
     message = str(info.value)
     assert url in message and index in message and f"shardkit index {url}" in message
     assert re.search(problem, message)
+
     # Without the index the same reader reads the shard's true records; so does it after a rebuild.
     def read(source):
         return list(DataLoader(source, batch_size=None, num_workers=workers))
@@ -416,7 +441,9 @@ def test_duplicate_urls_warn_naming_the_url_and_its_positions(tmp_path):
         ShardList(["/d/a", "/d/b", "/d/c", "/d/b", "/d/b", "/d/c"])
     path = tmp_path / "list.jsonl"
     path.write_text("".join(json.dumps({"url": url}) + "\n" for url in ["/d/x", "/d/y", "/d/x"]))
-    with pytest.warns(DuplicateShardWarning, match=r"manifest .*list.jsonl.*'/d/x' is listed 2 times \(at positions \[0, 2\]\)"):
+    with pytest.warns(
+        DuplicateShardWarning, match=r"manifest .*list.jsonl.*'/d/x' is listed 2 times \(at positions \[0, 2\]\)"
+    ):
         ShardList.from_manifest(str(path))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

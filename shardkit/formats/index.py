@@ -156,13 +156,14 @@ def load_index(
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     size = int(fs.info(path)["size"])
     with open_raw(url, "rb", storage_options) as f:
-        head = f.read(12)
-        if index.end != size and detect_compression(head) is not None:
-            logger.info("shardkit: not using the index %s of the compressed file %s", index_url, url)
-            return None
         if index.end != size:
+            if detect_compression(f.read(12)) is not None:
+                logger.info("shardkit: not using the index %s of the compressed file %s", index_url, url)
+                return None
             change = "grew" if size > index.end else "shrank"
-            raise IndexFileError(url, index_url, f"it describes {index.end} bytes but the file has {size} (it {change})")
+            raise IndexFileError(
+                url, index_url, f"it describes {index.end} bytes but the file has {size} (it {change})"
+            )
         _check_last_record(f, index.offsets, size, url, index_url)
     return index.offsets
 
@@ -187,7 +188,9 @@ def _parse(data: bytes, url: str, index_url: str) -> _Index:
     """Parse either index format and check it is consistent in itself."""
     if data[:8] == _MAGIC:
         if len(data) < _HEAD.size:
-            raise IndexFileError(url, index_url, f"truncated: {len(data)} bytes, shorter than the {_HEAD.size}-byte header")
+            raise IndexFileError(
+                url, index_url, f"truncated: {len(data)} bytes, shorter than the {_HEAD.size}-byte header"
+            )
         _, count, stream_size = _HEAD.unpack_from(data)
         if len(data) != _HEAD.size + 8 * count:
             raise IndexFileError(
@@ -205,7 +208,9 @@ def _parse(data: bytes, url: str, index_url: str) -> _Index:
     if len(offsets) and not np.array_equal(offsets[1:], offsets[:-1] + lengths[:-1]):
         bad = int(np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1])[0])
         raise IndexFileError(
-            url, index_url, f"line {bad + 1}: record at {offsets[bad]} of length {lengths[bad]} is not followed by line {bad + 2}"
+            url,
+            index_url,
+            f"line {bad + 1}: record at {offsets[bad]} of length {lengths[bad]} is not followed by line {bad + 2}",
         )
     end = int(offsets[-1] + lengths[-1]) if len(offsets) else 0
     return _consistent(_Index(offsets, end), url, index_url)
@@ -224,10 +229,14 @@ def _consistent(index: _Index, url: str, index_url: str) -> _Index:
     if steps.size and steps.min() < _FRAMING:
         bad = int(np.flatnonzero(steps < _FRAMING)[0]) + 1
         raise IndexFileError(
-            url, index_url, f"offset {bad} ({offsets[bad]}) is not past offset {bad - 1} ({offsets[bad - 1]}) by a record"
+            url,
+            index_url,
+            f"offset {bad} ({offsets[bad]}) is not past offset {bad - 1} ({offsets[bad - 1]}) by a record",
         )
     if offsets[-1] + _FRAMING > index.end:
-        raise IndexFileError(url, index_url, f"the last offset {offsets[-1]} leaves no room for a record before {index.end}")
+        raise IndexFileError(
+            url, index_url, f"the last offset {offsets[-1]} leaves no room for a record before {index.end}"
+        )
     return index
 
 
