@@ -127,6 +127,8 @@ def resolve_counts(
     identities = _identities(shards, storage_options) if path is not None else [None] * len(shards)
     counts, known = _known_counts(shards, path, identities)
     missing = np.flatnonzero(~known)
+    if count_fn is not None:
+        missing = _union_over_ranks(missing)  # caches are per node: ranks may miss different shards
     if missing.size and count_fn is None:
         raise CountsUnavailableError(
             f"{why} needs the record count of every shard, and {missing.size} of {len(shards)} shards have none. "
@@ -162,12 +164,31 @@ def _known_counts(shards: ShardList, path: str | None, identities: list[str | No
     return counts, known
 
 
-def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndarray:
-    """Count the ``missing`` shards, shared out over the ranks when distributed."""
+def _distributed() -> bool:
+    """Whether this is a rank's main process in an initialised process group (where collectives run)."""
     import torch.distributed as dist
     from torch.utils.data import get_worker_info
 
-    distributed = dist.is_available() and dist.is_initialized() and get_worker_info() is None
+    return dist.is_available() and dist.is_initialized() and get_worker_info() is None
+
+
+def _union_over_ranks(missing: np.ndarray) -> np.ndarray:
+    """The shards any rank lacks a count for: every rank then counts its share of the same set,
+    so the all-gather in :func:`_count` is entered by all ranks or by none."""
+    if not _distributed():
+        return missing
+    import torch.distributed as dist
+
+    gathered: list[np.ndarray | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, missing)
+    return np.unique(np.concatenate([part for part in gathered if part is not None]))
+
+
+def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndarray:
+    """Count the ``missing`` shards, shared out over the ranks when distributed."""
+    import torch.distributed as dist
+
+    distributed = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     mine = missing[rank::world]
     local = {int(i): int(count_fn(shards[int(i)])) for i in mine}

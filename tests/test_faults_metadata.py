@@ -452,3 +452,55 @@ def test_duplicate_urls_warn_naming_the_url_and_its_positions(tmp_path):
         for name in "ab":
             open(tmp_path / f"{name}.rec", "wb").close()
         ShardList.from_glob(f"{tmp_path}/{{a,b,a}}.rec")  # a glob lists a file once
+
+
+DDP_COUNT_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from shardkit import ShardList
+from shardkit.counting import resolve_counts
+
+def count(url):
+    with open(url + ".calls", "a") as log:
+        log.write("x")
+    return os.path.getsize(url)
+
+def run(rank, root, port):
+    os.environ["SHARDKIT_CACHE_DIR"] = os.path.join(root, f"cache-node{{rank}}")  # one cache per node
+    shards = ShardList([os.path.join(root, f"part-{{i}}") for i in range(4)])
+    if rank == 0:
+        resolve_counts(shards, count, why="warm node 0")  # only node 0 has counted before
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+    counts = resolve_counts(shards, count, why="training").num_records.tolist()
+    gathered = [None, None]
+    dist.all_gather_object(gathered, counts)
+    if rank == 0:
+        print(json.dumps(gathered), flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    root, port = sys.argv[1], int(sys.argv[2])
+    mp.start_processes(run, args=(root, port), nprocs=2, start_method="fork")
+"""
+
+
+@pytest.mark.slow
+def test_ranks_with_different_node_caches_count_together_without_hanging(tmp_path):
+    import socket
+
+    for i, size in enumerate([3, 1, 4, 1]):
+        (tmp_path / f"part-{i}").write_bytes(b"x" * size)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "ddp_count.py"
+    script.write_text(DDP_COUNT_SCRIPT.format(repo=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(port)], capture_output=True, text=True, timeout=120
+    )  # before: rank 1's counting all-gather met rank 0's next collective: a crash or a hang
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[3, 1, 4, 1], [3, 1, 4, 1]]
+    # Node 0 counted each file once before; then the two ranks shared the four counts out.
+    assert [(tmp_path / f"part-{i}.calls").read_text() for i in range(4)] == ["xx"] * 4
