@@ -143,7 +143,7 @@ def resolve_counts(
             why,
         )
         counts[missing] = _count(shards, missing, count_fn)  # type: ignore[arg-type]
-        if path is not None:
+        if path is not None and any(found is not None for found in identities):
             _write_cache(path, shards, counts, identities)
     return shards.with_num_records(counts)
 

@@ -347,6 +347,16 @@ def test_seeking_with_a_bad_index_raises_naming_both_files_and_the_fix(bad_index
     assert read(dataset) == plain
 
 
+def test_under_on_error_skip_a_range_behind_a_bad_index_is_skipped_counted_and_named(tmp_path):
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    index = shardkit.build_index(url)
+    _grow(url, index, tmp_path)
+    dataset = TFRecordDataset(ShardList([url], num_records=[21]), decode="raw", rank=1, world_size=2, on_error="skip")
+    with pytest.warns(UserWarning, match=f"skipping 10 records of {url} from record 11: index file {index}"):
+        assert list(dataset) == [RECORDS[0]]  # only the pad record, read from the start without seeking
+    assert dataset.stats().total_skipped == 10 and int(dataset.stats().errors.sum()) == 1
+
+
 def test_a_valid_index_still_seeks_and_counts(tmp_path):
     url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
     shardkit.build_index(url)
