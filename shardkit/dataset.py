@@ -139,15 +139,26 @@ class _PlannedSource(_Source):
         return counts, balance
 
     def _fingerprint(self, counts: Any) -> dict[str, Any]:
-        """What a state must agree on with the dataset it is loaded into (no file names)."""
+        """What a state must agree on with the dataset it is loaded into.
+
+        Besides the totals, SHA-256 digests (16 hex digits shown) of the shard
+        urls in order and of every count: a state of other files with the same
+        counts, or of the same files in another order, is refused. Hashing 1M
+        urls from their Arrow buffers takes 0.03 s, once per ShardList.
+        """
         if not isinstance(counts, np.ndarray):
             raise StateError(
                 f"{self!r}: resuming needs the record count of every shard, and some are unknown; "
                 "call count_records() (or give counts: a manifest, index files) before iterating"
             )
+        import hashlib
+
+        shards = getattr(self, "shards", None)  # a wrap()ped map-style dataset has no files
         return {
             "shards": len(counts),
             "records": int(counts.sum()),
+            "urls": None if shards is None else shards.url_digest()[:16],
+            "counts": hashlib.sha256(np.ascontiguousarray(counts, dtype="<i8").tobytes()).hexdigest()[:16],
             "seed": self.seed,
             "shuffle": self.shuffle_shards,
             "balance": self.balance,
@@ -498,25 +509,35 @@ class TFRecordReader:
         return records if decode is None else map(decode, records)
 
     def count(self, url: str) -> int:
-        """Records in ``url``: from its index file if there is one, else a framing scan."""
+        """Records in ``url``: from its index file if there is a valid one, else a framing scan.
+
+        An index that does not fit the file (see :func:`~shardkit.formats.index.load_index`)
+        is not used: a warning names it and the fix, and the file is scanned.
+        """
+        from shardkit.formats.index import IndexFileError
         from shardkit.formats.tfrecord import count_records
 
-        offsets = self._offsets(url)
+        try:
+            offsets = self._offsets(url)
+        except IndexFileError as error:
+            warnings.warn(f"{error}; counting its records by a framing scan instead", stacklevel=2)
+            offsets = None
         if offsets is not None:
             return len(offsets)
         return count_records(url, compression=self.compression, storage_options=self.storage_options)
 
     def _offsets(self, url: str) -> np.ndarray | None:
-        """The record offsets from ``url``'s index file, or None when there is none (or ``index=False``)."""
-        if not self.index:
+        """The record offsets from ``url``'s index file, checked against the file; None when there
+        is none, the file is compressed, or ``index=False``.
+
+        Raises:
+            IndexFileError: the index does not fit the file; seeking never uses such an index.
+        """
+        if not self.index or self.compression in ("gzip", "zlib"):
             return None
-        import fsspec
+        from shardkit.formats.index import load_index
 
-        from shardkit.formats.index import index_path_for, read_index
-
-        path = index_path_for(url)
-        fs, fs_path = fsspec.core.url_to_fs(path, **(self.storage_options or {}))
-        return read_index(path, storage_options=self.storage_options) if fs.exists(fs_path) else None
+        return load_index(url, storage_options=self.storage_options)
 
     def _decoder(self) -> Callable[[bytes], Any] | None:
         if callable(self.decode):
