@@ -187,17 +187,34 @@ def flip_data_byte(path: str, offsets: list[int], records: list[int]) -> None:
             file.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_ten_thousand_bad_records_in_one_shard_cost_exactly_those_records(tmp_path):
-    n = 20_000
+def bad_every_other_record(tmp_path: Path, n: int) -> str:
     url = write_records(tmp_path / "bad.tfrecord", [b"%08d" % i for i in range(n)])
     flip_data_byte(url, record_offsets(url), list(range(1, n, 2)))
+    return url
+
+
+def test_a_thousand_bad_records_in_one_shard_cost_exactly_those_records(tmp_path):
+    n = 2_000  # skipping used to nest a generator per bad record: RecursionError near 490
+    url = bad_every_other_record(tmp_path, n)
+    dataset = TFRecordDataset([url], decode="raw", on_error="skip", balance="none")
+    assert list(dataset) == [b"%08d" % i for i in range(0, n, 2)]
+    stats = dataset.stats()
+    assert (stats.total_read, stats.total_skipped, stats.total_errors, stats.total_padded) == (n // 2, n // 2, n // 2, 0)
+    # Balanced: every bad record is made up by a repeat of the good one before it.
+    balanced = TFRecordDataset(shardkit.ShardList([url], num_records=[n]), decode="raw", on_error="skip")
+    assert list(balanced) == [b"%08d" % (i - i % 2) for i in range(n)]
+    assert balanced.stats().padded.tolist() == [n // 2]
+
+
+@pytest.mark.slow
+def test_ten_thousand_bad_records_in_one_shard_cost_exactly_those_records(tmp_path):
+    # Slow because read_tfrecord frames a whole block after each restart (see the report); the count is what matters.
+    n = 20_000
+    url = bad_every_other_record(tmp_path, n)
     dataset = TFRecordDataset([url], decode="raw", on_error="skip", balance="none")
     assert list(dataset) == [b"%08d" % i for i in range(0, n, 2)]
     stats = dataset.stats()
     assert (stats.total_read, stats.total_skipped, stats.total_errors) == (n // 2, n // 2, n // 2)
-    # Balanced: every bad record is made up by a repeat of the good one before it.
-    padded = list(TFRecordDataset(shardkit.ShardList([url], num_records=[n]), decode="raw", on_error="skip"))
-    assert padded == [b"%08d" % (i - i % 2) for i in range(n)]
 
 
 def test_a_record_that_does_not_decode_costs_only_itself(tmp_path):
@@ -219,7 +236,7 @@ def test_a_record_that_does_not_decode_costs_only_itself(tmp_path):
 # --------------------------------------------------------------------------- stats without temp files
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_deleting_every_temp_file_mid_iteration_changes_nothing(tmp_path, monkeypatch, context):
     temp = tmp_path / "tmp"
     temp.mkdir()
