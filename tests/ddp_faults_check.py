@@ -56,7 +56,7 @@ def run(rank: int, port: int, on_error: str) -> None:
         dist.all_gather_object(gathered, mine)
         if rank == 0:
             result = {key: [g[i] for g in gathered] for i, key in enumerate(["batches", "samples", "missing", "padded"])}
-            result.update(planned=len(dataset), shortfall=PLANNED[3] - ACTUAL[3])
+            result.update(planned=len(dataset), world_size=WORLD_SIZE)
             print(json.dumps(result), flush=True)
     finally:
         dist.destroy_process_group()

