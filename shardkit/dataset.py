@@ -24,6 +24,7 @@ import functools
 import itertools
 import logging
 import pickle
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
@@ -502,20 +503,27 @@ class ShardedDataset(_PlannedSource):
 
     def _records(self, shard: int, url: str, cursor: _Cursor, stop: int | None, ask: int | None) -> Iterator[Any]:
         """Records from ``cursor.position`` up to ``stop`` of ``read_fn(url, position, ask)``."""
-        for sample in self.read_fn(url, cursor.position, ask):
-            if stop is not None and cursor.position >= stop:
-                cursor.past_stop = True
-                return
-            if isinstance(sample, _BadRecord):
-                if self.on_error == "raise":
-                    raise sample.error
-                self._lost(shard, url, cursor.position, stop, sample.error, intact=True)
-                cursor.position += 1
-                yield _Skipped(1)
-                continue
-            cursor.position += 1
-            cursor.read += 1
-            yield sample
+        position = first = cursor.position
+        bad = 0
+        limit = sys.maxsize if stop is None else stop
+        try:  # locals in the loop, the cursor updated once: this is every sample's path
+            for sample in self.read_fn(url, position, ask):
+                if position >= limit:
+                    cursor.past_stop = True
+                    return
+                if sample.__class__ is _BadRecord:
+                    if self.on_error == "raise":
+                        raise sample.error
+                    self._lost(shard, url, position, stop, sample.error, intact=True)
+                    position += 1
+                    bad += 1
+                    yield _Skipped(1)
+                    continue
+                position += 1
+                yield sample
+        finally:
+            cursor.read += position - first - bad
+            cursor.position = position
 
     def _lost(self, shard: int, url: str, position: int, stop: int | None, error: Exception, *, intact: bool) -> int:
         """Count an error at record ``position``; raise it, or return how many records it costs (skip)."""
@@ -698,21 +706,22 @@ class TFRecordReader:
                 storage_options=self.storage_options,
             )
             try:
-                for record in records:
-                    if decode is not None:
-                        try:
-                            record = decode(record)
-                        except Exception as error:
-                            record = _BadRecord(self._decode_error(url, position, error))
-                    yield record
-                    position += 1
+                yield from records if decode is None else self._decoded(decode, url, position, records)
                 return
             except CorruptRecordError as error:
-                if not error.framing_intact or error.record_index != position:
+                if not error.framing_intact or error.record_index < position:
                     raise
                 yield _BadRecord(error)
-                position += 1
+                position = error.record_index + 1
                 index = self._index_past(url, error, offsets)
+
+    def _decoded(self, decode: Callable[[bytes], Any], url: str, start: int, records: Iterator[bytes]) -> Iterator[Any]:
+        for position, record in enumerate(records, start):
+            try:
+                sample = decode(record)
+            except Exception as error:  # the CRCs were fine: only this record is bad
+                sample = _BadRecord(self._decode_error(url, position, error))
+            yield sample
 
     def _decode_error(self, url: str, position: int, error: Exception) -> CorruptRecordError:
         """The error for record ``position``, whose CRCs are fine but whose bytes do not decode."""

@@ -55,7 +55,9 @@ def run(rank: int, port: int, on_error: str) -> None:
         gathered: list[list[int] | None] = [None] * WORLD_SIZE
         dist.all_gather_object(gathered, mine)
         if rank == 0:
-            result = {key: [g[i] for g in gathered] for i, key in enumerate(["batches", "samples", "missing", "padded"])}
+            result = {
+                key: [g[i] for g in gathered] for i, key in enumerate(["batches", "samples", "missing", "padded"])
+            }
             result.update(planned=len(dataset), world_size=WORLD_SIZE)
             print(json.dumps(result), flush=True)
     finally:

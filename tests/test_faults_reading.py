@@ -80,7 +80,14 @@ def test_short_shards_under_skip_keep_every_rank_at_its_planned_count(world_size
     ranks, stats = [], []
     for rank in range(world_size):
         dataset = ShardedDataset(
-            shards, synthetic_read, on_error="skip", balance=balance, shuffle=True, seed=4, rank=rank, world_size=world_size
+            shards,
+            synthetic_read,
+            on_error="skip",
+            balance=balance,
+            shuffle=True,
+            seed=4,
+            rank=rank,
+            world_size=world_size,
         )
         ranks.append(run_rank(dataset, num_workers))
         assert len(flat(ranks[-1])) == len(dataset)  # exactly the planned number of samples
@@ -103,7 +110,9 @@ def _planned_reads(planned: list[int], world_size: int, balance: str) -> list[in
 
     reads = [0] * len(planned)
     for rank in range(world_size):
-        for shard, start, stop in plan(planned, Topology(rank=rank, world_size=world_size), seed=4, shuffle=True, balance=balance):
+        for shard, start, stop in plan(
+            planned, Topology(rank=rank, world_size=world_size), seed=4, shuffle=True, balance=balance
+        ):
             reads[shard] += stop - start
     return reads
 
@@ -122,7 +131,12 @@ def test_corrupt_records_under_skip_keep_the_planned_count():
     dataset = ShardedDataset(lying_shards([5, 6, 7], [5, 6, 7]), broken_read, on_error="skip")
     seen = list(dataset)
     assert len(seen) == len(dataset) == 18
-    assert seen[5:11] == ["mem/shard001-6:0", "mem/shard001-6:1", "mem/shard001-6:1", *[f"mem/shard001-6:{i}" for i in range(3, 6)]]
+    assert seen[5:11] == [
+        "mem/shard001-6:0",
+        "mem/shard001-6:1",
+        "mem/shard001-6:1",
+        *[f"mem/shard001-6:{i}" for i in range(3, 6)],
+    ]
     assert seen[11:] == [*[f"mem/shard002-7:{i}" for i in range(3)], *["mem/shard002-7:2"] * 4]
     stats = dataset.stats()
     assert stats.skipped.tolist() == [0, 1, 4] and stats.padded.tolist() == [0, 1, 4]
@@ -199,7 +213,12 @@ def test_a_thousand_bad_records_in_one_shard_cost_exactly_those_records(tmp_path
     dataset = TFRecordDataset([url], decode="raw", on_error="skip", balance="none")
     assert list(dataset) == [b"%08d" % i for i in range(0, n, 2)]
     stats = dataset.stats()
-    assert (stats.total_read, stats.total_skipped, stats.total_errors, stats.total_padded) == (n // 2, n // 2, n // 2, 0)
+    assert (stats.total_read, stats.total_skipped, stats.total_errors, stats.total_padded) == (
+        n // 2,
+        n // 2,
+        n // 2,
+        0,
+    )
     # Balanced: every bad record is made up by a repeat of the good one before it.
     balanced = TFRecordDataset(shardkit.ShardList([url], num_records=[n]), decode="raw", on_error="skip")
     assert list(balanced) == [b"%08d" % (i - i % 2) for i in range(n)]
@@ -323,7 +342,11 @@ def _planned_reads_past(shard: int, actual: int, world_size: int) -> int:
     from shardkit import Topology, plan
     from tests.ddp_faults_check import PLANNED
 
-    ranges = [r for rank in range(world_size) for r in plan(PLANNED, Topology(rank=rank, world_size=world_size), seed=2, shuffle=True)]
+    ranges = [
+        r
+        for rank in range(world_size)
+        for r in plan(PLANNED, Topology(rank=rank, world_size=world_size), seed=2, shuffle=True)
+    ]
     return sum(max(0, stop - max(start, actual)) for s, start, stop in ranges if s == shard)
 
 
