@@ -532,11 +532,11 @@ class ShardedDataset(_PlannedSource):
             raise error
         if intact:  # one record's data is bad, the framing around it is fine: skip just it
             lost = 1 if stop is None or position < stop else 0
-            warnings.warn(f"skipping record {position} of {url}: {_sentence(error)}", stacklevel=3)
+            warnings.warn(f"skipping record {position} of {url}: {_plain_message(error)}", stacklevel=3)
         else:
             lost = 0 if stop is None else stop - position
             what = "the rest of the shard (count unknown)" if stop is None else f"{lost} records"
-            warnings.warn(f"skipping {what} of {url} from record {position}: {_sentence(error)}", stacklevel=3)
+            warnings.warn(f"skipping {what} of {url} from record {position}: {_plain_message(error)}", stacklevel=3)
         self._stats.add(shard, skipped=lost, errors=1)
         return lost
 
@@ -558,7 +558,7 @@ class ShardedDataset(_PlannedSource):
             self._stats.add(shard, missing=missing, errors=1)
             if self.on_error == "raise":
                 raise error
-            warnings.warn(f"{_sentence(error)}; counted as missing (on_error='skip')", stacklevel=3)
+            warnings.warn(f"{_plain_message(error)}; counted as missing (on_error='skip')", stacklevel=3)
             cursor.position = stop
             yield _Skipped(missing)
         elif tail and cursor.past_stop:
@@ -573,7 +573,7 @@ class ShardedDataset(_PlannedSource):
             self._stats.add(shard, errors=1)
             if self.on_error == "raise":
                 raise error
-            warnings.warn(f"{_sentence(error)}; the extra records are not read (on_error='skip')", stacklevel=3)
+            warnings.warn(f"{_plain_message(error)}; the extra records are not read (on_error='skip')", stacklevel=3)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -591,7 +591,7 @@ class ShardedDataset(_PlannedSource):
         return f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle_shards}, balance={self.balance!r})"
 
 
-def _sentence(error: Exception) -> str:
+def _plain_message(error: Exception) -> str:
     """The error's message without the details line a DataLoader worker adds to a CorruptRecordError."""
     return str(error.args[0]) if isinstance(error, CorruptRecordError) and error.args else str(error)
 
