@@ -380,9 +380,9 @@ class ShardedDataset(_PlannedSource):
     * with ``balance="pad"``/``"drop"``, each record lost this way is made
       up by a repeat of the sample the same reader yielded just before (or,
       if it has yielded none yet, of the first readable record of its rank's
-      part), counted as ``padded``: every rank still yields exactly its
-      planned number of samples, so DDP ranks stay in step. If no record of
-      the rank's part is readable, :class:`BalanceError` is raised. With
+      part, else of the dataset), counted as ``padded``: every rank still
+      yields exactly its planned number of samples, so DDP ranks stay in
+      step. If no record at all is readable, :class:`BalanceError` is raised. With
       ``balance="none"`` nothing is made up: ranks may yield different counts.
     * resuming stays exact: a made-up sample takes the position of the
       record it replaces.
@@ -453,9 +453,12 @@ class ShardedDataset(_PlannedSource):
         self._stats.add(shard, padded=1)
 
     def _stand_in(self, counts: np.ndarray, topology: Topology, kwargs: dict[str, Any]) -> Any:
-        """The first readable record of this rank's chunk (the record ``"pad"`` wraps round to)."""
+        """The first readable record of this rank's chunk (the record ``"pad"`` wraps round to),
+        else of the dataset's shards in order."""
         size = rank_span(int(counts.sum()), topology.world_size, topology.rank, kwargs["balance"])[1]
-        for _, (shard, start, stop) in plan_intervals(counts, topology, [(0, size)], **kwargs):
+        ranges = [piece for _, piece in plan_intervals(counts, topology, [(0, size)], **kwargs)]
+        ranges += [Range(shard, 0, None) for shard in range(len(counts))]
+        for shard, start, stop in ranges:
             try:
                 for sample in self.read_fn(self.shards[shard], start, stop):
                     if not isinstance(sample, _BadRecord):
@@ -463,9 +466,9 @@ class ShardedDataset(_PlannedSource):
             except Exception:  # noqa: S112 - this range is unreadable as well: try the next one
                 continue
         raise BalanceError(
-            f"{self!r}: records were skipped (on_error='skip') and none of rank {topology.rank}'s "
-            f"{size} planned records can be read to stand in for them, so this rank cannot yield its "
-            "planned number of samples; see stats() and the warnings for what failed"
+            f"{self!r}: records were skipped (on_error='skip') and no record of any shard can be read "
+            f"to stand in for them, so rank {topology.rank} cannot yield its planned {size} samples; "
+            "see stats() and the warnings for what failed"
         )
 
     def _planned_count(self, shard: int) -> int | None:

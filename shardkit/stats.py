@@ -43,9 +43,9 @@ class ReadStats:
     * ``padded[i]``: samples yielded *in place of* skipped or missing records
       of shard ``i``, so that every rank still yields its planned number of
       samples (``balance="pad"``/``"drop"`` with ``on_error="skip"``). Each
-      is a repeat of a sample the same reader yielded shortly before (or, if
+      is a repeat of the sample the same reader yielded just before (or, if
       it had yielded none yet, of the first readable record of its rank's
-      part). Under ``balance="none"`` nothing is padded.
+      part, else of the dataset). Under ``balance="none"`` nothing is padded.
     * ``errors[i]``: errors met in shard ``i``, including a shard found to
       hold records past its planned count (those are not read, and not
       counted: the plan does not cover them).

@@ -15,7 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import shardkit
@@ -117,6 +120,34 @@ def _planned_reads(planned: list[int], world_size: int, balance: str) -> list[in
     return reads
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 12), st.integers(-4, 4)), min_size=1, max_size=6),
+    world_size=st.integers(1, 3),
+    balance=st.sampled_from(["pad", "drop"]),
+    shuffle=st.booleans(),
+)
+def test_any_wrong_counts_under_skip_yield_the_planned_samples_and_count_the_difference(
+    sizes, world_size, balance, shuffle
+):
+    planned = [n for n, _ in sizes]
+    actual = [max(0, n + delta) for n, delta in sizes]
+    assume(sum(planned) >= world_size and any(actual))
+    shards = lying_shards(actual, planned)
+    for rank in range(world_size):
+        dataset = ShardedDataset(
+            shards, synthetic_read, on_error="skip", balance=balance, shuffle=shuffle, rank=rank, world_size=world_size
+        )
+        seen = list(dataset)
+        assert len(seen) == len(dataset)
+        assert set(seen) <= {f"{url}:{i}" for url, n in zip(shards, actual) for i in range(n)}
+        stats = dataset.stats()
+        assert stats.padded.tolist() == stats.missing.tolist()
+        assert stats.total_read + stats.total_padded == len(seen)
+        long = [i for i, (p, a) in enumerate(zip(planned, actual)) if a > p]
+        assert set(np.flatnonzero(stats.errors).tolist()) <= set(long) | set(np.flatnonzero(stats.missing).tolist())
+
+
 def test_balance_none_under_skip_only_counts_the_shortfall():
     dataset = ShardedDataset(lying_shards([4, 2, 6], [4, 5, 6]), synthetic_read, on_error="skip", balance="none")
     with pytest.warns(UserWarning, match=r"shard001-2: record 2 .*3 planned records are missing"):
@@ -157,8 +188,14 @@ def broken_read(url: str, start: int, stop: int | None):
 def test_a_reader_that_has_read_nothing_stands_in_the_first_readable_record_of_its_rank():
     dataset = ShardedDataset(lying_shards([0, 3], [2, 3]), synthetic_read, on_error="skip")
     assert list(dataset) == ["mem/shard001-3:0"] * 2 + [f"mem/shard001-3:{i}" for i in range(3)]
+    # Rank 0's whole part is missing: the first readable record of the dataset stands in.
+    empty_part = [
+        list(ShardedDataset(lying_shards([0, 5], [5, 5]), synthetic_read, on_error="skip", rank=r, world_size=2))
+        for r in range(2)
+    ]
+    assert empty_part == [["mem/shard001-5:0"] * 5, [f"mem/shard001-5:{i}" for i in range(5)]]
     hopeless = ShardedDataset(lying_shards([0, 0], [2, 3]), synthetic_read, on_error="skip")
-    with pytest.raises(BalanceError, match="none of rank 0's 5 planned records can be read"):
+    with pytest.raises(BalanceError, match="no record of any shard can be read.*rank 0 cannot yield its planned 5"):
         list(hopeless)
 
 
@@ -303,6 +340,10 @@ def test_corrupt_record_errors_keep_their_facts_through_dataloader_workers(tmp_p
         list(short)
     assert (info.value.url, info.value.record_index, info.value.offset) == ("mem/shard001-2", 2, -1)
     assert not info.value.framing_intact and "planned records are missing" in info.value.reason
+    mixed = shardkit.MixedLoader(ShardedDataset(lying_shards([3, 2], [3, 4]), synthetic_read), 2, num_workers=2)
+    with pytest.raises(CorruptRecordError) as info:
+        list(mixed)
+    assert (info.value.url, info.value.record_index, info.value.offset) == ("mem/shard001-2", 2, -1)
 
 
 def test_corrupt_record_error_text_outside_workers_is_one_sentence():
