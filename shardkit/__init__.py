@@ -31,6 +31,10 @@ _EXPORTS: dict[str, str] = {
     "interleave": "shardkit.pipeline",
     "MixedLoader": "shardkit.loader",
     "worker_seed": "shardkit.seeding",
+    "even_batches": "shardkit.even",
+    "EvenBatches": "shardkit.even",
+    "EvenBatchesError": "shardkit.even",
+    "EvenStats": "shardkit.even",
 }
 
 __all__ = ["__version__", "CorruptRecordError", "ShardkitError", *_EXPORTS]
@@ -61,3 +65,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.shardlist import ShardList
     from shardkit.topology import Topology
     from shardkit.writer import ShardWriter
+    from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches

@@ -1,0 +1,320 @@
+"""even_batches: equal batch counts on every rank, whatever each rank's loader yields.
+
+The agreement protocol is checked in one process with ranks as threads and a
+fake side group (fast, property-based); tests/even_check.py runs it for real
+under gloo with DataLoader workers, MixedLoader, filters, corrupt records and
+unequal counts (marked slow).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardkit
+from shardkit import EvenBatchesError, even_batches
+from shardkit import even as even_module
+from shardkit.state import StateError
+
+# -- ranks as threads, agreeing through a fake side group ----------------------
+
+
+class FakeWorld:
+    """All-reduce (MIN) among ``size`` threads, matched by call order as gloo does."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.cond = threading.Condition()
+        self.posted: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
+        self.local = threading.local()
+
+
+class FakeWork:
+    def __init__(self, world: FakeWorld, seq: int, tensor: torch.Tensor) -> None:
+        self.world, self.seq, self.tensor = world, seq, tensor
+
+    def wait(self) -> None:
+        world = self.world
+        with world.cond:
+            if not world.cond.wait_for(lambda: len(world.posted[self.seq]) == world.size, timeout=10):
+                raise TimeoutError(f"agreement {self.seq} never completed: the ranks would hang")
+            self.tensor.copy_(torch.stack(list(world.posted[self.seq].values())).min(0).values)
+
+
+class FakeSide:
+    def __init__(self, world: FakeWorld, rank: int) -> None:
+        self.world, self.rank, self.size, self.seq = world, rank, world.size, 0
+
+    def all_reduce_min(self, tensor: torch.Tensor) -> FakeWork:
+        seq, self.seq = self.seq, self.seq + 1
+        with self.world.cond:
+            self.world.posted[seq][self.rank] = tensor.clone()
+            self.world.cond.notify_all()
+        return FakeWork(self.world, seq, tensor)
+
+
+def run_ranks(monkeypatch: pytest.MonkeyPatch, size: int, body: Callable[[int], Any]) -> list[Any]:
+    """Run ``body(rank)`` in ``size`` threads that agree through one FakeWorld;
+    returns each rank's result or the exception it raised."""
+    world = FakeWorld(size)
+    monkeypatch.setattr(even_module, "_side_group", lambda group: world.local.side)
+    results: list[Any] = [None] * size
+
+    def target(rank: int) -> None:
+        world.local.side = FakeSide(world, rank)
+        try:
+            results[rank] = body(rank)
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            results[rank] = error
+
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    return results
+
+
+class Batches:
+    """A stateful, sized loader of ``batches`` (the Stateful protocol: a cursor)."""
+
+    def __init__(self, batches: list[Any], *, sized: bool = True) -> None:
+        self.batches = batches
+        self.sized = sized
+        self.position = 0
+        self.loaded: int | None = None
+        self.epochs: list[int] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        self.position, self.loaded = self.loaded or 0, None
+        while self.position < len(self.batches):
+            self.position += 1
+            yield self.batches[self.position - 1]
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("unsized")
+        return len(self.batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loaded = state["position"]
+
+
+def rank_batches(rank: int, count: int) -> list[str]:
+    return [f"r{rank}b{i}" for i in range(count)]
+
+
+def expected(rank: int, counts: list[int], at_end: str) -> list[str]:
+    own = rank_batches(rank, counts[rank])
+    if at_end == "stop":
+        return own[: min(counts)]
+    return own + own[:1] * (max(counts) - counts[rank])
+
+
+@pytest.mark.filterwarnings("ignore:even_batches. epoch")
+@settings(max_examples=150, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 12), min_size=2, max_size=4),
+    at_end=st.sampled_from(["stop", "pad"]),
+    every=st.integers(1, 5),
+    sized=st.booleans(),
+)
+def test_every_rank_yields_the_same_batches_stop_at_min_pad_to_max(counts, at_end, every, sized):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+
+        def body(rank: int) -> tuple[list[str], shardkit.EvenStats]:
+            wrapped = even_batches(Batches(rank_batches(rank, counts[rank]), sized=sized), at_end=at_end, every=every)
+            return list(wrapped), wrapped.stats()
+
+        results = run_ranks(monkeypatch, len(counts), body)
+    if at_end == "pad" and min(counts) == 0 < max(counts):
+        assert all(isinstance(r, EvenBatchesError) for r in results), results
+        assert "has no batch this epoch" in str(results[counts.index(0)])
+        assert "this rank" in str(results[counts.index(0)])
+        return
+    for rank, (got, stats) in enumerate(results):
+        assert got == expected(rank, counts, at_end)
+        assert stats.batches == len(got)
+        if at_end == "pad":
+            assert (stats.padded, stats.dropped) == (max(counts) - counts[rank], 0)
+        else:
+            lost = counts[rank] - min(counts)
+            assert stats.padded == 0
+            if sized or stats.dropped_exact:
+                assert stats.dropped == lost and stats.dropped_exact == (sized or lost == stats.dropped)
+            else:
+                assert stats.dropped <= lost
+
+
+def test_a_loader_error_on_one_rank_stops_every_rank_at_the_same_step(monkeypatch):
+    def failing(rank: int) -> Iterator[str]:
+        yield from rank_batches(rank, 3)
+        if rank == 1:
+            raise OSError("disk gone")
+        yield from rank_batches(rank, 5)[3:]
+
+    def body(rank: int) -> list[str]:
+        seen: list[str] = []
+        try:
+            for batch in even_batches(failing(rank)):
+                seen.append(batch)
+        except Exception as error:  # noqa: BLE001
+            return [*seen, repr(error)]
+        return seen
+
+    results = run_ranks(monkeypatch, 3, body)
+    assert [r[:-1] for r in results] == [rank_batches(rank, 3) for rank in range(3)]
+    assert results[1][-1] == "OSError('disk gone')"
+    assert all("EvenBatchesError" in r[-1] and "a rank's loader raised" in r[-1] for r in (results[0], results[2]))
+
+
+def test_warns_when_a_rank_drops_more_than_a_few_batches(monkeypatch):
+    counts = [2, 10, 5]
+    with warnings.catch_warnings(record=True) as caught:  # set here: the filters are global, not per thread
+        warnings.simplefilter("always")
+        results = run_ranks(monkeypatch, 3, lambda rank: list(even_batches(Batches(rank_batches(rank, counts[rank])))))
+    assert results == [rank_batches(rank, 2) for rank in range(3)]
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 1 and "this rank dropped 8 of its batches so that every rank yields 2" in messages[0]
+
+
+@pytest.mark.parametrize("at_end", ["stop", "pad"])
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.filterwarnings("ignore:even_batches. epoch")
+@pytest.mark.parametrize("save_after", [0, 1, 2, 4, 6])
+def test_a_resumed_epoch_yields_what_the_uninterrupted_one_would_and_ends_together(
+    monkeypatch, at_end, every, save_after
+):
+    counts = [4, 7, 5]
+
+    def body(rank: int) -> tuple[list[str], list[str], list[str]]:
+        whole = list(even_batches(Batches(rank_batches(rank, counts[rank])), at_end=at_end, every=every))
+        first = even_batches(Batches(rank_batches(rank, counts[rank])), at_end=at_end, every=every)
+        first.set_epoch(2)
+        before: list[str] = []
+        iterator = iter(first)
+        for _ in range(save_after):
+            before.append(next(iterator, None))
+        state = first.state_dict()
+        # Batches fetched ahead are already counted by the loader's own state; they travel in ours.
+        held = len(state["window"]) + len(state["next"]) + state["dropped_ahead"]
+        yielded = sum(b is not None for b in before)
+        assert state["inner"]["position"] == min(counts[rank], yielded + held)
+        second = even_batches(Batches(rank_batches(rank, counts[rank])), at_end=at_end, every=every)
+        second.load_state_dict(state)
+        assert second.epoch == 2 and second.loader.epochs == [2]
+        after = list(second)
+        return whole, [b for b in before if b is not None], after
+
+    results = run_ranks(monkeypatch, 3, body)
+    for whole, before, after in results:
+        assert before + after == whole
+    assert len({len(whole) for whole, _, _ in results}) == 1
+
+
+def test_a_state_from_an_earlier_epoch_is_ignored(monkeypatch):
+    def body(rank: int) -> list[str]:
+        wrapped = even_batches(Batches(rank_batches(rank, 3)))
+        iterator = iter(wrapped)
+        next(iterator)
+        state = wrapped.state_dict()
+        again = even_batches(Batches(rank_batches(rank, 3)))
+        again.load_state_dict(state)
+        again.set_epoch(1)
+        return list(again)
+
+    assert run_ranks(monkeypatch, 2, body) == [rank_batches(0, 3), rank_batches(1, 3)]
+
+
+# -- one process: a pass-through ------------------------------------------------
+
+
+def test_without_a_process_group_iteration_is_the_loaders_own_iterator():
+    class Loader:
+        def __init__(self) -> None:
+            self.iterator = iter([1, 2, 3])
+
+        def __iter__(self) -> Iterator[int]:
+            return self.iterator
+
+    loader = Loader()
+    wrapped = even_batches(loader, at_end="pad")
+    assert iter(wrapped) is loader.iterator
+    assert list(loader.iterator) == [1, 2, 3]
+    assert wrapped.stats() == shardkit.EvenStats(epoch=0, batches=None)
+
+
+def test_len_and_set_epoch_pass_through():
+    loader = Batches(["a", "b"])
+    wrapped = even_batches(loader)
+    assert len(wrapped) == 2
+    wrapped.set_epoch(3)
+    assert loader.epochs == [3] and wrapped.epoch == 3
+    with pytest.raises(TypeError, match="unsized"):
+        len(even_batches(Batches([], sized=False)))
+
+
+def test_set_epoch_reaches_a_dataloaders_dataset_and_sampler():
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = list(range(10))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0)
+    wrapped = even_batches(DataLoader(data, sampler=sampler, batch_size=2))
+    wrapped.set_epoch(5)
+    assert sampler.epoch == 5
+    dataset = shardkit.wrap(data)
+    even_batches(DataLoader(dataset, batch_size=2)).set_epoch(4)
+    assert dataset.epoch == 4
+
+
+def test_a_pass_through_resumes_the_loader_and_its_held_batches():
+    loader = Batches(["a", "b", "c", "d"])
+    state = even_module._state(even_batches(loader), inner={"position": 3}, window=[], next=[even_module.encode("c")])
+    wrapped = even_batches(Batches(["a", "b", "c", "d"]))
+    wrapped.load_state_dict(state)
+    assert list(wrapped) == ["c", "d"]
+
+
+def test_state_dict_of_a_loader_without_one_names_the_fix():
+    with pytest.raises(StateError, match="generator has no state_dict"):
+        even_batches(x for x in range(3)).state_dict()
+
+
+def test_a_state_saved_with_other_settings_is_refused():
+    state = even_batches(Batches(["a"]), at_end="pad").state_dict()
+    with pytest.raises(StateError, match="at_end='pad'"):
+        even_batches(Batches(["a"]), at_end="stop").load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"at_end": "drop"}, "at_end must be one of"),
+        ({"every": 0}, "every must be an int >= 1"),
+        ({"every": True}, "every must be an int >= 1"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(EvenBatchesError, match=message):
+        even_batches([1], **kwargs)
+
+
+def test_a_group_without_torch_distributed_is_an_error():
+    with pytest.raises(EvenBatchesError, match="not initialised"):
+        iter(even_batches([1], group=object()))
