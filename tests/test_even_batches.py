@@ -8,10 +8,16 @@ unequal counts (marked slow).
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 import threading
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +29,7 @@ import shardkit
 from shardkit import EvenBatchesError, even_batches
 from shardkit import even as even_module
 from shardkit.state import StateError
+from tests.test_tfrecord_dataset import corrupt_data_byte, write_shards
 
 # -- ranks as threads, agreeing through a fake side group ----------------------
 
@@ -318,3 +325,99 @@ def test_bad_arguments_are_named(kwargs, message):
 def test_a_group_without_torch_distributed_is_an_error():
     with pytest.raises(EvenBatchesError, match="not initialised"):
         iter(even_batches([1], group=object()))
+
+
+# -- real gloo runs (tests/even_check.py) -----------------------------------------
+
+CHECK = Path(__file__).with_name("even_check.py")
+
+
+def run_check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(CHECK), *args], capture_output=True, text=True, timeout=timeout  # bounds any hang
+    )
+
+
+def check_ranks(*args: str) -> list[dict[str, Any]]:
+    done = run_check(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def corrupt_shards(root: Path) -> list[str]:
+    """Two shards of 40 records; 12 records of the first (read by one rank) have a flipped data byte."""
+    urls = write_shards(str(root), sizes=[40, 40])
+    for record in range(0, 24, 2):
+        corrupt_data_byte(urls[0], record)
+    return urls
+
+
+def assert_even(ranks: list[dict[str, Any]], at_end: str) -> list[int]:
+    """Every rank yielded the same number of batches: its own natural batches
+    cut at the shortest rank ("stop") or padded with its first batch to the longest ("pad")."""
+    natural = [len(r["natural"]) for r in ranks]
+    assert len(set(natural)) > 1, f"the case must give ranks unequal counts, got {natural}"
+    target = min(natural) if at_end == "stop" else max(natural)
+    for rank in ranks:
+        assert "error" not in rank, rank.get("error")
+        own = rank["natural"]
+        assert rank["batches"] == (own[:target] if at_end == "stop" else own + own[:1] * (target - len(own)))
+        batches, padded, dropped, exact = rank["stats"]
+        assert batches == target
+        if at_end == "pad":
+            assert (padded, dropped) == (target - len(own), 0)
+        else:
+            assert padded == 0 and (dropped == len(own) - target if exact else dropped <= len(own) - target)
+    return natural
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world_size", "case", "at_end"),
+    [(2, "filter", "stop"), (3, "filter", "pad"), (3, "mixed", "stop"), (2, "mixed", "pad"), (2, "sized", "stop")],
+)
+def test_gloo_ranks_with_run_time_uneven_counts_yield_equal_batches(world_size, case, at_end):
+    ranks = check_ranks("--world-size", str(world_size), "--case", case, "--wrap", at_end)
+    assert_even(ranks, at_end)
+    if case == "sized":  # the loader has len(): what was dropped is counted exactly
+        assert sorted(rank["stats"][2:] for rank in ranks) == [[0, True], [1, True]]
+
+
+@pytest.mark.slow
+def test_gloo_ranks_with_records_skipped_as_corrupt_on_one_rank_yield_equal_batches(tmp_path):
+    urls = corrupt_shards(tmp_path)
+    ranks = check_ranks("--case", "skip", "--wrap", "pad", "--every", "3", *urls)
+    assert_even(ranks, "pad")
+    assert sorted(sum(map(len, r["natural"])) for r in ranks) == [28, 40]  # 12 records skipped on one rank
+    assert [len(r["warnings"]) for r in ranks] == [0, 0]  # 2 repeated batches: not yet worth a warning
+
+
+@pytest.mark.slow
+def test_a_corrupt_record_raised_on_one_gloo_rank_stops_every_rank_without_a_hang(tmp_path):
+    urls = corrupt_shards(tmp_path)
+    ranks = check_ranks("--case", "raise", "--wrap", "stop", *urls)
+    failed = [r for r in ranks if isinstance(r["natural"], str)]
+    assert len(failed) == 1
+    assert failed[0]["error"].startswith("CorruptRecordError: ") and "record 0 at byte offset 0" in failed[0]["error"]
+    other = next(r for r in ranks if r is not failed[0])
+    assert other["error"].startswith("EvenBatchesError: ") and "a rank's loader raised" in other["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("at_end", "every"), [("pad", 1), ("stop", 2)])
+def test_a_gloo_epoch_resumed_from_state_dict_yields_the_uninterrupted_batches(at_end, every):
+    ranks = check_ranks("--case", "resume", "--wrap", at_end, "--every", str(every))
+    for rank in ranks:
+        assert "error" not in rank, rank.get("error")
+        assert rank["resumed"] == rank["batches"]
+    assert len({len(rank["batches"]) for rank in ranks}) == 1
+
+
+@pytest.mark.slow
+def test_control_without_even_batches_the_same_run_hangs_until_the_collective_timeout():
+    start = time.monotonic()
+    done = run_check("--case", "filter", "--wrap", "none", "--collective-timeout", "5")
+    assert done.returncode != 0 and not done.stdout.strip()
+    # It waited out the timeout (a hang), then gloo gave up on one rank and the other lost its peer.
+    assert time.monotonic() - start > 5
+    assert re.search(r"[Tt]ime(d )?out|Connection closed by peer", done.stderr), done.stderr[-3000:]
