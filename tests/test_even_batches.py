@@ -29,6 +29,7 @@ import shardkit
 from shardkit import EvenBatchesError, even_batches
 from shardkit import even as even_module
 from shardkit.state import StateError
+from tests.test_examples import EXAMPLES, free_port, run
 from tests.test_tfrecord_dataset import corrupt_data_byte, write_shards
 
 # -- ranks as threads, agreeing through a fake side group ----------------------
@@ -421,3 +422,29 @@ def test_control_without_even_batches_the_same_run_hangs_until_the_collective_ti
     # It waited out the timeout (a hang), then gloo gave up on one rank and the other lost its peer.
     assert time.monotonic() - start > 5
     assert re.search(r"[Tt]ime(d )?out|Connection closed by peer", done.stderr), done.stderr[-3000:]
+
+
+# -- the examples ---------------------------------------------------------------
+
+
+def eval_results(out: str) -> tuple[str, float]:
+    accuracy = re.search(r"^accuracy .*$", out, re.MULTILINE)
+    loss = re.search(r"^mean log-loss ([\d.]+)$", out, re.MULTILINE)
+    assert accuracy and loss, out
+    return accuracy.group(0), float(loss.group(1))
+
+
+@pytest.mark.slow
+def test_ddp_eval_example_counts_every_sample_once_and_matches_one_process():
+    alone = run(str(EXAMPLES / "ddp_eval.py"), timeout=120)
+    assert "world size 1: 1001 samples counted of 1001; each once (id checksums): True" in alone
+    spread = run(
+        "-m", "torch.distributed.run", "--nproc_per_node=3", f"--master_port={free_port()}",
+        str(EXAMPLES / "ddp_eval.py"), timeout=120,
+    )
+    assert "world size 3: 1001 samples counted of 1001; each once (id checksums): True" in spread
+    assert sorted(re.findall(r"rank \d: (\d+) samples", spread)) == ["333", "334", "334"]
+    (accuracy, loss), (accuracy_alone, loss_alone) = eval_results(spread), eval_results(alone)
+    assert accuracy == accuracy_alone == "accuracy 881/1001 = 0.880120"
+    assert abs(loss - loss_alone) < 1e-11  # float64 sums, added in another order
+    assert "padding would count 1002 samples (1 of them twice)" in spread

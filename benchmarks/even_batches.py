@@ -1,0 +1,143 @@
+"""What shardkit.even_batches adds per batch, with 2 gloo ranks on this machine.
+
+Target (issue 11): at most 100 us per batch, and no added latency on the first
+batch beyond one round trip of the agreement.
+
+Each of 2 ranks (processes, gloo over localhost) iterates a list of ready
+batches (the loader costs ~nothing, so the wrapper's cost is not hidden
+behind loading) and runs a training step per batch: an all-reduce on the
+default group, as DDP's gradient sync, and optionally ``--step-us`` of time
+in which the CPU is free (a GPU step the host waits on). Variants, run in
+interleaved rounds: the plain loop, ``even_batches(every=1)`` and
+``even_batches(every=8)``. Printed: medians over rounds of the time per batch
+and its excess over the plain loop, then the wait for the first batch of an
+epoch (plain, wrapped, wrapped in the first epoch, which also makes the side
+group) next to one synchronous round trip on the side group.
+
+    python benchmarks/even_batches.py [--quick] [--batches 400] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shardkit
+from shardkit import even as even_module
+
+
+def epoch_time(loader: Iterable[Any], step: Callable[[], None]) -> tuple[float, float]:
+    """(seconds to the first batch, seconds per batch over the whole epoch)."""
+    dist.barrier()
+    start = time.perf_counter()
+    first = None
+    batches = 0
+    for _ in loader:
+        if first is None:
+            first = time.perf_counter() - start
+        step()
+        batches += 1
+    return first or 0.0, (time.perf_counter() - start) / max(batches, 1)
+
+
+def make_step(step_us: float) -> Callable[[], None]:
+    grad = torch.zeros(256)
+
+    def step() -> None:
+        if step_us:
+            time.sleep(step_us / 1e6)
+        dist.all_reduce(grad)  # DDP's gradient sync
+
+    return step
+
+
+def variants(batches: list[torch.Tensor]) -> dict[str, Callable[[], Iterable[Any]]]:
+    return {
+        "plain loop": lambda: batches,
+        "even_batches(every=1)": lambda: shardkit.even_batches(batches),
+        "even_batches(every=8)": lambda: shardkit.even_batches(batches, every=8),
+    }
+
+
+def per_batch(batches: list[torch.Tensor], step_us: float, rounds: int) -> dict[str, float]:
+    """Median seconds per batch of each variant, rounds interleaved."""
+    step = make_step(step_us)
+    times: dict[str, list[float]] = {name: [] for name in variants(batches)}
+    for _ in range(rounds):
+        for name, make in variants(batches).items():
+            times[name].append(epoch_time(make(), step)[1])
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def first_batch(batches: list[torch.Tensor], rounds: int) -> dict[str, float]:
+    """Median seconds from iter() to the first batch."""
+    even_module._SIDE_GROUPS.clear()
+    dist.barrier()
+    fresh = epoch_time(shardkit.even_batches(batches[:1]), lambda: None)[0]  # makes the side group
+    side = even_module._side_group(None)
+    assert side is not None
+    flags = torch.zeros(4, dtype=torch.int64)
+    waits: dict[str, list[float]] = {"plain loop": [], "even_batches": [], "one side-group round trip": []}
+    for _ in range(rounds * 5):
+        waits["plain loop"].append(epoch_time(batches[:1], lambda: None)[0])
+        waits["even_batches"].append(epoch_time(shardkit.even_batches(batches[:1]), lambda: None)[0])
+        dist.barrier()
+        start = time.perf_counter()
+        side.all_reduce_min(flags).wait()
+        waits["one side-group round trip"].append(time.perf_counter() - start)
+    result = {name: statistics.median(values) for name, values in waits.items()}
+    result["even_batches, first epoch (makes the side group)"] = fresh
+    return result
+
+
+def run(rank: int, port: int, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        batches = [torch.full((32, 8), float(i)) for i in range(args.batches)]
+        lines = []
+        for step_us in (0.0, args.step_us):
+            medians = per_batch(batches, step_us, args.rounds)
+            plain = medians["plain loop"]
+            lines.append(f"\nstep: all-reduce (DDP sync){f' + {step_us:.0f} us free CPU' if step_us else ''}")
+            lines.append(f"{'variant':<28}{'us / batch':>12}{'added us':>10}")
+            for name, seconds in medians.items():
+                lines.append(f"{name:<28}{seconds * 1e6:>12.1f}{(seconds - plain) * 1e6:>10.1f}")
+        waits = first_batch(batches, args.rounds)
+        lines.append(f"\n{'first batch':<52}{'us':>8}")
+        lines += [f"{name:<52}{seconds * 1e6:>8.0f}" for name, seconds in waits.items()]
+        if rank == 0:
+            print(f"2 gloo ranks, {args.batches} batches per epoch, medians of {args.rounds} interleaved rounds")
+            print("\n".join(lines), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--step-us", type=float, default=1000.0, help="free CPU time per step (a GPU step)")
+    parser.add_argument("--quick", action="store_true", help="100 batches, 3 rounds")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.rounds = 100, 3
+    mp.start_processes(run, args=(free_port(), args), nprocs=2, join=True, start_method="fork")
+
+
+if __name__ == "__main__":
+    main()
