@@ -55,6 +55,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
     from shardkit.dataset import ShardedDataset, TFRecordDataset, wrap
+    from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches
     from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
     from shardkit.formats.index import build_index
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
@@ -65,4 +66,3 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.shardlist import ShardList
     from shardkit.topology import Topology
     from shardkit.writer import ShardWriter
-    from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches

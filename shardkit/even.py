@@ -134,6 +134,8 @@ class EvenBatches:
         self._iterator: _Agreed | None = None
         self._resume: State | None = None
         self._stats = EvenStats(epoch=0, batches=None)
+        if _distributed():
+            _side_group(group)  # made now, so that the first epoch's first batch waits one round trip only
 
     def __len__(self) -> int:
         """``len(loader)`` on this rank. Under ``"stop"`` an epoch may be
@@ -245,7 +247,10 @@ class _Agreed(Iterator[Any]):
         self._exhausted = False
         self._error: BaseException | None = None
         self._work: Any = None
-        self._flags: torch.Tensor | None = None
+        # One agreement is in flight at a time, so one buffer serves them all (and
+        # writing it through numpy costs less than building a tensor per window).
+        self._flags = torch.zeros(4, dtype=torch.int64)
+        self._flag_values = self._flags.numpy()
         self._last = False  # the current window is the epoch's last
         self.done = False
         self.batches = self.padded = self.from_inner = 0
@@ -318,15 +323,15 @@ class _Agreed(Iterator[Any]):
     def _post(self) -> None:
         have = len(self._next)
         empty = int(have == 0 and self._pad is None and not self._window)
-        self._flags = torch.tensor([have, -have, -empty, -int(self._error is not None)], dtype=torch.int64)
+        self._flag_values[:] = (have, -have, -empty, -int(self._error is not None))
         self._work = self._side.all_reduce_min(self._flags)
 
     def _settle(self) -> None:
         """Wait for the next window's agreement and make it the current window."""
         self._work.wait()
-        low, high, empty, failed = (int(v) for v in self._flags.tolist())  # type: ignore[union-attr]
+        self._work = None
+        low, high, empty, failed = self._flag_values.tolist()
         high, empty, failed = -high, -empty, -failed
-        self._work = self._flags = None
         if failed:
             self._abort(self._error, "a rank's loader raised (see that rank's error)")
         size = high if self._pad_mode else low
@@ -453,7 +458,7 @@ def _side_group(group: Any) -> _Side | None:
     of ``group``), or None when there is nothing to agree with."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         if group is not None:
             raise EvenBatchesError("even_batches was given a group, but torch.distributed is not initialised")
         return None
@@ -462,11 +467,23 @@ def _side_group(group: Any) -> _Side | None:
         _SIDE_GROUPS.clear()
         _SIDE_WORLD[0] = world
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
+    if dist.get_rank() not in ranks:
+        raise EvenBatchesError(
+            f"even_batches: rank {dist.get_rank()} is not in the given group (ranks {list(ranks)}); "
+            "wrap the loader with the group this rank trains in"
+        )
     if len(ranks) == 1:
         return None
     side = _SIDE_GROUPS.get(ranks)
     if side is None:
+        # Only the group's ranks take part in making it (they all wrap their loaders).
         made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
         side = _Side(made, dist.get_rank(made), len(ranks))
         _SIDE_GROUPS[ranks] = side
     return side
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

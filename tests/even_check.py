@@ -90,13 +90,33 @@ def train(loader: Any, wrap: str, every: int, stop_after: int | None = None) -> 
     return seen, wrapped
 
 
+def subgroup(rank: int, wrap: str, every: int) -> dict[str, Any]:
+    """Ranks 0 and 1 train in a group of their own (rank 2 does not take part): they agree in it."""
+    group = dist.new_group([0, 1])
+    if rank == 2:
+        try:
+            shardkit.even_batches([], group=group)
+        except shardkit.EvenBatchesError as error:
+            return {"batches": [], "error": f"{type(error).__name__}: {error}"}
+        return {"batches": []}
+    seen = []
+    wrapped = shardkit.even_batches(build("filter", rank, []), at_end=wrap, every=every, group=group)
+    for batch in wrapped:
+        dist.all_reduce(torch.ones(1), group=group)
+        seen.append(ids(batch))
+    stats = wrapped.stats()
+    return {"batches": seen, "stats": [stats.batches, stats.padded, stats.dropped, stats.dropped_exact]}
+
+
 def run_case(rank: int, case: str, wrap: str, every: int, urls: list[str]) -> dict[str, Any]:
-    result: dict[str, Any] = {"natural": natural(case, rank, urls)}
+    result: dict[str, Any] = {"natural": natural("filter" if case == "subgroup" else case, rank, urls)}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if case == "resume":
                 result.update(resume(rank, wrap, every, urls))
+            elif case == "subgroup":
+                result.update(subgroup(rank, wrap, every))
             else:
                 seen, wrapped = train(build(case, rank, urls), wrap, every)
                 result["batches"] = seen
@@ -147,7 +167,7 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--case", default="filter", choices=("filter", "mixed", "sized", "skip", "raise", "resume"))
+    parser.add_argument("--case", default="filter", choices=("filter", "mixed", "sized", "skip", "raise", "resume", "subgroup"))
     parser.add_argument("--wrap", default="stop", choices=("stop", "pad", "none"))
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--collective-timeout", type=float, default=20.0)

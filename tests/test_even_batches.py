@@ -415,6 +415,14 @@ def test_a_gloo_epoch_resumed_from_state_dict_yields_the_uninterrupted_batches(a
 
 
 @pytest.mark.slow
+def test_ranks_of_a_subgroup_agree_among_themselves_and_a_rank_outside_is_told():
+    ranks = check_ranks("--world-size", "3", "--case", "subgroup", "--wrap", "pad")
+    outside = ranks.pop()
+    assert "rank 2 is not in the given group (ranks [0, 1])" in outside["error"]
+    assert_even(ranks, "pad")
+
+
+@pytest.mark.slow
 def test_control_without_even_batches_the_same_run_hangs_until_the_collective_timeout():
     start = time.monotonic()
     done = run_check("--case", "filter", "--wrap", "none", "--collective-timeout", "5")
@@ -448,3 +456,13 @@ def test_ddp_eval_example_counts_every_sample_once_and_matches_one_process():
     assert accuracy == accuracy_alone == "accuracy 881/1001 = 0.880120"
     assert abs(loss - loss_alone) < 1e-11  # float64 sums, added in another order
     assert "padding would count 1002 samples (1 of them twice)" in spread
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_and_prints_its_tables():
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "even_batches.py"), "--quick"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("even_batches(every=1)") == 2 and "one side-group round trip" in done.stdout
