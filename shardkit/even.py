@@ -26,13 +26,17 @@ How the ranks agree:
   dropped: counted exactly when the loader has ``len()``, else those fetched
   and not yielded (a lower bound).
   ``at_end="pad"``: a window yields ``max(have)``; a rank that ran out
-  repeats the first batch it yielded this epoch (the same object), as
-  ``DistributedSampler(drop_last=False)`` repeats samples from the start.
+  repeats the first batch it yielded this epoch, as
+  ``DistributedSampler(drop_last=False)`` repeats samples from the start. It
+  is the same object again: a training step must not change batches in place.
   A rank that has no batch at all cannot repeat one: every rank raises
   :class:`EvenBatchesError` at the same step instead of hanging.
 * An exception from the wrapped loader on one rank is announced in the next
   agreement: that rank re-raises it and the others raise
   :class:`EvenBatchesError` at the same step, so no rank waits forever.
+* Agreements are posted at the same steps on every rank whatever the data,
+  so ranks that leave an epoch early (``break``) at the same step stay
+  matched for the next one.
 
 Resuming: ``state_dict()`` saves the wrapped loader's state, which already
 counts the batches fetched ahead, together with those batches themselves
@@ -106,9 +110,11 @@ def even_batches(
         group: the ranks that must agree (a ``torch.distributed`` process
             group); default: the whole world. Its ranks must all iterate
             their wrapped loaders in step.
-        every: agree once per this many batches (fetched ahead and held in
-            memory). 1 costs one small all-reduce per batch, overlapped with
-            the training step; larger values divide that cost.
+        every: agree once per this many batches. 1 costs one small
+            all-reduce per batch, overlapped with the training step, and
+            holds one batch ahead; larger values divide that cost and hold
+            up to ``2 * every - 1`` batches ahead (benchmarks/even_batches.py
+            measures both).
 
     See the module docstring for the protocol, :meth:`EvenBatches.stats` for
     the counts, and :meth:`EvenBatches.state_dict` for resuming.

@@ -235,6 +235,31 @@ def test_a_resumed_epoch_yields_what_the_uninterrupted_one_would_and_ends_togeth
     assert len({len(whole) for whole, _, _ in results}) == 1
 
 
+@pytest.mark.parametrize("at_end", ["stop", "pad"])
+@pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
+def test_torchdatas_stateful_dataloader_resumes_through_even_batches(monkeypatch, at_end):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sizes = [9, 14]
+
+    def loader(rank: int) -> StatefulDataLoader:
+        return StatefulDataLoader([f"r{rank}s{i}" for i in range(sizes[rank])], batch_size=2)
+
+    def body(rank: int) -> tuple[list[list[str]], list[list[str]]]:
+        whole = list(even_batches(loader(rank), at_end=at_end, every=2))
+        first = even_batches(loader(rank), at_end=at_end, every=2)
+        iterator = iter(first)
+        before = [next(iterator) for _ in range(3)]
+        again = even_batches(loader(rank), at_end=at_end, every=2)
+        again.load_state_dict(first.state_dict())
+        return whole, before + list(again)
+
+    results = run_ranks(monkeypatch, 2, body)
+    assert [len(whole) for whole, _ in results] == ([5, 5] if at_end == "stop" else [7, 7])
+    for whole, resumed in results:
+        assert resumed == whole
+
+
 def test_a_state_from_an_earlier_epoch_is_ignored(monkeypatch):
     def body(rank: int) -> list[str]:
         wrapped = even_batches(Batches(rank_batches(rank, 3)))
