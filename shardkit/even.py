@@ -11,7 +11,8 @@ batches and makes the ranks agree, as they go, whether each has a next one.
 How the ranks agree:
 
 * Each rank fetches batches *ahead* of the ones it yields, then posts a small
-  ``all_reduce`` (MIN over ``[have, -have, -empty, -failed]``) on a gloo side
+  ``all_reduce`` (MIN over ``[have, -have, -empty, -failed]``, where
+  ``empty``/``failed`` are the rank's index plus one or 0) on a gloo side
   group made once per set of ranks (the default group may be NCCL; a side
   group also keeps the agreement from queueing behind gradient traffic). The
   all-reduce runs asynchronously and is waited for only when its batches are
@@ -328,8 +329,9 @@ class _Agreed(Iterator[Any]):
 
     def _post(self) -> None:
         have = len(self._next)
-        empty = int(have == 0 and self._pad is None and not self._window)
-        self._flag_values[:] = (have, -have, -empty, -int(self._error is not None))
+        me = self._side.rank + 1  # flags carry the rank, so every rank can name one that failed
+        empty = me if have == 0 and self._pad is None and not self._window else 0
+        self._flag_values[:] = (have, -have, -empty, -me if self._error is not None else 0)
         self._work = self._side.all_reduce_min(self._flags)
 
     def _settle(self) -> None:
@@ -337,17 +339,15 @@ class _Agreed(Iterator[Any]):
         self._work.wait()
         self._work = None
         low, high, empty, failed = self._flag_values.tolist()
-        high, empty, failed = -high, -empty, -failed
+        high, empty, failed = -high, -empty, -failed  # a rank index plus one, or 0
         if failed:
-            self._abort(self._error, "a rank's loader raised (see that rank's error)")
+            self._abort(self._error, f"the loader of rank {failed - 1} raised (see that rank's error)")
         size = high if self._pad_mode else low
         if self._pad_mode and empty and size > 0:
-            mine = not self._next and self._pad is None
             self._abort(
                 None,
-                ("this rank" if mine else "another rank")
-                + " has no batch this epoch, so under at_end='pad' it has nothing to repeat while other "
-                "ranks still have batches; use at_end='stop', or give every rank data",
+                f"rank {empty - 1} has no batch this epoch, so under at_end='pad' it has nothing to repeat "
+                "while other ranks still have batches; use at_end='stop', or give every rank data",
             )
         self._window.extend(self._next[:size])
         self._dropped_ahead = len(self._next) - min(size, len(self._next))
