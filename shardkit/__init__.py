@@ -29,8 +29,10 @@ _EXPORTS: dict[str, str] = {
     "TFRecordDataset": "shardkit.dataset",
     "wrap": "shardkit.dataset",
     "interleave": "shardkit.pipeline",
+    "Pipeline": "shardkit.pipeline",
     "MixedLoader": "shardkit.loader",
     "worker_seed": "shardkit.seeding",
+    "shuffle_quality": "shardkit.quality",
     "even_batches": "shardkit.even",
     "EvenBatches": "shardkit.even",
     "EvenBatchesError": "shardkit.even",
@@ -60,8 +62,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.formats.index import build_index
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
     from shardkit.loader import MixedLoader
-    from shardkit.pipeline import interleave
+    from shardkit.pipeline import Pipeline, interleave
     from shardkit.planning import Range, plan
+    from shardkit.quality import shuffle_quality
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import ShardList
     from shardkit.topology import Topology

@@ -37,7 +37,7 @@ from shardkit.pipeline import Pipeline
 from shardkit.planning import BALANCES, Balance, Range, plan, plan_intervals, rank_span, share, union
 from shardkit.seeding import check_seed, seed_iteration
 from shardkit.shardlist import ShardList
-from shardkit.state import State, StateError, applies, check, expect_equal, node, own_share, share_of
+from shardkit.state import State, StateError, applies, check, check_positions, expect_equal, node, own_share, share_of
 from shardkit.stats import ReadStats, SharedStats
 from shardkit.topology import Topology
 
@@ -189,6 +189,7 @@ class _PlannedSource(_Source):
             expect_equal(self, "world_size", state["world_size"], topology.world_size)
             expect_equal(self, "rank", state["rank"], topology.rank)
             remaining = state["remaining"]
+            check_positions(self, remaining, size)
             own = own_share(state, topology.worker_id, topology.num_workers, self)
             intervals = union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)
         pieces = plan_intervals(counts, topology, intervals, **kwargs)
@@ -634,6 +635,11 @@ class _StrideReader:
         """Step past the ``items`` items a saved reader had stepped past (they are read again)."""
         for _ in itertools.islice(self._items, items):
             self.items_seen += 1
+        if self.items_seen < items:
+            raise StateError(
+                f"the state says {items} items were read, but the iterable has only {self.items_seen}; "
+                "it must yield the same items every time it is iterated"
+            )
         self._done = done
 
     def state_dict(self) -> State:

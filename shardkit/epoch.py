@@ -51,6 +51,13 @@ class SharedEpoch:
     sends the shared storage rather than a copy. Either way :meth:`set` in the
     main process is visible to a persistent worker the next time it calls
     ``__iter__``. (A plain :func:`pickle.dumps` copies the value instead.)
+
+    Example:
+        >>> from shardkit.epoch import SharedEpoch
+        >>> epoch = SharedEpoch()
+        >>> epoch.set(3)
+        >>> epoch.get()
+        3
     """
 
     def __init__(self, epoch: int = 0) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "compare.py"
 HEADER = "| loader | samples/s | shardkit is |"
@@ -32,3 +34,19 @@ def test_compare_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert HEADER in done.stdout, done.stdout[-4000:]
     assert "| start method |" in done.stdout, done.stdout[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_shuffle_benchmark_quick_runs_and_scores_every_loader(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "shuffle.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 6, done.stdout  # header, reference, four loaders
+    assert all(row.rstrip().endswith("0 / 0 |") for row in rows[2:]), done.stdout  # nothing lost or repeated

@@ -88,6 +88,7 @@ def test_rank_comes_from_the_environment_when_iteration_starts(monkeypatch):
         list(dataset)
 
 
+@pytest.mark.slow
 def test_spawned_workers_split_too():
     shards = synthetic_shards(COUNTS)
     dataset = ShardedDataset(shards, synthetic_read, balance="none", shuffle=True)

@@ -13,6 +13,8 @@ import pytest
 from tests.ddp_check import COUNTS
 from tests.helpers import all_ids, synthetic_shards
 
+pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
+
 SCRIPT = Path(__file__).with_name("ddp_check.py")
 
 

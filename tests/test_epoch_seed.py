@@ -65,6 +65,7 @@ def test_effective_epoch_adds_the_repeat_offset_only_inside_the_call():
     assert shared.effective() == 2 and shared.get() == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_set_epoch_reaches_persistent_workers(context):
     pipeline = EpochTagged(8).map(probe)

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -158,6 +158,7 @@ def test_shares_and_exactly_once(
         assert set(seen) == everything
 
 
+@pytest.mark.slow
 def test_spawn_workers() -> None:
     counts = [12, 5]
     loader = MixedLoader(Tagged(counts), 4, num_workers=2, multiprocessing_context="spawn")

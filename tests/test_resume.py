@@ -156,11 +156,13 @@ def test_stateful_dataloader_resumes_with_persistent_workers() -> None:
     check_resume(Run("stateful", shuffled, 2, persistent_workers=True), [None])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", sorted(PIPELINES))
 def test_mixed_loader_resumes_with_the_same_or_another_worker_count(pipeline: str) -> None:
     check_resume(Run("mixed", PIPELINES[pipeline], 2), [2, 3, 1])
 
 
+@pytest.mark.slow
 def test_mixed_loader_resumes_with_persistent_workers() -> None:
     check_resume(Run("mixed", shuffled, 2, persistent_workers=True), [2, 3])
 
@@ -176,6 +178,7 @@ def test_mixed_loader_restores_into_the_main_process_unless_samples_are_carried(
     assert sorted(run.resume(state, (0, "end"), 0)[0]) == sorted(s for b in epochs[1] for s in b)
 
 
+@pytest.mark.slow
 def test_several_ranks_resume_their_own_part() -> None:
     per_rank = []
     for rank in range(2):
@@ -263,6 +266,7 @@ def _loaded(dataset: Pipeline, state: dict[str, Any]) -> Pipeline:
     return dataset
 
 
+@pytest.mark.slow
 def test_plain_iterable_resumes_in_the_same_slot_only() -> None:
     def make() -> Pipeline:
         return wrap(CountingStream(50))
@@ -331,6 +335,7 @@ KILL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_killed_worker_resumes_from_the_last_saved_state(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(KILL_SCRIPT.format(repo=str(REPO)))
@@ -345,6 +350,7 @@ def test_killed_worker_resumes_from_the_last_saved_state(tmp_path: Path) -> None
     assert sorted(saved["delivered"] + rest) == sorted(source())
 
 
+@pytest.mark.slow
 def test_example_runs() -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "examples" / "resume.py")],

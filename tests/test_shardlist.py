@@ -286,6 +286,7 @@ class _ReadAll(torch.utils.data.IterableDataset):
             yield os.getpid(), self.shards.backing_file, everything[i]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_dataloader_workers_read_every_url(start_method: str) -> None:
     urls = [f"/data/shard-{i:05d}.rec" for i in range(5000)]

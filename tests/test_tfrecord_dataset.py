@@ -99,6 +99,7 @@ def test_memory_filesystem_shards_with_forked_workers():
     fsspec.filesystem("memory").rm(root, recursive=True)
 
 
+@pytest.mark.slow
 def test_s3_shards_over_two_ranks(s3_server):
     bucket = s3_server.new_bucket()
     options = s3_server.storage_options()

@@ -17,6 +17,8 @@ from shardkit.formats.index import build_index, index_path_for, read_index
 from shardkit.formats.io import BLOCK_SIZE
 from shardkit.formats.tfrecord import TFRecordWriter, count_records, read_tfrecord
 
+pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
+
 RECORDS = [os.urandom(n) for n in (0, 1, 1000, 70_000, 5)] * 20
 
 
