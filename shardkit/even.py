@@ -61,7 +61,7 @@ from typing import Any, Literal
 import torch
 
 from shardkit.errors import ShardkitError
-from shardkit.state import State, StateError, applies, check, decode, encode, node
+from shardkit.state import State, StateError, applies, check, decode, encode, field, node, whole_number
 
 __all__ = ["EvenBatches", "EvenBatchesError", "EvenStats", "even_batches"]
 
@@ -139,7 +139,8 @@ class EvenBatches:
         self.every = every
         self.epoch = 0
         self._iterator: _Agreed | None = None
-        self._resume: State | None = None
+        self._resume: State | None = None  # as loaded, for state_dict() before iterating
+        self._loaded: State | None = None  # checked, its batches decoded
         self._stats = EvenStats(epoch=0, batches=None)
         if _distributed():
             _side_group(group)  # made now, so that the first epoch's first batch waits one round trip only
@@ -170,7 +171,7 @@ class EvenBatches:
         return self._stats if iterator is None else iterator.stats()
 
     def __iter__(self) -> Iterator[Any]:
-        resume, self._resume = self._resume, None
+        resume, self._resume, self._loaded = self._loaded, None, None
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
         if resume is not None:
@@ -179,7 +180,7 @@ class EvenBatches:
         side = _side_group(self.group)
         if side is None:  # nothing to agree with
             self._stats = EvenStats(epoch=self.epoch, batches=None)
-            held = [] if resume is None else _held(resume)
+            held = [] if resume is None else [*resume["window"], *resume["next"]]
             return iter(self.loader) if not held else _chain(held, self.loader)
         self._iterator = _Agreed(self, side, resume)
         return self._iterator
@@ -188,14 +189,15 @@ class EvenBatches:
         """Where this epoch stands, including batches fetched ahead.
 
         Call it between batches, on every rank at the same step. The state
-        holds the wrapped loader's ``state_dict()`` and, encoded, the batches
-        fetched ahead but not yet yielded (at most ``2 * every``) and, under
-        ``"pad"``, the batch kept for repeats: a state a few batches large.
-        Batches are encoded with ``torch.save`` (tensors, arrays, plain
-        Python); load only states you wrote.
+        holds the wrapped loader's ``state_dict()`` and, as plain data
+        (:func:`shardkit.state.encode`: tensors, arrays, str, bytes, numbers
+        and lists, tuples and dicts of them), the batches fetched ahead but
+        not yet yielded (fewer than ``2 * every``) and, under ``"pad"``, the
+        batch kept for repeats: a state a few batches large.
 
         Raises:
-            StateError: the wrapped loader has no ``state_dict()``.
+            StateError: the wrapped loader has no ``state_dict()``, or a
+                batch holds a type a state cannot hold (named).
         """
         if self._iterator is None and self._resume is not None:
             return self._resume
@@ -209,15 +211,15 @@ class EvenBatches:
 
         Sets the epoch to the state's (and passes it on, see :meth:`set_epoch`).
         The wrapped loader's part is loaded when iteration starts.
+
+        Raises:
+            StateError: a state of another kind or version, of other
+                settings, or with a field missing, mistyped or out of range
+                (named).
         """
-        check(state, "even_batches", self)
-        if state["at_end"] != self.at_end or state["every"] != self.every:
-            raise StateError(
-                f"{self!r}: the state was saved by even_batches(at_end={state['at_end']!r}, every={state['every']}); "
-                "resume with the same settings"
-            )
+        loaded = _checked(state, self)
         self.set_epoch(state["epoch"])
-        self._resume = state
+        self._resume, self._loaded = state, loaded
 
     def _finished(self, stats: EvenStats) -> None:
         """Called by the epoch's iterator when it ends: keep the counts, warn if large."""
@@ -270,10 +272,11 @@ class _Agreed(Iterator[Any]):
             self._complete()  # the first window (one batch): one fetch and one round trip, overlapping nothing
 
     def _restore(self, state: State) -> None:
-        self._window = deque(decode(b) for b in state["window"])
-        self._next = [decode(b) for b in state["next"]]
+        """Take up a checked state (see :func:`_checked`), its batches decoded."""
+        self._window = deque(state["window"])
+        self._next = list(state["next"])
         self._quota, self._target, self._last = state["quota"], state["target"], state["last"]
-        self._pad = None if state["pad"] is None else (decode(state["pad"]),)
+        self._pad = state["pad"]
         self._exhausted, self.done = state["exhausted"], state["finished"]
         self.batches, self.padded, self.from_inner = state["batches"], state["padded"], state["from_inner"]
         self._dropped_ahead = state["dropped_ahead"]
@@ -388,7 +391,7 @@ class _Agreed(Iterator[Any]):
         return EvenStats(self.epoch, self.batches, self.padded, dropped, exact)
 
     def state_dict(self, inner: Any) -> State:
-        pad = None if self._pad is None or not self._pad_mode else encode(self._pad[0])
+        pad = [] if self._pad is None or not self._pad_mode else [encode(self._pad[0])]
         return _state(
             self._owner,
             inner=inner,
@@ -409,15 +412,43 @@ class _Agreed(Iterator[Any]):
 
 def _state(owner: EvenBatches, **fields: Any) -> State:
     defaults: dict[str, Any] = {
-        "window": [], "next": [], "quota": 0, "target": 1, "last": False, "pad": None, "exhausted": False,
+        "window": [], "next": [], "quota": 0, "target": 1, "last": False, "pad": [], "exhausted": False,
         "finished": False, "batches": 0, "padded": 0, "from_inner": 0, "dropped_ahead": 0,
     }
     return node("even_batches", epoch=owner.epoch, at_end=owner.at_end, every=owner.every, **{**defaults, **fields})
 
 
-def _held(state: State) -> list[Any]:
-    """The batches a state fetched ahead, in order (for a pass-through resume)."""
-    return [decode(b) for b in [*state["window"], *state["next"]]]
+def _checked(state: object, owner: EvenBatches) -> State:
+    """A loaded state with every field checked and its batches decoded
+    (``pad`` as a one-tuple), so a bad state fails in ``load_state_dict``."""
+    where = f"{owner!r}.load_state_dict()"
+    state = check(state, "even_batches", owner)
+    whole_number(state, "epoch", where)
+    at_end, every = field(state, "at_end", where, str), whole_number(state, "every", where, 1)
+    if at_end != owner.at_end or every != owner.every:
+        raise StateError(
+            f"{where}: the state was saved by even_batches(at_end={at_end!r}, every={every}); "
+            "resume with the same settings"
+        )
+    if "inner" not in state:
+        raise StateError(f"{where}: the state has no 'inner' (the wrapped loader's state)")
+    counts = {key: whole_number(state, key, where) for key in ("quota", "batches", "padded", "from_inner")}
+    whole_number(state, "dropped_ahead", where)
+    target = whole_number(state, "target", where, 1)
+    flags = {key: field(state, key, where, bool) for key in ("last", "exhausted", "finished")}
+    window = [decode(b) for b in field(state, "window", where, list, tuple)]
+    ahead = [decode(b) for b in field(state, "next", where, list, tuple)]
+    pad = [decode(b) for b in field(state, "pad", where, list, tuple)]  # the batch to repeat, if any
+    problems = [
+        f"{len(window)} batches held for a window of {counts['quota']}" * (len(window) > counts["quota"]),
+        f"{len(ahead)} batches fetched for a window of {target}" * (len(ahead) > target or target > every),
+        "more batches padded or read than yielded" * (counts["padded"] + counts["from_inner"] != counts["batches"]),
+        f"{len(pad)} batches to repeat" * (len(pad) > 1 or (bool(pad) and at_end == "stop")),
+        "a finished epoch holding batches" * (flags["finished"] and bool(window or ahead)),
+    ]
+    if any(problems):
+        raise StateError(f"{where}: the state does not hold together: {'; '.join(p for p in problems if p)}")
+    return {**state, "window": window, "next": ahead, "pad": tuple(pad) or None}
 
 
 def _chain(held: list[Any], loader: Iterable[Any]) -> Iterator[Any]:

@@ -329,6 +329,63 @@ def test_state_dict_of_a_loader_without_one_names_the_fix():
         even_batches(x for x in range(3)).state_dict()
 
 
+def saved_state(**fields: Any) -> dict[str, Any]:
+    """A well-formed state of an even_batches(at_end="pad", every=2) over Batches, 3 batches in."""
+    wrapped = even_batches(Batches(["a", "b", "c", "d", "e"]), at_end="pad", every=2)
+    base = dict(
+        inner={"position": 5}, window=[even_module.encode("d")], next=[even_module.encode("e")], quota=1, target=2,
+        pad=[even_module.encode("a")], batches=3, from_inner=3,
+    )
+    return even_module._state(wrapped, **{**base, **fields})
+
+
+def test_a_well_formed_state_resumes_its_held_batches_first():
+    wrapped = even_batches(Batches(["a", "b", "c", "d", "e"]), at_end="pad", every=2)
+    wrapped.load_state_dict(saved_state())
+    assert wrapped.state_dict() == saved_state()  # before iterating: the state as loaded
+    assert list(wrapped) == ["d", "e"]  # no process group: the held batches, then the loader's rest
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda s: s.pop("quota"), "has no 'quota'"),
+        (lambda s: s.update(batches="3"), r"state\['batches'\] must be int, got str"),
+        (lambda s: s.update(padded=-1), r"state\['padded'\] must be >= 0"),
+        (lambda s: s.update(finished=1), r"state\['finished'\] must be bool"),
+        (lambda s: s.update(window=[["tensor", "no such encoding"]]), "cannot be read"),
+        (lambda s: s.update(quota=0), "1 batches held for a window of 0"),
+        (lambda s: s.update(next=["x", "y", "z"]), "3 batches fetched for a window of 2"),
+        (lambda s: s.update(target=3), "fetched for a window of 3"),
+        (lambda s: s.update(padded=2), "more batches padded or read than yielded"),
+        (lambda s: s.update(pad=["a", "b"]), "2 batches to repeat"),
+        (lambda s: s.update(finished=True), "a finished epoch holding batches"),
+        (lambda s: s.pop("inner"), "has no 'inner'"),
+        (lambda s: s.update(every=3), r"saved by even_batches\(at_end='pad', every=3\)"),
+        (lambda s: s.update(kind="mixed_loader"), "this stage is 'even_batches'"),
+    ],
+)
+def test_a_tampered_state_is_refused_at_load_naming_what_is_wrong(tamper, message):
+    state = saved_state()
+    tamper(state)
+    with pytest.raises(StateError, match=message):
+        even_batches(Batches([]), at_end="pad", every=2).load_state_dict(state)
+
+
+def test_a_batch_a_state_cannot_hold_is_named_when_saving(monkeypatch):
+    class Custom:
+        pass
+
+    def body(rank: int) -> str:
+        wrapped = even_batches(Batches([Custom(), Custom(), Custom()]))
+        next(iter(wrapped))
+        with pytest.raises(StateError, match="Custom"):
+            wrapped.state_dict()
+        return "refused"
+
+    assert run_ranks(monkeypatch, 2, body) == ["refused", "refused"]
+
+
 def test_a_state_saved_with_other_settings_is_refused():
     state = even_batches(Batches(["a"]), at_end="pad").state_dict()
     with pytest.raises(StateError, match="at_end='pad'"):
