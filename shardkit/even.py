@@ -41,8 +41,9 @@ How the ranks agree:
 
 Resuming: ``state_dict()`` saves the wrapped loader's state, which already
 counts the batches fetched ahead, together with those batches themselves
-(encoded as in :mod:`shardkit.state`), the window position and the counts; a
-loaded state yields the saved batches first, so a resumed epoch yields what
+(as plain data, :func:`shardkit.state.encode`; every field is checked when a
+state is loaded), the window position and the counts; a loaded state yields
+the saved batches first, so a resumed epoch yields what
 the uninterrupted one would have and ends at the same step on every rank,
 provided every rank saved at the same step (as a checkpoint does).
 
@@ -110,7 +111,9 @@ def even_batches(
             batch they yielded this epoch (counted).
         group: the ranks that must agree (a ``torch.distributed`` process
             group); default: the whole world. Its ranks must all iterate
-            their wrapped loaders in step.
+            their wrapped loaders in step. With a process group initialised,
+            building the wrapper makes the gloo side group (once per set of
+            ranks), so every rank of ``group`` builds one.
         every: agree once per this many batches. 1 costs one small
             all-reduce per batch, overlapped with the training step, and
             holds one batch ahead; larger values divide that cost and hold
