@@ -165,12 +165,16 @@ def _load_shards(source: str) -> tuple[Any, str]:
 
 
 def _index_counts(urls: list[str]) -> list[int | None]:
-    """Each file's record count from the index file beside it, None where there is none."""
+    """Each file's record count from the index file beside it, None where there is none.
+
+    Each index is checked against its file (:func:`~shardkit.formats.index.load_index`):
+    a stale or corrupt one is an error naming both files, never a wrong count.
+    """
     import posixpath
 
     import fsspec
 
-    from shardkit.formats.index import index_path_for, read_index
+    from shardkit.formats.index import index_path_for, load_index
 
     indexes = [(index_path_for(url), *fsspec.core.url_to_fs(index_path_for(url))) for url in urls]
     by_directory: dict[Any, set[str]] = {}
@@ -182,7 +186,11 @@ def _index_counts(urls: list[str]) -> list[int | None]:
             present.update(wanted.intersection(fs.ls(directory, detail=False)))
         except Exception:  # noqa: BLE001 - a store that cannot list (plain HTTP): ask per file
             present.update(path for path in wanted if fs.isfile(path))
-    return [len(read_index(index)) if path in present else None for index, _, path in indexes]
+    counts = []
+    for url, (index, _, path) in zip(urls, indexes):
+        offsets = load_index(url, index) if path in present else None
+        counts.append(None if offsets is None else len(offsets))
+    return counts
 
 
 def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3, **options: Any) -> str:
