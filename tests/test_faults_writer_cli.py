@@ -280,7 +280,7 @@ FAULTS = [
     ("plan", "malformed manifest", ["{garbage}"], 2, "cannot read manifest"),
     ("plan", "truncated manifest", ["{cut}"], 2, "{cut}"),
     ("plan", "manifest without urls", ["{nourl}"], 2, "{nourl}"),
-    ("plan", "corrupt index file", ["{badindex}"], 2, "a.tfrecord: it should hold 5 offsets"),
+    ("plan", "corrupt index file", ["{badindex}"], 2, "a.tfrecord: truncated: 16 bytes, shorter than the 24-byte header"),
     ("plan", "stale index file", ["{staleindex}"], 2, "does not fit {staledata}: it describes"),
     ("plan", "bad number", ["{manifest}", "--world-size", "0"], 2, "--world-size: must be >= 1"),
     ("plan", "not a number", ["{manifest}", "--num-workers", "two"], 2, "expected an integer, not 'two'"),
