@@ -31,7 +31,7 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
 from shardkit.counting import CountFn, resolve_counts
-from shardkit.epoch import SharedEpoch, check_epoch
+from shardkit.epoch import SharedEpoch, check_epoch, resume_at
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.pipeline import Pipeline
 from shardkit.planning import BALANCES, Balance, Range, plan, plan_intervals, rank_span, share, union
@@ -70,7 +70,7 @@ class _Source(Pipeline):
         self.rank = rank
         self.world_size = world_size
         self._seed = check_seed(seed)
-        self._epoch = SharedEpoch(0)
+        self._epoch = SharedEpoch()  # counts passes until set_epoch is called
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch.set(check_epoch(epoch))
@@ -164,6 +164,7 @@ class _PlannedSource(_Source):
         counts, _ = self._counts(self.topology())
         expect_equal(self, "dataset", state["fingerprint"], self._fingerprint(counts))
         self._pending = state
+        resume_at(self, state["epoch"])  # the next pass reads the state's epoch (unless set_epoch)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all of its workers together)."""

@@ -56,6 +56,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
+from shardkit.epoch import resume_at
 from shardkit.errors import ShardkitError
 from shardkit.state import State, StateError, applies, check, decode, encode, merge, node
 
@@ -196,6 +197,7 @@ class MixedLoader:
         ``dataset.set_epoch`` when the dataset has one."""
         _check_int("epoch", epoch, minimum=0)
         self.epoch = epoch
+        self._epoch_set = True
         set_dataset_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_dataset_epoch):
             set_dataset_epoch(epoch)
@@ -215,10 +217,14 @@ class MixedLoader:
     _resume: State | None = None
     _mixer: _Mixer | None = None
     _iterated = False
+    _epoch_set = False  # until set_epoch, iteration k is epoch k, like the dataset's passes (shardkit.epoch)
+    _passes = 0
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate one epoch of batches, resuming a state given to :meth:`load_state_dict`."""
         resume, self._resume = self._resume, None
+        if not self._epoch_set:
+            self.epoch, self._passes = self._passes, self._passes + 1
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
         self._iterated = True
@@ -289,7 +295,11 @@ class MixedLoader:
                 "this state holds samples cut out of micro-batches, which only a MixedLoader with "
                 "num_workers >= 1 can deliver; restore it with workers"
             )
-        self.set_epoch(state["epoch"])
+        if self._epoch_set:
+            self.set_epoch(state["epoch"])
+        else:  # counted epochs: the next iteration reads the state's, the one after it the next
+            self._passes = state["epoch"]
+            resume_at(self.dataset, state["epoch"])
         self._resume = state
 
     def _resume_in_process(self, state: State) -> None:

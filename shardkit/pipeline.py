@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, default_collate
 
-from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset
+from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset, load_outermost, open_pass
 from shardkit.errors import ShardkitError
 from shardkit.seeding import INTERLEAVE_STREAM, SHUFFLE_STREAM, check_seed, generator
 from shardkit.state import (
@@ -263,7 +263,7 @@ class Pipeline(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         """Start an iteration, resuming a state given to :meth:`load_state_dict`."""
         state, self._pending = self._pending, None
-        iterator = self._open(state)
+        iterator = open_pass(self, self._open, state)  # counts the epoch once per pass (shardkit.epoch)
         self._iterator = iterator
         return iterator
 
@@ -305,7 +305,7 @@ class Pipeline(IterableDataset):
                 (shards, records, seed, shuffle, balance) or version.
         """
         check(state, self._state_kind, self)
-        self._load_upstream(state)
+        load_outermost(self, state, self._load_upstream, state)  # the next pass reads the state's epoch
         self._pending = state
 
     def _load_upstream(self, state: State) -> None:
