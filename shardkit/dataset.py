@@ -40,6 +40,7 @@ from shardkit.shardlist import ShardList
 from shardkit.state import State, StateError, applies, check, expect_equal, node, own_share, share_of
 from shardkit.stats import ReadStats, SharedStats
 from shardkit.topology import Topology
+from shardkit.trainers import check_dataloader_len
 
 logger = logging.getLogger("shardkit")
 
@@ -168,6 +169,7 @@ class _PlannedSource(_Source):
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all of its workers together)."""
+        check_dataloader_len(self)  # refuses a DataLoader len that would cut the epoch short
         topology = self.topology()
         counts = self._record_counts(topology, required=False)
         if not isinstance(counts, np.ndarray):

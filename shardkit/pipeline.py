@@ -314,6 +314,9 @@ class Pipeline(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the live iterator (DataLoader workers make their own)."""
+        from shardkit.trainers import check_not_in_accelerate
+
+        check_not_in_accelerate(self)  # pickled for a spawned worker of Accelerate's loader
         state = self.__dict__.copy()
         state.pop("_iterator", None)
         return state
@@ -524,9 +527,16 @@ class Batch(_Wrapper):
         self.drop_last = drop_last
 
     def __len__(self) -> int:
-        """Batches from ``len(upstream)`` samples. Exact when every reader's
-        share is a multiple of ``batch_size``; otherwise each reader may emit
-        one short batch of its own, which this count does not see."""
+        """Batches per pass on this rank: each DataLoader worker batches its own
+        share, so this sums every worker's batches (the workers of the
+        DataLoader asking, one outside a DataLoader). Upstream stages whose
+        split is not known (see :func:`shardkit.trainers.reader_lengths`) fall
+        back to ``len(upstream)`` batched once, exact with one reader only."""
+        from shardkit.trainers import batch_len
+
+        exact = batch_len(self)  # per DataLoader worker, each with its own last batch
+        if exact is not None:
+            return exact
         samples = len(self.source)
         if self.drop_last:
             return samples // self.batch_size
