@@ -84,6 +84,14 @@ def _called_by_hf_trainer(frames: list[FrameType]) -> bool:
     return any(f.f_code.co_filename.replace("\\", "/").endswith("transformers/trainer.py") for f in frames)
 
 
+def _single_rank(dataset: object) -> bool:
+    topology = getattr(dataset, "topology", None)
+    try:
+        return topology is not None and topology().world_size == 1
+    except ShardkitError:
+        return False
+
+
 def check_not_in_accelerate(dataset: object) -> None:
     """Raise :class:`TrainerError` if Accelerate's data loading drives ``dataset``.
 
@@ -93,8 +101,8 @@ def check_not_in_accelerate(dataset: object) -> None:
         return
     frames = _frames(sys._getframe(1))
     wrapper = _accelerate_wrapper(frames)
-    if wrapper is None:
-        return
+    if wrapper is None or _single_rank(dataset):
+        return  # one rank: the wrappers pass every sample on
     why = (
         "rank 0 alone iterates the loader, which reads rank 0's share only, and hands slices of it to every rank"
         if "Dispatcher" in wrapper
