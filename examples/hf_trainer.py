@@ -110,8 +110,18 @@ def main() -> None:
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="shardkit-hf-")
     training = TrainingArguments(
-        output_dir=work, num_train_epochs=args.epochs, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
-        use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        output_dir=work,
+        num_train_epochs=args.epochs,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        ddp_backend="gloo",
+        ddp_find_unused_parameters=False,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
     )  # sets up torch.distributed under torchrun
     root = [work]
     if dist.is_initialized():

@@ -105,8 +105,14 @@ def main() -> None:
     root = os.environ["SHARDKIT_EXAMPLE_DATA"]
     torch.manual_seed(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     module = Regression(root, args.loader, args.record)
     trainer.fit(module)

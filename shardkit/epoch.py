@@ -49,7 +49,8 @@ _LOADING: ContextVar[bool] = ContextVar("shardkit_loading_state", default=False)
 
 #: Reader slots with a pass counter: the main process and this many DataLoader workers.
 MAX_WORKERS = 256
-_EXPLICIT, _BASE, _SLOTS = 0, 1, 2  # layout of the shared tensor: explicit, base, counters...
+_EXPLICIT = 0  # layout of the shared tensor: the explicit epoch, then (base, passes) per reader slot
+_READERS = 1 + MAX_WORKERS
 _NEVER_SET = -1
 
 
@@ -85,8 +86,8 @@ class SharedEpoch:
     """An epoch number in shared memory that survives pickling to DataLoader workers.
 
     The values live in an ``int64`` tensor moved to shared memory: the epoch
-    given to :meth:`set` (-1 while never set), the base epoch automatic counting
-    starts from, and one pass counter per reader slot. Under ``fork`` workers
+    given to :meth:`set` (-1 while never set), then per reader slot the epoch
+    its counting starts from and the passes it has opened. Under ``fork`` workers
     inherit the mapping; under ``spawn`` and ``forkserver`` DataLoader pickles
     the dataset with torch's multiprocessing pickler, which sends the shared
     storage rather than a copy. Either way :meth:`set` in the main process, and
@@ -95,7 +96,7 @@ class SharedEpoch:
     """
 
     def __init__(self, epoch: int | None = None) -> None:
-        self._value = torch.zeros(_SLOTS + 1 + MAX_WORKERS, dtype=torch.int64)
+        self._value = torch.zeros(1 + 2 * _READERS, dtype=torch.int64)
         self._value[_EXPLICIT] = _NEVER_SET if epoch is None else check_epoch(epoch)
         self._value.share_memory_()
 
@@ -110,8 +111,8 @@ class SharedEpoch:
         explicit = int(self._value[_EXPLICIT])
         if explicit != _NEVER_SET:
             return explicit
-        passes = int(self._value[_SLOTS + reader_slot()])
-        return int(self._value[_BASE]) + max(passes - 1, 0)
+        base, passes = self._slot(reader_slot())
+        return int(base) + max(int(passes) - 1, 0)
 
     def set(self, epoch: int) -> None:
         """Store ``epoch`` where every worker sharing this object will read it."""
@@ -119,12 +120,20 @@ class SharedEpoch:
 
     def begin_pass(self) -> None:
         """Count a new pass of this reader slot (its epoch goes up by one, after the first)."""
-        self._value[_SLOTS + reader_slot()] += 1
+        self._value[2 + 2 * reader_slot()] += 1
+
+    def _slot(self, slot: int) -> torch.Tensor:
+        return self._value[1 + 2 * slot : 3 + 2 * slot]
 
     def resume_at(self, epoch: int) -> None:
-        """Make the next pass of every reader slot read ``epoch`` (unless :meth:`set` wins)."""
-        self._value[_BASE] = check_epoch(epoch)
-        self._value[_SLOTS:] = 0
+        """Make the next pass read ``epoch`` (unless :meth:`set` wins): of every
+        reader when called in the main process, of this worker in a worker
+        (which loads its own state, as ``StatefulDataLoader`` does, while the
+        others may already be reading)."""
+        slot = reader_slot()
+        slots = self._value[1:].view(_READERS, 2) if slot == 0 else self._slot(slot).view(1, 2)
+        slots[:, 0] = check_epoch(epoch)
+        slots[:, 1] = 0
 
     def effective(self) -> int:
         """The epoch this iteration reads: :meth:`get` plus the offset of the

@@ -102,6 +102,24 @@ def test_loading_a_state_makes_the_next_pass_read_its_epoch():
     assert list(resumed) == epochs[2], "the pass after a resumed epoch reads the next epoch"
 
 
+def test_stateful_dataloader_resumed_without_set_epoch_goes_on_with_the_next_epoch():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make() -> StatefulDataLoader:
+        return StatefulDataLoader(source().shuffle(16), batch_size=None, num_workers=2, persistent_workers=True)
+
+    full = epochs_of(make(), 3)
+    loader = make()
+    list(loader)
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(40)]
+    resumed = make()
+    resumed.load_state_dict(loader.state_dict())  # each worker loads its own state: epoch 1
+    rest, after = epochs_of(resumed, 2)
+    assert sorted(head + rest) == sorted(full[1]) and head == full[1][:40]
+    assert after == full[2], "the epoch after a resumed one must be the next epoch, in every worker"
+
+
 def test_repeat_inside_a_counted_pass_reads_consecutive_epochs_once():
     dataset = source()
     once = [list(dataset) for _ in range(3)]

@@ -23,8 +23,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-import shardkit  # noqa: E402
 from accelerate_train import to_sample, write_dataset  # noqa: E402
+
+import shardkit  # noqa: E402
 
 MODES = ("accelerate-dispatch", "accelerate-shard", "hf-trainer")
 
@@ -64,8 +65,16 @@ def through_hf_trainer(workers: int) -> int:
 
     work = tempfile.mkdtemp(prefix="shardkit-paths-hf-")
     training = TrainingArguments(
-        output_dir=work, max_steps=40, per_device_train_batch_size=8, use_cpu=True, ddp_backend="gloo",
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=workers,
+        output_dir=work,
+        max_steps=40,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=workers,
     )
     dataset = shared_dataset(training.process_index)
     trainer = Trainer(model=Regression(), args=training, train_dataset=dataset)
