@@ -273,7 +273,9 @@ class MixedLoader:
         """Resume from ``state`` (from :meth:`state_dict`) at the next iteration.
 
         Sets the epoch to the state's (and the dataset's, through
-        ``set_epoch``); iterate, then go on with ``set_epoch(epoch + 1)``.
+        ``set_epoch``) when ``set_epoch`` was called before; iterate, then go
+        on with ``set_epoch(epoch + 1)``. Without ``set_epoch`` the next
+        iteration reads the state's epoch and later ones count on from it.
         ``num_workers`` may differ from the saving loader's: the remaining
         samples are then split anew (exactly once; in another order).
         Call it before the first iteration: persistent workers that are

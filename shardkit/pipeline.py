@@ -228,7 +228,10 @@ class Pipeline(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of every source below this pipeline.
 
-        Call it before iterating each epoch; it reaches persistent DataLoader
+        Optional: until it is called, every pass counts as the next epoch
+        (pass ``k`` of each reader reads epoch ``k``, see :mod:`shardkit.epoch`),
+        which is what trainers that never call it need. Once called, it wins,
+        so call it before every epoch. It reaches persistent DataLoader
         workers through shared memory.
         """
         check_epoch(epoch)
@@ -296,7 +299,9 @@ class Pipeline(IterableDataset):
         """Resume from ``state`` (from :meth:`state_dict`) at the next ``__iter__``.
 
         It applies to the next iteration here and in every DataLoader worker
-        started from this object afterwards. It does not set the epoch: call
+        started from this object afterwards. Where ``set_epoch`` was never
+        called, the next pass reads the state's epoch and counting goes on
+        from there; after an explicit ``set_epoch``, call
         ``set_epoch(state["epoch"])`` too (an iteration of a later epoch
         ignores the state; of an earlier one, raises).
 

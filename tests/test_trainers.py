@@ -120,6 +120,34 @@ def test_stateful_dataloader_resumed_without_set_epoch_goes_on_with_the_next_epo
     assert after == full[2], "the epoch after a resumed one must be the next epoch, in every worker"
 
 
+def test_mixed_loader_resumed_without_set_epoch_goes_on_with_the_next_epoch():
+    def make() -> shardkit.MixedLoader:
+        return shardkit.MixedLoader(source().shuffle(16), batch_size=8, num_workers=2, collate_fn=list)
+
+    full = epochs_of(make(), 3)
+    loader = make()
+    list(loader)
+    iterator = iter(loader)
+    head = [s for _ in range(5) for s in next(iterator)]
+    resumed = make()
+    resumed.load_state_dict(loader.state_dict())
+    rest, after = epochs_of(resumed, 2)
+    assert head + rest == full[1]
+    assert after == full[2]
+
+
+def test_interleaved_sources_each_count_one_epoch_per_pass():
+    def make() -> shardkit.Pipeline:
+        other = shardkit.ShardedDataset(synthetic_shards([30, 30]), synthetic_read, shuffle=True, seed=1)
+        return shardkit.interleave([source(), other], stop="all_exhausted")
+
+    counted = make()
+    first, second = list(counted), list(counted)
+    explicit = make()
+    explicit.set_epoch(1)
+    assert first != second and list(explicit) == second and len(second) == 211
+
+
 def test_repeat_inside_a_counted_pass_reads_consecutive_epochs_once():
     dataset = source()
     once = [list(dataset) for _ in range(3)]
