@@ -13,21 +13,32 @@ printed beside it. Two more lines back
 the implementation choices: the two CRC-32C packages, and protobuf's C runtime
 (upb) with conversion to numpy as an alternative Example decoder.
 
-    python benchmarks/tfrecord.py [--records 100000] [--repeat 5] [--path FILE]
+A last table (``--sources``, or alone with ``--sources-only``) measures how a
+local file's blocks are read: a memory map (what the reader used to do; a file
+truncated under it kills the process with SIGBUS), ``os.pread`` into a fresh
+``bytes`` per block (what it does now), and ``readinto`` a reused buffer with
+records copied out of a memoryview. All three share the framing and CRC code;
+CPU-time medians of interleaved rounds, as ratios to the memory map.
+
+    python benchmarks/tfrecord.py [--records 100000] [--repeat 5] [--path FILE] [--sources | --sources-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import mmap
 import os
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from shardkit import TFRecordWriter, decode_example, encode_example, read_tfrecord
+from shardkit.formats import tfrecord as tfr
 from shardkit.formats.io import BLOCK_SIZE
 
 # This script's name would shadow the ``tfrecord`` package it compares against.
@@ -134,10 +145,15 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--path", default=None, help="benchmark file (default: in the temp dir, made once)")
+    parser.add_argument("--sources", action="store_true", help="also compare mmap, pread and readinto block reads")
+    parser.add_argument("--sources-only", action="store_true", help="only compare the block reads")
     args = parser.parse_args()
     path = args.path or os.path.join(tempfile.gettempdir(), f"shardkit-bench-{args.records}.tfrecord")
     if not os.path.exists(path):
         make_file(path, args.records)
+    if args.sources_only:
+        block_sources(path, max(args.repeat, 5))
+        return
     size = os.path.getsize(path)
     print(f"{path}: {args.records:,} records, {size / 1e6:.1f} MB, best of {args.repeat} runs")
 
@@ -195,6 +211,90 @@ def main() -> None:
 
     print(f"  decode with shardkit (hand-written)  {best(shardkit_decoder, args.repeat) * scale:>7.3f} s")
     print(f"  decode with protobuf upb + numpy     {best(protobuf_decoder(records), args.repeat) * scale:>7.3f} s")
+    if args.sources:
+        block_sources(path, max(args.repeat, 5))
+
+
+def mapped_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
+    """The reader as it was: blocks framed in a read-only memory map of the file."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    src = tfr._Source(path, None)
+    pos, index = 0, 0
+    while pos < len(mapped):
+        ends = tfr._frame(mapped, pos, len(mapped), pos + BLOCK_SIZE)
+        for block in tfr._checked(tfr._Block(mapped, pos, ends, index, 0), src, verify):
+            yield from tfr._batches(block, 0, len(block.ends), src, verify)
+        index += len(ends)
+        pos = ends[-1]
+
+
+def pread_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
+    """The reader as it is: one ``os.pread`` into a fresh ``bytes`` per block."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        src = tfr._Source(path, None)
+        for block in tfr._file_blocks(fd, src, 0, 0, verify):
+            yield from tfr._batches(block, 0, len(block.ends), src, verify)
+    finally:
+        os.close(fd)
+
+
+def readinto_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
+    """The alternative: ``readinto`` one reused buffer, records copied out of a memoryview (no error paths)."""
+    buf = bytearray(BLOCK_SIZE)
+    view = memoryview(buf)
+    src = tfr._Source(path, None)
+    with open(path, "rb", buffering=0) as f:
+        pos = index = 0
+        while n := f.readinto(buf):
+            ends = tfr._frame(buf, 0, n, n)
+            for block in tfr._checked(tfr._Block(view[:n], 0, ends, index, pos), src, verify):
+                starts = [0, *ends[:-1]]
+                wants = []
+                if verify:
+                    stored = tfr._u32_at(np.frombuffer(buf, np.uint8), np.array(ends, dtype=np.int64) - 4)
+                    wants = tfr.unmask_array(stored).tolist()
+                for i in range(0, len(ends), tfr._BATCH):
+                    j = i + tfr._BATCH
+                    records = [view[a + 12 : b - 4].tobytes() for a, b in zip(starts[i:j], ends[i:j])]
+                    if verify and list(map(tfr.crc32c, records)) != wants[i:j]:
+                        raise tfr.CorruptRecordError(path, index + i, pos, "data CRC mismatch")
+                    yield records
+            index += len(ends)
+            pos += ends[-1]
+            f.seek(pos)
+
+
+def block_sources(path: str, rounds: int) -> None:
+    """Print CPU-time medians of interleaved rounds for the three ways of reading a local file's blocks."""
+    sources = {
+        "mmap (before)": mapped_batches,
+        "pread, fresh bytes (now)": pread_batches,
+        "readinto + memoryview": readinto_batches,
+    }
+    runs = {
+        (name, verify): (lambda fn=fn, verify=verify: sum(1 for _ in itertools.chain.from_iterable(fn(path, verify))))
+        for name, fn in sources.items()
+        for verify in (True, False)
+    }
+    runs[("read_tfrecord (now)", True)] = lambda: sum(1 for _ in read_tfrecord(path))
+    runs[("read_tfrecord (now)", False)] = lambda: sum(1 for _ in read_tfrecord(path, verify=False))
+    counts = {fn() for fn in runs.values()}  # also warms the page cache
+    assert len(counts) == 1, counts
+    cpu: dict[tuple[str, bool], list[float]] = {key: [] for key in runs}
+    for _ in range(rounds):  # interleaved: background load hits every case alike
+        for key, fn in runs.items():
+            start = time.process_time()
+            fn()
+            cpu[key].append(time.process_time() - start)
+    median = {key: statistics.median(times) for key, times in cpu.items()}
+    print(f"local block sources, {counts.pop():,} raw records, CPU s (median of {rounds} interleaved rounds):")
+    print(f"{'source':<28}{'CRC on':>9}{'vs mmap':>9}{'CRC off':>9}{'vs mmap':>9}")
+    for name in [*sources, "read_tfrecord (now)"]:
+        on, off = median[(name, True)], median[(name, False)]
+        base_on, base_off = median[("mmap (before)", True)], median[("mmap (before)", False)]
+        print(f"{name:<28}{on:>9.3f}{on / base_on:>8.2f}x{off:>9.3f}{off / base_off:>8.2f}x")
 
 
 def crc_functions() -> dict[str, Callable[[bytes], int]]:

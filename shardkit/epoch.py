@@ -93,6 +93,13 @@ class SharedEpoch:
     storage rather than a copy. Either way :meth:`set` in the main process, and
     the passes counted in earlier workers, are visible to the worker that calls
     ``__iter__`` next. (A plain :func:`pickle.dumps` copies the values instead.)
+
+    Example:
+        >>> from shardkit.epoch import SharedEpoch
+        >>> epoch = SharedEpoch()
+        >>> epoch.set(3)
+        >>> epoch.get()
+        3
     """
 
     def __init__(self, epoch: int | None = None) -> None:

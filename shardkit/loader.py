@@ -47,7 +47,7 @@ import copy
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -58,7 +58,8 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from shardkit.epoch import resume_at
 from shardkit.errors import ShardkitError
-from shardkit.state import State, StateError, applies, check, decode, encode, merge, node
+from shardkit.pipeline import Pipeline
+from shardkit.state import State, StateError, applies, check, decode, encode, field, merge, node, validate, whole_number
 
 __all__ = ["LoaderError", "MixedLoader"]
 
@@ -106,7 +107,11 @@ class MixedLoader:
             25 us for a source, but a ``.shuffle(n)`` buffer inside the
             dataset is encoded whole into every message. With large samples
             in a large buffer, shuffle before decoding, or pass False when
-            you do not resume.
+            you do not resume. Saved samples (a shuffle buffer, the cut
+            tail of a micro-batch) are plain data, never pickled (see
+            :func:`shardkit.state.encode` for the types a state holds);
+            ``state_dict()`` raises :class:`~shardkit.state.StateError` for
+            samples of other types.
         **dataloader_kwargs: passed to the underlying DataLoader; any of
             ``pin_memory``, ``pin_memory_device``, ``persistent_workers``,
             ``prefetch_factor`` (counted in micro-batches),
@@ -215,6 +220,7 @@ class MixedLoader:
         return math.ceil(samples / self.batch_size)
 
     _resume: State | None = None
+    _tails: tuple[Any, ...] = ()  # the loaded state's carried tails, decoded
     _mixer: _Mixer | None = None
     _iterated = False
     _epoch_set = False  # until set_epoch, iteration k is epoch k, like the dataset's passes (shardkit.epoch)
@@ -241,7 +247,7 @@ class MixedLoader:
             source = iter(self._loader)  # starts the workers, each with its copy of the states
         finally:
             micro_batches.states = None
-        self._mixer = _Mixer(self, source, resume)
+        self._mixer = _Mixer(self, source, resume, self._tails if resume is not None else ())
         return self._mixer
 
     def state_dict(self) -> State:
@@ -287,6 +293,7 @@ class MixedLoader:
                 or given after persistent workers started.
         """
         check(state, "mixed_loader", self)
+        tails = _check_loader_state(state, self)
         if self.num_workers and getattr(self._loader, "_iterator", None) is not None:
             raise StateError(
                 "MixedLoader.load_state_dict() after persistent workers have started; "
@@ -303,6 +310,7 @@ class MixedLoader:
             self._passes = state["epoch"]
             resume_at(self.dataset, state["epoch"])
         self._resume = state
+        self._tails = tuple(tails)
 
     def _resume_in_process(self, state: State) -> None:
         saved = state["workers"]
@@ -387,6 +395,78 @@ def _dataset_state(dataset: IterableDataset) -> State:
     return state
 
 
+def _check_loader_state(state: State, loader: MixedLoader) -> list[Any]:
+    """Check every field of a loaded MixedLoader state; returns its carried tails, decoded.
+
+    The workers' dataset states are checked as whole trees when the dataset is
+    a shardkit pipeline (the dataset checks what depends on its files when a
+    worker loads them); a carried tail must decode to ``count`` samples of
+    the form this loader makes (collated, or a list for a ``collate_fn``).
+    """
+    where = "MixedLoader.load_state_dict()"
+    whole_number(state, "epoch", where)
+    num_workers = whole_number(state, "num_workers", where)
+    whole_number(state, "batch_size", where, 1)
+    whole_number(state, "batch_index", where, -1)
+    field(state, "finished", where, bool)
+    workers = field(state, "workers", where, list, tuple)
+    if len(workers) != max(num_workers, 1):
+        raise StateError(f"{where}: the state has {len(workers)} worker states for num_workers={num_workers}")
+    for index, worker_state in enumerate(workers):
+        if isinstance(loader.dataset, Pipeline):
+            validate(worker_state, f"{where}: state['workers'][{index}]")
+            check(worker_state, loader.dataset._state_kind, loader.dataset)
+        elif not isinstance(worker_state, dict):
+            raise StateError(f"{where}: state['workers'][{index}] must be a dict, got {type(worker_state).__name__}")
+    carry = field(state, "carry", where, list, tuple)
+    tails = [_check_tail(tail, index, num_workers, loader) for index, tail in enumerate(carry)]
+    owners = [tail["worker"] for tail in carry if tail["worker"] is not None]
+    if len(owners) != len(set(owners)):
+        raise StateError(
+            f"{where}: state['carry'] holds more than one tail of worker(s) {owners}; a worker has at most one"
+        )
+    return tails
+
+
+def _check_tail(tail: Any, index: int, num_workers: int, loader: MixedLoader) -> Any:
+    where = f"MixedLoader.load_state_dict(): state['carry'][{index}]"
+    if not isinstance(tail, dict):
+        raise StateError(f"{where} must be a dict, got {type(tail).__name__}")
+    worker = field(tail, "worker", where, int, type(None))
+    if worker is not None and not 0 <= worker < num_workers:
+        raise StateError(f"{where}: worker {worker} is not one of the saving loader's {num_workers} workers")
+    count = whole_number(tail, "count", where, 1)
+    if "payload" not in tail:
+        raise StateError(f"{where} has no 'payload'")
+    samples = decode(tail["payload"])
+    if loader.collate_fn is not None:
+        length, form = (len(samples) if type(samples) is list else None), "a list of samples (for collate_fn)"
+    else:
+        length, form = _collated_length(samples), "a collated micro-batch"
+    if length != count:
+        raise StateError(
+            f"{where}: the carried samples must be {form} of {count} samples; got {_describe(samples, length)}"
+        )
+    return samples
+
+
+def _collated_length(value: Any) -> int | None:
+    """The number of samples in a ``default_collate`` output, read as :func:`_join`
+    reads it; None if ``value`` is not one, or its parts disagree."""
+    if isinstance(value, torch.Tensor):
+        return len(value) if value.dim() else None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, bytes)) for v in value):
+        return len(value)
+    if isinstance(value, Mapping) or isinstance(value, list):
+        lengths = {_collated_length(v) for v in (value.values() if isinstance(value, Mapping) else value)}
+        return lengths.pop() if len(lengths) == 1 else None
+    return None
+
+
+def _describe(samples: Any, length: int | None) -> str:
+    return f"a {type(samples).__name__}" + ("" if length is None else f" of {length}")
+
+
 def _accelerator_available() -> bool:
     """Whether pinned memory can be used, as DataLoader decides it."""
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
@@ -410,7 +490,13 @@ class _Mixer(Iterator[Any]):
     (one per tail, already done) that the water-filling drains like workers.
     """
 
-    def __init__(self, loader: MixedLoader, source: Iterator[Message], resume: State | None = None) -> None:
+    def __init__(
+        self,
+        loader: MixedLoader,
+        source: Iterator[Message],
+        resume: State | None = None,
+        tails: Sequence[Any] = (),
+    ) -> None:
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
         self._batch_size = loader.batch_size
@@ -431,15 +517,16 @@ class _Mixer(Iterator[Any]):
         self.batch_index = 0
         self._finished = False
         if resume is not None:
-            self._restore(resume)
+            self._restore(resume, tails)
 
-    def _restore(self, state: State) -> None:
+    def _restore(self, state: State, tails: Sequence[Any]) -> None:
+        """Resume the position of ``state``, whose carried samples ``tails`` holds decoded."""
         self.batch_index = state["batch_index"]
         self._finished = state["finished"]
         if self._finished:
             self._source = None
         same = state["num_workers"] == self._workers
-        for tail in state["carry"]:
+        for tail, samples in zip(state["carry"], tails):
             worker = tail["worker"] if same and tail["worker"] is not None else None
             if worker is None:
                 worker = len(self._pending)
@@ -447,7 +534,7 @@ class _Mixer(Iterator[Any]):
                 self._available.append(0)
                 self._done.append(True)
             dataset_state = state["workers"][worker] if worker < self._workers else None
-            self._pending[worker].appendleft([decode(tail["payload"]), 0, tail["count"], dataset_state, True])
+            self._pending[worker].appendleft([samples, 0, tail["count"], dataset_state, True])
             self._available[worker] += tail["count"]
 
     def state_dict(self) -> State:

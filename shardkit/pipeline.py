@@ -36,6 +36,7 @@ from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset, lo
 from shardkit.errors import ShardkitError
 from shardkit.seeding import INTERLEAVE_STREAM, SHUFFLE_STREAM, check_seed, generator
 from shardkit.state import (
+    DRAW_BLOCK,
     State,
     StateError,
     applies,
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 STOP_RULES = ("first_exhausted", "all_exhausted")
-_UNIFORM_BLOCK = 1024  # one Generator call per this many draws: a scalar call costs ~1 us
+_UNIFORM_BLOCK = DRAW_BLOCK  # one Generator call per this many draws: a scalar call costs ~1 us
 
 
 class PipelineError(ShardkitError, ValueError):
@@ -472,19 +473,23 @@ class _ShuffleIterator:
         A whole-rank state's buffered samples are dealt out: worker ``w`` of
         ``n`` takes every ``n``-th one from the ``w``-th on.
         """
-        buffered = [sample for chunk in state["buffer"] for sample in decode(chunk)]
+        buffered = [decode(sample) for sample in state["samples"]]
         topology = self._topology
         self._buffer = buffered if own else buffered[topology.worker_id :: topology.num_workers]
         if _same_reader(state, own, topology):
             self._uniforms = _Uniforms(self._uniforms._rng, state["rng"])
 
     def state_dict(self) -> State:
-        """The buffered samples are saved (encoded), so a restore is exact without re-reading."""
+        """The buffered samples are saved (encoded as plain data), so a restore is exact without re-reading.
+
+        Raises:
+            StateError: a buffered sample is of a type a state cannot hold (see :func:`shardkit.state.encode`).
+        """
         topology = self._topology
         return node(
             "shuffle",
             epoch=self._epoch,
-            buffer=[encode(self._buffer)] if self._buffer else [],
+            samples=[encode(sample) for sample in self._buffer],
             rng=self._uniforms.state_dict(),
             share=share_of(topology.worker_id, topology.num_workers),
             upstream=_iterator_state(self._source),
@@ -617,7 +622,13 @@ class Repeat(_Wrapper):
         return _RepeatIterator(self.source, self.count, epoch, state)
 
     def _load_upstream(self, state: State) -> None:
-        if state["upstream"] is not None:  # None: every pass is done
+        passes, done = state["pass"], state["upstream"] is None  # None: every pass is done
+        if self.count is not None and (passes > self.count or (passes == self.count and not done)):
+            raise StateError(
+                f"{self!r}: the state is in pass {passes}, but this repeat() makes {self.count} passes; "
+                "load the state into the same pipeline that saved it"
+            )
+        if not done:
             self.source.load_state_dict(state["upstream"])
 
     def __repr__(self) -> str:
@@ -741,7 +752,10 @@ class Interleave(Pipeline):
         inputs = state["upstream"]
         if len(inputs) != len(self.upstream):
             raise StateError(f"{self!r}: the state has {len(inputs)} inputs, this interleave {len(self.upstream)}")
-        for dataset, part in zip(self.upstream, inputs):
+        for index, (dataset, part, weight) in enumerate(zip(self.upstream, inputs, self.weights)):
+            if (part is None) != (weight == 0):  # every input that is read has a position
+                saved = "no state" if part is None else "a state"
+                raise StateError(f"{self!r}: the state has {saved} for input {index} of weight {weight}")
             if part is not None:
                 dataset.load_state_dict(part)
 

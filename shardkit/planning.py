@@ -59,6 +59,12 @@ class Range(NamedTuple):
 
     ``stop`` is None only when the shard's record count is unknown (the plan
     then hands out whole shards): read the shard to its end.
+
+    Example:
+        >>> from shardkit import Range
+        >>> shard, start, stop = Range(shard=2, start=0, stop=30)
+        >>> stop - start
+        30
     """
 
     shard: int
@@ -91,6 +97,21 @@ def plan(
     Raises:
         PlanError: on negative counts, unknown counts with ``"pad"``/``"drop"``,
             a balance that would leave every rank empty, or bad arguments.
+
+    Example:
+        Three shards of 100, 50 and 30 records over 2 ranks: each rank reads
+        90 records; rank 1 starts inside shard 0.
+
+        >>> from shardkit import Topology, plan
+        >>> plan([100, 50, 30], Topology(rank=1, world_size=2))
+        [Range(shard=0, start=90, stop=100), Range(shard=1, start=0, stop=50), Range(shard=2, start=0, stop=30)]
+        >>> plan([100, 50, 30], Topology(rank=0, world_size=2, worker_id=1, num_workers=2))
+        [Range(shard=0, start=45, stop=90)]
+
+        11 records over 2 ranks: ``"pad"`` repeats one record so both read 6.
+
+        >>> [sum(r.stop - r.start for r in plan([5, 5, 1], Topology(rank, 2), balance="pad")) for rank in (0, 1)]
+        [6, 6]
     """
     _check_arguments(topology, seed, epoch, balance)
     counts, known = _normalise_counts(num_records)

@@ -55,6 +55,15 @@ def worker_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
 
     Distinct (with overwhelming probability) for any change of any argument;
     the same arguments give the same seed on every machine and run.
+
+    Example:
+        >>> from shardkit import worker_seed
+        >>> worker_seed(42, epoch=0, rank=0, worker=1) == worker_seed(42, epoch=0, rank=0, worker=1)
+        True
+        >>> worker_seed(42, epoch=0, rank=0, worker=1) == worker_seed(42, epoch=1, rank=0, worker=1)
+        False
+        >>> 0 <= worker_seed(42, 0, 0, 1) < 2**64
+        True
     """
     state = _sequence(seed, epoch, rank, worker, WORKER_STREAM).generate_state(1, np.uint64)
     return int(state[0])
@@ -106,6 +115,19 @@ def current_seed() -> int:
     Use it to seed your own generators, e.g. ``numpy.random.default_rng(current_seed())``
     once per pass. When several sources run in one process (``interleave``), it
     is the seed of the source that started most recently.
+
+    Example:
+        An augmentation that draws from its own generator, seeded per reader
+        and per epoch:
+
+        >>> import numpy as np
+        >>> import shardkit
+        >>> from shardkit.seeding import current_seed
+        >>> def jitter(x):
+        ...     return x + np.random.default_rng(current_seed()).normal()
+        >>> ds = shardkit.wrap(list(range(4))).map(jitter)
+        >>> len(list(ds))
+        4
     """
     if _current_seed is None:
         raise SeedError(

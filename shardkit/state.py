@@ -21,7 +21,7 @@ Kinds (version 1):
   iterates the iterable again and skips them (it must repeat itself).
 * ``"map"``, ``"filter"``, ``"batch"``: only ``upstream`` (a batch is built
   in one step, so there is never a partial one to save).
-* ``"shuffle"``: the buffered samples (``buffer``: chunks encoded with
+* ``"shuffle"``: the buffered samples (``samples``, each encoded with
   :func:`encode`), the generator position (``rng``) and ``share``. The
   contents are saved rather than re-derived: exact and cheap to restore, at
   the cost of a state as large as the buffer.
@@ -36,7 +36,18 @@ iteration of that epoch; an iteration of a later epoch ignores it.
 
 Samples are kept only where they cannot be read again: shuffle buffers, and
 the undelivered tail of a micro-batch in :class:`~shardkit.MixedLoader`.
-:func:`decode` unpickles them: load only states you wrote.
+
+States are plain data, and only ours. Samples are saved as a tagged tree of
+JSON values (:func:`encode`), never pickled: tensors (dense, CPU), numpy
+arrays and scalars of non-object dtypes, str, bytes, int, float, bool, None,
+and lists, tuples and dicts of them; anything else (another class, a dict
+subclass, a namedtuple) is refused when the state is saved, naming the type.
+:func:`decode` builds only those types, so loading a state never runs code.
+Every loaded node is checked (:func:`check`, :func:`validate`) before it is
+used: a missing key, a wrong type, an interval out of order or out of the
+rank's chunk, an unknown kind or version, a negative epoch or a share that
+does not fit is a :class:`StateError` naming the field, never a ``KeyError``
+deep in an iterator or an epoch that silently ends early.
 
 States of all DataLoader workers of one rank merge (:func:`merge`) into one
 state of the rank (``share`` None) that any number of workers can resume:
@@ -47,7 +58,8 @@ samples. That is how :class:`~shardkit.MixedLoader` restores elastically.
 from __future__ import annotations
 
 import base64
-import io
+import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,26 +85,35 @@ def node(kind: str, **fields: Any) -> State:
 
 
 def check(state: object, kind: str, owner: object) -> State:
-    """Return ``state`` if it is a version-1 node of ``kind``, else raise :class:`StateError`."""
-    if not isinstance(state, dict):
-        raise StateError(f"{owner!r}: a state must be a dict from state_dict(), got {type(state).__name__}")
-    version = state.get("version")
-    if version != VERSION:
-        raise StateError(
-            f"{owner!r}: state version {version!r} is not supported; this shardkit reads version {VERSION}"
-        )
-    if state.get("kind") != kind:
-        raise StateError(
-            f"{owner!r}: the state is of a {state.get('kind')!r} stage but this stage is {kind!r}; "
-            "load the state into the same pipeline (same stages in the same order) that saved it"
-        )
-    return state
+    """Return ``state`` if it is a well-formed node of ``kind`` (version, fields,
+    types, ranges; not its inputs), else raise :class:`StateError`."""
+    return _check_node(state, kind, repr(owner))
 
 
 def expect_equal(owner: object, what: str, saved: object, actual: object) -> None:
-    """Raise :class:`StateError` naming ``what`` if the saved and actual values differ."""
-    if saved != actual:
+    """Raise :class:`StateError` naming ``what`` if the saved and actual values differ
+    (in type too: a saved ``1`` does not stand for ``True``)."""
+    if not _same_data(saved, actual):
         raise StateError(f"{owner!r}: the state was saved with {what} {saved!r}, but here it is {actual!r}")
+
+
+def _same_data(saved: object, actual: object) -> bool:
+    """Equal plain data of equal types, lists and tuples alike (JSON keeps no tuples)."""
+    if isinstance(actual, np.generic):  # a numpy number computed here is saved as its Python value
+        actual = actual.item()
+    if isinstance(actual, (list, tuple)):
+        return (
+            type(saved) in (list, tuple)
+            and len(saved) == len(actual)  # type: ignore[arg-type]
+            and all(map(_same_data, saved, actual))  # type: ignore[call-overload]
+        )
+    if isinstance(actual, dict):
+        return (
+            type(saved) is dict
+            and saved.keys() == actual.keys()
+            and all(_same_data(saved[key], value) for key, value in actual.items())
+        )
+    return type(saved) is type(actual) and saved == actual
 
 
 def applies(state: State, epoch: int, owner: object) -> bool:
@@ -133,16 +154,511 @@ def share_of(worker_id: int, num_workers: int) -> list[int] | None:
     return None if num_workers == 1 else [worker_id, num_workers]
 
 
-def encode(value: Any) -> str:
-    """``value`` (samples: tensors, arrays, any picklable object) as a base64 string."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+# -- checking loaded states ---------------------------------------------------------
+#
+# A loaded state is untrusted input: every field a stage reads is checked for
+# presence, type and range in one schema function per kind, so a tampered or
+# truncated state is a StateError naming the field, never a KeyError or
+# TypeError deep in an iterator, nor an epoch that silently ends early.
+
+#: Uniform floats drawn per generator call; a saved draw position lies in [0, DRAW_BLOCK].
+DRAW_BLOCK = 1024
+
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937")
+_SEQUENCE = (list, tuple)
 
 
-def decode(text: str) -> Any:
-    """The value :func:`encode` made ``text`` from. Only decode states you trust: it unpickles."""
-    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+def field(state: State, key: str, where: str, *types: type) -> Any:
+    """``state[key]``, which must be present and of one of ``types`` (exactly: a bool is not an int)."""
+    if key not in state:
+        raise StateError(
+            f"{where}: the state has no {key!r}; it is not a state_dict() of this stage, or it was edited"
+        )
+    value = state[key]
+    if type(value) not in types:
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise StateError(f"{where}: state[{key!r}] must be {names}, got {type(value).__name__} {_short(value)}")
+    return value
+
+
+def whole_number(state: State, key: str, where: str, minimum: int = 0) -> int:
+    """``state[key]``, an int of at least ``minimum``."""
+    value = field(state, key, where, int)
+    if value < minimum:
+        raise StateError(f"{where}: state[{key!r}] must be >= {minimum}, got {value}")
+    return value
+
+
+def check_intervals(intervals: Any, where: str, what: str = "remaining") -> None:
+    """Raise unless ``intervals`` are sorted, disjoint, non-empty ``[start, stop)`` int pairs from 0 on."""
+    previous = 0
+    for interval in intervals:
+        if type(interval) not in _SEQUENCE or len(interval) != 2 or any(type(v) is not int for v in interval):
+            raise StateError(f"{where}: state[{what!r}] must hold [start, stop] pairs of ints, got {_short(interval)}")
+        start, stop = interval
+        if not previous <= start < stop:
+            raise StateError(
+                f"{where}: state[{what!r}] must hold sorted, disjoint, non-empty [start, stop) intervals "
+                f"of positions >= 0; [{start}, {stop}) after position {previous} is not"
+            )
+        previous = stop
+
+
+def check_positions(owner: object, remaining: Sequence[Sequence[int]], size: int) -> None:
+    """Raise unless the intervals of ``remaining`` lie in a chunk of ``size`` positions."""
+    if remaining and remaining[-1][1] > size:
+        raise StateError(
+            f"{owner!r}: the state's remaining positions reach {remaining[-1][1]}, past the end of this "
+            f"rank's chunk of {size} records; the state is not of this dataset, or it was edited"
+        )
+
+
+def _share(state: State, where: str) -> None:
+    share = field(state, "share", where, type(None), *_SEQUENCE)
+    if share is None:
+        return
+    if len(share) != 2 or any(type(v) is not int for v in share) or not 0 <= share[0] < share[1]:
+        raise StateError(
+            f"{where}: state['share'] must be None or [worker, num_workers] with 0 <= worker < num_workers, "
+            f"got {_short(share)}"
+        )
+
+
+def _epoch(state: State, where: str) -> None:
+    whole_number(state, "epoch", where)
+
+
+def _draws(state: State, where: str) -> None:
+    draws = field(state, "rng", where, type(None), dict)
+    if draws is None:
+        return
+    position = whole_number(draws, "next", f"{where} (rng)")
+    if position > DRAW_BLOCK:
+        raise StateError(f"{where}: state['rng']['next'] must be <= {DRAW_BLOCK}, got {position}")
+    restore_generator(field(draws, "generator", f"{where} (rng)", dict), where)
+
+
+def _check_planned(state: State, where: str) -> None:
+    _epoch(state, where)
+    world_size = whole_number(state, "world_size", where, 1)
+    rank = whole_number(state, "rank", where)
+    if rank >= world_size:
+        raise StateError(f"{where}: state['rank'] {rank} is not below state['world_size'] {world_size}")
+    field(state, "fingerprint", where, dict)
+    check_intervals(field(state, "remaining", where, *_SEQUENCE), where)
+    _share(state, where)
+
+
+def _check_stream(state: State, where: str) -> None:
+    _epoch(state, where)
+    reader = field(state, "reader", where, *_SEQUENCE)
+    if len(reader) != 2 or any(type(v) is not int for v in reader) or not 0 <= reader[0] < reader[1]:
+        raise StateError(
+            f"{where}: state['reader'] must be [slot, readers] with 0 <= slot < readers, got {_short(reader)}"
+        )
+    whole_number(state, "items", where)
+    field(state, "done", where, bool)
+
+
+def _check_pass_through(state: State, where: str) -> None:
+    field(state, "upstream", where, dict)
+
+
+def _check_shuffle(state: State, where: str) -> None:
+    if "buffer" in state and "samples" not in state:
+        raise StateError(
+            f"{where}: this shuffle state keeps its samples pickled ('buffer', written by an earlier "
+            "shardkit); it is refused because unpickling can run code. Start the epoch afresh"
+        )
+    _epoch(state, where)
+    field(state, "samples", where, list)
+    _draws(state, where)
+    _share(state, where)
+    _check_inputs_epoch(state, [field(state, "upstream", where, dict)], where)
+
+
+def _check_inputs_epoch(state: State, inputs: Sequence[Any], where: str) -> None:
+    """The inputs of a shuffle or interleave read the epoch it reads (an
+    older stage state over newer inputs would drop what it held)."""
+    for part in inputs:
+        epoch = _first_epoch(part)
+        if type(epoch) is int and epoch >= 0 and epoch != state["epoch"]:  # else its own check names it
+            raise StateError(f"{where}: the state is of epoch {state['epoch']} but its inputs' of epoch {epoch}")
+
+
+def _first_epoch(state: Any) -> Any:
+    """The epoch of the first stage at or below ``state`` that records one."""
+    while isinstance(state, dict):
+        if "epoch" in state:
+            return state["epoch"]
+        state = state.get("upstream")
+    return None
+
+
+def _check_repeat(state: State, where: str) -> None:
+    _epoch(state, where)
+    passes = whole_number(state, "pass", where)
+    yielded = field(state, "yielded", where, bool)
+    upstream = field(state, "upstream", where, dict, type(None))
+    # No upstream means every pass is done, which happens only right after a pass ends.
+    if upstream is None and (yielded or passes == 0):
+        raise StateError(
+            f"{where}: a repeat() state without an upstream state must be past a finished pass "
+            f"(pass >= 1, yielded False), got pass {passes}, yielded {yielded}"
+        )
+
+
+def _check_interleave(state: State, where: str) -> None:
+    _epoch(state, where)
+    inputs = field(state, "upstream", where, *_SEQUENCE)
+    for index, part in enumerate(inputs):
+        if type(part) not in (dict, type(None)):
+            raise StateError(f"{where}: state['upstream'][{index}] must be a dict or None, got {type(part).__name__}")
+    live = field(state, "live", where, *_SEQUENCE)
+    indices = all(type(i) is int for i in live) and list(live) == sorted(set(live))
+    if not indices or not set(live) <= set(range(len(inputs))):
+        raise StateError(
+            f"{where}: state['live'] must be increasing indices of inputs below {len(inputs)}, got {_short(live)}"
+        )
+    _draws(state, where)
+    field(state, "stopped", where, bool)
+    _share(state, where)
+    _check_inputs_epoch(state, inputs, where)
+
+
+_SCHEMAS: dict[str, Callable[[State, str], None]] = {
+    "planned": _check_planned,
+    "stream": _check_stream,
+    "map": _check_pass_through,
+    "filter": _check_pass_through,
+    "batch": _check_pass_through,
+    "shuffle": _check_shuffle,
+    "repeat": _check_repeat,
+    "interleave": _check_interleave,
+}
+
+
+def _inputs(state: State) -> list[tuple[str, State]]:
+    """The input nodes of a checked node, with their keys."""
+    upstream = state.get("upstream")
+    if isinstance(upstream, dict):
+        return [("['upstream']", upstream)]
+    if state["kind"] == "interleave":
+        return [(f"['upstream'][{i}]", part) for i, part in enumerate(upstream) if part is not None]
+    return []
+
+
+def validate(state: object, where: str = "state") -> State:
+    """Check a whole state tree (every node's version, kind and fields) and return it.
+
+    Stages check their own node when they load it; this checks a tree before
+    it is merged or handed to DataLoader workers. What depends on the
+    dataset (fingerprint, rank chunk, inputs) is checked when it is loaded.
+
+    Raises:
+        StateError: naming the first field that is missing, mistyped or out of range.
+    """
+    _check_node(state, None, where)
+    for key, part in _inputs(state):  # type: ignore[arg-type]
+        validate(part, where + key)
+    return state  # type: ignore[return-value]
+
+
+def _check_node(state: object, kind: str | None, where: str) -> State:
+    if type(state) is not dict:
+        raise StateError(f"{where}: a state must be a dict from state_dict(), got {type(state).__name__}")
+    version = state.get("version")
+    if type(version) is not int or version != VERSION:
+        raise StateError(
+            f"{where}: state version {_short(version)} is not supported; this shardkit reads version {VERSION}"
+        )
+    saved = state.get("kind")
+    if kind is not None and saved != kind:
+        raise StateError(
+            f"{where}: the state is of a {_short(saved)} stage but this stage is {kind!r}; "
+            "load the state into the same pipeline (same stages in the same order) that saved it"
+        )
+    schema = _SCHEMAS.get(saved) if type(saved) is str else None
+    if schema is None and kind is None:
+        raise StateError(f"{where}: unknown state kind {_short(saved)}; known: {', '.join(_SCHEMAS)}")
+    if schema is not None:
+        schema(state, where)
+    return state
+
+
+# -- samples as plain data --------------------------------------------------------
+#
+# Samples are saved as a tagged tree of JSON values, never pickled: decoding
+# builds only the types below, so loading a state cannot run code. str, int,
+# bool, None and finite floats stand for themselves; everything else is a
+# list whose first item names the type.
+
+#: Deepest nesting of lists, tuples and dicts in a saved sample.
+MAX_DEPTH = 64
+
+_ARRAY_KINDS = "biufcSUmM"  # numpy dtype kinds with no Python objects inside
+_NUMPY_DTYPE = re.compile(r"[<>|=][biufcSUmM]\d{1,6}(\[[A-Za-z0-9]{1,6}\])?")
+_TENSOR_DTYPES = {
+    name: dtype
+    for name in (
+        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float16", "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+    )
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}  # fmt: skip
+_KEY_TYPES = (str, int, float, bool, bytes, type(None))
+_ALLOWED = (
+    "tensors, numpy arrays and scalars (not of object or structured dtype), str, bytes, int, float, "
+    "bool, None, and lists, tuples and dicts of them"
+)
+
+
+class _Unsavable(Exception):
+    """A value :func:`encode` cannot hold; ``path`` grows as the error unwinds."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.path = ""
+
+
+def encode(value: Any) -> Any:
+    """``value`` (a sample) as plain data: JSON-able and loadable by
+    ``torch.load(weights_only=True)``; :func:`decode` turns it back.
+
+    Holds tensors (CPU, dense; values, dtype and shape), numpy arrays and
+    scalars of non-object dtypes, str, bytes, int, float, bool, None and lists,
+    tuples and dicts (exactly these types; dict keys scalars) of them.
+
+    Raises:
+        StateError: for anything else (another class, a dict subclass or
+            namedtuple, an object array), naming the type and where it is.
+    """
+    try:
+        return _encode(value, 0)
+    except _Unsavable as error:
+        where = f" at sample{error.path}" if error.path else ""
+        raise StateError(
+            f"cannot save a sample in a state: {error.reason}{where}. A state holds only {_ALLOWED}, "
+            "so that loading it never runs code. Map samples to such types before .shuffle() "
+            "(or before MixedLoader batches them), or pass resumable=False to MixedLoader "
+            "when you do not resume"
+        ) from None
+
+
+def _encode(value: Any, depth: int) -> Any:
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else ["float", repr(value)]
+    if kind is bytes:
+        return ["bytes", _b64(value)]
+    if kind is list or kind is tuple or kind is dict:
+        if depth >= MAX_DEPTH:
+            raise _Unsavable(f"samples nest deeper than {MAX_DEPTH} lists, tuples and dicts")
+        return _encode_container(value, depth + 1)
+    if kind is np.ndarray or isinstance(value, np.generic):
+        return _encode_array(value)
+    if kind is torch.Tensor:
+        return _encode_tensor(value)
+    raise _Unsavable(f"{_type_name(value)} is not one of these types")
+
+
+def _encode_container(value: Any, depth: int) -> list[Any]:
+    items = value.items() if type(value) is dict else enumerate(value)
+    out: list[Any] = [type(value).__name__]
+    for key, item in items:
+        try:
+            if type(value) is dict:
+                if type(key) not in _KEY_TYPES:
+                    raise _Unsavable(
+                        f"a dict key of type {_type_name(key)} (keys must be str, int, float, bool, bytes or None)"
+                    )
+                out.append(_encode(key, depth))
+            out.append(_encode(item, depth))
+        except _Unsavable as error:
+            error.path = f"[{key!r}]{error.path}"
+            raise
+    return out
+
+
+def _encode_array(value: np.ndarray | np.generic) -> list[Any]:
+    dtype = value.dtype
+    if dtype.kind not in _ARRAY_KINDS or dtype.hasobject or not _NUMPY_DTYPE.fullmatch(dtype.str):
+        raise _Unsavable(
+            f"a numpy {type(value).__name__} of dtype {dtype} (object and structured dtypes can hold code)"
+        )
+    data = _b64(np.ascontiguousarray(value).tobytes())
+    if isinstance(value, np.generic):
+        return ["numpy", dtype.str, data]
+    return ["ndarray", dtype.str, list(value.shape), data]
+
+
+def _encode_tensor(value: torch.Tensor) -> list[Any]:
+    name = str(value.dtype).removeprefix("torch.")
+    if name not in _TENSOR_DTYPES or value.layout != torch.strided or value.device.type != "cpu":
+        raise _Unsavable(
+            f"a tensor of dtype {name}, layout {value.layout}, device {value.device} "
+            "(only dense CPU tensors of plain dtypes are saved)"
+        )
+    flat = value.detach().resolve_conj().resolve_neg().contiguous().view(-1)
+    # Raw bytes in this machine's order; every platform torch supports is little-endian.
+    return ["tensor", name, list(value.shape), _b64(flat.view(torch.uint8).numpy().tobytes())]
+
+
+def _type_name(value: object) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def decode(data: Any) -> Any:
+    """The sample :func:`encode` made ``data`` from. Builds only the types
+    :func:`encode` holds, so a crafted state cannot run code.
+
+    Raises:
+        StateError: ``data`` is not such an encoding (naming what is wrong and where).
+    """
+    try:
+        return _decode(data, 0)
+    except (ValueError, RuntimeError) as error:  # a reshape numpy or torch refuses
+        raise StateError(f"the state holds a sample that cannot be read: {error}") from None
+    except _Unsavable as error:
+        where = f" at sample{error.path}" if error.path else ""
+        raise StateError(f"the state holds a sample that cannot be read: {error.reason}{where}") from None
+
+
+def _decode(data: Any, depth: int) -> Any:
+    kind = type(data)
+    if kind is str or kind is int or kind is bool or kind is float or data is None:
+        return data
+    if kind is not list or not data or type(data[0]) is not str:
+        raise _Unsavable(f"{_type_name(data)} {_short(data)} is not an encoded sample")
+    tag = data[0]
+    if tag in ("list", "tuple", "dict"):
+        if depth >= MAX_DEPTH:
+            raise _Unsavable(f"lists, tuples and dicts nest deeper than {MAX_DEPTH}")
+        return _decode_container(data, depth + 1)
+    decoder = _DECODERS.get(tag)
+    if decoder is None:
+        raise _Unsavable(f"unknown type tag {_short(tag)}")
+    return decoder(data)
+
+
+def _decode_container(data: list[Any], depth: int) -> Any:
+    tag, items = data[0], data[1:]
+    if tag != "dict":
+        values = []
+        for index, item in enumerate(items):
+            try:
+                values.append(_decode(item, depth))
+            except _Unsavable as error:
+                error.path = f"[{index}]{error.path}"
+                raise
+        return values if tag == "list" else tuple(values)
+    if len(items) % 2:
+        raise _Unsavable("a dict with a key but no value")
+    out = {}
+    for index in range(0, len(items), 2):
+        key = _decode(items[index], depth)
+        if type(key) not in _KEY_TYPES:
+            raise _Unsavable(f"a dict key of type {_type_name(key)}")
+        try:
+            out[key] = _decode(items[index + 1], depth)
+        except _Unsavable as error:
+            error.path = f"[{key!r}]{error.path}"
+            raise
+    return out
+
+
+def _decode_float(data: list[Any]) -> float:
+    if data[1:] not in (["nan"], ["inf"], ["-inf"]):
+        raise _Unsavable(f"a float {_short(data[1:])} (only 'nan', 'inf' and '-inf' are tagged)")
+    return float(data[1])
+
+
+def _decode_bytes(data: list[Any]) -> bytes:
+    _expect_fields(data, str)
+    return _unb64(data[1])
+
+
+def _decode_numpy(data: list[Any]) -> Any:
+    _expect_fields(data, str, str)
+    dtype = _numpy_dtype(data[1])
+    raw = _unb64(data[2])
+    if len(raw) != dtype.itemsize:
+        raise _Unsavable(f"a numpy scalar of dtype {dtype} with {len(raw)} bytes")
+    return np.frombuffer(raw, dtype)[0]
+
+
+def _decode_ndarray(data: list[Any]) -> np.ndarray:
+    _expect_fields(data, str, list, str)
+    dtype, shape, raw = _numpy_dtype(data[1]), _shape(data[2]), _unb64(data[3])
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise _Unsavable(f"an array of shape {shape} and dtype {dtype} with {len(raw)} bytes")
+    return np.frombuffer(bytearray(raw), dtype).reshape(shape)
+
+
+def _decode_tensor(data: list[Any]) -> torch.Tensor:
+    _expect_fields(data, str, list, str)
+    dtype = _TENSOR_DTYPES.get(data[1])
+    if dtype is None:
+        raise _Unsavable(f"a tensor of unknown dtype {_short(data[1])}")
+    shape, raw = _shape(data[2]), _unb64(data[3])
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise _Unsavable(f"a tensor of shape {shape} and dtype {data[1]} with {len(raw)} bytes")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _expect_fields(data: list[Any], *types: type) -> None:
+    if len(data) != len(types) + 1 or any(type(v) is not t for v, t in zip(data[1:], types)):
+        expected = ", ".join(t.__name__ for t in types)
+        raise _Unsavable(f"a {data[0]!r} entry must hold ({expected}), got {_short(data[1:])}")
+
+
+def _numpy_dtype(text: str) -> np.dtype:
+    if not _NUMPY_DTYPE.fullmatch(text):
+        raise _Unsavable(f"numpy dtype {_short(text)} (only plain numbers, strings and dates)")
+    try:
+        dtype = np.dtype(text)
+    except TypeError:
+        raise _Unsavable(f"numpy dtype {_short(text)}") from None
+    if dtype.itemsize == 0 or dtype.hasobject:
+        raise _Unsavable(f"numpy dtype {_short(text)}")
+    return dtype
+
+
+def _shape(shape: list[Any]) -> tuple[int, ...]:
+    if len(shape) > 32 or any(type(n) is not int or n < 0 for n in shape):
+        raise _Unsavable(f"shape {_short(shape)} (up to 32 non-negative ints)")
+    return tuple(shape)
+
+
+def _unb64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise _Unsavable(f"invalid base64 {_short(text)}") from None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_DECODERS: dict[str, Callable[[list[Any]], Any]] = {
+    "float": _decode_float,
+    "bytes": _decode_bytes,
+    "numpy": _decode_numpy,
+    "ndarray": _decode_ndarray,
+    "tensor": _decode_tensor,
+}
 
 
 def generator_state(rng: np.random.Generator) -> dict[str, Any]:
@@ -150,10 +666,23 @@ def generator_state(rng: np.random.Generator) -> dict[str, Any]:
     return rng.bit_generator.state
 
 
-def restore_generator(state: dict[str, Any]) -> np.random.Generator:
-    """A numpy generator at the position :func:`generator_state` saved."""
-    bit_generator = getattr(np.random, state["bit_generator"])()
-    bit_generator.state = state
+def restore_generator(state: dict[str, Any], where: str = "state") -> np.random.Generator:
+    """A numpy generator at the position :func:`generator_state` saved.
+
+    Raises:
+        StateError: ``state`` is not the state of a numpy bit generator.
+    """
+    name = state.get("bit_generator")
+    if name not in _BIT_GENERATORS:
+        known = ", ".join(_BIT_GENERATORS)
+        raise StateError(f"{where}: unknown bit generator {_short(name)} in the state; known: {known}")
+    bit_generator = getattr(np.random, name)()
+    try:
+        bit_generator.state = state
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as error:
+        raise StateError(f"{where}: the saved {name} generator state is not valid: {error}") from None
+    if not _same_data(state, bit_generator.state):  # numpy accepts some stand-ins (True for 1, extra keys)
+        raise StateError(f"{where}: the saved {name} generator state is not one numpy writes: {_short(state)}")
     return np.random.Generator(bit_generator)
 
 
@@ -177,6 +706,8 @@ def merge(states: Sequence[State]) -> State:
     """
     if not states:
         raise StateError("merge() needs the state of every worker, got none")
+    for index, state in enumerate(states):
+        validate(state, f"state of worker {index}")
     kinds = {s.get("kind") for s in states}
     if len(kinds) != 1:
         raise StateError(f"cannot merge states of different stages {sorted(map(str, kinds))}")
@@ -228,7 +759,10 @@ def _merge_pass_through(states: Sequence[State]) -> State:
 def _merge_planned(states: Sequence[State]) -> State:
     _check_shares(states)
     fields = {key: _same(states, key) for key in ("epoch", "world_size", "rank", "fingerprint")}
-    remaining = union([interval for s in states for interval in s["remaining"]])
+    intervals = [interval for s in states for interval in s["remaining"]]
+    remaining = union(intervals)
+    if sum(b - a for a, b in remaining) != sum(b - a for a, b in intervals):
+        raise StateError("cannot merge worker states whose remaining positions overlap: each position is one worker's")
     return node("planned", **fields, remaining=[list(i) for i in remaining], share=None)
 
 
@@ -247,7 +781,7 @@ def _merge_shuffle(states: Sequence[State]) -> State:
     return node(
         "shuffle",
         epoch=_same(states, "epoch"),
-        buffer=[chunk for s in states for chunk in s["buffer"]],
+        samples=[sample for s in states for sample in s["samples"]],
         rng=None,
         share=None,
         upstream=_merge_upstreams(states),
@@ -281,6 +815,8 @@ def _merge_interleave(states: Sequence[State]) -> State:
             "an interleave(stop='first_exhausted') has stopped in some workers: where the mix ends "
             "depends on each worker's draws, so the state resumes only with the same number of workers"
         )
+    if len({len(s["upstream"]) for s in states}) != 1:
+        raise StateError("cannot merge interleave() states with different numbers of inputs")
     inputs = []
     for index in range(len(states[0]["upstream"])):
         parts = [s["upstream"][index] for s in states if s["upstream"][index] is not None]
@@ -307,4 +843,4 @@ _MERGERS: dict[str, Callable[[Sequence[State]], State]] = {
     "interleave": _merge_interleave,
 }
 
-__all__ = ["VERSION", "State", "StateError", "decode", "encode", "merge"]
+__all__ = ["VERSION", "State", "StateError", "decode", "encode", "merge", "validate"]

@@ -30,7 +30,18 @@ def _check_slot(name: str, index: int, count_name: str, count: int) -> None:
 @dataclass(frozen=True)
 class Topology:
     """Where one reader sits: its DDP rank among ``world_size`` ranks and its
-    DataLoader worker among ``num_workers`` workers of that rank."""
+    DataLoader worker among ``num_workers`` workers of that rank.
+
+    Example:
+        >>> from shardkit import Topology
+        >>> reader = Topology(rank=1, world_size=2, worker_id=2, num_workers=4)
+        >>> reader.num_readers, reader.reader_index
+        (8, 6)
+        >>> Topology(rank=2, world_size=2)
+        Traceback (most recent call last):
+        ...
+        shardkit.topology.TopologyError: rank must be in [0, world_size) = [0, 2), got 2
+    """
 
     rank: int = 0
     world_size: int = 1
@@ -67,6 +78,13 @@ class Topology:
         ``torch.distributed`` process group, else from the ``RANK`` and
         ``WORLD_SIZE`` environment variables that ``torchrun`` sets, else the
         process is alone (rank 0 of 1).
+
+        Example:
+            In the main process (no DataLoader worker), with the rank given:
+
+            >>> from shardkit import Topology
+            >>> Topology.current(rank=0, world_size=1)
+            Topology(rank=0, world_size=1, worker_id=0, num_workers=1)
         """
         if rank is None or world_size is None:
             detected_rank, detected_world = _detect_rank()

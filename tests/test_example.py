@@ -190,13 +190,13 @@ def map_entry_with_other_fields(record: bytes) -> bool:
     try:
         return any(
             etag not in (0x0A, 0x12)
-            for tag, a, b in _fields(record, 0, len(record))
+            for tag, a, b in _fields(record, 0, len(record), 0)
             if tag == 0x0A
-            for ftag, fa, fb in _fields(record, a, b)
+            for ftag, fa, fb in _fields(record, a, b, 1)
             if ftag == 0x0A
-            for etag, _, _ in _fields(record, fa, fb)
+            for etag, _, _ in _fields(record, fa, fb, 2)
         )
-    except Exception:
+    except Exception:  # malformed: not in the corner
         return False
 
 

@@ -18,9 +18,37 @@ values come out as numpy arrays straight from the bytes (see
 Decoding follows protobuf's rules exactly: packed and unpacked repeated
 values, negative int64 as 10-byte varints, repeated map keys (last wins),
 repeated sub-messages merged, the last oneof member wins, unknown fields skipped,
-and bytes that protobuf rejects are rejected. One corner where protobuf's own
-runtimes disagree: a map entry carrying fields besides key and value is kept
-(as the C++ runtime does), not turned into an unknown field (as upb does).
+and bytes that protobuf rejects are rejected. ``tests/test_example_fuzz.py``
+checks this against protobuf's upb runtime on tens of thousands of mutated
+records. Bytes are rejected with :class:`~shardkit.ShardkitError` ("malformed
+tf.Example (N bytes): <what, at which byte>", or tf.SequenceExample), never
+with another exception, when:
+
+* a tag or a length is a varint of more than 5 bytes, or any other varint of
+  more than 10 (the bits past the 64th of a 10-byte varint are dropped);
+* a field number is 0 (allowed inside unknown groups only, as upb allows it)
+  or past 2**29 - 1, a wire type is 6 or 7, an end-group tag matches no open
+  group, a group is not closed inside its message;
+* a field runs past the end of its message, a packed varint past the end of
+  its run, packed floats are not a multiple of 4 bytes, a key is not UTF-8;
+* unknown groups nest too deeply. As in protobuf (its default recursion limit
+  is 100), every enclosing message counts a level and so does every group, up
+  to 100 in all: Example 0 > Features 1 > map entry 2 > Feature 3 > value
+  list 4, and SequenceExample 0 > FeatureLists 1 > entry 2 > FeatureList 3 >
+  Feature 4 > value list 5 (its context as in Example). Groups are skipped
+  iteratively: 10,000 levels cost no recursion. Unknown length-delimited
+  fields are never parsed, so what they hold may nest arbitrarily deep, as in
+  protobuf.
+
+The one corner, where protobuf's own runtimes disagree: a map entry
+(``Features.feature``, ``FeatureLists.feature_list``) that holds any field
+besides key (field 1) and value (field 2), both length-delimited -- another
+field number, a key or value with another wire type, an unknown group -- is
+kept, as protobuf's C++ and pure-Python runtimes keep it: its last key (``""`` if none) and its
+merged value (empty if none) enter the map like any other entry's. upb, the
+runtime of Python's protobuf, leaves such an entry out of the map (keeping it
+as an unknown field), so there an earlier entry with the same key, or none,
+stands. Both accept and reject exactly the same bytes.
 """
 
 from __future__ import annotations
@@ -47,6 +75,7 @@ _F1_VARINT: Final = 0x08
 _F1_FIXED32: Final = 0x0D
 _U64: Final = (1 << 64) - 1
 _MAX_TAG: Final = (1 << 32) - 1  # field numbers go up to 2**29 - 1
+_MAX_DEPTH: Final = 100  # protobuf's default recursion limit: messages and groups nested in a message
 _SMALL_PACKED: Final = 24  # below this many bytes, decode varints in Python
 _BYTES, _FLOAT, _INT64 = _F1_LEN, _F2_LEN, _F3_LEN  # Feature's oneof members, by tag
 
@@ -55,8 +84,13 @@ class _Malformed(ShardkitError):
     """Raised internally; re-raised as ShardkitError with the message kind."""
 
 
+# What malformed bytes raise while decoding: reading past the end of the record
+# is an IndexError, a key that is not UTF-8 a UnicodeDecodeError.
+_ERRORS: Final = (_Malformed, IndexError, UnicodeDecodeError, ValueError)
+
+
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    """Decode a varint at ``pos``; return (value, position after it)."""
+    """Decode a varint value (at most 10 bytes) at ``pos``; return (value mod 2**64, position after it)."""
     byte = buf[pos]
     if byte < 0x80:
         return byte, pos + 1
@@ -73,33 +107,79 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
             raise _Malformed(f"varint longer than 10 bytes at byte {pos}")
 
 
-def _skip(buf: bytes, pos: int, tag: int) -> int:
-    """Skip the value of an unknown field whose tag was just read."""
+def _varint32(buf: bytes, pos: int) -> tuple[int, int]:
+    """Decode a tag or a length, which protobuf reads as varints of at most 5 bytes.
+
+    The value can reach 2**35 - 1; callers reject tags past 2**32 - 1 and
+    lengths past the end of their message.
+    """
+    byte = buf[pos]
+    if byte < 0x80:
+        return byte, pos + 1
+    value = byte & 0x7F
+    shift = 7
+    while True:
+        pos += 1
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos + 1
+        shift += 7
+        if shift >= 35:
+            raise _Malformed(f"tag or length longer than 5 bytes at byte {pos - 4}")
+
+
+def _skip(buf: bytes, pos: int, end: int, tag: int, depth: int) -> int:
+    """Skip the value of an unknown field whose tag was just read, in a message at ``depth``."""
     if tag < 8 or tag > _MAX_TAG:
         raise _Malformed(f"field number {tag >> 3} out of range at byte {pos}")
+    return _skip_value(buf, pos, end, tag, depth)
+
+
+def _skip_value(buf: bytes, pos: int, end: int, tag: int, depth: int) -> int:
     wire = tag & 7
     if wire == 0:
         return _varint(buf, pos)[1]
     if wire == 1:
         return pos + 8
     if wire == 2:
-        length, pos = _varint(buf, pos)
+        length, pos = _varint32(buf, pos)
         return pos + length
     if wire == 5:
         return pos + 4
-    if wire == 3:  # group: skip fields up to the matching end-group tag
-        while True:
-            inner, pos = _varint(buf, pos)
-            if inner & 7 == 4:
-                if inner >> 3 != tag >> 3:
-                    raise _Malformed(f"mismatched end-group tag at byte {pos}")
-                return pos
-            pos = _skip(buf, pos, inner)
+    if wire == 3:
+        return _skip_group(buf, pos, end, tag >> 3, depth)
     raise _Malformed(f"invalid wire type {wire} at byte {pos}")
 
 
-def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int]]:
-    """The (tag, start, stop) of every field in ``buf[pos:end]``.
+def _skip_group(buf: bytes, pos: int, end: int, number: int, depth: int) -> int:
+    """Skip an unknown group, and the groups nested in it, up to its end tag.
+
+    Iterative, so that no nesting exhausts Python's stack; like protobuf, a
+    group counts as a level of nesting and more than 100 levels are rejected.
+    Inside a group protobuf (upb) takes field number 0 too: so does this.
+    """
+    open_groups = [number]
+    while open_groups:
+        if depth + len(open_groups) > _MAX_DEPTH:
+            raise _Malformed(f"groups nested deeper than {_MAX_DEPTH} levels at byte {pos}")
+        if pos >= end:
+            raise _Malformed(f"group {open_groups[-1]} not closed before byte {end}")
+        tag, pos = _varint32(buf, pos)
+        if tag > _MAX_TAG:
+            raise _Malformed(f"field number {tag >> 3} out of range at byte {pos}")
+        if tag & 7 == 4:
+            if tag >> 3 != open_groups.pop():
+                raise _Malformed(f"mismatched end-group tag at byte {pos}")
+        elif tag & 7 == 3:
+            open_groups.append(tag >> 3)
+        else:
+            pos = _skip_value(buf, pos, end, tag, depth)
+    return pos
+
+
+def _fields(buf: bytes, pos: int, end: int, depth: int) -> list[tuple[int, int, int]]:
+    """The (tag, start, stop) of every field in ``buf[pos:end]``, a message nested ``depth`` levels deep.
 
     ``buf[start:stop]`` is the payload of a length-delimited field and the
     encoded value of any other (a varint's bytes, a fixed32's 4 bytes...).
@@ -110,26 +190,26 @@ def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int]]:
         if tag < 0x80:
             pos += 1
         else:
-            tag, pos = _varint(buf, pos)
+            tag, pos = _varint32(buf, pos)
         if tag & 7 == 2 and 8 < tag <= _MAX_TAG:
             length = buf[pos]
             if length < 0x80:
                 pos += 1
             else:
-                length, pos = _varint(buf, pos)
+                length, pos = _varint32(buf, pos)
             out.append((tag, pos, pos + length))
             pos += length
         else:
             start = pos
-            pos = _skip(buf, pos, tag)
+            pos = _skip(buf, pos, end, tag, depth)
             out.append((tag, start, pos))
     if pos != end:
         raise _Malformed(f"field runs past the end of its message (byte {pos} > {end})")
     return out
 
 
-def _map_entries(buf: bytes, spans: list[tuple[int, int]]) -> list[tuple[str, list[tuple[int, int]]]]:
-    """Decode map<string, message> entries from the spans of the map's messages.
+def _map_entries(buf: bytes, spans: list[tuple[int, int]], depth: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Decode map<string, message> entries from the spans of the map's messages, ``depth`` levels deep.
 
     Returns (key, spans of the value message) per entry, in order: several
     spans if the entry repeats the value field, which protobuf merges. Callers
@@ -137,12 +217,12 @@ def _map_entries(buf: bytes, spans: list[tuple[int, int]]) -> list[tuple[str, li
     """
     entries = []
     for start, stop in spans:
-        for tag, a, b in _fields(buf, start, stop):
+        for tag, a, b in _fields(buf, start, stop, depth):
             if tag != _F1_LEN:
                 continue
             key = ""
             value: list[tuple[int, int]] = []
-            for etag, ea, eb in _fields(buf, a, b):
+            for etag, ea, eb in _fields(buf, a, b, depth + 1):
                 if etag == _F1_LEN:
                     key = buf[ea:eb].decode("utf-8")
                 elif etag == _F2_LEN:
@@ -151,15 +231,15 @@ def _map_entries(buf: bytes, spans: list[tuple[int, int]]) -> list[tuple[str, li
     return entries
 
 
-def _feature(buf: bytes, spans: list[tuple[int, int]]) -> Value:
-    """Decode one Feature from the spans its message bytes occupy.
+def _feature(buf: bytes, spans: list[tuple[int, int]], depth: int) -> Value:
+    """Decode one Feature, ``depth`` levels deep, from the spans its message bytes occupy.
 
     The last oneof member set wins; a member replaced by another is still
     decoded, so that malformed bytes fail as they do in protobuf.
     """
     members: list[tuple[int, list[tuple[int, int]]]] = []  # (kind, parts), a new one per change of kind
     for start, stop in spans:
-        for tag, a, b in _fields(buf, start, stop):
+        for tag, a, b in _fields(buf, start, stop, depth):
             if members and tag == members[-1][0]:
                 members[-1][1].append((a, b))  # the same member again: merged
             elif tag in (_BYTES, _FLOAT, _INT64):
@@ -167,19 +247,19 @@ def _feature(buf: bytes, spans: list[tuple[int, int]]) -> Value:
     value: Value = []
     for kind, parts in members:
         if kind == _INT64:
-            value = _int64_list(buf, parts)
+            value = _int64_list(buf, parts, depth + 1)
         elif kind == _FLOAT:
-            value = _float_list(buf, parts)
+            value = _float_list(buf, parts, depth + 1)
         else:
-            value = [buf[va:vb] for a, b in parts for tag, va, vb in _fields(buf, a, b) if tag == _F1_LEN]
+            value = [buf[va:vb] for a, b in parts for tag, va, vb in _fields(buf, a, b, depth + 1) if tag == _F1_LEN]
     return value
 
 
-def _int64_list(buf: bytes, parts: list[tuple[int, int]]) -> np.ndarray:
+def _int64_list(buf: bytes, parts: list[tuple[int, int]], depth: int) -> np.ndarray:
     values = [
         _packed_varints(buf, start, stop)  # an unpacked value is a packed run of one
         for a, b in parts
-        for tag, start, stop in _fields(buf, a, b)
+        for tag, start, stop in _fields(buf, a, b, depth)
         if tag in (_F1_LEN, _F1_VARINT)
     ]
     return np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
@@ -221,10 +301,10 @@ def _packed_varints(buf: bytes, start: int, stop: int) -> np.ndarray:
     return np.bitwise_or.reduceat(pieces, first).view(np.int64)
 
 
-def _float_list(buf: bytes, parts: list[tuple[int, int]]) -> np.ndarray:
+def _float_list(buf: bytes, parts: list[tuple[int, int]], depth: int) -> np.ndarray:
     values = []
     for a, b in parts:
-        for tag, start, stop in _fields(buf, a, b):
+        for tag, start, stop in _fields(buf, a, b, depth):
             if tag in (_F1_LEN, _F1_FIXED32):  # packed run, or one unpacked value
                 if (stop - start) % 4:
                     raise _Malformed(f"packed floats of {stop - start} bytes at byte {start}")
@@ -242,7 +322,7 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
     bytes are decoded inline: a call per length costs about 10% of the decode.
     """
     out: dict[str, Value] = {}
-    varint = _varint
+    varint = _varint32
     while pos < end:
         if buf[pos] != _F1_LEN:
             return None
@@ -306,6 +386,8 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
             out[key] = items
             continue
         if pos == stop:
+            if kind != _INT64 and kind != _FLOAT:  # an unknown field, not a oneof member
+                return None
             out[key] = np.zeros(0, dtype=np.int64 if kind == _INT64 else np.float32)
             continue
         if buf[pos] != _F1_LEN:
@@ -330,8 +412,9 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
     return out if pos == end else None
 
 
-def _features(buf: bytes, spans: list[tuple[int, int]]) -> dict[str, Value]:
-    return {key: _feature(buf, value) for key, value in _map_entries(buf, spans)}
+def _features(buf: bytes, spans: list[tuple[int, int]], depth: int) -> dict[str, Value]:
+    """Decode the Features message(s) at ``spans``, ``depth`` levels deep: entries are one deeper, Features two."""
+    return {key: _feature(buf, value, depth + 2) for key, value in _map_entries(buf, spans, depth)}
 
 
 def _as_bytes(record: BytesLike) -> bytes:
@@ -345,18 +428,27 @@ def decode_example(record: BytesLike) -> dict[str, Value]:
     array, ``bytes_list`` a ``list[bytes]``, and a Feature with no kind set ``[]``.
     Arrays are fresh and writable. Raises :class:`~shardkit.ShardkitError` on
     bytes that are not a valid Example.
+
+    Example:
+        >>> import shardkit
+        >>> record = shardkit.encode_example({"label": [3], "score": [0.5], "text": "hi"})
+        >>> shardkit.decode_example(record)
+        {'label': array([3]), 'score': array([0.5], dtype=float32), 'text': [b'hi']}
     """
     buf = _as_bytes(record)
     try:
         if buf and buf[0] == _F1_LEN:
-            length, pos = _varint(buf, 1)
+            length, pos = _varint32(buf, 1)
             if pos + length == len(buf):
                 fast = _canonical_features(buf, pos, len(buf))
                 if fast is not None:
                     return fast
-        spans = [(a, b) for tag, a, b in _fields(buf, 0, len(buf)) if tag == _F1_LEN]
-        return _features(buf, spans)
-    except (_Malformed, IndexError, UnicodeDecodeError, ValueError) as exc:
+    except _ERRORS:
+        pass  # not canonical after all: the general decoder below decides, and names the fault
+    try:
+        spans = [(a, b) for tag, a, b in _fields(buf, 0, len(buf), 0) if tag == _F1_LEN]
+        return _features(buf, spans, 1)
+    except _ERRORS as exc:
         raise ShardkitError(f"malformed tf.Example ({len(buf)} bytes): {exc}") from None
 
 
@@ -364,24 +456,25 @@ def decode_sequence_example(record: BytesLike) -> tuple[dict[str, Value], dict[s
     """Decode a serialized ``tf.train.SequenceExample`` into ``(context, feature_lists)``.
 
     ``feature_lists`` maps each name to the list of its decoded Features, with
-    values as in :func:`decode_example`.
+    values as in :func:`decode_example`. Raises :class:`~shardkit.ShardkitError`
+    on bytes that are not a valid SequenceExample.
     """
     buf = _as_bytes(record)
     try:
-        fields = _fields(buf, 0, len(buf))
-        context = _features(buf, [(a, b) for tag, a, b in fields if tag == _F1_LEN])
-        lists = _map_entries(buf, [(a, b) for tag, a, b in fields if tag == _F2_LEN])
+        fields = _fields(buf, 0, len(buf), 0)
+        context = _features(buf, [(a, b) for tag, a, b in fields if tag == _F1_LEN], 1)
+        lists = _map_entries(buf, [(a, b) for tag, a, b in fields if tag == _F2_LEN], 1)
         feature_lists = {
             key: [
-                _feature(buf, [(a, b)])
+                _feature(buf, [(a, b)], 4)  # in SequenceExample > FeatureLists > entry > FeatureList
                 for start, stop in spans
-                for tag, a, b in _fields(buf, start, stop)
+                for tag, a, b in _fields(buf, start, stop, 3)
                 if tag == _F1_LEN
             ]
             for key, spans in lists
         }
         return context, feature_lists
-    except (_Malformed, IndexError, UnicodeDecodeError, ValueError) as exc:
+    except _ERRORS as exc:
         raise ShardkitError(f"malformed tf.SequenceExample ({len(buf)} bytes): {exc}") from None
 
 
@@ -464,5 +557,12 @@ def encode_example(features: Mapping[str, Any]) -> bytes:
     Values: ``bytes``/``str`` or sequences of them -> ``bytes_list``; ints, bools
     or integer arrays -> ``int64_list``; floats or float arrays -> ``float_list``
     (float32); an empty list -> a Feature with no kind set (decodes to ``[]``).
+
+    Example:
+        >>> import numpy as np
+        >>> import shardkit
+        >>> record = shardkit.encode_example({"image": [b"<png bytes>"], "box": np.zeros(4), "id": 7})
+        >>> sorted(shardkit.decode_example(record).items())
+        [('box', array([0., 0., 0., 0.], dtype=float32)), ('id', array([7])), ('image', [b'<png bytes>'])]
     """
     return _delimited(_F1_LEN, b"".join(_encode_feature(key, value) for key, value in features.items()))

@@ -3,7 +3,10 @@
 Readers get a :class:`Stream` (anything with ``read(n)`` and ``close()``) that
 fetches the file in blocks of :data:`BLOCK_SIZE` bytes, so remote files are
 never downloaded whole. Compressed files are inflated on the fly; byte offsets
-past this layer refer to the uncompressed stream.
+past this layer refer to the uncompressed stream. A compressed stream that is
+damaged, truncated or not compressed at all raises
+:class:`CompressedStreamError` with the compressed byte at fault, after the
+bytes inflated before it; the record readers add the record it was in.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from shardkit.errors import ShardkitError
 __all__ = [
     "BLOCK_SIZE",
     "COMPRESSIONS",
+    "CompressedStreamError",
     "Sink",
     "Stream",
     "check_compression",
@@ -152,10 +156,42 @@ class _Prefixed:
         self._stream.close()
 
 
+class CompressedStreamError(ShardkitError):
+    """A GZIP/ZLIB stream cannot be inflated: damaged, truncated, or not compressed at all.
+
+    Raised by the streams :func:`open_input` returns, after every byte inflated
+    before the fault has been read. The stream does not know which record it was
+    inflating, so the record readers catch this and raise a
+    :class:`~shardkit.CorruptRecordError` that names it. ``compressed_offset``
+    is the position in the compressed file of the byte inflating failed at (or
+    the file size, if it ended early); ``not_compressed`` is true when the file
+    does not even start with this compression's header, so it is not in this
+    compression at all.
+    """
+
+    def __init__(self, url: str, reason: str, compressed_offset: int, not_compressed: bool = False) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.compressed_offset = compressed_offset
+        self.not_compressed = not_compressed
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.url, self.reason, self.compressed_offset, self.not_compressed))
+
+
+_FEED: Final = 64 << 10
+"""Compressed bytes inflated per call; the decompressor is copied before each, to replay a failing one."""
+
+
 class _Inflater:
-    """Streaming GZIP/ZLIB decompression with clear errors.
+    """Streaming GZIP/ZLIB decompression with located errors.
 
     Concatenated GZIP members are read one after another, as ``gzip`` does.
+    When zlib refuses a piece of input, the piece is replayed a byte at a time
+    from a copy of the decompressor taken before it: that finds the exact
+    compressed byte at fault and keeps everything inflated before it, which is
+    returned first; the :class:`CompressedStreamError` comes on the read after.
     """
 
     def __init__(self, stream: Stream, url: str, compression: str) -> None:
@@ -164,8 +200,12 @@ class _Inflater:
         self._compression = compression
         self._wbits = _WBITS[compression]
         self._inflate = zlib.decompressobj(self._wbits)
-        self._pending = b""  # compressed input not yet given to the decompressor
+        self._pending = b""  # compressed input read from the file, consumed from _pos on
+        self._pos = 0
+        self._base = 0  # compressed offset of _pending[0]
         self._started = False
+        self._salvaged = b""  # inflated before a fault, still to be returned
+        self._error: Optional[CompressedStreamError] = None  # raised once nothing else is left to return
         self._done = False
 
     def read(self, size: int = -1, /) -> bytes:
@@ -176,31 +216,73 @@ class _Inflater:
             return b"".join(parts)
         out: list[bytes] = []
         want = size
-        while want > 0 and not self._done:
-            if not self._pending:
-                self._pending = self._stream.read(BLOCK_SIZE)
-                if not self._pending:
-                    if not self._inflate.eof and self._started:
-                        raise ShardkitError(
-                            f"{self._url}: {self._compression} stream is truncated "
-                            "(the file ends before the end-of-stream marker)"
-                        )
-                    self._done = True
+        while want > 0:
+            if self._salvaged:
+                chunk, self._salvaged = self._salvaged[:want], self._salvaged[want:]
+            elif self._error is not None:
+                if want < size:  # return what came before the fault first
                     break
-            if self._inflate.eof:  # previous member finished and more input follows
-                self._inflate = zlib.decompressobj(self._wbits)
-            try:
-                chunk = self._inflate.decompress(self._pending, want)
-            except zlib.error as exc:
-                raise ShardkitError(
-                    f"{self._url}: cannot decompress as compression={self._compression!r} ({exc}); "
-                    "pass the right compression or compression='auto'"
-                ) from None
-            self._started = True
-            self._pending = self._inflate.unconsumed_tail or self._inflate.unused_data
+                raise self._error
+            elif self._done:
+                break
+            else:
+                chunk = self._inflate_some(want)
             out.append(chunk)
             want -= len(chunk)
         return b"".join(out)
+
+    def _inflate_some(self, want: int) -> bytes:
+        """Inflate the next piece of input into at most ``want`` bytes (``b""`` at the end or a fault)."""
+        if self._pos >= len(self._pending):
+            self._base += len(self._pending)
+            self._pending, self._pos = self._stream.read(BLOCK_SIZE), 0
+            if not self._pending:
+                if not self._inflate.eof and self._started:
+                    self._error = CompressedStreamError(
+                        self._url,
+                        f"{self._compression} stream is truncated: the compressed file ends at byte {self._base} "
+                        "before the end-of-stream marker",
+                        self._base,
+                    )
+                self._done = True
+                return b""
+        if self._inflate.eof:  # previous member finished and more input follows
+            self._inflate = zlib.decompressobj(self._wbits)
+        before = self._inflate.copy()
+        piece = memoryview(self._pending)[self._pos : self._pos + _FEED]
+        try:
+            chunk = self._inflate.decompress(piece, want)
+        except zlib.error as exc:
+            self._replay(before, piece, exc)
+            return b""
+        self._started = True
+        self._pos += len(piece) - len(self._inflate.unconsumed_tail) - len(self._inflate.unused_data)
+        return chunk
+
+    def _replay(self, inflate: Any, piece: memoryview, exc: zlib.error) -> None:
+        """Feed a piece zlib refused a byte at a time: keep what it inflates, find the byte at fault."""
+        out = []
+        start = self._base + self._pos
+        for i in range(len(piece)):
+            try:
+                out.append(inflate.decompress(piece[i : i + 1]))
+            except zlib.error as byte_exc:
+                exc, start = byte_exc, start + i
+                break
+        # (If the replay inflated the whole piece, which zlib should never do, report the piece's start.)
+        self._salvaged = b"".join(out)
+        self._error = self._damaged(exc, start)
+
+    def _damaged(self, exc: zlib.error, at: int) -> CompressedStreamError:
+        first_piece = self._base == 0 and self._pos == 0
+        if first_piece and sniff_compression(self._pending[:2]) != self._compression:
+            reason = (
+                f"cannot decompress as compression={self._compression!r} ({exc}): the file is not "
+                f"{self._compression} data from its first byte; pass the right compression or compression='auto'"
+            )
+            return CompressedStreamError(self._url, reason, at, not_compressed=True)
+        reason = f"{self._compression} stream is damaged at compressed byte {at} ({exc})"
+        return CompressedStreamError(self._url, reason, at)
 
     def close(self) -> None:
         self._stream.close()

@@ -1,0 +1,157 @@
+"""The documentation site builds cleanly, offline, and what it shows runs.
+
+``mkdocs build --strict`` turns every warning (a broken link, a page missing
+from the nav, a docstring reference mkdocstrings cannot resolve) into a
+failure, so a rename that breaks the docs breaks this test.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import shardkit
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+# Modules whose docstring examples are doctests (the others show fragments).
+DOCTESTED = [
+    "shardkit.planning",
+    "shardkit.topology",
+    "shardkit.seeding",
+    "shardkit.epoch",
+    "shardkit.formats.example",
+    "shardkit.quality",
+]
+
+
+def mkdocs_build(site_dir: Path) -> subprocess.CompletedProcess[str]:
+    """``mkdocs build --strict`` into ``site_dir``, with every proxy pointing
+    at a closed port so that a plugin fetching anything fails the build."""
+    dead = "http://127.0.0.1:9"
+    env = {
+        **os.environ,
+        "NO_MKDOCS_2_WARNING": "1",  # Material's end-of-life banner, printed on every build
+        "HTTP_PROXY": dead,
+        "HTTPS_PROXY": dead,
+        "http_proxy": dead,
+        "https_proxy": dead,
+        "NO_PROXY": "",
+        "no_proxy": "",
+    }
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_site_builds_in_strict_mode_with_no_warning_and_writes_only_where_told(tmp_path):
+    before = sorted(p.name for p in ROOT.iterdir())
+    done = mkdocs_build(tmp_path / "site")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    assert "WARNING" not in output, output[-5000:]
+    assert sorted(p.name for p in ROOT.iterdir()) == before  # no site/ (or anything) in the repo
+    sources = (tmp_path / "site" / "reference" / "sources" / "index.html").read_text()
+    assert "TFRecordDataset" in sources and "on_error" in sources  # docstrings were rendered
+    guarantees = (tmp_path / "site" / "guarantees" / "index.html").read_text()
+    assert "CorruptRecordError" in guarantees
+    remote = re.compile(r'<(?:script|img|iframe)[^>]+src="(?:https?:)?//|<link[^>]+href="(?:https?:)?//')
+    for page in (tmp_path / "site").rglob("*.html"):  # nothing loaded from elsewhere when a page is viewed
+        assert not remote.search(page.read_text()), page
+
+
+def test_a_broken_link_fails_the_build(tmp_path):
+    """The check above can fail: the same config over the docs plus a page with a dead link does not build."""
+    shutil.copytree(DOCS, tmp_path / "docs")
+    (tmp_path / "docs" / "probe.md").write_text("# Probe\n\n[gone](no-such-page.md)\n")
+    config = tmp_path / "mkdocs.yml"
+    config.write_text((ROOT / "mkdocs.yml").read_text().replace("docs_dir: docs", f"docs_dir: {tmp_path / 'docs'}"))
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "no-such-page.md" in done.stdout + done.stderr
+
+
+def test_the_config_enables_nothing_that_fetches_at_build_or_view_time():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    plugins = {next(iter(p)) if isinstance(p, dict) else p for p in config["plugins"]}
+    assert plugins <= {"search", "mkdocstrings"}, plugins  # no social cards, privacy, blog, ...
+    assert config["theme"]["font"] is False  # no Google Fonts
+    assert "analytics" not in config.get("extra", {})
+    mkdocstrings = next(p["mkdocstrings"] for p in config["plugins"] if isinstance(p, dict) and "mkdocstrings" in p)
+    python = mkdocstrings["handlers"]["python"]
+    assert "inventories" not in python and "import" not in python  # no remote objects.inv
+
+
+def reference_targets() -> set[str]:
+    targets = set()
+    for page in (DOCS / "reference").glob("*.md"):
+        targets.update(re.findall(r"^::: ([\w.]+)$", page.read_text(), flags=re.MULTILINE))
+    return targets
+
+
+def test_every_public_name_has_an_entry_in_the_api_reference():
+    targets = reference_targets()
+    missing = []
+    for name in shardkit.__all__:
+        if name == "__version__":
+            continue
+        where = f"{getattr(shardkit, name).__module__}.{name}"  # where it is defined, as the pages name it
+        if where not in targets:
+            missing.append(where)
+    assert not missing, f"add these to a page under docs/reference/: {missing}"
+
+
+@pytest.mark.parametrize("module_name", DOCTESTED)
+def test_the_docstring_examples_of_the_module_run_as_shown(module_name):
+    module = importlib.import_module(module_name)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{module_name} has no docstring example"
+    assert result.failed == 0
+
+
+def test_the_rest_of_docstrings_becomes_markdown_for_the_site():
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        from sphinx_roles import replace_roles
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    text = "see :func:`~shardkit.plan`, :class:`shardkit.Topology` and :meth:`Pipeline.map`::\n\n    code"
+    assert replace_roles(text) == "see `plan`, `shardkit.Topology` and `Pipeline.map`:\n\n    code"
+    assert replace_roles("Sum.\n\n    Example:\n        >>> 1 + 1\n        2") == "Sum.\n\n    Examples:\n        >>> 1 + 1\n        2"
+
+
+def guide_scripts() -> list[tuple[str, str]]:
+    """``(page:title, code)`` of every code block in the guides titled like a script."""
+    fence = re.compile(r'^```python title="([\w.-]+\.py)"\n(.*?)^```$', flags=re.MULTILINE | re.DOTALL)
+    return [
+        (f"{page.name}:{title}", code)
+        for page in sorted(DOCS.glob("*.md"))
+        for title, code in fence.findall(page.read_text())
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, code", guide_scripts(), ids=[name for name, _ in guide_scripts()])
+def test_the_scripts_shown_in_the_guides_run(name, code, tmp_path):
+    script = tmp_path / name.split(":")[1]
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(script)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
