@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import pickle
 import sys
 import warnings
@@ -123,6 +124,10 @@ class _Skipped(NamedTuple):
     """Yielded by ``_read`` in place of ``records`` records it could not read (on_error='skip')."""
 
     records: int
+
+
+#: Returned by ``TFRecordReader._index_past`` when the bad record was the last of its file.
+_SHARD_ENDS = object()
 
 
 class _BadRecord(NamedTuple):
@@ -732,6 +737,8 @@ class TFRecordReader:
                 yield _BadRecord(error)
                 position = error.record_index + 1
                 index = self._index_past(url, error, offsets)
+                if index is _SHARD_ENDS:  # the bad record was the file's last
+                    return
 
     def _decoded(self, decode: Callable[[bytes], Any], url: str, start: int, records: Iterator[bytes]) -> Iterator[Any]:
         for position, record in enumerate(records, start):
@@ -749,29 +756,34 @@ class TFRecordReader:
         reason = f"the record's CRCs are fine but it does not decode with {name}: {type(error).__name__}: {error}"
         return CorruptRecordError(url, position, offset, reason, framing_intact=True)
 
-    def _index_past(self, url: str, error: CorruptRecordError, offsets: np.ndarray | None) -> np.ndarray | None:
+    def _index_past(self, url: str, error: CorruptRecordError, offsets: np.ndarray | None) -> Any:
         """Offsets that let ``read_tfrecord`` seek to the record after the bad one at ``error.offset``.
 
         With an index file (``offsets``), that index. Else, in an uncompressed file, the bad
         record's header (its length CRC was checked) gives the next offset: an
         array holding just that offset at its index saves rescanning the file
-        from its start after each bad record. A compressed stream cannot seek:
-        None, and the next pass decompresses from the start again.
+        from its start after each bad record; ``_SHARD_ENDS`` when that offset
+        is the end of the file (the bad record was the last, and no record is
+        claimed past it). A compressed stream cannot seek: None, and the next
+        pass decompresses from the start again.
         """
-        if offsets is not None or self.compression not in (None, "auto"):
-            return offsets
+        if offsets is not None:
+            return _SHARD_ENDS if error.record_index + 1 >= len(offsets) else offsets
+        if self.compression not in (None, "auto"):
+            return None
         import fsspec
 
         from shardkit.formats.crc import masked_crc32c
 
         with fsspec.open(url, "rb", **(self.storage_options or {})) as file:
+            size = file.seek(0, os.SEEK_END)
             file.seek(error.offset)
             header = file.read(12)
         if len(header) < 12 or masked_crc32c(header[:8]) != int.from_bytes(header[8:], "little"):
             return None  # not a plain file at that offset (compressed, "auto" resolved so)
         after = np.zeros(error.record_index + 2, dtype=np.int64)
         after[-1] = error.offset + int.from_bytes(header[:8], "little") + 16
-        return after
+        return _SHARD_ENDS if after[-1] >= size else after
 
     def count(self, url: str) -> int:
         """Records in ``url``: from its index file if there is a valid one, else a framing scan.

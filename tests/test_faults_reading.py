@@ -402,3 +402,17 @@ def test_gloo_run_over_a_short_shard_ends_with_the_error_when_raising():
     # The process group ends: the other rank's collective fails and mp.spawn stops it (which error it
     # reports first is a race), so the run ends instead of hanging.
     assert "Traceback" in done.stderr
+
+
+@pytest.mark.parametrize("with_index", [False, True])
+@pytest.mark.parametrize("known_counts", [False, True])
+def test_a_bad_last_record_ends_the_shard_after_costing_only_itself(tmp_path, with_index, known_counts):
+    url = bad_every_other_record(tmp_path, 20)  # records 1, 3, ..., 19 are bad: the file ends with one
+    if with_index:
+        shardkit.build_index(url)
+    shards = shardkit.ShardList([url], num_records=[20] if known_counts else None)
+    dataset = TFRecordDataset(shards, decode="raw", on_error="skip", balance="none")
+    with pytest.warns(UserWarning, match="skipping record 19 of"):
+        assert list(dataset) == [b"%08d" % i for i in range(0, 20, 2)]
+    stats = dataset.stats()
+    assert (stats.total_read, stats.total_skipped, stats.total_errors, stats.total_missing) == (10, 10, 10, 0)
