@@ -1,7 +1,7 @@
 """Train with Hugging Face Accelerate on 2 CPU ranks, reading TFRecord shards with shardkit.
 
     torchrun --nproc_per_node=2 examples/accelerate_train.py
-    accelerate launch --cpu --num_processes 2 examples/accelerate_train.py
+    python examples/accelerate_train.py       # one process works too
 
 Pass only the model and the optimizer to ``accelerator.prepare``; iterate the
 shardkit loader yourself and move each batch to ``accelerator.device``. Do not
