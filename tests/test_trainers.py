@@ -18,12 +18,16 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit.epoch import SharedEpoch
 from shardkit.pipeline import UnknownLengthError
-from shardkit.trainers import TrainerError
+from shardkit.planning import plan
+from shardkit.topology import Topology
+from shardkit.trainers import TrainerError, reader_lengths
 from tests.helpers import all_ids, synthetic_read, synthetic_shards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,6 +190,30 @@ def test_batch_stage_len_counts_every_workers_last_batch(drop_last):
     loader = DataLoader(batched, batch_size=None, num_workers=2)
     assert len(loader) == len(list(loader)) == (18 if drop_last else 20)
     assert len(batched) == (18 if drop_last else 19)  # outside a DataLoader: one reader
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    world_size=st.integers(1, 3),
+    num_workers=st.integers(1, 4),
+    balance=st.sampled_from(["pad", "drop", "none"]),
+    batch_size=st.integers(1, 9),
+    drop_last=st.booleans(),
+)
+def test_batch_lengths_per_worker_match_the_plan(counts, world_size, num_workers, balance, batch_size, drop_last):
+    assume(sum(counts) > 0)
+    for rank in range(world_size):
+        dataset = shardkit.ShardedDataset(
+            synthetic_shards(counts), synthetic_read, rank=rank, world_size=world_size, balance=balance
+        )
+        batched = dataset.map(str).shuffle(4).batch(batch_size, drop_last=drop_last)
+        planned = []
+        for worker in range(num_workers):
+            topology = Topology(rank=rank, world_size=world_size, worker_id=worker, num_workers=num_workers)
+            samples = sum(stop - start for _, start, stop in plan(counts, topology, balance=balance))
+            planned.append(samples // batch_size if drop_last else -(-samples // batch_size))
+        assert reader_lengths(batched, num_workers) == planned
 
 
 def test_mixed_loader_len_is_exact_under_workers():
