@@ -20,6 +20,11 @@ The ``LightningModule``'s ``train_dataloader`` returns a shardkit loader over a
   worker ends with its own partial batch), so shardkit gives it no ``len()``
   and Lightning runs it to exhaustion: nothing is lost.
 
+Build the dataset once (here in ``setup``), not inside ``train_dataloader``:
+its pass counter then survives a loader rebuilt every epoch (``--reload``,
+Lightning's ``reload_dataloaders_every_n_epochs=1``); a dataset built anew
+each epoch would start again from epoch 0 (or call its ``set_epoch(self.current_epoch)``).
+
 ``--record DIR`` writes the sample ids each rank trained on, per epoch, to
 ``DIR/rank{r}-epoch{e}.json`` (the tests check them).
 """
@@ -67,9 +72,14 @@ class Regression(L.LightningModule):
         self.seen: list[int] = []
         self.batches = 0
 
-    def train_dataloader(self) -> Any:
+    def setup(self, stage: str) -> None:
+        # Built once: the dataset counts its passes, so a loader rebuilt every
+        # epoch (reload_dataloaders_every_n_epochs) still gets a new order.
         shards = shardkit.ShardList.from_manifest(f"{self.root}/train.manifest.arrow")
-        dataset = shardkit.TFRecordDataset(shards, shuffle=True, balance="pad").map(to_sample).shuffle(64)
+        self.dataset = shardkit.TFRecordDataset(shards, shuffle=True, balance="pad").map(to_sample).shuffle(64)
+
+    def train_dataloader(self) -> Any:
+        dataset = self.dataset
         if self.loader == "mixed":
             return shardkit.MixedLoader(dataset, batch_size=BATCH_SIZE, num_workers=2, persistent_workers=True)
         return DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=2, persistent_workers=True)
@@ -96,6 +106,7 @@ def main() -> None:
     parser.add_argument("--loader", choices=("mixed", "dataloader"), default="mixed")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--record", help="write each rank's sample ids per epoch here")
+    parser.add_argument("--reload", action="store_true", help="rebuild the loader every epoch")
     args = parser.parse_args()
     # Lightning re-runs this script for rank 1 with the environment of rank 0,
     # which writes the data first (before fit() starts the other rank).
@@ -113,6 +124,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        reload_dataloaders_every_n_epochs=int(args.reload),
     )
     module = Regression(root, args.loader, args.record)
     trainer.fit(module)

@@ -274,9 +274,10 @@ def check_records(record: Path, records: int = 302, epochs: int = 2) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loader", ["mixed", "dataloader"])
+@pytest.mark.parametrize("loader", ["mixed", "dataloader", "dataloader --reload"])
 def test_lightning_ddp_trains_on_every_sample_each_epoch_in_a_new_order(tmp_path, loader):
-    done = launch([str(EXAMPLES / "lightning_train.py"), "--loader", loader, "--record", str(tmp_path)], torchrun=False)
+    args = ["--loader", *loader.split(), "--record", str(tmp_path)]
+    done = launch([str(EXAMPLES / "lightning_train.py"), *args], torchrun=False)
     assert done.returncode == 0, done.stderr[-3000:]
     check_records(tmp_path)
     batches = 19 if loader == "mixed" else 20  # the plain DataLoader's workers each end with a partial batch
