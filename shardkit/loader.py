@@ -338,9 +338,7 @@ class _MicroBatches(IterableDataset):
     micro-batches travel in a new :class:`_SlabRing` per iteration, whose
     flag array goes with the first message."""
 
-    def __init__(
-        self, dataset: IterableDataset, size: int, *, collate: bool, resumable: bool, slots: int = 0
-    ) -> None:
+    def __init__(self, dataset: IterableDataset, size: int, *, collate: bool, resumable: bool, slots: int = 0) -> None:
         self.dataset = dataset
         self.size = size
         self.collate = collate
@@ -716,7 +714,8 @@ class _Mixer(Iterator[Any]):
             self._source = None  # lets the DataLoader shut its workers down
             for queue in self._pending:  # a dropped last batch
                 queue.clear()
-            self._slabs = [{} for _ in self._slabs]
+            self._slabs = [{} for _ in self._slabs]  # unmaps the workers' rings now, not with the loader
+            self._flags = [None] * len(self._flags)
             raise StopIteration
         parts = [part for worker, share in shares.items() for part in self._take(worker, share)]
         if self._collate_fn is None:
