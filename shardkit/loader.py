@@ -395,7 +395,7 @@ class _SlabBatch:
 
 
 class _NotInSlab(Exception):
-    """A tensor the slab cannot hold (sparse, nested, not on the CPU)."""
+    """A tensor the slab cannot hold (sparse, nested, quantized, a subclass, not on the CPU)."""
 
 
 class _SlabLayout:
@@ -419,7 +419,9 @@ class _SlabLayout:
 
     def _stack(self, batch: Sequence[torch.Tensor], **_: Any) -> _InSlab:
         elem = batch[0]
-        if elem.is_nested or elem.layout != torch.strided or elem.device.type != "cpu":
+        if type(elem) is not torch.Tensor or elem.layout != torch.strided or elem.device.type != "cpu":
+            raise _NotInSlab  # subclasses keep their type, as default_collate keeps it
+        if elem.is_nested or elem.is_quantized:
             raise _NotInSlab
         return self._place((len(batch), *elem.shape), elem.dtype, len(batch) * elem.numel(), batch)
 

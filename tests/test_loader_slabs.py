@@ -157,11 +157,20 @@ def test_a_larger_micro_batch_gets_a_larger_buffer_in_its_slot() -> None:
     assert len(slabs[0]) >= 30 * 3 * 5 * 7
 
 
+class Subclass(torch.Tensor):
+    pass
+
+
 def test_tensors_a_slab_cannot_hold_travel_as_default_collate_makes_them() -> None:
     chunk = [torch.empty(2, device="meta") for _ in range(3)]
     out = _SlabRing(2).collate(chunk)
     assert not isinstance(out, _SlabBatch)
     assert out.device.type == "meta" and out.shape == (3, 2)
+    chunk = [{"x": torch.arange(3).as_subclass(Subclass) + i} for i in range(2)]
+    out = _SlabRing(2).collate(chunk)
+    assert not isinstance(out, _SlabBatch)
+    assert_same(out, default_collate(chunk))
+    assert type(out["x"]) is Subclass
 
 
 def collect(loader: MixedLoader) -> tuple[list[Any], bool]:
