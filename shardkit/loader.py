@@ -112,7 +112,10 @@ class MixedLoader:
             defaults to ``batch_size``. The main process holds one or two
             micro-batches per worker; smaller values shorten that and the
             wait for the first batch, at the cost of more messages, which
-            cost most when samples are small.
+            cost most when samples are small. Without ``collate_fn`` each
+            worker keeps ``prefetch_factor + 3`` shared-memory slabs the size
+            of one collated micro-batch for the epoch (5 x 4.8 MB for 32
+            3x224x224 uint8 images).
         resumable: track the position for :meth:`state_dict`. Each worker
             then sends its dataset's state with every micro-batch: about
             25 us for a source, but a ``.shuffle(n)`` buffer inside the
