@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from shardkit import MixedLoader, ShardedDataset
-from shardkit.loader import _from_slab, _SlabBatch, _SlabRing
+from shardkit.loader import _from_slab, _Mixer, _SlabBatch, _SlabRing
 from tests.helpers import synthetic_read, synthetic_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,6 +199,26 @@ def test_slab_batches_are_exact_and_exactly_once(counts: list[int], micro: int |
     batches, used = collect(loader)
     assert used
     check_batches(batches, counts, 8)
+
+
+@pytest.mark.slow
+def test_micro_batches_without_a_free_slot_mix_with_slab_ones_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    kinds: Counter[str] = Counter()
+    pull = _Mixer._pull
+
+    def counting_pull(self: _Mixer) -> None:
+        before = [len(queue) for queue in self._pending]
+        pull(self)
+        for queue, length in zip(self._pending, before):
+            if len(queue) > length:
+                kinds["plain" if queue[-1][5] is None else "slab"] += 1
+
+    monkeypatch.setattr(_Mixer, "_pull", counting_pull)
+    loader = MixedLoader(Samples([50, 37]), 8, num_workers=2, micro_batch_size=3)
+    loader._loader.dataset.slots = 1  # most micro-batches find the one slot busy
+    batches, used = collect(loader)
+    assert kinds["slab"] and kinds["plain"], kinds
+    check_batches(batches, [50, 37], 8)
 
 
 @pytest.mark.slow
