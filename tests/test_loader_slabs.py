@@ -17,6 +17,7 @@ import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from shardkit import MixedLoader, ShardedDataset
-from shardkit.loader import _from_slab, _Mixer, _SlabBatch, _SlabRing
+from shardkit.loader import _accelerator_available, _from_slab, _Mixer, _SlabBatch, _SlabRing
 from tests.helpers import synthetic_read, synthetic_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,7 +224,9 @@ def test_micro_batches_without_a_free_slot_mix_with_slab_ones_exactly(monkeypatc
 
 @pytest.mark.slow
 def test_persistent_workers_and_pin_memory_keep_batches_exact() -> None:
-    loader = MixedLoader(Samples([20, 13]), 6, num_workers=2, persistent_workers=True, pin_memory=True)
+    warns = pytest.warns(UserWarning, match="no accelerator") if not _accelerator_available() else nullcontext()
+    with warns:
+        loader = MixedLoader(Samples([20, 13]), 6, num_workers=2, persistent_workers=True, pin_memory=True)
     for _ in range(3):  # each epoch gives the workers a new ring
         batches, used = collect(loader)
         assert used
