@@ -203,7 +203,7 @@ class MixedLoader:
                 "batches will not be pinned",
                 stacklevel=2,
             )
-        slots = _SLAB_SPARE_SLOTS + dataloader_kwargs.get("prefetch_factor", 2) if collate_fn is None else 0
+        slots = _SLAB_SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate_fn is None else 0
         self._loader = DataLoader(
             _MicroBatches(dataset, self.micro_batch_size, collate=collate_fn is None, resumable=resumable, slots=slots),
             batch_size=None,

@@ -325,3 +325,13 @@ def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path) -> None
     assert re.match(dead, report["error"]) or report["error"].startswith("ConnectionResetError"), report["error"]
     assert report["after"] == report["before"]
     assert shm_files_of([report["pid"], *report["pids"]]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch_factor", [None, 1, 4])
+def test_any_prefetch_factor_sizes_the_ring(prefetch_factor: int | None) -> None:
+    loader = MixedLoader(Samples([9, 14]), 4, num_workers=2, prefetch_factor=prefetch_factor)
+    assert loader._loader.dataset.slots == 3 + (prefetch_factor or 2)
+    batches, used = collect(loader)
+    assert used
+    check_batches(batches, [9, 14], 4)
