@@ -1,0 +1,337 @@
+"""MixedLoader's slab transport: byte-exact batches, exactly once, resume, no leaked shared memory.
+
+Every batch is compared with ``default_collate`` of the samples it names, after
+the whole epoch has been collected, so a batch that still pointed into a slab
+the worker reused would show up as wrong values.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate
+
+from shardkit import MixedLoader, ShardedDataset
+from shardkit.loader import _accelerator_available, _from_slab, _Mixer, _SlabBatch, _SlabRing
+from tests.helpers import synthetic_read, synthetic_shards
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+class Pair(NamedTuple):
+    left: torch.Tensor
+    right: int
+
+
+def sample(worker: int, index: int) -> dict[str, Any]:
+    """A sample with every leaf type default_collate turns into a tensor, and some it keeps."""
+    seed = worker * 1000 + index
+    return OrderedDict(
+        worker=worker,
+        index=index,
+        image=torch.full((3, 5, 7), seed % 251, dtype=torch.uint8),
+        weights=torch.arange(4, dtype=torch.bfloat16) * index,
+        mask=torch.tensor([index % 2 == 0, True]),
+        array=np.array([[seed, -seed]], dtype=np.int16),
+        scalar=np.float32(index / 3),
+        ratio=index / 7,
+        flag=index % 3 == 0,
+        name=f"{worker}:{index}",
+        blob=bytes([seed % 256]) * (index % 5),
+        pair=Pair(torch.tensor([float(index)]), seed),
+        nested=[torch.tensor(index, dtype=torch.int64), (index, "x")],
+        empty=torch.empty((0, 2)),
+    )
+
+
+class Samples(IterableDataset):
+    """Worker ``w`` yields ``counts[w]`` samples; in the main process, ``counts[0]`` as worker 0."""
+
+    def __init__(self, counts: list[int], *, pause_after: int = -1) -> None:
+        self.counts = counts
+        self.pause_after = pause_after
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        for index in range(self.counts[worker]):
+            if index == self.pause_after:
+                time.sleep(60)  # waits to be killed
+            yield sample(worker, index)
+
+
+def assert_same(got: Any, expected: Any, where: str = "batch") -> None:
+    """Equal types, dtypes, shapes and bytes, all the way down."""
+    assert type(got) is type(expected), f"{where}: {type(got).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and got.shape == expected.shape, where
+        assert got.view(-1).view(torch.uint8).tolist() == expected.view(-1).view(torch.uint8).tolist(), where
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected), where
+        for key in expected:
+            assert_same(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(g, e, f"{where}[{i}]")
+    else:
+        assert got == expected, where
+
+
+def check_batches(batches: list[Any], counts: list[int], batch_size: int) -> None:
+    """Exactly once, ceil(n / batch_size) batches, each byte-exact against default_collate."""
+    assert len(batches) == math.ceil(sum(counts) / batch_size)
+    seen = []
+    for number, batch in enumerate(batches):
+        names = list(zip(batch["worker"].tolist(), batch["index"].tolist()))
+        seen += names
+        assert_same(batch, default_collate([sample(w, i) for w, i in names]), f"batch {number}")
+    assert sorted(seen) == [(w, i) for w, n in enumerate(counts) for i in range(n)]
+
+
+def torch_shm_maps() -> list[str]:
+    """This process's mappings of torch shared memory."""
+    with open("/proc/self/maps") as maps:
+        return [line.split()[-2] for line in maps if "/dev/shm/torch_" in line]
+
+
+def shm_files_of(pids: list[int]) -> list[str]:
+    """Files torch left in /dev/shm for these processes (it names them torch_<pid>_...)."""
+    return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"torch_{pid}_") for pid in pids)]
+
+
+def from_ring(ring: _SlabRing, chunk: list[Any], slabs: dict[int, torch.Tensor]) -> Any:
+    """What the main process makes of ``ring.collate(chunk)``."""
+    out = ring.collate(chunk)
+    if not isinstance(out, _SlabBatch):
+        return out
+    if out.slab is not None:
+        slabs[out.slot] = out.slab
+    return _from_slab(out.skeleton, slabs[out.slot])
+
+
+def test_slab_collate_is_default_collate_byte_for_byte() -> None:
+    ring, slabs = _SlabRing(4), {}
+    for size in (1, 3, 8):
+        chunk = [sample(1, i) for i in range(size)]
+        assert_same(from_ring(ring, chunk, slabs), default_collate(chunk))
+        ring.flags.zero_()
+
+
+def test_a_ring_without_a_free_slot_sends_what_default_collate_makes() -> None:
+    ring = _SlabRing(1)
+    chunk = [sample(0, i) for i in range(4)]
+    first = ring.collate(chunk)
+    assert isinstance(first, _SlabBatch) and first.slab is not None
+    second = ring.collate(chunk)
+    assert not isinstance(second, _SlabBatch)
+    assert_same(second, default_collate(chunk))
+    ring.flags[0] = 0  # the main process copied the first one out
+    third = ring.collate(chunk)
+    assert isinstance(third, _SlabBatch) and third.slot == 0 and third.slab is None  # the buffer is reused
+
+
+def test_a_larger_micro_batch_gets_a_larger_buffer_in_its_slot() -> None:
+    ring, slabs = _SlabRing(1), {}
+    for size in (1, 2, 30):
+        chunk = [sample(2, i) for i in range(size)]
+        assert_same(from_ring(ring, chunk, slabs), default_collate(chunk))
+        ring.flags[0] = 0
+    assert len(slabs[0]) >= 30 * 3 * 5 * 7
+
+
+class Subclass(torch.Tensor):
+    pass
+
+
+def test_tensors_a_slab_cannot_hold_travel_as_default_collate_makes_them() -> None:
+    chunk = [torch.empty(2, device="meta") for _ in range(3)]
+    out = _SlabRing(2).collate(chunk)
+    assert not isinstance(out, _SlabBatch)
+    assert out.device.type == "meta" and out.shape == (3, 2)
+    chunk = [{"x": torch.arange(3).as_subclass(Subclass) + i} for i in range(2)]
+    out = _SlabRing(2).collate(chunk)
+    assert not isinstance(out, _SlabBatch)
+    assert_same(out, default_collate(chunk))
+    assert type(out["x"]) is Subclass
+
+
+def collect(loader: MixedLoader) -> tuple[list[Any], bool]:
+    """Every batch of an epoch, and whether slabs carried them (seen after the first batch)."""
+    batches, used = [], False
+    for batch in loader:
+        batches.append(batch)
+        if loader._mixer is not None:
+            used = used or any(loader._mixer._slabs)
+    return batches, used
+
+
+def test_no_workers_batches_are_default_collate() -> None:
+    batches, used = collect(MixedLoader(Samples([23]), 5))
+    check_batches(batches, [23], 5)
+    assert not used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize(("counts", "micro"), [([40, 25], None), ([31, 2, 17], 4)])
+def test_slab_batches_are_exact_and_exactly_once(counts: list[int], micro: int | None, context: str) -> None:
+    loader = MixedLoader(
+        Samples(counts), 8, num_workers=len(counts), micro_batch_size=micro, multiprocessing_context=context
+    )
+    batches, used = collect(loader)
+    assert used
+    check_batches(batches, counts, 8)
+
+
+@pytest.mark.slow
+def test_micro_batches_without_a_free_slot_mix_with_slab_ones_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    kinds: Counter[str] = Counter()
+    pull = _Mixer._pull
+
+    def counting_pull(self: _Mixer) -> None:
+        before = [len(queue) for queue in self._pending]
+        pull(self)
+        for queue, length in zip(self._pending, before):
+            if len(queue) > length:
+                kinds["plain" if queue[-1][5] is None else "slab"] += 1
+
+    monkeypatch.setattr(_Mixer, "_pull", counting_pull)
+    loader = MixedLoader(Samples([50, 37]), 8, num_workers=2, micro_batch_size=3)
+    loader._loader.dataset.slots = 1  # most micro-batches find the one slot busy
+    batches, used = collect(loader)
+    assert kinds["slab"] and kinds["plain"], kinds
+    check_batches(batches, [50, 37], 8)
+
+
+@pytest.mark.slow
+def test_persistent_workers_and_pin_memory_keep_batches_exact() -> None:
+    warns = pytest.warns(UserWarning, match="no accelerator") if not _accelerator_available() else nullcontext()
+    with warns:
+        loader = MixedLoader(Samples([20, 13]), 6, num_workers=2, persistent_workers=True, pin_memory=True)
+    for _ in range(3):  # each epoch gives the workers a new ring
+        batches, used = collect(loader)
+        assert used
+        check_batches(batches, [20, 13], 6)
+
+
+def labelled(record: str) -> dict[str, Any]:
+    number = int(record.rsplit(":", 1)[1]) + 7 * len(record)
+    return {"id": record, "image": torch.full((3, 4, 4), number % 251, dtype=torch.uint8), "label": number}
+
+
+def resumable_loader() -> MixedLoader:
+    dataset = ShardedDataset(synthetic_shards([7, 13, 5, 20, 9]), synthetic_read, shuffle=True, seed=3)
+    return MixedLoader(dataset.map(labelled), 8, num_workers=2, micro_batch_size=3)
+
+
+def check_labelled(batch: dict[str, Any]) -> None:
+    assert_same(batch, default_collate([labelled(record) for record in batch["id"]]))
+
+
+@pytest.mark.slow
+def test_slab_batches_resume_mid_epoch_with_the_same_batches() -> None:
+    full = []
+    for batch in resumable_loader():
+        check_labelled(batch)
+        full.append(batch["id"])
+    assert len(full) == math.ceil(54 / 8)
+    for stop in (1, 3, 5):
+        loader = resumable_loader()
+        for count, batch in enumerate(loader, 1):
+            if count == stop:
+                state = json.loads(json.dumps(loader.state_dict()))
+                break
+        resumed = resumable_loader()
+        resumed.load_state_dict(state)
+        rest = []
+        for batch in resumed:
+            check_labelled(batch)
+            rest.append(batch["id"])
+        assert full[:stop] + rest == full, f"resumed after batch {stop}"
+
+
+@pytest.mark.slow
+def test_no_shared_memory_stays_after_an_epoch_or_del_loader() -> None:
+    before = torch_shm_maps()
+    loader = MixedLoader(Samples([30, 30]), 8, num_workers=2)
+    collect(loader)
+    assert torch_shm_maps() == before, "an epoch's slabs are still mapped after it ended"
+    iterator = iter(loader)
+    next(iterator)
+    pids = [worker.pid for worker in loader._mixer._source._workers]
+    assert len(torch_shm_maps()) > len(before)  # the rings are mapped mid-epoch
+    del iterator, loader
+    gc.collect()
+    assert torch_shm_maps() == before
+    assert shm_files_of([os.getpid(), *pids]) == []
+
+
+KILL_SCRIPT = """
+import gc, json, os, signal, sys
+sys.path.insert(0, {repo!r})
+from shardkit import MixedLoader
+from tests.test_loader_slabs import Samples, torch_shm_maps
+
+before = torch_shm_maps()
+loader = MixedLoader(Samples([40, 40], pause_after=20), 4, num_workers=2, timeout=30)
+iterator = iter(loader)
+for _ in range(3):
+    next(iterator)
+pids = [worker.pid for worker in loader._mixer._source._workers]
+error = ""
+try:
+    os.kill(pids[1], signal.SIGKILL)
+    for _ in iterator:
+        pass
+except (RuntimeError, ConnectionError) as caught:
+    error = f"{{type(caught).__name__}}: {{caught}}"
+    del caught
+del iterator, loader
+gc.collect()
+print(json.dumps({{"error": error, "pid": os.getpid(), "pids": pids, "before": before, "after": torch_shm_maps()}}))
+"""
+
+
+@pytest.mark.slow
+def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path) -> None:
+    # In a process of its own: DataLoader's SIGCHLD handler may raise at any later point.
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT.format(repo=str(REPO)))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    # DataLoader reports the death from its SIGCHLD handler or its next read; or, when the
+    # dead worker's message was passing a file descriptor, the receiving end fails.
+    dead = rf"RuntimeError: DataLoader worker \(pid(\(s\))? {report['pids'][1]}\) (is killed|exited)"
+    assert re.match(dead, report["error"]) or report["error"].startswith("ConnectionResetError"), report["error"]
+    assert report["after"] == report["before"]
+    assert shm_files_of([report["pid"], *report["pids"]]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch_factor", [None, 1, 4])
+def test_any_prefetch_factor_sizes_the_ring(prefetch_factor: int | None) -> None:
+    loader = MixedLoader(Samples([9, 14]), 4, num_workers=2, prefetch_factor=prefetch_factor)
+    assert loader._loader.dataset.slots == 3 + (prefetch_factor or 2)
+    batches, used = collect(loader)
+    assert used
+    check_batches(batches, [9, 14], 4)
