@@ -1,0 +1,386 @@
+"""WebDataset tar shards: samples grouped by key, read with our own header parser.
+
+A tar file is a sequence of 512-byte headers, each followed by its member's
+data padded to 512 bytes, ended by two zero blocks. As in WebDataset, the
+regular files whose paths share everything up to the first dot of the
+basename form one sample, ``{"__key__": key, "__url__": url, ext: bytes, ...}``
+(extensions lowercased; ``__*__`` meta members, directories and links are
+skipped); a sample is a record. Tars written by ``webdataset.TarWriter``,
+``tarfile`` (ustar, GNU and pax formats) and GNU ``tar`` are read, and
+:class:`TarWriter` writes ustar tars those read back byte-for-byte.
+
+Why not ``tarfile``: it builds a ``TarInfo`` object per member through a
+chain of Python calls, which is most of WebDataset's time on small samples.
+Here a header is sliced from a block read with one ``os.pread`` (local files)
+or one ranged read (remote, gzip), its checksum checked, its name and size
+parsed, and the data sliced from the same block (measured in
+``benchmarks/formats.py``).
+
+Trust nothing: every header's checksum is checked; a bad one, a size that
+runs past the end of the file, or a file that ends inside a member or
+without the end-of-archive marker raises :class:`~shardkit.CorruptRecordError`
+naming the sample index and the header's byte offset (``framing_intact`` is
+false: after a bad header the next one cannot be found, except through an
+index). An index (``shardkit index``) stores the byte offset of each
+sample's first header and the tar's size; it is checked when used (size,
+ascending offsets, a valid header at the last offset), so counts need no
+scan and a range starts with a seek. Gzip-compressed tars are streamed;
+their counts and ranges come from a scan (they cannot seek).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import tarfile
+import time
+from collections.abc import Iterator
+from typing import Any, Final
+
+import numpy as np
+from fsspec.implementations.local import LocalFileOpener
+
+from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.base import load_offsets, write_offsets
+from shardkit.formats.index import IndexFileError, index_path_for
+from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
+
+__all__ = ["TarFormat", "TarWriter"]
+
+INDEX_MAGIC: Final = b"SKTARIX1"
+_BLOCK: Final = 512
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_META = re.compile(r"__[^/]*__($|/)")
+_REGULAR: Final = (b"0", b"\0", b"7")
+_SKIPPED: Final = (b"1", b"2", b"3", b"4", b"5", b"6", b"g", b"V", b"M", b"N", b"S", b"D")
+
+
+def _checksum_ok(header: bytes) -> bool:
+    """The header checksum: the sum of its bytes with the checksum field read as spaces (unsigned or signed)."""
+    try:
+        stored = int(header[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
+    except ValueError:
+        return False
+    unsigned = sum(header) - sum(header[148:156]) + 256
+    if stored == unsigned:
+        return True
+    signed = unsigned - 2 * sum(b for b in header if b > 127) + 2 * sum(b for b in header[148:156] if b > 127)
+    return stored == signed
+
+
+def _size_of(header: bytes) -> int:
+    field = header[124:136]
+    if field[0] & 0x80:  # GNU base-256 for sizes of 8 GB and more
+        return int.from_bytes(field[1:], "big")
+    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+
+
+def _name_of(header: bytes) -> str:
+    name = header[0:100].split(b"\0", 1)[0]
+    if header[257:262] == b"ustar" and header[345] != 0 and header[257:265] != b"ustar  \0":
+        name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The ``path`` record of a pax extended header, if any (records are ``"<len> key=value\\n"``)."""
+    pos = 0
+    found = None
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        length = int(data[pos:space])
+        if length <= 0:
+            break
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        if key == b"path":
+            found = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return found
+
+
+class _Blocks:
+    """A window over the tar's bytes: ``need(n)`` makes ``n`` bytes available from ``pos``."""
+
+    __slots__ = ("buf", "pos", "base", "_fd", "_stream", "_eof", "_opened_size")
+
+    def __init__(self, source: Any, offset: int) -> None:
+        self.buf = b""
+        self.pos = 0
+        self.base = offset  # stream offset of buf[0]
+        self._fd = source.fileno() if isinstance(source, LocalFileOpener) else None
+        self._stream = None if self._fd is not None else source
+        self._eof = False
+        self._opened_size = os.fstat(self._fd).st_size if self._fd is not None else None
+
+    @property
+    def offset(self) -> int:
+        return self.base + self.pos
+
+    def need(self, n: int) -> bool:
+        """Whether ``n`` bytes are available at ``pos`` (reading more as needed); False at the end."""
+        while len(self.buf) - self.pos < n and not self._eof:
+            want = max(BLOCK_SIZE, n - (len(self.buf) - self.pos))
+            chunk = os.pread(self._fd, want, self.base + len(self.buf)) if self._fd is not None else self._stream.read(want)
+            if not chunk:
+                self._eof = True
+                break
+            self.base += self.pos
+            self.buf = self.buf[self.pos :] + chunk
+            self.pos = 0
+        return len(self.buf) - self.pos >= n
+
+    def shrank(self) -> int | None:
+        """The file's size now, if it is a local file smaller than when it was opened."""
+        if self._fd is None:
+            return None
+        size = os.fstat(self._fd).st_size
+        return size if size < self._opened_size else None  # type: ignore[operator]
+
+
+class _Parser:
+    """Walks the headers of one tar from a sample boundary and yields samples."""
+
+    def __init__(self, url: str, blocks: _Blocks, first: int, compressed: bool) -> None:
+        self.url = url
+        self.blocks = blocks
+        self.index = first  # index of the next sample
+        self.compressed = compressed
+
+    def error(self, offset: int, reason: str) -> CorruptRecordError:
+        if self.compressed:
+            reason += " (offset in the uncompressed gzip stream)"
+        return CorruptRecordError(self.url, self.index, offset, reason)
+
+    def members(self) -> Iterator[tuple[str, int, bytes]]:
+        """(name, offset of its first header, data) of each regular member, to the end-of-archive marker."""
+        blocks = self.blocks
+        long_name: str | None = None
+        start: int | None = None
+        while True:
+            try:
+                if not blocks.need(_BLOCK):
+                    raise self._truncated(blocks.offset, "the file ends without the end-of-archive marker")
+            except CompressedStreamError as error:
+                raise self.error(blocks.offset, error.reason) from None
+            at = blocks.offset
+            header = blocks.buf[blocks.pos : blocks.pos + _BLOCK]
+            if header == b"\0" * _BLOCK:
+                return
+            if not _checksum_ok(header):
+                raise self.error(at, f"tar header checksum mismatch (header bytes {header[:16]!r}...)")
+            size = _size_of(header)
+            padded = _BLOCK + -(-size // _BLOCK) * _BLOCK
+            try:
+                if not blocks.need(padded):
+                    raise self._truncated(at, f"the file ends inside the member {_name_of(header)!r} of {size} bytes")
+            except CompressedStreamError as error:
+                raise self.error(at, error.reason) from None
+            data = blocks.buf[blocks.pos + _BLOCK : blocks.pos + _BLOCK + size]
+            blocks.pos += padded
+            kind = header[156:157]
+            start = at if start is None else start
+            if kind in (b"L", b"x"):
+                long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") if kind == b"L" else _pax_path(data)
+                continue
+            name = long_name or _name_of(header)
+            long_name = None
+            if kind in _REGULAR:
+                yield name, start, data
+            elif kind not in _SKIPPED and kind != b"K":
+                raise self.error(at, f"unknown tar member type {kind!r} for {name!r}")
+            start = None
+
+    def _truncated(self, offset: int, reason: str) -> CorruptRecordError:
+        shrank = self.blocks.shrank()
+        if shrank is not None:
+            reason += f" (the file shrank to {shrank} bytes while being read)"
+        return self.error(offset, reason)
+
+    def samples(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(offset of its first header, sample) for each sample, grouped as WebDataset does."""
+        sample: dict[str, Any] | None = None
+        sample_at = -1
+        for name, at, data in self.members():
+            if "/" not in name and name.startswith("__") and name.endswith("__") or _META.match(name):
+                continue
+            match = _KEY.match(name)
+            if match is None:
+                continue
+            key, ext = match.group(1), match.group(2).lower()
+            if sample is None or key != sample["__key__"]:
+                if sample is not None:
+                    yield sample_at, sample
+                    self.index += 1
+                sample, sample_at = {"__key__": key, "__url__": self.url}, at
+            if ext in sample:
+                raise self.error(at, f"duplicate member {name!r} in the sample {key!r}")
+            sample[ext] = data
+        if sample is not None:
+            yield sample_at, sample
+            self.index += 1
+
+
+class TarFormat:
+    """WebDataset tar shards (``.tar``, ``.tar.gz``/``.tgz``): a record is a sample.
+
+    Args:
+        compression: ``"auto"`` (gzip when the file starts with its magic),
+            ``None`` or ``"gzip"``.
+        index: use a tar index beside the shard (``shardkit index``) to count
+            and to seek to a range's first sample.
+        storage_options: fsspec options.
+    """
+
+    name = "tar"
+    suffixes = (".tar.gz", ".tgz", ".tar")
+
+    def __init__(self, *, compression: str | None = "auto", index: bool = True, storage_options: dict[str, Any] | None = None) -> None:
+        if compression not in ("auto", None, "gzip"):
+            raise ShardkitError(f"tar compression must be 'auto', None or 'gzip', got {compression!r}")
+        self.compression = compression
+        self.index = index
+        self.storage_options = storage_options
+
+    def __repr__(self) -> str:
+        return f"TarFormat(compression={self.compression!r}, index={self.index})"
+
+    def sniff(self, head: bytes) -> bool:
+        if head[:2] == b"\x1f\x8b":
+            return False  # any gzip stream: decided by the suffix
+        return len(head) >= _BLOCK and head[257:262] == b"ustar" and _checksum_ok(head[:_BLOCK])
+
+    def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[dict[str, Any]]:
+        """Samples ``[start, stop)`` of the tar at ``url``."""
+        if start < 0 or (stop is not None and stop < start):
+            raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
+        return self._read(url, start, stop)
+
+    def _read(self, url: str, start: int, stop: int | None) -> Iterator[dict[str, Any]]:
+        if stop is not None and stop <= start:
+            return
+        raw = open_raw(url, "rb", self.storage_options)
+        try:
+            compressed = self._compressed(raw)
+            offsets = self._offsets(url) if start and not compressed else None
+            first = start if offsets is not None else 0
+            if offsets is not None:
+                if start >= len(offsets):  # the index says the file has no sample `start`
+                    return
+                raw.seek(int(offsets[start]))
+            offset = int(offsets[start]) if offsets is not None else 0
+            source = open_input(url, "gzip", raw=raw) if compressed else raw
+            parser = _Parser(url, _Blocks(source, offset), first, compressed)
+            for _, sample in parser.samples():
+                index = parser.index
+                if index >= start:
+                    yield sample
+                    if stop is not None and index + 1 >= stop:
+                        return
+        finally:
+            raw.close()
+
+    def _compressed(self, raw: Any) -> bool:
+        if self.compression != "auto":
+            return self.compression == "gzip"
+        compressed = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        return compressed
+
+    def _offsets(self, url: str) -> np.ndarray | None:
+        if not self.index or self.compression == "gzip" or url.lower().endswith((".gz", ".tgz")):
+            return None
+        offsets = load_offsets(url, INDEX_MAGIC, self.storage_options)
+        if offsets is not None and len(offsets):
+            with open_raw(url, "rb", self.storage_options) as f:
+                f.seek(int(offsets[-1]))
+                header = f.read(_BLOCK)
+            if len(header) < _BLOCK or not _checksum_ok(header):
+                raise IndexFileError(url, index_path_for(url), f"no tar header at its last offset {int(offsets[-1])}")
+        return offsets
+
+    def count(self, url: str) -> int:
+        """Samples in ``url``: from its index when there is a valid one, else a header scan."""
+        try:
+            offsets = self._offsets(url)
+        except IndexFileError as error:
+            import warnings
+
+            warnings.warn(f"{error}; counting its samples by a scan instead", stacklevel=2)
+            offsets = None
+        if offsets is not None:
+            return len(offsets)
+        return len(self.scan(url))
+
+    def scan(self, url: str) -> np.ndarray:
+        """Byte offset of each sample's first header (in the uncompressed stream), checking every header."""
+        raw = open_raw(url, "rb", self.storage_options)
+        try:
+            compressed = self._compressed(raw)
+            source = open_input(url, "gzip", raw=raw) if compressed else raw
+            parser = _Parser(url, _Blocks(source, 0), 0, compressed)
+            return np.array([at for at, _ in parser.samples()], dtype=np.int64)
+        finally:
+            raw.close()
+
+    def build_index(self, url: str) -> str | None:
+        """Write the tar index of ``url`` beside it (``url + ".idx"``) and return its path."""
+        with open_raw(url, "rb", self.storage_options) as f:
+            if f.read(2) == b"\x1f\x8b":
+                raise ShardkitError(f"{url}: a gzip-compressed tar cannot seek, so it gets no index; its samples are counted by a scan")
+        offsets = self.scan(url)
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
+        return write_offsets(index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
+
+    def writer(self, url: str) -> TarWriter:
+        return TarWriter(url, storage_options=self.storage_options)
+
+
+class TarWriter:
+    """Write WebDataset samples (``{"__key__": key, ext: bytes | str, ...}``) to a tar at any fsspec URL.
+
+    Members are ``<key>.<ext>`` in ustar format (with a pax header for long
+    names), mode 0o444 and mtime fixed, so the same samples make the same bytes.
+    """
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, mtime: float | None = None) -> None:
+        self.url = url
+        self.num_records = 0
+        self.num_bytes = 0
+        self._mtime = time.time() if mtime is None else mtime
+        self._raw = open_raw(url, "wb", storage_options)
+        self._tar: tarfile.TarFile | None = tarfile.open(fileobj=self._raw, mode="w|", format=tarfile.PAX_FORMAT)
+
+    def write(self, sample: dict[str, Any]) -> None:
+        if self._tar is None:
+            raise ShardkitError(f"{self.url}: write() on a closed TarWriter")
+        key = sample.get("__key__")
+        if not isinstance(key, str) or not key or "." in key.rsplit("/", 1)[-1]:
+            raise ShardkitError(f"a tar sample needs a '__key__' string without a dot in its basename, got {key!r}")
+        for ext, value in sample.items():
+            if ext.startswith("__"):
+                continue
+            data = value.encode() if isinstance(value, str) else bytes(value)
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mode, info.mtime = len(data), 0o444, int(self._mtime)
+            self._tar.addfile(info, io.BytesIO(data))
+            self.num_bytes += len(data)
+        self.num_records += 1
+
+    def close(self) -> None:
+        if self._tar is not None:
+            tar, self._tar = self._tar, None
+            try:
+                tar.close()
+            finally:
+                self._raw.close()
+
+    def __enter__(self) -> TarWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
