@@ -11,8 +11,11 @@ column to numpy array: no Python object per row. Plans, exactly-once and
 resuming then count batches: a file of ``n`` rows holds ``ceil(n / b)``
 records. Measured in ``benchmarks/formats.py``.
 
-Trust nothing: a footer that cannot be read, or a row group that does not
-decode (pyarrow reports a bad page, a bad length, a truncated file) raises
+Trust nothing: page CRCs are checked where the file has them (:class:`ParquetWriter`
+writes them; many writers do not, and then a flipped value byte goes
+unseen: Parquet has no other checksum). A footer that cannot be read, or a
+row group that does not decode (a bad page CRC, a bad length, a truncated
+page) raises
 :class:`~shardkit.CorruptRecordError` naming the url, the first record of the
 row group and the row group's byte offset, after the rows before it.
 ``framing_intact`` is false: under ``on_error="skip"`` the rest of the range
@@ -76,7 +79,8 @@ class ParquetFormat:
 
         raw = open_raw(url, "rb", self.storage_options)
         try:
-            return raw, pq.ParquetFile(raw)
+            # Page CRCs, where the writer stored them (ParquetWriter here does), are checked.
+            return raw, pq.ParquetFile(raw, page_checksum_verification=True)
         except Exception as error:
             raw.close()
             raise CorruptRecordError(url, 0, -1, f"the Parquet footer cannot be read ({type(error).__name__}: {error})") from None
@@ -209,7 +213,7 @@ class ParquetWriter:
             return
         table = pa.Table.from_pylist(self._rows, schema=None if self._writer is None else self._writer.schema)
         if self._writer is None:
-            self._writer = pq.ParquetWriter(self._raw, table.schema)
+            self._writer = pq.ParquetWriter(self._raw, table.schema, write_page_checksum=True)
         self._writer.write_table(table)
         self.num_bytes += table.nbytes
         self._rows = []
