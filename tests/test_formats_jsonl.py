@@ -208,3 +208,20 @@ def test_s3_round_trip_over_two_ranks(s3_server):
     assert list(fmt.read(urls[1], 3, 5)) == [row(n) for n in range(10, 12)]
     make = make_dataset(f"{bucket}/part-*.jsonl", balance="pad", storage_options=options)
     assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_ids([7, 12, 5]), "pad")
+
+
+def test_a_bad_line_far_in_is_located_by_line_number_and_byte_offset(tmp_path):
+    (url,) = write_shards(str(tmp_path), [1200])
+    offset = corrupt_line(url, 1000)
+    with pytest.raises(CorruptRecordError, match=rf"record 1000 at byte offset {offset}: line 1001 is not valid JSON"):
+        list(JsonlFormat().read(url))
+    assert [r["id"] for r in JsonlFormat().read(url, 990, 1000)] == all_ids([1000])[990:]
+
+
+def test_deep_nesting_and_bad_utf8_are_corrupt_records_not_crashes(tmp_path):
+    url = tmp_path / "deep.jsonl"
+    url.write_bytes(b'{"id": 0}\n' + b"[" * 100_000 + b"]" * 100_000 + b'\n"\xff\xfe"\n{"id": 3}\n')
+    lenient = JsonlDataset([str(url)], balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping record 1 .*RecursionError"):
+        assert [r["id"] for r in lenient] == [0, 3]
+    assert lenient.stats().skipped.tolist() == [2]

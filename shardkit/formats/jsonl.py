@@ -99,6 +99,36 @@ class _Lines:
             yield pos - len(data), data[:cut].split(b"\n")
 
 
+_CHUNK: Final = 512
+"""Lines parsed by one ``map(json.loads, ...)``: no Python frame per line where none is blank or bad."""
+
+
+def _parse_all(lines: list[bytes]) -> list[Any] | None:
+    """Every line parsed, or None if one is blank or not JSON (the caller then goes line by line)."""
+    try:
+        return list(map(json.loads, lines))
+    except (ValueError, RecursionError):
+        return None
+
+
+class _Position:
+    """Where reading is: the next record, the byte offset of the next line, its line number (None: unknown)."""
+
+    __slots__ = ("record", "at", "line")
+
+    def __init__(self, record: int, line: int | None) -> None:
+        self.record = record
+        self.at = 0
+        self.line = line
+
+    def passed(self, lines: list[bytes]) -> None:
+        """Past ``lines``, none of them blank."""
+        self.record += len(lines)
+        self.at += sum(map(len, lines)) + len(lines)
+        if self.line is not None:
+            self.line += len(lines)
+
+
 class JsonlFormat:
     """JSON lines shards (``.jsonl``, ``.ndjson``, ``.json``, with ``.gz`` or ``.zst``): a record is a line.
 
@@ -150,35 +180,50 @@ class JsonlFormat:
             raw.close()
 
     def _records(self, url: str, lines: _Lines, record: int, start: int, stop: int | None, compression: str | None) -> Iterator[Any]:
-        loads = json.loads
-        line_number = None if record else 0  # line numbers are known when reading from the file's start
+        pos = _Position(record, None if record else 0)  # line numbers are known when reading from the file's start
         try:
             for at, block in lines.blocks():
-                for line in block:
-                    if line_number is not None:
-                        line_number += 1
-                    if not line.strip():
-                        at += len(line) + 1
-                        continue
-                    if record >= start:
-                        try:
-                            value = loads(line)
-                        except ValueError as error:
-                            raise self._bad(url, record, at, line, line_number, error, compression) from None
-                        yield value
-                        if stop is not None and record + 1 >= stop:
-                            return
-                    record += 1
-                    at += len(line) + 1
+                pos.at = at
+                for i in range(0, len(block), _CHUNK):
+                    chunk = block[i : i + _CHUNK]
+                    values = _parse_all(chunk) if pos.record >= start else None
+                    if values is None:  # lines to pass over, a blank line or a bad one: line by line
+                        yield from self._line_by_line(url, chunk, pos, start, stop, compression)
+                    else:
+                        pos.passed(chunk)
+                        if stop is not None and pos.record >= stop:
+                            values = values[: len(values) - (pos.record - stop)]
+                        yield from values
+                    if stop is not None and pos.record >= stop:
+                        return
         except CompressedStreamError as error:
-            raise CorruptRecordError(url, record, -1, f"{error.reason}; reading record {record}") from None
+            raise CorruptRecordError(url, pos.record, -1, f"{error.reason}; reading record {pos.record}") from None
+
+    def _line_by_line(
+        self, url: str, chunk: list[bytes], pos: _Position, start: int, stop: int | None, compression: str | None
+    ) -> Iterator[Any]:
+        """The records of ``chunk`` from record ``start`` to ``stop``: blank lines passed over, a bad line raised."""
+        for line in chunk:
+            if pos.line is not None:
+                pos.line += 1
+            if line.strip():
+                if pos.record >= start:
+                    try:
+                        value = json.loads(line)
+                    except (ValueError, RecursionError) as error:
+                        raise self._bad(url, pos.record, pos.at, line, pos.line, error, compression) from None
+                    yield value
+                pos.record += 1
+                if stop is not None and pos.record >= stop:
+                    return
+            pos.at += len(line) + 1
 
     def _bad(self, url: str, record: int, at: int, line: bytes, line_number: int | None, error: ValueError, compression: str | None) -> CorruptRecordError:
         if compression is None:
             self._hint = ResumeHint(url, record + 1, at + len(line) + 1)
         where = f"line {line_number}" if line_number is not None else "its line"
         note = f" (offset in the uncompressed {compression} stream)" if compression else ""
-        reason = f"{where} is not valid JSON ({type(error).__name__}: {error}){note}: {line[:60]!r}"
+        reason = f"{where} is not valid JSON ({type(error).__name__}: {str(error)[:200]}){note}: {line[:60]!r}"
         return CorruptRecordError(url, record, at, reason, framing_intact=True)
 
     def _compression(self, raw: Any) -> str | None:
