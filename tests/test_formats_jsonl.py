@@ -225,3 +225,16 @@ def test_deep_nesting_and_bad_utf8_are_corrupt_records_not_crashes(tmp_path):
     with pytest.warns(UserWarning, match="skipping record 1 .*RecursionError"):
         assert [r["id"] for r in lenient] == [0, 3]
     assert lenient.stats().skipped.tolist() == [2]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_shard_writer_writes_jsonl_shards_and_a_manifest(tmp_path, suffix):
+    with shardkit.ShardWriter(str(tmp_path / f"rows-%03d{suffix}"), max_records=12) as writer:
+        for n in range(30):
+            writer.write(row(n))
+    assert writer.shards.num_records.tolist() == [12, 12, 6]
+    opener = gzip.open if suffix.endswith(".gz") else open
+    with opener(writer.shards[2], "rt") as f:
+        assert [json.loads(line) for line in f] == [row(n) for n in range(24, 30)]
+    manifest = shardkit.ShardList.from_manifest(str(tmp_path / "rows.manifest.arrow"))
+    assert [r["id"] for r in JsonlDataset(manifest, balance="none")] == all_ids([30])

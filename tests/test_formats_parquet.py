@@ -214,3 +214,15 @@ def test_s3_round_trip_over_two_ranks(s3_server):
     assert list(fmt.read(urls[1], 3, 9)) == [row(n) for n in range(10, 16)]
     make = make_dataset(f"{bucket}/part-*.parquet", balance="pad", storage_options=options)
     assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_ids([7, 12, 5]), "pad")
+
+
+def test_shard_writer_writes_parquet_shards_and_a_manifest(tmp_path):
+    with shardkit.ShardWriter(str(tmp_path / "rows-%03d.parquet"), max_records=12) as writer:
+        for n in range(30):
+            writer.write(row(n))
+    assert writer.shards.num_records.tolist() == [12, 12, 6]
+    assert [r for url in writer.shards for r in pq.read_table(url).to_pylist()] == [row(n) for n in range(30)]
+    manifest = shardkit.ShardList.from_manifest(str(tmp_path / "rows.manifest.arrow"))
+    assert [r["id"] for r in ParquetDataset(manifest, balance="none")] == all_ids([30])
+    batches = list(ParquetDataset(manifest, balance="none", batch_size=5))
+    assert [len(b["id"]) for b in batches] == [5, 5, 2, 5, 5, 2, 5, 1]  # counts from the manifest are rows

@@ -248,3 +248,18 @@ def test_s3_round_trip_over_two_ranks(s3_server):
     assert list(fmt.read(urls[1], 3, 5)) == list(fmt.read(urls[1]))[3:5]
     make = make_dataset(f"{bucket}/part-*.tar", balance="none", storage_options=options)
     assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_keys([7, 12, 5]), "none")
+
+
+def test_shard_writer_rolls_tars_over_and_writes_a_manifest_webdataset_agrees_with(tmp_path):
+    with shardkit.ShardWriter(str(tmp_path / "out-%03d.tar"), max_records=7) as writer:
+        for n in range(20):
+            writer.write(sample(n))
+    shards = writer.shards
+    assert shards.num_records.tolist() == [7, 7, 6]
+    assert [s for url in shards for s in webdataset_samples(url)] == [s for url in shards for s in TarFormat().read(url)]
+    manifest = shardkit.ShardList.from_manifest(str(tmp_path / "out.manifest.arrow"))
+    assert [s["__key__"] for s in TarDataset(manifest, balance="none")] == all_keys([20])
+    with shardkit.ShardWriter(str(tmp_path / "b-%03d.tar"), max_bytes=6000) as writer:
+        for n in range(20):
+            writer.write(sample(n))
+    assert sum(writer.shards.num_records) == 20 and len(writer.shards) > 2

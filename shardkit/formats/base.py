@@ -167,7 +167,8 @@ def _builtins() -> None:
     from shardkit.formats.tar import TarFormat
     from shardkit.formats.tfrecord import TFRecordFormat
 
-    for fmt in (TarFormat(), ParquetFormat(), JsonlFormat(), TFRecordFormat()):
+    # Sniffed in this order: checksummed magic first, JSON's weak "starts with { or [" last.
+    for fmt in (TFRecordFormat(), ParquetFormat(), TarFormat(), JsonlFormat()):
         _REGISTRY.setdefault(fmt.name, fmt)
 
 

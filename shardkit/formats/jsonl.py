@@ -311,20 +311,24 @@ class JsonlFormat:
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
         return write_offsets(index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
 
-    def writer(self, url: str) -> JsonlWriter:
-        return JsonlWriter(url, storage_options=self.storage_options)
+    def writer(self, url: str, *, name: str | None = None) -> JsonlWriter:
+        """A writer of JSON values to ``url``, gzip-compressed when ``name`` (default ``url``) ends with ``.gz``."""
+        gzip = (name or url).lower().endswith(".gz") or self.compression == "gzip"
+        return JsonlWriter(url, compression="gzip" if gzip else None, storage_options=self.storage_options)
 
 
 class JsonlWriter:
-    """Write JSON values one per line (gzip-compressed when ``url`` ends with ``.gz``)."""
+    """Write JSON values one per line (``compression``: None or ``"gzip"``; by default, gzip when ``url`` ends with ``.gz``)."""
 
-    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, *, compression: str | None = "auto", storage_options: dict[str, Any] | None = None) -> None:
         from shardkit.formats.io import open_output
 
         self.url = url
         self.num_records = 0
         self.num_bytes = 0
-        self._sink: Any = open_output(url, "gzip" if url.lower().endswith(".gz") else None, storage_options)
+        if compression == "auto":
+            compression = "gzip" if url.lower().endswith(".gz") else None
+        self._sink: Any = open_output(url, compression, storage_options)
 
     def write(self, value: Any) -> None:
         if self._sink is None:

@@ -171,7 +171,8 @@ class ParquetFormat:
         if have:
             yield _numpy(pa.concat_tables(pending) if len(pending) > 1 else pending[0])
 
-    def writer(self, url: str) -> ParquetWriter:
+    def writer(self, url: str, *, name: str | None = None) -> ParquetWriter:
+        """A writer of rows to ``url`` (``name``: the name it will be renamed to; unused)."""
         return ParquetWriter(url, storage_options=self.storage_options)
 
 

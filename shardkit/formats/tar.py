@@ -336,7 +336,8 @@ class TarFormat:
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
         return write_offsets(index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
 
-    def writer(self, url: str) -> TarWriter:
+    def writer(self, url: str, *, name: str | None = None) -> TarWriter:
+        """A writer of samples to ``url`` (``name``: the name it will be renamed to; unused)."""
         return TarWriter(url, storage_options=self.storage_options)
 
 
@@ -368,7 +369,7 @@ class TarWriter:
             info = tarfile.TarInfo(f"{key}.{ext}")
             info.size, info.mode, info.mtime = len(data), 0o444, int(self._mtime)
             self._tar.addfile(info, io.BytesIO(data))
-            self.num_bytes += len(data)
+            self.num_bytes += 512 + -(-len(data) // 512) * 512  # header and padded data
         self.num_records += 1
 
     def close(self) -> None:

@@ -666,6 +666,6 @@ class TFRecordFormat:
 
         return build_index(url, compression=self.compression, storage_options=self.storage_options)
 
-    def writer(self, url: str) -> TFRecordWriter:
+    def writer(self, url: str, *, name: Optional[str] = None) -> TFRecordWriter:
         compression = self.compression if self.compression in ("gzip", "zlib") else None
         return TFRecordWriter(url, compression, self.storage_options)
