@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import subprocess
 import tarfile
 
 import pytest
 import webdataset as wds
+from hypothesis import given
+from hypothesis import strategies as st
 
 import shardkit
 from shardkit import CorruptRecordError, TarDataset
 from shardkit.formats.base import format_for
 from shardkit.formats.index import IndexFileError
-from shardkit.formats.tar import TarFormat, TarWriter
+from shardkit.formats.tar import TarFormat, TarWriter, _split_key
 from tests.helpers import assert_split, ids_per_rank, sample_id
 from tests.test_resume import Run, check_resume
 
@@ -263,3 +266,24 @@ def test_shard_writer_rolls_tars_over_and_writes_a_manifest_webdataset_agrees_wi
         for n in range(20):
             writer.write(sample(n))
     assert sum(writer.shards.num_records) == 20 and len(writer.shards) > 2
+
+
+@given(st.text(alphabet="ab./\nXé", max_size=14))
+def test_keys_split_as_webdatasets_regex_splits_them(name):
+    match = re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)
+    assert _split_key(name) == (None if match is None else (match.group(1), match.group(2).lower()))
+
+
+def test_a_size_field_that_lies_costs_no_memory_and_is_a_located_error(tmp_path):
+    (url,) = write_shards(str(tmp_path), [4])
+    offset = header_offsets(url)[2]  # the header of sample 0's third member
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        header = bytearray(f.read(512))
+        header[124:136] = b"\x80" + (2**60).to_bytes(11, "big")  # GNU base-256: an exabyte member
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        f.seek(offset)
+        f.write(header)
+    with pytest.raises(CorruptRecordError, match=rf"record 0 at byte offset {offset}: the file ends inside the member"):
+        list(TarFormat().read(url))

@@ -53,19 +53,24 @@ _BLOCK: Final = 512
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _META = re.compile(r"__[^/]*__($|/)")
 _REGULAR: Final = (b"0", b"\0", b"7")
+_ZEROS: Final = bytes(_BLOCK)
 _SKIPPED: Final = (b"1", b"2", b"3", b"4", b"5", b"6", b"g", b"V", b"M", b"N", b"S", b"D")
 
 
 def _checksum_ok(header: bytes) -> bool:
-    """The header checksum: the sum of its bytes with the checksum field read as spaces (unsigned or signed)."""
+    """The header checksum: the sum of its bytes with the checksum field read as spaces (unsigned or signed).
+
+    Zero bytes add nothing, so the long runs of them at the ends of the fields are stripped before summing.
+    """
+    field = header[148:156]
     try:
-        stored = int(header[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
+        stored = int(field.replace(b"\0", b" ") or b"x", 8)
     except ValueError:
         return False
-    unsigned = sum(header) - sum(header[148:156]) + 256
+    unsigned = sum(header[:148].rstrip(b"\0")) + sum(header[156:].rstrip(b"\0")) + 256
     if stored == unsigned:
         return True
-    signed = unsigned - 2 * sum(b for b in header if b > 127) + 2 * sum(b for b in header[148:156] if b > 127)
+    signed = unsigned - 2 * sum(b for b in header if b > 127) + 2 * sum(b for b in field if b > 127)
     return stored == signed
 
 
@@ -85,6 +90,8 @@ def _name_of(header: bytes) -> str:
 
 def _pax_path(data: bytes) -> str | None:
     """The ``path`` record of a pax extended header, if any (records are ``"<len> key=value\\n"``)."""
+    if b" path=" not in data:  # most pax headers carry only times (webdataset's TarWriter: mtime)
+        return None
     pos = 0
     found = None
     while pos < len(data):
@@ -99,6 +106,21 @@ def _pax_path(data: bytes) -> str | None:
             found = value.decode("utf-8", "surrogateescape")
         pos += length
     return found
+
+
+def _split_key(name: str) -> tuple[str, str] | None:
+    """(key, lowercased extension): the path up to the first dot of the basename, and the rest.
+
+    WebDataset's ``^((?:.*/|)[^.]+)[.]([^/]*)$``, without the regex in the
+    common case; the regex decides the odd ones (a basename without a dot or
+    starting with one, a newline in the name).
+    """
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    if dot <= slash + 1 or "\n" in name:
+        match = _KEY.match(name)
+        return None if match is None else (match.group(1), match.group(2).lower())
+    return name[:dot], name[dot + 1 :].lower()
 
 
 class _Blocks:
@@ -123,7 +145,11 @@ class _Blocks:
         """Whether ``n`` bytes are available at ``pos`` (reading more as needed); False at the end."""
         while len(self.buf) - self.pos < n and not self._eof:
             want = max(BLOCK_SIZE, n - (len(self.buf) - self.pos))
-            chunk = os.pread(self._fd, want, self.base + len(self.buf)) if self._fd is not None else self._stream.read(want)
+            if self._fd is not None:  # never ask pread for more than the file holds: a size field may lie
+                want = min(want, max(0, os.fstat(self._fd).st_size - self.base - len(self.buf)))
+                chunk = os.pread(self._fd, want, self.base + len(self.buf)) if want else b""
+            else:
+                chunk = self._stream.read(min(want, BLOCK_SIZE))
             if not chunk:
                 self._eof = True
                 break
@@ -155,35 +181,38 @@ class _Parser:
         return CorruptRecordError(self.url, self.index, offset, reason)
 
     def members(self) -> Iterator[tuple[str, int, bytes]]:
-        """(name, offset of its first header, data) of each regular member, to the end-of-archive marker."""
+        """(name, offset of its first header, data) of each regular member, to the end-of-archive marker.
+
+        Every sample's path runs through this loop, hence the locals and the
+        inline checks of what is in the window before calling ``need``.
+        """
         blocks = self.blocks
         long_name: str | None = None
-        start: int | None = None
+        start = -1
         while True:
-            try:
-                if not blocks.need(_BLOCK):
-                    raise self._truncated(blocks.offset, "the file ends without the end-of-archive marker")
-            except CompressedStreamError as error:
-                raise self.error(blocks.offset, error.reason) from None
-            at = blocks.offset
-            header = blocks.buf[blocks.pos : blocks.pos + _BLOCK]
-            if header == b"\0" * _BLOCK:
+            pos = blocks.pos
+            if len(blocks.buf) - pos < _BLOCK:
+                self._need(_BLOCK, blocks.offset, "the file ends without the end-of-archive marker")
+                pos = blocks.pos
+            buf = blocks.buf
+            header = buf[pos : pos + _BLOCK]
+            at = blocks.base + pos
+            if header == _ZEROS:
                 return
             if not _checksum_ok(header):
                 raise self.error(at, f"tar header checksum mismatch (header bytes {header[:16]!r}...)")
             size = _size_of(header)
             padded = _BLOCK + -(-size // _BLOCK) * _BLOCK
-            try:
-                if not blocks.need(padded):
-                    raise self._truncated(at, f"the file ends inside the member {_name_of(header)!r} of {size} bytes")
-            except CompressedStreamError as error:
-                raise self.error(at, error.reason) from None
-            data = blocks.buf[blocks.pos + _BLOCK : blocks.pos + _BLOCK + size]
-            blocks.pos += padded
+            if len(buf) - pos < padded:
+                self._need(padded, at, f"the file ends inside the member {_name_of(header)!r} of {size} bytes")
+                pos, buf = blocks.pos, blocks.buf
+            data = buf[pos + _BLOCK : pos + _BLOCK + size]
+            blocks.pos = pos + padded
             kind = header[156:157]
-            start = at if start is None else start
-            if kind in (b"L", b"x"):
-                long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") if kind == b"L" else _pax_path(data)
+            if start < 0:
+                start = at
+            if kind == b"x" or kind == b"L":
+                long_name = _pax_path(data) if kind == b"x" else data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
                 continue
             name = long_name or _name_of(header)
             long_name = None
@@ -191,7 +220,15 @@ class _Parser:
                 yield name, start, data
             elif kind not in _SKIPPED and kind != b"K":
                 raise self.error(at, f"unknown tar member type {kind!r} for {name!r}")
-            start = None
+            start = -1
+
+    def _need(self, n: int, at: int, reason: str) -> None:
+        """Make ``n`` bytes available at the window's position, or raise the located error ``reason``."""
+        try:
+            if not self.blocks.need(n):
+                raise self._truncated(at, reason)
+        except CompressedStreamError as error:
+            raise self.error(at, error.reason) from None
 
     def _truncated(self, offset: int, reason: str) -> CorruptRecordError:
         shrank = self.blocks.shrank()
@@ -204,12 +241,12 @@ class _Parser:
         sample: dict[str, Any] | None = None
         sample_at = -1
         for name, at, data in self.members():
-            if "/" not in name and name.startswith("__") and name.endswith("__") or _META.match(name):
+            if name.startswith("__") and ("/" not in name and name.endswith("__") or _META.match(name)):
                 continue
-            match = _KEY.match(name)
-            if match is None:
+            split = _split_key(name)
+            if split is None:
                 continue
-            key, ext = match.group(1), match.group(2).lower()
+            key, ext = split
             if sample is None or key != sample["__key__"]:
                 if sample is not None:
                     yield sample_at, sample
