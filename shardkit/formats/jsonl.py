@@ -251,14 +251,19 @@ class JsonlFormat:
             return start, hint.offset
         if not start:
             return 0, 0
-        offsets = self._offsets(url)
+        offsets = self.index_offsets(url)
         if offsets is None:
             return 0, 0
         if start >= len(offsets):
             return start + 1, 0
         return start, int(offsets[start])
 
-    def _offsets(self, url: str) -> np.ndarray | None:
+    def index_offsets(self, url: str) -> np.ndarray | None:
+        """The record offsets of ``url`` from its index file, checked against the file; None without one.
+
+        Raises:
+            IndexFileError: the index does not fit the file (stale, damaged, of another format).
+        """
         if not self.index or self.compression in ("gzip", "zstd") or url.lower().endswith((".gz", ".zst")):
             return None
         offsets = load_offsets(url, INDEX_MAGIC, self.storage_options)
@@ -273,7 +278,7 @@ class JsonlFormat:
     def count(self, url: str) -> int:
         """Records in ``url``: from its index when there is a valid one, else a newline scan."""
         try:
-            offsets = self._offsets(url)
+            offsets = self.index_offsets(url)
         except IndexFileError as error:
             import warnings
 

@@ -301,7 +301,7 @@ class TarFormat:
         raw = open_raw(url, "rb", self.storage_options)
         try:
             compressed = self._compressed(raw)
-            offsets = self._offsets(url) if start and not compressed else None
+            offsets = self.index_offsets(url) if start and not compressed else None
             first = start if offsets is not None else 0
             if offsets is not None:
                 if start >= len(offsets):  # the index says the file has no sample `start`
@@ -326,7 +326,12 @@ class TarFormat:
         raw.seek(0)
         return compressed
 
-    def _offsets(self, url: str) -> np.ndarray | None:
+    def index_offsets(self, url: str) -> np.ndarray | None:
+        """The record offsets of ``url`` from its index file, checked against the file; None without one.
+
+        Raises:
+            IndexFileError: the index does not fit the file (stale, damaged, of another format).
+        """
         if not self.index or self.compression == "gzip" or url.lower().endswith((".gz", ".tgz")):
             return None
         offsets = load_offsets(url, INDEX_MAGIC, self.storage_options)
@@ -341,7 +346,7 @@ class TarFormat:
     def count(self, url: str) -> int:
         """Samples in ``url``: from its index when there is a valid one, else a header scan."""
         try:
-            offsets = self._offsets(url)
+            offsets = self.index_offsets(url)
         except IndexFileError as error:
             import warnings
 
