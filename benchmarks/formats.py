@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -73,7 +73,13 @@ def write_tars(root: str, shards: int, per_shard: int, payload: int) -> list[str
 
 def rows(first: int, count: int) -> list[dict[str, Any]]:
     return [
-        {"id": n, "label": n % 1000, "score": n / 7, "text": f"sample {n} " + "lorem ipsum dolor " * 5, "tags": [n % 3, n % 5]}
+        {
+            "id": n,
+            "label": n % 1000,
+            "score": n / 7,
+            "text": f"sample {n} " + "lorem ipsum dolor " * 5,
+            "tags": [n % 3, n % 5],
+        }
         for n in range(first, first + count)
     ]
 
@@ -111,7 +117,9 @@ def webdataset_tar(urls: list[str]) -> Make:
     def make(rank: int | None, world: int | None) -> Any:
         import webdataset as wds
 
-        return wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker)
+        return wds.WebDataset(
+            urls, shardshuffle=False, nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker
+        )
 
     return make
 
@@ -237,15 +245,22 @@ def main(argv: list[str] | None = None) -> int:
             cases = {
                 "shardkit ParquetDataset (rows as dicts)": shardkit_parquet(urls),
                 "shardkit ParquetDataset(batch_size=1024)": shardkit_parquet(urls, 1024),
-                "shardkit ParquetDataset(batch_size=1024), numbers": shardkit_parquet(urls, 1024, ["id", "label", "score"]),
+                "shardkit ParquetDataset(batch_size=1024), numbers": shardkit_parquet(
+                    urls, 1024, ["id", "label", "score"]
+                ),
                 "HF datasets streaming parquet": hf_streaming("parquet", urls),
             }
             out += compare("Parquet", cases, 8 * (25_000 // scale), args)
         if "jsonl" in only:
             urls = write_jsonl(root, 8, 25_000 // scale)
-            cases = {"shardkit JsonlDataset": shardkit_jsonl(urls), "HF datasets streaming json": hf_streaming("json", urls)}
+            cases = {
+                "shardkit JsonlDataset": shardkit_jsonl(urls),
+                "HF datasets streaming json": hf_streaming("json", urls),
+            }
             out += compare("JSON lines", cases, 8 * (25_000 // scale), args)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block")
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
+    )
     print("\n".join(out))
     return 0
 

@@ -172,7 +172,7 @@ def _index_counts(urls: list[str]) -> list[int | None]:
 
     import fsspec
 
-    from shardkit.formats.index import index_path_for, read_index
+    from shardkit.formats.index import index_path_for
 
     indexes = [(index_path_for(url), *fsspec.core.url_to_fs(index_path_for(url))) for url in urls]
     by_directory: dict[Any, set[str]] = {}
@@ -472,7 +472,9 @@ def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int
         found = sum(1 for _ in fmt.read(url))
     else:
         found = _with_progress(
-            url, args.compression, lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress)
+            url,
+            args.compression,
+            lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress),
         )
     if count is not None and found != count:
         raise MismatchError(f"{url}: {found} records, but {where} says {count}")
@@ -566,7 +568,9 @@ def _converted(record: Any, n: int, url: str, target: str) -> Any:
     if target == "tfrecord":
         if isinstance(record, (bytes, bytearray)):
             return record
-        raise ConvertError(f"{url}: record {n} is a {type(record).__name__}; TFRecord shards are written from TFRecord (bytes) only")
+        raise ConvertError(
+            f"{url}: record {n} is a {type(record).__name__}; TFRecord shards are written from TFRecord (bytes) only"
+        )
     if not isinstance(record, dict):
         record = {"record": record} if isinstance(record, (bytes, bytearray)) else {"value": record}
     if target == "tar":
@@ -767,7 +771,9 @@ def build_parser() -> argparse.ArgumentParser:
         "is written); 2 bad arguments, an unreadable source, or a record the target format cannot hold.",
     )
     convert_cmd.add_argument("source", metavar="SRC", help="a shard file or a quoted glob of them")
-    convert_cmd.add_argument("pattern", metavar="DST_PATTERN", help="output shards, with an integer field: 'out/train-%%05d.tar'")
+    convert_cmd.add_argument(
+        "pattern", metavar="DST_PATTERN", help="output shards, with an integer field: 'out/train-%%05d.tar'"
+    )
     convert_cmd.add_argument("--format", required=True, choices=("tfrecord", "tar", "parquet", "jsonl"))
     convert_cmd.add_argument("--max-records", type=_int_at_least(1), default=None, help="records per shard at most")
     convert_cmd.add_argument("--max-bytes", type=_int_at_least(1), default=None, help="bytes per shard, about")

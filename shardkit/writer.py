@@ -246,7 +246,9 @@ def _writable_format(format: Any, pattern: str, compression: str | None, storage
     if fmt.name == "tfrecord":
         return None
     if compression is not None:
-        raise ValueError(f"compression={compression!r} is for TFRecord shards; {fmt.name} shards compress by their suffix")
+        raise ValueError(
+            f"compression={compression!r} is for TFRecord shards; {fmt.name} shards compress by their suffix"
+        )
     if not callable(getattr(fmt, "writer", None)):
         raise ValueError(f"the {fmt.name} format cannot be written (it has no writer)")
     if storage_options is not None and getattr(fmt, "storage_options", None) != storage_options:

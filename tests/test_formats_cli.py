@@ -38,7 +38,11 @@ def test_inspect_verify_and_index_work_on_every_format(tmp_path, capsys):
     assert TarFormat().index_offsets(tars[1]) is not None
     assert main(["verify", *tars, *lines, *parquets]) == 0
     out = capsys.readouterr().out
-    assert f"ok {tars[1]}: 7 records" in out and f"ok {lines[1]}: 6 records" in out and f"ok {parquets[1]}: 8 records" in out
+    assert (
+        f"ok {tars[1]}: 7 records" in out
+        and f"ok {lines[1]}: 6 records" in out
+        and f"ok {parquets[1]}: 8 records" in out
+    )
     assert main(["inspect", tars[0], parquets[1], lines[0]]) == 0
     out = capsys.readouterr().out
     assert "5 records; format: tar" in out and "bin: bytes[" in out
@@ -58,7 +62,11 @@ def test_corrupt_files_of_every_format_exit_1_with_one_located_line(tmp_path, ca
     (parquet,) = write_parquet(str(tmp_path), [10])
     with open(parquet, "r+b") as f:
         f.truncate(f.seek(0, 2) - 20)
-    for url, where in [(tar, f"record 1 at byte offset {offset}"), (line, f"record 3 at byte offset {at}: line 4"), (parquet, "record 0")]:
+    for url, where in [
+        (tar, f"record 1 at byte offset {offset}"),
+        (line, f"record 3 at byte offset {at}: line 4"),
+        (parquet, "record 0"),
+    ]:
         assert main(["verify", url]) == 1
         assert where in one_error_line(capsys.readouterr().err, "verify")
     assert main(["verify", tar, str(tmp_path / "missing.tar")]) == 2  # 2 wins over 1
@@ -72,9 +80,15 @@ def test_convert_round_trips_records_through_every_format_with_manifests(tmp_pat
     assert "50 records from 1 files -> 3 parquet shards" in capsys.readouterr().out
     manifest = shardkit.ShardList.from_manifest("pq/rows.manifest.arrow")
     assert manifest.num_records.tolist() == [20, 20, 10]
-    assert [r for url in manifest for r in pq.read_table(url).to_pylist()] == [json.loads(json.dumps(json_row(n))) for n in range(50)]
+    assert [r for url in manifest for r in pq.read_table(url).to_pylist()] == [
+        json.loads(json.dumps(json_row(n))) for n in range(50)
+    ]
     assert main(["convert", "pq/rows-*.parquet", "tar/s-%02d.tar", "--format", "tar", "--max-records", "30"]) == 0
-    samples = [s for url in shardkit.ShardList.from_manifest("tar/s.manifest.arrow") for s in wds.WebDataset(url, shardshuffle=False)]
+    samples = [
+        s
+        for url in shardkit.ShardList.from_manifest("tar/s.manifest.arrow")
+        for s in wds.WebDataset(url, shardshuffle=False)
+    ]
     assert [s["__key__"] for s in samples] == [f"{n:09d}" for n in range(50)]
     assert samples[7]["id"] == b"r00007" and json.loads(samples[7]["values"]) == json_row(7)["values"]
     assert main(["convert", "tar/s-*.tar", "back/%02d.jsonl", "--format", "jsonl"]) == 0
@@ -103,8 +117,12 @@ def test_the_console_script_converts_with_a_progress_bar_and_documented_help(tmp
     )
     assert result.returncode == 0, result.stderr
     assert "5 records from 1 files -> 1 tar shards" in result.stdout
-    help_text = subprocess.run([sys.executable, "-m", "shardkit.cli", "convert", "--help"], capture_output=True, text=True).stdout
-    assert "--max-records" in help_text and "exit codes: 0 converted; 1 a source file is corrupt" in help_text.replace("\n", " ")
+    help_text = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "convert", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "--max-records" in help_text and "exit codes: 0 converted; 1 a source file is corrupt" in help_text.replace(
+        "\n", " "
+    )
 
 
 def test_convert_usage_errors_exit_2_in_one_line(capsys):

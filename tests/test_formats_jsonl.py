@@ -20,7 +20,12 @@ slow = pytest.mark.slow
 
 
 def row(n: int) -> dict:
-    return {"id": f"r{n:05d}", "text": "é\u2028 \"quoted\"\\" * (n % 4), "values": [n, n / 3, None, True], "nested": {"n": n}}
+    return {
+        "id": f"r{n:05d}",
+        "text": 'é\u2028 "quoted"\\' * (n % 4),
+        "values": [n, n / 3, None, True],
+        "nested": {"n": n},
+    }
 
 
 def write_shards(root: str, sizes=SIZES, suffix: str = ".jsonl", storage_options=None) -> list[str]:
@@ -101,7 +106,9 @@ def make_dataset(urls, **kwargs):
 @pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)])
 def test_every_line_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_workers, world_size, balance):
     urls = write_shards(str(tmp_path))
-    ranks = ids_per_rank(make_dataset(urls, balance=balance, shuffle=True, seed=2), world_size=world_size, num_workers=num_workers)
+    ranks = ids_per_rank(
+        make_dataset(urls, balance=balance, shuffle=True, seed=2), world_size=world_size, num_workers=num_workers
+    )
     assert_split(ranks, all_ids(), balance)
 
 
@@ -109,7 +116,9 @@ def test_every_line_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_wo
 @pytest.mark.parametrize("balance", ["none", "pad", "drop"])
 def test_ranks_from_the_environment_split_too(tmp_path, monkeypatch, balance):
     urls = write_shards(str(tmp_path), suffix=".jsonl.gz")
-    ranks = ids_per_rank(make_dataset(urls, balance=balance), world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch)
+    ranks = ids_per_rank(
+        make_dataset(urls, balance=balance), world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch
+    )
     assert_split(ranks, all_ids(), balance)
 
 
@@ -118,6 +127,7 @@ def test_one_big_shard_is_split_by_line_over_more_readers(tmp_path):
     (url,) = write_shards(str(tmp_path), [500])
     JsonlFormat().build_index(url)
     for world in (1, 2):
+
         def make(rank, world):
             return JsonlDataset([url], balance="none", rank=rank, world_size=world).count_records()
 
@@ -145,7 +155,9 @@ def test_a_malformed_line_raises_with_its_location_or_costs_exactly_that_line(tm
     offsets = [corrupt_line(urls[0], 4), corrupt_line(urls[0], 7)]
     if indexed:
         JsonlFormat().build_index(urls[0])
-    with pytest.raises(CorruptRecordError, match=rf"part-000.jsonl: record 4 at byte offset {offsets[0]}: line 5 is not valid JSON") as info:
+    with pytest.raises(
+        CorruptRecordError, match=rf"part-000.jsonl: record 4 at byte offset {offsets[0]}: line 5 is not valid JSON"
+    ) as info:
         list(JsonlDataset(urls, balance="none"))
     assert info.value.framing_intact
     lenient = JsonlDataset(urls, balance="none", on_error="skip")

@@ -26,7 +26,15 @@ def row(n: int) -> dict:
 def write_shards(root: str, sizes=SIZES, row_group_size: int = 4, storage_options=None) -> list[str]:
     """Files written by pyarrow.parquet, several row groups each; ids count up across files."""
     urls, n = [], 0
-    schema = pa.schema([("id", pa.string()), ("n", pa.int64()), ("x", pa.float64()), ("tags", pa.list_(pa.int64())), ("blob", pa.binary())])
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("n", pa.int64()),
+            ("x", pa.float64()),
+            ("tags", pa.list_(pa.int64())),
+            ("blob", pa.binary()),
+        ]
+    )
     for i, size in enumerate(sizes):
         url = f"{root}/part-{i:03d}.parquet"
         table = pa.Table.from_pylist([row(k) for k in range(n, n + size)], schema=schema)
@@ -55,7 +63,9 @@ def test_rows_equal_what_pyarrow_and_hf_datasets_read(tmp_path, monkeypatch):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     datasets = pytest.importorskip("datasets")
-    theirs = datasets.load_dataset("parquet", data_files=[u for u in urls if pq.read_metadata(u).num_rows], split="train", streaming=True)
+    theirs = datasets.load_dataset(
+        "parquet", data_files=[u for u in urls if pq.read_metadata(u).num_rows], split="train", streaming=True
+    )
     assert [sample["id"] for sample in theirs] == [r["id"] for r in ours]
     assert [dict(sample) for sample in theirs][5] == ours[5]
 
@@ -114,7 +124,9 @@ def make_dataset(urls, **kwargs):
 @pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)])
 def test_every_row_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_workers, world_size, balance):
     urls = write_shards(str(tmp_path))
-    ranks = ids_per_rank(make_dataset(urls, balance=balance, shuffle=True, seed=2), world_size=world_size, num_workers=num_workers)
+    ranks = ids_per_rank(
+        make_dataset(urls, balance=balance, shuffle=True, seed=2), world_size=world_size, num_workers=num_workers
+    )
     assert_split(ranks, all_ids(), balance)
 
 
@@ -122,7 +134,9 @@ def test_every_row_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_wor
 @pytest.mark.parametrize("balance", ["none", "pad", "drop"])
 def test_ranks_from_the_environment_split_too(tmp_path, monkeypatch, balance):
     urls = write_shards(str(tmp_path))
-    ranks = ids_per_rank(make_dataset(urls, balance=balance), world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch)
+    ranks = ids_per_rank(
+        make_dataset(urls, balance=balance), world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch
+    )
     assert_split(ranks, all_ids(), balance)
 
 
@@ -173,7 +187,9 @@ def test_a_corrupt_row_group_raises_with_its_location_or_is_skipped_and_counted(
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0x55]))
-    with pytest.raises(CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2 does not decode"):
+    with pytest.raises(
+        CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2 does not decode"
+    ):
         list(ParquetDataset(urls, balance="none"))
     lenient = ParquetDataset(shardkit.ShardList(urls, num_records=[20, 10]), balance="none", on_error="skip")
     with pytest.warns(UserWarning, match="skipping 10 records of .*part-000.parquet from record 10"):
@@ -188,7 +204,9 @@ def test_a_truncated_file_is_a_located_error_or_a_counted_skip(tmp_path):
         f.truncate(f.seek(0, 2) - 100)
     with pytest.raises(CorruptRecordError, match=r"part-000.parquet: record 0 .*the Parquet footer cannot be read"):
         ParquetFormat().count(urls[0])
-    lenient = ParquetDataset(shardkit.ShardList(urls, num_records=[20, 10]), balance="pad", on_error="skip", rank=0, world_size=1)
+    lenient = ParquetDataset(
+        shardkit.ShardList(urls, num_records=[20, 10]), balance="pad", on_error="skip", rank=0, world_size=1
+    )
     with pytest.warns(UserWarning, match="skipping 20 records"):
         ids = [r["id"] for r in lenient]
     assert len(ids) == 30 and set(ids) == set(all_ids([30])[20:])  # made up to the planned count by repeats

@@ -168,6 +168,7 @@ def test_one_shard_with_a_huge_member_is_split_by_sample_over_more_readers(tmp_p
     TarFormat().build_index(url)
     seen = []
     for world in (1, 2):
+
         def make(rank, world):
             return TarDataset([url], balance="none", rank=rank, world_size=world).count_records()
 
@@ -187,7 +188,9 @@ def test_a_truncated_tar_raises_where_it_ends_or_is_skipped_and_counted(tmp_path
     cut = header_offsets(urls[1])[3 * 3 + 1] + 700  # inside the 4th sample's second member
     with open(urls[1], "r+b") as f:
         f.truncate(cut)
-    with pytest.raises(CorruptRecordError, match=r"part-001.tar: record 3 at byte offset \d+: the file ends inside") as info:
+    with pytest.raises(
+        CorruptRecordError, match=r"part-001.tar: record 3 at byte offset \d+: the file ends inside"
+    ) as info:
         list(TarDataset(urls, balance="none"))
     assert info.value.record_index == 3 and not info.value.framing_intact
     lenient = TarDataset(shardkit.ShardList(urls, num_records=[10, 10]), balance="none", on_error="skip")
@@ -259,7 +262,9 @@ def test_shard_writer_rolls_tars_over_and_writes_a_manifest_webdataset_agrees_wi
             writer.write(sample(n))
     shards = writer.shards
     assert shards.num_records.tolist() == [7, 7, 6]
-    assert [s for url in shards for s in webdataset_samples(url)] == [s for url in shards for s in TarFormat().read(url)]
+    assert [s for url in shards for s in webdataset_samples(url)] == [
+        s for url in shards for s in TarFormat().read(url)
+    ]
     manifest = shardkit.ShardList.from_manifest(str(tmp_path / "out.manifest.arrow"))
     assert [s["__key__"] for s in TarDataset(manifest, balance="none")] == all_keys([20])
     with shardkit.ShardWriter(str(tmp_path / "b-%03d.tar"), max_bytes=6000) as writer:

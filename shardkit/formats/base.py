@@ -124,7 +124,9 @@ _REGISTRY: dict[str, ShardFormat] = {}
 def register_format(fmt: ShardFormat) -> ShardFormat:
     """Make ``fmt`` known to :func:`format_for` (and the CLI) under ``fmt.name``; return it."""
     if not isinstance(fmt, ShardFormat):
-        raise FormatError(f"{fmt!r} lacks part of the ShardFormat interface (name, suffixes, sniff, read, count, build_index)")
+        raise FormatError(
+            f"{fmt!r} lacks part of the ShardFormat interface (name, suffixes, sniff, read, count, build_index)"
+        )
     _REGISTRY[fmt.name] = fmt
     return fmt
 
@@ -215,7 +217,9 @@ def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None 
         raise IndexFileError(url, index_url, f"it does not start with {magic!r} (another format's index, or damaged)")
     _, count, size = _HEAD.unpack_from(data)
     if len(data) != _HEAD.size + 8 * count:
-        raise IndexFileError(url, index_url, f"it should hold {count} offsets but has {len(data) - _HEAD.size} bytes of them")
+        raise IndexFileError(
+            url, index_url, f"it should hold {count} offsets but has {len(data) - _HEAD.size} bytes of them"
+        )
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     actual = int(fs.info(path)["size"])
     if actual != size:

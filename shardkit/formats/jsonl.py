@@ -50,7 +50,9 @@ class _Zstd:
         try:
             import zstandard
         except ImportError:
-            raise ShardkitError(f"{url} is zstandard-compressed: install the 'zstandard' package (pip install shardkit[zstd])") from None
+            raise ShardkitError(
+                f"{url} is zstandard-compressed: install the 'zstandard' package (pip install shardkit[zstd])"
+            ) from None
         self._reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
         self._raw = raw
         self._url = url
@@ -141,7 +143,9 @@ class JsonlFormat:
     name = "jsonl"
     suffixes = (".jsonl.gz", ".jsonl.zst", ".ndjson.gz", ".ndjson.zst", ".jsonl", ".ndjson")
 
-    def __init__(self, *, compression: str | None = "auto", index: bool = True, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, *, compression: str | None = "auto", index: bool = True, storage_options: dict[str, Any] | None = None
+    ) -> None:
         if compression not in COMPRESSIONS:
             raise ShardkitError(f"jsonl compression must be one of {COMPRESSIONS}, got {compression!r}")
         self.compression = compression
@@ -179,7 +183,9 @@ class JsonlFormat:
         finally:
             raw.close()
 
-    def _records(self, url: str, lines: _Lines, record: int, start: int, stop: int | None, compression: str | None) -> Iterator[Any]:
+    def _records(
+        self, url: str, lines: _Lines, record: int, start: int, stop: int | None, compression: str | None
+    ) -> Iterator[Any]:
         pos = _Position(record, None if record else 0)  # line numbers are known when reading from the file's start
         try:
             for at, block in lines.blocks():
@@ -218,7 +224,16 @@ class JsonlFormat:
                     return
             pos.at += len(line) + 1
 
-    def _bad(self, url: str, record: int, at: int, line: bytes, line_number: int | None, error: ValueError, compression: str | None) -> CorruptRecordError:
+    def _bad(
+        self,
+        url: str,
+        record: int,
+        at: int,
+        line: bytes,
+        line_number: int | None,
+        error: ValueError,
+        compression: str | None,
+    ) -> CorruptRecordError:
         if compression is None:
             self._hint = ResumeHint(url, record + 1, at + len(line) + 1)
         where = f"line {line_number}" if line_number is not None else "its line"
@@ -309,12 +324,16 @@ class JsonlFormat:
         """Write the newline index of ``url`` beside it (``url + ".idx"``) and return its path."""
         with open_raw(url, "rb", self.storage_options) as f:
             if self._compression(f) is not None:
-                raise ShardkitError(f"{url}: a compressed JSON lines file cannot seek, so it gets no index; its lines are counted by a scan")
+                raise ShardkitError(
+                    f"{url}: a compressed JSON lines file cannot seek, so it gets no index; its lines are counted by a scan"
+                )
         offsets = self.scan(url)
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
-        return write_offsets(index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
+        return write_offsets(
+            index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options
+        )
 
     def writer(self, url: str, *, name: str | None = None) -> JsonlWriter:
         """A writer of JSON values to ``url``, gzip-compressed when ``name`` (default ``url``) ends with ``.gz``."""
@@ -325,7 +344,9 @@ class JsonlFormat:
 class JsonlWriter:
     """Write JSON values one per line (``compression``: None or ``"gzip"``; by default, gzip when ``url`` ends with ``.gz``)."""
 
-    def __init__(self, url: str, *, compression: str | None = "auto", storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, url: str, *, compression: str | None = "auto", storage_options: dict[str, Any] | None = None
+    ) -> None:
         from shardkit.formats.io import open_output
 
         self.url = url

@@ -61,7 +61,9 @@ class ParquetFormat:
     ) -> None:
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
-        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        if batch_size is not None and (
+            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
+        ):
             raise ShardkitError(f"batch_size must be None or a positive int, got {batch_size!r}")
         self.columns = list(columns) if columns is not None else None
         self.batch_size = batch_size
@@ -83,7 +85,9 @@ class ParquetFormat:
             return raw, pq.ParquetFile(raw, page_checksum_verification=True)
         except Exception as error:
             raw.close()
-            raise CorruptRecordError(url, 0, -1, f"the Parquet footer cannot be read ({type(error).__name__}: {error})") from None
+            raise CorruptRecordError(
+                url, 0, -1, f"the Parquet footer cannot be read ({type(error).__name__}: {error})"
+            ) from None
 
     def count(self, url: str) -> int:
         """Records in ``url`` from its footer: rows, or batches of ``batch_size`` rows."""
@@ -139,7 +143,9 @@ class ParquetFormat:
             table = pf.read_row_group(group, columns=self.columns)
         except Exception as error:
             columns = pf.metadata.row_group(group)
-            offset = min(columns.column(c).file_offset for c in range(columns.num_columns)) if columns.num_columns else -1
+            offset = (
+                min(columns.column(c).file_offset for c in range(columns.num_columns)) if columns.num_columns else -1
+            )
             reason = f"row group {group} does not decode ({type(error).__name__}: {error})"
             raise CorruptRecordError(url, self._record_of(first_row), offset, reason) from None
         if table.num_rows != pf.metadata.row_group(group).num_rows:
@@ -186,7 +192,9 @@ class ParquetWriter:
     The schema is inferred from the first row group's rows by pyarrow.
     """
 
-    def __init__(self, url: str, *, row_group_size: int = 10_000, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, url: str, *, row_group_size: int = 10_000, storage_options: dict[str, Any] | None = None
+    ) -> None:
         self.url = url
         self.num_records = 0
         self.num_bytes = 0

@@ -212,7 +212,9 @@ class _Parser:
             if start < 0:
                 start = at
             if kind == b"x" or kind == b"L":
-                long_name = _pax_path(data) if kind == b"x" else data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                long_name = (
+                    _pax_path(data) if kind == b"x" else data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                )
                 continue
             name = long_name or _name_of(header)
             long_name = None
@@ -274,7 +276,9 @@ class TarFormat:
     name = "tar"
     suffixes = (".tar.gz", ".tgz", ".tar")
 
-    def __init__(self, *, compression: str | None = "auto", index: bool = True, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, *, compression: str | None = "auto", index: bool = True, storage_options: dict[str, Any] | None = None
+    ) -> None:
         if compression not in ("auto", None, "gzip"):
             raise ShardkitError(f"tar compression must be 'auto', None or 'gzip', got {compression!r}")
         self.compression = compression
@@ -371,12 +375,16 @@ class TarFormat:
         """Write the tar index of ``url`` beside it (``url + ".idx"``) and return its path."""
         with open_raw(url, "rb", self.storage_options) as f:
             if f.read(2) == b"\x1f\x8b":
-                raise ShardkitError(f"{url}: a gzip-compressed tar cannot seek, so it gets no index; its samples are counted by a scan")
+                raise ShardkitError(
+                    f"{url}: a gzip-compressed tar cannot seek, so it gets no index; its samples are counted by a scan"
+                )
         offsets = self.scan(url)
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
-        return write_offsets(index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
+        return write_offsets(
+            index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options
+        )
 
     def writer(self, url: str, *, name: str | None = None) -> TarWriter:
         """A writer of samples to ``url`` (``name``: the name it will be renamed to; unused)."""
