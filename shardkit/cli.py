@@ -167,7 +167,11 @@ def _load_shards(source: str) -> tuple[Any, str]:
 
 
 def _index_counts(urls: list[str]) -> list[int | None]:
-    """Each file's record count from the index file beside it, None where there is none."""
+    """Each file's record count from the index file beside it, None where there is none.
+
+    Each index is checked against its file (:func:`~shardkit.formats.index.load_index`):
+    a stale or corrupt one is an error naming both files, never a wrong count.
+    """
     import posixpath
 
     import fsspec
@@ -188,8 +192,9 @@ def _index_counts(urls: list[str]) -> list[int | None]:
 
 
 def _indexed_count(url: str, index: str, present: bool) -> int | None:
-    """``url``'s record count without reading its records: its index file, or a Parquet footer."""
-    from shardkit.formats.index import read_index
+    """``url``'s record count without reading its records: its index file (checked against the file), or a
+    Parquet footer."""
+    from shardkit.formats.index import load_index
 
     fmt = _named_format(url)
     if fmt is not None and fmt.name == "parquet":
@@ -199,7 +204,8 @@ def _indexed_count(url: str, index: str, present: bool) -> int | None:
     if fmt is not None and hasattr(fmt, "index_offsets"):
         offsets = fmt.index_offsets(url)
         return None if offsets is None else len(offsets)
-    return len(read_index(index))
+    offsets = load_index(url, index)
+    return None if offsets is None else len(offsets)
 
 
 def _named_format(url: str) -> Any:

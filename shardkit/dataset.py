@@ -34,7 +34,7 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
 from shardkit.counting import CountFn, resolve_counts
-from shardkit.epoch import SharedEpoch, check_epoch
+from shardkit.epoch import SharedEpoch, check_epoch, resume_at
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.pipeline import Pipeline
 from shardkit.planning import BALANCES, Balance, Range, plan, plan_intervals, rank_span, share, union
@@ -43,6 +43,7 @@ from shardkit.shardlist import NUM_RECORDS, ShardList
 from shardkit.state import State, StateError, applies, check, check_positions, expect_equal, node, own_share, share_of
 from shardkit.stats import ReadStats, SharedStats
 from shardkit.topology import Topology
+from shardkit.trainers import check_dataloader_len
 
 logger = logging.getLogger("shardkit")
 
@@ -74,7 +75,7 @@ class _Source(Pipeline):
         self.rank = rank
         self.world_size = world_size
         self._seed = check_seed(seed)
-        self._epoch = SharedEpoch(0)
+        self._epoch = SharedEpoch()  # counts passes until set_epoch is called
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch.set(check_epoch(epoch))
@@ -207,9 +208,11 @@ class _PlannedSource(_Source):
         counts, _ = self._counts(self.topology())
         expect_equal(self, "dataset", state["fingerprint"], self._fingerprint(counts))
         self._pending = state
+        resume_at(self, state["epoch"])  # the next pass reads the state's epoch (unless set_epoch)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all of its workers together)."""
+        check_dataloader_len(self)  # refuses a DataLoader len that would cut the epoch short
         topology = self.topology()
         counts = self._record_counts(topology, required=False)
         if not isinstance(counts, np.ndarray):

@@ -158,7 +158,11 @@ class EvenBatches:
         has one, else to its ``dataset`` and ``sampler`` where they have one."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise EvenBatchesError(f"epoch must be an int >= 0, got {epoch!r}")
-        self.epoch = epoch
+        self._epoch_set = True
+        self._forward(epoch)
+
+    def _forward(self, epoch: int) -> None:
+        self.epoch = self._forwarded = epoch
         targets = [self.loader] if callable(getattr(self.loader, "set_epoch", None)) else [
             getattr(self.loader, "dataset", None),
             getattr(self.loader, "sampler", None),
@@ -173,8 +177,19 @@ class EvenBatches:
         iterator = self._iterator
         return self._stats if iterator is None else iterator.stats()
 
+    # Until set_epoch, iteration k is epoch k, as shardkit loaders count their
+    # own (shardkit.epoch); once an epoch was passed on (loading a state), the
+    # counted ones are passed on too, so the wrapped loader does not stay on it.
+    _epoch_set = False
+    _passes = 0
+    _forwarded: int | None = None
+
     def __iter__(self) -> Iterator[Any]:
         resume, self._resume, self._loaded = self._loaded, None, None
+        if not self._epoch_set:
+            self.epoch, self._passes = self._passes, self._passes + 1
+            if self._forwarded is not None and self._forwarded != self.epoch:
+                self._forward(self.epoch)
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
         if resume is not None:
@@ -221,7 +236,11 @@ class EvenBatches:
                 (named).
         """
         loaded = _checked(state, self)
-        self.set_epoch(state["epoch"])
+        if self._epoch_set:
+            self.set_epoch(state["epoch"])
+        else:
+            self._passes = state["epoch"]
+            self._forward(state["epoch"])
         self._resume, self._loaded = state, loaded
 
     def _finished(self, stats: EvenStats) -> None:

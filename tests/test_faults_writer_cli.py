@@ -245,6 +245,11 @@ def files(tmp_path_factory) -> dict[str, str]:
     indexed.mkdir()
     write_records(indexed / "a.tfrecord", 3)
     (indexed / "a.tfrecord.idx").write_bytes(b"SKTFIDX1" + b"\x05" + b"\0" * 7)  # a truncated index
+    stale = root / "stale"
+    stale.mkdir()
+    write_records(stale / "a.tfrecord", 3)
+    shardkit.build_index(str(stale / "a.tfrecord"))
+    write_records(stale / "a.tfrecord", 4)  # rewritten after indexing: the index no longer fits
     return {
         "root": str(root),
         "good": good,
@@ -259,6 +264,8 @@ def files(tmp_path_factory) -> dict[str, str]:
         "afile": str(root / "afile"),
         "noglob": str(root / "nothing-*.tfrecord"),
         "badindex": str(indexed / "*.tfrecord"),
+        "staleindex": str(stale / "*.tfrecord"),
+        "staledata": str(stale / "a.tfrecord"),
     }
 
 
@@ -273,7 +280,8 @@ FAULTS = [
     ("plan", "malformed manifest", ["{garbage}"], 2, "cannot read manifest"),
     ("plan", "truncated manifest", ["{cut}"], 2, "{cut}"),
     ("plan", "manifest without urls", ["{nourl}"], 2, "{nourl}"),
-    ("plan", "corrupt index file", ["{badindex}"], 2, "index file is truncated"),
+    ("plan", "corrupt index file", ["{badindex}"], 2, "a.tfrecord: truncated: 16 bytes, shorter than the 24-byte header"),
+    ("plan", "stale index file", ["{staleindex}"], 2, "does not fit {staledata}: it describes"),
     ("plan", "bad number", ["{manifest}", "--world-size", "0"], 2, "--world-size: must be >= 1"),
     ("plan", "not a number", ["{manifest}", "--num-workers", "two"], 2, "expected an integer, not 'two'"),
     ("plan", "missing argument", [], 2, "required: SOURCE"),
