@@ -101,3 +101,43 @@ def test_tfrecord_format_reads_counts_and_indexes_like_the_tfrecord_functions(tm
 def test_bad_ranges_are_refused(fmt):
     with pytest.raises(ValueError, match="need 0 <= start <= stop"):
         next(iter(fmt.read("x", 5, 2)))
+
+
+def mixed_id(sample: dict) -> str:
+    """Which format a sample came from, and its id (Parquet rows have "n", JSON lines "nested")."""
+    if "__key__" in sample:
+        return f"tar:{sample['__key__']}"
+    return f"{'parquet' if 'n' in sample else 'jsonl'}:{sample['id']}"
+
+
+def _mixed(tmp_path, rank, world):
+    from tests.test_formats_jsonl import write_shards as write_jsonl
+    from tests.test_formats_parquet import write_shards as write_parquet
+    from tests.test_formats_tar import write_shards as write_tars
+
+    roots = [tmp_path / name for name in ("tar", "parquet", "jsonl")]
+    for root in roots:
+        root.mkdir(exist_ok=True)
+    sources = [
+        shardkit.TarDataset(write_tars(str(roots[0]), [9, 4]), rank=rank, world_size=world, shuffle=True),
+        shardkit.ParquetDataset(write_parquet(str(roots[1]), [6, 7]), rank=rank, world_size=world, shuffle=True),
+        shardkit.JsonlDataset(write_jsonl(str(roots[2]), [5, 8]), rank=rank, world_size=world, shuffle=True),
+    ]
+    return shardkit.interleave(sources, weights=[1, 2, 1], seed=3, stop="all_exhausted")
+
+
+@pytest.mark.slow
+def test_the_formats_mix_with_every_sample_once_over_ranks_and_spawned_workers(tmp_path):
+    from torch.utils.data import DataLoader
+
+    seen = []
+    for rank in range(2):
+        loader = DataLoader(
+            _mixed(tmp_path, rank, 2).map(mixed_id), batch_size=5, num_workers=2, multiprocessing_context="spawn"
+        )
+        seen += [s for batch in loader for s in batch]
+    expected = {f"{kind}:{key}" for kind, prefix in (("tar", "s"), ("parquet", "r"), ("jsonl", "r")) for key in
+                (f"{prefix}{n:05d}" for n in range(13))}  # fmt: skip
+    assert set(seen) == expected
+    # balance="pad" over 2 ranks: each source's 13 records become 14, the one repeat the only duplicate
+    assert len(seen) == 3 * 14 and all(seen.count(s) <= 2 for s in seen)
