@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import re
 import shutil
@@ -292,3 +293,25 @@ def test_a_size_field_that_lies_costs_no_memory_and_is_a_located_error(tmp_path)
         f.write(header)
     with pytest.raises(CorruptRecordError, match=rf"record 0 at byte offset {offset}: the file ends inside the member"):
         list(TarFormat().read(url))
+
+
+def test_gzip_tars_are_streamed_counted_by_a_scan_and_split(tmp_path):
+    urls = []
+    for url in write_shards(str(tmp_path), [7, 12, 5]):
+        with open(url, "rb") as f, gzip.open(f"{url}.gz", "wb") as g:
+            g.write(f.read())
+        urls.append(f"{url}.gz")
+    assert (
+        TarFormat().count(urls[1]) == 12 and list(TarFormat().read(urls[1], 4, 6)) == webdataset_samples(urls[1])[4:6]
+    )
+    with pytest.raises(shardkit.ShardkitError, match="cannot seek, so it gets no index"):
+        TarFormat().build_index(urls[0])
+    for balance in ("none", "pad"):
+        ranks = ids_per_rank(make_dataset(urls, balance=balance, shuffle=True), world_size=2, num_workers=0)
+        assert_split(ranks, all_keys([7, 12, 5]), balance)
+    with open(urls[2], "r+b") as f:  # a damaged gzip stream: located at the sample being inflated
+        f.truncate(f.seek(0, 2) // 2)
+    with pytest.raises(
+        CorruptRecordError, match=r"part-002.tar.gz: record \d+ at byte offset \d+: gzip stream is truncated"
+    ):
+        list(TarFormat().read(urls[2]))

@@ -132,7 +132,7 @@ class _Position:
 
 
 class JsonlFormat:
-    """JSON lines shards (``.jsonl``, ``.ndjson``, ``.json``, with ``.gz`` or ``.zst``): a record is a line.
+    """JSON lines shards (``.jsonl``, ``.ndjson``, with ``.gz`` or ``.zst``): a record is a non-blank line.
 
     Args:
         compression: ``"auto"`` (from the first bytes), ``None``, ``"gzip"`` or ``"zstd"``.
