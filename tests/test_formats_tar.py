@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -315,3 +316,61 @@ def test_gzip_tars_are_streamed_counted_by_a_scan_and_split(tmp_path):
         CorruptRecordError, match=r"part-002.tar.gz: record \d+ at byte offset \d+: gzip stream is truncated"
     ):
         list(TarFormat().read(urls[2]))
+
+
+def test_with_an_index_a_bad_header_costs_exactly_its_sample(tmp_path):
+    urls = write_shards(str(tmp_path), [10, 10])
+    TarFormat().build_index(urls[0])
+    offset = header_offsets(urls[0])[3 * 4 + 1]  # sample 4's second member (its pax header)
+    with open(urls[0], "r+b") as f:
+        f.seek(offset + 2)
+        f.write(b"?")
+    with pytest.raises(CorruptRecordError, match=rf"record 4 at byte offset {offset}: tar header checksum") as info:
+        list(TarFormat().read(urls[0]))
+    assert info.value.framing_intact  # the index says where sample 5 starts
+    lenient = TarDataset(urls, balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping record 4 of .*part-000.tar"):
+        keys = [s["__key__"] for s in lenient]
+    assert keys == [k for n, k in enumerate(all_keys([20])) if n != 4]
+    assert lenient.stats().skipped.tolist() == [1, 0]
+
+
+def test_an_index_whose_boundaries_cut_a_sample_is_refused(tmp_path):
+    (url,) = write_shards(str(tmp_path), [6])
+    offsets = TarFormat().scan(url)
+    members = header_offsets(url)
+    moved = offsets.copy()
+    moved[4] = members[3 * 3 + 1]  # sample 3's second member: the index no longer fits the samples
+    from shardkit.formats.base import write_offsets
+    from shardkit.formats.tar import INDEX_MAGIC
+
+    write_offsets(url + ".idx", INDEX_MAGIC, moved, os.path.getsize(url))
+    read = []
+    with pytest.raises(CorruptRecordError, match="the index file puts a sample boundary inside the sample 's00003'"):
+        read.extend(TarFormat().read(url))
+    assert [s["__key__"] for s in read] == all_keys([3])  # no part of sample 3 came out as a sample
+
+
+def test_garbage_in_a_header_with_a_valid_checksum_is_a_located_error(tmp_path):
+    (url,) = write_shards(str(tmp_path), [4])
+    offset = header_offsets(url)[4]  # sample 1's second member's pax header
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        header = bytearray(f.read(512))
+        header[124:136] = b"9x9x9x9x9x9\0"  # not octal
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        f.seek(offset)
+        f.write(header)
+    with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: tar header size field"):
+        list(TarFormat().read(url))
+
+
+def test_a_malformed_pax_record_is_a_located_error(tmp_path):
+    (url,) = write_shards(str(tmp_path), [4])
+    offset = header_offsets(url)[4]
+    with open(url, "r+b") as f:
+        f.seek(offset + 512)  # the pax records: "<length> key=value\n"
+        f.write(b"zz path=x\n")
+    with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: malformed pax header"):
+        list(TarFormat().read(url))

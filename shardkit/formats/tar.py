@@ -123,6 +123,11 @@ def _split_key(name: str) -> tuple[str, str] | None:
     return name[:dot], name[dot + 1 :].lower()
 
 
+def _long_name(kind: bytes, data: bytes) -> str | None:
+    """The name a pax (``x``) or GNU long-name (``L``) header gives the member after it. Raises ValueError."""
+    return _pax_path(data) if kind == b"x" else data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
 class _Blocks:
     """A window over the tar's bytes: ``need(n)`` makes ``n`` bytes available from ``pos``."""
 
@@ -201,7 +206,10 @@ class _Parser:
                 return
             if not _checksum_ok(header):
                 raise self.error(at, f"tar header checksum mismatch (header bytes {header[:16]!r}...)")
-            size = _size_of(header)
+            try:
+                size = _size_of(header)
+            except ValueError:
+                raise self.error(at, f"tar header size field {header[124:136]!r} is not a number") from None
             padded = _BLOCK + -(-size // _BLOCK) * _BLOCK
             if len(buf) - pos < padded:
                 self._need(padded, at, f"the file ends inside the member {_name_of(header)!r} of {size} bytes")
@@ -212,9 +220,12 @@ class _Parser:
             if start < 0:
                 start = at
             if kind == b"x" or kind == b"L":
-                long_name = (
-                    _pax_path(data) if kind == b"x" else data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-                )
+                try:
+                    long_name = _long_name(kind, data)
+                except ValueError:
+                    raise self.error(
+                        at, f"malformed {'pax' if kind == b'x' else 'GNU long name'} header {data[:40]!r}"
+                    ) from None
                 continue
             name = long_name or _name_of(header)
             long_name = None
@@ -238,10 +249,40 @@ class _Parser:
             reason += f" (the file shrank to {shrank} bytes while being read)"
         return self.error(offset, reason)
 
-    def samples(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """(offset of its first header, sample) for each sample, grouped as WebDataset does."""
+    def _next_key(self) -> str | None:
+        """The key of the next regular member, if its headers are already in the window and sound; else None.
+
+        A look ahead without raising: a bad header is reported when it is read, on its own sample.
+        """
+        buf, pos = self.blocks.buf, self.blocks.pos
+        long_name = None
+        while len(buf) - pos >= _BLOCK:
+            header = buf[pos : pos + _BLOCK]
+            if header == _ZEROS or not _checksum_ok(header):
+                return None
+            kind = header[156:157]
+            if kind not in (b"x", b"L"):
+                split = _split_key(long_name or _name_of(header)) if kind in _REGULAR else None
+                return None if split is None else split[0]
+            try:
+                size = _size_of(header)
+                long_name = _long_name(kind, buf[pos + _BLOCK : pos + _BLOCK + size])
+            except ValueError:
+                return None
+            pos += _BLOCK + -(-size // _BLOCK) * _BLOCK
+        return None
+
+    def samples(self, ends: np.ndarray | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(offset of its first header, sample) for each sample, grouped as WebDataset does.
+
+        With ``ends`` (the index's sample offsets) a sample is handed out as
+        soon as its last member ends where the index says the next sample
+        starts, before the next header is read: a bad header is then blamed
+        on its own sample. A key that goes on past an index boundary is an error.
+        """
         sample: dict[str, Any] | None = None
         sample_at = -1
+        last_key = None
         for name, at, data in self.members():
             if name.startswith("__") and ("/" not in name and name.endswith("__") or _META.match(name)):
                 continue
@@ -251,15 +292,41 @@ class _Parser:
             key, ext = split
             if sample is None or key != sample["__key__"]:
                 if sample is not None:
+                    last_key = sample["__key__"]
                     yield sample_at, sample
                     self.index += 1
+                elif key == last_key:
+                    raise self.error(
+                        at, f"the index file puts a sample boundary inside the sample {key!r} (rebuild it)"
+                    )
                 sample, sample_at = {"__key__": key, "__url__": self.url}, at
             if ext in sample:
                 raise self.error(at, f"duplicate member {name!r} in the sample {key!r}")
             sample[ext] = data
+            if ends is not None and self.index + 1 < len(ends) and self.blocks.offset >= ends[self.index + 1]:
+                if self._next_key() == key:
+                    raise self.error(
+                        self.blocks.offset,
+                        f"the index file puts a sample boundary inside the sample {key!r} (rebuild it)",
+                    )
+                last_key = key
+                yield sample_at, sample
+                self.index += 1
+                sample = None
         if sample is not None:
             yield sample_at, sample
             self.index += 1
+
+
+def _located_by_index(error: CorruptRecordError, offsets: np.ndarray | None) -> CorruptRecordError:
+    """``error``, marked ``framing_intact`` when the index holds the bad sample and the next one's offset."""
+    i = error.record_index
+    if error.framing_intact or offsets is None or not 0 <= i < len(offsets) - 1:
+        return error
+    if not offsets[i] <= error.offset < offsets[i + 1]:
+        return error
+    reason = f"{error.reason}; the index locates the next sample at byte {int(offsets[i + 1])}"
+    return CorruptRecordError(error.url, i, error.offset, reason, framing_intact=True)
 
 
 class TarFormat:
@@ -305,23 +372,38 @@ class TarFormat:
         raw = open_raw(url, "rb", self.storage_options)
         try:
             compressed = self._compressed(raw)
-            offsets = self.index_offsets(url) if start and not compressed else None
-            first = start if offsets is not None else 0
-            if offsets is not None:
-                if start >= len(offsets):  # the index says the file has no sample `start`
+            offsets = None if compressed else self._index_for(url, start)
+            first = start if offsets is not None and start else 0
+            if first:
+                if start >= len(offsets):  # type: ignore[arg-type]  # the index says there is no sample `start`
                     return
-                raw.seek(int(offsets[start]))
-            offset = int(offsets[start]) if offsets is not None else 0
+                raw.seek(int(offsets[start]))  # type: ignore[index]
+            offset = int(offsets[start]) if first else 0  # type: ignore[index]
             source = open_input(url, "gzip", raw=raw) if compressed else raw
             parser = _Parser(url, _Blocks(source, offset), first, compressed)
-            for _, sample in parser.samples():
-                index = parser.index
-                if index >= start:
-                    yield sample
-                    if stop is not None and index + 1 >= stop:
-                        return
+            try:
+                for _, sample in parser.samples(offsets):
+                    index = parser.index
+                    if index >= start:
+                        yield sample
+                        if stop is not None and index + 1 >= stop:
+                            return
+            except CorruptRecordError as error:
+                raise _located_by_index(error, offsets) from None
         finally:
             raw.close()
+
+    def _index_for(self, url: str, start: int) -> np.ndarray | None:
+        """The checked index, to seek to ``start`` and to find the sample after a bad one.
+
+        Reading from the start needs no index: one that does not fit the file is then not used.
+        """
+        if not start:
+            try:
+                return self.index_offsets(url)
+            except IndexFileError:
+                return None
+        return self.index_offsets(url)
 
     def _compressed(self, raw: Any) -> bool:
         if self.compression != "auto":
