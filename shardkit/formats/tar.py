@@ -16,16 +16,19 @@ or one ranged read (remote, gzip), its checksum checked, its name and size
 parsed, and the data sliced from the same block (measured in
 ``benchmarks/formats.py``).
 
-Trust nothing: every header's checksum is checked; a bad one, a size that
-runs past the end of the file, or a file that ends inside a member or
+Trust nothing: every header's checksum is checked; a bad one, a size field
+that is not a number or runs past the end of the file (it never sizes an
+allocation), a malformed pax record, or a file that ends inside a member or
 without the end-of-archive marker raises :class:`~shardkit.CorruptRecordError`
-naming the sample index and the header's byte offset (``framing_intact`` is
-false: after a bad header the next one cannot be found, except through an
-index). An index (``shardkit index``) stores the byte offset of each
-sample's first header and the tar's size; it is checked when used (size,
-ascending offsets, a valid header at the last offset), so counts need no
-scan and a range starts with a seek. Gzip-compressed tars are streamed;
-their counts and ranges come from a scan (they cannot seek).
+naming the sample index and the header's byte offset. Without an index the
+next header cannot be found after a bad one (``framing_intact`` false: the
+rest of the range is lost under ``on_error="skip"``, and counted). An index
+(``shardkit index``) stores the byte offset of each sample's first header and
+the tar's size; it is checked when used (size, ascending offsets, a valid
+header at the last offset, and no index boundary inside a sample), so counts
+need no scan, a range starts with a seek, and a bad header costs exactly its
+sample (``framing_intact`` true). Gzip-compressed tars are streamed; their
+counts and ranges come from a scan (they cannot seek).
 """
 
 from __future__ import annotations
