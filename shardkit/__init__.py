@@ -27,6 +27,9 @@ _EXPORTS: dict[str, str] = {
     "encode_example": "shardkit.formats.example",
     "ShardedDataset": "shardkit.dataset",
     "TFRecordDataset": "shardkit.dataset",
+    "TarDataset": "shardkit.dataset",
+    "ParquetDataset": "shardkit.dataset",
+    "JsonlDataset": "shardkit.dataset",
     "wrap": "shardkit.dataset",
     "interleave": "shardkit.pipeline",
     "Pipeline": "shardkit.pipeline",
@@ -56,7 +59,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
-    from shardkit.dataset import ShardedDataset, TFRecordDataset, wrap
+    from shardkit.dataset import JsonlDataset, ParquetDataset, ShardedDataset, TarDataset, TFRecordDataset, wrap
     from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches
     from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
     from shardkit.formats.index import build_index

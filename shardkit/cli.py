@@ -16,6 +16,8 @@ with the worst outcome. Argument errors go through the same one-line format
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import sys
 import textwrap
@@ -174,7 +176,7 @@ def _index_counts(urls: list[str]) -> list[int | None]:
 
     import fsspec
 
-    from shardkit.formats.index import index_path_for, load_index
+    from shardkit.formats.index import index_path_for
 
     indexes = [(index_path_for(url), *fsspec.core.url_to_fs(index_path_for(url))) for url in urls]
     by_directory: dict[Any, set[str]] = {}
@@ -186,11 +188,46 @@ def _index_counts(urls: list[str]) -> list[int | None]:
             present.update(wanted.intersection(fs.ls(directory, detail=False)))
         except Exception:  # noqa: BLE001 - a store that cannot list (plain HTTP): ask per file
             present.update(path for path in wanted if fs.isfile(path))
-    counts = []
-    for url, (index, _, path) in zip(urls, indexes):
-        offsets = load_index(url, index) if path in present else None
-        counts.append(None if offsets is None else len(offsets))
-    return counts
+    return [_indexed_count(url, index, path in present) for url, (index, _, path) in zip(urls, indexes)]
+
+
+def _indexed_count(url: str, index: str, present: bool) -> int | None:
+    """``url``'s record count without reading its records: its index file (checked against the file), or a
+    Parquet footer."""
+    from shardkit.formats.index import load_index
+
+    fmt = _named_format(url)
+    if fmt is not None and fmt.name == "parquet":
+        return fmt.count(url)
+    if not present:
+        return None
+    if fmt is not None and hasattr(fmt, "index_offsets"):
+        offsets = fmt.index_offsets(url)
+        return None if offsets is None else len(offsets)
+    offsets = load_index(url, index)
+    return None if offsets is None else len(offsets)
+
+
+def _named_format(url: str) -> Any:
+    """The format ``url``'s suffix names, other than TFRecord (which this module reads itself); None otherwise."""
+    from shardkit.formats.base import FormatError, format_for
+
+    try:
+        fmt = format_for(url, head=b"")
+    except FormatError:
+        return None
+    return None if fmt.name == "tfrecord" else fmt
+
+
+def _format_of(url: str) -> Any:
+    """The format of the file at ``url`` (suffix, then first bytes), None for TFRecord or unknown."""
+    from shardkit.formats.base import FormatError, format_for
+
+    try:
+        fmt = format_for(url)
+    except FormatError:
+        return None  # TFRecord, perhaps compressed: its reader says what is wrong
+    return None if fmt.name == "tfrecord" else fmt
 
 
 def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3, **options: Any) -> str:
@@ -346,8 +383,37 @@ def _message_lines(records: list[bytes]) -> list[str]:
     return [f"{label} are tf.Example messages; features:", *_schema_lines(schema, "  ")]
 
 
+def _inspect_format(url: str, fmt: Any, args: argparse.Namespace) -> None:
+    """Inspect a tar, Parquet or JSON lines file: read (and so check) every record, describe the first."""
+    count = 0
+    first: Any = None
+    for record in fmt.read(url):
+        count += 1
+        if first is None:
+            first = record
+    checks = {"tar": "every header checksum", "parquet": "every row group decoded", "jsonl": "every line parsed"}
+    print(f"{url}: {count} records; format: {fmt.name}; {checks.get(fmt.name, 'every record read')}")
+    if first is not None:
+        print(f"first record: {_describe(first)}")
+
+
+def _describe(record: Any) -> str:
+    """The shape of a record: a dict's keys with their value types (and sizes of bytes), else its type."""
+    if isinstance(record, dict):
+        parts = []
+        for key, value in record.items():
+            size = f"[{len(value)}]" if isinstance(value, (bytes, str, list)) else ""
+            parts.append(f"{key}: {type(value).__name__}{size}")
+        return "{" + ", ".join(parts) + "}"
+    return type(record).__name__
+
+
 def _inspect_one(url: str, args: argparse.Namespace) -> None:
     from shardkit.formats.tfrecord import read_tfrecord
+
+    fmt = _format_of(url)
+    if fmt is not None:
+        return _inspect_format(url, fmt, args)
 
     if args.compression == "auto":
         compression, how = _detect_compression(url), "detected"
@@ -407,9 +473,15 @@ def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int
     fs, path = fsspec.core.url_to_fs(url)
     if size is not None and (actual := fs.size(path)) != size:
         raise MismatchError(f"{url}: {actual} bytes, but {where} says {size}; the file changed since it was listed")
-    found = _with_progress(
-        url, args.compression, lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress)
-    )
+    fmt = _format_of(url)
+    if fmt is not None:  # tar, Parquet, JSON lines: reading every record checks it
+        found = sum(1 for _ in fmt.read(url))
+    else:
+        found = _with_progress(
+            url,
+            args.compression,
+            lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress),
+        )
     if count is not None and found != count:
         raise MismatchError(f"{url}: {found} records, but {where} says {count}")
     indexed = _index_counts([url])[0]
@@ -422,7 +494,20 @@ def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    return _each_file(args, lambda url: print(f"{url} -> {_write_index(url, args.compression)}"))
+    return _each_file(args, lambda url: _index_one(url, args))
+
+
+def _index_one(url: str, args: argparse.Namespace) -> None:
+    """Write ``url``'s index (each format writes its own by rename); Parquet needs none."""
+    fmt = _format_of(url)
+    if fmt is None:
+        print(f"{url} -> {_write_index(url, args.compression)}")
+        return
+    target = fmt.build_index(url)
+    if target is None:
+        print(f"{url}: a {fmt.name} file needs no index (its footer holds the counts); footer checked")
+    else:
+        print(f"{url} -> {target}")
 
 
 def _write_index(url: str, compression: str | None) -> str:
@@ -441,6 +526,77 @@ def _write_index(url: str, compression: str | None) -> str:
     finally:
         remove_if_present(partial, None)
     return target
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    """Read every record of SRC's files in order and write them as DST shards, with a manifest."""
+    from tqdm import tqdm
+
+    from shardkit.formats.base import format_for, formats
+    from shardkit.writer import ShardWriter
+
+    # A local pattern is made absolute so that the manifest's urls do not depend on where it is read from.
+    pattern = args.pattern if "://" in args.pattern else os.path.abspath(args.pattern)
+    try:
+        urls = _expand(args.source)
+        readers = [(url, format_for(url)) for url in urls]
+        writer = ShardWriter(pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes)
+    except Exception as error:  # noqa: BLE001 - one line, exit 2
+        return _fail(args, error, args.source)
+    target = formats()[args.format]
+    count = 0
+    with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=False, disable=None) as bar, writer:
+        for url, fmt in readers:
+            for record in fmt.read(url):
+                writer.write(_converted(record, count, url, target.name))
+                count += 1
+                bar.update()
+    shards = writer.shards
+    assert shards is not None
+    print(f"{count} records from {len(urls)} files -> {len(shards)} {args.format} shards; manifest {writer.manifest}")
+    return EXIT_OK
+
+
+class ConvertError(ShardkitError):
+    """A record has no faithful form in the target format."""
+
+
+def _converted(record: Any, n: int, url: str, target: str) -> Any:
+    """``record`` (as its source format's reader yields it) as the ``target`` format's writer takes it.
+
+    Tar samples keep their key (others get their running number); dict values
+    that are neither bytes nor text go into a tar as JSON; a TFRecord record
+    becomes ``{"record": bytes}`` in Parquet; JSON lines take text only.
+    """
+    if target == "tfrecord":
+        if isinstance(record, (bytes, bytearray)):
+            return record
+        raise ConvertError(
+            f"{url}: record {n} is a {type(record).__name__}; TFRecord shards are written from TFRecord (bytes) only"
+        )
+    if not isinstance(record, dict):
+        record = {"record": record} if isinstance(record, (bytes, bytearray)) else {"value": record}
+    if target == "tar":
+        sample = {"__key__": record.get("__key__") or f"{n:09d}"}
+        for key, value in record.items():
+            if not key.startswith("__"):
+                sample[key] = value if isinstance(value, (bytes, str)) else json.dumps(value).encode()
+        return sample
+    row = {key: value for key, value in record.items() if key != "__url__"}
+    if target == "jsonl":
+        for key, value in row.items():
+            if isinstance(value, (bytes, bytearray)):
+                try:
+                    row[key] = bytes(value).decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ConvertError(
+                        f"{url}: record {n} holds bytes in {key!r} that are not UTF-8 text; JSON lines hold text: "
+                        "convert to tar or parquet instead"
+                    ) from None
+    return row
 
 
 # --------------------------------------------------------------------------- the parser
@@ -480,8 +636,9 @@ def _add_urls(parser: argparse.ArgumentParser, *, required: bool = True) -> None
         "urls",
         nargs="+" if required else "*",
         metavar="URL",
-        help="TFRecord files: paths, fsspec URLs (s3://, gs://, https://...) or quoted globs such as "
-        "'data/train-*.tfrecord' or 'data/train-{00000..00127}.tfrecord'",
+        help="shard files (TFRecord, WebDataset tar, Parquet, JSON lines; the format is detected by extension, "
+        "then magic bytes): paths, fsspec URLs (s3://, gs://, https://...) or quoted globs such as "
+        "'data/train-*.tfrecord' or 'data/train-{00000..00127}.tar'",
     )
 
 
@@ -606,6 +763,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_urls(index_cmd)
     _add_compression_option(index_cmd)
     index_cmd.set_defaults(func=_cmd_index)
+
+    convert_cmd = _sub(
+        sub,
+        "convert",
+        "rewrite shard files in another format (tfrecord, tar, parquet, jsonl), with a manifest",
+        "Read every record of the files SRC names (a path or a quoted glob; each file's format detected "
+        "by extension and magic bytes), in order, and write them into shards DST_PATTERN % 0, % 1, ... "
+        "of --format, rolled over by --max-records / --max-bytes, each published by rename, then the "
+        "manifest with the record counts. Tar samples keep their keys; rows and lines get their running "
+        "number as key; JSON lines take text, not bytes.",
+        "0 converted; 1 a source file is corrupt (url, record index, byte offset on stderr; no manifest "
+        "is written); 2 bad arguments, an unreadable source, or a record the target format cannot hold.",
+    )
+    convert_cmd.add_argument("source", metavar="SRC", help="a shard file or a quoted glob of them")
+    convert_cmd.add_argument(
+        "pattern", metavar="DST_PATTERN", help="output shards, with an integer field: 'out/train-%%05d.tar'"
+    )
+    convert_cmd.add_argument("--format", required=True, choices=("tfrecord", "tar", "parquet", "jsonl"))
+    convert_cmd.add_argument("--max-records", type=_int_at_least(1), default=None, help="records per shard at most")
+    convert_cmd.add_argument("--max-bytes", type=_int_at_least(1), default=None, help="bytes per shard, about")
+    convert_cmd.set_defaults(func=_cmd_convert)
     return parser
 
 

@@ -962,3 +962,151 @@ class _StrideReader:
         if group and self._balance == "none" and self._reader < len(group):
             return group[self._reader]
         raise StopIteration
+
+
+# --------------------------------------------------------------------------- sources over the named formats
+
+
+class _FormatDataset(ShardedDataset):
+    """A :class:`ShardedDataset` whose ``read_fn``/``count_fn`` are a :class:`~shardkit.formats.base.ShardFormat`'s."""
+
+    def __init__(self, shards: ShardList | str | Sequence[str], fmt: Any, **options: Any) -> None:
+        self.format = fmt
+        super().__init__(shards, fmt.read, count_fn=fmt.count, **options)
+
+
+class TarDataset(_FormatDataset):
+    """An IterableDataset over WebDataset tar shards, split over ranks and workers.
+
+    A sample is ``{"__key__": str, "__url__": str, <ext>: bytes, ...}``, grouped
+    as WebDataset groups members (see :mod:`shardkit.formats.tar`).
+
+    Args:
+        shards: a :class:`ShardList`, a glob / fsspec pattern, or a list of urls.
+        compression: ``"auto"`` (gzip when the file starts with its magic), ``None`` or ``"gzip"``.
+        index: use tar index files beside the shards (``shardkit index``), when
+            present and valid, to count samples and to seek to a range's first sample.
+
+    The other arguments are those of :class:`ShardedDataset`. Record counts,
+    when needed and not in the ShardList, come from index files or one header scan.
+    """
+
+    def __init__(
+        self,
+        shards: ShardList | str | Sequence[str],
+        *,
+        compression: str | None = "auto",
+        index: bool = True,
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        from shardkit.formats.tar import TarFormat
+
+        fmt = TarFormat(compression=compression, index=index, storage_options=storage_options)
+        super().__init__(
+            shards, fmt, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size,
+            on_error=on_error, storage_options=storage_options,
+        )  # fmt: skip
+
+
+class ParquetDataset(_FormatDataset):
+    """An IterableDataset over Parquet shards, split over ranks and workers.
+
+    A record is a row, yielded as a dict of column to value; record counts come
+    from the files' footers, and a range reads only the row groups it overlaps.
+
+    Args:
+        shards: a :class:`ShardList`, a glob / fsspec pattern, or a list of urls.
+        columns: the columns to read (all by default).
+        batch_size: yield batches of up to this many rows of one file, as a dict
+            of column to numpy array, instead of rows: a record is then a
+            batch, and plans, exactly-once and resuming count batches.
+
+    The other arguments are those of :class:`ShardedDataset`.
+    """
+
+    def __init__(
+        self,
+        shards: ShardList | str | Sequence[str],
+        *,
+        columns: Sequence[str] | None = None,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        from shardkit.formats.parquet import ParquetFormat
+
+        fmt = ParquetFormat(columns=columns, batch_size=batch_size, storage_options=storage_options)
+        super().__init__(
+            shards, fmt, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size,
+            on_error=on_error, storage_options=storage_options,
+        )  # fmt: skip
+        # Counts everywhere else (manifests, the counts cache, num_records=) are rows; with
+        # batch_size the plan counts batches, ceil(rows / batch_size) per file, worked out here.
+        self.count_fn = fmt.count_rows
+
+    def _record_counts(self, topology: Topology, *, required: bool) -> Any:
+        counts = super()._record_counts(topology, required=required)
+        size = self.format.batch_size
+        if size is None:
+            return counts
+        if isinstance(counts, np.ndarray):
+            return -(-counts // size)
+        import pyarrow.compute as pc
+
+        return pc.divide(pc.add(counts, size - 1), size)
+
+    def _planned_count(self, shard: int) -> int | None:
+        rows = super()._planned_count(shard)
+        size = self.format.batch_size
+        return rows if rows is None or size is None else -(-rows // size)
+
+
+class JsonlDataset(_FormatDataset):
+    """An IterableDataset over JSON lines shards, split over ranks and workers.
+
+    A record is a non-blank line, parsed with ``json.loads``; a line that is
+    not JSON is a :class:`~shardkit.CorruptRecordError` that costs that line
+    alone under ``on_error="skip"``.
+
+    Args:
+        shards: a :class:`ShardList`, a glob / fsspec pattern, or a list of urls.
+        compression: ``"auto"`` (from the first bytes), ``None``, ``"gzip"`` or
+            ``"zstd"`` (needs the ``zstandard`` package).
+        index: use newline index files beside the shards (``shardkit index``),
+            when present and valid, to count lines and to seek.
+
+    The other arguments are those of :class:`ShardedDataset`.
+    """
+
+    def __init__(
+        self,
+        shards: ShardList | str | Sequence[str],
+        *,
+        compression: str | None = "auto",
+        index: bool = True,
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        from shardkit.formats.jsonl import JsonlFormat
+
+        fmt = JsonlFormat(compression=compression, index=index, storage_options=storage_options)
+        super().__init__(
+            shards, fmt, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size,
+            on_error=on_error, storage_options=storage_options,
+        )  # fmt: skip

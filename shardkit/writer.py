@@ -1,4 +1,8 @@
-"""ShardWriter: write records into a numbered series of TFRecord shards plus a manifest.
+"""ShardWriter: write records into a numbered series of shards plus a manifest.
+
+Shards are TFRecord unless the pattern's suffix (``.tar``, ``.parquet``,
+``.jsonl``...) or ``format=`` names another format with a writer (see
+:mod:`shardkit.formats.base`).
 
 A run is published so that a reader never sees a manifest describing files it
 does not match, whatever happens to the writing process:
@@ -67,9 +71,17 @@ def default_manifest_path(pattern: str) -> str:
 class ShardWriter:
     """Write records into shards ``pattern % 0``, ``pattern % 1``, ... and a manifest.
 
+    ``format`` is a format name (``"tfrecord"``, ``"tar"``, ``"parquet"``,
+    ``"jsonl"``) or a format object; by default the pattern's suffix decides,
+    and a pattern no format claims is TFRecord. A record is what the format's
+    reader yields: ``bytes`` for TFRecord, a sample dict (``"__key__"`` and
+    extensions) for tar, a row dict for Parquet, a JSON value for JSON lines.
+
     A new shard starts when the current one holds ``max_records`` records, or
     when the next record would take it past ``max_bytes`` framed (uncompressed)
-    bytes; a record larger than ``max_bytes`` gets a shard of its own. On
+    bytes (TFRecord; other formats start a new shard once ``max_bytes`` is
+    reached, and Parquet counts bytes per row group written); a record larger
+    than ``max_bytes`` gets a shard of its own. On
     :meth:`close` the manifest (see :meth:`shardkit.ShardList.to_manifest`) is
     written with every shard's url, record count and byte size, at ``manifest`` or
     :func:`default_manifest_path` ``(pattern)``::
@@ -95,6 +107,7 @@ class ShardWriter:
         compression: str | None = None,
         manifest: str | None = None,
         storage_options: dict[str, Any] | None = None,
+        format: Any = None,  # noqa: A002 - the name the issue and the CLI use
     ) -> None:
         try:
             distinct = pattern % 0 != pattern % 1
@@ -106,6 +119,7 @@ class ShardWriter:
             if limit is not None and limit < 1:
                 raise ValueError(f"{name} must be a positive integer or None, got {limit!r}")
         check_compression(compression, allow_auto=False)
+        self.format = _writable_format(format, pattern, compression, storage_options)
         self.pattern = pattern
         self.max_records = max_records
         self.max_bytes = max_bytes
@@ -116,28 +130,28 @@ class ShardWriter:
         self._urls: list[str] = []  # published shards
         self._counts: list[int] = []
         self._sizes: list[int] = []  # bytes on storage, so that readers can tell a replaced file
-        self._current: TFRecordWriter | None = None
+        self._current: Any = None  # a TFRecordWriter, or the format's writer
         self._current_url = ""  # final name of the shard being written to self._current.url
         self._started = False
         self._closed = False
 
-    def write(self, record: bytes | bytearray | memoryview) -> None:
+    def write(self, record: Any) -> None:
         """Append one record, starting a new shard first if a limit says so."""
         if self._closed:
             raise ValueError("write() on a closed ShardWriter")
         current = self._current
-        if current is None or self._full(current, len(record)):
+        if current is None or self._full(current, record):
             current = self._next_shard()
         current.write(record)
 
-    def _full(self, current: TFRecordWriter, size: int) -> bool:
+    def _full(self, current: Any, record: Any) -> bool:
         if self.max_records is not None and current.num_records >= self.max_records:
             return True
-        return (
-            self.max_bytes is not None
-            and current.num_records > 0
-            and current.num_bytes + size + 16 > self.max_bytes  # 16 bytes of framing per record
-        )
+        if self.max_bytes is None or current.num_records == 0:
+            return False
+        if isinstance(current, TFRecordWriter):  # the record's size is known before it is written
+            return current.num_bytes + len(record) + 16 > self.max_bytes  # 16 bytes of framing per record
+        return current.num_bytes >= self.max_bytes
 
     def _start(self) -> None:
         """Begin the run: remove an earlier run's manifest before any shard it lists is replaced."""
@@ -151,7 +165,10 @@ class ShardWriter:
         self._finish_shard()
         url = self.pattern % len(self._urls)
         options = self.storage_options
-        self._current = TFRecordWriter(partial_name(url), compression=self.compression, storage_options=options)
+        if self.format is None:
+            self._current = TFRecordWriter(partial_name(url), compression=self.compression, storage_options=options)
+        else:
+            self._current = self.format.writer(partial_name(url), name=url)
         self._current_url = url
         return self._current
 
@@ -207,6 +224,39 @@ class ShardWriter:
             self.close()
         else:  # do not publish the shard in progress, nor a manifest of a partial run
             self._abort()
+
+
+def _writable_format(format: Any, pattern: str, compression: str | None, storage_options: dict[str, Any] | None) -> Any:  # noqa: A002
+    """The format object whose writer writes the shards; None for TFRecord (written here directly)."""
+    from shardkit.formats.base import FormatError, ShardFormat, format_for, formats
+
+    if format is None:
+        try:
+            fmt = format_for(pattern % 0, head=b"")
+        except FormatError:
+            return None
+    elif isinstance(format, str):
+        fmt = formats().get(format)
+        if fmt is None:
+            raise ValueError(f"format must be one of {sorted(formats())} or a format object, got {format!r}")
+    elif isinstance(format, ShardFormat):
+        fmt = format
+    else:
+        raise ValueError(f"format must be a format name or a ShardFormat object, got {format!r}")
+    if fmt.name == "tfrecord":
+        return None
+    if compression is not None:
+        raise ValueError(
+            f"compression={compression!r} is for TFRecord shards; {fmt.name} shards compress by their suffix"
+        )
+    if not callable(getattr(fmt, "writer", None)):
+        raise ValueError(f"the {fmt.name} format cannot be written (it has no writer)")
+    if storage_options is not None and getattr(fmt, "storage_options", None) != storage_options:
+        import copy
+
+        fmt = copy.copy(fmt)
+        fmt.storage_options = storage_options
+    return fmt
 
 
 # --------------------------------------------------------------------------- atomic publishing

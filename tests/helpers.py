@@ -56,3 +56,55 @@ def record_offsets(url: str) -> list[int]:
             offset += 16 + length
             file.seek(offset)
     return offsets
+
+
+# --------------------------------------------------------------------------- shard formats
+
+
+def sample_id(sample: object) -> str:
+    """The identity of a sample of any built-in format: a tar sample's key, a row's or line's ``id``."""
+    if isinstance(sample, dict) and "__key__" in sample:
+        return str(sample["__key__"])
+    if isinstance(sample, dict):
+        return str(sample["id"])
+    raise TypeError(f"no id in {sample!r}")
+
+
+def ids_per_rank(make, *, world_size: int, num_workers: int, batch_size: int = 4, env: bool = False, monkeypatch=None):
+    """Sample ids each rank's DataLoader yields, as lists of batches; ``make(rank, world)`` builds a rank's dataset
+    (``rank``/``world`` are None with ``env``: then RANK/WORLD_SIZE are set for each rank)."""
+    from torch.utils.data import DataLoader
+
+    ranks = []
+    for rank in range(world_size):
+        if env:
+            monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("WORLD_SIZE", str(world_size))
+            dataset = make(None, None)
+        else:
+            dataset = make(rank, world_size)
+        kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
+        loader = DataLoader(dataset.map(sample_id), batch_size=batch_size, num_workers=num_workers, **kwargs)
+        ranks.append([list(batch) for batch in loader])
+    return ranks
+
+
+def assert_split(ranks: list, everything: list[str], balance: str) -> None:
+    """Exactly once over the ranks with ``"none"``; equal batch and sample counts with ``"pad"``/``"drop"``
+    (``"pad"`` repeats, ``"drop"`` leaves out, fewer samples than there are ranks)."""
+    import collections
+
+    seen = collections.Counter(s for batches in ranks for batch in batches for s in batch)
+    total, world = len(everything), len(ranks)
+    assert set(seen) <= set(everything)
+    if balance == "none":
+        assert sorted(seen.elements()) == sorted(everything)
+        return
+    assert len({len(batches) for batches in ranks}) == 1, "ranks yield different numbers of batches"
+    per_rank = -(-total // world) if balance == "pad" else total // world
+    assert {sum(len(b) for b in batches) for batches in ranks} == {per_rank}
+    if balance == "pad":
+        assert set(seen) == set(everything)
+        assert sum(seen.values()) == per_rank * world
+    else:
+        assert max(seen.values()) == 1 and len(set(everything) - set(seen)) == total % world

@@ -50,3 +50,21 @@ def test_shuffle_benchmark_quick_runs_and_scores_every_loader(tmp_path: Path) ->
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 6, done.stdout  # header, reference, four loaders
     assert all(row.rstrip().endswith("0 / 0 |") for row in rows[2:]), done.stdout  # nothing lost or repeated
+
+
+@pytest.mark.timeout(300)
+def test_formats_benchmark_quick_runs_and_loses_nothing(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "formats.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if "duplicates" in line]
+    assert len(rows) == 10, done.stdout  # 2 + 2 tar, 4 Parquet, 2 JSON lines
+    shardkit_rows = [row for row in rows if "shardkit" in row]
+    assert all("0 duplicates, 0 missing" in row for row in shardkit_rows), done.stdout

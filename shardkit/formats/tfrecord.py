@@ -597,3 +597,75 @@ class TFRecordWriter:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- the format object
+
+
+class TFRecordFormat:
+    """TFRecord as a :class:`~shardkit.formats.base.ShardFormat`: records are the raw record ``bytes``.
+
+    A thin binding of :func:`read_tfrecord`, :func:`count_records` and
+    :func:`~shardkit.build_index`: index files (checked with
+    :func:`~shardkit.formats.index.load_index`) seek and count; without one,
+    a framing scan counts. Decoding is left to the caller (``TFRecordDataset``'s ``decode``).
+    """
+
+    name = "tfrecord"
+    suffixes = (".tfrecord.gz", ".tfrecords.gz", ".tfrecord", ".tfrecords", ".tfrec")
+
+    def __init__(
+        self,
+        *,
+        compression: Optional[str] = "auto",
+        verify: bool = True,
+        index: bool = True,
+        storage_options: Optional[dict[str, Any]] = None,
+    ) -> None:
+        check_compression(compression, allow_auto=True)
+        self.compression = compression
+        self.verify = verify
+        self.index = index
+        self.storage_options = storage_options
+
+    def __repr__(self) -> str:
+        return f"TFRecordFormat(compression={self.compression!r}, verify={self.verify}, index={self.index})"
+
+    def sniff(self, head: bytes) -> bool:
+        return len(head) >= _HEADER and masked_crc32c(head[:8]) == _unpack_header(head)[1]
+
+    def _offsets(self, url: str) -> Optional[np.ndarray]:
+        if not self.index or self.compression in ("gzip", "zlib"):
+            return None
+        from shardkit.formats.index import load_index
+
+        return load_index(url, storage_options=self.storage_options)
+
+    def read(self, url: str, start: int = 0, stop: Optional[int] = None) -> Iterator[bytes]:
+        """Records ``[start, stop)`` of ``url`` as bytes (seeking with a valid index file)."""
+        offsets = self._offsets(url) if start else None
+        return read_tfrecord(
+            url,
+            compression=self.compression,
+            verify=self.verify,
+            start=start,
+            stop=stop,
+            index=offsets,
+            storage_options=self.storage_options,
+        )
+
+    def count(self, url: str) -> int:
+        """Records in ``url``: from its index file when valid, else a framing scan."""
+        offsets = self._offsets(url)
+        if offsets is not None:
+            return len(offsets)
+        return count_records(url, compression=self.compression, storage_options=self.storage_options)
+
+    def build_index(self, url: str) -> Optional[str]:
+        from shardkit.formats.index import build_index
+
+        return build_index(url, compression=self.compression, storage_options=self.storage_options)
+
+    def writer(self, url: str, *, name: Optional[str] = None) -> TFRecordWriter:
+        compression = self.compression if self.compression in ("gzip", "zlib") else None
+        return TFRecordWriter(url, compression, self.storage_options)

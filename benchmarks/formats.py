@@ -1,0 +1,269 @@
+"""The shard formats against the loaders their users have today (issue 12).
+
+One run writes one content per format and reads it with each pair of loaders,
+through a DataLoader with ``--workers`` workers (batch ``--batch``, a plain
+list collate so no loader pays for tensors):
+
+- tar: ``shardkit.TarDataset`` vs ``webdataset.WebDataset`` on the same tars
+  (written by ``webdataset.TarWriter``), samples of a 1 KB and of a 100 KB
+  payload plus a label; both yield the raw sample dicts (no decoding).
+- Parquet: ``shardkit.ParquetDataset`` vs Hugging Face ``datasets`` streaming
+  on the same files, rows as dicts; also ``ParquetDataset(batch_size=...)``
+  (column batches as numpy arrays, passed through the DataLoader as they
+  come), counted in rows, with all columns (the strings and lists become
+  object arrays) and with the three numeric columns only.
+- JSON lines: ``shardkit.JsonlDataset`` vs ``datasets`` streaming ``json``.
+
+Throughput is samples (rows) per second of wall time over one epoch, the
+workers started fresh (their start-up is in every case). Cases run
+interleaved, ``--rounds`` times, and the median of each is kept, so load
+from other processes on the shared machine hurts every case alike; the
+ratios are shardkit over the other loader within the run. First-batch time is
+the median time from ``iter(loader)`` to the first batch. Duplicates/missing:
+every id seen over 2 ranks (``RANK``/``WORLD_SIZE`` in the environment, and
+each loader's documented split: ``split_by_node`` for WebDataset,
+``split_dataset_by_node`` for datasets) x ``--workers`` workers.
+
+    python benchmarks/formats.py [--rounds 5] [--workers 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import numpy as np  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import shardkit  # noqa: E402
+
+Make = Callable[[int | None, int | None], Any]  # (rank, world_size) -> dataset
+
+
+def _list(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def write_tars(root: str, shards: int, per_shard: int, payload: int) -> list[str]:
+    import webdataset as wds
+
+    rng = np.random.default_rng(0)
+    urls, n = [], 0
+    for s in range(shards):
+        url = f"{root}/tar{payload}-{s:03d}.tar"
+        with wds.TarWriter(url) as writer:
+            for _ in range(per_shard):
+                writer.write({"__key__": f"s{n:08d}", "bin": rng.bytes(payload), "cls": str(n % 1000)})
+                n += 1
+        urls.append(url)
+    return urls
+
+
+def rows(first: int, count: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": n,
+            "label": n % 1000,
+            "score": n / 7,
+            "text": f"sample {n} " + "lorem ipsum dolor " * 5,
+            "tags": [n % 3, n % 5],
+        }
+        for n in range(first, first + count)
+    ]
+
+
+def write_parquet(root: str, shards: int, per_shard: int) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    urls = []
+    for s in range(shards):
+        url = f"{root}/rows-{s:03d}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows(s * per_shard, per_shard)), url, row_group_size=10_000)
+        urls.append(url)
+    return urls
+
+
+def write_jsonl(root: str, shards: int, per_shard: int) -> list[str]:
+    urls = []
+    for s in range(shards):
+        url = f"{root}/rows-{s:03d}.jsonl"
+        with open(url, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows(s * per_shard, per_shard))
+        urls.append(url)
+    return urls
+
+
+# --------------------------------------------------------------------------- the loaders
+
+
+def shardkit_tar(urls: list[str]) -> Make:
+    return lambda rank, world: shardkit.TarDataset(urls, balance="none", rank=rank, world_size=world)
+
+
+def webdataset_tar(urls: list[str]) -> Make:
+    def make(rank: int | None, world: int | None) -> Any:
+        import webdataset as wds
+
+        return wds.WebDataset(
+            urls, shardshuffle=False, nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker
+        )
+
+    return make
+
+
+def shardkit_parquet(urls: list[str], batch_size: int | None = None, columns: list[str] | None = None) -> Make:
+    return lambda rank, world: shardkit.ParquetDataset(
+        urls, balance="none", rank=rank, world_size=world, batch_size=batch_size, columns=columns
+    )
+
+
+def hf_streaming(kind: str, urls: list[str]) -> Make:
+    def make(rank: int | None, world: int | None) -> Any:
+        from datasets import load_dataset
+        from datasets.distributed import split_dataset_by_node
+
+        dataset = load_dataset(kind, data_files=urls, split="train", streaming=True)
+        if world is not None:
+            dataset = split_dataset_by_node(dataset, rank=rank, world_size=world)
+        return dataset
+
+    return make
+
+
+def shardkit_jsonl(urls: list[str]) -> Make:
+    return lambda rank, world: shardkit.JsonlDataset(urls, balance="none", rank=rank, world_size=world)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def loader_for(dataset: Any, workers: int, batch: int) -> DataLoader:
+    if isinstance(dataset, shardkit.ParquetDataset) and dataset.format.batch_size is not None:
+        # Column batches are batches already: the loader passes them on as they come.
+        return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list)
+    return DataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=_list)
+
+
+def samples_in(batch: Any) -> int:
+    if isinstance(batch, dict):
+        return len(batch["id"])  # a column batch: count rows
+    return len(batch)
+
+
+def epoch(make: Make, workers: int, batch: int) -> tuple[float, float, int]:
+    """(seconds for the epoch, seconds to the first batch, samples)."""
+    loader = loader_for(make(None, None), workers, batch)
+    start = time.perf_counter()
+    first = None
+    n = 0
+    for b in loader:
+        if first is None:
+            first = time.perf_counter() - start
+        n += samples_in(b)
+    return time.perf_counter() - start, first or 0.0, n
+
+
+def ids_of(sample: Any) -> list[Any]:
+    if "__key__" in sample:
+        return [sample["__key__"]]
+    value = sample["id"]
+    return list(np.asarray(value).tolist()) if hasattr(value, "__len__") else [value]
+
+
+def dup_missing(make: Make, workers: int, batch: int, total: int) -> tuple[int, int]:
+    """Duplicates and missing samples over 2 ranks (RANK/WORLD_SIZE set) x ``workers`` workers."""
+    seen: collections.Counter[Any] = collections.Counter()
+    for rank in range(2):
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), "2"
+        try:
+            for b in loader_for(make(rank, 2), workers, batch):
+                for sample in [b] if isinstance(b, dict) else b:
+                    seen.update(ids_of(sample))
+        finally:
+            del os.environ["RANK"], os.environ["WORLD_SIZE"]
+    dup = sum(c - 1 for c in seen.values() if c > 1)
+    return dup, total - len(seen)
+
+
+def compare(title: str, cases: dict[str, Make], total: int, args: argparse.Namespace) -> list[str]:
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    firsts: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, make in cases.items():
+            seconds, first, n = epoch(make, args.workers, args.batch)
+            if n != total:
+                print(f"  ! {name} yielded {n} samples of {total}", file=sys.stderr)
+            times[name].append(seconds)
+            firsts[name].append(first)
+    names = list(cases)
+    ref = statistics.median(times[names[-1]])
+    lines = [f"{title} ({total} samples, {args.workers} workers, median of {args.rounds} interleaved rounds)"]
+    for name in names:
+        median = statistics.median(times[name])
+        dup, missing = dup_missing(cases[name], args.workers, args.batch, total)
+        lines.append(
+            f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch {statistics.median(firsts[name]):6.3f}s"
+            f"  2 ranks x {args.workers} workers: {dup} duplicates, {missing} missing"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="small content, 2 rounds (a smoke run)")
+    parser.add_argument("--only", choices=["tar", "parquet", "jsonl"], action="append")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 2
+    scale = 10 if args.quick else 1
+    only = set(args.only or ["tar", "parquet", "jsonl"])
+    out: list[str] = []
+    with tempfile.TemporaryDirectory() as root:
+        if "tar" in only:
+            for payload, per_shard in [(1024, 5000 // scale), (100 * 1024, 150 // scale)]:
+                urls = write_tars(root, 8, per_shard, payload)
+                cases = {"shardkit TarDataset": shardkit_tar(urls), "webdataset WebDataset": webdataset_tar(urls)}
+                out += compare(f"tar, {payload // 1024} KB samples", cases, 8 * per_shard, args)
+        if "parquet" in only:
+            urls = write_parquet(root, 8, 25_000 // scale)
+            cases = {
+                "shardkit ParquetDataset (rows as dicts)": shardkit_parquet(urls),
+                "shardkit ParquetDataset(batch_size=1024)": shardkit_parquet(urls, 1024),
+                "shardkit ParquetDataset(batch_size=1024), numbers": shardkit_parquet(
+                    urls, 1024, ["id", "label", "score"]
+                ),
+                "HF datasets streaming parquet": hf_streaming("parquet", urls),
+            }
+            out += compare("Parquet", cases, 8 * (25_000 // scale), args)
+        if "jsonl" in only:
+            urls = write_jsonl(root, 8, 25_000 // scale)
+            cases = {
+                "shardkit JsonlDataset": shardkit_jsonl(urls),
+                "HF datasets streaming json": hf_streaming("json", urls),
+            }
+            out += compare("JSON lines", cases, 8 * (25_000 // scale), args)
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
+    )
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The shard format interface: one object per format, and a registry to find it by file.
+
+A :class:`ShardFormat` is everything a source, the CLI and the writer need to
+know about one kind of shard file: how to count its records, read a record
+range ``[start, stop)``, build (or skip) an index, recognise a file by its
+suffix or first bytes, and optionally write it. Options that change how a
+file is read (storage options, compression, decoding, column projection)
+live on the format object, so ``fmt.read`` is a picklable ``read_fn`` and
+``fmt.count`` a ``count_fn`` for :class:`~shardkit.ShardedDataset`.
+
+Readers raise :class:`~shardkit.CorruptRecordError` with the url, record
+index and byte offset of what is wrong, after yielding the good records
+before it; ``framing_intact`` is true when the next record can still be found,
+so that ``on_error="skip"`` costs just the bad record: the source then calls
+``read(url, bad + 1, stop)`` again, and a format may remember where that
+record starts (:class:`ResumeHint`) so that the retry seeks instead of
+rescanning.
+
+Index files of the formats that have one share one container, in the style of
+:mod:`shardkit.formats.index` (all integers little-endian ``uint64``)::
+
+    bytes 0..7     magic, one per format (b"SKTARIX1", b"SKJSLIX1")
+    bytes 8..15    N, the number of records
+    bytes 16..23   size in bytes of the data file it describes
+    then N values  byte offset where record i starts, ascending
+
+An index is bound to its data file by that size and checked when it is used
+(:func:`load_offsets`): a file that grew or shrank, or offsets that are not
+ascending or point past the end, raise :class:`~shardkit.formats.index.IndexFileError`;
+each format also checks that its last offset starts a record. Index files are
+written by rename on local disks (object stores publish whole objects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import uuid
+from collections.abc import Iterator
+from typing import Any, Final, NamedTuple, Protocol, runtime_checkable
+
+import fsspec
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+
+from shardkit.errors import ShardkitError
+from shardkit.formats.index import IndexFileError, index_path_for
+from shardkit.formats.io import open_raw
+
+__all__ = [
+    "FormatError",
+    "RecordWriter",
+    "ResumeHint",
+    "ShardFormat",
+    "format_for",
+    "formats",
+    "load_offsets",
+    "register_format",
+    "write_offsets",
+]
+
+_HEAD: Final = struct.Struct("<8sQQ")
+HEAD_BYTES: Final = 512
+"""Bytes of a file's start handed to :meth:`ShardFormat.sniff`."""
+
+
+class FormatError(ShardkitError, ValueError):
+    """No registered format fits a file, or a format was given options it cannot use."""
+
+
+class RecordWriter(Protocol):
+    """What :meth:`ShardFormat.writer` returns."""
+
+    num_records: int
+    num_bytes: int
+
+    def write(self, record: Any, /) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ShardFormat(Protocol):
+    """One shard file format. Implementations must be picklable (they travel to DataLoader workers).
+
+    Attributes:
+        name: the format's name (``"tar"``, ``"parquet"``, ``"jsonl"``, ``"tfrecord"``).
+        suffixes: file name endings that mean this format, longest first
+            (``(".tar.gz", ".tgz", ".tar")``).
+    """
+
+    name: str
+    suffixes: tuple[str, ...]
+
+    def sniff(self, head: bytes) -> bool:
+        """Whether a file starting with ``head`` (up to :data:`HEAD_BYTES`) is in this format."""
+        ...
+
+    def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``url`` (``stop=None`` or past the end: to its end)."""
+        ...
+
+    def count(self, url: str) -> int:
+        """Records in ``url``: from its index or footer when there is one, else a scan."""
+        ...
+
+    def build_index(self, url: str) -> str | None:
+        """Write ``url``'s index and return its path; None for a format that needs none."""
+        ...
+
+
+class ResumeHint(NamedTuple):
+    """Where the record after a bad one starts, kept by a reader to seek there on the retry."""
+
+    url: str
+    record: int
+    offset: int
+
+
+_REGISTRY: dict[str, ShardFormat] = {}
+
+
+def register_format(fmt: ShardFormat) -> ShardFormat:
+    """Make ``fmt`` known to :func:`format_for` (and the CLI) under ``fmt.name``; return it."""
+    if not isinstance(fmt, ShardFormat):
+        raise FormatError(
+            f"{fmt!r} lacks part of the ShardFormat interface (name, suffixes, sniff, read, count, build_index)"
+        )
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def formats() -> dict[str, ShardFormat]:
+    """The registered formats by name (the built-in ones are registered on first use)."""
+    _builtins()
+    return dict(_REGISTRY)
+
+
+def format_for(url: str, head: bytes | None = None, *, storage_options: dict[str, Any] | None = None) -> ShardFormat:
+    """The format of the file at ``url``: by its suffix, else by its first bytes.
+
+    ``head`` is the file's first bytes when the caller has them; otherwise
+    they are read only when no suffix matches.
+
+    Raises:
+        FormatError: no registered format matches.
+    """
+    registered = formats()
+    name = url.lower()
+    by_suffix = [(len(s), fmt) for fmt in registered.values() for s in fmt.suffixes if name.endswith(s)]
+    if by_suffix:
+        return max(by_suffix, key=lambda pair: pair[0])[1]
+    if head is None:
+        with open_raw(url, "rb", storage_options) as f:
+            head = f.read(HEAD_BYTES)
+    for fmt in registered.values():
+        if fmt.sniff(head):
+            return fmt
+    known = ", ".join(f"{fmt.name} ({' '.join(fmt.suffixes)})" for fmt in registered.values())
+    raise FormatError(f"{url}: neither its name nor its first bytes match a known shard format: {known}")
+
+
+def _builtins() -> None:
+    if {"tar", "parquet", "jsonl", "tfrecord"} <= _REGISTRY.keys():
+        return
+    from shardkit.formats.jsonl import JsonlFormat
+    from shardkit.formats.parquet import ParquetFormat
+    from shardkit.formats.tar import TarFormat
+    from shardkit.formats.tfrecord import TFRecordFormat
+
+    # Sniffed in this order: checksummed magic first, JSON's weak "starts with { or [" last.
+    for fmt in (TFRecordFormat(), ParquetFormat(), TarFormat(), JsonlFormat()):
+        _REGISTRY.setdefault(fmt.name, fmt)
+
+
+# --------------------------------------------------------------------------- offset index files
+
+
+def write_offsets(
+    index_url: str, magic: bytes, offsets: np.ndarray, size: int, storage_options: dict[str, Any] | None = None
+) -> str:
+    """Write record ``offsets`` of a data file of ``size`` bytes to ``index_url`` (by rename on local disks)."""
+    payload = _HEAD.pack(magic, len(offsets), size) + np.asarray(offsets, dtype="<u8").tobytes()
+    fs, path = fsspec.core.url_to_fs(index_url, **(storage_options or {}))
+    if not isinstance(fs, LocalFileSystem):
+        with open_raw(index_url, "wb", storage_options) as f:
+            f.write(payload)
+        return index_url
+    partial = f"{path}.{uuid.uuid4().hex}.partial"
+    try:
+        with open_raw(partial, "wb") as f:
+            f.write(payload)
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+    return index_url
+
+
+def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None = None) -> np.ndarray | None:
+    """The record offsets in ``url``'s index file (:func:`index_path_for`), checked against ``url``'s size.
+
+    Returns None when there is no index file. The caller checks that the last
+    offset starts a record of its format.
+
+    Raises:
+        IndexFileError: the index is of another format, corrupt, or does not describe the file as it is now.
+    """
+    index_url = index_path_for(url)
+    try:
+        with open_raw(index_url, "rb", storage_options) as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    if len(data) < _HEAD.size or data[:8] != magic:
+        raise IndexFileError(url, index_url, f"it does not start with {magic!r} (another format's index, or damaged)")
+    _, count, size = _HEAD.unpack_from(data)
+    if len(data) != _HEAD.size + 8 * count:
+        raise IndexFileError(
+            url, index_url, f"it should hold {count} offsets but has {len(data) - _HEAD.size} bytes of them"
+        )
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    actual = int(fs.info(path)["size"])
+    if actual != size:
+        raise IndexFileError(url, index_url, f"it describes {size} bytes but the file has {actual} (rewritten since)")
+    offsets = np.frombuffer(data, dtype="<u8", count=count, offset=_HEAD.size)
+    if count and (int(offsets[-1]) >= size or np.any(np.diff(offsets.astype(np.int64)) <= 0)):
+        raise IndexFileError(url, index_url, "its offsets are not ascending inside the file")
+    return offsets.astype(np.int64)

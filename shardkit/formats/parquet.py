@@ -1,0 +1,245 @@
+"""Parquet shards: a record is a row (a dict of column to value), or a batch of rows.
+
+Counts come from the footer (``num_rows``, no scan) and a record range maps
+to the row groups it overlaps: only those are read (``read_row_group``), and
+the first is sliced from the range's offset. ``columns=`` projects, so other
+columns are never read. The footer is the index: there is no index file.
+
+With ``batch_size=b`` a record is instead a batch of ``b`` consecutive rows of
+one file (the last batch of a file may be shorter), yielded as a dict of
+column to numpy array: no Python object per row. Plans, exactly-once and
+resuming then count batches: a file of ``n`` rows holds ``ceil(n / b)``
+records. Measured in ``benchmarks/formats.py``.
+
+Trust nothing: page CRCs are checked where the file has them (:class:`ParquetWriter`
+writes them; many writers do not, and then a flipped value byte goes
+unseen: Parquet has no other checksum). A footer that cannot be read, or a
+row group that does not decode (a bad page CRC, a bad length, a truncated
+page) raises
+:class:`~shardkit.CorruptRecordError` naming the url, the first record of the
+row group and the row group's byte offset, after the rows before it.
+``framing_intact`` is false: under ``on_error="skip"`` the rest of the range
+is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.io import open_raw
+
+__all__ = ["ParquetFormat", "ParquetWriter"]
+
+_MAGIC: Final = b"PAR1"
+
+
+class ParquetFormat:
+    """Parquet shards (``.parquet``, ``.pq``).
+
+    Args:
+        columns: the columns to read (all by default).
+        batch_size: None (a record is a row, as a dict) or ``b`` (a record is
+            up to ``b`` rows, as a dict of column to numpy array).
+        storage_options: fsspec options.
+    """
+
+    name = "parquet"
+    suffixes = (".parquet", ".pq")
+
+    def __init__(
+        self,
+        *,
+        columns: Sequence[str] | None = None,
+        batch_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
+            raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
+        if batch_size is not None and (
+            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
+        ):
+            raise ShardkitError(f"batch_size must be None or a positive int, got {batch_size!r}")
+        self.columns = list(columns) if columns is not None else None
+        self.batch_size = batch_size
+        self.storage_options = storage_options
+
+    def __repr__(self) -> str:
+        return f"ParquetFormat(columns={self.columns!r}, batch_size={self.batch_size!r})"
+
+    def sniff(self, head: bytes) -> bool:
+        return head[:4] == _MAGIC
+
+    def _open(self, url: str) -> tuple[Any, Any]:
+        """(raw file, pyarrow ParquetFile), the footer read and checked."""
+        import pyarrow.parquet as pq
+
+        raw = open_raw(url, "rb", self.storage_options)
+        try:
+            # Page CRCs, where the writer stored them (ParquetWriter here does), are checked.
+            return raw, pq.ParquetFile(raw, page_checksum_verification=True)
+        except Exception as error:
+            raw.close()
+            raise CorruptRecordError(
+                url, 0, -1, f"the Parquet footer cannot be read ({type(error).__name__}: {error})"
+            ) from None
+
+    def count(self, url: str) -> int:
+        """Records in ``url`` from its footer: rows, or batches of ``batch_size`` rows."""
+        rows = self.count_rows(url)
+        return rows if self.batch_size is None else -(-rows // self.batch_size)
+
+    def count_rows(self, url: str) -> int:
+        """Rows in ``url``, from its footer."""
+        raw, pf = self._open(url)
+        try:
+            return int(pf.metadata.num_rows)
+        finally:
+            raw.close()
+
+    def build_index(self, url: str) -> str | None:
+        """Parquet needs no index file (the footer is its index): check the footer, return None."""
+        self.count_rows(url)
+        return None
+
+    def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+        """Records ``[start, stop)`` of the Parquet file at ``url``."""
+        if start < 0 or (stop is not None and stop < start):
+            raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
+        if self.batch_size is None:
+            return itertools.chain.from_iterable(t.to_pylist() for t in self._tables(url, start, stop))
+        b = self.batch_size
+        return self._batches(self._tables(url, start * b, None if stop is None else stop * b))
+
+    def _tables(self, url: str, lo: int, hi: int | None) -> Iterator[Any]:
+        """Rows ``[lo, hi)`` as Arrow tables, one per row group read."""
+        if hi is not None and hi <= lo:
+            return
+        raw, pf = self._open(url)
+        try:
+            meta = pf.metadata
+            sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            starts = list(itertools.accumulate(sizes, initial=0))
+            hi = starts[-1] if hi is None else min(hi, starts[-1])
+            if self.columns is not None:
+                missing = sorted(set(self.columns) - set(pf.schema_arrow.names))
+                if missing:
+                    raise ShardkitError(f"{url} has no columns {missing}; it has {pf.schema_arrow.names}")
+            group = bisect.bisect_right(starts, lo) - 1
+            while group < len(sizes) and starts[group] < hi:
+                table = self._row_group(url, pf, group, starts[group])
+                yield table.slice(max(0, lo - starts[group]), min(hi, starts[group + 1]) - max(lo, starts[group]))
+                group += 1
+        finally:
+            raw.close()
+
+    def _row_group(self, url: str, pf: Any, group: int, first_row: int) -> Any:
+        try:
+            table = pf.read_row_group(group, columns=self.columns)
+        except Exception as error:
+            columns = pf.metadata.row_group(group)
+            offset = (
+                min(columns.column(c).file_offset for c in range(columns.num_columns)) if columns.num_columns else -1
+            )
+            reason = f"row group {group} does not decode ({type(error).__name__}: {error})"
+            raise CorruptRecordError(url, self._record_of(first_row), offset, reason) from None
+        if table.num_rows != pf.metadata.row_group(group).num_rows:
+            reason = f"row group {group} holds {table.num_rows} rows, its footer says {pf.metadata.row_group(group).num_rows}"
+            raise CorruptRecordError(url, self._record_of(first_row), -1, reason)
+        return table
+
+    def _record_of(self, row: int) -> int:
+        return row if self.batch_size is None else row // self.batch_size
+
+    def _batches(self, tables: Iterator[Any]) -> Iterator[dict[str, np.ndarray]]:
+        """Re-cut the tables into ``batch_size`` rows (the last may be shorter), as dicts of numpy arrays."""
+        import pyarrow as pa
+
+        b = self.batch_size
+        assert b is not None
+        pending: list[Any] = []
+        have = 0
+        for table in tables:
+            pending.append(table)
+            have += table.num_rows
+            if have < b:
+                continue
+            joined = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+            cut = have - have % b
+            for at in range(0, cut, b):
+                yield _numpy(joined.slice(at, b))
+            pending, have = ([joined.slice(cut)], have - cut) if have > cut else ([], 0)
+        if have:
+            yield _numpy(pa.concat_tables(pending) if len(pending) > 1 else pending[0])
+
+    def writer(self, url: str, *, name: str | None = None) -> ParquetWriter:
+        """A writer of rows to ``url`` (``name``: the name it will be renamed to; unused)."""
+        return ParquetWriter(url, storage_options=self.storage_options)
+
+
+def _numpy(table: Any) -> dict[str, np.ndarray]:
+    return {name: column.to_numpy() for name, column in zip(table.column_names, table.columns)}
+
+
+class ParquetWriter:
+    """Write rows (dicts) to a Parquet file, a row group every ``row_group_size`` rows.
+
+    The schema is inferred from the first row group's rows by pyarrow.
+    """
+
+    def __init__(
+        self, url: str, *, row_group_size: int = 10_000, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        self.url = url
+        self.num_records = 0
+        self.num_bytes = 0
+        self._row_group_size = row_group_size
+        self._rows: list[dict[str, Any]] = []
+        self._raw: Any = open_raw(url, "wb", storage_options)
+        self._writer: Any = None
+        self._closed = False
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._closed:
+            raise ShardkitError(f"{self.url}: write() on a closed ParquetWriter")
+        if not isinstance(row, dict):
+            raise ShardkitError(f"a Parquet record is a dict of column to value, got {type(row).__name__}")
+        self._rows.append(row)
+        self.num_records += 1
+        if len(self._rows) >= self._row_group_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self._rows:
+            return
+        table = pa.Table.from_pylist(self._rows, schema=None if self._writer is None else self._writer.schema)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self._raw, table.schema, write_page_checksum=True)
+        self._writer.write_table(table)
+        self.num_bytes += table.nbytes
+        self._rows = []
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._flush()
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._raw.close()
+
+    def __enter__(self) -> ParquetWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,522 @@
+"""WebDataset tar shards: samples grouped by key, read with our own header parser.
+
+A tar file is a sequence of 512-byte headers, each followed by its member's
+data padded to 512 bytes, ended by two zero blocks. As in WebDataset, the
+regular files whose paths share everything up to the first dot of the
+basename form one sample, ``{"__key__": key, "__url__": url, ext: bytes, ...}``
+(extensions lowercased; ``__*__`` meta members, directories and links are
+skipped); a sample is a record. Tars written by ``webdataset.TarWriter``,
+``tarfile`` (ustar, GNU and pax formats) and GNU ``tar`` are read, and
+:class:`TarWriter` writes ustar tars those read back byte-for-byte.
+
+Why not ``tarfile``: it builds a ``TarInfo`` object per member through a
+chain of Python calls, which is most of WebDataset's time on small samples.
+Here a header is sliced from a block read with one ``os.pread`` (local files)
+or one ranged read (remote, gzip), its checksum checked, its name and size
+parsed, and the data sliced from the same block (measured in
+``benchmarks/formats.py``).
+
+Trust nothing: every header's checksum is checked; a bad one, a size field
+that is not a number or runs past the end of the file (it never sizes an
+allocation), a malformed pax record, or a file that ends inside a member or
+without the end-of-archive marker raises :class:`~shardkit.CorruptRecordError`
+naming the sample index and the header's byte offset. Without an index the
+next header cannot be found after a bad one (``framing_intact`` false: the
+rest of the range is lost under ``on_error="skip"``, and counted). An index
+(``shardkit index``) stores the byte offset of each sample's first header and
+the tar's size; it is checked when used (size, ascending offsets, a valid
+header at the last offset, and no index boundary inside a sample), so counts
+need no scan, a range starts with a seek, and a bad header costs exactly its
+sample (``framing_intact`` true). Gzip-compressed tars are streamed; their
+counts and ranges come from a scan (they cannot seek).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import tarfile
+import time
+from collections.abc import Iterator
+from typing import Any, Final
+
+import numpy as np
+from fsspec.implementations.local import LocalFileOpener
+
+from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.base import load_offsets, write_offsets
+from shardkit.formats.index import IndexFileError, index_path_for
+from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
+
+__all__ = ["TarFormat", "TarWriter"]
+
+INDEX_MAGIC: Final = b"SKTARIX1"
+_BLOCK: Final = 512
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_META = re.compile(r"__[^/]*__($|/)")
+_REGULAR: Final = (b"0", b"\0", b"7")
+_ZEROS: Final = bytes(_BLOCK)
+_SKIPPED: Final = (b"1", b"2", b"3", b"4", b"5", b"6", b"g", b"V", b"M", b"N", b"S", b"D")
+
+
+def _checksum_ok(header: bytes) -> bool:
+    """The header checksum: the sum of its bytes with the checksum field read as spaces (unsigned or signed).
+
+    Zero bytes add nothing, so the long runs of them at the ends of the fields are stripped before summing.
+    """
+    field = header[148:156]
+    try:
+        stored = int(field.replace(b"\0", b" ") or b"x", 8)
+    except ValueError:
+        return False
+    unsigned = sum(header[:148].rstrip(b"\0")) + sum(header[156:].rstrip(b"\0")) + 256
+    if stored == unsigned:
+        return True
+    signed = unsigned - 2 * sum(b for b in header if b > 127) + 2 * sum(b for b in field if b > 127)
+    return stored == signed
+
+
+def _size_of(header: bytes) -> int:
+    field = header[124:136]
+    if field[0] & 0x80:  # GNU base-256 for sizes of 8 GB and more
+        return int.from_bytes(field[1:], "big")
+    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+
+
+def _name_of(header: bytes) -> str:
+    name = header[0:100].split(b"\0", 1)[0]
+    if header[257:262] == b"ustar" and header[345] != 0 and header[257:265] != b"ustar  \0":
+        name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The ``path`` record of a pax extended header, if any (records are ``"<len> key=value\\n"``)."""
+    if b" path=" not in data:  # most pax headers carry only times (webdataset's TarWriter: mtime)
+        return None
+    pos = 0
+    found = None
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        length = int(data[pos:space])
+        if length <= 0:
+            break
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        if key == b"path":
+            found = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return found
+
+
+def _split_key(name: str) -> tuple[str, str] | None:
+    """(key, lowercased extension): the path up to the first dot of the basename, and the rest.
+
+    WebDataset's ``^((?:.*/|)[^.]+)[.]([^/]*)$``, without the regex in the
+    common case; the regex decides the odd ones (a basename without a dot or
+    starting with one, a newline in the name).
+    """
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    if dot <= slash + 1 or "\n" in name:
+        match = _KEY.match(name)
+        return None if match is None else (match.group(1), match.group(2).lower())
+    return name[:dot], name[dot + 1 :].lower()
+
+
+def _long_name(kind: bytes, data: bytes) -> str | None:
+    """The name a pax (``x``) or GNU long-name (``L``) header gives the member after it. Raises ValueError."""
+    return _pax_path(data) if kind == b"x" else data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
+class _Blocks:
+    """A window over the tar's bytes: ``need(n)`` makes ``n`` bytes available from ``pos``."""
+
+    __slots__ = ("buf", "pos", "base", "_fd", "_stream", "_eof", "_opened_size")
+
+    def __init__(self, source: Any, offset: int) -> None:
+        self.buf = b""
+        self.pos = 0
+        self.base = offset  # stream offset of buf[0]
+        self._fd = source.fileno() if isinstance(source, LocalFileOpener) else None
+        self._stream = None if self._fd is not None else source
+        self._eof = False
+        self._opened_size = os.fstat(self._fd).st_size if self._fd is not None else None
+
+    @property
+    def offset(self) -> int:
+        return self.base + self.pos
+
+    def need(self, n: int) -> bool:
+        """Whether ``n`` bytes are available at ``pos`` (reading more as needed); False at the end."""
+        while len(self.buf) - self.pos < n and not self._eof:
+            want = max(BLOCK_SIZE, n - (len(self.buf) - self.pos))
+            if self._fd is not None:  # never ask pread for more than the file holds: a size field may lie
+                want = min(want, max(0, os.fstat(self._fd).st_size - self.base - len(self.buf)))
+                chunk = os.pread(self._fd, want, self.base + len(self.buf)) if want else b""
+            else:
+                chunk = self._stream.read(min(want, BLOCK_SIZE))
+            if not chunk:
+                self._eof = True
+                break
+            self.base += self.pos
+            self.buf = self.buf[self.pos :] + chunk
+            self.pos = 0
+        return len(self.buf) - self.pos >= n
+
+    def shrank(self) -> int | None:
+        """The file's size now, if it is a local file smaller than when it was opened."""
+        if self._fd is None:
+            return None
+        size = os.fstat(self._fd).st_size
+        return size if size < self._opened_size else None  # type: ignore[operator]
+
+
+class _Parser:
+    """Walks the headers of one tar from a sample boundary and yields samples."""
+
+    def __init__(self, url: str, blocks: _Blocks, first: int, compressed: bool) -> None:
+        self.url = url
+        self.blocks = blocks
+        self.index = first  # index of the next sample
+        self.compressed = compressed
+
+    def error(self, offset: int, reason: str) -> CorruptRecordError:
+        if self.compressed:
+            reason += " (offset in the uncompressed gzip stream)"
+        return CorruptRecordError(self.url, self.index, offset, reason)
+
+    def members(self) -> Iterator[tuple[str, int, bytes]]:
+        """(name, offset of its first header, data) of each regular member, to the end-of-archive marker.
+
+        Every sample's path runs through this loop, hence the locals and the
+        inline checks of what is in the window before calling ``need``.
+        """
+        blocks = self.blocks
+        long_name: str | None = None
+        start = -1
+        while True:
+            pos = blocks.pos
+            if len(blocks.buf) - pos < _BLOCK:
+                self._need(_BLOCK, blocks.offset, "the file ends without the end-of-archive marker")
+                pos = blocks.pos
+            buf = blocks.buf
+            header = buf[pos : pos + _BLOCK]
+            at = blocks.base + pos
+            if header == _ZEROS:
+                return
+            if not _checksum_ok(header):
+                raise self.error(at, f"tar header checksum mismatch (header bytes {header[:16]!r}...)")
+            try:
+                size = _size_of(header)
+            except ValueError:
+                raise self.error(at, f"tar header size field {header[124:136]!r} is not a number") from None
+            padded = _BLOCK + -(-size // _BLOCK) * _BLOCK
+            if len(buf) - pos < padded:
+                self._need(padded, at, f"the file ends inside the member {_name_of(header)!r} of {size} bytes")
+                pos, buf = blocks.pos, blocks.buf
+            data = buf[pos + _BLOCK : pos + _BLOCK + size]
+            blocks.pos = pos + padded
+            kind = header[156:157]
+            if start < 0:
+                start = at
+            if kind == b"x" or kind == b"L":
+                try:
+                    long_name = _long_name(kind, data)
+                except ValueError:
+                    raise self.error(
+                        at, f"malformed {'pax' if kind == b'x' else 'GNU long name'} header {data[:40]!r}"
+                    ) from None
+                continue
+            name = long_name or _name_of(header)
+            long_name = None
+            if kind in _REGULAR:
+                yield name, start, data
+            elif kind not in _SKIPPED and kind != b"K":
+                raise self.error(at, f"unknown tar member type {kind!r} for {name!r}")
+            start = -1
+
+    def _need(self, n: int, at: int, reason: str) -> None:
+        """Make ``n`` bytes available at the window's position, or raise the located error ``reason``."""
+        try:
+            if not self.blocks.need(n):
+                raise self._truncated(at, reason)
+        except CompressedStreamError as error:
+            raise self.error(at, error.reason) from None
+
+    def _truncated(self, offset: int, reason: str) -> CorruptRecordError:
+        shrank = self.blocks.shrank()
+        if shrank is not None:
+            reason += f" (the file shrank to {shrank} bytes while being read)"
+        return self.error(offset, reason)
+
+    def _next_key(self) -> str | None:
+        """The key of the next regular member, if its headers are already in the window and sound; else None.
+
+        A look ahead without raising: a bad header is reported when it is read, on its own sample.
+        """
+        buf, pos = self.blocks.buf, self.blocks.pos
+        long_name = None
+        while len(buf) - pos >= _BLOCK:
+            header = buf[pos : pos + _BLOCK]
+            if header == _ZEROS or not _checksum_ok(header):
+                return None
+            kind = header[156:157]
+            if kind not in (b"x", b"L"):
+                split = _split_key(long_name or _name_of(header)) if kind in _REGULAR else None
+                return None if split is None else split[0]
+            try:
+                size = _size_of(header)
+                long_name = _long_name(kind, buf[pos + _BLOCK : pos + _BLOCK + size])
+            except ValueError:
+                return None
+            pos += _BLOCK + -(-size // _BLOCK) * _BLOCK
+        return None
+
+    def samples(self, ends: np.ndarray | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(offset of its first header, sample) for each sample, grouped as WebDataset does.
+
+        With ``ends`` (the index's sample offsets) a sample is handed out as
+        soon as its last member ends where the index says the next sample
+        starts, before the next header is read: a bad header is then blamed
+        on its own sample. A key that goes on past an index boundary is an error.
+        """
+        sample: dict[str, Any] | None = None
+        sample_at = -1
+        last_key = None
+        for name, at, data in self.members():
+            if name.startswith("__") and ("/" not in name and name.endswith("__") or _META.match(name)):
+                continue
+            split = _split_key(name)
+            if split is None:
+                continue
+            key, ext = split
+            if sample is None or key != sample["__key__"]:
+                if sample is not None:
+                    last_key = sample["__key__"]
+                    yield sample_at, sample
+                    self.index += 1
+                elif key == last_key:
+                    raise self.error(
+                        at, f"the index file puts a sample boundary inside the sample {key!r} (rebuild it)"
+                    )
+                sample, sample_at = {"__key__": key, "__url__": self.url}, at
+            if ext in sample:
+                raise self.error(at, f"duplicate member {name!r} in the sample {key!r}")
+            sample[ext] = data
+            if ends is not None and self.index + 1 < len(ends) and self.blocks.offset >= ends[self.index + 1]:
+                if self._next_key() == key:
+                    raise self.error(
+                        self.blocks.offset,
+                        f"the index file puts a sample boundary inside the sample {key!r} (rebuild it)",
+                    )
+                last_key = key
+                yield sample_at, sample
+                self.index += 1
+                sample = None
+        if sample is not None:
+            yield sample_at, sample
+            self.index += 1
+
+
+def _located_by_index(error: CorruptRecordError, offsets: np.ndarray | None) -> CorruptRecordError:
+    """``error``, marked ``framing_intact`` when the index holds the bad sample and the next one's offset."""
+    i = error.record_index
+    if error.framing_intact or offsets is None or not 0 <= i < len(offsets) - 1:
+        return error
+    if not offsets[i] <= error.offset < offsets[i + 1]:
+        return error
+    reason = f"{error.reason}; the index locates the next sample at byte {int(offsets[i + 1])}"
+    return CorruptRecordError(error.url, i, error.offset, reason, framing_intact=True)
+
+
+class TarFormat:
+    """WebDataset tar shards (``.tar``, ``.tar.gz``/``.tgz``): a record is a sample.
+
+    Args:
+        compression: ``"auto"`` (gzip when the file starts with its magic),
+            ``None`` or ``"gzip"``.
+        index: use a tar index beside the shard (``shardkit index``) to count
+            and to seek to a range's first sample.
+        storage_options: fsspec options.
+    """
+
+    name = "tar"
+    suffixes = (".tar.gz", ".tgz", ".tar")
+
+    def __init__(
+        self, *, compression: str | None = "auto", index: bool = True, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        if compression not in ("auto", None, "gzip"):
+            raise ShardkitError(f"tar compression must be 'auto', None or 'gzip', got {compression!r}")
+        self.compression = compression
+        self.index = index
+        self.storage_options = storage_options
+
+    def __repr__(self) -> str:
+        return f"TarFormat(compression={self.compression!r}, index={self.index})"
+
+    def sniff(self, head: bytes) -> bool:
+        if head[:2] == b"\x1f\x8b":
+            return False  # any gzip stream: decided by the suffix
+        return len(head) >= _BLOCK and head[257:262] == b"ustar" and _checksum_ok(head[:_BLOCK])
+
+    def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[dict[str, Any]]:
+        """Samples ``[start, stop)`` of the tar at ``url``."""
+        if start < 0 or (stop is not None and stop < start):
+            raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
+        return self._read(url, start, stop)
+
+    def _read(self, url: str, start: int, stop: int | None) -> Iterator[dict[str, Any]]:
+        if stop is not None and stop <= start:
+            return
+        raw = open_raw(url, "rb", self.storage_options)
+        try:
+            compressed = self._compressed(raw)
+            offsets = None if compressed else self._index_for(url, start)
+            first = start if offsets is not None and start else 0
+            if first:
+                if start >= len(offsets):  # type: ignore[arg-type]  # the index says there is no sample `start`
+                    return
+                raw.seek(int(offsets[start]))  # type: ignore[index]
+            offset = int(offsets[start]) if first else 0  # type: ignore[index]
+            source = open_input(url, "gzip", raw=raw) if compressed else raw
+            parser = _Parser(url, _Blocks(source, offset), first, compressed)
+            try:
+                for _, sample in parser.samples(offsets):
+                    index = parser.index
+                    if index >= start:
+                        yield sample
+                        if stop is not None and index + 1 >= stop:
+                            return
+            except CorruptRecordError as error:
+                raise _located_by_index(error, offsets) from None
+        finally:
+            raw.close()
+
+    def _index_for(self, url: str, start: int) -> np.ndarray | None:
+        """The checked index, to seek to ``start`` and to find the sample after a bad one.
+
+        Reading from the start needs no index: one that does not fit the file is then not used.
+        """
+        if not start:
+            try:
+                return self.index_offsets(url)
+            except IndexFileError:
+                return None
+        return self.index_offsets(url)
+
+    def _compressed(self, raw: Any) -> bool:
+        if self.compression != "auto":
+            return self.compression == "gzip"
+        compressed = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        return compressed
+
+    def index_offsets(self, url: str) -> np.ndarray | None:
+        """The record offsets of ``url`` from its index file, checked against the file; None without one.
+
+        Raises:
+            IndexFileError: the index does not fit the file (stale, damaged, of another format).
+        """
+        if not self.index or self.compression == "gzip" or url.lower().endswith((".gz", ".tgz")):
+            return None
+        offsets = load_offsets(url, INDEX_MAGIC, self.storage_options)
+        if offsets is not None and len(offsets):
+            with open_raw(url, "rb", self.storage_options) as f:
+                f.seek(int(offsets[-1]))
+                header = f.read(_BLOCK)
+            if len(header) < _BLOCK or not _checksum_ok(header):
+                raise IndexFileError(url, index_path_for(url), f"no tar header at its last offset {int(offsets[-1])}")
+        return offsets
+
+    def count(self, url: str) -> int:
+        """Samples in ``url``: from its index when there is a valid one, else a header scan."""
+        try:
+            offsets = self.index_offsets(url)
+        except IndexFileError as error:
+            import warnings
+
+            warnings.warn(f"{error}; counting its samples by a scan instead", stacklevel=2)
+            offsets = None
+        if offsets is not None:
+            return len(offsets)
+        return len(self.scan(url))
+
+    def scan(self, url: str) -> np.ndarray:
+        """Byte offset of each sample's first header (in the uncompressed stream), checking every header."""
+        raw = open_raw(url, "rb", self.storage_options)
+        try:
+            compressed = self._compressed(raw)
+            source = open_input(url, "gzip", raw=raw) if compressed else raw
+            parser = _Parser(url, _Blocks(source, 0), 0, compressed)
+            return np.array([at for at, _ in parser.samples()], dtype=np.int64)
+        finally:
+            raw.close()
+
+    def build_index(self, url: str) -> str | None:
+        """Write the tar index of ``url`` beside it (``url + ".idx"``) and return its path."""
+        with open_raw(url, "rb", self.storage_options) as f:
+            if f.read(2) == b"\x1f\x8b":
+                raise ShardkitError(
+                    f"{url}: a gzip-compressed tar cannot seek, so it gets no index; its samples are counted by a scan"
+                )
+        offsets = self.scan(url)
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
+        return write_offsets(
+            index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options
+        )
+
+    def writer(self, url: str, *, name: str | None = None) -> TarWriter:
+        """A writer of samples to ``url`` (``name``: the name it will be renamed to; unused)."""
+        return TarWriter(url, storage_options=self.storage_options)
+
+
+class TarWriter:
+    """Write WebDataset samples (``{"__key__": key, ext: bytes | str, ...}``) to a tar at any fsspec URL.
+
+    Members are ``<key>.<ext>`` in ustar format (with a pax header for long
+    names), mode 0o444 and mtime fixed, so the same samples make the same bytes.
+    """
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, mtime: float | None = None) -> None:
+        self.url = url
+        self.num_records = 0
+        self.num_bytes = 0
+        self._mtime = time.time() if mtime is None else mtime
+        self._raw = open_raw(url, "wb", storage_options)
+        self._tar: tarfile.TarFile | None = tarfile.open(fileobj=self._raw, mode="w|", format=tarfile.PAX_FORMAT)
+
+    def write(self, sample: dict[str, Any]) -> None:
+        if self._tar is None:
+            raise ShardkitError(f"{self.url}: write() on a closed TarWriter")
+        key = sample.get("__key__")
+        if not isinstance(key, str) or not key or "." in key.rsplit("/", 1)[-1]:
+            raise ShardkitError(f"a tar sample needs a '__key__' string without a dot in its basename, got {key!r}")
+        for ext, value in sample.items():
+            if ext.startswith("__"):
+                continue
+            data = value.encode() if isinstance(value, str) else bytes(value)
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mode, info.mtime = len(data), 0o444, int(self._mtime)
+            self._tar.addfile(info, io.BytesIO(data))
+            self.num_bytes += 512 + -(-len(data) // 512) * 512  # header and padded data
+        self.num_records += 1
+
+    def close(self) -> None:
+        if self._tar is not None:
+            tar, self._tar = self._tar, None
+            try:
+                tar.close()
+            finally:
+                self._raw.close()
+
+    def __enter__(self) -> TarWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,252 @@
+"""JSON lines shards: lines written by json, compression, newline index, splits, faults, resume, S3."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+import shardkit
+from shardkit import CorruptRecordError, JsonlDataset
+from shardkit.formats.base import format_for
+from shardkit.formats.index import IndexFileError
+from shardkit.formats.jsonl import JsonlFormat, JsonlWriter
+from tests.helpers import assert_split, ids_per_rank, sample_id
+from tests.test_resume import Run, check_resume
+
+SIZES = [17, 3, 0, 25, 9, 11]
+slow = pytest.mark.slow
+
+
+def row(n: int) -> dict:
+    return {
+        "id": f"r{n:05d}",
+        "text": 'é\u2028 "quoted"\\' * (n % 4),
+        "values": [n, n / 3, None, True],
+        "nested": {"n": n},
+    }
+
+
+def write_shards(root: str, sizes=SIZES, suffix: str = ".jsonl", storage_options=None) -> list[str]:
+    """Shards written with json.dumps, one value a line (gzip for .gz)."""
+    import fsspec
+
+    urls, n = [], 0
+    for i, size in enumerate(sizes):
+        url = f"{root}/part-{i:03d}{suffix}"
+        text = "".join(json.dumps(row(k)) + "\n" for k in range(n, n + size))
+        n += size
+        data = gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode()
+        with fsspec.open(url, "wb", **(storage_options or {})) as f:
+            f.write(data)
+        urls.append(url)
+    return urls
+
+
+def all_ids(sizes=SIZES) -> list[str]:
+    return [f"r{n:05d}" for n in range(sum(sizes))]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+def test_lines_written_by_json_read_back_equal_with_any_compression(tmp_path, suffix):
+    if suffix.endswith(".zst"):
+        zstandard = pytest.importorskip("zstandard")
+        url = str(tmp_path / f"a{suffix}")
+        with open(url, "wb") as f:
+            f.write(zstandard.ZstdCompressor().compress("".join(json.dumps(row(n)) + "\n" for n in range(40)).encode()))
+    else:
+        (url,) = write_shards(str(tmp_path), [40], suffix)
+    fmt = JsonlFormat()
+    assert list(fmt.read(url)) == [row(n) for n in range(40)]
+    assert list(fmt.read(url, 5, 9)) == [row(n) for n in range(5, 9)]
+    assert fmt.count(url) == 40
+    assert format_for(url).name == "jsonl"
+
+
+def test_blank_lines_and_a_missing_final_newline(tmp_path):
+    url = tmp_path / "a.jsonl"
+    url.write_bytes(b'{"id": 1}\n\n  \n{"id": 2}\r\n[3]\n"four"')
+    fmt = JsonlFormat()
+    assert list(fmt.read(str(url))) == [{"id": 1}, {"id": 2}, [3], "four"]
+    assert fmt.count(str(url)) == 4
+    fmt.build_index(str(url))
+    assert list(fmt.read(str(url), 1, 3)) == [{"id": 2}, [3]]
+    assert fmt.count(str(url)) == 4
+
+
+def test_a_newline_index_counts_and_seeks(tmp_path):
+    (url,) = write_shards(str(tmp_path), [300])
+    fmt = JsonlFormat()
+    assert fmt.build_index(url) == url + ".idx"
+    assert fmt.count(url) == 300
+    for start, stop in [(0, 1), (150, 152), (299, None), (300, 301), (290, 999)]:
+        assert list(fmt.read(url, start, stop)) == [row(n) for n in range(300)][start:stop]
+    assert format_for(url.replace(".jsonl", ".data"), head=open(url, "rb").read(512)).name == "jsonl"
+
+
+def test_the_writer_writes_lines_json_reads(tmp_path):
+    url = str(tmp_path / "w.jsonl")
+    with JsonlWriter(url) as writer:
+        for n in range(5):
+            writer.write(row(n))
+    with open(url) as f:
+        assert [json.loads(line) for line in f] == [row(n) for n in range(5)]
+
+
+def make_dataset(urls, **kwargs):
+    def make(rank, world):
+        return JsonlDataset(urls, rank=rank, world_size=world, **kwargs)
+
+    return make
+
+
+@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)])
+def test_every_line_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_workers, world_size, balance):
+    urls = write_shards(str(tmp_path))
+    ranks = ids_per_rank(
+        make_dataset(urls, balance=balance, shuffle=True, seed=2), world_size=world_size, num_workers=num_workers
+    )
+    assert_split(ranks, all_ids(), balance)
+
+
+@slow
+@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
+def test_ranks_from_the_environment_split_too(tmp_path, monkeypatch, balance):
+    urls = write_shards(str(tmp_path), suffix=".jsonl.gz")
+    ranks = ids_per_rank(
+        make_dataset(urls, balance=balance), world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch
+    )
+    assert_split(ranks, all_ids(), balance)
+
+
+@slow
+def test_one_big_shard_is_split_by_line_over_more_readers(tmp_path):
+    (url,) = write_shards(str(tmp_path), [500])
+    JsonlFormat().build_index(url)
+    for world in (1, 2):
+
+        def make(rank, world):
+            return JsonlDataset([url], balance="none", rank=rank, world_size=world).count_records()
+
+        ranks = ids_per_rank(make, world_size=world, num_workers=3, batch_size=10)
+        assert_split(ranks, all_ids([500]), "none")
+        assert min(len(batches) for batches in ranks) >= 8  # every reader of every rank got part of the one shard
+
+
+def corrupt_line(url: str, line: int) -> int:
+    """Replace one line's first byte by an unbalanced bracket; return the line's byte offset."""
+    with open(url, "rb") as f:
+        data = f.read()
+    offset = 0
+    for _ in range(line):
+        offset = data.index(b"\n", offset) + 1
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        f.write(b"]")
+    return offset
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_a_malformed_line_raises_with_its_location_or_costs_exactly_that_line(tmp_path, indexed):
+    urls = write_shards(str(tmp_path), [10, 10])
+    offsets = [corrupt_line(urls[0], 4), corrupt_line(urls[0], 7)]
+    if indexed:
+        JsonlFormat().build_index(urls[0])
+    with pytest.raises(
+        CorruptRecordError, match=rf"part-000.jsonl: record 4 at byte offset {offsets[0]}: line 5 is not valid JSON"
+    ) as info:
+        list(JsonlDataset(urls, balance="none"))
+    assert info.value.framing_intact
+    lenient = JsonlDataset(urls, balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping record 4 of .*part-000.jsonl"):
+        ids = [r["id"] for r in lenient]
+    assert ids == [i for n, i in enumerate(all_ids([20])) if n not in (4, 7)]
+    stats = lenient.stats()
+    assert stats.skipped.tolist() == [2, 0] and stats.read.tolist() == [8, 10]
+
+
+def test_a_truncated_gzip_shard_is_a_located_error_or_a_counted_skip(tmp_path):
+    urls = write_shards(str(tmp_path), [200, 10], ".jsonl.gz")
+    with open(urls[0], "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    with pytest.raises(CorruptRecordError, match=r"part-000.jsonl.gz: record \d+ .*gzip stream is truncated"):
+        list(JsonlFormat().read(urls[0]))
+    lenient = JsonlDataset(shardkit.ShardList(urls, num_records=[200, 10]), balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping"):
+        ids = [r["id"] for r in lenient]
+    stats = lenient.stats()
+    assert len(ids) == stats.read.sum() and stats.read[0] + stats.skipped[0] == 200 and stats.read[1] == 10
+
+
+def test_a_stale_index_is_refused_for_seeking_and_replaced_by_a_scan_for_counting(tmp_path):
+    (url,) = write_shards(str(tmp_path), [30])
+    fmt = JsonlFormat()
+    fmt.build_index(url)
+    with open(url, "ab") as f:
+        f.write(b'{"id": "extra"}\n')
+    with pytest.raises(IndexFileError, match="part-000.jsonl.idx does not fit"):
+        list(fmt.read(url, 3))
+    with pytest.warns(UserWarning, match="counting its lines by a scan instead"):
+        assert fmt.count(url) == 31
+    write_shards(str(tmp_path), [30])  # same size as indexed, lines shifted by one byte
+    with open(url, "r+b") as f:
+        data = f.read()
+        f.seek(0)
+        f.write(b" " + data[:-1] + b"\n")
+    with pytest.raises(IndexFileError):
+        list(fmt.read(url, 3))
+
+
+def test_resuming_mid_shard_equals_the_uninterrupted_epoch(tmp_path):
+    urls = write_shards(str(tmp_path))
+    JsonlFormat().build_index(urls[3])
+
+    def make():
+        return JsonlDataset(urls, shuffle=True, seed=4).count_records().map(sample_id)
+
+    check_resume(Run("stateful", make, 2), [None])
+
+
+@slow
+def test_s3_round_trip_over_two_ranks(s3_server):
+    bucket = s3_server.new_bucket()
+    options = s3_server.storage_options()
+    urls = write_shards(bucket, [7, 12, 5], storage_options=options)
+    fmt = JsonlFormat(storage_options=options)
+    fmt.build_index(urls[1])
+    assert list(fmt.read(urls[1], 3, 5)) == [row(n) for n in range(10, 12)]
+    make = make_dataset(f"{bucket}/part-*.jsonl", balance="pad", storage_options=options)
+    assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_ids([7, 12, 5]), "pad")
+
+
+def test_a_bad_line_far_in_is_located_by_line_number_and_byte_offset(tmp_path):
+    (url,) = write_shards(str(tmp_path), [1200])
+    offset = corrupt_line(url, 1000)
+    with pytest.raises(CorruptRecordError, match=rf"record 1000 at byte offset {offset}: line 1001 is not valid JSON"):
+        list(JsonlFormat().read(url))
+    assert [r["id"] for r in JsonlFormat().read(url, 990, 1000)] == all_ids([1000])[990:]
+
+
+def test_deep_nesting_and_bad_utf8_are_corrupt_records_not_crashes(tmp_path):
+    url = tmp_path / "deep.jsonl"
+    url.write_bytes(b'{"id": 0}\n' + b"[" * 100_000 + b"]" * 100_000 + b'\n"\xff\xfe"\n{"id": 3}\n')
+    lenient = JsonlDataset([str(url)], balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping record 1 .*RecursionError"):
+        assert [r["id"] for r in lenient] == [0, 3]
+    assert lenient.stats().skipped.tolist() == [2]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_shard_writer_writes_jsonl_shards_and_a_manifest(tmp_path, suffix):
+    with shardkit.ShardWriter(str(tmp_path / f"rows-%03d{suffix}"), max_records=12) as writer:
+        for n in range(30):
+            writer.write(row(n))
+    assert writer.shards.num_records.tolist() == [12, 12, 6]
+    opener = gzip.open if suffix.endswith(".gz") else open
+    with opener(writer.shards[2], "rt") as f:
+        assert [json.loads(line) for line in f] == [row(n) for n in range(24, 30)]
+    manifest = shardkit.ShardList.from_manifest(str(tmp_path / "rows.manifest.arrow"))
+    assert [r["id"] for r in JsonlDataset(manifest, balance="none")] == all_ids([30])

@@ -1,0 +1,246 @@
+"""Parquet shards: files of pyarrow.parquet with several row groups, read back by pyarrow and HF datasets;
+ranges by row group, column batches, splits, faults, resume, S3."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import shardkit
+from shardkit import CorruptRecordError, ParquetDataset
+from shardkit.formats.base import format_for
+from shardkit.formats.parquet import ParquetFormat, ParquetWriter
+from tests.helpers import assert_split, ids_per_rank, sample_id
+from tests.test_resume import Run, check_resume
+
+SIZES = [17, 3, 0, 25, 9, 11]
+slow = pytest.mark.slow
+
+
+def row(n: int) -> dict:
+    return {"id": f"r{n:05d}", "n": n, "x": n / 7, "tags": [n % 3] * (n % 4), "blob": bytes([n % 256]) * (n % 9)}
+
+
+def write_shards(root: str, sizes=SIZES, row_group_size: int = 4, storage_options=None) -> list[str]:
+    """Files written by pyarrow.parquet, several row groups each; ids count up across files."""
+    urls, n = [], 0
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("n", pa.int64()),
+            ("x", pa.float64()),
+            ("tags", pa.list_(pa.int64())),
+            ("blob", pa.binary()),
+        ]
+    )
+    for i, size in enumerate(sizes):
+        url = f"{root}/part-{i:03d}.parquet"
+        table = pa.Table.from_pylist([row(k) for k in range(n, n + size)], schema=schema)
+        filesystem = None
+        if storage_options is not None:
+            import fsspec
+
+            filesystem = fsspec.filesystem("s3", **storage_options)
+            url = url.removeprefix("s3://")
+        pq.write_table(table, url, row_group_size=row_group_size, filesystem=filesystem, write_page_checksum=True)
+        urls.append(url if storage_options is None else f"s3://{url}")
+        n += size
+    return urls
+
+
+def all_ids(sizes=SIZES) -> list[str]:
+    return [f"r{n:05d}" for n in range(sum(sizes))]
+
+
+def test_rows_equal_what_pyarrow_and_hf_datasets_read(tmp_path, monkeypatch):
+    urls = write_shards(str(tmp_path))
+    ours = [r for url in urls for r in ParquetFormat().read(url)]
+    assert ours == [row(n) for n in range(sum(SIZES))]
+    assert ours == [r for url in urls for r in pq.read_table(url).to_pylist()]
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    datasets = pytest.importorskip("datasets")
+    theirs = datasets.load_dataset(
+        "parquet", data_files=[u for u in urls if pq.read_metadata(u).num_rows], split="train", streaming=True
+    )
+    assert [sample["id"] for sample in theirs] == [r["id"] for r in ours]
+    assert [dict(sample) for sample in theirs][5] == ours[5]
+
+
+def test_counts_come_from_the_footer_and_ranges_read_only_their_row_groups(tmp_path, monkeypatch):
+    (url,) = write_shards(str(tmp_path), [50], row_group_size=8)
+    fmt = ParquetFormat()
+    assert fmt.count(url) == 50 and fmt.build_index(url) is None
+    read_groups = []
+    original = pq.ParquetFile.read_row_group
+
+    def spy(self, i, *args, **kwargs):
+        read_groups.append(i)
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+    for start, stop in [(0, 1), (7, 9), (13, 40), (49, None), (50, 51), (45, 99)]:
+        assert list(fmt.read(url, start, stop)) == [row(n) for n in range(50)][start:stop]
+    assert read_groups == [0, 0, 1, 1, 2, 3, 4, 6, 5, 6]
+    assert format_for(url).name == "parquet"
+    assert format_for(url.replace(".parquet", ".bin"), head=open(url, "rb").read(512)).name == "parquet"
+
+
+def test_columns_are_projected_and_batches_are_column_arrays(tmp_path):
+    (url,) = write_shards(str(tmp_path), [50], row_group_size=8)
+    assert list(ParquetFormat(columns=["n"]).read(url, 3, 5)) == [{"n": 3}, {"n": 4}]
+    fmt = ParquetFormat(columns=["n", "x"], batch_size=16)
+    assert fmt.count(url) == 4
+    batches = list(fmt.read(url))
+    assert [len(b["n"]) for b in batches] == [16, 16, 16, 2]
+    np.testing.assert_array_equal(np.concatenate([b["n"] for b in batches]), np.arange(50))
+    assert batches[1]["x"].dtype == np.float64
+    assert [b["n"][0] for b in fmt.read(url, 2, 9)] == [32, 48]
+    with pytest.raises(shardkit.ShardkitError, match="has no columns"):
+        list(ParquetFormat(columns=["nope"]).read(url))
+
+
+def test_the_writer_writes_row_groups_pyarrow_reads(tmp_path):
+    url = str(tmp_path / "w.parquet")
+    with ParquetWriter(url, row_group_size=10) as writer:
+        for n in range(25):
+            writer.write(row(n))
+    assert pq.ParquetFile(url).num_row_groups == 3
+    assert pq.read_table(url).to_pylist() == [row(n) for n in range(25)]
+
+
+def make_dataset(urls, **kwargs):
+    def make(rank, world):
+        return ParquetDataset(urls, rank=rank, world_size=world, **kwargs)
+
+    return make
+
+
+@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)])
+def test_every_row_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_workers, world_size, balance):
+    urls = write_shards(str(tmp_path))
+    ranks = ids_per_rank(
+        make_dataset(urls, balance=balance, shuffle=True, seed=2), world_size=world_size, num_workers=num_workers
+    )
+    assert_split(ranks, all_ids(), balance)
+
+
+@slow
+@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
+def test_ranks_from_the_environment_split_too(tmp_path, monkeypatch, balance):
+    urls = write_shards(str(tmp_path))
+    ranks = ids_per_rank(
+        make_dataset(urls, balance=balance), world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch
+    )
+    assert_split(ranks, all_ids(), balance)
+
+
+def batch_ids(batch: dict) -> list[str]:
+    return [str(i) for i in batch["id"]]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_column_batches_split_exactly_once_and_manifest_counts_stay_rows(tmp_path, world_size):
+    urls = write_shards(str(tmp_path))
+    shards = shardkit.ShardList(urls, num_records=SIZES)  # rows, as a manifest holds them
+    seen, lengths, batches = [], [], 0
+    for rank in range(world_size):
+        dataset = ParquetDataset(shards, batch_size=4, balance="none", rank=rank, world_size=world_size)
+        lengths.append(len(dataset))
+        for batch in dataset:
+            seen += batch_ids(batch)
+            batches += 1
+    assert sorted(seen) == all_ids()
+    assert sum(lengths) == batches == sum(-(-s // 4) for s in SIZES)  # len() counts batches, not rows
+
+
+@slow
+def test_one_file_with_one_huge_row_group_is_split_by_row_over_more_readers(tmp_path):
+    (url,) = write_shards(str(tmp_path), [600], row_group_size=600)
+    assert pq.ParquetFile(url).num_row_groups == 1
+    for world in (1, 2):
+
+        def make(rank, world):
+            return ParquetDataset([url], balance="none", rank=rank, world_size=world).count_records()
+
+        ranks = ids_per_rank(make, world_size=world, num_workers=3, batch_size=10)
+        assert_split(ranks, all_ids([600]), "none")
+        assert min(len(batches) for batches in ranks) >= 10
+
+
+def row_group_offset(url: str, group: int) -> int:
+    meta = pq.ParquetFile(url).metadata.row_group(group)
+    return min(meta.column(c).file_offset for c in range(meta.num_columns))
+
+
+def test_a_corrupt_row_group_raises_with_its_location_or_is_skipped_and_counted(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
+    meta = pq.ParquetFile(urls[0]).metadata.row_group(2).column(0)
+    with open(urls[0], "r+b") as f:  # a byte inside the first data page of row group 2 (rows 10..14)
+        at = meta.data_page_offset + meta.total_compressed_size - 3
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x55]))
+    with pytest.raises(
+        CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2 does not decode"
+    ):
+        list(ParquetDataset(urls, balance="none"))
+    lenient = ParquetDataset(shardkit.ShardList(urls, num_records=[20, 10]), balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping 10 records of .*part-000.parquet from record 10"):
+        ids = [r["id"] for r in lenient]
+    assert ids == all_ids([30])[:10] + all_ids([30])[20:]
+    assert lenient.stats().skipped.tolist() == [10, 0]
+
+
+def test_a_truncated_file_is_a_located_error_or_a_counted_skip(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 10])
+    with open(urls[0], "r+b") as f:
+        f.truncate(f.seek(0, 2) - 100)
+    with pytest.raises(CorruptRecordError, match=r"part-000.parquet: record 0 .*the Parquet footer cannot be read"):
+        ParquetFormat().count(urls[0])
+    lenient = ParquetDataset(
+        shardkit.ShardList(urls, num_records=[20, 10]), balance="pad", on_error="skip", rank=0, world_size=1
+    )
+    with pytest.warns(UserWarning, match="skipping 20 records"):
+        ids = [r["id"] for r in lenient]
+    assert len(ids) == 30 and set(ids) == set(all_ids([30])[20:])  # made up to the planned count by repeats
+    assert lenient.stats().skipped.tolist() == [20, 0] and lenient.stats().padded.sum() == 20
+
+
+def test_resuming_mid_shard_equals_the_uninterrupted_epoch(tmp_path):
+    urls = write_shards(str(tmp_path))
+
+    def make():
+        return ParquetDataset(urls, shuffle=True, seed=4).count_records().map(sample_id)
+
+    check_resume(Run("stateful", make, 2), [None])
+
+
+@slow
+def test_s3_round_trip_over_two_ranks(s3_server):
+    bucket = s3_server.new_bucket()
+    options = s3_server.storage_options()
+    urls = write_shards(bucket, [7, 12, 5], storage_options=options)
+    fmt = ParquetFormat(storage_options=options)
+    assert fmt.count(urls[1]) == 12
+    assert list(fmt.read(urls[1], 3, 9)) == [row(n) for n in range(10, 16)]
+    make = make_dataset(f"{bucket}/part-*.parquet", balance="pad", storage_options=options)
+    assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_ids([7, 12, 5]), "pad")
+
+
+def test_shard_writer_writes_parquet_shards_and_a_manifest(tmp_path):
+    with shardkit.ShardWriter(str(tmp_path / "rows-%03d.parquet"), max_records=12) as writer:
+        for n in range(30):
+            writer.write(row(n))
+    assert writer.shards.num_records.tolist() == [12, 12, 6]
+    assert [r for url in writer.shards for r in pq.read_table(url).to_pylist()] == [row(n) for n in range(30)]
+    manifest = shardkit.ShardList.from_manifest(str(tmp_path / "rows.manifest.arrow"))
+    assert [r["id"] for r in ParquetDataset(manifest, balance="none")] == all_ids([30])
+    batches = list(ParquetDataset(manifest, balance="none", batch_size=5))
+    assert [len(b["id"]) for b in batches] == [5, 5, 2, 5, 5, 2, 5, 1]  # counts from the manifest are rows

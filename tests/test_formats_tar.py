@@ -1,0 +1,376 @@
+"""WebDataset tar shards: byte-compatibility both ways, splits, faults, resume, S3."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+import webdataset as wds
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shardkit
+from shardkit import CorruptRecordError, TarDataset
+from shardkit.formats.base import format_for
+from shardkit.formats.index import IndexFileError
+from shardkit.formats.tar import TarFormat, TarWriter, _split_key
+from tests.helpers import assert_split, ids_per_rank, sample_id
+from tests.test_resume import Run, check_resume
+
+SIZES = [17, 3, 0, 25, 9, 11]  # 65 samples, an empty shard among them
+slow = pytest.mark.slow
+
+
+def sample(n: int) -> dict:
+    return {"__key__": f"s{n:05d}", "txt": f"text {n}", "cls": str(n % 10), "bin": bytes([n % 256]) * (n * 13 % 700)}
+
+
+def write_shards(root: str, sizes=SIZES, storage_options=None) -> list[str]:
+    """Tars written by webdataset.TarWriter; sample ids count up across shards."""
+    urls, n = [], 0
+    for i, size in enumerate(sizes):
+        url = f"{root}/part-{i:03d}.tar"
+        if storage_options is None:
+            with wds.TarWriter(url) as writer:
+                for _ in range(size):
+                    writer.write(sample(n))
+                    n += 1
+        else:
+            with TarWriter(url, storage_options=storage_options) as writer:
+                for _ in range(size):
+                    writer.write(sample(n))
+                    n += 1
+        urls.append(url)
+    return urls
+
+
+def all_keys(sizes=SIZES) -> list[str]:
+    return [f"s{n:05d}" for n in range(sum(sizes))]
+
+
+def webdataset_samples(url: str) -> list[dict]:
+    return [{k: v for k, v in s.items() if k != "__local_path__"} for s in wds.WebDataset(url, shardshuffle=False)]
+
+
+def write_with_tarfile(url: str, fmt: int, names: list[str], compress: bool = False) -> None:
+    with tarfile.open(url, "w:gz" if compress else "w", format=fmt) as tar:
+        for i, name in enumerate(names):
+            data = f"{name}:{i}".encode() * (i + 1)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+NAMES = [
+    "a/b/k1.jpg", "a/b/k1.JSON", "a/b/k1.seg.png", "k2.txt", "__meta__", "k3.cls",
+    "dir.with.dots/" + "x" * 130 + ".txt", "dir.with.dots/" + "x" * 130 + ".cls", "k4.tar.gz",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("compress", [False, True])
+def test_tars_written_by_tarfile_are_grouped_as_webdataset_groups_them(tmp_path, fmt, compress):
+    names = NAMES if fmt != tarfile.USTAR_FORMAT else [n for n in NAMES if len(n) < 100]
+    url = str(tmp_path / ("t.tar.gz" if compress else "t.tar"))
+    write_with_tarfile(url, fmt, names, compress)
+    ours = list(TarFormat().read(url))
+    assert ours == webdataset_samples(url)
+    assert [s["__key__"] for s in ours][:2] == ["a/b/k1", "k2"]
+    assert ours[0]["json"] == b"a/b/k1.JSON:1" * 2  # extensions lowercased, data byte-exact
+    assert TarFormat().count(url) == len(ours)
+
+
+def test_tars_written_by_webdataset_and_gnu_tar_read_the_same(tmp_path):
+    (url,) = write_shards(str(tmp_path), [40])
+    assert list(TarFormat().read(url)) == webdataset_samples(url)
+    if shutil.which("tar") is None:
+        pytest.skip("no GNU tar")
+    src = tmp_path / "files"
+    for s in webdataset_samples(url)[:10]:
+        for ext in ("txt", "cls"):
+            (src / "sub").mkdir(parents=True, exist_ok=True)
+            (src / "sub" / f"{s['__key__']}.{ext}").write_bytes(s[ext])
+    for gnu_format in ("gnu", "pax", "ustar"):
+        out = str(tmp_path / f"{gnu_format}.tar")
+        subprocess.run(["tar", f"--format={gnu_format}", "-cf", out, "-C", str(src), "sub"], check=True)
+        assert list(TarFormat().read(out)) == webdataset_samples(out)
+
+
+def test_tars_written_by_shardkit_read_by_webdataset_give_the_same_samples(tmp_path):
+    url = str(tmp_path / "ours.tar")
+    written = [sample(n) for n in range(30)]
+    with TarWriter(url) as writer:
+        for s in written:
+            writer.write(s)
+    theirs = webdataset_samples(url)
+    expected = [{**{k: v.encode() if isinstance(v, str) else v for k, v in s.items()}, "__url__": url} for s in written]
+    for s in expected:
+        s["__key__"] = s["__key__"].decode()
+    assert theirs == expected
+    assert list(TarFormat().read(url)) == expected
+    assert format_for(url).name == "tar"
+    assert format_for(url.replace(".tar", ""), head=open(url, "rb").read(512)).name == "tar"  # by magic
+
+
+def test_an_index_gives_counts_and_ranges_that_seek(tmp_path):
+    (url,) = write_shards(str(tmp_path), [50])
+    fmt = TarFormat()
+    everything = list(fmt.read(url))
+    assert fmt.build_index(url) == url + ".idx"
+    assert fmt.count(url) == 50
+    for start, stop in [(0, 1), (7, 8), (13, 40), (49, None), (50, 51), (45, 99)]:
+        assert list(fmt.read(url, start, stop)) == everything[start:stop]
+
+
+def test_unindexed_ranges_equal_slices(tmp_path):
+    (url,) = write_shards(str(tmp_path), [20])
+    fmt = TarFormat()
+    everything = list(fmt.read(url))
+    assert [list(fmt.read(url, a, b)) for a, b in [(3, 9), (19, 25), (0, 0)]] == [everything[3:9], everything[19:], []]
+
+
+def make_dataset(urls, **kwargs):
+    def make(rank, world):
+        return TarDataset(urls, rank=rank, world_size=world, **kwargs)
+
+    return make
+
+
+@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)])
+def test_every_sample_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_workers, world_size, balance):
+    urls = write_shards(str(tmp_path))
+    make = make_dataset(urls, balance=balance, shuffle=True, seed=2)
+    ranks = ids_per_rank(make, world_size=world_size, num_workers=num_workers)
+    assert_split(ranks, all_keys(), balance)
+
+
+@slow
+@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
+def test_ranks_from_the_environment_split_too(tmp_path, monkeypatch, balance):
+    urls = write_shards(str(tmp_path))
+    make = make_dataset(urls, balance=balance)
+    ranks = ids_per_rank(make, world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch)
+    assert_split(ranks, all_keys(), balance)
+
+
+@slow
+def test_one_shard_with_a_huge_member_is_split_by_sample_over_more_readers(tmp_path):
+    url = str(tmp_path / "big.tar")
+    with wds.TarWriter(url) as writer:
+        for n in range(12):
+            writer.write({"__key__": f"s{n:05d}", "bin": bytes([n]) * ((5 << 20) if n == 6 else 100)})
+    TarFormat().build_index(url)
+    seen = []
+    for world in (1, 2):
+
+        def make(rank, world):
+            return TarDataset([url], balance="none", rank=rank, world_size=world).count_records()
+
+        ranks = ids_per_rank(make, world_size=world, num_workers=3, batch_size=1)
+        seen.append(sorted(s for batches in ranks for b in batches for s in b))
+        assert min(len(batches) for batches in ranks) >= 3  # more than one reader got part of the one shard
+    assert seen == [all_keys([12])] * 2
+
+
+def header_offsets(url: str) -> list[int]:
+    with tarfile.open(url) as tar:
+        return [member.offset for member in tar.getmembers()]
+
+
+def test_a_truncated_tar_raises_where_it_ends_or_is_skipped_and_counted(tmp_path):
+    urls = write_shards(str(tmp_path), [10, 10])
+    cut = header_offsets(urls[1])[3 * 3 + 1] + 700  # inside the 4th sample's second member
+    with open(urls[1], "r+b") as f:
+        f.truncate(cut)
+    with pytest.raises(
+        CorruptRecordError, match=r"part-001.tar: record 3 at byte offset \d+: the file ends inside"
+    ) as info:
+        list(TarDataset(urls, balance="none"))
+    assert info.value.record_index == 3 and not info.value.framing_intact
+    lenient = TarDataset(shardkit.ShardList(urls, num_records=[10, 10]), balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match=r"skipping 7 records of .*part-001.tar from record 3"):
+        keys = [s["__key__"] for s in lenient]
+    assert keys == all_keys([13])
+    assert lenient.stats().skipped.tolist() == [0, 7]
+
+
+def test_a_header_checksum_mismatch_and_a_missing_end_marker_are_located_errors(tmp_path):
+    (url,) = write_shards(str(tmp_path), [6])
+    offset = header_offsets(url)[6]  # the first header of sample 2
+    with open(url, "r+b") as f:
+        f.seek(offset + 3)
+        f.write(b"!")
+    # Sample 1 is not known to be complete until the next header is read: it is the first one lost.
+    with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: tar header checksum mismatch"):
+        list(TarFormat().read(url))
+    (tmp_path / "b").mkdir()
+    (url,) = write_shards(str(tmp_path / "b"), [6])
+    with tarfile.open(url) as tar:
+        last = tar.getmembers()[-1]
+    with open(url, "r+b") as f:  # cut the zero blocks after the last member: a cut on a member boundary
+        f.truncate(last.offset_data + -(-last.size // 512) * 512)
+    with pytest.raises(CorruptRecordError, match="the file ends without the end-of-archive marker"):
+        list(TarFormat().read(url))
+
+
+def test_a_stale_index_is_refused_for_seeking_and_replaced_by_a_scan_for_counting(tmp_path):
+    (url,) = write_shards(str(tmp_path), [8])
+    fmt = TarFormat()
+    fmt.build_index(url)
+    write_shards(str(tmp_path), [9])  # the shard is rewritten with one sample more; the index is stale
+    with pytest.raises(IndexFileError, match="part-000.tar.idx does not fit"):
+        list(fmt.read(url, 4))
+    with pytest.warns(UserWarning, match="counting its samples by a scan instead"):
+        assert fmt.count(url) == 9
+    with open(url + ".idx", "r+b") as f:  # a damaged index
+        f.truncate(30)
+    with pytest.raises(IndexFileError, match="should hold"):
+        list(fmt.read(url, 4))
+
+
+def test_resuming_mid_shard_equals_the_uninterrupted_epoch(tmp_path):
+    urls = write_shards(str(tmp_path))
+    TarFormat().build_index(urls[3])
+
+    def make():
+        return TarDataset(shardkit.ShardList(urls, num_records=SIZES), shuffle=True, seed=4).map(sample_id)
+
+    check_resume(Run("stateful", make, 2), [None])
+
+
+@slow
+def test_s3_round_trip_over_two_ranks(s3_server):
+    bucket = s3_server.new_bucket()
+    options = s3_server.storage_options()
+    urls = write_shards(bucket, [7, 12, 5], storage_options=options)
+    fmt = TarFormat(storage_options=options)
+    assert fmt.build_index(urls[1]) == urls[1] + ".idx"
+    assert list(fmt.read(urls[1], 3, 5)) == list(fmt.read(urls[1]))[3:5]
+    make = make_dataset(f"{bucket}/part-*.tar", balance="none", storage_options=options)
+    assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_keys([7, 12, 5]), "none")
+
+
+def test_shard_writer_rolls_tars_over_and_writes_a_manifest_webdataset_agrees_with(tmp_path):
+    with shardkit.ShardWriter(str(tmp_path / "out-%03d.tar"), max_records=7) as writer:
+        for n in range(20):
+            writer.write(sample(n))
+    shards = writer.shards
+    assert shards.num_records.tolist() == [7, 7, 6]
+    assert [s for url in shards for s in webdataset_samples(url)] == [
+        s for url in shards for s in TarFormat().read(url)
+    ]
+    manifest = shardkit.ShardList.from_manifest(str(tmp_path / "out.manifest.arrow"))
+    assert [s["__key__"] for s in TarDataset(manifest, balance="none")] == all_keys([20])
+    with shardkit.ShardWriter(str(tmp_path / "b-%03d.tar"), max_bytes=6000) as writer:
+        for n in range(20):
+            writer.write(sample(n))
+    assert sum(writer.shards.num_records) == 20 and len(writer.shards) > 2
+
+
+@given(st.text(alphabet="ab./\nXé", max_size=14))
+def test_keys_split_as_webdatasets_regex_splits_them(name):
+    match = re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)
+    assert _split_key(name) == (None if match is None else (match.group(1), match.group(2).lower()))
+
+
+def test_a_size_field_that_lies_costs_no_memory_and_is_a_located_error(tmp_path):
+    (url,) = write_shards(str(tmp_path), [4])
+    offset = header_offsets(url)[2]  # the header of sample 0's third member
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        header = bytearray(f.read(512))
+        header[124:136] = b"\x80" + (2**60).to_bytes(11, "big")  # GNU base-256: an exabyte member
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        f.seek(offset)
+        f.write(header)
+    with pytest.raises(CorruptRecordError, match=rf"record 0 at byte offset {offset}: the file ends inside the member"):
+        list(TarFormat().read(url))
+
+
+def test_gzip_tars_are_streamed_counted_by_a_scan_and_split(tmp_path):
+    urls = []
+    for url in write_shards(str(tmp_path), [7, 12, 5]):
+        with open(url, "rb") as f, gzip.open(f"{url}.gz", "wb") as g:
+            g.write(f.read())
+        urls.append(f"{url}.gz")
+    assert (
+        TarFormat().count(urls[1]) == 12 and list(TarFormat().read(urls[1], 4, 6)) == webdataset_samples(urls[1])[4:6]
+    )
+    with pytest.raises(shardkit.ShardkitError, match="cannot seek, so it gets no index"):
+        TarFormat().build_index(urls[0])
+    for balance in ("none", "pad"):
+        ranks = ids_per_rank(make_dataset(urls, balance=balance, shuffle=True), world_size=2, num_workers=0)
+        assert_split(ranks, all_keys([7, 12, 5]), balance)
+    with open(urls[2], "r+b") as f:  # a damaged gzip stream: located at the sample being inflated
+        f.truncate(f.seek(0, 2) // 2)
+    with pytest.raises(
+        CorruptRecordError, match=r"part-002.tar.gz: record \d+ at byte offset \d+: gzip stream is truncated"
+    ):
+        list(TarFormat().read(urls[2]))
+
+
+def test_with_an_index_a_bad_header_costs_exactly_its_sample(tmp_path):
+    urls = write_shards(str(tmp_path), [10, 10])
+    TarFormat().build_index(urls[0])
+    offset = header_offsets(urls[0])[3 * 4 + 1]  # sample 4's second member (its pax header)
+    with open(urls[0], "r+b") as f:
+        f.seek(offset + 2)
+        f.write(b"?")
+    with pytest.raises(CorruptRecordError, match=rf"record 4 at byte offset {offset}: tar header checksum") as info:
+        list(TarFormat().read(urls[0]))
+    assert info.value.framing_intact  # the index says where sample 5 starts
+    lenient = TarDataset(urls, balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping record 4 of .*part-000.tar"):
+        keys = [s["__key__"] for s in lenient]
+    assert keys == [k for n, k in enumerate(all_keys([20])) if n != 4]
+    assert lenient.stats().skipped.tolist() == [1, 0]
+
+
+def test_an_index_whose_boundaries_cut_a_sample_is_refused(tmp_path):
+    (url,) = write_shards(str(tmp_path), [6])
+    offsets = TarFormat().scan(url)
+    members = header_offsets(url)
+    moved = offsets.copy()
+    moved[4] = members[3 * 3 + 1]  # sample 3's second member: the index no longer fits the samples
+    from shardkit.formats.base import write_offsets
+    from shardkit.formats.tar import INDEX_MAGIC
+
+    write_offsets(url + ".idx", INDEX_MAGIC, moved, os.path.getsize(url))
+    read = []
+    with pytest.raises(CorruptRecordError, match="the index file puts a sample boundary inside the sample 's00003'"):
+        read.extend(TarFormat().read(url))
+    assert [s["__key__"] for s in read] == all_keys([3])  # no part of sample 3 came out as a sample
+
+
+def test_garbage_in_a_header_with_a_valid_checksum_is_a_located_error(tmp_path):
+    (url,) = write_shards(str(tmp_path), [4])
+    offset = header_offsets(url)[4]  # sample 1's second member's pax header
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        header = bytearray(f.read(512))
+        header[124:136] = b"9x9x9x9x9x9\0"  # not octal
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        f.seek(offset)
+        f.write(header)
+    with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: tar header size field"):
+        list(TarFormat().read(url))
+
+
+def test_a_malformed_pax_record_is_a_located_error(tmp_path):
+    (url,) = write_shards(str(tmp_path), [4])
+    offset = header_offsets(url)[4]
+    with open(url, "r+b") as f:
+        f.seek(offset + 512)  # the pax records: "<length> key=value\n"
+        f.write(b"zz path=x\n")
+    with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: malformed pax header"):
+        list(TarFormat().read(url))
