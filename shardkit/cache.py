@@ -63,16 +63,18 @@ class Cache:
         os.makedirs(self.root, exist_ok=True)
         entry = self.entry_path(url, info)
         deadline = time.monotonic() + options.retry.max_seconds + 600
+        filled = False
         while True:
             local = self._open_entry(entry, size)
             if local is not None:
-                _count(cache_hits=1)
+                _count(cache_hits=0 if filled else 1)
                 return local
             if self._try_lock(entry):
                 try:
                     if not os.path.exists(entry):  # a winner may have renamed it since we looked
                         _count(cache_misses=1)
                         self._fill(entry, RemoteFile(fs, path, url, info, options), size)
+                        filled = True
                         self.evict(keep=entry)
                 finally:
                     _unlink(entry + _LOCK)
@@ -136,6 +138,8 @@ class Cache:
     def entries(self) -> list[tuple[float, int, str]]:
         """(mtime, size, path) of every complete entry, oldest first."""
         found = []
+        if not os.path.isdir(self.root):
+            return found
         for name in os.listdir(self.root):
             if name.endswith(_LOCK) or _TMP in name:
                 continue
