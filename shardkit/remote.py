@@ -336,11 +336,12 @@ class RemoteFile:
         self._schedule(block)
         return self._blocks[block].result()
 
-    def _schedule(self, block: int) -> None:
-        """Have blocks ``block`` .. (readahead) requested."""
+    def _schedule(self, block: int, readahead: int | None = None) -> None:
+        """Have blocks ``block`` .. (``readahead`` bytes on, default the options') requested."""
         bs = self.options.block_size
         last = (self.size - 1) // bs if self.size else -1
-        ahead = max(1, -(-self.options.readahead_bytes // bs)) if self.options.readahead_bytes else 0
+        readahead = self.options.readahead_bytes if readahead is None else readahead
+        ahead = max(1, -(-readahead // bs)) if readahead else 0
         for k in range(block, min(last, block + ahead) + 1):
             if k not in self._blocks:
                 if k == block and not ahead:  # no readahead: fetch in this thread
@@ -420,11 +421,11 @@ class RemoteFile:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def start(self, offset: int = 0) -> RemoteFile:
-        """Begin fetching from ``offset`` now (used by :func:`prefetch`)."""
+    def start(self, offset: int = 0, readahead: int | None = None) -> RemoteFile:
+        """Begin fetching from ``offset`` now, ``readahead`` bytes on (used by :func:`prefetch`)."""
         self.seek(offset)
         if self.size:
-            self._schedule(offset // self.options.block_size)
+            self._schedule(offset // self.options.block_size, readahead)
         return self
 
 
@@ -467,13 +468,15 @@ def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int 
         if local is not None:
             return local
     remote = RemoteFile(fs, path, url, info, options)
-    return remote if offset is None else remote.start(offset)
+    return remote if offset is None else remote.start(offset, options.readahead_bytes // _WARM_LIMIT)
 
 
 # --------------------------------------------------------------------------- prefetch across shards
 
 
-_WARM_LIMIT: Final = 2
+_WARM_LIMIT: Final = 3
+"""Shards held opened ahead per process: the next two of a plan (at 100 ms per request, opening one takes two
+round trips, HEAD and GET), plus the one being opened, which was hinted before it and is taken over just after."""
 _warm: OrderedDict[tuple[str, RemoteOptions], Future[Any]] = OrderedDict()
 _warm_lock = threading.Lock()
 
@@ -484,8 +487,9 @@ def prefetch(url: str, storage_options: dict[str, Any] | None = None, options: R
     open it); the next :func:`open_remote` of it takes that over. Local files and ``readahead_bytes=0``
     do nothing; nor does a url fsspec cannot resolve (reading it reports why).
 
-    At most two shards are held warm per process (the oldest is dropped), so a
-    reader that hints and then does not come is bounded.
+    At most three shards are held warm per process (the oldest is dropped), each
+    fetched a third of ``readahead_bytes`` ahead, so a reader's fetched-ahead
+    bytes stay under twice ``readahead_bytes``, hints or not.
     """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem

@@ -120,6 +120,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     owner: FaultServer
 
+    def handle_error(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+        """A client that hangs up early (a cancelled readahead, a loader shut down) is not news."""
+
 
 class FaultServer:
     """Serve ``root`` on 127.0.0.1 (a free port) with ``latency`` seconds per request; a context manager."""
@@ -160,3 +163,39 @@ class FaultServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
+
+
+class _CountingHandler(_Handler):
+    """Also answers ``GET /_stats`` with the requests served since the last such call (JSON), then resets."""
+
+    def do_GET(self) -> None:
+        if self.path == "/_stats":
+            import json
+
+            owner = self.server.owner
+            log, owner.log = owner.log, []
+            body = json.dumps(
+                {"GET": sum(r.method == "GET" for r in log), "HEAD": sum(r.method == "HEAD" for r in log),
+                 "bytes": sum(r.length for r in log)}
+            ).encode()
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        super().do_GET()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.fault_server ROOT LATENCY``: serve until killed; prints the base URL first."""
+    import sys
+
+    root, latency = (argv or sys.argv[1:])[:2]
+    server = FaultServer(root, float(latency))
+    server._server.RequestHandlerClass = _CountingHandler
+    print(server.url, flush=True)
+    server._server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
