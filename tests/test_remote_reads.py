@@ -161,3 +161,22 @@ def test_a_dataset_reads_remote_shards_exactly_once_across_workers_with_prefetch
     assert sorted(dataset) == sorted(expected)
     heads = [r.path for r in server.log if r.method == "HEAD"]
     assert sorted(set(heads)) == sorted(f"/s{i}.tfrecord" for i in range(5))
+
+
+@pytest.mark.slow
+def test_dataloader_workers_read_remote_shards_through_faults_exactly_once(server: FaultServer, tmp_path) -> None:
+    from torch.utils.data import DataLoader
+
+    from shardkit import TFRecordDataset
+
+    expected = []
+    for i in range(6):
+        expected += write_shard(os.path.join(tmp_path, f"s{i}.tfrecord"), count=40 + i, seed=i)
+    for i in range(6):
+        server.inject(f"s{i}.tfrecord", "503", "reset")
+    server.latency = 0.01
+    urls = [f"{server.url}/s{i}.tfrecord" for i in range(6)]
+    dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    assert sorted(loader) == sorted(expected)
+    assert all(server.take_fault(f"/s{i}.tfrecord") is None for i in range(6))
