@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,6 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import shardkit  # noqa: E402

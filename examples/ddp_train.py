@@ -6,8 +6,12 @@
 Rank 0 writes a small dataset (y = 3x - 1 plus noise) into a temp dir; every
 rank then reads its own part with TFRecordDataset (rank detected from the
 process group when iteration starts). ``balance="pad"`` gives every rank the
-same number of batches, so the gradient all-reduce never hangs at the end of
-an epoch, even though 1,003 records do not split evenly.
+same number of records, even though 1,003 records do not split evenly. A
+``.filter`` then drops the records with ``|x| > 0.9``, a different number on
+each rank, so the ranks would yield different numbers of batches and the
+gradient all-reduce would hang at the end of an epoch: ``shardkit.even_batches``
+has the ranks agree as they go and stop together when the first runs out
+(the few batches dropped on the others are counted).
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ def to_pair(example: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(example["x"]), torch.from_numpy(example["y"])
 
 
+def in_range(pair: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return abs(float(pair[0])) <= 0.9
+
+
 def main() -> None:
     if "RANK" not in os.environ:  # plain `python examples/ddp_train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
@@ -56,22 +64,27 @@ def main() -> None:
     model = DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     shards = shardkit.ShardList.from_manifest(f"{root}/train.manifest.arrow")
-    dataset = shardkit.TFRecordDataset(shards, shuffle=True, balance="pad").map(to_pair)
+    dataset = shardkit.TFRecordDataset(shards, shuffle=True, balance="pad").map(to_pair).filter(in_range)
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=2, persistent_workers=True)
+    batches = shardkit.even_batches(loader)  # at_end="stop": every rank stops when the first runs out
     for epoch in range(EPOCHS):
-        dataset.set_epoch(epoch)
+        batches.set_epoch(epoch)  # passes on to the dataset
         steps, total_loss = 0, 0.0
-        for x, y in loader:
+        for x, y in batches:
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()  # all-reduce across ranks: equal batch counts keep it from hanging
             optimizer.step()
             steps += 1
             total_loss += loss.item()
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([steps]))
+        counts = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([steps, batches.stats().dropped]))
         if rank == 0:
-            print(f"epoch {epoch}: batches per rank {[int(c) for c in counts]}, mean loss {total_loss / steps:.4f}")
+            per_rank, dropped = [int(c[0]) for c in counts], [int(c[1]) for c in counts]
+            print(
+                f"epoch {epoch}: batches per rank {per_rank}, dropped per rank {dropped} (at least), "
+                f"mean loss {total_loss / steps:.4f}"
+            )
     weight, bias = (p.detach().item() for p in model.module.parameters())
     if rank == 0:
         print(f"learned y = {weight:.2f} x {bias:+.2f} (true: y = 3.00 x -1.00)")

@@ -33,6 +33,10 @@ _EXPORTS: dict[str, str] = {
     "MixedLoader": "shardkit.loader",
     "worker_seed": "shardkit.seeding",
     "shuffle_quality": "shardkit.quality",
+    "even_batches": "shardkit.even",
+    "EvenBatches": "shardkit.even",
+    "EvenBatchesError": "shardkit.even",
+    "EvenStats": "shardkit.even",
 }
 
 __all__ = ["__version__", "CorruptRecordError", "ShardkitError", *_EXPORTS]
@@ -53,6 +57,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
     from shardkit.dataset import ShardedDataset, TFRecordDataset, wrap
+    from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches
     from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
     from shardkit.formats.index import build_index
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord

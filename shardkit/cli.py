@@ -3,14 +3,130 @@
 Each sub-command is a ``_cmd_<name>(args) -> int`` function registered in
 :func:`build_parser`; heavy imports happen inside the function so that
 ``shardkit --help`` stays fast.
+
+Errors are for people and scripts alike: each is one line on stderr,
+``shardkit <command>: error: <what, where>``, never a traceback (the global
+``--traceback`` option shows one, for bug reports), and the exit code says
+what happened (:data:`EXIT_CODES`). Commands that take several files check
+every one even after a failure, report each bad one on its own line, and exit
+with the worst outcome. Argument errors go through the same one-line format
+(:class:`_Parser`), with argparse's exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import textwrap
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from shardkit.errors import CorruptRecordError, ShardkitError
+
+EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}    success
+  {EXIT_CORRUPT}    corrupt data found: a bad CRC, a truncated record, damaged compression
+       (each bad file is reported with its url, record index and byte offset)
+  {EXIT_USAGE}    usage error or unreadable input: bad arguments, a missing file, a
+       directory, a glob matching nothing, an unreadable or malformed manifest
+       or index; 2 wins over 1 when both happen
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+errors are single lines on stderr: "shardkit <command>: error: <message>"
+"""
+
+_GLOB_CHARS = re.compile(r"[*?\[{]")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, like every other error."""
+
+    def error(self, message: str) -> Any:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(text: str) -> str:
+    """``text`` with its line breaks folded, so that one error stays one line."""
+    return re.sub(r"\s*[\r\n]+\s*", " | ", text.strip()) or "(no message)"
+
+
+_OS_REASONS: dict[type, str] = {
+    FileNotFoundError: "no such file or directory",
+    FileExistsError: "exists and is not a directory",
+    IsADirectoryError: "is a directory; give files, or a glob such as 'dir/*.tfrecord'",
+    NotADirectoryError: "a part of the path is not a directory",
+    PermissionError: "permission denied",
+}
+
+
+def describe_error(error: BaseException, where: str | None = None) -> str:
+    """One line saying what went wrong and where: the url, and for corrupt data the
+    record index and byte offset the error carries."""
+    if isinstance(error, OSError) and not isinstance(error, ShardkitError):
+        where = getattr(error, "filename", None) or where
+        reason = _OS_REASONS.get(type(error)) or error.strerror or f"{type(error).__name__}: {error}"
+    elif isinstance(error, ShardkitError):
+        reason = str(error)
+    else:
+        reason = f"{type(error).__name__}: {error}"
+    if where and str(where) not in reason:
+        reason = f"{where}: {reason}"
+    return _one_line(reason)
+
+
+def exit_code_of(error: BaseException) -> int:
+    """:data:`EXIT_CORRUPT` for corrupt data or data that contradicts its manifest or
+    index, :data:`EXIT_USAGE` for anything else."""
+    return EXIT_CORRUPT if isinstance(error, (CorruptRecordError, MismatchError)) else EXIT_USAGE
+
+
+def _fail(args: argparse.Namespace, error: BaseException, where: str | None = None) -> int:
+    """Report ``error`` as one line on stderr and return its exit code."""
+    if getattr(args, "traceback", False):
+        traceback.print_exception(type(error), error, error.__traceback__)
+    print(f"shardkit {args.command}: error: {describe_error(error, where)}", file=sys.stderr)
+    return exit_code_of(error)
+
+
+def _expand(pattern: str) -> list[str]:
+    """The files ``pattern`` names: itself, or the sorted matches of a glob (``*?[`` or ``{a,b}``)."""
+    if not _GLOB_CHARS.search(pattern):
+        return [pattern]
+    from shardkit.shardlist import ShardList
+
+    return ShardList.from_glob(pattern).urls()
+
+
+def _each_file(args: argparse.Namespace, job: Callable[[str], Any], listed: Sequence[str] = ()) -> int:
+    """Run ``job(url)`` on every file in ``listed`` (taken literally) and every file
+    ``args.urls`` names, even after failures; report each failure on its own line
+    and return the worst exit code."""
+    status = _run_each(args, job, listed)
+    for pattern in args.urls:
+        try:
+            urls = _expand(pattern)
+        except Exception as error:  # noqa: BLE001 - reported, then the next pattern
+            status = max(status, _fail(args, error, pattern))
+            continue
+        status = max(status, _run_each(args, job, urls))
+    return status
+
+
+def _run_each(args: argparse.Namespace, job: Callable[[str], Any], urls: Sequence[str]) -> int:
+    status = EXIT_OK
+    for url in urls:
+        try:
+            job(url)
+        except Exception as error:  # noqa: BLE001 - one line per bad file, then the next
+            status = max(status, _fail(args, error, url))
+    return status
+
+
+# --------------------------------------------------------------------------- demo
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -19,13 +135,62 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workdir=args.workdir)
 
 
+# --------------------------------------------------------------------------- plan
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        shards, counts_from = _load_shards(args.source)
+    except Exception as error:  # noqa: BLE001 - named after the source, then main's one line
+        return _fail(args, error, args.source)
+    options = {"seed": args.seed, "epoch": args.epoch, "shuffle": args.shuffle, "balance": args.balance}
+    text = format_plan(shards, args.world_size, args.num_workers, show=args.show, **options)
+    print(f"record counts: {counts_from}")
+    print(text)
+    return EXIT_OK
+
+
+def _load_shards(source: str) -> tuple[Any, str]:
+    """The ShardList ``source`` names (a glob, else a manifest) and where its counts came from."""
     from shardkit.shardlist import ShardList
 
-    options = {"seed": args.seed, "epoch": args.epoch, "shuffle": args.shuffle, "balance": args.balance}
-    shards = ShardList.from_manifest(args.manifest)
-    print(format_plan(shards, args.world_size, args.num_workers, show=args.show, **options))
-    return 0
+    if not _GLOB_CHARS.search(source):
+        return ShardList.from_manifest(source), "from the manifest"
+    shards = ShardList.from_glob(source)
+    counts = _index_counts(shards.urls())
+    found = sum(count is not None for count in counts)
+    if found == 0:
+        return shards, "unknown (no index files; write them with `shardkit index`)"
+    return shards.with_num_records(counts), f"from index files ({found} of {len(counts)} shards)"
+
+
+def _index_counts(urls: list[str]) -> list[int | None]:
+    """Each file's record count from the index file beside it, None where there is none.
+
+    Each index is checked against its file (:func:`~shardkit.formats.index.load_index`):
+    a stale or corrupt one is an error naming both files, never a wrong count.
+    """
+    import posixpath
+
+    import fsspec
+
+    from shardkit.formats.index import index_path_for, load_index
+
+    indexes = [(index_path_for(url), *fsspec.core.url_to_fs(index_path_for(url))) for url in urls]
+    by_directory: dict[Any, set[str]] = {}
+    for _, fs, path in indexes:
+        by_directory.setdefault((fs, posixpath.dirname(path)), set()).add(path)
+    present: set[str] = set()
+    for (fs, directory), wanted in by_directory.items():
+        try:  # one listing per directory rather than one request per file
+            present.update(wanted.intersection(fs.ls(directory, detail=False)))
+        except Exception:  # noqa: BLE001 - a store that cannot list (plain HTTP): ask per file
+            present.update(path for path in wanted if fs.isfile(path))
+    counts = []
+    for url, (index, _, path) in zip(urls, indexes):
+        offsets = load_index(url, index) if path in present else None
+        counts.append(None if offsets is None else len(offsets))
+    return counts
 
 
 def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3, **options: Any) -> str:
@@ -48,7 +213,8 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
             sizes = [r.stop - r.start for r in ranges if r.stop is not None]
             rank_total += sum(sizes)
             shown = ", ".join(
-                f"{shards[r.shard].rsplit('/', 1)[-1]}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
+                f"{shards[r.shard].rsplit('/', 1)[-1]}[{r.start}:{'' if r.stop is None else r.stop}]"
+                for r in ranges[:show]
             )
             more = f" ... (+{len(ranges) - show})" if len(ranges) > show else ""
             records = str(sum(sizes)) if len(sizes) == len(ranges) else "?"
@@ -59,20 +225,27 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- progress
+
+
 def _progress_bar(url: str, compression: str | None, storage_options: dict | None = None) -> Any:
     """A tqdm bar over a TFRecord file's bytes (total unknown if it is compressed)."""
     import fsspec
     from tqdm import tqdm
 
-    from shardkit.formats.io import open_raw
-    from shardkit.formats.tfrecord import detect_compression
-
     if compression == "auto":
-        with open_raw(url, "rb", storage_options) as raw:
-            compression = detect_compression(raw.read(12))
+        compression = _detect_compression(url)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     total = fs.size(path) if compression is None else None
     return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=False, disable=None)
+
+
+def _detect_compression(url: str) -> str | None:
+    from shardkit.formats.io import open_raw
+    from shardkit.formats.tfrecord import detect_compression
+
+    with open_raw(url, "rb") as raw:
+        return detect_compression(raw.read(12))
 
 
 def _with_progress(url: str, compression: str | None, job: Callable[[Callable[[int], None]], Any]) -> Any:
@@ -81,83 +254,209 @@ def _with_progress(url: str, compression: str | None, job: Callable[[Callable[[i
         return job(lambda done: bar.update(done - bar.n))
 
 
-def _feature_schema(records: list[bytes]) -> dict[str, tuple[str, int, int]]:
-    """Feature name -> (kind, fewest values, most values) over tf.Example records."""
+# --------------------------------------------------------------------------- inspect
+
+Schema = dict[str, tuple[str, int, int]]  # feature name -> (kind, fewest values, most values)
+
+
+def _kind(value: Any) -> str:
     import numpy as np
 
+    if isinstance(value, np.ndarray):
+        return "int64" if value.dtype == np.int64 else "float"
+    return "bytes" if value else "empty"
+
+
+def _add_to_schema(schema: Schema, name: str, kind: str, size: int) -> None:
+    old_kind, low, high = schema.get(name, (kind, size, size))
+    if kind not in old_kind.split("|"):
+        kind = f"{old_kind}|{kind}"
+    else:
+        kind = old_kind
+    schema[name] = (kind, min(low, size), max(high, size))
+
+
+def _feature_schema(records: list[bytes]) -> Schema:
+    """Feature name -> (kind, fewest values, most values) over tf.Example records."""
     from shardkit.formats.example import decode_example
 
-    schema: dict[str, tuple[str, int, int]] = {}
+    schema: Schema = {}
     for record in records:
         for name, value in decode_example(record).items():
-            if isinstance(value, np.ndarray):
-                kind = "int64" if value.dtype == np.int64 else "float"
-            else:
-                kind = "bytes" if value else "empty"
-            old_kind, low, high = schema.get(name, (kind, len(value), len(value)))
-            if old_kind != kind:
-                kind = f"{old_kind}|{kind}" if kind not in old_kind.split("|") else old_kind
-            schema[name] = (kind, min(low, len(value)), max(high, len(value)))
+            _add_to_schema(schema, name, _kind(value), len(value))
     return schema
 
 
-def _cmd_inspect(args: argparse.Namespace) -> int:
-    import itertools
+def _sequence_schema(records: list[bytes]) -> tuple[Schema, Schema, Schema] | None:
+    """(context schema, feature-list schema per step, steps per list) over
+    tf.SequenceExample records; None unless at least one has a feature list.
 
-    from shardkit.errors import ShardkitError
-    from shardkit.formats.tfrecord import read_tfrecord
+    An Example decodes as a SequenceExample without feature lists (both keep
+    their features in field 1), so the lists are what tells the two apart.
+    """
+    from shardkit.formats.example import decode_sequence_example
 
-    sizes = []
-    first: list[bytes] = []
-    for record in read_tfrecord(args.url, compression=args.compression, verify=False):
-        sizes.append(len(record))
-        if len(first) < args.records:
-            first.append(record)
-    print(f"{args.url}: {len(sizes)} records, {sum(sizes)} data bytes")
-    if sizes:
-        print(f"record size: min {min(sizes)}, mean {sum(sizes) / len(sizes):.1f}, max {max(sizes)} bytes")
-    if not first:
-        return 0
-    try:
-        schema = _feature_schema(first)
-    except ShardkitError:
-        print(f"the first {len(first)} records are not tf.Example messages")
-        return 0
-    print(f"features of the first {len(first)} records (tf.Example):")
-    width = max(itertools.chain([7], map(len, schema)))
+    context: Schema = {}
+    lists: Schema = {}
+    steps: Schema = {}
+    for record in records:
+        features, feature_lists = decode_sequence_example(record)
+        for name, value in features.items():
+            _add_to_schema(context, name, _kind(value), len(value))
+        for name, values in feature_lists.items():
+            _add_to_schema(steps, name, "steps", len(values))
+            for value in values:
+                _add_to_schema(lists, name, _kind(value), len(value))
+    return (context, lists, steps) if steps else None
+
+
+def _schema_lines(schema: Schema, indent: str, steps: Schema | None = None) -> list[str]:
+    width = max([7, *map(len, schema)])
+    lines = []
     for name, (kind, low, high) in sorted(schema.items()):
         count = str(low) if low == high else f"{low}..{high}"
-        print(f"  {name:<{width}}  {kind:<6} x {count}")
-    return 0
+        line = f"{indent}{name:<{width}}  {kind:<6} x {count}"
+        if steps is not None:
+            _, first, last = steps[name]
+            line += f" per step, {first if first == last else f'{first}..{last}'} steps"
+        lines.append(line)
+    return lines
+
+
+def _message_lines(records: list[bytes]) -> list[str]:
+    """What the first records are: tf.SequenceExample, tf.Example, or neither."""
+    label = f"the first {len(records)} records"
+    try:
+        sequence = _sequence_schema(records)
+    except ShardkitError:
+        sequence = None
+    if sequence is not None:
+        context, lists, steps = sequence
+        return [
+            f"{label} are tf.SequenceExample messages",
+            "  context features:",
+            *(_schema_lines(context, "    ") or ["    (none)"]),
+            "  feature lists:",
+            *(_schema_lines({n: lists.get(n, ("empty", 0, 0)) for n in steps}, "    ", steps)),
+        ]
+    try:
+        schema = _feature_schema(records)
+    except ShardkitError:
+        return [f"{label} are neither tf.Example nor tf.SequenceExample messages"]
+    return [f"{label} are tf.Example messages; features:", *_schema_lines(schema, "  ")]
+
+
+def _inspect_one(url: str, args: argparse.Namespace) -> None:
+    from shardkit.formats.tfrecord import read_tfrecord
+
+    if args.compression == "auto":
+        compression, how = _detect_compression(url), "detected"
+    else:
+        compression, how = args.compression, "given"
+    verify = not args.no_verify
+    count = total = 0
+    smallest, largest = None, 0
+    first: list[bytes] = []
+    for record in read_tfrecord(url, compression=compression, verify=verify):
+        count += 1
+        total += len(record)
+        smallest = len(record) if smallest is None else min(smallest, len(record))
+        largest = max(largest, len(record))
+        if len(first) < args.records:
+            first.append(record)
+    checked = "every length and data CRC checked" if verify else "CRCs NOT checked (--no-verify)"
+    print(f"{url}: {count} records, {total} data bytes; compression: {compression or 'none'} ({how}); {checked}")
+    if count:
+        print(f"record size: min {smallest}, mean {total / count:.1f}, max {largest} bytes")
+    if first:
+        print("\n".join(_message_lines(first)))
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    return _each_file(args, lambda url: _inspect_one(url, args))
+
+
+# --------------------------------------------------------------------------- verify, index
+
+
+class MismatchError(ShardkitError):
+    """A file contradicts what its manifest or index file says about it."""
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from shardkit.errors import CorruptRecordError
+    from shardkit.shardlist import ShardList
+
+    expected: dict[str, tuple[int | None, int | None]] = {}
+    if args.manifest:
+        try:
+            shards = ShardList.from_manifest(args.manifest)
+        except Exception as error:  # noqa: BLE001 - one line, exit 2
+            return _fail(args, error, args.manifest)
+        counts, sizes = (shards.table.column(name).to_pylist() for name in ("num_records", "size"))
+        expected = dict(zip(shards.urls(), zip(counts, sizes)))
+    return _each_file(args, lambda url: _verify_one(url, args, *expected.get(url, (None, None))), listed=list(expected))
+
+
+def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int | None) -> None:
+    """Check every CRC of ``url``, then its record count against the manifest and its index file."""
+    import fsspec
+
     from shardkit.formats.tfrecord import verify_tfrecord
 
-    failed = 0
-    for url in args.urls:
-        try:
-            count = _with_progress(
-                url, args.compression, lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress)
-            )
-        except CorruptRecordError as error:
-            failed += 1
-            print(f"CORRUPT {error}", file=sys.stderr)
-        else:
-            print(f"ok {url}: {count} records")
-    return 1 if failed else 0
+    where = f"the manifest {args.manifest}"
+    fs, path = fsspec.core.url_to_fs(url)
+    if size is not None and (actual := fs.size(path)) != size:
+        raise MismatchError(f"{url}: {actual} bytes, but {where} says {size}; the file changed since it was listed")
+    found = _with_progress(
+        url, args.compression, lambda progress: verify_tfrecord(url, compression=args.compression, progress=progress)
+    )
+    if count is not None and found != count:
+        raise MismatchError(f"{url}: {found} records, but {where} says {count}")
+    indexed = _index_counts([url])[0]
+    if indexed is not None and found != indexed:
+        raise MismatchError(
+            f"{url}: {found} records, but its index file says {indexed}; rebuild it with shardkit index"
+        )
+    checked = " (count matches the manifest)" if count is not None else ""
+    print(f"ok {url}: {found} records{checked}")
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    from shardkit.formats.index import build_index
+    return _each_file(args, lambda url: print(f"{url} -> {_write_index(url, args.compression)}"))
 
-    for url in args.urls:
-        path = _with_progress(
-            url, args.compression, lambda progress: build_index(url, compression=args.compression, progress=progress)
+
+def _write_index(url: str, compression: str | None) -> str:
+    """Build ``url``'s index under a temporary name and rename it into place: a reader
+    never finds a partial index, and a corrupt file leaves the old index (if any) alone."""
+    from shardkit.formats.index import build_index, index_path_for
+    from shardkit.writer import partial_name, publish, remove_if_present
+
+    target = index_path_for(url)
+    partial = partial_name(target)
+    try:
+        _with_progress(
+            url, compression, lambda progress: build_index(url, partial, compression=compression, progress=progress)
         )
-        print(f"{url} -> {path}")
-    return 0
+        publish(partial, target, None)
+    finally:
+        remove_if_present(partial, None)
+    return target
+
+
+# --------------------------------------------------------------------------- the parser
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, not {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def _compression_arg(value: str) -> str | None:
@@ -176,57 +475,163 @@ def _add_compression_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_urls(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument(
+        "urls",
+        nargs="+" if required else "*",
+        metavar="URL",
+        help="TFRecord files: paths, fsspec URLs (s3://, gs://, https://...) or quoted globs such as "
+        "'data/train-*.tfrecord' or 'data/train-{00000..00127}.tfrecord'",
+    )
+
+
+def _sub(sub: Any, name: str, summary: str, description: str, exits: str) -> argparse.ArgumentParser:
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=textwrap.fill(f"exit codes: {exits}", 79),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+_MANIFEST_HELP = """\
+SOURCE is a manifest or a quoted glob of shard files.
+
+A manifest lists the shards and their record counts: an Arrow IPC, Parquet or
+JSON-lines file with a "url" column and optional "num_records" and "size"
+columns (relative urls resolve against the manifest's directory). ShardWriter
+writes one beside the shards it writes (train-%05d.tfrecord ->
+train.manifest.arrow); ShardList(urls, num_records=...).to_manifest(path) writes
+one for shards you already have.
+
+A glob (it contains * ? [ or {a,b} / {000..127}) lists the files; their record
+counts come from the index files beside them (`shardkit index` writes them).
+Without counts only --balance none can be planned: whole shards are dealt out.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``shardkit`` console script."""
-    parser = argparse.ArgumentParser(prog="shardkit", description=__doc__.splitlines()[0])
     from shardkit._version import __version__
 
+    parser = _Parser(
+        prog="shardkit",
+        description="shardkit: plan, inspect, verify and index the shard files of a PyTorch pipeline.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
+    parser.add_argument("--traceback", action="store_true", help="also print the traceback of errors (bug reports)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="write a small dataset to a temp dir and show shardkit at work")
+    demo = _sub(
+        sub,
+        "demo",
+        "write a small dataset to a temp dir and show shardkit at work",
+        "Write 6 TFRecord shards and a manifest, print the plan for 2 ranks x 2 workers, read them "
+        "through DataLoaders and check that every rank gets the same number of batches.",
+        "0 the demo's checks passed; 1 a check failed (a bug: please report it); "
+        "2 bad arguments, or --workdir cannot be used (a file, not writable)",
+    )
     demo.add_argument("--workdir", default=None, help="where to write the data (default: a temp dir)")
     demo.set_defaults(func=_cmd_demo)
 
-    plan_cmd = sub.add_parser("plan", help="print who reads what: each rank's and worker's record ranges")
-    plan_cmd.add_argument("manifest", help="a shard manifest (Arrow IPC, Parquet or JSON lines)")
-    plan_cmd.add_argument("--world-size", type=int, default=1, help="number of DDP ranks (default 1)")
-    plan_cmd.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank (default 1)")
+    plan_cmd = _sub(
+        sub,
+        "plan",
+        "print who reads what: each rank's and worker's record ranges",
+        "Print each rank's and DataLoader worker's record ranges.\n\n" + _MANIFEST_HELP,
+        "0 the plan was printed; 2 bad arguments, SOURCE cannot be read (missing, a directory, "
+        "malformed, a glob matching nothing), or a balanced plan lacks record counts. "
+        "plan reads no shard data, so it never exits 1.",
+    )
+    plan_cmd.add_argument("source", metavar="SOURCE", help="a shard manifest, or a quoted glob of shard files")
+    plan_cmd.add_argument("--world-size", type=_int_at_least(1), default=1, help="number of DDP ranks (default 1)")
+    plan_cmd.add_argument(
+        "--num-workers", type=_int_at_least(1), default=1, help="DataLoader workers per rank (default 1)"
+    )
     plan_cmd.add_argument("--balance", choices=("none", "pad", "drop"), default="pad")
-    plan_cmd.add_argument("--seed", type=int, default=0)
-    plan_cmd.add_argument("--epoch", type=int, default=0)
+    plan_cmd.add_argument("--seed", type=_int_at_least(0), default=0)
+    plan_cmd.add_argument("--epoch", type=_int_at_least(0), default=0)
     plan_cmd.add_argument("--shuffle", action="store_true")
-    plan_cmd.add_argument("--show", type=int, default=3, help="ranges to print per reader (default 3)")
+    plan_cmd.add_argument("--show", type=_int_at_least(0), default=3, help="ranges to print per reader (default 3)")
     plan_cmd.set_defaults(func=_cmd_plan)
 
-    inspect_cmd = sub.add_parser("inspect", help="record count, sizes and feature schema of a TFRecord file")
-    inspect_cmd.add_argument("url", help="a TFRecord file: path or fsspec URL")
-    inspect_cmd.add_argument("--records", type=int, default=10, help="records to read the schema from (default 10)")
+    inspect_cmd = _sub(
+        sub,
+        "inspect",
+        "record count, sizes, compression and message schema of TFRecord files",
+        "Read every record (checking CRCs unless --no-verify); print the count, sizes and compression, and "
+        "whether the first records are tf.Example or tf.SequenceExample messages, with their features.",
+        "0 every file was read; 1 corrupt data found (url, record index, byte offset on stderr); "
+        "2 bad arguments or an input cannot be read. Every file is inspected even after a failure.",
+    )
+    _add_urls(inspect_cmd)
+    inspect_cmd.add_argument(
+        "--records", type=_int_at_least(0), default=10, help="records to read the schema from (default 10)"
+    )
+    inspect_cmd.add_argument("--no-verify", action="store_true", help="skip the CRC checks (faster; says so)")
     _add_compression_option(inspect_cmd)
     inspect_cmd.set_defaults(func=_cmd_inspect)
 
-    verify_cmd = sub.add_parser("verify", help="check every CRC of TFRecord files; exit 1 on corruption")
-    verify_cmd.add_argument("urls", nargs="+", metavar="URL", help="TFRecord files: paths or fsspec URLs")
+    verify_cmd = _sub(
+        sub,
+        "verify",
+        "check every CRC of TFRecord files; exit 1 on corruption",
+        "Check every length and data CRC of every file, and that each holds the record count its "
+        "manifest (--manifest) or index file gives. Each bad file is reported on its own line with "
+        "the record index and byte offset of the damage, and the remaining files are still checked.",
+        "0 every file is sound; 1 at least one file is corrupt, or contradicts its manifest or index "
+        "file (record count, byte size); 2 bad arguments or an input cannot be read (2 wins over 1).",
+    )
+    _add_urls(verify_cmd, required=False)
+    verify_cmd.add_argument(
+        "--manifest",
+        help="also verify every shard this manifest lists, and that each holds the record count "
+        "and byte size the manifest gives",
+    )
     _add_compression_option(verify_cmd)
     verify_cmd.set_defaults(func=_cmd_verify)
 
-    index_cmd = sub.add_parser("index", help="write an index file (record byte offsets) beside each TFRecord file")
-    index_cmd.add_argument("urls", nargs="+", metavar="URL", help="TFRecord files: paths or fsspec URLs")
+    index_cmd = _sub(
+        sub,
+        "index",
+        "write an index file (record byte offsets) beside each TFRecord file",
+        "Write <file>.idx beside each file: the byte offset of every record (length CRCs checked), "
+        "written under a temporary name and renamed into place.",
+        "0 every index was written; 1 a file is corrupt (no index written for it); 2 bad arguments or "
+        "an input cannot be read (2 wins over 1). Every file is indexed even after a failure.",
+    )
+    _add_urls(index_cmd)
     _add_compression_option(index_cmd)
     index_cmd.set_defaults(func=_cmd_index)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``shardkit`` console script."""
-    from shardkit.errors import ShardkitError
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; a usage error exits 2 with one line naming the sub-command it concerns."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = subparsers.choices[args.command]
+    if extra:  # argparse would blame the top-level parser: "shardkit: error: ..."
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "verify" and not args.urls and not args.manifest:
+        command.error("give URL arguments, --manifest, or both")
+    return args
 
-    args = build_parser().parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardkit`` console script; returns the exit code (:data:`EXIT_CODES`)."""
+    args = _parse(argv)
     try:
-        return int(args.func(args) or 0)
-    except ShardkitError as error:
-        print(f"shardkit {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return int(args.func(args) or EXIT_OK)
+    except KeyboardInterrupt:
+        print(f"shardkit {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - one line, never a traceback (unless --traceback)
+        return _fail(args, error)
 
 
 if __name__ == "__main__":  # pragma: no cover

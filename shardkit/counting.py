@@ -4,46 +4,107 @@ Balanced plans (``"pad"``/``"drop"`` over several ranks) need every shard's
 record count. In order of preference the counts come from:
 
 1. the :class:`~shardkit.ShardList` itself (a manifest, or ``num_records=``);
-2. a counts manifest cached beside the data by an earlier counting pass
-   (``shardkit-counts.arrow`` in the first shard's directory);
-3. ``count_fn(url)`` — for TFRecord, the index file when there is one, else a
-   fast framing scan. When ``torch.distributed`` is initialised the shards are
-   shared out over the ranks and the counts all-gathered; the result is then
-   written to the cache, where the storage allows, so it happens once.
+2. the counts cache of an earlier counting pass, for every shard whose file
+   still has the identity it had when it was counted (:func:`identity`: size
+   plus modification time, inode, ETag, version or generation — whatever the
+   filesystem reports);
+3. ``count_fn(url)`` for the others only — for TFRecord, the index file when
+   there is a valid one, else a fast framing scan. When ``torch.distributed``
+   is initialised the shards are shared out over the ranks and the counts
+   all-gathered.
+
+Where the cache lives (never beside the data: shardkit writes nothing where
+the user did not ask): one Arrow IPC file per shard list, named by the hash of
+its urls (:meth:`ShardList.url_digest`), in :func:`cache_dir` — the
+``cache_dir`` argument, else ``$SHARDKIT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/shardkit``, else ``~/.cache/shardkit``. An empty
+``SHARDKIT_CACHE_DIR`` turns the cache off. Each row holds a url, its count
+and the identity its file had *before* it was counted, so a file rewritten
+during the count is counted again next time. The file is written to a
+temporary name and renamed; one that cannot be read (truncated, corrupt, of
+another list) is ignored and rewritten. To share counts between machines,
+write a manifest (:meth:`ShardList.to_manifest`) instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import posixpath
-from collections.abc import Callable
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import fsspec
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from shardkit.errors import ShardkitError
 from shardkit.shardlist import ShardList
 
 logger = logging.getLogger("shardkit")
 
-CACHE_NAME = "shardkit-counts.arrow"
+CACHE_ENV = "SHARDKIT_CACHE_DIR"
 
 CountFn = Callable[[str], int]
+
+#: Keys of an fsspec ``info`` dict that change when a file's content may have:
+#: local (mtime, inode, ctime), S3 (ETag, VersionId, LastModified), GCS
+#: (generation, md5Hash, updated), Azure (etag, last_modified), memory (created).
+_IDENTITY_KEYS = (
+    "mtime", "ino", "created", "ETag", "etag", "VersionId", "version_id",
+    "generation", "md5Hash", "LastModified", "last_modified", "updated",
+)  # fmt: skip
+_SCHEMA = pa.schema([("url", pa.large_string()), ("num_records", pa.int64()), ("identity", pa.large_string())])
 
 
 class CountsUnavailableError(ShardkitError, ValueError):
     """Record counts are needed and there is no way to get them."""
 
 
-def cache_path(shards: ShardList) -> str | None:
-    """Where the counts of ``shards`` are cached: beside the first shard."""
-    if len(shards) == 0:
+def identity(info: Mapping[str, Any]) -> str | None:
+    """What identifies a file's content in fsspec's ``info`` dict, as a string.
+
+    The size plus every key of :data:`_IDENTITY_KEYS` present (modification
+    time, inode, ETag, object version...). None when the filesystem reports
+    nothing beyond the size: a size alone cannot tell a rewritten file, so
+    such counts are not cached.
+    """
+    parts = [f"{key}={info[key]}" for key in _IDENTITY_KEYS if info.get(key) is not None]
+    if not parts:
         return None
-    return posixpath.join(posixpath.dirname(shards[0]), CACHE_NAME)
+    return f"size={info.get('size')};" + ";".join(parts)
+
+
+def cache_dir(override: str | None = None) -> str | None:
+    """The directory of the counts cache, or None when caching is off (``SHARDKIT_CACHE_DIR=""``)."""
+    if override is not None:
+        return override or None
+    configured = os.environ.get(CACHE_ENV)
+    if configured is not None:
+        return configured or None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "shardkit")
+
+
+def cache_path(shards: ShardList, directory: str | None = None) -> str | None:
+    """The counts cache file of ``shards`` (None when caching is off or the list is empty)."""
+    root = cache_dir(directory)
+    if root is None or len(shards) == 0:
+        return None
+    return os.path.join(root, f"counts-{shards.url_digest()[:32]}.arrow")
 
 
 def resolve_counts(
-    shards: ShardList, count_fn: CountFn | None, *, why: str, storage_options: dict[str, Any] | None = None
+    shards: ShardList,
+    count_fn: CountFn | None,
+    *,
+    why: str,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
 ) -> ShardList:
     """``shards`` with every record count filled in.
 
@@ -52,42 +113,82 @@ def resolve_counts(
         count_fn: counts the records of one url; None when the format has no
             way to count.
         why: what needs the counts, for the log line and the error message.
-        storage_options: fsspec options for the cache beside the data.
+        storage_options: fsspec options, to read the shards' identities.
+        cache_dir: where to cache counts (default: see :func:`cache_dir`;
+            ``""`` turns the cache off).
 
     Raises:
-        CountsUnavailableError: counts are missing and ``count_fn`` is None.
+        CountsUnavailableError: counts are missing, not cached for the files
+            as they are now, and ``count_fn`` is None.
     """
     if shards.num_records is not None:
         return shards
-    cached = _read_cache(shards, storage_options)
-    if cached is not None:
-        return cached
-    if count_fn is None:
+    path = cache_path(shards, cache_dir)
+    identities = _identities(shards, storage_options) if path is not None else [None] * len(shards)
+    counts, known = _known_counts(shards, path, identities)
+    missing = np.flatnonzero(~known)
+    if count_fn is not None:
+        missing = _union_over_ranks(missing)  # caches are per node: ranks may miss different shards
+    if missing.size and count_fn is None:
         raise CountsUnavailableError(
-            f"{why} needs the record count of every shard, and {len(shards)} shards have none. "
+            f"{why} needs the record count of every shard, and {missing.size} of {len(shards)} shards have none. "
             "Give counts with ShardList(urls, num_records=...) or a manifest "
             "(ShardList.from_manifest, written by ShardWriter or ShardList.to_manifest), "
             "pass count_fn=, or use balance='none' to deal out whole shards"
         )
-    missing = np.flatnonzero(~shards.known_counts)
-    logger.warning(
-        "shardkit: counting the records of %d shards once (index files where present, else a framing scan), for %s",
-        len(missing),
-        why,
-    )
+    if missing.size:
+        logger.warning(
+            "shardkit: counting the records of %d shards once (index files where present, else a framing scan), for %s",
+            missing.size,
+            why,
+        )
+        counts[missing] = _count(shards, missing, count_fn)  # type: ignore[arg-type]
+        if path is not None and any(found is not None for found in identities):
+            _write_cache(path, shards, counts, identities)
+    return shards.with_num_records(counts)
+
+
+def _known_counts(shards: ShardList, path: str | None, identities: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Counts known from the list or from a cache entry whose identity still matches, and which those are."""
     counts = shards.table.column("num_records").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-    counts[missing] = _count(shards, missing, count_fn)
-    counted = shards.with_num_records(counts)
-    _write_cache(counted, storage_options)
-    return counted
+    known = shards.known_counts.copy()
+    cached = _read_cache(path, shards) if path is not None else None
+    if cached is not None:
+        current = pa.array(identities, pa.large_string())
+        fresh = pc.fill_null(pc.equal(cached.column("identity"), current), False).to_numpy(zero_copy_only=False)
+        use = fresh & ~known
+        counts[use] = cached.column("num_records").to_numpy(zero_copy_only=False)[use]
+        known |= fresh
+        if use.any():
+            logger.info("shardkit: record counts of %d shards from %s", int(use.sum()), path)
+    return counts, known
+
+
+def _distributed() -> bool:
+    """Whether this is a rank's main process in an initialised process group (where collectives run)."""
+    import torch.distributed as dist
+    from torch.utils.data import get_worker_info
+
+    return dist.is_available() and dist.is_initialized() and get_worker_info() is None
+
+
+def _union_over_ranks(missing: np.ndarray) -> np.ndarray:
+    """The shards any rank lacks a count for: every rank then counts its share of the same set,
+    so the all-gather in :func:`_count` is entered by all ranks or by none."""
+    if not _distributed():
+        return missing
+    import torch.distributed as dist
+
+    gathered: list[np.ndarray | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, missing)
+    return np.unique(np.concatenate([part for part in gathered if part is not None]))
 
 
 def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndarray:
     """Count the ``missing`` shards, shared out over the ranks when distributed."""
     import torch.distributed as dist
-    from torch.utils.data import get_worker_info
 
-    distributed = dist.is_available() and dist.is_initialized() and get_worker_info() is None
+    distributed = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     mine = missing[rank::world]
     local = {int(i): int(count_fn(shards[int(i)])) for i in mine}
@@ -99,34 +200,87 @@ def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndar
     return np.array([local[int(i)] for i in missing], dtype=np.int64)
 
 
-def _read_cache(shards: ShardList, storage_options: dict[str, Any] | None) -> ShardList | None:
-    path = cache_path(shards)
-    if path is None:
-        return None
-    try:
-        cached = ShardList.from_manifest(path, storage_options=storage_options)
-    except Exception:  # noqa: BLE001 - no cache, or an unreadable one: count instead
-        return None
-    if cached.num_records is None:
-        return None
-    cached_sizes = cached.sizes if cached.sizes is not None else [None] * len(cached)
-    by_url = dict(zip(cached.urls(), zip(cached.num_records.tolist(), list(cached_sizes))))
-    sizes = shards.sizes if shards.sizes is not None else [None] * len(shards)
-    counts = []
-    for url, size in zip(shards.urls(), sizes):
-        count, cached_size = by_url.get(url, (None, None))
-        if count is None or (size is not None and cached_size is not None and size != cached_size):
-            return None  # not counted before, or the file changed since
-        counts.append(count)
-    logger.info("shardkit: record counts from %s", path)
-    return shards.with_num_records(counts)
+def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> list[str | None]:
+    """The :func:`identity` of every shard's file (None where it cannot be read):
+    one ``os.stat`` per local path, one listing per directory elsewhere (not one
+    request per object)."""
+    urls = list(shards)
+    found: list[str | None] = [None] * len(urls)
+    by_dir: dict[str, list[int]] = defaultdict(list)
+    for i, url in enumerate(urls):
+        if "://" in url:
+            by_dir[posixpath.dirname(url)].append(i)
+        else:
+            found[i] = _local_identity(url)
+    for directory, positions in by_dir.items():
+        try:
+            fs, fs_dir = fsspec.core.url_to_fs(directory, **(storage_options or {}))
+            listing = {info["name"].rstrip("/"): info for info in fs.ls(fs_dir, detail=True)}
+        except Exception as error:  # noqa: BLE001 - unreachable: these shards are counted, not cached
+            logger.debug("shardkit: cannot list %s for the counts cache (%s)", directory, error)
+            continue
+        for i in positions:
+            info = listing.get(fs._strip_protocol(urls[i]).rstrip("/"))
+            if info is not None and info.get("type") != "directory":
+                found[i] = identity(info)
+    return found
 
 
-def _write_cache(shards: ShardList, storage_options: dict[str, Any] | None) -> None:
-    path = cache_path(shards)
-    if path is None:
-        return
+def _local_identity(path: str) -> str | None:
+    """:func:`identity` of a local file from one ``stat`` (fsspec's ``info`` costs 10x more), to the nanosecond."""
     try:
-        shards.to_manifest(path, storage_options=storage_options)
-    except Exception as error:  # noqa: BLE001 - read-only storage: count again next time
+        st = os.stat(path)
+    except OSError:
+        return None
+    return identity({"size": st.st_size, "mtime": st.st_mtime_ns, "ino": st.st_ino, "created": st.st_ctime_ns})
+
+
+def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
+    """The cache table of exactly these urls, or None when absent or unusable.
+
+    Read into memory, not mapped: a cache truncated by another process while
+    mapped would kill this one with SIGBUS.
+    """
+    try:
+        with pa.OSFile(path, "rb") as f:
+            table = pa.ipc.open_file(f).read_all()
+    except FileNotFoundError:
+        return None
+    except (OSError, pa.ArrowException) as error:
+        logger.warning("shardkit: ignoring the unreadable counts cache %s (%s); it will be rewritten", path, error)
+        return None
+    urls = shards.table.column("url")
+    usable = (
+        table.schema.equals(_SCHEMA)
+        and table.num_rows == len(shards)
+        and table.column("url").equals(urls.cast(pa.large_string()))
+        and table.column("num_records").null_count == 0
+        and (pc.min(table.column("num_records")).as_py() or 0) >= 0
+    )
+    if not usable:
+        logger.warning("shardkit: ignoring the counts cache %s: not one of this shard list; it will be rewritten", path)
+        return None
+    return table
+
+
+def _write_cache(path: str, shards: ShardList, counts: np.ndarray, identities: list[str | None]) -> None:
+    """Write the cache atomically (temporary name, then rename); a failure only costs a recount later."""
+    table = pa.table(
+        [
+            shards.table.column("url").cast(pa.large_string()),
+            pa.array(counts, pa.int64()),
+            pa.array(identities, pa.large_string()),
+        ],
+        schema=_SCHEMA,
+    )
+    partial = f"{path}.{uuid.uuid4().hex}.partial"
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        with pa.OSFile(partial, "wb") as f, pa.ipc.new_file(f, _SCHEMA) as writer:
+            writer.write_table(table)
+        os.replace(partial, path)
+    except OSError as error:
         logger.info("shardkit: could not cache record counts at %s (%s)", path, error)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)

@@ -20,9 +20,12 @@ stepped past and resumes into the same reader slot only.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import os
 import pickle
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
@@ -31,22 +34,24 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
 from shardkit.counting import CountFn, resolve_counts
-from shardkit.epoch import SharedEpoch, check_epoch
+from shardkit.epoch import SharedEpoch, check_epoch, resume_at
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.pipeline import Pipeline
 from shardkit.planning import BALANCES, Balance, Range, plan, plan_intervals, rank_span, share, union
 from shardkit.remote import RetryPolicy, prefetch, remote_options
 from shardkit.seeding import check_seed, seed_iteration
-from shardkit.shardlist import ShardList
+from shardkit.shardlist import NUM_RECORDS, ShardList
 from shardkit.state import State, StateError, applies, check, check_positions, expect_equal, node, own_share, share_of
 from shardkit.stats import ReadStats, SharedStats
 from shardkit.topology import Topology
+from shardkit.trainers import check_dataloader_len
 
 logger = logging.getLogger("shardkit")
 
 OnError = Literal["raise", "skip"]
 ReadFn = Callable[[str, int, "int | None"], Iterable[Any]]
 DECODERS = ("example", "sequence_example", "raw")
+_NOTHING = object()
 
 
 class DatasetError(ShardkitError, ValueError):
@@ -71,7 +76,7 @@ class _Source(Pipeline):
         self.rank = rank
         self.world_size = world_size
         self._seed = check_seed(seed)
-        self._epoch = SharedEpoch(0)
+        self._epoch = SharedEpoch()  # counts passes until set_epoch is called
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch.set(check_epoch(epoch))
@@ -112,10 +117,38 @@ class _Source(Pipeline):
         return topology, epoch
 
 
+class BalanceError(ShardkitError, RuntimeError):
+    """Records were skipped under ``on_error="skip"`` and nothing readable is left to stand in for them."""
+
+
 class _Skipped(NamedTuple):
     """Yielded by ``_read`` in place of ``records`` records it could not read (on_error='skip')."""
 
     records: int
+
+
+#: Returned by ``TFRecordReader._index_past`` when the bad record was the last of its file.
+_SHARD_ENDS = object()
+
+
+class _BadRecord(NamedTuple):
+    """Yielded by :class:`TFRecordReader` in place of one record that is bad while
+    the records after it can still be read (a data CRC mismatch, a record that
+    does not decode): the dataset raises ``error`` or skips just that record,
+    and the same iterator goes on with the next one."""
+
+    error: CorruptRecordError
+
+
+class _Cursor:
+    """Where ``ShardedDataset._read`` is in a range: the next record, records yielded, a record found past the stop."""
+
+    __slots__ = ("position", "read", "past_stop")
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+        self.read = 0
+        self.past_stop = False
 
 
 class _PlannedSource(_Source):
@@ -147,15 +180,26 @@ class _PlannedSource(_Source):
         return counts, balance
 
     def _fingerprint(self, counts: Any) -> dict[str, Any]:
-        """What a state must agree on with the dataset it is loaded into (no file names)."""
+        """What a state must agree on with the dataset it is loaded into.
+
+        Besides the totals, SHA-256 digests (16 hex digits shown) of the shard
+        urls in order and of every count: a state of other files with the same
+        counts, or of the same files in another order, is refused. Hashing 1M
+        urls from their Arrow buffers takes 0.03 s, once per ShardList.
+        """
         if not isinstance(counts, np.ndarray):
             raise StateError(
                 f"{self!r}: resuming needs the record count of every shard, and some are unknown; "
                 "call count_records() (or give counts: a manifest, index files) before iterating"
             )
+        import hashlib
+
+        shards = getattr(self, "shards", None)  # a wrap()ped map-style dataset has no files
         return {
             "shards": len(counts),
             "records": int(counts.sum()),
+            "urls": None if shards is None else shards.url_digest()[:16],
+            "counts": hashlib.sha256(np.ascontiguousarray(counts, dtype="<i8").tobytes()).hexdigest()[:16],
             "seed": self.seed,
             "shuffle": self.shuffle_shards,
             "balance": self.balance,
@@ -172,9 +216,11 @@ class _PlannedSource(_Source):
         counts, _ = self._counts(self.topology())
         expect_equal(self, "dataset", state["fingerprint"], self._fingerprint(counts))
         self._pending = state
+        resume_at(self, state["epoch"])  # the next pass reads the state's epoch (unless set_epoch)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all of its workers together)."""
+        check_dataloader_len(self)  # refuses a DataLoader len that would cut the epoch short
         topology = self.topology()
         counts = self._record_counts(topology, required=False)
         if not isinstance(counts, np.ndarray):
@@ -201,7 +247,21 @@ class _PlannedSource(_Source):
             own = own_share(state, topology.worker_id, topology.num_workers, self)
             intervals = union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)
         pieces = plan_intervals(counts, topology, intervals, **kwargs)
-        return _RangeReader(self, pieces, epoch, topology, fingerprint)
+        stand_in = None
+        if self._makes_up(balance):
+            stand_in = functools.partial(self._stand_in, counts, topology, kwargs)
+        return _RangeReader(self, pieces, epoch, topology, fingerprint, stand_in)
+
+    def _makes_up(self, balance: Balance) -> bool:
+        """Whether records this source skips are replaced by repeats, to keep ranks balanced."""
+        return False
+
+    def _stand_in(self, counts: np.ndarray, topology: Topology, kwargs: dict[str, Any]) -> Any:
+        """A sample to repeat in place of skipped records when the reader has yielded none yet."""
+        raise NotImplementedError
+
+    def _count_padded(self, shard: int) -> None:
+        """Count one sample yielded in place of a skipped or missing record of ``shard``."""
 
 
 class _RangeReader:
@@ -209,6 +269,14 @@ class _RangeReader:
 
     Each range comes with the rank-chunk position of its first record (None
     when record counts are unknown), so what is left can be saved as positions.
+
+    With a ``stand_in`` (balanced sources under ``on_error="skip"``), every
+    record the source skips (a :class:`_Skipped`) is made up by one repeat of
+    the sample this reader yielded last, or, before it has yielded any, of
+    ``stand_in()``: the reader still yields exactly its planned number of
+    samples. A made-up sample takes the position of the record it replaces,
+    one at a time, so a state saved in the middle of a run of them resumes
+    with exactly the rest (the source finds the same bad records again).
     """
 
     def __init__(
@@ -218,6 +286,7 @@ class _RangeReader:
         epoch: int,
         topology: Topology,
         fingerprint: dict[str, Any] | None,
+        stand_in: Callable[[], Any] | None = None,
     ) -> None:
         self._source = source
         self.positions = [position for position, _ in pieces]
@@ -228,6 +297,9 @@ class _RangeReader:
         self._epoch = epoch
         self._topology = topology
         self._fingerprint = fingerprint
+        self._stand_in = stand_in
+        self._last: Any = _NOTHING
+        self._owed = 0  # records skipped in the current range and not made up yet
 
     def state_dict(self) -> State:
         """The positions of this reader's part not read yet (records, not samples)."""
@@ -254,6 +326,8 @@ class _RangeReader:
         return self
 
     def __next__(self) -> Any:
+        if self._owed:
+            return self._made_up()
         while self.range_index < len(self.ranges):
             if self._records is None:
                 shard, start, stop = self.ranges[self.range_index]
@@ -266,11 +340,27 @@ class _RangeReader:
                 self._finish_range()
                 continue
             if isinstance(sample, _Skipped):
-                self.done_in_range += sample.records
+                if self._stand_in is None:
+                    self.done_in_range += sample.records
+                    continue
+                self._owed = sample.records
+                if self._owed:
+                    return self._made_up()
                 continue
             self.done_in_range += 1
+            if self._stand_in is not None:
+                self._last = sample
             return sample
         raise StopIteration
+
+    def _made_up(self) -> Any:
+        """One repeat in place of the next skipped record (see the class docstring)."""
+        if self._last is _NOTHING:
+            self._last = self._stand_in()  # type: ignore[misc]
+        self._owed -= 1
+        self.done_in_range += 1
+        self._source._count_padded(self.ranges[self.range_index].shard)
+        return self._last
 
     def _finish_range(self) -> None:
         self._records = None
@@ -293,7 +383,8 @@ class ShardedDataset(_PlannedSource):
         balance: ``"pad"`` (default), ``"drop"`` or ``"none"``; see :func:`plan`.
         rank, world_size: override the detected DDP rank (both or neither).
         on_error: ``"raise"`` (default) or ``"skip"``: skip what cannot be read,
-            with a warning naming it, and count it in :meth:`stats`.
+            with a warning naming it, and count it in :meth:`stats`; see
+            "Bad data" below.
         count_fn: ``count_fn(url) -> int``, used once when record counts are
             needed (several ranks with ``"pad"``/``"drop"``) and unknown.
         storage_options: fsspec options, for a glob ``shards``. Under an
@@ -305,6 +396,29 @@ class ShardedDataset(_PlannedSource):
     workers (and warns if there are fewer shards than workers); several ranks
     with ``balance="none"`` do the same; several ranks with ``"pad"``/``"drop"``
     count the records once (see :mod:`shardkit.counting`).
+
+    Bad data. ``read_fn`` must accept a ``stop`` past the shard's end and
+    yield the records that exist (as slicing does): the reader of a shard's
+    last planned record asks for one more, to find shards longer than their
+    count. With known counts, a shard shorter or longer than its planned
+    count raises :class:`~shardkit.CorruptRecordError` (url, the record where
+    it ended, what was planned) under ``"raise"``. Under ``"skip"``:
+
+    * a record whose data is bad while the framing around it is fine (a data
+      CRC mismatch, a record that does not decode) costs that record only;
+      an error that loses the framing (or any other exception) costs the
+      rest of the range; records a short shard lacks are counted as
+      ``missing``; a long shard's extra records are not read (counted in
+      ``errors``). Every case warns and is counted in :meth:`stats`.
+    * with ``balance="pad"``/``"drop"``, each record lost this way is made
+      up by a repeat of the sample the same reader yielded just before (or,
+      if it has yielded none yet, of the first readable record of its rank's
+      part, else of the dataset), counted as ``padded``: every rank still
+      yields exactly its planned number of samples, so DDP ranks stay in
+      step. If no record at all is readable, :class:`BalanceError` is raised. With
+      ``balance="none"`` nothing is made up: ranks may yield different counts.
+    * resuming stays exact: a made-up sample takes the position of the
+      record it replaces.
     """
 
     def __init__(
@@ -345,8 +459,9 @@ class ShardedDataset(_PlannedSource):
         return self
 
     def stats(self) -> ReadStats:
-        """Records read, skipped and errors met, per shard, summed over every
-        worker of this process's DataLoader (and this process)."""
+        """Records read, skipped, missing and padded and errors met, per shard,
+        summed over every worker of this process's DataLoader (and this
+        process); see :class:`~shardkit.stats.ReadStats`."""
         return self._stats.snapshot()
 
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
@@ -364,37 +479,137 @@ class ShardedDataset(_PlannedSource):
             )
         return self.shards.table.column("num_records")
 
+    def _makes_up(self, balance: Balance) -> bool:
+        return self.on_error == "skip" and balance != "none"
+
+    def _count_padded(self, shard: int) -> None:
+        self._stats.add(shard, padded=1)
+
+    def _stand_in(self, counts: np.ndarray, topology: Topology, kwargs: dict[str, Any]) -> Any:
+        """The first readable record of this rank's chunk (the record ``"pad"`` wraps round to),
+        else of the dataset's shards in order."""
+        size = rank_span(int(counts.sum()), topology.world_size, topology.rank, kwargs["balance"])[1]
+        ranges = [piece for _, piece in plan_intervals(counts, topology, [(0, size)], **kwargs)]
+        ranges += [Range(shard, 0, None) for shard in range(len(counts))]
+        for shard, start, stop in ranges:
+            try:
+                for sample in self.read_fn(self.shards[shard], start, stop):
+                    if not isinstance(sample, _BadRecord):
+                        return sample
+            except Exception:  # noqa: S112 - this range is unreadable as well: try the next one
+                continue
+        raise BalanceError(
+            f"{self!r}: records were skipped (on_error='skip') and no record of any shard can be read "
+            f"to stand in for them, so rank {topology.rank} cannot yield its planned {size} samples; "
+            "see stats() and the warnings for what failed"
+        )
+
+    def _planned_count(self, shard: int) -> int | None:
+        """The record count the plan assumes for ``shard``, if known."""
+        return self.shards.table.column(NUM_RECORDS)[shard].as_py()
+
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
         """The samples of records ``[start, stop)``, with a :class:`_Skipped` for
-        records skipped under ``on_error="skip"`` so that positions stay exact."""
+        records skipped under ``on_error="skip"`` so that positions stay exact.
+
+        A range that ends where its shard's planned count ends asks ``read_fn``
+        for one record more: if the shard has it, the count is stale (records
+        past it would never be read). A read that ends before ``stop`` means the
+        shard is shorter than planned. Both are errors, or counted under skip.
+        """
         url = self.shards[shard]
-        position = start
+        tail = stop is not None and stop == self._planned_count(shard)
+        cursor = _Cursor(start)
         try:
-            for sample in self.read_fn(url, start, stop):
+            while True:  # one pass per run of records between bad ones (a loop, not recursion)
+                try:
+                    yield from self._records(shard, url, cursor, stop, stop + 1 if tail else stop)
+                    break
+                except Exception as error:
+                    intact = isinstance(error, CorruptRecordError) and error.framing_intact
+                    lost = self._lost(shard, url, cursor.position, stop, error, intact=intact)
+                    if lost:
+                        cursor.position += lost
+                        yield _Skipped(lost)
+                    if not (intact and (stop is None or cursor.position < stop)):
+                        return
+            yield from self._check_end(shard, url, cursor, stop, tail)
+        finally:
+            self._stats.add(shard, read=cursor.read)
+
+    def _records(self, shard: int, url: str, cursor: _Cursor, stop: int | None, ask: int | None) -> Iterator[Any]:
+        """Records from ``cursor.position`` up to ``stop`` of ``read_fn(url, position, ask)``."""
+        position = first = cursor.position
+        bad = 0
+        limit = sys.maxsize if stop is None else stop
+        try:  # locals in the loop, the cursor updated once: this is every sample's path
+            for sample in self.read_fn(url, position, ask):
+                if position >= limit:
+                    cursor.past_stop = True
+                    return
+                if sample.__class__ is _BadRecord:
+                    if self.on_error == "raise":
+                        raise sample.error
+                    self._lost(shard, url, position, stop, sample.error, intact=True)
+                    position += 1
+                    bad += 1
+                    yield _Skipped(1)
+                    continue
                 position += 1
                 yield sample
-        except Exception as error:
-            self._stats.add(shard, read=position - start, errors=1)
-            if self.on_error == "raise":
-                raise
-            yield from self._skip(shard, url, position, stop, error)
-            return
-        self._stats.add(shard, read=position - start)
+        finally:
+            cursor.read += position - first - bad
+            cursor.position = position
 
-    def _skip(self, shard: int, url: str, position: int, stop: int | None, error: Exception) -> Iterator[Any]:
-        """Under on_error='skip': count what is lost, warn, and go on where the data allows."""
-        if isinstance(error, CorruptRecordError) and error.framing_intact and (stop is None or position < stop):
-            # One record's data is bad, the framing around it is fine: skip just it.
-            self._stats.add(shard, skipped=1)
-            warnings.warn(f"skipping record {position} of {url}: {error}", stacklevel=2)
-            yield _Skipped(1)
-            yield from self._read(shard, position + 1, stop)
+    def _lost(self, shard: int, url: str, position: int, stop: int | None, error: Exception, *, intact: bool) -> int:
+        """Count an error at record ``position``; raise it, or return how many records it costs (skip)."""
+        if self.on_error == "raise":
+            self._stats.add(shard, errors=1)
+            raise error
+        if intact:  # one record's data is bad, the framing around it is fine: skip just it
+            lost = 1 if stop is None or position < stop else 0
+            warnings.warn(f"skipping record {position} of {url}: {_plain_message(error)}", stacklevel=3)
+        else:
+            lost = 0 if stop is None else stop - position
+            what = "the rest of the shard (count unknown)" if stop is None else f"{lost} records"
+            warnings.warn(f"skipping {what} of {url} from record {position}: {_plain_message(error)}", stacklevel=3)
+        self._stats.add(shard, skipped=lost, errors=1)
+        return lost
+
+    def _check_end(self, shard: int, url: str, cursor: _Cursor, stop: int | None, tail: bool) -> Iterator[Any]:
+        """After a clean read: the shard must hold exactly the planned records."""
+        if stop is None:
             return
-        lost = "the rest of the shard (count unknown)" if stop is None else f"{stop - position} records"
-        warnings.warn(f"skipping {lost} of {url} from record {position}: {error}", stacklevel=2)
-        if stop is not None:
-            self._stats.add(shard, skipped=stop - position)
-            yield _Skipped(stop - position)
+        planned = self._planned_count(shard)
+        if cursor.position < stop:
+            missing = stop - cursor.position
+            error = CorruptRecordError(
+                url,
+                cursor.position,
+                -1,
+                f"the shard ends after {cursor.position} records, but the plan reads it up to record {stop} "
+                f"(its record count says {planned}): {missing} planned records are missing. The count (manifest, "
+                "num_records=, counts cache or index file) does not describe this file: recount, or restore the file",
+            )
+            self._stats.add(shard, missing=missing, errors=1)
+            if self.on_error == "raise":
+                raise error
+            warnings.warn(f"{_plain_message(error)}; counted as missing (on_error='skip')", stacklevel=3)
+            cursor.position = stop
+            yield _Skipped(missing)
+        elif tail and cursor.past_stop:
+            error = CorruptRecordError(
+                url,
+                stop,
+                -1,
+                f"the shard holds more records than its planned count {stop}: the records from {stop} on would "
+                "never be read. The count (manifest, num_records=, counts cache or index file) does not describe "
+                "this file: recount, or restore the file",
+            )
+            self._stats.add(shard, errors=1)
+            if self.on_error == "raise":
+                raise error
+            warnings.warn(f"{_plain_message(error)}; the extra records are not read (on_error='skip')", stacklevel=3)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -410,6 +625,11 @@ class ShardedDataset(_PlannedSource):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle_shards}, balance={self.balance!r})"
+
+
+def _plain_message(error: Exception) -> str:
+    """The error's message without the details line a DataLoader worker adds to a CorruptRecordError."""
+    return str(error.args[0]) if isinstance(error, CorruptRecordError) and error.args else str(error)
 
 
 def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict[str, Any] | None = None) -> ShardList:
@@ -520,27 +740,104 @@ class TFRecordReader:
         self.remote = remote_options(readahead_bytes, retry, cache_dir, cache_limit_bytes)
 
     def __call__(self, url: str, start: int, stop: int | None) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``url``, decoded.
+
+        A record that is bad while the framing around it is fine (a data CRC
+        mismatch, or bytes that do not decode) comes as a :class:`_BadRecord`
+        holding its :class:`~shardkit.CorruptRecordError`, and reading goes
+        on with the next record: :class:`ShardedDataset` raises that error or
+        skips just that record. Other errors are raised.
+        """
+        seekable = start > 0 and self.compression in (None, "auto")
+        return self._records(url, start, stop, self._offsets(url) if seekable else None)
+
+    def _records(self, url: str, start: int, stop: int | None, offsets: np.ndarray | None) -> Iterator[Any]:
         from shardkit.formats.tfrecord import read_tfrecord
 
-        seekable = start > 0 and self.compression in (None, "auto")
-        records = read_tfrecord(
-            url,
-            compression=self.compression,
-            verify=self.verify,
-            start=start,
-            stop=stop,
-            index=self._offsets(url) if seekable else None,
-            storage_options=self.storage_options,
-            remote=self.remote,
-        )
         decode = self._decoder()
-        return records if decode is None else map(decode, records)
+        position, index = start, offsets
+        while True:  # one pass per run of good records; a bad data CRC ends read_tfrecord's iterator
+            records = read_tfrecord(
+                url,
+                compression=self.compression,
+                verify=self.verify,
+                start=position,
+                stop=stop,
+                index=index,
+                storage_options=self.storage_options,
+                remote=self.remote,
+            )
+            try:
+                yield from records if decode is None else self._decoded(decode, url, position, records)
+                return
+            except CorruptRecordError as error:
+                if not error.framing_intact or error.record_index < position:
+                    raise
+                yield _BadRecord(error)
+                position = error.record_index + 1
+                index = self._index_past(url, error, offsets)
+                if index is _SHARD_ENDS:  # the bad record was the file's last
+                    return
+
+    def _decoded(self, decode: Callable[[bytes], Any], url: str, start: int, records: Iterator[bytes]) -> Iterator[Any]:
+        for position, record in enumerate(records, start):
+            try:
+                sample = decode(record)
+            except Exception as error:  # the CRCs were fine: only this record is bad
+                sample = _BadRecord(self._decode_error(url, position, error))
+            yield sample
+
+    def _decode_error(self, url: str, position: int, error: Exception) -> CorruptRecordError:
+        """The error for record ``position``, whose CRCs are fine but whose bytes do not decode."""
+        offsets = self._offsets(url) if self.compression in (None, "auto") else None
+        offset = int(offsets[position]) if offsets is not None and position < len(offsets) else -1
+        name = getattr(self.decode, "__name__", repr(self.decode)) if callable(self.decode) else repr(self.decode)
+        reason = f"the record's CRCs are fine but it does not decode with {name}: {type(error).__name__}: {error}"
+        return CorruptRecordError(url, position, offset, reason, framing_intact=True)
+
+    def _index_past(self, url: str, error: CorruptRecordError, offsets: np.ndarray | None) -> Any:
+        """Offsets that let ``read_tfrecord`` seek to the record after the bad one at ``error.offset``.
+
+        With an index file (``offsets``), that index. Else, in an uncompressed file, the bad
+        record's header (its length CRC was checked) gives the next offset: an
+        array holding just that offset at its index saves rescanning the file
+        from its start after each bad record; ``_SHARD_ENDS`` when that offset
+        is the end of the file (the bad record was the last, and no record is
+        claimed past it). A compressed stream cannot seek: None, and the next
+        pass decompresses from the start again.
+        """
+        if offsets is not None:
+            return _SHARD_ENDS if error.record_index + 1 >= len(offsets) else offsets
+        if self.compression not in (None, "auto"):
+            return None
+        import fsspec
+
+        from shardkit.formats.crc import masked_crc32c
+
+        with fsspec.open(url, "rb", **(self.storage_options or {})) as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(error.offset)
+            header = file.read(12)
+        if len(header) < 12 or masked_crc32c(header[:8]) != int.from_bytes(header[8:], "little"):
+            return None  # not a plain file at that offset (compressed, "auto" resolved so)
+        after = np.zeros(error.record_index + 2, dtype=np.int64)
+        after[-1] = error.offset + int.from_bytes(header[:8], "little") + 16
+        return _SHARD_ENDS if after[-1] >= size else after
 
     def count(self, url: str) -> int:
-        """Records in ``url``: from its index file if there is one, else a framing scan."""
+        """Records in ``url``: from its index file if there is a valid one, else a framing scan.
+
+        An index that does not fit the file (see :func:`~shardkit.formats.index.load_index`)
+        is not used: a warning names it and the fix, and the file is scanned.
+        """
+        from shardkit.formats.index import IndexFileError
         from shardkit.formats.tfrecord import count_records
 
-        offsets = self._offsets(url)
+        try:
+            offsets = self._offsets(url)
+        except IndexFileError as error:
+            warnings.warn(f"{error}; counting its records by a framing scan instead", stacklevel=2)
+            offsets = None
         if offsets is not None:
             return len(offsets)
         return count_records(url, compression=self.compression, storage_options=self.storage_options, remote=self.remote)
@@ -551,16 +848,17 @@ class TFRecordReader:
         prefetch(url, self.storage_options, self.remote, offset=0 if start == 0 else None)
 
     def _offsets(self, url: str) -> np.ndarray | None:
-        """The record offsets from ``url``'s index file, or None when there is none (or ``index=False``)."""
-        if not self.index:
+        """The record offsets from ``url``'s index file, checked against the file; None when there
+        is none, the file is compressed, or ``index=False``.
+
+        Raises:
+            IndexFileError: the index does not fit the file; seeking never uses such an index.
+        """
+        if not self.index or self.compression in ("gzip", "zlib"):
             return None
-        import fsspec
+        from shardkit.formats.index import load_index
 
-        from shardkit.formats.index import index_path_for, read_index
-
-        path = index_path_for(url)
-        fs, fs_path = fsspec.core.url_to_fs(path, **(self.storage_options or {}))
-        return read_index(path, storage_options=self.storage_options) if fs.exists(fs_path) else None
+        return load_index(url, storage_options=self.storage_options)
 
     def _decoder(self) -> Callable[[bytes], Any] | None:
         if callable(self.decode):

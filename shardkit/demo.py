@@ -78,21 +78,30 @@ def _demo(root: Path) -> int:
 
 
 def _write_dataset(root: Path) -> Any:
+    """Write the uneven shards as ShardWriter would (it cuts shards at a fixed size): the old
+    manifest goes first, each shard appears by rename when complete, the manifest last."""
     import shardkit
+    from shardkit.writer import partial_name, publish, remove_if_present, write_manifest
 
+    manifest = str(root / "train.manifest.arrow")
+    remove_if_present(manifest, None)
     urls, counts = [], []
     sample_id = 0
     for shard, size in enumerate(SHARD_SIZES):
         url = str(root / f"train-{shard:05d}.tfrecord")
-        with shardkit.TFRecordWriter(url) as out:
-            for _ in range(size):
-                out.write(shardkit.encode_example({"id": [sample_id], "shard": [shard], "payload": [b"x" * 64]}))
-                sample_id += 1
+        partial = partial_name(url)
+        try:
+            with shardkit.TFRecordWriter(partial) as out:
+                for _ in range(size):
+                    out.write(shardkit.encode_example({"id": [sample_id], "shard": [shard], "payload": [b"x" * 64]}))
+                    sample_id += 1
+            publish(partial, url, None)
+        finally:
+            remove_if_present(partial, None)
         urls.append(url)
         counts.append(size)
-    shards = shardkit.ShardList(urls, num_records=counts)
-    shards.to_manifest(str(root / "train.manifest.arrow"))
-    return shardkit.ShardList.from_manifest(str(root / "train.manifest.arrow"))
+    write_manifest(shardkit.ShardList(urls, num_records=counts), manifest, None)
+    return shardkit.ShardList.from_manifest(manifest)
 
 
 def _sample_id(example: dict[str, Any]) -> int:

@@ -1,40 +1,107 @@
-"""Exceptions raised by shardkit."""
+"""Exceptions raised by shardkit.
+
+A :class:`CorruptRecordError` raised in a DataLoader worker reaches the main
+process rebuilt by torch from its *type and text alone*: the worker formats
+the traceback and the main process calls ``CorruptRecordError(text)``. So
+inside a worker the message ends with one machine-readable line (JSON: url,
+record index, byte offset, reason, framing), and the one-argument
+constructor reads it back: the error in the main process carries the same
+attributes as the one raised in the worker, and its message keeps the
+worker's traceback. Outside workers the message is the plain sentence.
+"""
 
 from __future__ import annotations
+
+import json
+import sys
+from typing import Any
 
 
 class ShardkitError(Exception):
     """Base class of every error shardkit raises on purpose."""
 
 
-class CorruptRecordError(ShardkitError):
-    """A shard's bytes do not match their framing or checksums.
+_DETAILS = "[shardkit error details: "
 
-    The message names the url, the record index, the byte offset and the check
-    that failed; the same facts are kept as attributes. ``framing_intact`` is
-    true when only this record's data is bad and the records after it can
-    still be found (a data checksum mismatch), false when the framing itself is
-    lost (a bad length, a truncated file).
+
+class CorruptRecordError(ShardkitError):
+    """A shard's bytes do not match their framing, checksums or planned record count.
+
+    The message names the url, the record index, the byte offset (or says it
+    is unknown) and the check that failed; the same facts are kept as
+    attributes. ``framing_intact`` is true when only this record is bad and
+    the records after it can still be found (a data checksum mismatch, a
+    record that does not decode), false when the framing itself is lost (a
+    bad length, a truncated file, a shard ending before its planned count).
+    ``offset`` and ``record_index`` are -1 when unknown.
     """
 
     def __init__(
         self, url: str, record_index: int = -1, offset: int = -1, reason: str = "", *, framing_intact: bool = False
     ) -> None:
+        text = url
+        details = _parse_details(text) if not reason else None
+        if details is not None:  # re-raised by DataLoader from a worker: the text carries the facts
+            url, record_index, offset, reason, framing_intact = details
         self.url = url
         self.record_index = record_index
         self.offset = offset
         self.reason = reason
         self.framing_intact = framing_intact
-        if not reason:  # re-raised by DataLoader from a worker, which passes the message alone
-            super().__init__(url)
+        self._rebuilt = details is not None
+        if not reason or self._rebuilt:  # a bare message, or a worker's traceback text: keep it whole
+            super().__init__(text)
             return
-        super().__init__(f"{url}: record {record_index} at byte offset {offset}: {reason}")
+        super().__init__(_sentence(url, record_index, offset, reason))
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self._rebuilt or not self.reason or not _in_dataloader_worker():
+            return text
+        facts = {
+            "url": self.url,
+            "record_index": self.record_index,
+            "offset": self.offset,
+            "reason": self.reason,
+            "framing_intact": self.framing_intact,
+        }
+        return f"{text}\n{_DETAILS}{json.dumps(facts)}]"
 
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_corrupt_record_error,
             (self.url, self.record_index, self.offset, self.reason, self.framing_intact),
         )
+
+
+def _sentence(url: str, record_index: int, offset: int, reason: str) -> str:
+    record = f"record {record_index}" if record_index >= 0 else "record index unknown"
+    where = f"at byte offset {offset}" if offset >= 0 else "(byte offset unknown)"
+    return f"{url}: {record} {where}: {reason}"
+
+
+def _parse_details(text: str) -> tuple[str, int, int, str, bool] | None:
+    """The facts in the last details line of ``text``, or None if it has none (or a broken one)."""
+    at = text.rfind(_DETAILS)
+    if at < 0:
+        return None
+    try:
+        facts: Any = json.JSONDecoder().raw_decode(text, at + len(_DETAILS))[0]
+        return (
+            str(facts["url"]),
+            int(facts["record_index"]),
+            int(facts["offset"]),
+            str(facts["reason"]),
+            bool(facts["framing_intact"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _in_dataloader_worker() -> bool:
+    """True in a DataLoader worker process (without importing torch where it is not loaded)."""
+    worker = sys.modules.get("torch.utils.data._utils.worker")
+    return worker is not None and worker.get_worker_info() is not None
 
 
 def _rebuild_corrupt_record_error(

@@ -56,6 +56,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
+from shardkit.epoch import resume_at
 from shardkit.errors import ShardkitError
 from shardkit.pipeline import Pipeline
 from shardkit.state import State, StateError, applies, check, decode, encode, field, merge, node, validate, whole_number
@@ -201,6 +202,7 @@ class MixedLoader:
         ``dataset.set_epoch`` when the dataset has one."""
         _check_int("epoch", epoch, minimum=0)
         self.epoch = epoch
+        self._epoch_set = True
         set_dataset_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_dataset_epoch):
             set_dataset_epoch(epoch)
@@ -221,10 +223,14 @@ class MixedLoader:
     _tails: tuple[Any, ...] = ()  # the loaded state's carried tails, decoded
     _mixer: _Mixer | None = None
     _iterated = False
+    _epoch_set = False  # until set_epoch, iteration k is epoch k, like the dataset's passes (shardkit.epoch)
+    _passes = 0
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate one epoch of batches, resuming a state given to :meth:`load_state_dict`."""
         resume, self._resume = self._resume, None
+        if not self._epoch_set:
+            self.epoch, self._passes = self._passes, self._passes + 1
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
         self._iterated = True
@@ -273,7 +279,9 @@ class MixedLoader:
         """Resume from ``state`` (from :meth:`state_dict`) at the next iteration.
 
         Sets the epoch to the state's (and the dataset's, through
-        ``set_epoch``); iterate, then go on with ``set_epoch(epoch + 1)``.
+        ``set_epoch``) when ``set_epoch`` was called before; iterate, then go
+        on with ``set_epoch(epoch + 1)``. Without ``set_epoch`` the next
+        iteration reads the state's epoch and later ones count on from it.
         ``num_workers`` may differ from the saving loader's: the remaining
         samples are then split anew (exactly once; in another order).
         Call it before the first iteration: persistent workers that are
@@ -296,7 +304,11 @@ class MixedLoader:
                 "this state holds samples cut out of micro-batches, which only a MixedLoader with "
                 "num_workers >= 1 can deliver; restore it with workers"
             )
-        self.set_epoch(state["epoch"])
+        if self._epoch_set:
+            self.set_epoch(state["epoch"])
+        else:  # counted epochs: the next iteration reads the state's, the one after it the next
+            self._passes = state["epoch"]
+            resume_at(self.dataset, state["epoch"])
         self._resume = state
         self._tails = tuple(tails)
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, default_collate
 
-from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset
+from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset, load_outermost, open_pass
 from shardkit.errors import ShardkitError
 from shardkit.seeding import INTERLEAVE_STREAM, SHUFFLE_STREAM, check_seed, generator
 from shardkit.state import (
@@ -229,7 +229,10 @@ class Pipeline(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of every source below this pipeline.
 
-        Call it before iterating each epoch; it reaches persistent DataLoader
+        Optional: until it is called, every pass counts as the next epoch
+        (pass ``k`` of each reader reads epoch ``k``, see :mod:`shardkit.epoch`),
+        which is what trainers that never call it need. Once called, it wins,
+        so call it before every epoch. It reaches persistent DataLoader
         workers through shared memory.
         """
         check_epoch(epoch)
@@ -264,7 +267,7 @@ class Pipeline(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         """Start an iteration, resuming a state given to :meth:`load_state_dict`."""
         state, self._pending = self._pending, None
-        iterator = self._open(state)
+        iterator = open_pass(self, self._open, state)  # counts the epoch once per pass (shardkit.epoch)
         self._iterator = iterator
         return iterator
 
@@ -297,7 +300,9 @@ class Pipeline(IterableDataset):
         """Resume from ``state`` (from :meth:`state_dict`) at the next ``__iter__``.
 
         It applies to the next iteration here and in every DataLoader worker
-        started from this object afterwards. It does not set the epoch: call
+        started from this object afterwards. Where ``set_epoch`` was never
+        called, the next pass reads the state's epoch and counting goes on
+        from there; after an explicit ``set_epoch``, call
         ``set_epoch(state["epoch"])`` too (an iteration of a later epoch
         ignores the state; of an earlier one, raises).
 
@@ -306,7 +311,7 @@ class Pipeline(IterableDataset):
                 (shards, records, seed, shuffle, balance) or version.
         """
         check(state, self._state_kind, self)
-        self._load_upstream(state)
+        load_outermost(self, state, self._load_upstream, state)  # the next pass reads the state's epoch
         self._pending = state
 
     def _load_upstream(self, state: State) -> None:
@@ -315,6 +320,9 @@ class Pipeline(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the live iterator (DataLoader workers make their own)."""
+        from shardkit.trainers import check_not_in_accelerate
+
+        check_not_in_accelerate(self)  # pickled for a spawned worker of Accelerate's loader
         state = self.__dict__.copy()
         state.pop("_iterator", None)
         return state
@@ -529,9 +537,16 @@ class Batch(_Wrapper):
         self.drop_last = drop_last
 
     def __len__(self) -> int:
-        """Batches from ``len(upstream)`` samples. Exact when every reader's
-        share is a multiple of ``batch_size``; otherwise each reader may emit
-        one short batch of its own, which this count does not see."""
+        """Batches per pass on this rank: each DataLoader worker batches its own
+        share, so this sums every worker's batches (the workers of the
+        DataLoader asking, one outside a DataLoader). Upstream stages whose
+        split is not known (see :func:`shardkit.trainers.reader_lengths`) fall
+        back to ``len(upstream)`` batched once, exact with one reader only."""
+        from shardkit.trainers import batch_len
+
+        exact = batch_len(self)  # per DataLoader worker, each with its own last batch
+        if exact is not None:
+            return exact
         samples = len(self.source)
         if self.drop_last:
             return samples // self.batch_size

@@ -71,6 +71,7 @@ At 100 ms per request and ~1 GB/s per node, 32 MiB in flight keeps a worker
 that decodes a few hundred MB/s fed; more only costs memory."""
 
 _POOL_THREADS: Final = 8
+_SMALL_READ: Final = 64 << 10
 _TRANSIENT_STATUS: Final = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_CODES: Final = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError", "ServiceUnavailable",
@@ -320,10 +321,12 @@ class RemoteFile:
         if self._closed:
             raise ValueError(f"{self.url}: read from a closed RemoteFile")
         end = self.size if size < 0 else min(self.size, self._pos + size)
+        # A small read (a header sniffed, an index checked) fetches what it needs, not the readahead.
+        readahead = 0 if 0 <= size < _SMALL_READ else None
         parts = []
         while self._pos < end:
             block = self._pos // self.options.block_size
-            data = self._block(block)
+            data = self._block(block, readahead)
             lo = self._pos - block * self.options.block_size
             piece = data[lo : lo + end - self._pos]
             parts.append(piece)
@@ -331,9 +334,9 @@ class RemoteFile:
         self._drop_behind()
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _block(self, block: int) -> bytes:
+    def _block(self, block: int, readahead: int | None) -> bytes:
         """Block ``block``'s bytes, after making sure the blocks ahead of it are being fetched."""
-        self._schedule(block)
+        self._schedule(block, readahead)
         return self._blocks[block].result()
 
     def _schedule(self, block: int, readahead: int | None = None) -> None:
@@ -344,7 +347,7 @@ class RemoteFile:
         ahead = max(1, -(-readahead // bs)) if readahead else 0
         for k in range(block, min(last, block + ahead) + 1):
             if k not in self._blocks:
-                if k == block and not ahead:  # no readahead: fetch in this thread
+                if k == block and not ahead and k not in self._blocks:  # no readahead: fetch in this thread
                     future: Future[bytes] = Future()
                     future.set_result(self._fetch(k))
                     self._blocks[k] = future

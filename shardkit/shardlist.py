@@ -17,17 +17,29 @@ unpickled copies never delete it.
 
 Urls are read in batches (``slice(...).to_pylist()``); no per-file Python object
 is kept, and columns are never combined into one chunk (that copies).
+
+Trust nothing: a manifest is never mapped in place. It is first copied into a
+private temporary file (one ``copyfile``: measured 0.05 s for 1M urls), so a
+manifest replaced after loading cannot hand spawn workers a different list,
+and one truncated after loading cannot kill the process with SIGBUS. A url
+listed twice would be read twice per epoch: :class:`DuplicateShardWarning`
+names it and its positions. :meth:`ShardList.url_digest` is a stable hash of
+the urls (from the Arrow buffers, 0.03 s for 1M urls) that the counts cache
+and resume states are bound to.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import operator
 import os
 import posixpath
 import re
+import shutil
 import tempfile
 import uuid
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -42,7 +54,7 @@ from fsspec.implementations.local import LocalFileSystem
 from shardkit.errors import ShardkitError
 from shardkit.tempfiles import delete_with
 
-__all__ = ["ShardList", "ShardListError"]
+__all__ = ["DuplicateShardWarning", "ShardList", "ShardListError"]
 
 URL = "url"
 NUM_RECORDS = "num_records"
@@ -63,6 +75,10 @@ class ShardListError(ShardkitError, ValueError):
     """Urls, counts, a pattern or a manifest that cannot make a ShardList."""
 
 
+class DuplicateShardWarning(UserWarning):
+    """A url is listed more than once: its records are read once per listing each epoch."""
+
+
 class ShardList:
     """An immutable list of shard urls with optional record counts and sizes.
 
@@ -76,6 +92,10 @@ class ShardList:
     Raises:
         ShardListError: lengths differ, a url is missing or empty, or a count or
             size is negative; the message names the first offending index.
+
+    Warns:
+        DuplicateShardWarning: a url is listed more than once (the message names
+            it and its positions); its records would be read more than once.
 
     The list is written to a temporary Arrow IPC file and memory-mapped; see the
     module docstring for why. Keep this object alive while DataLoader workers
@@ -91,6 +111,7 @@ class ShardList:
         sizes: IntColumn | None = None,
     ) -> None:
         self._own(_persist(lambda: _build_table(urls, num_records, sizes)))
+        _warn_duplicates(self.table.column(URL), "urls")
 
     # -- other constructors -------------------------------------------------
 
@@ -140,13 +161,17 @@ class ShardList:
         manifest holds one ``{"url": ..., "num_records": ..., "size": ...}``
         object per line (only ``url`` is required). Relative urls resolve
         against the manifest's directory. A local, uncompressed IPC file with
-        absolute urls and the :meth:`to_manifest` schema is memory-mapped in
-        place, without copying; any other manifest is copied to a temporary
-        IPC file.
+        absolute urls and the :meth:`to_manifest` schema is copied byte for
+        byte to a private temporary file and memory-mapped from there (no
+        parsing); any other manifest is converted into one. Either way the list
+        never changes after loading, whatever happens to the manifest file.
 
         Raises:
             ShardListError: the manifest has no ``url`` column, cannot be
                 parsed, or holds invalid entries (the message names the row).
+
+        Warns:
+            DuplicateShardWarning: a url is listed more than once.
         """
         fs, fs_path = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
         local = isinstance(fs, LocalFileSystem)
@@ -154,15 +179,25 @@ class ShardList:
             magic = f.read(len(_IPC_MAGIC))
         join = _manifest_joiner(fs, fs_path)
         if magic == _IPC_MAGIC and local:
-            table, zero_copy = _map_ipc(fs_path)
-            if zero_copy and _normalize_manifest(table, path, join) is table:
-                _release_heap()  # what validating the urls allocated
-                shards = cls.__new__(cls)
-                shards._borrow(os.path.abspath(fs_path), table)
-                return shards
-            del table
-            return cls._build(lambda: _normalize_manifest(_map_ipc(fs_path)[0], path, join))
-        return cls._build(lambda: _normalize_manifest(_read_manifest(fs, fs_path, magic, path), path, join))
+            shards = cls._from_local_ipc(fs_path, path, join)
+        else:
+            shards = cls._build(lambda: _normalize_manifest(_read_manifest(fs, fs_path, magic, path), path, join))
+        _warn_duplicates(shards.table.column(URL), f"manifest {path!r}")
+        return shards
+
+    @classmethod
+    def _from_local_ipc(cls, fs_path: str, path: str, join: Callable[[str], str]) -> ShardList:
+        """A local IPC manifest: map a private copy, kept as is when it already
+        has the ShardList layout, else converted."""
+        snapshot = cls.__new__(cls)
+        snapshot._own(_snapshot(fs_path))  # deleted with this object, whatever happens below
+        table, zero_copy = _map_ipc_checked(snapshot.backing_file, path)
+        if zero_copy and _normalize_manifest(table, path, join) is table:
+            _release_heap()  # what validating the urls allocated
+            snapshot._table = table
+            return snapshot
+        del table
+        return cls._build(lambda: _normalize_manifest(_map_ipc_checked(snapshot.backing_file, path)[0], path, join))
 
     def to_manifest(self, path: str, storage_options: Mapping[str, Any] | None = None) -> None:
         """Write this list as an uncompressed Arrow IPC file at ``path``.
@@ -288,6 +323,18 @@ class ShardList:
         any size is unknown."""
         return _int64_array(self.table.column(SIZE))
 
+    def url_digest(self) -> str:
+        """A SHA-256 hex digest of the urls in order, the same in every process.
+
+        It hashes the url bytes and lengths straight from the Arrow buffers
+        (0.03 s for 1M urls), whatever the chunking or string type; computed
+        once per object. Counts caches and resume states are bound to it.
+        """
+        digest = getattr(self, "_url_digest", None)
+        if digest is None:
+            digest = self._url_digest = _string_digest(self.table.column(URL))
+        return digest
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ShardList):
             return NotImplemented
@@ -335,11 +382,6 @@ class ShardList:
         self._path = path
         self._table = None
         self._finalizer: weakref.finalize | None = delete_with(self, path)
-
-    def _borrow(self, path: str, table: pa.Table) -> None:
-        self._path = path
-        self._table = table
-        self._finalizer = None
 
 
 # -- columns and validation ----------------------------------------------------
@@ -390,6 +432,42 @@ def _check_urls(column: pa.Array | pa.ChunkedArray, label: str) -> None:
     empty = pc.index(pc.equal(pc.binary_length(column), 0), True).as_py()
     if empty != -1:
         raise ShardListError(f"{label}[{empty}] is an empty string; every shard needs a url")
+
+
+def _warn_duplicates(column: pa.ChunkedArray, label: str) -> None:
+    """Warn, naming the first url listed twice and all its positions, if there is one."""
+    n = len(column)
+    if n < 2 or pc.all(pc.greater(column.slice(1), column.slice(0, n - 1))).as_py():
+        return  # strictly increasing (a glob, most manifests): no duplicates, checked in O(n)
+    if len(pc.unique(column)) == n:
+        return
+    counts = pc.value_counts(column)
+    first = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+    positions = np.flatnonzero(pc.equal(column, first).to_numpy(zero_copy_only=False)).tolist()
+    repeated = pc.sum(pc.greater(counts.field("counts"), 1)).as_py()
+    warnings.warn(
+        f"{label}: {first!r} is listed {len(positions)} times (at positions {positions[:10]}), and "
+        f"{repeated} url(s) in all are listed more than once; their records are read once per listing "
+        "every epoch. Remove the repeats, or repeat a shard on purpose only if you mean to oversample it",
+        DuplicateShardWarning,
+        stacklevel=3,
+    )
+
+
+def _string_digest(column: pa.ChunkedArray) -> str:
+    """SHA-256 over every string's length (int64) then all the bytes, independent
+    of the chunking and of the offsets' width."""
+    lengths, data = hashlib.sha256(), hashlib.sha256()
+    for chunk in column.chunks:
+        if len(chunk) == 0:
+            continue
+        _, offsets_buffer, values = chunk.buffers()
+        width = 8 if pa.types.is_large_string(chunk.type) else 4
+        offsets = np.frombuffer(offsets_buffer, f"<i{width}", count=len(chunk) + 1, offset=chunk.offset * width)
+        lengths.update(np.diff(offsets).astype("<i8").tobytes())
+        if values is not None:
+            data.update(memoryview(values)[int(offsets[0]) : int(offsets[-1])])
+    return hashlib.sha256(lengths.digest() + data.digest()).hexdigest()
 
 
 def _int_column(values: IntColumn | None, n: int, label: str) -> pa.Array | pa.ChunkedArray:
@@ -472,6 +550,26 @@ def _release_heap() -> None:
     freed pages resident, and every forked worker would inherit them (measured
     on 2M urls: 1.8x the data size in PSS instead of 1.0x)."""
     pa.default_memory_pool().release_unused()
+
+
+def _snapshot(path: str) -> str:
+    """Copy the file at ``path`` to a new ``shardkit-*.arrow`` file in the temp dir."""
+    fd, copy = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".arrow", dir=tempfile.gettempdir())
+    os.close(fd)
+    try:
+        shutil.copyfile(path, copy)
+    except BaseException:
+        os.unlink(copy)
+        raise
+    return copy
+
+
+def _map_ipc_checked(path: str, manifest: str) -> tuple[pa.Table, bool]:
+    """:func:`_map_ipc` of a copy of ``manifest``, with unreadable bytes named as the manifest's."""
+    try:
+        return _map_ipc(path)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as err:
+        raise ShardListError(f"cannot read manifest {manifest!r} as Arrow IPC (truncated or corrupt?): {err}") from err
 
 
 def _map_ipc(path: str) -> tuple[pa.Table, bool]:

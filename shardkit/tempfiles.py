@@ -1,7 +1,7 @@
 """Temporary files owned by the process that made them.
 
 Datasets hand workers the *path* of a temporary file (a memory-mapped shard
-list, a lock file). The file must outlive every worker and be deleted exactly
+list, the private copy of a loaded manifest, a lock file). The file must outlive every worker and be deleted exactly
 once, by its maker: a forked child inherits the maker's finalizers but must not
 run them, and an unpickled copy never owns the file.
 """

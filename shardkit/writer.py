@@ -1,8 +1,46 @@
-"""ShardWriter: write records into a numbered series of TFRecord shards plus a manifest."""
+"""ShardWriter: write records into a numbered series of TFRecord shards plus a manifest.
+
+A run is published so that a reader never sees a manifest describing files it
+does not match, whatever happens to the writing process:
+
+1. Before the first record is written, the manifest of an earlier run at the
+   same path is removed: from then on no manifest describes the directory
+   while shards are being replaced.
+2. Each shard is written to a temporary name beside its final name
+   (``<name>.<random>.partial``) and renamed to the final name only when it is
+   complete, so no file with a final name is ever partial.
+3. The manifest is written last, to a temporary name, and renamed into place.
+
+On a local filesystem the renames are ``os.replace`` (atomic), data is
+fsync'ed before each rename and the directory after, so the order above also
+holds after a power loss. On other fsspec filesystems the rename is the
+filesystem's ``mv``: on object stores (S3, GCS, Azure) that is a server-side
+copy then a delete, which still never shows a partial object under a final
+name, but a process killed between the two leaves the ``.partial`` object
+behind.
+
+If the ``with`` block raises, the shard being written is deleted and no
+manifest is written; the shards completed before the error are kept under
+their final names (each is whole and valid, and they may already have replaced
+an earlier run's shards, so deleting them would restore nothing). A process
+killed outright leaves at most one ``.partial`` file per shard directory and
+no manifest; delete the ``.partial`` files and run again.
+
+Shards of an earlier run numbered beyond this run's last one are left where
+they are (they are whole files; deleting what this run did not write is not
+the writer's call): the manifest does not list them, but a glob over the
+directory would find them.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+import contextlib
+import os
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.formats.io import check_compression, make_parent_dirs
 from shardkit.formats.tfrecord import TFRecordWriter
@@ -10,7 +48,10 @@ from shardkit.formats.tfrecord import TFRecordWriter
 if TYPE_CHECKING:
     from shardkit.shardlist import ShardList
 
-__all__ = ["ShardWriter", "default_manifest_path"]
+__all__ = ["PARTIAL_SUFFIX", "ShardWriter", "default_manifest_path"]
+
+PARTIAL_SUFFIX = ".partial"
+"""Suffix of the temporary names files are written under before their rename."""
 
 
 def default_manifest_path(pattern: str) -> str:
@@ -30,24 +71,30 @@ class ShardWriter:
     when the next record would take it past ``max_bytes`` framed (uncompressed)
     bytes; a record larger than ``max_bytes`` gets a shard of its own. On
     :meth:`close` the manifest (see :meth:`shardkit.ShardList.to_manifest`) is
-    written with every shard's url and record count, at ``manifest`` or
+    written with every shard's url, record count and byte size, at ``manifest`` or
     :func:`default_manifest_path` ``(pattern)``::
 
         with ShardWriter("s3://bucket/train-%05d.tfrecord", max_records=10_000) as writer:
             for example in examples:
                 writer.write(shardkit.encode_example(example))
         shards = writer.shards  # a ShardList with record counts
+
+    Writes are atomic (see the module docstring): an earlier run's manifest is
+    removed before the first shard is written, each shard appears under its
+    final name only when complete, and the manifest is renamed into place last.
+    If the ``with`` block raises, the shard in progress is deleted, no manifest
+    is written and ``shards`` stays ``None``.
     """
 
     def __init__(
         self,
         pattern: str,
         *,
-        max_records: Optional[int] = None,
-        max_bytes: Optional[int] = None,
-        compression: Optional[str] = None,
-        manifest: Optional[str] = None,
-        storage_options: Optional[dict[str, Any]] = None,
+        max_records: int | None = None,
+        max_bytes: int | None = None,
+        compression: str | None = None,
+        manifest: str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         try:
             distinct = pattern % 0 != pattern % 1
@@ -65,13 +112,16 @@ class ShardWriter:
         self.compression = compression
         self.manifest = manifest if manifest is not None else default_manifest_path(pattern)
         self.storage_options = storage_options
-        self.shards: Optional[ShardList] = None  # set by close()
-        self._urls: list[str] = []
+        self.shards: ShardList | None = None  # set by close()
+        self._urls: list[str] = []  # published shards
         self._counts: list[int] = []
-        self._current: Optional[TFRecordWriter] = None
+        self._sizes: list[int] = []  # bytes on storage, so that readers can tell a replaced file
+        self._current: TFRecordWriter | None = None
+        self._current_url = ""  # final name of the shard being written to self._current.url
+        self._started = False
         self._closed = False
 
-    def write(self, record: Union[bytes, bytearray, memoryview]) -> None:
+    def write(self, record: bytes | bytearray | memoryview) -> None:
         """Append one record, starting a new shard first if a limit says so."""
         if self._closed:
             raise ValueError("write() on a closed ShardWriter")
@@ -89,29 +139,64 @@ class ShardWriter:
             and current.num_bytes + size + 16 > self.max_bytes  # 16 bytes of framing per record
         )
 
+    def _start(self) -> None:
+        """Begin the run: remove an earlier run's manifest before any shard it lists is replaced."""
+        if not self._started:
+            remove_if_present(self.manifest, self.storage_options)
+            _sync_parent(self.manifest, self.storage_options)
+            self._started = True
+
     def _next_shard(self) -> TFRecordWriter:
+        self._start()
         self._finish_shard()
         url = self.pattern % len(self._urls)
-        self._current = TFRecordWriter(url, compression=self.compression, storage_options=self.storage_options)
-        self._urls.append(url)
+        options = self.storage_options
+        self._current = TFRecordWriter(partial_name(url), compression=self.compression, storage_options=options)
+        self._current_url = url
         return self._current
 
     def _finish_shard(self) -> None:
+        """Close the shard in progress and rename it to its final name."""
         if self._current is not None:
-            self._current.close()
-            self._counts.append(self._current.num_records)
+            current = self._current
+            current.close()
+            publish(current.url, self._current_url, self.storage_options)
             self._current = None
+            fs, path = fsspec.core.url_to_fs(self._current_url, **(self.storage_options or {}))
+            self._sizes.append(fs.size(path))
+            self._urls.append(self._current_url)
+            self._counts.append(current.num_records)
+
+    def _abort(self) -> None:
+        """Close and delete the shard in progress; publish nothing more."""
+        self._closed = True
+        current, self._current = self._current, None
+        if current is not None:
+            try:
+                current.close()
+            finally:
+                remove_if_present(current.url, self.storage_options)
 
     def close(self) -> ShardList:
-        """Close the last shard, write the manifest, and return the shards as a ShardList."""
+        """Publish the last shard, then the manifest; return the shards as a ShardList.
+
+        If publishing fails, the shard in progress is deleted and the error raised.
+        """
         if self.shards is None:
             from shardkit.shardlist import ShardList
 
             self._closed = True
-            self._finish_shard()
-            self.shards = ShardList(self._urls, num_records=self._counts)
-            make_parent_dirs(self.manifest, self.storage_options)
-            self.shards.to_manifest(self.manifest, storage_options=self.storage_options)
+            try:
+                self._start()
+                self._finish_shard()
+            except BaseException:
+                self._abort()
+                raise
+            shards = ShardList(self._urls, num_records=self._counts, sizes=self._sizes)
+            for url in {os.path.dirname(u): u for u in self._urls}.values():
+                _sync_parent(url, self.storage_options)  # the shard renames are durable before the manifest
+            write_manifest(shards, self.manifest, self.storage_options)
+            self.shards = shards
         return self.shards
 
     def __enter__(self) -> ShardWriter:
@@ -120,6 +205,71 @@ class ShardWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is None:
             self.close()
-        else:  # do not publish a manifest of a partial write
-            self._closed = True
-            self._finish_shard()
+        else:  # do not publish the shard in progress, nor a manifest of a partial run
+            self._abort()
+
+
+# --------------------------------------------------------------------------- atomic publishing
+# Also used by `shardkit index` and `shardkit demo`, which write files the same way.
+
+
+def partial_name(url: str) -> str:
+    """A fresh temporary name in ``url``'s directory (so renaming it is atomic)."""
+    return f"{url}.{uuid.uuid4().hex[:16]}{PARTIAL_SUFFIX}"
+
+
+def _local(url: str, storage_options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str, bool]:
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return fs, path, isinstance(fs, LocalFileSystem)
+
+
+def publish(partial: str, final: str, storage_options: dict[str, Any] | None) -> None:
+    """Rename the complete file ``partial`` to ``final``, replacing what is there."""
+    fs, partial_path, local = _local(partial, storage_options)
+    final_path = fsspec.core.url_to_fs(final, **(storage_options or {}))[1]
+    if local:
+        fd = os.open(partial_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the data is on disk before the name points at it
+        finally:
+            os.close(fd)
+        os.replace(partial_path, final_path)
+    else:
+        fs.mv(partial_path, final_path)
+
+
+def remove_if_present(url: str, storage_options: dict[str, Any] | None) -> None:
+    """Delete ``url`` if it exists."""
+    fs, path, local = _local(url, storage_options)
+    with contextlib.suppress(FileNotFoundError):
+        if local:
+            os.unlink(path)
+        else:
+            fs.rm(path)
+
+
+def _sync_parent(url: str, storage_options: dict[str, Any] | None) -> None:
+    """fsync the local directory holding ``url``, so renames and deletions in it are durable."""
+    _, path, local = _local(url, storage_options)
+    directory = os.path.dirname(path) or "."
+    if not local or not os.path.isdir(directory):
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_manifest(shards: ShardList, manifest: str, storage_options: dict[str, Any] | None) -> None:
+    """Write ``shards`` to a temporary name beside ``manifest`` and rename it into place."""
+    make_parent_dirs(manifest, storage_options)
+    partial = partial_name(manifest)
+    try:
+        shards.to_manifest(partial, storage_options=storage_options)
+        publish(partial, manifest, storage_options)
+        _sync_parent(manifest, storage_options)
+    finally:
+        remove_if_present(partial, storage_options)

@@ -61,3 +61,11 @@ def s3_server() -> Iterator[S3Server]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def counts_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test gets its own, empty counts cache directory (never the user's ~/.cache)."""
+    path = str(tmp_path_factory.mktemp("shardkit-cache"))
+    monkeypatch.setenv("SHARDKIT_CACHE_DIR", path)
+    return path

@@ -11,9 +11,12 @@ import shardkit
 
 
 def synthetic_read(url: str, start: int, stop: int | None) -> Iterator[str]:
-    """Records of a synthetic shard named ``<name>-<count>``: ``"<url>:<index>"``."""
+    """Records of a synthetic shard named ``<name>-<count>``: ``"<url>:<index>"``.
+
+    Like slicing, a ``stop`` past ``count`` yields the records that exist.
+    """
     count = int(url.rsplit("-", 1)[1])
-    for index in range(start, count if stop is None else stop):
+    for index in range(start, count if stop is None else min(stop, count)):
         yield f"{url}:{index}"
 
 
@@ -39,3 +42,17 @@ class CountingStream(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.n))
+
+
+def record_offsets(url: str) -> list[int]:
+    """The byte offset of every record of a TFRecord file, walking its length fields by hand."""
+    import struct
+
+    offsets, offset = [], 0
+    with open(url, "rb") as file:
+        while header := file.read(8):
+            offsets.append(offset)
+            (length,) = struct.unpack("<Q", header)
+            offset += 16 + length
+            file.seek(offset)
+    return offsets

@@ -49,6 +49,8 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "equal batch counts across ranks: yes; missing samples: 0" in out
     assert "MixedLoader: {w0:16, w1:16}" in out and "DataLoader : {w0:32}" in out
     assert out.rstrip().endswith("shardkit demo: ok")
+    written = sorted(path.name for path in tmp_path.iterdir())  # no .partial file left behind
+    assert written == [f"train-{i:05d}.tfrecord" for i in range(6)] + ["train.manifest.arrow"]
 
 
 def test_topology_detection_order(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import pickle
 from types import SimpleNamespace
 
@@ -130,8 +131,10 @@ def test_unknown_counts_over_several_ranks_are_counted_once_or_explained(tmp_pat
     assert len(calls) >= len(COUNTS)
 
 
-def test_counts_are_cached_beside_the_data(tmp_path):
+def test_counts_are_cached_in_the_cache_directory_not_beside_the_data(tmp_path, counts_cache_dir):
     urls = [str(tmp_path / f"part-{n}") for n in (4, 6)]
+    for url in urls:
+        open(url, "wb").close()
     calls = []
 
     def count(url):
@@ -140,7 +143,8 @@ def test_counts_are_cached_beside_the_data(tmp_path):
 
     first = ShardedDataset(urls, synthetic_read, count_fn=count, rank=0, world_size=2).count_records()
     assert first.shards.num_records.tolist() == [4, 6]
-    assert (tmp_path / "shardkit-counts.arrow").exists()
+    assert sorted(os.listdir(tmp_path)) == ["part-4", "part-6"]
+    assert len(os.listdir(counts_cache_dir)) == 1
     second = ShardedDataset(urls, synthetic_read, count_fn=count, rank=0, world_size=2).count_records()
     assert second.shards.num_records.tolist() == [4, 6]
     assert len(calls) == 2  # the second dataset read the cache

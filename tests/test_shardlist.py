@@ -186,17 +186,20 @@ def test_glob_local_directory(tmp_path, monkeypatch) -> None:
 # -- manifests --------------------------------------------------------------------------
 
 
-def test_ipc_manifest_round_trip_maps_in_place(tmp_path) -> None:
+def test_ipc_manifest_round_trip_maps_a_private_copy(tmp_path) -> None:
     sl = ShardList(URLS, [1, None, 3], [9, 8, 7])
     path = str(tmp_path / "manifest.arrow")
     sl.to_manifest(path)
     assert os.listdir(tmp_path) == ["manifest.arrow"]  # no partial file left behind
     loaded = ShardList.from_manifest(path)
-    assert loaded == sl and loaded.backing_file == path  # memory-mapped, not copied
+    copy = loaded.backing_file
+    assert loaded == sl and os.path.dirname(copy) == tempfile.gettempdir()  # a snapshot, not the user's file
+    with open(copy, "rb") as snapshot, open(path, "rb") as original:
+        assert snapshot.read() == original.read()  # copied byte for byte, not rewritten
     assert pickle.loads(pickle.dumps(loaded)) == sl
     del loaded
     gc.collect()
-    assert os.path.exists(path)  # a manifest is never deleted
+    assert os.path.exists(path) and not os.path.exists(copy)  # a manifest is never deleted; the copy is
 
 
 def test_compressed_ipc_manifest_is_copied(tmp_path) -> None:

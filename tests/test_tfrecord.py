@@ -438,5 +438,6 @@ def test_cli_index(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["index", *paths]) == 0
     for i, path in enumerate(paths):
         assert len(read_index(index_path_for(path))) == i + 1
-    assert main(["index", "--compression", "gzip", paths[0]]) == 2
-    assert "cannot decompress" in capsys.readouterr().err
+    # A file that is not gzip from its first byte reads as corrupt data (exit 1), with the fix named.
+    assert main(["index", "--compression", "gzip", paths[0]]) == 1
+    assert "pass the right compression" in capsys.readouterr().err

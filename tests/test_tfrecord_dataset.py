@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import struct
 
 import fsspec
@@ -62,7 +63,7 @@ def test_decode_options(tmp_path):
         TFRecordDataset(urls, compression="bz2")
 
 
-def test_unknown_counts_over_ranks_come_from_index_files_or_one_scan(tmp_path, caplog):
+def test_unknown_counts_over_ranks_come_from_index_files_or_one_scan(tmp_path, caplog, counts_cache_dir):
     urls = write_shards(str(tmp_path))
     for url in urls[:2]:
         shardkit.build_index(url)  # two shards indexed, the rest scanned
@@ -70,12 +71,13 @@ def test_unknown_counts_over_ranks_come_from_index_files_or_one_scan(tmp_path, c
     first = TFRecordDataset(f"{tmp_path}/part-*.tfrecord", rank=0, world_size=2).count_records()
     assert "counting the records of 5 shards once" in caplog.text
     assert first.shards.num_records.tolist() == SIZES
-    (tmp_path / "shardkit-counts.arrow").unlink()  # now let each rank's workers count on first use
+    for name in os.listdir(counts_cache_dir):  # now let each rank's workers count on first use
+        os.unlink(os.path.join(counts_cache_dir, name))
     ranks = [ids_of(TFRecordDataset(f"{tmp_path}/part-*.tfrecord", rank=r, world_size=2)) for r in range(2)]
     total = sum(SIZES)
     assert [len(r) for r in ranks] == [-(-total // 2)] * 2
     assert set(ranks[0]) | set(ranks[1]) == set(range(total))
-    # The counts were cached beside the data: the next dataset does not count.
+    # The counts were cached (in the cache directory): the next dataset does not count.
     caplog.clear()
     dataset = TFRecordDataset(f"{tmp_path}/part-*.tfrecord", rank=0, world_size=2).count_records()
     assert dataset.shards.num_records.tolist() == SIZES

@@ -14,25 +14,86 @@ uncompressed stream, so they give counts but cannot be used to seek.
 The index of ``data.tfrecord`` lives beside it as ``data.tfrecord.idx``
 (:func:`index_path_for`). :func:`read_index` also reads the two-column text
 index of the ``tfrecord`` package (``offset length`` per line).
+
+An index is trusted only as far as it is checked. :func:`read_index` refuses
+one that contradicts itself (offsets not starting at 0, not ascending by at
+least one record's framing, past the stored end). :func:`load_index`, what
+datasets use, also checks it against the data file as it is now: the stream
+size it stores (or the last ``offset + length`` of a text index) must equal
+the file's size, and the last offset must hold a record header whose length
+CRC is valid and whose record ends exactly at the end of the file (one
+12-byte read). A file that grew, shrank or was rewritten with other record
+boundaries fails with :class:`IndexFileError`, naming both files and the fix
+(``shardkit index URL``). An index beside a compressed file cannot be checked
+against it, so it is not used at all (counting scans instead).
+
+Index files are written atomically on local disks (temporary name, then
+rename); object stores publish a file only when it is complete.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import struct
+import uuid
 from collections.abc import Callable
-from typing import Any, Final, Optional
+from typing import Any, Final, NamedTuple, Optional
 
+import fsspec
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError
+from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.io import open_raw
-from shardkit.formats.tfrecord import scan_offsets
+from shardkit.formats.tfrecord import detect_compression, scan_offsets
 
-__all__ = ["INDEX_SUFFIX", "build_index", "index_path_for", "read_index", "write_index"]
+__all__ = [
+    "INDEX_SUFFIX",
+    "IndexFileError",
+    "build_index",
+    "index_path_for",
+    "load_index",
+    "read_index",
+    "write_index",
+]
+
+logger = logging.getLogger("shardkit")
 
 INDEX_SUFFIX: Final = ".idx"
 _MAGIC: Final = b"SKTFIDX1"
 _HEAD: Final = struct.Struct("<8sQQ")
+_RECORD_HEADER: Final = struct.Struct("<QI")  # length, masked CRC of the length
+_FRAMING: Final = 16  # bytes of framing around each record's data
+
+
+class IndexFileError(ShardkitError, ValueError):
+    """An index file that does not describe its data file: stale, truncated or corrupt.
+
+    ``url`` is the data file, ``index_url`` the index, ``problem`` what is wrong.
+    """
+
+    def __init__(self, url: str, index_url: str = "", problem: str = "") -> None:
+        self.url, self.index_url, self.problem = url, index_url, problem
+        if not problem:  # re-raised by DataLoader from a worker, which passes the message alone
+            super().__init__(url)
+            return
+        super().__init__(
+            f"index file {index_url} does not fit {url}: {problem}. Rebuild it with `shardkit index {url}` "
+            "(or delete it, or pass index=False to read without it)"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (IndexFileError, (self.url, self.index_url, self.problem))
+
+
+class _Index(NamedTuple):
+    """A parsed index: record offsets, and the stream size it describes (where the last record ends)."""
+
+    offsets: np.ndarray
+    end: int
 
 
 def index_path_for(url: str) -> str:
@@ -43,29 +104,140 @@ def index_path_for(url: str) -> str:
 def write_index(
     url: str, offsets: np.ndarray, stream_size: int, storage_options: Optional[dict[str, Any]] = None
 ) -> None:
-    """Write ``offsets`` (record byte offsets) and the stream size as an index file at ``url``."""
+    """Write ``offsets`` (record byte offsets) and the stream size as an index file at ``url``, atomically."""
     offsets = np.asarray(offsets, dtype="<u8")
-    with open_raw(url, "wb", storage_options) as f:
-        f.write(_HEAD.pack(_MAGIC, len(offsets), stream_size))
-        f.write(offsets.tobytes())
+    payload = _HEAD.pack(_MAGIC, len(offsets), stream_size) + offsets.tobytes()
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if not isinstance(fs, LocalFileSystem):
+        with open_raw(url, "wb", storage_options) as f:
+            f.write(payload)
+        return
+    partial = f"{path}.{uuid.uuid4().hex}.partial"
+    try:
+        with open_raw(partial, "wb") as f:
+            f.write(payload)
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
 
 
 def read_index(url: str, storage_options: Optional[dict[str, Any]] = None) -> np.ndarray:
-    """The record offsets stored in an index file, as an ``int64`` array."""
+    """The record offsets stored in an index file, as an ``int64`` array.
+
+    Raises:
+        IndexFileError: the file is neither format, or contradicts itself.
+    """
     with open_raw(url, "rb", storage_options) as f:
         data = f.read()
+    return _parse(data, url, url).offsets
+
+
+def load_index(
+    url: str, index_url: Optional[str] = None, *, storage_options: Optional[dict[str, Any]] = None
+) -> Optional[np.ndarray]:
+    """The record offsets of the data file ``url``, from its index, checked against the file.
+
+    ``index_url`` defaults to :func:`index_path_for` ``(url)``. Returns None
+    when there is no index file, and when the data file is compressed (its
+    index cannot be checked against it).
+
+    Raises:
+        IndexFileError: the index is corrupt, or does not describe the file as
+            it is now (it grew, shrank or was rewritten since).
+    """
+    index_url = index_url if index_url is not None else index_path_for(url)
+    try:
+        with open_raw(index_url, "rb", storage_options) as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    index = _parse(data, url, index_url)
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    size = int(fs.info(path)["size"])
+    with open_raw(url, "rb", storage_options) as f:
+        if index.end != size:
+            if detect_compression(f.read(12)) is not None:
+                logger.info("shardkit: not using the index %s of the compressed file %s", index_url, url)
+                return None
+            change = "grew" if size > index.end else "shrank"
+            raise IndexFileError(
+                url, index_url, f"it describes {index.end} bytes but the file has {size} (it {change})"
+            )
+        _check_last_record(f, index.offsets, size, url, index_url)
+    return index.offsets
+
+
+def _check_last_record(f: Any, offsets: np.ndarray, size: int, url: str, index_url: str) -> None:
+    """The last offset must start a record (valid length CRC) that ends at the end of the file."""
+    if not len(offsets):
+        return
+    last = int(offsets[-1])
+    f.seek(last)
+    header = f.read(_RECORD_HEADER.size)
+    if len(header) == _RECORD_HEADER.size:
+        length, stored = _RECORD_HEADER.unpack(header)
+        if masked_crc32c(header[:8]) == stored and last + length + _FRAMING == size:
+            return
+    raise IndexFileError(
+        url, index_url, f"no record of the file ends at its end from the index's last offset {last} (rewritten since?)"
+    )
+
+
+def _parse(data: bytes, url: str, index_url: str) -> _Index:
+    """Parse either index format and check it is consistent in itself."""
     if data[:8] == _MAGIC:
         if len(data) < _HEAD.size:
-            raise ShardkitError(f"{url}: index file is truncated")
-        _, count, _ = _HEAD.unpack_from(data)
+            raise IndexFileError(
+                url, index_url, f"truncated: {len(data)} bytes, shorter than the {_HEAD.size}-byte header"
+            )
+        _, count, stream_size = _HEAD.unpack_from(data)
         if len(data) != _HEAD.size + 8 * count:
-            raise ShardkitError(f"{url}: index file should hold {count} offsets but has {len(data) - _HEAD.size} bytes")
-        return np.frombuffer(data, dtype="<u8", count=count, offset=_HEAD.size).astype(np.int64)
+            raise IndexFileError(
+                url, index_url, f"it should hold {count} offsets but has {len(data) - _HEAD.size} bytes of them"
+            )
+        offsets = np.frombuffer(data, dtype="<u8", count=count, offset=_HEAD.size)
+        if count and int(offsets.max()) > np.iinfo(np.int64).max:
+            raise IndexFileError(url, index_url, f"offset {int(offsets.max())} is not a file position")
+        return _consistent(_Index(offsets.astype(np.int64), int(stream_size)), url, index_url)
     try:
         table = np.array(data.split(), dtype=np.int64).reshape(-1, 2)
-    except ValueError:
-        raise ShardkitError(f"{url}: not a shardkit index file nor a text 'offset length' index") from None
-    return table[:, 0].copy()
+    except (ValueError, OverflowError):
+        raise IndexFileError(url, index_url, "not a shardkit index file nor a text 'offset length' index") from None
+    offsets, lengths = table[:, 0].copy(), table[:, 1]
+    if len(offsets) and not np.array_equal(offsets[1:], offsets[:-1] + lengths[:-1]):
+        bad = int(np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1])[0])
+        raise IndexFileError(
+            url,
+            index_url,
+            f"line {bad + 1}: record at {offsets[bad]} of length {lengths[bad]} is not followed by line {bad + 2}",
+        )
+    end = int(offsets[-1] + lengths[-1]) if len(offsets) else 0
+    return _consistent(_Index(offsets, end), url, index_url)
+
+
+def _consistent(index: _Index, url: str, index_url: str) -> _Index:
+    """Offsets start at 0 and ascend by at least one record's framing; the last record ends by ``end``."""
+    offsets = index.offsets
+    if not len(offsets):
+        if index.end:
+            raise IndexFileError(url, index_url, f"no records, yet {index.end} bytes")
+        return index
+    if offsets[0] != 0:
+        raise IndexFileError(url, index_url, f"the first record is at {offsets[0]}, not 0")
+    steps = np.diff(offsets)
+    if steps.size and steps.min() < _FRAMING:
+        bad = int(np.flatnonzero(steps < _FRAMING)[0]) + 1
+        raise IndexFileError(
+            url,
+            index_url,
+            f"offset {bad} ({offsets[bad]}) is not past offset {bad - 1} ({offsets[bad - 1]}) by a record",
+        )
+    if offsets[-1] + _FRAMING > index.end:
+        raise IndexFileError(
+            url, index_url, f"the last offset {offsets[-1]} leaves no room for a record before {index.end}"
+        )
+    return index
 
 
 def build_index(

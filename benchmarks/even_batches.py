@@ -1,0 +1,151 @@
+"""What shardkit.even_batches adds per batch, with 2 gloo ranks on this machine.
+
+Target (issue 11): at most 100 us per batch, and no added latency on the first
+batch beyond one round trip of the agreement.
+
+Each of 2 ranks (processes, gloo over localhost) iterates a list of ready
+batches (the loader costs ~nothing, so the wrapper's cost is not hidden
+behind loading) and runs a training step per batch: an all-reduce on the
+default group, as DDP's gradient sync, and optionally ``--step-us`` of time
+in which the CPU is free (a GPU step the host waits on). Variants, run in
+interleaved rounds: the plain loop, ``even_batches(every=1)`` and
+``even_batches(every=8)``. Printed: medians over rounds of the time per batch
+and its excess over the plain loop, then the wait for the first batch of an
+epoch (plain, and a new wrapper's first epoch) next to one synchronous
+round trip on the side group, and the cost of making the side group (once,
+when the first wrapper is built).
+
+    python benchmarks/even_batches.py [--quick] [--batches 200] [--rounds 15]
+
+On a shared, loaded machine the step's own all-reduce varies by milliseconds
+from round to round; the fastest round of each variant is printed beside the
+median as the estimate least disturbed by other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shardkit
+from shardkit import even as even_module
+
+
+def epoch_time(loader: Iterable[Any], step: Callable[[], None]) -> tuple[float, float]:
+    """(seconds to the first batch, seconds per batch over the whole epoch)."""
+    dist.barrier()
+    start = time.perf_counter()
+    first = None
+    batches = 0
+    for _ in loader:
+        if first is None:
+            first = time.perf_counter() - start
+        step()
+        batches += 1
+    return first or 0.0, (time.perf_counter() - start) / max(batches, 1)
+
+
+def make_step(step_us: float) -> Callable[[], None]:
+    grad = torch.zeros(256)
+
+    def step() -> None:
+        if step_us:
+            time.sleep(step_us / 1e6)
+        dist.all_reduce(grad)  # DDP's gradient sync
+
+    return step
+
+
+def variants(batches: list[torch.Tensor]) -> dict[str, Callable[[], Iterable[Any]]]:
+    return {
+        "plain loop": lambda: batches,
+        "even_batches(every=1)": lambda: shardkit.even_batches(batches),
+        "even_batches(every=8)": lambda: shardkit.even_batches(batches, every=8),
+    }
+
+
+def per_batch(batches: list[torch.Tensor], step_us: float, rounds: int) -> dict[str, tuple[float, float]]:
+    """(median, fastest) seconds per batch of each variant over rounds, interleaved."""
+    step = make_step(step_us)
+    times: dict[str, list[float]] = {name: [] for name in variants(batches)}
+    for _ in range(rounds):
+        for name, make in variants(batches).items():
+            times[name].append(epoch_time(make(), step)[1])
+    return {name: (statistics.median(values), min(values)) for name, values in times.items()}
+
+
+def first_batch(batches: list[torch.Tensor], rounds: int) -> dict[str, float]:
+    """Median seconds from iter() to the first batch, and what making the side group costs."""
+    even_module._SIDE_GROUPS.clear()
+    dist.barrier()
+    start = time.perf_counter()
+    shardkit.even_batches(batches[:1])  # makes the side group, once per set of ranks
+    made = time.perf_counter() - start
+    side = even_module._side_group(None)
+    assert side is not None
+    flags = torch.zeros(4, dtype=torch.int64)
+    waits: dict[str, list[float]] = {"plain loop": [], "even_batches (a new wrapper)": [], "one side-group round trip": []}
+    for _ in range(rounds * 5):
+        waits["plain loop"].append(epoch_time(batches[:1], lambda: None)[0])
+        waits["even_batches (a new wrapper)"].append(epoch_time(shardkit.even_batches(batches[:1]), lambda: None)[0])
+        dist.barrier()
+        start = time.perf_counter()
+        side.all_reduce_min(flags).wait()
+        waits["one side-group round trip"].append(time.perf_counter() - start)
+    result = {name: statistics.median(values) for name, values in waits.items()}
+    result["even_batches() itself, making the side group (once)"] = made
+    return result
+
+
+def run(rank: int, port: int, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        batches = [torch.full((32, 8), float(i)) for i in range(args.batches)]
+        lines = []
+        for step_us in (0.0, args.step_us):
+            results = per_batch(batches, step_us, args.rounds)
+            plain, plain_best = results["plain loop"]
+            lines.append(f"\nstep: all-reduce (DDP sync){f' + sleep {step_us:.0f} us (free CPU)' if step_us else ''}")
+            lines.append(f"{'variant':<28}{'us / batch':>12}{'added us':>10}{'fastest round':>15}{'added us':>10}")
+            for name, (median, best) in results.items():
+                added, added_best = (median - plain) * 1e6, (best - plain_best) * 1e6
+                lines.append(f"{name:<28}{median * 1e6:>12.1f}{added:>10.1f}{best * 1e6:>15.1f}{added_best:>10.1f}")
+        waits = first_batch(batches, args.rounds)
+        lines.append(f"\n{'first batch':<52}{'us':>8}")
+        lines += [f"{name:<52}{seconds * 1e6:>8.0f}" for name, seconds in waits.items()]
+        if rank == 0:
+            print(f"2 gloo ranks, {args.batches} batches per epoch, medians of {args.rounds} interleaved rounds")
+            print("\n".join(lines), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--step-us", type=float, default=1000.0, help="free CPU time per step (a GPU step)")
+    parser.add_argument("--quick", action="store_true", help="100 batches, 3 rounds")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.rounds = 100, 3
+    mp.start_processes(run, args=(free_port(), args), nprocs=2, join=True, start_method="fork")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Guards for the trainers that drive a shardkit dataset: Accelerate, the
+Hugging Face ``Trainer``, and any trainer that trusts ``len(DataLoader)``.
+
+A shardkit dataset splits itself over ranks and DataLoader workers when
+iteration starts. Two ways a trainer can lose data silently, and what
+shardkit does about them:
+
+* **Accelerate wraps the loader again.** ``accelerator.prepare(DataLoader(ds))``
+  (and the Hugging Face ``Trainer``, which calls it) either dispatches
+  (``DataLoaderDispatcher``: rank 0 alone iterates the loader, which reads rank
+  0's share only, and hands slices of it to every rank: half the data on two
+  ranks is never read) or wraps the dataset in ``IterableDatasetShard``, which
+  splits the already split stream again. Neither can be made exact from
+  inside, so the first pass fails at once with :class:`TrainerError` naming the
+  trainer and the fix. Detection looks up the Python call stack when a pass
+  opens (once per pass) for frames of ``accelerate/data_loader.py``: a
+  forked DataLoader worker still holds its parent's frames up to the fork; a
+  spawned one does not, so the dataset is also checked when it is pickled for
+  a worker (``__getstate__``), which happens inside the same frames.
+
+* **``len(DataLoader)`` of an IterableDataset is ``ceil(len(dataset) / batch_size)``**,
+  which is wrong once several workers each yield their own last, partial
+  batch. Lightning and the Hugging Face ``Trainer`` stop after ``len(loader)``
+  batches, so the missing batches are dropped. When a DataLoader asks a
+  shardkit source for its length (its ``__len__`` is on the stack) and the
+  batches its workers will really yield differ from what it would report,
+  ``len()`` raises :class:`~shardkit.pipeline.UnknownLengthError` (a
+  ``TypeError``) naming the fix; trainers then run the loader to exhaustion.
+  ``.batch(n)`` with ``DataLoader(batch_size=None)`` and
+  :class:`~shardkit.MixedLoader` report exact lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from contextvars import ContextVar
+from types import FrameType
+from typing import Any
+
+from shardkit.errors import ShardkitError
+
+__all__ = ["TrainerError", "batch_len", "check_dataloader_len", "check_not_in_accelerate", "reader_lengths"]
+
+_ACCELERATE_MODULE = ("accelerate", "data_loader.py")
+_MAX_FRAMES = 200  # a worker's stack is ~40 frames deep; bounded so the look-up stays cheap
+
+ACCELERATE_FIX = (
+    "pass only the model and optimizer to accelerator.prepare(...) and iterate the shardkit loader yourself "
+    "(a DataLoader, or shardkit.MixedLoader, which prepare() also returns unchanged), moving each batch with "
+    "accelerate.utils.send_to_device(batch, accelerator.device); see examples/accelerate_train.py"
+)
+HF_TRAINER_FIX = (
+    "subclass transformers.Trainer and override get_train_dataloader() to return the shardkit loader "
+    "(shardkit.MixedLoader or a DataLoader) without accelerator.prepare; Trainer still moves batches to the "
+    "device and sets the epoch; see examples/hf_trainer.py"
+)
+
+
+class TrainerError(ShardkitError, RuntimeError):
+    """A trainer wraps a shardkit dataset in a way that would lose or repeat data."""
+
+
+def _frames(frame: FrameType | None) -> list[FrameType]:
+    out = []
+    while frame is not None and len(out) < _MAX_FRAMES:
+        out.append(frame)
+        frame = frame.f_back
+    return out
+
+
+def _accelerate_wrapper(frames: list[FrameType]) -> str | None:
+    """The Accelerate class whose method is on the stack, if any (innermost first)."""
+    for frame in frames:
+        code = frame.f_code
+        parts = code.co_filename.replace("\\", "/").split("/")
+        if tuple(parts[-2:]) == _ACCELERATE_MODULE:
+            owner = frame.f_locals.get("self")
+            return type(owner).__name__ if owner is not None else code.co_name
+    return None
+
+
+def _called_by_hf_trainer(frames: list[FrameType]) -> bool:
+    return any(f.f_code.co_filename.replace("\\", "/").endswith("transformers/trainer.py") for f in frames)
+
+
+def _single_rank(dataset: object) -> bool:
+    topology = getattr(dataset, "topology", None)
+    try:
+        return topology is not None and topology().world_size == 1
+    except ShardkitError:
+        return False
+
+
+def check_not_in_accelerate(dataset: object) -> None:
+    """Raise :class:`TrainerError` if Accelerate's data loading drives ``dataset``.
+
+    Called when a pass opens and when the dataset is pickled for a worker.
+    """
+    if "accelerate" not in sys.modules:  # cheap exit: nothing to look for
+        return
+    frames = _frames(sys._getframe(1))
+    wrapper = _accelerate_wrapper(frames)
+    if wrapper is None or _single_rank(dataset):
+        return  # one rank: the wrappers pass every sample on
+    why = (
+        "rank 0 alone iterates the loader, which reads rank 0's share only, and hands slices of it to every rank"
+        if "Dispatcher" in wrapper
+        else "its IterableDatasetShard splits shardkit's already split stream again"
+    )
+    if _called_by_hf_trainer(frames):
+        raise TrainerError(
+            f"the Hugging Face Trainer drives {dataset!r} through Accelerate's {wrapper}: {why}, so data would be "
+            f"lost silently. Fix: {HF_TRAINER_FIX}"
+        )
+    raise TrainerError(
+        f"Accelerate's {wrapper} drives {dataset!r} (accelerator.prepare(DataLoader(...))): {why}, so data would "
+        f"be lost silently. Fix: {ACCELERATE_FIX}"
+    )
+
+
+def worker_lengths(total: int, num_workers: int) -> list[int]:
+    """How :func:`shardkit.planning.share` splits ``total`` samples over ``num_workers`` workers."""
+    from shardkit.planning import worker_span
+
+    return [worker_span(total, num_workers, w)[1] for w in range(num_workers)]
+
+
+def loader_batches(lengths: list[int], batch_size: int, drop_last: bool) -> int:
+    """Batches a DataLoader yields when its workers yield ``lengths`` samples and batch them each."""
+    per_worker = (length // batch_size if drop_last else math.ceil(length / batch_size) for length in lengths)
+    return sum(per_worker)
+
+
+def calling_dataloader() -> Any:
+    """The ``torch.utils.data.DataLoader`` whose ``__len__`` is on the stack, or None."""
+    from torch.utils.data import DataLoader
+
+    target = DataLoader.__len__.__code__
+    for frame in _frames(sys._getframe(1)):
+        if frame.f_code is target:
+            return frame.f_locals.get("self")
+    return None
+
+
+_CHECKING: ContextVar[bool] = ContextVar("shardkit_checking_loader_len", default=False)
+
+
+def reader_lengths(pipeline: Any, num_workers: int) -> list[int] | None:
+    """Samples each of ``num_workers`` DataLoader workers yields from ``pipeline``
+    per pass, or None for a stage whose split is not known here.
+
+    Sources split their rank's samples as :func:`shardkit.planning.share` does;
+    ``.map``/``.shuffle`` keep each worker's count, ``.batch`` batches it,
+    ``.repeat(count)`` multiplies it and ``interleave(stop="all_exhausted")``
+    adds its inputs'.
+    """
+    from shardkit.dataset import _PlannedSource
+    from shardkit.pipeline import Batch, Interleave, Map, Repeat, Shuffle
+
+    if isinstance(pipeline, _PlannedSource):
+        return worker_lengths(len(pipeline), num_workers)
+    if isinstance(pipeline, (Map, Shuffle)):
+        return reader_lengths(pipeline.source, num_workers)
+    if isinstance(pipeline, Batch):
+        inner = reader_lengths(pipeline.source, num_workers)
+        if inner is None:
+            return None
+        size, drop = pipeline.batch_size, pipeline.drop_last
+        return [n // size if drop else math.ceil(n / size) for n in inner]
+    if isinstance(pipeline, Repeat) and pipeline.count is not None:
+        inner = reader_lengths(pipeline.source, num_workers)
+        return None if inner is None else [pipeline.count * n for n in inner]
+    if isinstance(pipeline, Interleave) and pipeline.stop == "all_exhausted":
+        parts = [reader_lengths(d, num_workers) for d, w in zip(pipeline.upstream, pipeline.weights) if w > 0]
+        if any(p is None for p in parts):
+            return None
+        return [sum(column) for column in zip(*parts)]  # type: ignore[misc]
+    return None
+
+
+def _loader_workers() -> int:
+    loader = calling_dataloader()
+    return max(1, loader.num_workers) if loader is not None else 1
+
+
+def batch_len(batch: Any) -> int | None:
+    """``len()`` of a ``.batch(n)`` stage: the sum of every worker's batches,
+    with the workers of the DataLoader asking (one outside a DataLoader)."""
+    token = _CHECKING.set(True)
+    try:
+        lengths = reader_lengths(batch, _loader_workers())
+    finally:
+        _CHECKING.reset(token)
+    return None if lengths is None else sum(lengths)
+
+
+def check_dataloader_len(source: Any) -> None:
+    """Raise :class:`~shardkit.pipeline.UnknownLengthError` when a DataLoader
+    is asking for its length and would report fewer or more batches than its
+    workers yield from ``source``'s pipeline."""
+    if _CHECKING.get():
+        return
+    loader = calling_dataloader()
+    if loader is None or loader.batch_size is None or loader.num_workers < 2:
+        return  # batch_size=None: the pipeline's own len(); 0 or 1 worker: ceil(n / batch_size) is exact
+    token = _CHECKING.set(True)
+    try:
+        lengths = reader_lengths(loader.dataset, loader.num_workers)
+    finally:
+        _CHECKING.reset(token)
+    size, drop = loader.batch_size, loader.drop_last
+    if lengths is not None:
+        total = sum(lengths)
+        reported = total // size if drop else math.ceil(total / size)
+        if reported == loader_batches(lengths, size, drop):
+            return
+    yielded = "an unknown number of" if lengths is None else str(loader_batches(lengths, size, drop))
+    from shardkit.pipeline import UnknownLengthError
+
+    raise UnknownLengthError(
+        f"len(DataLoader(batch_size={size}, num_workers={loader.num_workers})) over {source!r} would be "
+        f"ceil(samples / batch_size), but its workers yield {yielded} batches (each worker batches its own "
+        "share, ending with its own partial batch), so a trainer that stops after len(loader) batches would "
+        f"drop data. For an exact len, batch in the pipeline with .batch({size}) and DataLoader(batch_size=None), "
+        f"or use shardkit.MixedLoader(dataset, batch_size={size}, num_workers={loader.num_workers}); without a "
+        "len, trainers run the loader to exhaustion. len(dataset) is the number of samples this rank reads"
+    )
