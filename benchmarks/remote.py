@@ -20,7 +20,14 @@ remote over each other loader at the same latency, the time to the first
 batch of epoch 1 (workers start, first shard opened), and the requests the
 server answered per epoch.
 
+Start-up at scale (``--startup N``, default 1,000,000; 0 skips it): a
+manifest of N shards of 100 records (only the first few files exist: an
+unshuffled plan reads those first) is loaded with ``ShardList.from_manifest``
+and read through a DataLoader with 0 and ``--workers`` workers; the time from
+loading the manifest to the first batch is reported, split into its steps.
+
     python benchmarks/remote.py [--quick] [--shards 16] [--records 5000] [--latency 0 30 100] [--repeat 3]
+                                [--startup 1000000]
 """
 
 from __future__ import annotations
@@ -113,7 +120,8 @@ def _urls(content: Any, kind: str, base: str | None) -> list[str]:
 
 
 def shardkit_loader(content: Any, setup: Setup, base: str | None, cache_dir: str | None = None) -> DataLoader:
-    dataset = shardkit.TFRecordDataset(_urls(content, "tfrecord", base), decode="example", cache_dir=cache_dir)
+    options = {} if cache_dir is None else {"cache_dir": cache_dir}  # (also runs on versions without the cache)
+    dataset = shardkit.TFRecordDataset(_urls(content, "tfrecord", base), decode="example", **options)
     return _loader(dataset.map(compare._example_pair), setup)
 
 
@@ -195,7 +203,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="4 x 1,000 records, 0 and 30 ms, one round")
     parser.add_argument("--dir", help="where to write the content (default: a temporary directory)")
+    parser.add_argument("--startup", type=int, default=1_000_000, help="shards in the start-up manifest (0: skip)")
+    parser.add_argument("--only-startup", action="store_true", help="measure start-up only")
     args = parser.parse_args(argv)
+    if args.only_startup:
+        measure_startup(args.startup, args.workers)
+        return
     if args.quick:
         args.shards, args.records, args.latency, args.repeat = 4, 1000, [0, 30], 1
     root = args.dir or tempfile.mkdtemp(prefix="shardkit-remote-")
@@ -207,6 +220,43 @@ def main(argv: list[str] | None = None) -> None:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     print_table(results, args)
+    if args.startup:
+        measure_startup(args.startup, args.workers)
+
+
+def measure_startup(shards: int, workers: int) -> None:
+    """Seconds from a manifest of ``shards`` shards to the first batch, with 0 and ``workers`` workers."""
+    import numpy as np
+
+    from shardkit.shardlist import ShardList
+
+    root = tempfile.mkdtemp(prefix="shardkit-startup-")
+    try:
+        urls = [os.path.join(root, f"shard-{i:07d}.tfrecord") for i in range(shards)]
+        for url in urls[:8]:
+            with shardkit.TFRecordWriter(url) as writer:
+                for _ in range(100):
+                    writer.write(b"x" * 1000)
+        manifest = os.path.join(root, "train.manifest.arrow")
+        ShardList(urls, num_records=np.full(shards, 100)).to_manifest(manifest)
+        del urls
+        print(f"\nstart-up over a manifest of {shards:,} shards:\n")
+        print("| workers | load manifest | build dataset | iter + first batch | total |")
+        print("|---|---|---|---|---|")
+        for count in (0, workers):
+            began = time.perf_counter()
+            listed = shardkit.ShardList.from_manifest(manifest)
+            loaded = time.perf_counter()
+            dataset = shardkit.TFRecordDataset(listed, decode="raw")
+            built = time.perf_counter()
+            loader = DataLoader(dataset, batch_size=64, num_workers=count)
+            next(iter(loader))
+            first = time.perf_counter()
+            print(f"| {count} | {loaded - began:.2f} s | {built - loaded:.2f} s | {first - built:.2f} s | "
+                  f"{first - began:.2f} s |")
+            _close(loader)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def measure(content: Any, setup: Setup, args: argparse.Namespace) -> list[Row]:

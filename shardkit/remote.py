@@ -347,7 +347,7 @@ class RemoteFile:
         ahead = max(1, -(-readahead // bs)) if readahead else 0
         for k in range(block, min(last, block + ahead) + 1):
             if k not in self._blocks:
-                if k == block and not ahead and k not in self._blocks:  # no readahead: fetch in this thread
+                if k == block and not ahead:  # no readahead: fetch in this thread
                     future: Future[bytes] = Future()
                     future.set_result(self._fetch(k))
                     self._blocks[k] = future
