@@ -384,7 +384,10 @@ class RemoteFile:
             raise
         _count(bytes=len(data))
         if len(data) > stop - start:  # the server ignored the range: never trust such a body
-            raise ObjectChangedError(self.url, self.identity, f"a {len(data)}-byte answer to a {stop - start}-byte range")
+            raise RemoteReadError(
+                f"{self.url}: asked for bytes {start}-{stop - 1}, got {len(data)} bytes: the server ignores "
+                "HTTP Range requests, which reading in blocks needs"
+            )
         if not data:
             raise _ShortRead(f"{self.url}: empty body for bytes {start}-{stop - 1}")
         return data
@@ -474,6 +477,15 @@ def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int 
     return remote if offset is None else remote.start(offset, options.readahead_bytes // _WARM_LIMIT)
 
 
+def _after_fork_in_child() -> None:
+    """A forked DataLoader worker starts with fresh locks and no warm shards: a lock held by a fetch
+    thread of the parent at fork time would otherwise never be released (threads do not survive fork)."""
+    global _counts_lock, _pool_lock, _warm_lock, _pool
+    _counts_lock, _pool_lock, _warm_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    _pool = None
+    _warm.clear()
+
+
 # --------------------------------------------------------------------------- prefetch across shards
 
 
@@ -540,3 +552,7 @@ def remote_options(
     if retry is not None:
         changes["retry"] = retry
     return dataclasses.replace(RemoteOptions(), **changes)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
