@@ -165,7 +165,7 @@ class _PlannedSource(_Source):
         raise NotImplementedError
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
-        """One of the next two ranges after the one being opened is ``[start, stop)`` of ``shard``: a ``read_fn``
+        """One of the next three ranges after the one being opened is ``[start, stop)`` of ``shard``: a ``read_fn``
         with a ``prefetch(url, start, stop)`` method may start fetching it (remote readahead across shards)."""
         prefetch = getattr(getattr(self, "read_fn", None), "prefetch", None)
         if prefetch is not None:
@@ -332,7 +332,7 @@ class _RangeReader:
             if self._records is None:
                 shard, start, stop = self.ranges[self.range_index]
                 self._records = self._source._read(shard, start + self.done_in_range, stop)
-                for ahead in self.ranges[self.range_index + 1 : self.range_index + 3]:
+                for ahead in self.ranges[self.range_index + 1 : self.range_index + 4]:
                     self._source._hint(*ahead)
             try:
                 sample = next(self._records)
