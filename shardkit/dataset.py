@@ -38,6 +38,7 @@ from shardkit.epoch import SharedEpoch, check_epoch, resume_at
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.pipeline import Pipeline
 from shardkit.planning import BALANCES, Balance, Range, plan, plan_intervals, rank_span, share, union
+from shardkit.remote import RetryPolicy, prefetch, remote_options
 from shardkit.seeding import check_seed, seed_iteration
 from shardkit.shardlist import NUM_RECORDS, ShardList
 from shardkit.state import State, StateError, applies, check, check_positions, expect_equal, node, own_share, share_of
@@ -162,6 +163,13 @@ class _PlannedSource(_Source):
 
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
         raise NotImplementedError
+
+    def _hint(self, shard: int, start: int, stop: int | None) -> None:
+        """One of the next three ranges after the one being opened is ``[start, stop)`` of ``shard``: a ``read_fn``
+        with a ``prefetch(url, start, stop)`` method may start fetching it (remote readahead across shards)."""
+        prefetch = getattr(getattr(self, "read_fn", None), "prefetch", None)
+        if prefetch is not None:
+            prefetch(self.shards[shard], start, stop)  # type: ignore[attr-defined]
 
     def _counts(self, topology: Topology) -> tuple[Any, Balance]:
         """Record counts for the plan and the balance to plan with."""
@@ -324,6 +332,8 @@ class _RangeReader:
             if self._records is None:
                 shard, start, stop = self.ranges[self.range_index]
                 self._records = self._source._read(shard, start + self.done_in_range, stop)
+                for ahead in self.ranges[self.range_index + 1 : self.range_index + 4]:
+                    self._source._hint(*ahead)
             try:
                 sample = next(self._records)
             except StopIteration:
@@ -377,7 +387,10 @@ class ShardedDataset(_PlannedSource):
             "Bad data" below.
         count_fn: ``count_fn(url) -> int``, used once when record counts are
             needed (several ranks with ``"pad"``/``"drop"``) and unknown.
-        storage_options: fsspec options, for a glob ``shards``.
+        storage_options: fsspec options, for a glob ``shards``. Under an
+            initialised ``torch.distributed`` process group a glob is listed by
+            rank 0 only and broadcast (:func:`shardkit.listing.list_shards`), so
+            every rank must build the dataset.
 
     When the record counts are unknown, one rank deals whole shards to its
     workers (and warns if there are fewer shards than workers); several ranks
@@ -623,8 +636,10 @@ def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict
     """A :class:`ShardList` from a ShardList, a glob pattern or a list of urls."""
     if isinstance(shards, ShardList):
         return shards
-    if isinstance(shards, str):
-        return ShardList.from_glob(shards, storage_options=storage_options)
+    if isinstance(shards, str):  # under a process group, rank 0 lists and the others receive it
+        from shardkit.listing import list_shards
+
+        return list_shards(shards, storage_options)
     if isinstance(shards, Sequence):
         return ShardList(list(shards))
     raise DatasetError(f"shards must be a ShardList, a glob pattern or a list of urls, got {type(shards).__name__}")
@@ -642,6 +657,8 @@ class TFRecordDataset(ShardedDataset):
         compression: ``None``, ``"gzip"``, ``"zlib"`` or ``"auto"``.
         index: use index files beside the shards (``shardkit index``), when
             present, to seek to a range's first record and to count records.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards
+            are read; see :class:`TFRecordReader`.
 
     The other arguments are those of :class:`ShardedDataset`. Record counts,
     when needed and not in the ShardList, come from index files or from one
@@ -663,12 +680,19 @@ class TFRecordDataset(ShardedDataset):
         on_error: OnError = "raise",
         index: bool = True,
         storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         if not callable(decode) and decode not in DECODERS:
             raise DatasetError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
         if compression not in (None, "gzip", "zlib", "auto"):
             raise DatasetError(f"compression must be None, 'gzip', 'zlib' or 'auto', got {compression!r}")
-        reader = TFRecordReader(decode, verify=verify, compression=compression, index=index, storage_options=storage_options)
+        reader = TFRecordReader(
+            decode, verify=verify, compression=compression, index=index, storage_options=storage_options,
+            readahead_bytes=readahead_bytes, retry=retry, cache_dir=cache_dir, cache_limit_bytes=cache_limit_bytes,
+        )
         super().__init__(
             shards,
             reader,
@@ -684,7 +708,16 @@ class TFRecordDataset(ShardedDataset):
 
 
 class TFRecordReader:
-    """The ``read_fn`` (and ``count_fn``) of :class:`TFRecordDataset`; picklable."""
+    """The ``read_fn`` (and ``count_fn``) of :class:`TFRecordDataset`; picklable.
+
+    Remote shards (see :mod:`shardkit.remote`): ``readahead_bytes`` are fetched
+    ahead of the reader, across shard boundaries in the plan's order (default
+    :data:`~shardkit.remote.DEFAULT_READAHEAD_BYTES`, 0 turns it off);
+    transient failures are retried under ``retry`` (a
+    :class:`~shardkit.remote.RetryPolicy`); ``cache_dir`` keeps fetched shards
+    on local disk, shared by the processes of a machine, under
+    ``cache_limit_bytes`` (see :mod:`shardkit.cache`). Local files ignore all four.
+    """
 
     def __init__(
         self,
@@ -694,12 +727,17 @@ class TFRecordReader:
         compression: str | None = "auto",
         index: bool = True,
         storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         self.decode = decode
         self.verify = verify
         self.compression = compression
         self.index = index
         self.storage_options = storage_options
+        self.remote = remote_options(readahead_bytes, retry, cache_dir, cache_limit_bytes)
 
     def __call__(self, url: str, start: int, stop: int | None) -> Iterator[Any]:
         """Records ``[start, stop)`` of ``url``, decoded.
@@ -727,6 +765,7 @@ class TFRecordReader:
                 stop=stop,
                 index=index,
                 storage_options=self.storage_options,
+                remote=self.remote,
             )
             try:
                 yield from records if decode is None else self._decoded(decode, url, position, records)
@@ -801,7 +840,12 @@ class TFRecordReader:
             offsets = None
         if offsets is not None:
             return len(offsets)
-        return count_records(url, compression=self.compression, storage_options=self.storage_options)
+        return count_records(url, compression=self.compression, storage_options=self.storage_options, remote=self.remote)
+
+    def prefetch(self, url: str, start: int, stop: int | None) -> None:
+        """Start opening remote ``url`` for a later ``self(url, start, stop)``: its first blocks when
+        reading from its start, else just the open (the offset needs the index)."""
+        prefetch(url, self.storage_options, self.remote, offset=0 if start == 0 else None)
 
     def _offsets(self, url: str) -> np.ndarray | None:
         """The record offsets from ``url``'s index file, checked against the file; None when there

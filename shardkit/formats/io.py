@@ -2,7 +2,12 @@
 
 Readers get a :class:`Stream` (anything with ``read(n)`` and ``close()``) that
 fetches the file in blocks of :data:`BLOCK_SIZE` bytes, so remote files are
-never downloaded whole. Compressed files are inflated on the fly; byte offsets
+never downloaded whole. A remote file (any filesystem but the local disk) is a
+:class:`shardkit.remote.RemoteFile`: blocks fetched ahead of the reader,
+transient failures retried without losing or repeating a byte, the object
+pinned to the version opened, and optionally a local disk cache; how is set by
+a :class:`~shardkit.remote.RemoteOptions` passed as ``remote=``. Every format
+reader that opens its files here gets all of that. Compressed files are inflated on the fly; byte offsets
 past this layer refer to the uncompressed stream. A compressed stream that is
 damaged, truncated or not compressed at all raises
 :class:`CompressedStreamError` with the compressed byte at fault, after the
@@ -20,6 +25,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError
+from shardkit.remote import RemoteOptions, open_remote
 
 __all__ = [
     "BLOCK_SIZE",
@@ -67,15 +73,23 @@ def check_compression(compression: Optional[str], *, allow_auto: bool) -> None:
         raise ValueError(f"compression must be one of {allowed}, not {compression!r}")
 
 
-def open_raw(url: str, mode: str, storage_options: Optional[dict[str, Any]] = None) -> IO[bytes]:
-    """Open ``url`` with fsspec in binary ``mode`` ("rb" or "wb"); reads fetch BLOCK_SIZE at a time."""
+def open_raw(
+    url: str, mode: str, storage_options: Optional[dict[str, Any]] = None, *, remote: Optional[RemoteOptions] = None
+) -> IO[bytes]:
+    """Open ``url`` with fsspec in binary ``mode`` ("rb" or "wb").
+
+    Local files are opened as they are; a remote file for reading is a
+    :class:`~shardkit.remote.RemoteFile` (readahead, retries, version pinning;
+    ``remote`` says how, default :class:`~shardkit.remote.RemoteOptions`), or
+    its copy in the local cache when ``remote.cache_dir`` is set.
+    """
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     if mode == "wb":  # writers keep the filesystem's block size: S3 uploads need parts >= 5 MB
         make_parent_dirs(url, storage_options)
         return fs.open(path, mode)
-    # Readers ask for whole blocks, so fsspec's own read-ahead would only double
-    # each request: with no cache, every read is one ranged GET of that size.
-    return fs.open(path, mode, block_size=BLOCK_SIZE, cache_type="none")
+    if isinstance(fs, LocalFileSystem) or mode != "rb":
+        return fs.open(path, mode)
+    return open_remote(fs, path, url, remote)  # type: ignore[no-any-return]
 
 
 def make_parent_dirs(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
@@ -108,6 +122,7 @@ def open_input(
     *,
     raw: Optional[IO[bytes]] = None,
     head: bytes = b"",
+    remote: Optional[RemoteOptions] = None,
 ) -> Stream:
     """A readable stream over ``url``'s (decompressed) bytes.
 
@@ -115,7 +130,7 @@ def open_input(
     first bytes (to sniff the compression) hand them over instead of reopening.
     """
     check_compression(compression, allow_auto=False)
-    stream: Stream = raw if raw is not None else open_raw(url, "rb", storage_options)
+    stream: Stream = raw if raw is not None else open_raw(url, "rb", storage_options, remote=remote)
     if head:
         stream = _Prefixed(head, stream)
     if compression is None:

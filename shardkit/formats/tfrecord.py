@@ -19,7 +19,9 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   0.75-0.92x without, over three runs (the map's page faults cost about what
   copying the block does). A reused ``readinto`` buffer measured the same as a
   fresh ``bytes`` per block, which slices into records without a memoryview.
-- Remote and compressed files are streamed: one ranged read per block.
+- Remote and compressed files are streamed: one ranged read per block. Remote
+  blocks are fetched ahead of the reader, retried, and pinned to the version
+  opened by :mod:`shardkit.remote` (or read from its local cache).
 
 What the reader does with bad input (each case has a fault-injection test in
 ``tests/test_faults_tfrecord.py``): every malformed byte sequence ends in a
@@ -58,6 +60,7 @@ from shardkit.formats.io import (
     open_raw,
     sniff_compression,
 )
+from shardkit.remote import RemoteOptions
 
 __all__ = ["TFRecordWriter", "count_records", "detect_compression", "read_tfrecord", "scan_offsets", "verify_tfrecord"]
 
@@ -370,7 +373,11 @@ def detect_compression(head: bytes) -> Optional[str]:
 
 
 def _open(
-    url: str, compression: Optional[str], storage_options: Optional[dict[str, Any]], seek_to: int = 0
+    url: str,
+    compression: Optional[str],
+    storage_options: Optional[dict[str, Any]],
+    seek_to: int = 0,
+    remote: Optional[RemoteOptions] = None,
 ) -> tuple[Union[Stream, LocalFileOpener], _Source]:
     """Open ``url`` for record reading, resolving ``compression="auto"``.
 
@@ -379,7 +386,7 @@ def _open(
     the data is not compressed.
     """
     check_compression(compression, allow_auto=True)
-    raw = open_raw(url, "rb", storage_options)
+    raw = open_raw(url, "rb", storage_options, remote=remote)
     try:
         local = isinstance(raw, LocalFileOpener)
         head = b""
@@ -408,6 +415,7 @@ def read_tfrecord(
     stop: Optional[int] = None,
     index: Optional[IndexLike] = None,
     storage_options: Optional[dict[str, Any]] = None,
+    remote: Optional[RemoteOptions] = None,
 ) -> Iterator[bytes]:
     """Iterate over the records of a TFRecord file as ``bytes``.
 
@@ -423,6 +431,8 @@ def read_tfrecord(
             written by :func:`~shardkit.build_index`); on an uncompressed file the
             reader then seeks straight to ``start`` instead of scanning to it.
         storage_options: passed to fsspec.
+        remote: how a remote file is read (readahead, retries, local cache):
+            a :class:`~shardkit.remote.RemoteOptions`; local files ignore it.
 
     The file is opened on the first ``next()`` and closed when the iterator is
     exhausted or garbage collected. Records are read a block at a time, so
@@ -438,7 +448,7 @@ def read_tfrecord(
     """
     if start < 0 or (stop is not None and stop < start):
         raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
-    return itertools.chain.from_iterable(_read(url, compression, verify, start, stop, index, storage_options))
+    return itertools.chain.from_iterable(_read(url, compression, verify, start, stop, index, storage_options, remote))
 
 
 def _read(
@@ -449,6 +459,7 @@ def _read(
     stop: Optional[int],
     index: Optional[IndexLike],
     storage_options: Optional[dict[str, Any]],
+    remote: Optional[RemoteOptions] = None,
 ) -> Iterator[list[bytes]]:
     """The batches of records ``start:stop``; ``read_tfrecord`` chains them."""
     first = offset = 0
@@ -459,7 +470,7 @@ def _read(
         first, offset = start, int(offsets[start])
         if offset < 0:
             raise ShardkitError(f"{url}: the index gives offset {offset} for record {start}; rebuild the index")
-    source, src = _open(url, compression, storage_options, seek_to=offset)
+    source, src = _open(url, compression, storage_options, seek_to=offset, remote=remote)
     if src.compression is not None:
         first = offset = 0  # compressed streams cannot seek by record
     blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify)
@@ -492,8 +503,9 @@ def _scan(
     *,
     check_headers: bool,
     progress: Optional[Progress] = None,
+    remote: Optional[RemoteOptions] = None,
 ) -> Iterator[tuple[_Block, _Source]]:
-    source, src = _open(url, compression, storage_options)
+    source, src = _open(url, compression, storage_options, remote=remote)
     blocks = _blocks(source, src, first_index=0, offset=0, check_headers=check_headers)
     try:
         for block in blocks:
@@ -506,13 +518,18 @@ def _scan(
 
 
 def count_records(
-    url: str, *, compression: Optional[str] = "auto", storage_options: Optional[dict[str, Any]] = None
+    url: str,
+    *,
+    compression: Optional[str] = "auto",
+    storage_options: Optional[dict[str, Any]] = None,
+    remote: Optional[RemoteOptions] = None,
 ) -> int:
     """Number of records in a TFRecord file, from a fast framing scan (no CRC checks).
 
     Raises :class:`~shardkit.CorruptRecordError` if the file ends inside a record.
     """
-    return sum(len(block.ends) for block, _ in _scan(url, compression, storage_options, check_headers=False))
+    scan = _scan(url, compression, storage_options, check_headers=False, remote=remote)
+    return sum(len(block.ends) for block, _ in scan)
 
 
 def scan_offsets(

@@ -1,0 +1,201 @@
+"""A fault-injecting HTTP range server on 127.0.0.1, for the remote-read tests and benchmarks/remote.py.
+
+It serves the files of a directory with HEAD and single-range GET, an ETag
+that changes when a file is replaced (size and mtime in nanoseconds), and
+``If-Match`` (412 when the ETag differs). Each request first sleeps
+``latency`` seconds (an object store's first-byte time). Faults are queued
+with :meth:`FaultServer.inject` and each is spent by the next GET of a path:
+
+- ``"503"``, ``"500"``, ``"429"``: that status, no body;
+- ``"reset"``: headers and half of the body, then the connection is reset;
+- ``"drop"``: the connection is closed before any answer.
+
+Every request is logged as ``(method, path, start, length, status)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NamedTuple
+
+
+class Request(NamedTuple):
+    method: str
+    path: str
+    start: int
+    length: int
+    status: int
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def log_message(self, *args: object) -> None:  # keep test output quiet
+        pass
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def _serve(self, body: bool) -> None:
+        owner = self.server.owner
+        time.sleep(owner.latency)
+        path = os.path.join(owner.root, self.path.lstrip("/").split("?")[0])
+        fault = owner.take_fault(self.path) if body else None
+        if fault == "drop":
+            self._log(0, 0, 0)
+            self._reset()
+            return
+        if fault in ("503", "500", "429"):
+            self._log(0, 0, int(fault))
+            self.send_response(int(fault))
+            self.send_header("Content-Length", "0")
+            if fault == "429":
+                self.send_header("Retry-After", "0")
+            self.end_headers()
+            return
+        try:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                etag = f'"{stat.st_size:x}-{stat.st_mtime_ns:x}"'
+                self._answer(f, stat.st_size, etag, body, fault)
+        except FileNotFoundError:
+            self._log(0, 0, 404)
+            self.send_error(HTTPStatus.NOT_FOUND)
+
+    def _answer(self, f, size: int, etag: str, body: bool, fault: str | None) -> None:  # type: ignore[no-untyped-def]
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and wanted != etag:
+            self._log(0, 0, 412)
+            self.send_response(HTTPStatus.PRECONDITION_FAILED)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        start, stop, status = 0, size, HTTPStatus.OK
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if match:
+            start = int(match.group(1))
+            stop = min(size, int(match.group(2)) + 1) if match.group(2) else size
+            status = HTTPStatus.PARTIAL_CONTENT
+        self._log(start, stop - start if body else 0, int(status))
+        self.send_response(status)
+        if status == HTTPStatus.PARTIAL_CONTENT:
+            self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
+        self.send_header("Content-Length", str(stop - start))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
+        self.end_headers()
+        if not body:
+            return
+        f.seek(start)
+        data = f.read(stop - start)
+        if fault == "reset":
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self._reset()
+            return
+        self.wfile.write(data)
+
+    def _log(self, start: int, length: int, status: int) -> None:
+        self.server.owner.log.append(Request(self.command, self.path, start, length, status))
+
+    def _reset(self) -> None:
+        """Close with a TCP reset (SO_LINGER 0), as a dropped connection looks to the client."""
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        self.connection.close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    owner: FaultServer
+
+    def handle_error(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+        """A client that hangs up early (a cancelled readahead, a loader shut down) is not news."""
+
+
+class FaultServer:
+    """Serve ``root`` on 127.0.0.1 (a free port) with ``latency`` seconds per request; a context manager."""
+
+    def __init__(self, root: str, latency: float = 0.0) -> None:
+        self.root = root
+        self.latency = latency
+        self.log: list[Request] = []
+        self._faults: dict[str, deque[str]] = {}
+        self._lock = threading.Lock()
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.owner = self
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def inject(self, path: str, *faults: str) -> None:
+        """Queue ``faults`` for the next GETs of ``/path``, one each."""
+        with self._lock:
+            self._faults.setdefault("/" + path.lstrip("/"), deque()).extend(faults)
+
+    def take_fault(self, path: str) -> str | None:
+        with self._lock:
+            queue = self._faults.get(path)
+            return queue.popleft() if queue else None
+
+    def gets(self, path: str | None = None) -> list[Request]:
+        """The GET requests logged (of ``/path`` only, if given)."""
+        return [r for r in self.log if r.method == "GET" and (path is None or r.path == "/" + path.lstrip("/"))]
+
+    def __enter__(self) -> FaultServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+class _CountingHandler(_Handler):
+    """Also answers ``GET /_stats`` with the requests served since the last such call (JSON), then resets."""
+
+    def do_GET(self) -> None:
+        if self.path == "/_stats":
+            import json
+
+            owner = self.server.owner
+            log, owner.log = owner.log, []
+            body = json.dumps(
+                {"GET": sum(r.method == "GET" for r in log), "HEAD": sum(r.method == "HEAD" for r in log),
+                 "bytes": sum(r.length for r in log)}
+            ).encode()
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        super().do_GET()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.fault_server ROOT LATENCY``: serve until killed; prints the base URL first."""
+    import sys
+
+    root, latency = (argv or sys.argv[1:])[:2]
+    server = FaultServer(root, float(latency))
+    server._server.RequestHandlerClass = _CountingHandler
+    print(server.url, flush=True)
+    server._server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

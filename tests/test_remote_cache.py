@@ -1,0 +1,148 @@
+"""The local cache of remote shards: a second epoch fetches nothing, a changed object is fetched again,
+LRU eviction under a limit, concurrent fillers share one entry, a killed writer leaves nothing read as whole."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from shardkit.cache import Cache
+from shardkit.formats.tfrecord import read_tfrecord
+from shardkit.remote import RemoteOptions, RetryPolicy, remote_stats
+from tests.fault_server import FaultServer
+from tests.test_remote_reads import write_shard
+
+FAST_RETRY = RetryPolicy(attempts=6, max_seconds=5.0, backoff=0.001, max_backoff=0.01)
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[FaultServer]:
+    os.makedirs(tmp_path / "data")
+    with FaultServer(str(tmp_path / "data")) as running:
+        yield running
+
+
+def cached(cache_dir: str, limit: int | None = None) -> RemoteOptions:
+    return RemoteOptions(block_size=16 << 10, readahead_bytes=64 << 10, retry=FAST_RETRY, cache_dir=cache_dir,
+                         cache_limit_bytes=limit)
+
+
+def test_the_second_epoch_reads_from_the_cache_and_fetches_nothing(server: FaultServer, tmp_path) -> None:
+    data = tmp_path / "data"
+    expected = {i: write_shard(str(data / f"s{i}.tfrecord"), seed=i) for i in range(3)}
+    options = cached(str(tmp_path / "cache"))
+    remote_stats(reset=True)
+    for epoch in range(2):
+        for i in range(3):
+            assert list(read_tfrecord(f"{server.url}/s{i}.tfrecord", remote=options)) == expected[i]
+        if epoch == 0:
+            fetched = sum(r.length for r in server.gets())
+            assert fetched == sum(os.path.getsize(data / f"s{i}.tfrecord") for i in range(3))
+            gets = len(server.gets())
+    assert len(server.gets()) == gets  # epoch 2: not one GET, only a HEAD per shard to check its identity
+    stats = remote_stats()
+    assert (stats["cache_misses"], stats["cache_hits"]) == (3, 3)
+    assert len(Cache(str(tmp_path / "cache")).entries()) == 3
+
+
+def test_a_changed_object_is_fetched_again_not_read_stale(server: FaultServer, tmp_path) -> None:
+    path = str(tmp_path / "data" / "a.tfrecord")
+    write_shard(path)
+    url = f"{server.url}/a.tfrecord"
+    options = cached(str(tmp_path / "cache"))
+    list(read_tfrecord(url, remote=options))
+    new = write_shard(path + ".new", seed=42)
+    os.replace(path + ".new", path)
+    before = len(server.gets())
+    assert list(read_tfrecord(url, remote=options)) == new
+    assert len(server.gets()) > before
+
+
+def test_least_recently_used_entries_are_evicted_under_the_limit(server: FaultServer, tmp_path) -> None:
+    data = tmp_path / "data"
+    for i in range(4):
+        write_shard(str(data / f"s{i}.tfrecord"), seed=i)
+    size = os.path.getsize(data / "s0.tfrecord")
+    cache = Cache(str(tmp_path / "cache"), 2 * size + 100)
+    options = cached(cache.root, cache.limit)
+    read = lambda i: list(read_tfrecord(f"{server.url}/s{i}.tfrecord", remote=options))  # noqa: E731
+    read(0)
+    read(1)
+    time.sleep(0.01)  # mtimes must differ for the order to be seen
+    read(0)  # used again: now s1 is the least recently used
+    time.sleep(0.01)
+    read(2)
+    assert len(cache.entries()) == 2
+    assert sum(size for _, size, _ in cache.entries()) <= cache.limit
+    gets = len(server.gets())
+    read(0)
+    assert len(server.gets()) == gets  # kept
+    read(1)
+    assert len(server.gets()) > gets  # evicted, fetched again
+
+
+def test_an_object_bigger_than_the_whole_cache_is_streamed_not_cached(server: FaultServer, tmp_path) -> None:
+    records = write_shard(str(tmp_path / "data" / "a.tfrecord"))
+    options = cached(str(tmp_path / "cache"), limit=1000)
+    assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=options)) == records
+    assert Cache(str(tmp_path / "cache")).entries() == []
+
+
+def _read_cached(url: str, cache_dir: str, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    out.put(list(read_tfrecord(url, remote=cached(cache_dir))))
+
+
+@pytest.mark.slow
+def test_concurrent_workers_filling_one_entry_fetch_it_once_and_agree(server: FaultServer, tmp_path) -> None:
+    records = write_shard(str(tmp_path / "data" / "a.tfrecord"), count=600)
+    server.latency = 0.02  # the first filler is still fetching when the others arrive
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    workers = [context.Process(target=_read_cached, args=(f"{server.url}/a.tfrecord", str(tmp_path / "cache"), out))
+               for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    results = [out.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=30)
+    assert results == [records] * 3
+    assert sum(r.length for r in server.gets()) == os.path.getsize(tmp_path / "data" / "a.tfrecord")
+    assert len(Cache(str(tmp_path / "cache")).entries()) == 1
+
+
+_FILLER = """
+import sys
+from shardkit.formats.tfrecord import read_tfrecord
+from shardkit.remote import RemoteOptions
+print("started", flush=True)
+list(read_tfrecord(sys.argv[1], remote=RemoteOptions(block_size=16 << 10, readahead_bytes=0, cache_dir=sys.argv[2])))
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_writer_leaves_no_entry_that_is_read_as_whole(server: FaultServer, tmp_path) -> None:
+    records = write_shard(str(tmp_path / "data" / "a.tfrecord"), count=600)
+    server.latency = 0.05  # about 30 blocks: 1.5 s to fill
+    root = str(tmp_path / "cache")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    filler = subprocess.Popen([sys.executable, "-c", _FILLER, f"{server.url}/a.tfrecord", root], env=env,
+                              stdout=subprocess.PIPE)
+    assert filler.stdout is not None and filler.stdout.readline().strip() == b"started"
+    deadline = time.monotonic() + 30
+    while len(server.gets()) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    filler.send_signal(signal.SIGKILL)
+    filler.wait(timeout=10)
+    names = os.listdir(root)
+    assert any(".tmp." in name for name in names) and Cache(root).entries() == []  # half a file, never an entry
+    server.latency = 0.0
+    assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=cached(root))) == records  # lock broken, refilled
+    assert len(Cache(root).entries()) == 1
+    assert not any(".tmp." in name or name.endswith(".lock") for name in os.listdir(root))

@@ -1,0 +1,182 @@
+"""Remote reads against a fault-injecting HTTP server on 127.0.0.1: the same records as a local read, or the
+documented error; retries counted; readahead bounded and carried across shards."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
+from shardkit.remote import ObjectChangedError, RemoteOptions, RemoteReadError, RetryPolicy, prefetch, remote_stats
+from tests.fault_server import FaultServer
+
+FAST_RETRY = RetryPolicy(attempts=6, max_seconds=5.0, backoff=0.001, max_backoff=0.01)
+SMALL = RemoteOptions(block_size=16 << 10, readahead_bytes=64 << 10, retry=FAST_RETRY)
+
+
+def write_shard(path: str, count: int = 300, size: int = 700, seed: int = 0) -> list[bytes]:
+    records = [bytes([(seed + i) % 256]) * (size + i % 7) for i in range(count)]
+    with TFRecordWriter(path) as writer:
+        for record in records:
+            writer.write(record)
+    return records
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[FaultServer]:
+    with FaultServer(str(tmp_path)) as running:
+        yield running
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [["503"], ["500", "503", "429"], ["429"] * 4, ["reset"], ["reset", "503", "reset"]],
+)
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_transient_faults_give_exactly_the_records_of_a_local_read(
+    server: FaultServer, tmp_path, faults: list[str], compression: str | None
+) -> None:
+    path = os.path.join(tmp_path, "a.tfrecord")
+    write_shard(path)
+    if compression:
+        with TFRecordWriter(path + ".gz", compression="gzip") as writer:
+            for record in read_tfrecord(path):
+                writer.write(record)
+        path += ".gz"
+    name = os.path.basename(path)
+    server.inject(name, *faults)
+    remote_stats(reset=True)
+    got = list(read_tfrecord(f"{server.url}/{name}", remote=SMALL))
+    assert got == list(read_tfrecord(path))
+    assert remote_stats()["retries"] == len(faults)
+    assert server.take_fault("/" + name) is None  # every fault was met
+
+
+def test_connections_dropped_before_any_answer_lose_nothing(server: FaultServer, tmp_path) -> None:
+    """(aiohttp itself retries such a request once, so not every drop reaches our retry count.)"""
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"))
+    server.inject("a.tfrecord", "drop", "drop", "drop")
+    assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL)) == records
+    assert [r.status for r in server.gets("a.tfrecord")].count(0) == 3
+
+
+def test_a_failure_that_does_not_pass_raises_after_the_bounded_tries(server: FaultServer, tmp_path) -> None:
+    write_shard(os.path.join(tmp_path, "a.tfrecord"))
+    server.inject("a.tfrecord", *["503"] * 50)
+    options = RemoteOptions(retry=RetryPolicy(attempts=3, max_seconds=5.0, backoff=0.001), readahead_bytes=0)
+    remote_stats(reset=True)
+    began = time.monotonic()
+    with pytest.raises(RemoteReadError, match=r"a\.tfrecord bytes 0-.*after 3 tries"):
+        list(read_tfrecord(f"{server.url}/a.tfrecord", remote=options))
+    assert time.monotonic() - began < 5
+    assert remote_stats()["retries"] == 2
+    assert len(server.gets("a.tfrecord")) == 3
+
+
+def test_retry_time_is_bounded_even_with_tries_left(server: FaultServer, tmp_path) -> None:
+    write_shard(os.path.join(tmp_path, "a.tfrecord"))
+    server.inject("a.tfrecord", *["503"] * 50)
+    options = RemoteOptions(retry=RetryPolicy(attempts=1000, max_seconds=0.3, backoff=0.05, max_backoff=0.1))
+    remote_stats(reset=True)
+    began = time.monotonic()
+    with pytest.raises(RemoteReadError, match="still failing"):
+        list(read_tfrecord(f"{server.url}/a.tfrecord", remote=options))
+    assert time.monotonic() - began < 2
+    stats = remote_stats()
+    assert stats["retries"] >= 1 and 0 < stats["retry_wait_seconds"] <= 0.3
+
+
+def test_a_missing_object_is_not_retried(server: FaultServer) -> None:
+    remote_stats(reset=True)
+    with pytest.raises(FileNotFoundError):
+        list(read_tfrecord(f"{server.url}/nope.tfrecord", remote=SMALL))
+    assert remote_stats()["retries"] == 0
+
+
+def test_an_object_replaced_mid_read_is_an_error_naming_it(server: FaultServer, tmp_path) -> None:
+    path = os.path.join(tmp_path, "a.tfrecord")
+    write_shard(path, count=7000)  # more than the 4 MiB the record reader asks for at once
+    records = read_tfrecord(f"{server.url}/a.tfrecord", remote=RemoteOptions(block_size=1 << 20, readahead_bytes=0))
+    first = [next(records) for _ in range(5)]
+    assert first == list(read_tfrecord(path, stop=5))
+    write_shard(path + ".new", count=7000, seed=99)
+    os.replace(path + ".new", path)  # same size: only the ETag (mtime) tells the versions apart
+    with pytest.raises(ObjectChangedError, match=r"a\.tfrecord: the object changed while it was being read"):
+        list(records)
+
+
+def test_a_replaced_object_found_on_a_retry_is_an_error(server: FaultServer, tmp_path) -> None:
+    """The identity is checked again before each retry (what catches a change where the store has no ETag)."""
+    path = os.path.join(tmp_path, "a.tfrecord")
+    write_shard(path, count=7000)
+    options = RemoteOptions(block_size=1 << 20, readahead_bytes=0, retry=FAST_RETRY)
+    records = read_tfrecord(f"{server.url}/a.tfrecord", remote=options)
+    next(records)
+    write_shard(path + ".new", count=7001, seed=5)
+    os.replace(path + ".new", path)
+    server.inject("a.tfrecord", "503")
+    with pytest.raises(ObjectChangedError, match=r"opened as ETag=.*,size=5033000, now ETag=.*,size=5033716"):
+        list(records)
+
+
+def test_readahead_is_bounded_in_bytes(server: FaultServer, tmp_path) -> None:
+    write_shard(os.path.join(tmp_path, "a.tfrecord"), count=17_000)  # about 12 MB
+    options = RemoteOptions(block_size=1 << 20, readahead_bytes=2 << 20)
+    records = read_tfrecord(f"{server.url}/a.tfrecord", remote=options)
+    next(records)  # the record reader asked for its first 4 MiB
+    time.sleep(0.5)  # let the readahead run as far as it may
+    fetched = sum(r.length for r in server.gets("a.tfrecord"))
+    assert fetched == (4 << 20) + (2 << 20)
+    del records
+
+
+def test_prefetch_opens_the_next_shard_before_it_is_read(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "b.tfrecord"))
+    url = f"{server.url}/b.tfrecord"
+    remote_stats(reset=True)
+    prefetch(url, None, SMALL)
+    deadline = time.monotonic() + 5
+    while not server.gets("b.tfrecord") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.gets("b.tfrecord"), "prefetch did not start fetching"
+    heads = sum(r.method == "HEAD" for r in server.log)
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    assert sum(r.method == "HEAD" for r in server.log) == heads  # the read took the prefetched open over
+    assert remote_stats()["prefetched"] == 1
+
+
+def test_a_dataset_reads_remote_shards_exactly_once_across_workers_with_prefetch(server: FaultServer, tmp_path) -> None:
+    from shardkit import TFRecordDataset
+
+    expected = []
+    for i in range(5):
+        expected += write_shard(os.path.join(tmp_path, f"s{i}.tfrecord"), count=50 + i, seed=i)
+    urls = [f"{server.url}/s{i}.tfrecord" for i in range(5)]
+    for i in range(5):
+        server.inject(f"s{i}.tfrecord", "reset")
+    dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
+    assert sorted(dataset) == sorted(expected)
+    heads = [r.path for r in server.log if r.method == "HEAD"]
+    assert sorted(set(heads)) == sorted(f"/s{i}.tfrecord" for i in range(5))
+
+
+@pytest.mark.slow
+def test_dataloader_workers_read_remote_shards_through_faults_exactly_once(server: FaultServer, tmp_path) -> None:
+    from torch.utils.data import DataLoader
+
+    from shardkit import TFRecordDataset
+
+    expected = []
+    for i in range(6):
+        expected += write_shard(os.path.join(tmp_path, f"s{i}.tfrecord"), count=40 + i, seed=i)
+    for i in range(6):
+        server.inject(f"s{i}.tfrecord", "503", "reset")
+    server.latency = 0.01
+    urls = [f"{server.url}/s{i}.tfrecord" for i in range(6)]
+    dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    assert sorted(loader) == sorted(expected)
+    assert all(server.take_fault(f"/s{i}.tfrecord") is None for i in range(6))
