@@ -13,6 +13,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import shardkit
+from shardkit.cli import main as cli_main
 from shardkit.formats.index import build_index, index_path_for, read_index
 from shardkit.formats.io import BLOCK_SIZE
 from shardkit.formats.tfrecord import TFRecordWriter, count_records, read_tfrecord
@@ -142,5 +143,5 @@ def test_http_gzip_index_and_inspect(http_root, capsys: pytest.CaptureFixture[st
     assert list(read_tfrecord(f"{base}/a.tfrecord.gz")) == RECORDS
     index = f"{base}/b.tfrecord.idx"
     assert list(read_tfrecord(f"{base}/b.tfrecord", start=95, index=index)) == RECORDS[95:]
-    assert shardkit.cli.main(["verify", f"{base}/b.tfrecord", f"{base}/a.tfrecord.gz"]) == 0
+    assert cli_main(["verify", f"{base}/b.tfrecord", f"{base}/a.tfrecord.gz"]) == 0
     assert f"{len(RECORDS)} records" in capsys.readouterr().out
