@@ -387,10 +387,10 @@ class ShardedDataset(_PlannedSource):
             "Bad data" below.
         count_fn: ``count_fn(url) -> int``, used once when record counts are
             needed (several ranks with ``"pad"``/``"drop"``) and unknown.
-        storage_options: fsspec options, for a glob ``shards``. Under an
-            initialised ``torch.distributed`` process group a glob is listed by
-            rank 0 only and broadcast (:func:`shardkit.listing.list_shards`), so
-            every rank must build the dataset.
+        storage_options: fsspec options, for a glob ``shards``. Each process
+            lists a glob itself; to list a large bucket once per job, pass
+            ``shardkit.listing.list_shards(pattern)`` (a collective: call it on
+            every rank) or a manifest.
 
     When the record counts are unknown, one rank deals whole shards to its
     workers (and warns if there are fewer shards than workers); several ranks
@@ -636,10 +636,11 @@ def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict
     """A :class:`ShardList` from a ShardList, a glob pattern or a list of urls."""
     if isinstance(shards, ShardList):
         return shards
-    if isinstance(shards, str):  # under a process group, rank 0 lists and the others receive it
-        from shardkit.listing import list_shards
-
-        return list_shards(shards, storage_options)
+    if isinstance(shards, str):
+        # Listed by this process: a listing shared through the process group would make
+        # building a dataset a collective, which hangs a rank-0-only build (e.g. for
+        # evaluation). shardkit.listing.list_shards is that collective, opt-in.
+        return ShardList.from_glob(shards, storage_options=storage_options)
     if isinstance(shards, Sequence):
         return ShardList(list(shards))
     raise DatasetError(f"shards must be a ShardList, a glob pattern or a list of urls, got {type(shards).__name__}")
