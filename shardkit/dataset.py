@@ -37,7 +37,20 @@ from shardkit.counting import CountFn, resolve_counts
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.pipeline import Pipeline
-from shardkit.planning import BALANCES, Balance, Range, plan, plan_intervals, rank_span, share, union
+from shardkit.planning import (
+    BALANCES,
+    SHUFFLE_BLOCK,
+    SHUFFLE_WINDOW,
+    Balance,
+    Range,
+    plan,
+    plan_intervals,
+    rank_span,
+    share,
+    take,
+    union,
+    window_order,
+)
 from shardkit.seeding import check_seed, seed_iteration
 from shardkit.shardlist import NUM_RECORDS, ShardList
 from shardkit.state import State, StateError, applies, check, check_positions, expect_equal, node, own_share, share_of
@@ -194,6 +207,7 @@ class _PlannedSource(_Source):
             "seed": self.seed,
             "shuffle": self.shuffle_shards,
             "balance": self.balance,
+            **({"window": [self.shuffle_block, self.shuffle_window]} if self._windowed() else {}),
         }
 
     def load_state_dict(self, state: State) -> None:
@@ -216,6 +230,17 @@ class _PlannedSource(_Source):
             raise self._unknown_length("the record counts of its shards are unknown (call count_records() first)")
         return rank_span(int(counts.sum()), topology.world_size, topology.rank, self.balance)[1]
 
+    #: Records a reader permutes at once under ``shuffle=True`` (memory: this many
+    #: samples per reader); 0 keeps shuffling at the level of shards and blocks.
+    shuffle_window: int = SHUFFLE_WINDOW
+
+    #: Largest block of the shuffled stream under sample-level shuffling.
+    shuffle_block: int = SHUFFLE_BLOCK
+
+    def _windowed(self) -> bool:
+        """Whether ``shuffle=True`` shuffles samples here (needs known record counts)."""
+        return self.shuffle_shards and self.shuffle_window > 0
+
     def _open(self, state: State | None) -> Iterator[Any]:
         topology, epoch = self._start()
         counts, balance = self._counts(topology)
@@ -224,9 +249,13 @@ class _PlannedSource(_Source):
             if state is not None:
                 self._fingerprint(counts)  # raises, naming the fix
             return _RangeReader(self, [(None, r) for r in plan(counts, topology, **kwargs)], epoch, topology, None)
+        windowed = self._windowed()
+        if windowed:
+            kwargs["block_size"] = self.shuffle_block
         fingerprint = self._fingerprint(counts)
         size = rank_span(int(counts.sum()), topology.world_size, topology.rank, balance)[1]
         intervals = share([(0, size)], topology.num_workers, topology.worker_id)
+        yielded, exact = 0, False
         if state is not None and applies(state, epoch, self):
             expect_equal(self, "dataset", state["fingerprint"], fingerprint)
             expect_equal(self, "world_size", state["world_size"], topology.world_size)
@@ -234,12 +263,23 @@ class _PlannedSource(_Source):
             remaining = state["remaining"]
             check_positions(self, remaining, size)
             own = own_share(state, topology.worker_id, topology.num_workers, self)
-            intervals = union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)
+            window = state.get("window") if windowed else None
+            if window is not None and (own or topology.num_workers == 1):  # exactly where it stopped
+                check_positions(self, window["from"], size)
+                intervals, yielded, exact = [tuple(i) for i in window["from"]], window["yielded"], True
+            else:
+                intervals = union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)
         pieces = plan_intervals(counts, topology, intervals, **kwargs)
         stand_in = None
         if self._makes_up(balance):
             stand_in = functools.partial(self._stand_in, counts, topology, kwargs)
-        return _RangeReader(self, pieces, epoch, topology, fingerprint, stand_in)
+        reader = _RangeReader(self, pieces, epoch, topology, fingerprint, stand_in)
+        if not windowed:
+            return reader
+        windows = _WindowReader(reader, intervals, self.shuffle_window, seed=self.seed, skip=yielded)
+        if exact:  # the window read again must leave what the state says is left
+            expect_equal(self, "remaining positions (for its window)", state["remaining"], windows.remaining())
+        return windows
 
     def _makes_up(self, balance: Balance) -> bool:
         """Whether records this source skips are replaced by repeats, to keep ranks balanced."""
@@ -353,6 +393,99 @@ class _RangeReader:
         self._records = None
         self.range_index += 1
         self.done_in_range = 0
+
+
+class _WindowReader:
+    """Sample-level shuffling over a :class:`_RangeReader`: read a window, yield it permuted.
+
+    The reader's positions (``intervals``, in reading order) are cut into
+    windows of ``size`` consecutive positions. A window is read sequentially
+    (one read per block of the shuffled stream) into memory and yielded in
+    the order :func:`~shardkit.planning.window_order` gives for its first
+    position; then the next window is read. A window's content is a pure
+    function of where it starts, so the state is positions only:
+    ``remaining`` (the unyielded positions of the window and everything
+    after it, what a merge needs) and ``window``: ``{"from": the positions
+    from the window's start on, "yielded": samples of it yielded}``. Resuming
+    reads the window again and skips what was yielded: the same order.
+
+    Memory: one window, ``size`` samples. A record skipped under
+    ``on_error="skip"`` (with ``balance="none"``) leaves its window one sample
+    short; its position counts as read.
+    """
+
+    def __init__(self, reader: _RangeReader, intervals: Sequence[Sequence[int]], size: int, *, seed: int, skip: int = 0):
+        self._reader = reader
+        self._size = size
+        self._seed = seed
+        self._from = [(int(a), int(b)) for a, b in intervals if b > a]
+        self._rest = self._from
+        self._window: list[Any] = []  # samples of the current window, in yield order
+        self._positions: list[int] = []  # their positions
+        self._yielded = 0
+        self._carry: tuple[int, Any] | None = None  # a sample read past the window's end
+        self._fill()
+        if skip > len(self._window):
+            raise StateError(
+                f"the state says {skip} samples of the current window were yielded, but the window holds "
+                f"{len(self._window)}; the state is not of this dataset, or it was edited"
+            )
+        self._yielded = skip
+
+    def _fill(self) -> None:
+        """Read the next window from the reader's current position and permute it."""
+        head, self._rest = take(self._from, self._size)
+        samples, positions = [], []
+        end = head[-1][1] if head else 0  # positions are read in increasing order: the window is all below
+        while head:
+            item = self._carry if self._carry is not None else self._next()
+            self._carry = None
+            if item is None:
+                break
+            if item[0] >= end:
+                self._carry = item
+                break
+            positions.append(item[0])
+            samples.append(item[1])
+        topology = self._reader._topology
+        first = head[0][0] if head else 0
+        order = window_order(len(samples), seed=self._seed, epoch=self._reader._epoch, rank=topology.rank, first=first)
+        self._window = [samples[i] for i in order]
+        self._positions = [positions[i] for i in order]
+        self._yielded = 0
+
+    def _next(self) -> tuple[int, Any] | None:
+        """The reader's next sample and its position, or None at its end."""
+        reader = self._reader
+        try:
+            sample = next(reader)
+        except StopIteration:
+            return None
+        return reader.positions[reader.range_index] + reader.done_in_range - 1, sample
+
+    def __iter__(self) -> _WindowReader:
+        return self
+
+    def __next__(self) -> Any:
+        while self._yielded == len(self._window):  # a loop: windows of skipped records only are empty
+            if not self._rest:
+                raise StopIteration
+            self._from = self._rest
+            self._fill()
+        sample = self._window[self._yielded]
+        self._yielded += 1
+        return sample
+
+    def remaining(self) -> list[list[int]]:
+        """Positions not yielded yet: the window's unyielded ones and all after it."""
+        unyielded = [(p, p + 1) for p in self._positions[self._yielded :]]
+        return [list(interval) for interval in union(unyielded + list(self._rest))]
+
+    def state_dict(self) -> State:
+        state = self._reader.state_dict()
+        state["remaining"] = self.remaining()
+        state["window"] = {"from": [list(i) for i in self._from], "yielded": self._yielded}
+        return state
 
 
 class ShardedDataset(_PlannedSource):
@@ -864,6 +997,8 @@ def wrap(
 
 class MapSource(_PlannedSource):
     """A map-style dataset as a source over its indices; see :func:`wrap`."""
+
+    shuffle_window = 0  # shuffled, every index is a block of its own: already a uniform permutation
 
     def __init__(self, dataset: Any, *, shuffle: bool, seed: int, balance: Balance, rank: int | None, world_size: int | None) -> None:
         super().__init__(shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size)

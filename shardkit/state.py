@@ -14,7 +14,11 @@ Kinds (version 1):
   intervals of positions of this rank's chunk still to read (see
   :func:`shardkit.planning.plan_intervals`), and ``share``: ``[worker,
   num_workers]`` when ``remaining`` is one DataLoader worker's own part, or
-  None when it is the whole rank's. Positions count records, not samples: a
+  None when it is the whole rank's. Under sample-level shuffling a reader's
+  state also has ``window``: ``{"from": positions from the start of the
+  window it is yielding, "yielded": samples of that window yielded}`` (the
+  window is read again on resume); ``remaining`` then lists the window's
+  unyielded positions one by one. A merge keeps ``remaining`` only. Positions count records, not samples: a
   record skipped under ``on_error="skip"`` counts as read.
 * ``"stream"`` (``wrap`` of a plain iterable): ``items`` the reader has
   stepped past, whether it is ``done``, and its ``reader`` slot; resuming
@@ -247,6 +251,10 @@ def _check_planned(state: State, where: str) -> None:
     field(state, "fingerprint", where, dict)
     check_intervals(field(state, "remaining", where, *_SEQUENCE), where)
     _share(state, where)
+    if state.get("window") is not None:
+        window = field(state, "window", where, dict)
+        check_intervals(field(window, "from", f"{where} (window)", *_SEQUENCE), f"{where} (window)", "from")
+        whole_number(window, "yielded", f"{where} (window)")
 
 
 def _check_stream(state: State, where: str) -> None:
