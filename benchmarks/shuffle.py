@@ -14,7 +14,8 @@ positions that :func:`shardkit.quality.shuffle_quality` scores:
 Throughput is samples/s of a whole epoch, best of ``--repeat`` interleaved
 rounds, and ``vs no shuffle`` divides it by the same loader without
 shuffling (shardkit's target: >= 0.8x with the default ``shuffle=True``, while
-at most 1% adjacent and entropy >= 0.9).
+at most 1% adjacent and entropy >= 0.9). ``shuffle_window=0`` is the
+shard-and-block shuffle that ``shuffle=True`` was before sample-level shuffling.
 
     python benchmarks/shuffle.py [--quick] [--shards 32] [--records 4096] [--buffer 1000] [--repeat 3]
 """
@@ -57,10 +58,11 @@ def _ids_of(batch: Any) -> list[int]:
     return [compare.sample_id(payload) for payload in batch[0]]
 
 
-def shardkit_loader(content: Any, opts: Options, *, buffer: bool) -> Iterable[Any]:
-    dataset = shardkit.TFRecordDataset(content.tfrecord, decode="example", shuffle=opts.shuffle).map(
-        compare._example_pair
-    )
+def shardkit_loader(content: Any, opts: Options, *, buffer: bool, window: int | None = None) -> Iterable[Any]:
+    source = shardkit.TFRecordDataset(content.tfrecord, decode="example", shuffle=opts.shuffle)
+    if window is not None:
+        source.shuffle_window = window
+    dataset = source.map(compare._example_pair)
     if buffer and opts.shuffle:
         dataset = dataset.shuffle(opts.buffer)
     return compare._dataloader(dataset, compare.Setup(opts.workers, opts.batch))
@@ -89,7 +91,10 @@ def hf_loader(content: Any, opts: Options) -> Iterable[Any]:
 
 def loaders(buffer: int) -> dict[str, Make]:
     return {
-        "shardkit shuffle=True": lambda c, o: shardkit_loader(c, o, buffer=False),
+        "shardkit shuffle=True (default: sample-level)": lambda c, o: shardkit_loader(c, o, buffer=False),
+        "shardkit shuffle=True, shuffle_window=0 (shards and blocks only)": lambda c, o: shardkit_loader(
+            c, o, buffer=False, window=0
+        ),
         f"shardkit shuffle=True + .shuffle({buffer})": lambda c, o: shardkit_loader(c, o, buffer=True),
         f"webdataset shardshuffle + .shuffle({buffer})": webdataset_loader,
         f"HF datasets streaming .shuffle(buffer_size={buffer})": hf_loader,

@@ -251,8 +251,10 @@ def _check_planned(state: State, where: str) -> None:
     field(state, "fingerprint", where, dict)
     check_intervals(field(state, "remaining", where, *_SEQUENCE), where)
     _share(state, where)
-    if state.get("window") is not None:
-        window = field(state, "window", where, dict)
+    if "window" in state["fingerprint"]:  # a dataset that shuffles samples: the key is always there
+        window = field(state, "window", where, dict, type(None))
+        if window is None:  # a merged state: positions only
+            return
         check_intervals(field(window, "from", f"{where} (window)", *_SEQUENCE), f"{where} (window)", "from")
         whole_number(window, "yielded", f"{where} (window)")
 
@@ -771,7 +773,8 @@ def _merge_planned(states: Sequence[State]) -> State:
     remaining = union(intervals)
     if sum(b - a for a, b in remaining) != sum(b - a for a, b in intervals):
         raise StateError("cannot merge worker states whose remaining positions overlap: each position is one worker's")
-    return node("planned", **fields, remaining=[list(i) for i in remaining], share=None)
+    window = {"window": None} if "window" in fields["fingerprint"] else {}  # the windows start afresh
+    return node("planned", **fields, remaining=[list(i) for i in remaining], share=None, **window)
 
 
 def _merge_stream(states: Sequence[State]) -> State:

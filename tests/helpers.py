@@ -56,3 +56,16 @@ def record_offsets(url: str) -> list[int]:
             offset += 16 + length
             file.seek(offset)
     return offsets
+
+
+def positional_read(url: str, start: int, stop: int | None) -> Iterator[int]:
+    """Records of a shard named ``pos/<first>-<count>``: their global storage positions ``first + index``."""
+    first, count = map(int, url.rsplit("/", 1)[1].split("-"))
+    for index in range(start, count if stop is None else min(stop, count)):
+        yield first + index
+
+
+def positional_shards(counts: list[int]) -> shardkit.ShardList:
+    """Shards for :func:`positional_read`: record ``i`` of the whole dataset (shard after shard) reads as ``i``."""
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    return shardkit.ShardList([f"pos/{first}-{count}" for first, count in zip(firsts, counts)], num_records=counts)
