@@ -20,6 +20,7 @@ stepped past and resumes into the same reader slot only.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import logging
@@ -178,6 +179,8 @@ class _PlannedSource(_Source):
     def _counts(self, topology: Topology) -> tuple[Any, Balance]:
         """Record counts for the plan and the balance to plan with."""
         required = topology.world_size > 1 and self.balance != "none"
+        # Sample-level shuffling plans by position: count (once, cached) where the format can.
+        required = required or (self._windowed() and getattr(self, "count_fn", None) is not None)
         counts = self._record_counts(topology, required=required)
         # Unknown counts on one rank: whole shards to the workers, nothing to equalise.
         balance = self.balance if isinstance(counts, np.ndarray) else "none"
@@ -329,6 +332,7 @@ class _RangeReader:
         self._stand_in = stand_in
         self._last: Any = _NOTHING
         self._owed = 0  # records skipped in the current range and not made up yet
+        self.skips: list[tuple[int, int]] = []  # (first position, records) of runs skipped without a sample
 
     def state_dict(self) -> State:
         """The positions of this reader's part not read yet (records, not samples)."""
@@ -368,6 +372,9 @@ class _RangeReader:
                 continue
             if isinstance(sample, _Skipped):
                 if self._stand_in is None:
+                    position = self.positions[self.range_index]
+                    if position is not None and sample.records:  # for _WindowReader: positions without a sample
+                        self.skips.append((position + self.done_in_range, sample.records))
                     self.done_in_range += sample.records
                     continue
                 self._owed = sample.records
@@ -420,10 +427,11 @@ class _WindowReader:
         self._seed = seed
         self._from = [(int(a), int(b)) for a, b in intervals if b > a]
         self._rest = self._from
-        self._window: list[Any] = []  # samples of the current window, in yield order
+        self._window: list[Any] = []  # samples of the current window, in reading order
         self._positions: list[int] = []  # their positions
+        self._order: list[int] = []  # the order to yield them in
         self._yielded = 0
-        self._carry: tuple[int, Any] | None = None  # a sample read past the window's end
+        self._carry: tuple[list[Any], list[int]] = ([], [])  # samples read past the window's end
         self._fill()
         if skip > len(self._window):
             raise StateError(
@@ -433,35 +441,44 @@ class _WindowReader:
         self._yielded = skip
 
     def _fill(self) -> None:
-        """Read the next window from the reader's current position and permute it."""
+        """Read the next window from the reader's current position and permute it.
+
+        The window is the first ``size`` positions of ``self._from``; samples are
+        read in batches (a C-level loop: this is every sample's path) and their
+        positions found from the window's start and the reader's log of skipped
+        records. A sample read past the window's end is carried to the next one.
+        """
         head, self._rest = take(self._from, self._size)
-        samples, positions = [], []
+        want = sum(b - a for a, b in head)
         end = head[-1][1] if head else 0  # positions are read in increasing order: the window is all below
-        while head:
-            item = self._carry if self._carry is not None else self._next()
-            self._carry = None
-            if item is None:
+        samples, positions = self._carry
+        self._carry = ([], [])
+        reader = self._reader
+        if head:  # skips before the window no longer matter
+            reader.skips = [(p, n) for p, n in reader.skips if p + n > head[0][0]]
+        while want and (not positions or positions[-1] < end - 1):
+            read = list(itertools.islice(reader, max(1, want - len(samples))))
+            if not read:
                 break
-            if item[0] >= end:
-                self._carry = item
-                break
-            positions.append(item[0])
-            samples.append(item[1])
-        topology = self._reader._topology
+            samples += read
+            positions = self._positions_of(len(samples), reader.skips)
+        inside = bisect.bisect_left(positions, end)
+        self._carry = (samples[inside:], positions[inside:])
         first = head[0][0] if head else 0
-        order = window_order(len(samples), seed=self._seed, epoch=self._reader._epoch, rank=topology.rank, first=first)
-        self._window = [samples[i] for i in order]
-        self._positions = [positions[i] for i in order]
+        topology = self._reader._topology
+        order = window_order(inside, seed=self._seed, epoch=self._reader._epoch, rank=topology.rank, first=first)
+        self._window, self._order, self._positions = samples[:inside], order.tolist(), positions[:inside]
         self._yielded = 0
 
-    def _next(self) -> tuple[int, Any] | None:
-        """The reader's next sample and its position, or None at its end."""
-        reader = self._reader
-        try:
-            sample = next(reader)
-        except StopIteration:
-            return None
-        return reader.positions[reader.range_index] + reader.done_in_range - 1, sample
+    def _positions_of(self, count: int, skips: list[tuple[int, int]]) -> list[int]:
+        """Positions of the first ``count`` samples read from the window's start, given the records skipped."""
+        skipped = sum(records for _, records in skips)
+        span, _ = take(self._from, count + skipped)
+        positions = np.concatenate([np.arange(a, b) for a, b in span]) if span else np.zeros(0, np.int64)
+        if skipped:
+            gone = np.concatenate([np.arange(p, p + n) for p, n in skips])
+            positions = positions[~np.isin(positions, gone)]
+        return positions[:count].tolist()
 
     def __iter__(self) -> _WindowReader:
         return self
@@ -472,13 +489,13 @@ class _WindowReader:
                 raise StopIteration
             self._from = self._rest
             self._fill()
-        sample = self._window[self._yielded]
+        sample = self._window[self._order[self._yielded]]
         self._yielded += 1
         return sample
 
     def remaining(self) -> list[list[int]]:
         """Positions not yielded yet: the window's unyielded ones and all after it."""
-        unyielded = [(p, p + 1) for p in self._positions[self._yielded :]]
+        unyielded = [(self._positions[i], self._positions[i] + 1) for i in self._order[self._yielded :]]
         return [list(interval) for interval in union(unyielded + list(self._rest))]
 
     def state_dict(self) -> State:

@@ -59,7 +59,7 @@ def record_offsets(url: str) -> list[int]:
 
 
 def positional_read(url: str, start: int, stop: int | None) -> Iterator[int]:
-    """Records of a shard named ``pos/<first>-<count>``: their global storage positions ``first + index``."""
+    """Records of a shard named ``pos/<shard>/<first>-<count>``: their global storage positions ``first + index``."""
     first, count = map(int, url.rsplit("/", 1)[1].split("-"))
     for index in range(start, count if stop is None else min(stop, count)):
         yield first + index
@@ -68,4 +68,18 @@ def positional_read(url: str, start: int, stop: int | None) -> Iterator[int]:
 def positional_shards(counts: list[int]) -> shardkit.ShardList:
     """Shards for :func:`positional_read`: record ``i`` of the whole dataset (shard after shard) reads as ``i``."""
     firsts = [sum(counts[:i]) for i in range(len(counts))]
-    return shardkit.ShardList([f"pos/{first}-{count}" for first, count in zip(firsts, counts)], num_records=counts)
+    return shardkit.ShardList(
+        [f"pos/{i}/{first}-{count}" for i, (first, count) in enumerate(zip(firsts, counts))], num_records=counts
+    )
+
+
+def holey_positional_read(url: str, start: int, stop: int | None) -> Iterator[int]:
+    """:func:`positional_read` where every global position ``p`` with ``p % 97 == 5`` is a bad record
+    (a :class:`~shardkit.CorruptRecordError` with its framing intact: only that record is lost)."""
+    from shardkit.errors import CorruptRecordError
+
+    first = int(url.rsplit("/", 1)[1].split("-")[0])
+    for position in positional_read(url, start, stop):
+        if position % 97 == 5:
+            raise CorruptRecordError(url, position - first, -1, "a planted bad record", framing_intact=True)
+        yield position
