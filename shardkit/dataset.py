@@ -21,7 +21,9 @@ stepped past and resumes into the same reader slot only.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -456,12 +458,13 @@ class _WindowReader:
         reader = self._reader
         if head:  # skips before the window no longer matter
             reader.skips = [(p, n) for p, n in reader.skips if p + n > head[0][0]]
-        while want and (not positions or positions[-1] < end - 1):
-            read = list(itertools.islice(reader, max(1, want - len(samples))))
-            if not read:
-                break
-            samples += read
-            positions = self._positions_of(len(samples), reader.skips)
+        with _collection_paused():
+            while want and (not positions or positions[-1] < end - 1):
+                read = list(itertools.islice(reader, max(1, want - len(samples))))
+                if not read:
+                    break
+                samples += read
+                positions = self._positions_of(len(samples), reader.skips)
         inside = bisect.bisect_left(positions, end)
         self._carry = (samples[inside:], positions[inside:])
         first = head[0][0] if head else 0
@@ -503,6 +506,24 @@ class _WindowReader:
         state["remaining"] = self.remaining()
         state["window"] = {"from": [list(i) for i in self._from], "yielded": self._yielded}
         return state
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a window is read.
+
+    Every object made then is kept (the window's samples), so collections
+    would only scan and promote them: measured, they cost a third of the
+    reading time with 2,048 decoded Examples per window. Reference counting
+    still frees everything else; the collector resumes (if it was on) after.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class ShardedDataset(_PlannedSource):
