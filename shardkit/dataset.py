@@ -50,6 +50,7 @@ from shardkit.planning import (
     plan_intervals,
     rank_span,
     share,
+    split_remaining,
     take,
     union,
     window_order,
@@ -258,33 +259,54 @@ class _PlannedSource(_Source):
         if windowed:
             kwargs["block_size"] = self.shuffle_block
         fingerprint = self._fingerprint(counts)
-        size = rank_span(int(counts.sum()), topology.world_size, topology.rank, balance)[1]
-        intervals = share([(0, size)], topology.num_workers, topology.worker_id)
-        yielded, exact = 0, False
+        total = int(counts.sum())
+        base, yielded, exact = None, 0, False
         if state is not None and applies(state, epoch, self):
             expect_equal(self, "dataset", state["fingerprint"], fingerprint)
-            expect_equal(self, "world_size", state["world_size"], topology.world_size)
-            expect_equal(self, "rank", state["rank"], topology.rank)
-            remaining = state["remaining"]
-            check_positions(self, remaining, size)
-            own = own_share(state, topology.worker_id, topology.num_workers, self)
-            window = state.get("window") if windowed else None
-            if window is not None and (own or topology.num_workers == 1):  # exactly where it stopped
-                check_positions(self, window["from"], size)
-                intervals, yielded, exact = [tuple(i) for i in window["from"]], window["yielded"], True
-            else:
-                intervals = union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)
+            base = self._base_of(state)
+        if base is not None:  # the epoch resumed from a global state: this rank's part of what it left
+            chunk = split_remaining(base["remaining"], total, topology.world_size, topology.rank, balance)
+            kwargs.update(chunk=chunk, stream_world_size=base["world_size"])
+            size = sum(b - a for a, b in chunk)
+        else:
+            size = rank_span(total, topology.world_size, topology.rank, balance)[1]
+        intervals = share([(0, size)], topology.num_workers, topology.worker_id)
+        if state is not None and state["rank"] is not None and applies(state, epoch, self):
+            intervals, yielded, exact = self._resume_positions(state, topology, size, windowed)
         pieces = plan_intervals(counts, topology, intervals, **kwargs)
         stand_in = None
         if self._makes_up(balance):
             stand_in = functools.partial(self._stand_in, counts, topology, kwargs)
         reader = _RangeReader(self, pieces, epoch, topology, fingerprint, stand_in)
+        reader.base = base
         if not windowed:
             return reader
         windows = _WindowReader(reader, intervals, self.shuffle_window, seed=self.seed, skip=yielded)
         if exact:  # the window read again must leave what the state says is left
             expect_equal(self, "remaining positions (for its window)", state["remaining"], windows.remaining())
         return windows
+
+    def _base_of(self, state: State) -> dict[str, Any] | None:
+        """The global state (``world_size``, ``remaining``) an epoch resumed from on another world, if any."""
+        if state["rank"] is None:
+            check_positions(self, state["remaining"], state["fingerprint"]["records"])
+            return {"world_size": state["world_size"], "remaining": state["remaining"]}
+        return state.get("base")
+
+    def _resume_positions(
+        self, state: State, topology: Topology, size: int, windowed: bool
+    ) -> tuple[list[tuple[int, int]], int, bool]:
+        """This reader's positions from a rank's state: (intervals, window samples yielded, exact window?)."""
+        expect_equal(self, "world_size", state["world_size"], topology.world_size)
+        expect_equal(self, "rank", state["rank"], topology.rank)
+        remaining = state["remaining"]
+        check_positions(self, remaining, size)
+        own = own_share(state, topology.worker_id, topology.num_workers, self)
+        window = state.get("window") if windowed else None
+        if window is not None and (own or topology.num_workers == 1):  # exactly where it stopped
+            check_positions(self, window["from"], size)
+            return [tuple(i) for i in window["from"]], window["yielded"], True
+        return (union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)), 0, False
 
     def _makes_up(self, balance: Balance) -> bool:
         """Whether records this source skips are replaced by repeats, to keep ranks balanced."""
@@ -335,6 +357,7 @@ class _RangeReader:
         self._last: Any = _NOTHING
         self._owed = 0  # records skipped in the current range and not made up yet
         self.skips: list[tuple[int, int]] = []  # (first position, records) of runs skipped without a sample
+        self.base: dict[str, Any] | None = None  # the global state this epoch resumed from, on another world
 
     def state_dict(self) -> State:
         """The positions of this reader's part not read yet (records, not samples)."""
@@ -355,6 +378,7 @@ class _RangeReader:
             fingerprint=self._fingerprint,
             remaining=[list(interval) for interval in union(remaining)],
             share=share_of(topology.worker_id, topology.num_workers),
+            **({} if self.base is None else {"base": self.base}),
         )
 
     def __iter__(self) -> _RangeReader:
@@ -634,6 +658,28 @@ class ShardedDataset(_PlannedSource):
             )
         return self.shards.table.column("num_records")
 
+    def _base_of(self, state: State) -> dict[str, Any] | None:
+        """The global state (``world_size``, ``remaining``) an epoch resumed from on another world, if any."""
+        if state["rank"] is None:
+            check_positions(self, state["remaining"], state["fingerprint"]["records"])
+            return {"world_size": state["world_size"], "remaining": state["remaining"]}
+        return state.get("base")
+
+    def _resume_positions(
+        self, state: State, topology: Topology, size: int, windowed: bool
+    ) -> tuple[list[tuple[int, int]], int, bool]:
+        """This reader's positions from a rank's state: (intervals, window samples yielded, exact window?)."""
+        expect_equal(self, "world_size", state["world_size"], topology.world_size)
+        expect_equal(self, "rank", state["rank"], topology.rank)
+        remaining = state["remaining"]
+        check_positions(self, remaining, size)
+        own = own_share(state, topology.worker_id, topology.num_workers, self)
+        window = state.get("window") if windowed else None
+        if window is not None and (own or topology.num_workers == 1):  # exactly where it stopped
+            check_positions(self, window["from"], size)
+            return [tuple(i) for i in window["from"]], window["yielded"], True
+        return (union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)), 0, False
+
     def _makes_up(self, balance: Balance) -> bool:
         return self.on_error == "skip" and balance != "none"
 
@@ -643,7 +689,10 @@ class ShardedDataset(_PlannedSource):
     def _stand_in(self, counts: np.ndarray, topology: Topology, kwargs: dict[str, Any]) -> Any:
         """The first readable record of this rank's chunk (the record ``"pad"`` wraps round to),
         else of the dataset's shards in order."""
-        size = rank_span(int(counts.sum()), topology.world_size, topology.rank, kwargs["balance"])[1]
+        if kwargs.get("chunk") is not None:
+            size = sum(b - a for a, b in kwargs["chunk"])
+        else:
+            size = rank_span(int(counts.sum()), topology.world_size, topology.rank, kwargs["balance"])[1]
         ranges = [piece for _, piece in plan_intervals(counts, topology, [(0, size)], **kwargs)]
         ranges += [Range(shard, 0, None) for shard in range(len(counts))]
         for shard, start, stop in ranges:

@@ -170,6 +170,8 @@ def plan_intervals(
     shuffle: bool = False,
     balance: Balance = "pad",
     block_size: int | None = None,
+    chunk: Sequence[tuple[int, int]] | None = None,
+    stream_world_size: int | None = None,
 ) -> list[tuple[int, Range]]:
     """The ranges holding positions ``intervals`` of this rank's chunk, in order.
 
@@ -178,6 +180,11 @@ def plan_intervals(
     of workers: resuming uses them to say what is left of an epoch. Each range
     comes with the chunk position of its first record. The worker fields of
     ``topology`` are not used; every record count must be known.
+
+    After a resume on another world size the chunk is not the plan's: then
+    ``chunk`` gives it as intervals of global stream positions (see
+    :func:`split_remaining`), and ``stream_world_size`` the world size the
+    epoch's stream was planned for (its blocks depend on it).
 
     Raises:
         PlanError: on unknown counts, intervals outside the chunk, or the
@@ -191,16 +198,79 @@ def plan_intervals(
             "(a manifest, index files) or call count_records() on the dataset"
         )
     total = int(counts.sum())
-    rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, balance)
-    stream = _Stream.build(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=topology.world_size, block_size=block_size)
+    if chunk is None:
+        rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, balance)
+        chunk = [(rank_start, rank_start + rank_size)]
+    rank_size = sum(stop - start for start, stop in chunk)
+    world_size = topology.world_size if stream_world_size is None else stream_world_size
+    stream = _Stream.build(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, block_size=block_size)
     out: list[tuple[int, Range]] = []
     for start, stop in intervals:
         if not 0 <= start <= stop <= rank_size:
             raise PlanError(f"interval [{start}, {stop}) is outside this rank's chunk of {rank_size} records")
         position = start
-        for piece in stream.ranges(rank_start + start, rank_start + stop) if stop > start else []:
-            out.append((position, piece))
-            position += piece.stop - piece.start
+        for global_start, global_stop in through(chunk, start, stop):
+            for piece in stream.ranges(global_start, global_stop):
+                out.append((position, piece))
+                position += piece.stop - piece.start
+    return out
+
+
+def through(chunk: Sequence[Sequence[int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """Positions ``[start, stop)`` of a chunk (intervals of stream positions laid end to end) as stream intervals."""
+    out: list[tuple[int, int]] = []
+    for a, b in chunk:
+        length = b - a
+        if stop <= 0:
+            break
+        if start < length:
+            out.append((a + max(start, 0), a + min(stop, length)))
+        start, stop = start - length, stop - length
+    return [(a, b) for a, b in out if b > a]
+
+
+def split_remaining(
+    remaining: Sequence[Sequence[int]], total: int, world_size: int, rank: int, balance: Balance
+) -> list[tuple[int, int]]:
+    """Rank ``rank``'s part of what is left of an epoch, on a new world of ``world_size`` ranks.
+
+    ``remaining`` are sorted, disjoint intervals of global stream positions
+    (``0 <= position < total``) not delivered yet, as a gathered state holds
+    them. Their ``n`` positions, in order, are split as :func:`rank_span`
+    splits a stream: ``"none"`` as evenly as possible (each position once);
+    ``"pad"`` ``ceil(n / world_size)`` per rank, the last ranks repeating the
+    first few remaining positions; ``"drop"`` ``floor(n / world_size)`` per
+    rank, leaving out the last ``n mod world_size``. A repeat is returned as
+    ``position + total``, which the stream reads as the same record (it wraps)
+    and a later gather knows not to owe again.
+
+    Example:
+        >>> [split_remaining([(2, 5), (8, 10)], 10, 2, r, "pad") for r in (0, 1)]
+        [[(2, 5)], [(8, 10), (12, 13)]]
+    """
+    merged = union(remaining)
+    count = sum(stop - start for start, stop in merged)
+    if count == 0:
+        return []
+    if balance == "drop" and count < world_size:
+        return []  # nothing is left that every rank could have a share of: all ranks end the epoch
+    start, size = rank_span(count, world_size, rank, balance)
+    out: list[tuple[int, int]] = []
+    lap = 0
+    while size > 0:  # under "pad" the part may wrap round to the first remaining positions
+        offset = start % count if lap == 0 else 0
+        for a, b in merged:
+            if size == 0:
+                break
+            if offset >= b - a:
+                offset -= b - a
+                continue
+            take_here = min(size, b - a - offset)
+            shift = total if lap or start >= count else 0  # a repeat: past the stream's end, wrapping
+            out.append((a + offset + shift, a + offset + take_here + shift))
+            size -= take_here
+            offset = 0
+        lap += 1
     return out
 
 
@@ -436,7 +506,9 @@ __all__ = [
     "rank_span",
     "reader_counts",
     "share",
+    "split_remaining",
     "take",
+    "through",
     "union",
     "window_order",
     "worker_span",
