@@ -110,10 +110,11 @@ def one_epoch(make: Make, content: Any, opts: Options) -> tuple[list[int], float
     return order, seconds
 
 
-def measure(content: Any, opts: Options, repeat: int) -> dict[str, dict[str, Any]]:
+def measure(content: Any, opts: Options, repeat: int, only: str = "") -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
+    chosen = {name: make for name, make in loaders(opts.buffer).items() if only in name}
     for _ in range(repeat):  # interleaved rounds: load on the machine hurts every loader alike
-        for name, make in loaders(opts.buffer).items():
+        for name, make in chosen.items():
             for shuffled in (True, False):
                 order, seconds = one_epoch(make, content, Options(opts.workers, opts.batch, opts.buffer, shuffled))
                 row = results.setdefault(name, {"times": {True: [], False: []}})
@@ -150,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--buffer", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", default="", help="only the loaders whose name contains this (e.g. shardkit)")
     args = parser.parse_args(argv)
     if args.quick:
         args.shards, args.records, args.repeat = 8, 1000, 1
     with tempfile.TemporaryDirectory(prefix="shardkit-shuffle-") as root:
         content = compare.make_content(root, args.shards, args.records)
         opts = Options(args.workers, args.batch, args.buffer)
-        results = measure(content, opts, args.repeat)
+        results = measure(content, opts, args.repeat, args.only)
     print(
         f"{args.shards} shards x {args.records} records, {args.workers} workers, batch {args.batch}, "
         f"best of {args.repeat} interleaved rounds; {compare._machine()}"

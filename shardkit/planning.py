@@ -155,7 +155,9 @@ def plan(
     worker_offset, worker_size = worker_span(rank_size, topology.num_workers, topology.worker_id)
     if worker_size == 0:
         return []
-    stream = _Stream.build(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=topology.world_size, block_size=block_size)
+    stream = _Stream.build(
+        counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=topology.world_size, block_size=block_size
+    )
     start = rank_start + worker_offset
     return stream.ranges(start, start + worker_size)
 
@@ -203,7 +205,9 @@ def plan_intervals(
         chunk = [(rank_start, rank_start + rank_size)]
     rank_size = sum(stop - start for start, stop in chunk)
     world_size = topology.world_size if stream_world_size is None else stream_world_size
-    stream = _Stream.build(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, block_size=block_size)
+    stream = _Stream.build(
+        counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, block_size=block_size
+    )
     out: list[tuple[int, Range]] = []
     for start, stop in intervals:
         if not 0 <= start <= stop <= rank_size:

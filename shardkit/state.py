@@ -57,6 +57,18 @@ States of all DataLoader workers of one rank merge (:func:`merge`) into one
 state of the rank (``share`` None) that any number of workers can resume:
 each takes an even part of the remaining positions and of the buffered
 samples. That is how :class:`~shardkit.MixedLoader` restores elastically.
+
+The states of all ranks combine (:func:`merge_ranks`, or :func:`gather`
+through the process group) into one *global* ``"planned"`` state: ``rank``
+None, ``remaining`` in positions of the epoch's global stream (records not
+delivered by any rank; repeats that ``"pad"`` planned are not owed), and
+``world_size`` the world size that stream was planned for. It loads on any
+world size and number of workers: each rank takes its part with
+:func:`~shardkit.planning.split_remaining` (``"pad"``/``"drop"`` equalise
+the counts again), and a state it saves later carries that global state as
+``base`` (its positions count within its part), so it can be gathered again.
+Only shard datasets with ``map``/``filter``/``batch`` stages combine over
+ranks: a shuffle buffer, an interleave or a repeat keeps per-rank positions.
 """
 
 from __future__ import annotations
@@ -871,7 +883,8 @@ def merge_ranks(states: Sequence[State | Sequence[State]]) -> State:
     """One global state from the states of every rank (rank order not needed).
 
     Each item is one rank's state: a whole-rank state (``share`` None, as
-    :func:`merge` makes) or the list of its workers' states (merged here).
+    :func:`merge` makes), the list of its workers' states (merged here), or
+    a :class:`~shardkit.MixedLoader` state without cut micro-batches.
     The result holds, in global stream positions, exactly the records no
     rank has delivered yet (``rank`` None, ``world_size`` the world size the
     epoch's stream was planned for), and loads into the same pipeline on
@@ -888,8 +901,21 @@ def merge_ranks(states: Sequence[State | Sequence[State]]) -> State:
     """
     if not states:
         raise StateError("merge_ranks() needs the state of every rank, got none")
-    wholes = [merge(list(s)) if isinstance(s, (list, tuple)) else merge([s]) for s in states]
+    wholes = [merge(list(s)) if isinstance(s, (list, tuple)) else merge([_dataset_part(s)]) for s in states]
     return _merge_ranks(wholes)
+
+
+def _dataset_part(state: State) -> Any:
+    """A rank's dataset state; from a MixedLoader state, its workers' states (merged)."""
+    if not isinstance(state, dict) or state.get("kind") != "mixed_loader":
+        return state
+    if state.get("carry"):
+        raise StateError(
+            "this MixedLoader state holds samples cut out of micro-batches (its 'carry'), which cannot be "
+            "dealt to the ranks of another world yet; save where every batch is made of whole micro-batches "
+            "(batch_size a multiple of micro_batch_size), or resume on the same world size"
+        )
+    return merge(state["workers"])
 
 
 def _merge_ranks(states: Sequence[State]) -> State:
@@ -913,7 +939,9 @@ def _merge_planned_ranks(states: Sequence[State]) -> State:
     fingerprint, world_size = fields["fingerprint"], fields["world_size"]
     ranks = sorted(s["rank"] for s in states)
     if ranks != list(range(world_size)):
-        raise StateError(f"merge_ranks needs the state of every rank 0..{world_size - 1} exactly once, got ranks {ranks}")
+        raise StateError(
+            f"merge_ranks needs the state of every rank 0..{world_size - 1} exactly once, got ranks {ranks}"
+        )
     bases = [s.get("base") for s in states]
     if any(b != bases[0] for b in bases):
         raise StateError("cannot merge rank states resumed from different global states")
@@ -933,8 +961,14 @@ def _merge_planned_ranks(states: Sequence[State]) -> State:
     window = {"window": None} if "window" in fingerprint else {}
     stream_world = world_size if base is None else base["world_size"]
     return node(
-        "planned", epoch=fields["epoch"], world_size=stream_world, rank=None, fingerprint=fingerprint,
-        remaining=[list(i) for i in remaining], share=None, **window,
+        "planned",
+        epoch=fields["epoch"],
+        world_size=stream_world,
+        rank=None,
+        fingerprint=fingerprint,
+        remaining=[list(i) for i in remaining],
+        share=None,
+        **window,
     )
 
 
@@ -942,7 +976,7 @@ def gather(state: State | Sequence[State], group: Any = None) -> State:
     """The global state of all ranks, on every rank, through the process group.
 
     ``state`` is this rank's pipeline state (or the list of its DataLoader
-    workers' states); the states travel as JSON-able objects with
+    workers' states, or a :class:`~shardkit.MixedLoader` state); the states travel as JSON-able objects with
     ``all_gather_object``. Without an initialised process group, the state
     of this one rank is made global. Save the result (one file suffices, any
     rank) and load it with ``load_state_dict`` on any world size; see

@@ -42,7 +42,13 @@ def as_worker(worker: int, workers: int):  # type: ignore[no-untyped-def]
 
 def dataset(rank: int, world_size: int, balance: str = "none", shuffle: bool = True) -> ShardedDataset:
     source = ShardedDataset(
-        positional_shards(COUNTS), positional_read, shuffle=shuffle, seed=9, balance=balance, rank=rank, world_size=world_size
+        positional_shards(COUNTS),
+        positional_read,
+        shuffle=shuffle,
+        seed=9,
+        balance=balance,
+        rank=rank,
+        world_size=world_size,
     )
     source.shuffle_block, source.shuffle_window = 32, 200
     return source
@@ -60,7 +66,9 @@ def owed_samples(state: dict[str, Any], shuffle: bool = True) -> set[int]:
     return {firsts[r.shard] + i for _, r in pieces for i in range(r.start, r.stop)}
 
 
-def save_mid_epoch(world_size: int, workers: int, balance: str, shuffle: bool, reads: list[int]) -> tuple[list[int], list[Any]]:
+def save_mid_epoch(
+    world_size: int, workers: int, balance: str, shuffle: bool, reads: list[int]
+) -> tuple[list[int], list[Any]]:
     """Every (rank, worker) reads ``reads[...]`` samples and saves; returns what was delivered and the rank states."""
     delivered: list[int] = []
     states = []
@@ -186,6 +194,14 @@ def test_merge_ranks_refuses_missing_or_repeated_ranks_and_buffers() -> None:
         merge_ranks([source.state_dict()])
 
 
+def test_a_mixed_loader_state_gathers_unless_it_holds_cut_micro_batches() -> None:
+    _, states = save_mid_epoch(1, 2, "none", True, [30, 50])
+    loader_state = {"version": 1, "kind": "mixed_loader", "workers": states[0], "carry": []}
+    assert merge_ranks([loader_state]) == merge_ranks([states[0]])
+    with pytest.raises(StateError, match="cut out of micro-batches"):
+        merge_ranks([{**loader_state, "carry": [{"worker": 0, "count": 2, "payload": []}]}])
+
+
 def test_a_global_state_is_checked_like_any_state() -> None:
     _, states = save_mid_epoch(2, 1, "pad", True, [10])
     state = merge_ranks(states)
@@ -235,7 +251,7 @@ SCRIPT = textwrap.dedent(
                 state = loader.state_dict()
                 break
         assert not state["carry"], "batches of whole micro-batches leave nothing cut"
-        merged = gather(state["workers"])
+        merged = gather(state)
         if rank == 0:
             json.dump(merged, open(out + ".state", "w"))
     else:

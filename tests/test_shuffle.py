@@ -53,7 +53,9 @@ def rank_order(source: ShardedDataset, workers: int) -> list[int]:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("workers", [0, 2, 3])
-def test_default_shuffle_leaves_under_one_percent_adjacent_with_near_uniform_entropy(world_size: int, workers: int) -> None:
+def test_default_shuffle_leaves_under_one_percent_adjacent_with_near_uniform_entropy(
+    world_size: int, workers: int
+) -> None:
     orders = [rank_order(dataset(rank=rank, world_size=world_size), workers) for rank in range(world_size)]
     assert sorted(p for order in orders for p in order) == list(range(TOTAL))  # exactly once (pad adds none here)
     for order in orders:
@@ -96,7 +98,9 @@ def test_what_a_rank_reads_does_not_depend_on_its_worker_count() -> None:
         assert len(chunks) == 1
 
 
-def read_all(counts: list[int], world_size: int, workers: int, balance: str, block: int, window: int) -> list[list[int]]:
+def read_all(
+    counts: list[int], world_size: int, workers: int, balance: str, block: int, window: int
+) -> list[list[int]]:
     """Every rank's samples, its workers one after the other, read in this process."""
     out = []
     for rank in range(world_size):
@@ -150,6 +154,7 @@ def states_along(make: Any, batches: list[int]) -> tuple[list[Any], dict[int, tu
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_windows_exactly_at_random_points(workers: int) -> None:
     counts = [300, 450, 200, 520, 330]  # 1,800 records; windows of 256 over blocks of 32
+
     def make() -> StatefulDataLoader:
         source = dataset(counts)
         source.shuffle_block, source.shuffle_window = 32, 256
