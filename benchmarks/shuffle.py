@@ -41,6 +41,7 @@ sys.modules["_compare"] = compare
 _spec.loader.exec_module(compare)  # type: ignore[union-attr]
 
 import shardkit  # noqa: E402
+from shardkit.planning import SHUFFLE_BLOCK, SHUFFLE_WINDOW  # noqa: E402
 from shardkit.quality import shuffle_quality  # noqa: E402
 
 Make = Callable[[Any, "Options"], Iterable[Any]]
@@ -52,6 +53,8 @@ class Options:
     batch: int
     buffer: int
     shuffle: bool = True
+    window: int = SHUFFLE_WINDOW
+    block: int = SHUFFLE_BLOCK
 
 
 def _ids_of(batch: Any) -> list[int]:
@@ -60,8 +63,8 @@ def _ids_of(batch: Any) -> list[int]:
 
 def shardkit_loader(content: Any, opts: Options, *, buffer: bool, window: int | None = None) -> Iterable[Any]:
     source = shardkit.TFRecordDataset(content.tfrecord, decode="example", shuffle=opts.shuffle)
-    if window is not None:
-        source.shuffle_window = window
+    source.shuffle_window = opts.window if window is None else window
+    source.shuffle_block = opts.block
     dataset = source.map(compare._example_pair)
     if buffer and opts.shuffle:
         dataset = dataset.shuffle(opts.buffer)
@@ -116,7 +119,8 @@ def measure(content: Any, opts: Options, repeat: int, only: str = "") -> dict[st
     for _ in range(repeat):  # interleaved rounds: load on the machine hurts every loader alike
         for name, make in chosen.items():
             for shuffled in (True, False):
-                order, seconds = one_epoch(make, content, Options(opts.workers, opts.batch, opts.buffer, shuffled))
+                options = Options(opts.workers, opts.batch, opts.buffer, shuffled, opts.window, opts.block)
+                order, seconds = one_epoch(make, content, options)
                 row = results.setdefault(name, {"times": {True: [], False: []}})
                 row["times"][shuffled].append(seconds)
                 if shuffled:
@@ -151,16 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--buffer", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--window", type=int, default=SHUFFLE_WINDOW, help="shardkit's shuffle_window")
+    parser.add_argument("--block", type=int, default=SHUFFLE_BLOCK, help="shardkit's shuffle_block")
     parser.add_argument("--only", default="", help="only the loaders whose name contains this (e.g. shardkit)")
     args = parser.parse_args(argv)
     if args.quick:
         args.shards, args.records, args.repeat = 8, 1000, 1
     with tempfile.TemporaryDirectory(prefix="shardkit-shuffle-") as root:
         content = compare.make_content(root, args.shards, args.records)
-        opts = Options(args.workers, args.batch, args.buffer)
+        opts = Options(args.workers, args.batch, args.buffer, True, args.window, args.block)
         results = measure(content, opts, args.repeat, args.only)
     print(
         f"{args.shards} shards x {args.records} records, {args.workers} workers, batch {args.batch}, "
+        f"shardkit shuffle_window {args.window}, shuffle_block {args.block}, "
         f"best of {args.repeat} interleaved rounds; {compare._machine()}"
     )
     print_table(results, args.shards * args.records)
