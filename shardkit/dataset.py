@@ -17,8 +17,9 @@ all workers resumes with any number of them, each reading an even part of
 what is left. The states of all ranks combine (:func:`shardkit.state.gather`,
 :func:`shardkit.state.merge_ranks`) into one global state of stream
 positions that loads on any world size: each new rank takes its part of what
-is left (:func:`~shardkit.planning.split_remaining`). A ``wrap`` of a plain iterable saves how many items its reader
-stepped past and resumes into the same reader slot only.
+is left (:func:`~shardkit.planning.split_remaining`). A ``wrap`` of a plain
+iterable saves how many items its reader stepped past and resumes into the
+same reader slot only.
 """
 
 from __future__ import annotations
@@ -543,8 +544,10 @@ def _collection_paused() -> Iterator[None]:
 
     Every object made then is kept (the window's samples), so collections
     would only scan and promote them: measured, they cost a third of the
-    reading time with a few thousand decoded Examples per window. Reference counting
-    still frees everything else; the collector resumes (if it was on) after.
+    reading time with a few thousand decoded Examples per window. Reference
+    counting still frees everything else; the collector resumes (if it was
+    on) after. The pause is process-wide: in a DataLoader worker only the
+    reading runs; with ``num_workers=0`` other threads' cycles wait for it.
     """
     enabled = gc.isenabled()
     gc.disable()
