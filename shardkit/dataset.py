@@ -488,8 +488,9 @@ class _WindowReader:
         reader = self._reader
         if head:  # skips before the window no longer matter
             reader.skips = [(p, n) for p, n in reader.skips if p + n > head[0][0]]
+        last = not self._rest  # read the reader to its end: its last range's end checks and counts run
         with _collection_paused():
-            while want and (not positions or positions[-1] < end - 1):
+            while want and (last or not positions or positions[-1] < end - 1):
                 read = list(itertools.islice(reader, max(1, want - len(samples))))
                 if not read:
                     break

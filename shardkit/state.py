@@ -258,8 +258,10 @@ def _check_planned(state: State, where: str) -> None:
     _epoch(state, where)
     world_size = whole_number(state, "world_size", where, 1)
     rank = field(state, "rank", where, int, type(None))
-    if rank is not None and not 0 <= rank < world_size:
-        raise StateError(f"{where}: state['rank'] {rank} is not in [0, state['world_size'] {world_size})")
+    if rank is not None and rank < 0:
+        raise StateError(f"{where}: state['rank'] must be >= 0 (or None for a global state), got {rank}")
+    if rank is not None and rank >= world_size:
+        raise StateError(f"{where}: state['rank'] {rank} is not below state['world_size'] {world_size}")
     field(state, "fingerprint", where, dict)
     check_intervals(field(state, "remaining", where, *_SEQUENCE), where)
     _share(state, where)

@@ -480,6 +480,9 @@ def in_sample(path: Path_) -> bool:
 def may_be_none(tree: Any, path: Path_) -> bool:
     """Fields where None is also a valid value."""
     parent = at(tree, path[:-1])
+    # "window": None is a merged (positions-only) state; "rank": None a global state (any world size)
+    if path[-1] in ("window", "rank") and parent.get("kind") == "planned":
+        return True
     return path[-1] in ("rng", "share") or (path[-1] == "upstream" and parent.get("kind") == "repeat")
 
 
