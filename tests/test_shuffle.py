@@ -242,3 +242,17 @@ def test_skipped_records_leave_windows_short_and_resume_stays_exact(workers: int
         loader = make()
         loader.load_state_dict(state)
         assert delivered + [batch.tolist() for batch in loader] == full, f"resumed after batch {count}"
+
+
+@pytest.mark.parametrize("longer", range(4))
+def test_a_shard_longer_than_its_count_is_found_wherever_its_last_block_is_read(longer: int) -> None:
+    """The end checks of a reader's last range run too (the window reads its reader to the end)."""
+    counts = [40, 40, 40, 40]
+    urls = [f"pos/{i}/{40 * i}-{40 + 5 * (i == longer)}" for i in range(4)]  # one shard holds 5 records more
+    from shardkit import CorruptRecordError, ShardList
+
+    for seed in range(6):
+        source = ShardedDataset(ShardList(urls, num_records=counts), positional_read, shuffle=True, seed=seed)
+        source.shuffle_block, source.shuffle_window = 8, 32
+        with pytest.raises(CorruptRecordError, match="more records than its planned count"):
+            list(source)
