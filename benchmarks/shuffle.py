@@ -14,7 +14,8 @@ positions that :func:`shardkit.quality.shuffle_quality` scores:
 Throughput is samples/s of a whole epoch, best of ``--repeat`` interleaved
 rounds, and ``vs no shuffle`` divides it by the same loader without
 shuffling (shardkit's target: >= 0.8x with the default ``shuffle=True``, while
-at most 1% adjacent and entropy >= 0.9).
+at most 1% adjacent and entropy >= 0.9). ``shuffle_window=0`` is the
+shard-and-block shuffle that ``shuffle=True`` was before sample-level shuffling.
 
     python benchmarks/shuffle.py [--quick] [--shards 32] [--records 4096] [--buffer 1000] [--repeat 3]
 """
@@ -40,6 +41,7 @@ sys.modules["_compare"] = compare
 _spec.loader.exec_module(compare)  # type: ignore[union-attr]
 
 import shardkit  # noqa: E402
+from shardkit.planning import SHUFFLE_BLOCK, SHUFFLE_WINDOW  # noqa: E402
 from shardkit.quality import shuffle_quality  # noqa: E402
 
 Make = Callable[[Any, "Options"], Iterable[Any]]
@@ -51,16 +53,19 @@ class Options:
     batch: int
     buffer: int
     shuffle: bool = True
+    window: int = SHUFFLE_WINDOW
+    block: int = SHUFFLE_BLOCK
 
 
 def _ids_of(batch: Any) -> list[int]:
     return [compare.sample_id(payload) for payload in batch[0]]
 
 
-def shardkit_loader(content: Any, opts: Options, *, buffer: bool) -> Iterable[Any]:
-    dataset = shardkit.TFRecordDataset(content.tfrecord, decode="example", shuffle=opts.shuffle).map(
-        compare._example_pair
-    )
+def shardkit_loader(content: Any, opts: Options, *, buffer: bool, window: int | None = None) -> Iterable[Any]:
+    source = shardkit.TFRecordDataset(content.tfrecord, decode="example", shuffle=opts.shuffle)
+    source.shuffle_window = opts.window if window is None else window
+    source.shuffle_block = opts.block
+    dataset = source.map(compare._example_pair)
     if buffer and opts.shuffle:
         dataset = dataset.shuffle(opts.buffer)
     return compare._dataloader(dataset, compare.Setup(opts.workers, opts.batch))
@@ -89,7 +94,10 @@ def hf_loader(content: Any, opts: Options) -> Iterable[Any]:
 
 def loaders(buffer: int) -> dict[str, Make]:
     return {
-        "shardkit shuffle=True": lambda c, o: shardkit_loader(c, o, buffer=False),
+        "shardkit shuffle=True (default: sample-level)": lambda c, o: shardkit_loader(c, o, buffer=False),
+        "shardkit shuffle=True, shuffle_window=0 (shards and blocks only)": lambda c, o: shardkit_loader(
+            c, o, buffer=False, window=0
+        ),
         f"shardkit shuffle=True + .shuffle({buffer})": lambda c, o: shardkit_loader(c, o, buffer=True),
         f"webdataset shardshuffle + .shuffle({buffer})": webdataset_loader,
         f"HF datasets streaming .shuffle(buffer_size={buffer})": hf_loader,
@@ -105,12 +113,14 @@ def one_epoch(make: Make, content: Any, opts: Options) -> tuple[list[int], float
     return order, seconds
 
 
-def measure(content: Any, opts: Options, repeat: int) -> dict[str, dict[str, Any]]:
+def measure(content: Any, opts: Options, repeat: int, only: str = "") -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
+    chosen = {name: make for name, make in loaders(opts.buffer).items() if only in name}
     for _ in range(repeat):  # interleaved rounds: load on the machine hurts every loader alike
-        for name, make in loaders(opts.buffer).items():
+        for name, make in chosen.items():
             for shuffled in (True, False):
-                order, seconds = one_epoch(make, content, Options(opts.workers, opts.batch, opts.buffer, shuffled))
+                options = Options(opts.workers, opts.batch, opts.buffer, shuffled, opts.window, opts.block)
+                order, seconds = one_epoch(make, content, options)
                 row = results.setdefault(name, {"times": {True: [], False: []}})
                 row["times"][shuffled].append(seconds)
                 if shuffled:
@@ -145,15 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--buffer", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--window", type=int, default=SHUFFLE_WINDOW, help="shardkit's shuffle_window")
+    parser.add_argument("--block", type=int, default=SHUFFLE_BLOCK, help="shardkit's shuffle_block")
+    parser.add_argument("--only", default="", help="only the loaders whose name contains this (e.g. shardkit)")
     args = parser.parse_args(argv)
     if args.quick:
         args.shards, args.records, args.repeat = 8, 1000, 1
     with tempfile.TemporaryDirectory(prefix="shardkit-shuffle-") as root:
         content = compare.make_content(root, args.shards, args.records)
-        opts = Options(args.workers, args.batch, args.buffer)
-        results = measure(content, opts, args.repeat)
+        opts = Options(args.workers, args.batch, args.buffer, True, args.window, args.block)
+        results = measure(content, opts, args.repeat, args.only)
     print(
         f"{args.shards} shards x {args.records} records, {args.workers} workers, batch {args.batch}, "
+        f"shardkit shuffle_window {args.window}, shuffle_block {args.block}, "
         f"best of {args.repeat} interleaved rounds; {compare._machine()}"
     )
     print_table(results, args.shards * args.records)

@@ -28,6 +28,22 @@ How it works (all vectorised with numpy):
 A shard is therefore split only where a reader's span begins or ends inside
 it (or, when shuffling, into blocks): whole shards and long sequential reads
 are the rule, and no reader is left empty while there are records for it.
+
+**Sample-level shuffling** (what the datasets' ``shuffle=True`` does) takes
+two more steps. The plan is called with ``block_size=SHUFFLE_BLOCK``: blocks
+are at most that many records, so each reader's part of the stream is a run
+of many small blocks from all over the dataset (the stream still depends on
+the world size only, never on the number of workers). The reader then
+cuts its part into windows of ``SHUFFLE_WINDOW`` consecutive positions,
+reads a window sequentially (one sequential read per block) and yields it
+in the order :func:`window_order` gives, seeded from ``(seed, epoch, rank,
+first position of the window)``. A window holds about ``window / block``
+blocks from random places, so neighbours in the output are rarely from the
+same block (measured on 32 x 4,096 records: 0.05% of neighbours adjacent in
+storage, jump entropy 0.97 of a uniform permutation's, 0.96x the throughput
+of ``shuffle=False``; see ``benchmarks/shuffle.py``). Smaller blocks shuffle
+better but cost one more read each (an open and an index lookup); a larger
+window shuffles better but holds more samples. Memory: one window of samples per reader.
 """
 
 from __future__ import annotations
@@ -46,6 +62,14 @@ BALANCES: tuple[str, ...] = ("none", "pad", "drop")
 #: With shuffling, shards are cut into blocks of about ``N / (BLOCKS_PER_RANK * R)``
 #: records so that the pieces of a few large shards are dealt out at random too.
 BLOCKS_PER_RANK = 8
+
+#: Largest block (records) when the datasets shuffle samples: small enough that a
+#: window holds blocks from many places, large enough that a block is a sequential read.
+SHUFFLE_BLOCK = 512
+
+#: Records a reader gathers and permutes at once when the datasets shuffle samples:
+#: the memory cost of ``shuffle=True`` is this many samples per reader.
+SHUFFLE_WINDOW = 4096
 
 RecordCounts = Union[np.ndarray, Sequence[Union[int, None]], "pyarrow.Array", "pyarrow.ChunkedArray"]  # noqa: F821
 
@@ -80,6 +104,7 @@ def plan(
     epoch: int = 0,
     shuffle: bool = False,
     balance: Balance = "pad",
+    block_size: int | None = None,
 ) -> list[Range]:
     """The record ranges one (rank, worker) reads, in reading order.
 
@@ -90,6 +115,8 @@ def plan(
         topology: the reader whose part to return; see :meth:`Topology.current`.
         seed, epoch: select the permutation when ``shuffle`` is true.
         shuffle: permute the shards (and the blocks of large shards).
+        block_size: with ``shuffle``, cut shards into blocks of at most this
+            many records (default: about ``N / (8 * world_size)``).
         balance: ``"none"`` (every record exactly once), ``"pad"`` (every rank
             reads ``ceil(N / world_size)`` records, repeating a few) or
             ``"drop"`` (every rank reads ``floor(N / world_size)``).
@@ -130,7 +157,9 @@ def plan(
     worker_offset, worker_size = worker_span(rank_size, topology.num_workers, topology.worker_id)
     if worker_size == 0:
         return []
-    stream = _Stream.build(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=topology.world_size)
+    stream = _Stream.build(
+        counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=topology.world_size, block_size=block_size
+    )
     start = rank_start + worker_offset
     return stream.ranges(start, start + worker_size)
 
@@ -144,6 +173,9 @@ def plan_intervals(
     epoch: int = 0,
     shuffle: bool = False,
     balance: Balance = "pad",
+    block_size: int | None = None,
+    chunk: Sequence[tuple[int, int]] | None = None,
+    stream_world_size: int | None = None,
 ) -> list[tuple[int, Range]]:
     """The ranges holding positions ``intervals`` of this rank's chunk, in order.
 
@@ -152,6 +184,11 @@ def plan_intervals(
     of workers: resuming uses them to say what is left of an epoch. Each range
     comes with the chunk position of its first record. The worker fields of
     ``topology`` are not used; every record count must be known.
+
+    After a resume on another world size the chunk is not the plan's: then
+    ``chunk`` gives it as intervals of global stream positions (see
+    :func:`split_remaining`), and ``stream_world_size`` the world size the
+    epoch's stream was planned for (its blocks depend on it).
 
     Raises:
         PlanError: on unknown counts, intervals outside the chunk, or the
@@ -165,17 +202,108 @@ def plan_intervals(
             "(a manifest, index files) or call count_records() on the dataset"
         )
     total = int(counts.sum())
-    rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, balance)
-    stream = _Stream.build(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=topology.world_size)
+    if chunk is None:
+        rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, balance)
+        chunk = [(rank_start, rank_start + rank_size)]
+    rank_size = sum(stop - start for start, stop in chunk)
+    world_size = topology.world_size if stream_world_size is None else stream_world_size
+    stream = _Stream.build(
+        counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, block_size=block_size
+    )
     out: list[tuple[int, Range]] = []
     for start, stop in intervals:
         if not 0 <= start <= stop <= rank_size:
             raise PlanError(f"interval [{start}, {stop}) is outside this rank's chunk of {rank_size} records")
         position = start
-        for piece in stream.ranges(rank_start + start, rank_start + stop) if stop > start else []:
-            out.append((position, piece))
-            position += piece.stop - piece.start
+        for global_start, global_stop in through(chunk, start, stop):
+            for piece in stream.ranges(global_start, global_stop):
+                out.append((position, piece))
+                position += piece.stop - piece.start
     return out
+
+
+def through(chunk: Sequence[Sequence[int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """Positions ``[start, stop)`` of a chunk (intervals of stream positions laid end to end) as stream intervals."""
+    out: list[tuple[int, int]] = []
+    for a, b in chunk:
+        length = b - a
+        if stop <= 0:
+            break
+        if start < length:
+            out.append((a + max(start, 0), a + min(stop, length)))
+        start, stop = start - length, stop - length
+    return [(a, b) for a, b in out if b > a]
+
+
+def split_remaining(
+    remaining: Sequence[Sequence[int]], total: int, world_size: int, rank: int, balance: Balance
+) -> list[tuple[int, int]]:
+    """Rank ``rank``'s part of what is left of an epoch, on a new world of ``world_size`` ranks.
+
+    ``remaining`` are sorted, disjoint intervals of global stream positions
+    (``0 <= position < total``) not delivered yet, as a gathered state holds
+    them. Their ``n`` positions, in order, are split as :func:`rank_span`
+    splits a stream: ``"none"`` as evenly as possible (each position once);
+    ``"pad"`` ``ceil(n / world_size)`` per rank, the last ranks repeating the
+    first few remaining positions; ``"drop"`` ``floor(n / world_size)`` per
+    rank, leaving out the last ``n mod world_size``. A repeat is returned as
+    ``position + total``, which the stream reads as the same record (it wraps)
+    and a later gather knows not to owe again.
+
+    Example:
+        >>> [split_remaining([(2, 5), (8, 10)], 10, 2, r, "pad") for r in (0, 1)]
+        [[(2, 5)], [(8, 10), (12, 13)]]
+    """
+    merged = union(remaining)
+    count = sum(stop - start for start, stop in merged)
+    if count == 0:
+        return []
+    if balance == "drop" and count < world_size:
+        return []  # nothing is left that every rank could have a share of: all ranks end the epoch
+    start, size = rank_span(count, world_size, rank, balance)
+    out: list[tuple[int, int]] = []
+    lap = 0
+    while size > 0:  # under "pad" the part may wrap round to the first remaining positions
+        offset = start % count if lap == 0 else 0
+        for a, b in merged:
+            if size == 0:
+                break
+            if offset >= b - a:
+                offset -= b - a
+                continue
+            take_here = min(size, b - a - offset)
+            shift = total if lap or start >= count else 0  # a repeat: past the stream's end, wrapping
+            out.append((a + offset + shift, a + offset + take_here + shift))
+            size -= take_here
+            offset = 0
+        lap += 1
+    return out
+
+
+def window_order(size: int, *, seed: int, epoch: int, rank: int, first: int) -> np.ndarray:
+    """The order in which a reader yields a window of ``size`` records whose first
+    position in rank ``rank``'s chunk is ``first``: a permutation of ``range(size)``.
+
+    A function of the window's identity only, so a resumed reader that reads the
+    window again yields it in the same order (and a state can say how much of it
+    was yielded with one number).
+    """
+    return np.random.default_rng([seed, epoch, rank, first, 0x5348]).permutation(size)
+
+
+def take(intervals: Sequence[Sequence[int]], count: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The first ``count`` positions of ``intervals`` (in order) and the rest, both as intervals."""
+    head: list[tuple[int, int]] = []
+    rest: list[tuple[int, int]] = []
+    for start, stop in intervals:
+        start, stop = int(start), int(stop)
+        take_here = max(0, min(count, stop - start))
+        if take_here:
+            head.append((start, start + take_here))
+            count -= take_here
+        if start + take_here < stop:
+            rest.append((start + take_here, stop))
+    return head, rest
 
 
 def union(intervals: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
@@ -273,12 +401,16 @@ class _Stream:
         self.total = int(end[-1]) if len(end) else 0
 
     @classmethod
-    def build(cls, counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool, world_size: int) -> _Stream:
+    def build(
+        cls, counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool, world_size: int, block_size: int | None = None
+    ) -> _Stream:
         nonempty = np.flatnonzero(counts)
         sizes = counts[nonempty]
         if not shuffle:
             return cls(nonempty, np.zeros(len(nonempty), np.int64), np.cumsum(sizes), None)
         block = max(1, -(-int(sizes.sum()) // (BLOCKS_PER_RANK * world_size)))
+        if block_size is not None:
+            block = min(block, block_size)
         if int(sizes.max(initial=0)) <= block:  # every shard is one block
             shard, first, length = nonempty, np.zeros(len(nonempty), np.int64), sizes
         else:
@@ -370,6 +502,8 @@ def _check_arguments(topology: Topology, seed: int, epoch: int, balance: str) ->
 
 __all__ = [
     "BALANCES",
+    "SHUFFLE_BLOCK",
+    "SHUFFLE_WINDOW",
     "Balance",
     "PlanError",
     "Range",
@@ -378,6 +512,10 @@ __all__ = [
     "rank_span",
     "reader_counts",
     "share",
+    "split_remaining",
+    "take",
+    "through",
     "union",
+    "window_order",
     "worker_span",
 ]

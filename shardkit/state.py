@@ -14,7 +14,11 @@ Kinds (version 1):
   intervals of positions of this rank's chunk still to read (see
   :func:`shardkit.planning.plan_intervals`), and ``share``: ``[worker,
   num_workers]`` when ``remaining`` is one DataLoader worker's own part, or
-  None when it is the whole rank's. Positions count records, not samples: a
+  None when it is the whole rank's. Under sample-level shuffling a reader's
+  state also has ``window``: ``{"from": positions from the start of the
+  window it is yielding, "yielded": samples of that window yielded}`` (the
+  window is read again on resume); ``remaining`` then lists the window's
+  unyielded positions one by one. A merge keeps ``remaining`` only. Positions count records, not samples: a
   record skipped under ``on_error="skip"`` counts as read.
 * ``"stream"`` (``wrap`` of a plain iterable): ``items`` the reader has
   stepped past, whether it is ``done``, and its ``reader`` slot; resuming
@@ -53,6 +57,18 @@ States of all DataLoader workers of one rank merge (:func:`merge`) into one
 state of the rank (``share`` None) that any number of workers can resume:
 each takes an even part of the remaining positions and of the buffered
 samples. That is how :class:`~shardkit.MixedLoader` restores elastically.
+
+The states of all ranks combine (:func:`merge_ranks`, or :func:`gather`
+through the process group) into one *global* ``"planned"`` state: ``rank``
+None, ``remaining`` in positions of the epoch's global stream (records not
+delivered by any rank; repeats that ``"pad"`` planned are not owed), and
+``world_size`` the world size that stream was planned for. It loads on any
+world size and number of workers: each rank takes its part with
+:func:`~shardkit.planning.split_remaining` (``"pad"``/``"drop"`` equalise
+the counts again), and a state it saves later carries that global state as
+``base`` (its positions count within its part), so it can be gathered again.
+Only shard datasets with ``map``/``filter``/``batch`` stages combine over
+ranks: a shuffle buffer, an interleave or a repeat keeps per-rank positions.
 """
 
 from __future__ import annotations
@@ -241,12 +257,28 @@ def _draws(state: State, where: str) -> None:
 def _check_planned(state: State, where: str) -> None:
     _epoch(state, where)
     world_size = whole_number(state, "world_size", where, 1)
-    rank = whole_number(state, "rank", where)
-    if rank >= world_size:
+    rank = field(state, "rank", where, int, type(None))
+    if rank is not None and rank < 0:
+        raise StateError(f"{where}: state['rank'] must be >= 0 (or None for a global state), got {rank}")
+    if rank is not None and rank >= world_size:
         raise StateError(f"{where}: state['rank'] {rank} is not below state['world_size'] {world_size}")
     field(state, "fingerprint", where, dict)
     check_intervals(field(state, "remaining", where, *_SEQUENCE), where)
     _share(state, where)
+    base = field(state, "base", where, dict, type(None)) if "base" in state else None
+    if rank is None and (state["share"] is not None or base is not None):
+        raise StateError(f"{where}: a global state (rank None) has no share and no base")
+    if base is not None:
+        whole_number(base, "world_size", f"{where} (base)", 1)
+        check_intervals(field(base, "remaining", f"{where} (base)", *_SEQUENCE), f"{where} (base)")
+    if "window" in state["fingerprint"]:  # a dataset that shuffles samples: the key is always there
+        window = field(state, "window", where, dict, type(None))
+        if window is None:  # a merged state: positions only
+            return
+        if rank is None:
+            raise StateError(f"{where}: a global state (rank None) has no window")
+        check_intervals(field(window, "from", f"{where} (window)", *_SEQUENCE), f"{where} (window)", "from")
+        whole_number(window, "yielded", f"{where} (window)")
 
 
 def _check_stream(state: State, where: str) -> None:
@@ -759,11 +791,14 @@ def _merge_pass_through(states: Sequence[State]) -> State:
 def _merge_planned(states: Sequence[State]) -> State:
     _check_shares(states)
     fields = {key: _same(states, key) for key in ("epoch", "world_size", "rank", "fingerprint")}
+    if states[0].get("base") is not None:
+        fields["base"] = _same(states, "base")
     intervals = [interval for s in states for interval in s["remaining"]]
     remaining = union(intervals)
     if sum(b - a for a, b in remaining) != sum(b - a for a, b in intervals):
         raise StateError("cannot merge worker states whose remaining positions overlap: each position is one worker's")
-    return node("planned", **fields, remaining=[list(i) for i in remaining], share=None)
+    window = {"window": None} if "window" in fields["fingerprint"] else {}  # the windows start afresh
+    return node("planned", **fields, remaining=[list(i) for i in remaining], share=None, **window)
 
 
 def _merge_stream(states: Sequence[State]) -> State:
@@ -843,4 +878,119 @@ _MERGERS: dict[str, Callable[[Sequence[State]], State]] = {
     "interleave": _merge_interleave,
 }
 
-__all__ = ["VERSION", "State", "StateError", "decode", "encode", "merge", "validate"]
+# -- combining the states of all ranks -----------------------------------------
+
+
+def merge_ranks(states: Sequence[State | Sequence[State]]) -> State:
+    """One global state from the states of every rank (rank order not needed).
+
+    Each item is one rank's state: a whole-rank state (``share`` None, as
+    :func:`merge` makes), the list of its workers' states (merged here), or
+    a :class:`~shardkit.MixedLoader` state without cut micro-batches.
+    The result holds, in global stream positions, exactly the records no
+    rank has delivered yet (``rank`` None, ``world_size`` the world size the
+    epoch's stream was planned for), and loads into the same pipeline on
+    any world size and number of workers: each rank takes its part with
+    :func:`~shardkit.planning.split_remaining`, so ``"pad"``/``"drop"``
+    give every new rank the same count again. Repeats that ``"pad"`` had
+    planned and not yet delivered are not owed: they are left out.
+
+    Raises:
+        StateError: states of different pipelines or epochs, a rank missing
+            or given twice, positions two ranks both hold, or stages whose
+            state cannot be split over ranks (a ``.shuffle()`` buffer, an
+            interleave, a ``repeat``, a ``wrap`` of a plain iterable).
+    """
+    if not states:
+        raise StateError("merge_ranks() needs the state of every rank, got none")
+    wholes = [merge(list(s)) if isinstance(s, (list, tuple)) else merge([_dataset_part(s)]) for s in states]
+    return _merge_ranks(wholes)
+
+
+def _dataset_part(state: State) -> Any:
+    """A rank's dataset state; from a MixedLoader state, its workers' states (merged)."""
+    if not isinstance(state, dict) or state.get("kind") != "mixed_loader":
+        return state
+    if state.get("carry"):
+        raise StateError(
+            "this MixedLoader state holds samples cut out of micro-batches (its 'carry'), which cannot be "
+            "dealt to the ranks of another world yet; save where every batch is made of whole micro-batches "
+            "(batch_size a multiple of micro_batch_size), or resume on the same world size"
+        )
+    return merge(state["workers"])
+
+
+def _merge_ranks(states: Sequence[State]) -> State:
+    kind = states[0]["kind"]
+    if any(s["kind"] != kind for s in states):
+        raise StateError(f"cannot merge rank states of different stages {sorted({s['kind'] for s in states})}")
+    if kind in ("map", "filter", "batch"):
+        return node(kind, upstream=_merge_ranks([s["upstream"] for s in states]))
+    if kind != "planned":
+        raise StateError(
+            f"a {kind!r} stage keeps its position per rank and cannot be split over another world size; "
+            "resume on another world size works for shard datasets with map/filter/batch stages"
+        )
+    return _merge_planned_ranks(states)
+
+
+def _merge_planned_ranks(states: Sequence[State]) -> State:
+    from shardkit.planning import rank_span, split_remaining, through
+
+    fields = {key: _same(states, key) for key in ("epoch", "world_size", "fingerprint")}
+    fingerprint, world_size = fields["fingerprint"], fields["world_size"]
+    ranks = sorted(s["rank"] for s in states)
+    if ranks != list(range(world_size)):
+        raise StateError(
+            f"merge_ranks needs the state of every rank 0..{world_size - 1} exactly once, got ranks {ranks}"
+        )
+    bases = [s.get("base") for s in states]
+    if any(b != bases[0] for b in bases):
+        raise StateError("cannot merge rank states resumed from different global states")
+    total, balance, base = fingerprint["records"], fingerprint["balance"], bases[0]
+    pieces = []
+    for state in states:
+        if base is None:
+            start, size = rank_span(total, world_size, state["rank"], balance)
+            chunk = [(start, start + size)]
+        else:
+            chunk = split_remaining(base["remaining"], total, world_size, state["rank"], balance)
+        for a, b in state["remaining"]:
+            pieces += [(x, min(y, total)) for x, y in through(chunk, a, b) if x < total]  # repeats are not owed
+    remaining = union(pieces)
+    if sum(b - a for a, b in remaining) != sum(b - a for a, b in pieces):
+        raise StateError("cannot merge rank states that both hold the same positions: each position is one rank's")
+    window = {"window": None} if "window" in fingerprint else {}
+    stream_world = world_size if base is None else base["world_size"]
+    return node(
+        "planned",
+        epoch=fields["epoch"],
+        world_size=stream_world,
+        rank=None,
+        fingerprint=fingerprint,
+        remaining=[list(i) for i in remaining],
+        share=None,
+        **window,
+    )
+
+
+def gather(state: State | Sequence[State], group: Any = None) -> State:
+    """The global state of all ranks, on every rank, through the process group.
+
+    ``state`` is this rank's pipeline state (or the list of its DataLoader
+    workers' states, or a :class:`~shardkit.MixedLoader` state); the states travel as JSON-able objects with
+    ``all_gather_object``. Without an initialised process group, the state
+    of this one rank is made global. Save the result (one file suffices, any
+    rank) and load it with ``load_state_dict`` on any world size; see
+    :func:`merge_ranks` for what it holds and raises.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return merge_ranks([state])
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, state, group=group)
+    return merge_ranks(gathered)
+
+
+__all__ = ["VERSION", "State", "StateError", "decode", "encode", "gather", "merge", "merge_ranks", "validate"]

@@ -108,3 +108,29 @@ def assert_split(ranks: list, everything: list[str], balance: str) -> None:
         assert sum(seen.values()) == per_rank * world
     else:
         assert max(seen.values()) == 1 and len(set(everything) - set(seen)) == total % world
+
+def positional_read(url: str, start: int, stop: int | None) -> Iterator[int]:
+    """Records of a shard named ``pos/<shard>/<first>-<count>``: their global storage positions ``first + index``."""
+    first, count = map(int, url.rsplit("/", 1)[1].split("-"))
+    for index in range(start, count if stop is None else min(stop, count)):
+        yield first + index
+
+
+def positional_shards(counts: list[int]) -> shardkit.ShardList:
+    """Shards for :func:`positional_read`: record ``i`` of the whole dataset (shard after shard) reads as ``i``."""
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    return shardkit.ShardList(
+        [f"pos/{i}/{first}-{count}" for i, (first, count) in enumerate(zip(firsts, counts))], num_records=counts
+    )
+
+
+def holey_positional_read(url: str, start: int, stop: int | None) -> Iterator[int]:
+    """:func:`positional_read` where every global position ``p`` with ``p % 97 == 5`` is a bad record
+    (a :class:`~shardkit.CorruptRecordError` with its framing intact: only that record is lost)."""
+    from shardkit.errors import CorruptRecordError
+
+    first = int(url.rsplit("/", 1)[1].split("-")[0])
+    for position in positional_read(url, start, stop):
+        if position % 97 == 5:
+            raise CorruptRecordError(url, position - first, -1, "a planted bad record", framing_intact=True)
+        yield position

@@ -48,7 +48,7 @@ def test_shuffle_benchmark_quick_runs_and_scores_every_loader(tmp_path: Path) ->
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 6, done.stdout  # header, reference, four loaders
+    assert len(rows) == 7, done.stdout  # header, reference, five loaders
     assert all(row.rstrip().endswith("0 / 0 |") for row in rows[2:]), done.stdout  # nothing lost or repeated
 
 

@@ -110,11 +110,14 @@ def test_short_shards_under_skip_keep_every_rank_at_its_planned_count(world_size
 def _planned_reads(planned: list[int], world_size: int, balance: str) -> list[int]:
     """How many times the plan reads each shard's records over all ranks (pad repeats a few)."""
     from shardkit import Topology, plan
+    from shardkit.planning import SHUFFLE_BLOCK
 
     reads = [0] * len(planned)
     for rank in range(world_size):
+        topology = Topology(rank=rank, world_size=world_size)
+        # shuffle=True datasets plan with blocks of SHUFFLE_BLOCK (sample-level shuffling)
         for shard, start, stop in plan(
-            planned, Topology(rank=rank, world_size=world_size), seed=4, shuffle=True, balance=balance
+            planned, topology, seed=4, shuffle=True, balance=balance, block_size=SHUFFLE_BLOCK
         ):
             reads[shard] += stop - start
     return reads

@@ -226,7 +226,9 @@ def _read_some(stream: Stream, src: _Source, index: int, offset: int, size: int)
         raise src.error(index, offset, f"{error.reason}; reading record {index}") from None
 
 
-def _file_blocks(fd: int, src: _Source, first_index: int, offset: int, check_headers: bool) -> Iterator[_Block]:
+def _file_blocks(
+    fd: int, src: _Source, first_index: int, offset: int, check_headers: bool, end: Optional[int] = None
+) -> Iterator[_Block]:
     """Blocks from a local file descriptor, each read with one ``os.pread`` at a record boundary.
 
     Not memory-mapped: a mapped file truncated under the reader kills the
@@ -236,7 +238,9 @@ def _file_blocks(fd: int, src: _Source, first_index: int, offset: int, check_hea
     """
     index = first_index
     pos = offset
-    size = BLOCK_SIZE
+    # A range whose end offset is known (an index) reads just that much first: a
+    # short range (a block of a shuffled plan) must not cost a whole BLOCK_SIZE read.
+    size = min(BLOCK_SIZE, end - offset) if end is not None and end > offset else BLOCK_SIZE
     opened_size = os.fstat(fd).st_size
     while True:
         buf = os.pread(fd, size, pos)
@@ -289,15 +293,17 @@ def _blocks(
     first_index: int,
     offset: int,
     check_headers: bool,
+    end: Optional[int] = None,
 ) -> Iterator[_Block]:
-    """Blocks of whole records from ``source`` at record ``first_index``, byte ``offset``.
+    """Blocks of whole records from ``source`` at record ``first_index``, byte ``offset``
+    (``end``: where the records wanted end, when an index says so).
 
     Raises :class:`~shardkit.CorruptRecordError` if the data ends inside a
     record and, with ``check_headers``, at a bad length CRC (after the blocks
     of the good records before it), so a corrupt length is reported where it is.
     """
     if isinstance(source, LocalFileOpener):
-        return _file_blocks(source.fileno(), src, first_index, offset, check_headers)
+        return _file_blocks(source.fileno(), src, first_index, offset, check_headers, end)
     return _stream_blocks(source, src, first_index, offset, check_headers)
 
 
@@ -463,17 +469,19 @@ def _read(
 ) -> Iterator[list[bytes]]:
     """The batches of records ``start:stop``; ``read_tfrecord`` chains them."""
     first = offset = 0
+    end = None
     if index is not None and start and compression in (None, "auto"):
         offsets = _offsets_from(index, storage_options)
         if start >= len(offsets):
             return
         first, offset = start, int(offsets[start])
+        end = int(offsets[stop]) if stop is not None and stop < len(offsets) else None
         if offset < 0:
             raise ShardkitError(f"{url}: the index gives offset {offset} for record {start}; rebuild the index")
     source, src = _open(url, compression, storage_options, seek_to=offset, remote=remote)
     if src.compression is not None:
         first = offset = 0  # compressed streams cannot seek by record
-    blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify)
+    blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
     try:
         for block in blocks:
             n = len(block.ends)
