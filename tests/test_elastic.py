@@ -127,7 +127,7 @@ def test_a_gathered_state_resumes_on_any_world_with_exactly_the_rest(
     if balance == "pad":
         assert set(after) == owed and sum(after.values()) - len(owed) < new[0]
     else:
-        assert max(after.values(), default=0) == 1 and set(after) <= owed and len(owed) - len(after) < new[0]
+        assert max(after.values(), default=0) <= 1 and set(after) <= owed and len(owed) - len(after) < new[0]
 
 
 @settings(max_examples=200, deadline=None)
