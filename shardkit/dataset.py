@@ -692,28 +692,6 @@ class ShardedDataset(_PlannedSource):
             )
         return self.shards.table.column("num_records")
 
-    def _base_of(self, state: State) -> dict[str, Any] | None:
-        """The global state (``world_size``, ``remaining``) an epoch resumed from on another world, if any."""
-        if state["rank"] is None:
-            check_positions(self, state["remaining"], state["fingerprint"]["records"])
-            return {"world_size": state["world_size"], "remaining": state["remaining"]}
-        return state.get("base")
-
-    def _resume_positions(
-        self, state: State, topology: Topology, size: int, windowed: bool
-    ) -> tuple[list[tuple[int, int]], int, bool]:
-        """This reader's positions from a rank's state: (intervals, window samples yielded, exact window?)."""
-        expect_equal(self, "world_size", state["world_size"], topology.world_size)
-        expect_equal(self, "rank", state["rank"], topology.rank)
-        remaining = state["remaining"]
-        check_positions(self, remaining, size)
-        own = own_share(state, topology.worker_id, topology.num_workers, self)
-        window = state.get("window") if windowed else None
-        if window is not None and (own or topology.num_workers == 1):  # exactly where it stopped
-            check_positions(self, window["from"], size)
-            return [tuple(i) for i in window["from"]], window["yielded"], True
-        return (union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)), 0, False
-
     def _makes_up(self, balance: Balance) -> bool:
         return self.on_error == "skip" and balance != "none"
 
