@@ -415,6 +415,19 @@ class RemoteFile:
     def seekable(self) -> bool:
         return True
 
+    def writable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        """Read by pyarrow (Parquet footers) and ``io`` wrappers before every call."""
+        return self._closed
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer)))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
+
     def close(self) -> None:
         self._closed = True
         for future in self._blocks.values():
