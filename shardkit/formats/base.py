@@ -33,19 +33,15 @@ written by rename on local disks (object stores publish whole objects).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import struct
-import uuid
 from collections.abc import Iterator
 from typing import Any, Final, NamedTuple, Protocol, runtime_checkable
 
 import fsspec
 import numpy as np
-from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError
-from shardkit.formats.index import IndexFileError, index_path_for
+from shardkit.formats.index import IndexFileError, index_path_for, write_offsets_file
 from shardkit.formats.io import open_raw
 
 __all__ = [
@@ -181,20 +177,7 @@ def write_offsets(
     index_url: str, magic: bytes, offsets: np.ndarray, size: int, storage_options: dict[str, Any] | None = None
 ) -> str:
     """Write record ``offsets`` of a data file of ``size`` bytes to ``index_url`` (by rename on local disks)."""
-    payload = _HEAD.pack(magic, len(offsets), size) + np.asarray(offsets, dtype="<u8").tobytes()
-    fs, path = fsspec.core.url_to_fs(index_url, **(storage_options or {}))
-    if not isinstance(fs, LocalFileSystem):
-        with open_raw(index_url, "wb", storage_options) as f:
-            f.write(payload)
-        return index_url
-    partial = f"{path}.{uuid.uuid4().hex}.partial"
-    try:
-        with open_raw(partial, "wb") as f:
-            f.write(payload)
-        os.replace(partial, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
+    write_offsets_file(index_url, magic, offsets, size, storage_options)
     return index_url
 
 

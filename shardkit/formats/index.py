@@ -105,8 +105,18 @@ def write_index(
     url: str, offsets: np.ndarray, stream_size: int, storage_options: Optional[dict[str, Any]] = None
 ) -> None:
     """Write ``offsets`` (record byte offsets) and the stream size as an index file at ``url``, atomically."""
-    offsets = np.asarray(offsets, dtype="<u8")
-    payload = _HEAD.pack(_MAGIC, len(offsets), stream_size) + offsets.tobytes()
+    write_offsets_file(url, _MAGIC, offsets, stream_size, storage_options)
+
+
+def write_offsets_file(
+    url: str, magic: bytes, offsets: np.ndarray, size: int, storage_options: Optional[dict[str, Any]] = None
+) -> None:
+    """Write an offsets container (``magic``, count, data size, u64 offsets) at ``url``.
+
+    On local disks it is written under a temporary name and renamed, so a
+    reader never sees half of one; every format's index file goes through here.
+    """
+    payload = _HEAD.pack(magic, len(offsets), size) + np.asarray(offsets, dtype="<u8").tobytes()
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     if not isinstance(fs, LocalFileSystem):
         with open_raw(url, "wb", storage_options) as f:
