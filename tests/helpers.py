@@ -134,3 +134,12 @@ def holey_positional_read(url: str, start: int, stop: int | None) -> Iterator[in
         if position % 97 == 5:
             raise CorruptRecordError(url, position - first, -1, "a planted bad record", framing_intact=True)
         yield position
+
+
+def rank_factory(dataset_class, urls, **kwargs):
+    """``make(rank, world_size)`` building ``dataset_class(urls, rank=..., world_size=..., **kwargs)`` (for ids_per_rank)."""
+
+    def make(rank, world):
+        return dataset_class(urls, rank=rank, world_size=world, **kwargs)
+
+    return make

@@ -12,7 +12,7 @@ from shardkit import CorruptRecordError, JsonlDataset
 from shardkit.formats.base import format_for
 from shardkit.formats.index import IndexFileError
 from shardkit.formats.jsonl import JsonlFormat, JsonlWriter
-from tests.helpers import assert_split, ids_per_rank, sample_id
+from tests.helpers import assert_split, ids_per_rank, rank_factory, sample_id
 from tests.test_resume import Run, check_resume
 
 SIZES = [17, 3, 0, 25, 9, 11]
@@ -95,10 +95,7 @@ def test_the_writer_writes_lines_json_reads(tmp_path):
 
 
 def make_dataset(urls, **kwargs):
-    def make(rank, world):
-        return JsonlDataset(urls, rank=rank, world_size=world, **kwargs)
-
-    return make
+    return rank_factory(JsonlDataset, urls, **kwargs)
 
 
 @pytest.mark.parametrize("balance", ["none", "pad", "drop"])

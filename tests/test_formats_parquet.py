@@ -12,7 +12,7 @@ import shardkit
 from shardkit import CorruptRecordError, ParquetDataset
 from shardkit.formats.base import format_for
 from shardkit.formats.parquet import ParquetFormat, ParquetWriter
-from tests.helpers import assert_split, ids_per_rank, sample_id
+from tests.helpers import assert_split, ids_per_rank, rank_factory, sample_id
 from tests.test_resume import Run, check_resume
 
 SIZES = [17, 3, 0, 25, 9, 11]
@@ -113,10 +113,7 @@ def test_the_writer_writes_row_groups_pyarrow_reads(tmp_path):
 
 
 def make_dataset(urls, **kwargs):
-    def make(rank, world):
-        return ParquetDataset(urls, rank=rank, world_size=world, **kwargs)
-
-    return make
+    return rank_factory(ParquetDataset, urls, **kwargs)
 
 
 @pytest.mark.parametrize("balance", ["none", "pad", "drop"])

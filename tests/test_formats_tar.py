@@ -20,7 +20,7 @@ from shardkit import CorruptRecordError, TarDataset
 from shardkit.formats.base import format_for
 from shardkit.formats.index import IndexFileError
 from shardkit.formats.tar import TarFormat, TarWriter, _split_key
-from tests.helpers import assert_split, ids_per_rank, sample_id
+from tests.helpers import assert_split, ids_per_rank, rank_factory, sample_id
 from tests.test_resume import Run, check_resume
 
 SIZES = [17, 3, 0, 25, 9, 11]  # 65 samples, an empty shard among them
@@ -136,10 +136,7 @@ def test_unindexed_ranges_equal_slices(tmp_path):
 
 
 def make_dataset(urls, **kwargs):
-    def make(rank, world):
-        return TarDataset(urls, rank=rank, world_size=world, **kwargs)
-
-    return make
+    return rank_factory(TarDataset, urls, **kwargs)
 
 
 @pytest.mark.parametrize("balance", ["none", "pad", "drop"])
