@@ -92,7 +92,11 @@ def first_batch(batches: list[torch.Tensor], rounds: int) -> dict[str, float]:
     side = even_module._side_group(None)
     assert side is not None
     flags = torch.zeros(4, dtype=torch.int64)
-    waits: dict[str, list[float]] = {"plain loop": [], "even_batches (a new wrapper)": [], "one side-group round trip": []}
+    waits: dict[str, list[float]] = {
+        "plain loop": [],
+        "even_batches (a new wrapper)": [],
+        "one side-group round trip": [],
+    }
     for _ in range(rounds * 5):
         waits["plain loop"].append(epoch_time(batches[:1], lambda: None)[0])
         waits["even_batches (a new wrapper)"].append(epoch_time(shardkit.even_batches(batches[:1]), lambda: None)[0])

@@ -164,7 +164,9 @@ def main() -> None:
         f"ShardList {sizes['shardlist'] / 2**20:,.1f} MiB (url column)"
     )
     worst = max(ratios["shardlist"])
-    print(f"target ShardList <= 1.1x under every start method: {'met' if worst <= 1.1 else 'NOT met'} (worst {worst:.2f}x)")
+    print(
+        f"target ShardList <= 1.1x under every start method: {'met' if worst <= 1.1 else 'NOT met'} (worst {worst:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

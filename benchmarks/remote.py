@@ -84,7 +84,9 @@ class Server:
         env = {**os.environ, "PYTHONPATH": _ROOT}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.fault_server", self.root, str(self.latency_ms / 1000)],
-            stdout=subprocess.PIPE, env=env, cwd=_ROOT,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=_ROOT,
         )
         self.url = self.process.stdout.readline().decode().strip()
         if not self.url.startswith("http://127.0.0.1:"):
@@ -108,8 +110,9 @@ class Setup:
 
 
 def _loader(dataset: Any, setup: Setup, **kwargs: Any) -> DataLoader:
-    return DataLoader(dataset, batch_size=setup.batch, num_workers=setup.workers,
-                      persistent_workers=setup.workers > 0, **kwargs)
+    return DataLoader(
+        dataset, batch_size=setup.batch, num_workers=setup.workers, persistent_workers=setup.workers > 0, **kwargs
+    )
 
 
 def _urls(content: Any, kind: str, base: str | None) -> list[str]:
@@ -252,8 +255,10 @@ def measure_startup(shards: int, workers: int) -> None:
             loader = DataLoader(dataset, batch_size=64, num_workers=count)
             next(iter(loader))
             first = time.perf_counter()
-            print(f"| {count} | {loaded - began:.2f} s | {built - loaded:.2f} s | {first - built:.2f} s | "
-                  f"{first - began:.2f} s |")
+            print(
+                f"| {count} | {loaded - began:.2f} s | {built - loaded:.2f} s | {first - built:.2f} s | "
+                f"{first - began:.2f} s |"
+            )
             _close(loader)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -269,10 +274,16 @@ def measure(content: Any, setup: Setup, args: argparse.Namespace) -> list[Row]:
             base = server.url
             remote = [
                 Row("shardkit, HTTP", latency, lambda: shardkit_loader(content, setup, base)),
-                Row("shardkit, HTTP + cache_dir (epoch 2 from cache)", latency,
-                    lambda: shardkit_loader(content, setup, base, cache)),
-                Row("WebDataset, " + ("pipe:curl" if shutil.which("curl") else "fsspec http"), latency,
-                    lambda: webdataset_loader(content, setup, base)),
+                Row(
+                    "shardkit, HTTP + cache_dir (epoch 2 from cache)",
+                    latency,
+                    lambda: shardkit_loader(content, setup, base, cache),
+                ),
+                Row(
+                    "WebDataset, " + ("pipe:curl" if shutil.which("curl") else "fsspec http"),
+                    latency,
+                    lambda: webdataset_loader(content, setup, base),
+                ),
                 Row("HF datasets streaming (Parquet over HTTP)", latency, lambda: hf_loader(content, setup, base)),
             ]
             for _ in range(args.repeat):
@@ -289,8 +300,10 @@ def measure(content: Any, setup: Setup, args: argparse.Namespace) -> list[Row]:
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     local = _median(rows[0].rates)
-    print(f"\n{args.shards} shards x {args.records} samples of ~1 KB, {args.workers} workers, batch {args.batch}, "
-          f"median of {args.repeat} rounds; cores: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}\n")
+    print(
+        f"\n{args.shards} shards x {args.records} samples of ~1 KB, {args.workers} workers, batch {args.batch}, "
+        f"median of {args.repeat} rounds; cores: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}\n"
+    )
     print("| loader | latency | samples/s | x shardkit local | shardkit HTTP is | 1st batch (ep 1) | requests (ep 2) |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
@@ -302,8 +315,10 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
             print(f"| {row.name} | {row.latency:g} ms | failed: {row.error} | | | | |")
             continue
         where = "local" if row is rows[0] else f"{row.latency:g} ms"
-        print(f"| {row.name} | {where} | {rate:,.0f} | {rate / local:.2f} | {versus} | "
-              f"{_median(row.first_batch):.2f} s | {row.requests[-1] if row.requests else '-'} |")
+        print(
+            f"| {row.name} | {where} | {rate:,.0f} | {rate / local:.2f} | {versus} | "
+            f"{_median(row.first_batch):.2f} s | {row.requests[-1] if row.requests else '-'} |"
+        )
 
 
 if __name__ == "__main__":

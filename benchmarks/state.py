@@ -60,7 +60,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     print(f"buffer of {args.samples} samples; ms per buffer (median of {args.rounds} interleaved rounds)")
-    print(f"| {'samples':<28} | pickle enc | plain enc | ratio | pickle dec | plain dec | ratio | JSON kB pickle/plain |")
+    print(
+        f"| {'samples':<28} | pickle enc | plain enc | ratio | pickle dec | plain dec | ratio | JSON kB pickle/plain |"
+    )
     for name, buffer in buffers(args.samples).items():
         old, new = pickled(buffer), [encode(sample) for sample in buffer]
         ms = median_ms(

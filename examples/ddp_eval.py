@@ -70,13 +70,15 @@ def evaluate(root: str) -> torch.Tensor:
             target = label.squeeze(1).double()
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="sum")
             ids = ids.squeeze(1).double()
-            sums += torch.stack([
-                torch.tensor(float(len(ids)), dtype=torch.float64),
-                ((logits > 0).double() == target).sum(),
-                loss,
-                ids.sum(),
-                (ids * ids).sum(),
-            ])
+            sums += torch.stack(
+                [
+                    torch.tensor(float(len(ids)), dtype=torch.float64),
+                    ((logits > 0).double() == target).sum(),
+                    loss,
+                    ids.sum(),
+                    (ids * ids).sum(),
+                ]
+            )
     return sums
 
 

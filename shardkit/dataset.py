@@ -840,7 +840,9 @@ class ShardedDataset(_PlannedSource):
         return state
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle_shards}, balance={self.balance!r})"
+        return (
+            f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle_shards}, balance={self.balance!r})"
+        )
 
 
 def _plain_message(error: Exception) -> str:
@@ -907,8 +909,15 @@ class TFRecordDataset(ShardedDataset):
         if compression not in (None, "gzip", "zlib", "auto"):
             raise DatasetError(f"compression must be None, 'gzip', 'zlib' or 'auto', got {compression!r}")
         reader = TFRecordReader(
-            decode, verify=verify, compression=compression, index=index, storage_options=storage_options,
-            readahead_bytes=readahead_bytes, retry=retry, cache_dir=cache_dir, cache_limit_bytes=cache_limit_bytes,
+            decode,
+            verify=verify,
+            compression=compression,
+            index=index,
+            storage_options=storage_options,
+            readahead_bytes=readahead_bytes,
+            retry=retry,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
         super().__init__(
             shards,
@@ -1057,7 +1066,9 @@ class TFRecordReader:
             offsets = None
         if offsets is not None:
             return len(offsets)
-        return count_records(url, compression=self.compression, storage_options=self.storage_options, remote=self.remote)
+        return count_records(
+            url, compression=self.compression, storage_options=self.storage_options, remote=self.remote
+        )
 
     def prefetch(self, url: str, start: int, stop: int | None) -> None:
         """Start opening remote ``url`` for a later ``self(url, start, stop)``: its first blocks when
@@ -1111,7 +1122,9 @@ def wrap(
     """
     if isinstance(dataset, Pipeline):
         raise DatasetError(f"{dataset!r} is already a shardkit pipeline; use it directly")
-    is_map_style = not isinstance(dataset, IterableDataset) and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    is_map_style = (
+        not isinstance(dataset, IterableDataset) and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    )
     if is_map_style:
         return MapSource(dataset, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size)
     if not isinstance(dataset, Iterable):
@@ -1131,7 +1144,9 @@ class MapSource(_PlannedSource):
 
     shuffle_window = 0  # shuffled, every index is a block of its own: already a uniform permutation
 
-    def __init__(self, dataset: Any, *, shuffle: bool, seed: int, balance: Balance, rank: int | None, world_size: int | None) -> None:
+    def __init__(
+        self, dataset: Any, *, shuffle: bool, seed: int, balance: Balance, rank: int | None, world_size: int | None
+    ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size)
         self.dataset = dataset
 
@@ -1153,7 +1168,9 @@ class MapSource(_PlannedSource):
 class StreamSource(_Source):
     """An iterable as a source: reader ``k`` of ``n`` keeps items ``k, k + n, ...``; see :func:`wrap`."""
 
-    def __init__(self, iterable: Iterable[Any], *, seed: int, balance: Balance, rank: int | None, world_size: int | None) -> None:
+    def __init__(
+        self, iterable: Iterable[Any], *, seed: int, balance: Balance, rank: int | None, world_size: int | None
+    ) -> None:
         super().__init__(shuffle=False, seed=seed, balance=balance, rank=rank, world_size=world_size)
         self.iterable = iterable
 

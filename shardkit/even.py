@@ -96,9 +96,7 @@ class EvenStats:
     dropped_exact: bool = True
 
 
-def even_batches(
-    loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: int = 1
-) -> EvenBatches:
+def even_batches(loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: int = 1) -> EvenBatches:
     """Wrap ``loader`` so that every rank of ``group`` yields the same number of batches.
 
     Args:
@@ -163,10 +161,14 @@ class EvenBatches:
 
     def _forward(self, epoch: int) -> None:
         self.epoch = self._forwarded = epoch
-        targets = [self.loader] if callable(getattr(self.loader, "set_epoch", None)) else [
-            getattr(self.loader, "dataset", None),
-            getattr(self.loader, "sampler", None),
-        ]
+        targets = (
+            [self.loader]
+            if callable(getattr(self.loader, "set_epoch", None))
+            else [
+                getattr(self.loader, "dataset", None),
+                getattr(self.loader, "sampler", None),
+            ]
+        )
         for target in targets:
             set_target_epoch = getattr(target, "set_epoch", None)
             if callable(set_target_epoch):
@@ -434,8 +436,18 @@ class _Agreed(Iterator[Any]):
 
 def _state(owner: EvenBatches, **fields: Any) -> State:
     defaults: dict[str, Any] = {
-        "window": [], "next": [], "quota": 0, "target": 1, "last": False, "pad": [], "exhausted": False,
-        "finished": False, "batches": 0, "padded": 0, "from_inner": 0, "dropped_ahead": 0,
+        "window": [],
+        "next": [],
+        "quota": 0,
+        "target": 1,
+        "last": False,
+        "pad": [],
+        "exhausted": False,
+        "finished": False,
+        "batches": 0,
+        "padded": 0,
+        "from_inner": 0,
+        "dropped_ahead": 0,
     }
     return node("even_batches", epoch=owner.epoch, at_end=owner.at_end, every=owner.every, **{**defaults, **fields})
 

@@ -200,8 +200,7 @@ class MixedLoader:
         self._pin = pin and _accelerator_available()
         if pin and not self._pin:
             warnings.warn(
-                "MixedLoader: pin_memory=True but no accelerator is available; "
-                "batches will not be pinned",
+                "MixedLoader: pin_memory=True but no accelerator is available; batches will not be pinned",
                 stacklevel=2,
             )
         slots = _SLAB_SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate_fn is None else 0
@@ -515,7 +514,9 @@ class _StateSaver:
     """Calls ``dataset.state_dict()``; after a failure, returns its message instead of retrying."""
 
     def __init__(self, dataset: IterableDataset, resumable: bool = True) -> None:
-        stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+        stateful = callable(getattr(dataset, "state_dict", None)) and callable(
+            getattr(dataset, "load_state_dict", None)
+        )
         self._dataset = dataset
         self._failure: str | None = None
         if not stateful:

@@ -743,7 +743,9 @@ class Interleave(Pipeline):
     def _open(self, state: State | None) -> Iterator[Any]:
         epoch, topology = self.epoch, self.topology()
         rng = generator(self.mix_seed, epoch, topology, INTERLEAVE_STREAM)
-        iterator = _InterleaveIterator(self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology)
+        iterator = _InterleaveIterator(
+            self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology
+        )
         if state is not None and applies(state, epoch, self):
             iterator.restore(state, own_share(state, topology.worker_id, topology.num_workers, self))
         return iterator

@@ -74,17 +74,37 @@ _POOL_THREADS: Final = 8
 _SMALL_READ: Final = 64 << 10
 _TRANSIENT_STATUS: Final = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_CODES: Final = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError", "ServiceUnavailable",
-     "RequestLimitExceeded", "TooManyRequests"}
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+    }
 )
 _TRANSIENT_ERRNOS: Final = frozenset(
     {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT}
 )
 _TRANSIENT_NAMES: Final = frozenset(
-    {"ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "ClientOSError",
-     "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError", "ContentLengthError",
-     "IncompleteRead", "ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError",
-     "ResponseStreamingError", "_ShortRead"}
+    {
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ClientConnectionError",
+        "ClientOSError",
+        "ServerTimeoutError",
+        "ConnectionTimeoutError",
+        "SocketTimeoutError",
+        "ContentLengthError",
+        "IncompleteRead",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "EndpointConnectionError",
+        "ResponseStreamingError",
+        "_ShortRead",
+    }
 )
 T = TypeVar("T")
 
@@ -224,7 +244,9 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
-def with_retries(call: Callable[[], T], policy: RetryPolicy, what: str, on_retry: Callable[[], None] | None = None) -> T:
+def with_retries(
+    call: Callable[[], T], policy: RetryPolicy, what: str, on_retry: Callable[[], None] | None = None
+) -> T:
     """``call()``, retried on transient errors under ``policy``; waits and retries are counted.
 
     ``on_retry`` runs before each retry (to check the object did not change).
@@ -260,8 +282,19 @@ def with_retries(call: Callable[[], T], policy: RetryPolicy, what: str, on_retry
 def identity_of(info: dict[str, Any]) -> str:
     """A string naming one version of an object, from what ``fs.info`` gives (ETag, version, size, mtime)."""
     parts = []
-    for key in ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "size", "LastModified",
-                "Last-Modified", "mtime", "updated"):
+    for key in (
+        "ETag",
+        "etag",
+        "VersionId",
+        "version_id",
+        "generation",
+        "md5Hash",
+        "size",
+        "LastModified",
+        "Last-Modified",
+        "mtime",
+        "updated",
+    ):
         value = info.get(key)
         if value is not None:
             parts.append(f"{key}={value}")
@@ -367,7 +400,9 @@ class RemoteFile:
         have = start
         while have < stop:  # a short body is completed from its first missing byte
             data = with_retries(
-                lambda: self._request(have, stop), self.options.retry, f"{self.url} bytes {have}-{stop - 1}",
+                lambda: self._request(have, stop),
+                self.options.retry,
+                f"{self.url} bytes {have}-{stop - 1}",
                 self.check_identity,
             )
             parts.append(data)
@@ -510,8 +545,12 @@ _warm: OrderedDict[tuple[str, RemoteOptions], Future[Any]] = OrderedDict()
 _warm_lock = threading.Lock()
 
 
-def prefetch(url: str, storage_options: dict[str, Any] | None = None, options: RemoteOptions | None = None,
-             offset: int | None = 0) -> None:
+def prefetch(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    options: RemoteOptions | None = None,
+    offset: int | None = 0,
+) -> None:
     """Start opening remote ``url`` in the background and fetching from byte ``offset`` (``None``: just
     open it); the next :func:`open_remote` of it takes that over. Local files and ``readahead_bytes=0``
     do nothing; nor does a url fsspec cannot resolve (reading it reports why).

@@ -187,9 +187,7 @@ _SEQUENCE = (list, tuple)
 def field(state: State, key: str, where: str, *types: type) -> Any:
     """``state[key]``, which must be present and of one of ``types`` (exactly: a bool is not an int)."""
     if key not in state:
-        raise StateError(
-            f"{where}: the state has no {key!r}; it is not a state_dict() of this stage, or it was edited"
-        )
+        raise StateError(f"{where}: the state has no {key!r}; it is not a state_dict() of this stage, or it was edited")
     value = state[key]
     if type(value) not in types:
         names = " or ".join("None" if t is type(None) else t.__name__ for t in types)

@@ -107,9 +107,7 @@ def _detect_rank() -> tuple[int, int]:
         try:
             return int(env_rank), int(env_world)
         except ValueError:
-            raise TopologyError(
-                f"RANK={env_rank!r} and WORLD_SIZE={env_world!r} must be integers"
-            ) from None
+            raise TopologyError(f"RANK={env_rank!r} and WORLD_SIZE={env_world!r} must be integers") from None
     return 0, 1
 
 

@@ -169,7 +169,9 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--case", default="filter", choices=("filter", "mixed", "sized", "skip", "raise", "resume", "subgroup"))
+    parser.add_argument(
+        "--case", default="filter", choices=("filter", "mixed", "sized", "skip", "raise", "resume", "subgroup")
+    )
     parser.add_argument("--wrap", default="stop", choices=("stop", "pad", "none"))
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--collective-timeout", type=float, default=20.0)

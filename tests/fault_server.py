@@ -175,8 +175,11 @@ class _CountingHandler(_Handler):
             owner = self.server.owner
             log, owner.log = owner.log, []
             body = json.dumps(
-                {"GET": sum(r.method == "GET" for r in log), "HEAD": sum(r.method == "HEAD" for r in log),
-                 "bytes": sum(r.length for r in log)}
+                {
+                    "GET": sum(r.method == "GET" for r in log),
+                    "HEAD": sum(r.method == "HEAD" for r in log),
+                    "bytes": sum(r.length for r in log),
+                }
             ).encode()
             self.send_response(HTTPStatus.OK)
             self.send_header("Content-Length", str(len(body)))

@@ -109,6 +109,7 @@ def assert_split(ranks: list, everything: list[str], balance: str) -> None:
     else:
         assert max(seen.values()) == 1 and len(set(everything) - set(seen)) == total % world
 
+
 def positional_read(url: str, start: int, stop: int | None) -> Iterator[int]:
     """Records of a shard named ``pos/<shard>/<first>-<count>``: their global storage positions ``first + index``."""
     first, count = map(int, url.rsplit("/", 1)[1].split("-"))

@@ -16,7 +16,9 @@ from shardkit.cli import main
 
 def test_plan_prints_every_reader_and_equal_rank_totals(tmp_path, capsys):
     manifest = str(tmp_path / "m.arrow")
-    shardkit.ShardList([f"{tmp_path}/s{i}.tfrecord" for i in range(5)], num_records=[10, 0, 7, 30, 4]).to_manifest(manifest)
+    shardkit.ShardList([f"{tmp_path}/s{i}.tfrecord" for i in range(5)], num_records=[10, 0, 7, 30, 4]).to_manifest(
+        manifest
+    )
     assert main(["plan", manifest, "--world-size", "2", "--num-workers", "3", "--shuffle", "--seed", "4"]) == 0
     out = capsys.readouterr().out
     assert "5 shards, 51 records; world_size=2, num_workers=3" in out

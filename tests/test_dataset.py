@@ -54,7 +54,9 @@ def test_pad_and_drop_give_every_rank_the_same_batches(balance, num_workers, wor
     total = sum(COUNTS)
 
     def make(rank, world):
-        return ShardedDataset(shards, synthetic_read, balance=balance, shuffle=True, seed=3, rank=rank, world_size=world)
+        return ShardedDataset(
+            shards, synthetic_read, balance=balance, shuffle=True, seed=3, rank=rank, world_size=world
+        )
 
     ranks = run_world(make, world_size, num_workers=num_workers, batch_size=4)
     batch_counts = {len(batches) for batches in ranks}
@@ -156,7 +158,9 @@ def test_epochs_reshuffle_identically_on_every_rank():
     def epoch_order(epoch):
         order = []
         for rank in range(2):
-            dataset = ShardedDataset(shards, synthetic_read, shuffle=True, seed=5, balance="none", rank=rank, world_size=2)
+            dataset = ShardedDataset(
+                shards, synthetic_read, shuffle=True, seed=5, balance="none", rank=rank, world_size=2
+            )
             dataset.set_epoch(epoch)
             order += list(dataset)
         return order
@@ -182,7 +186,11 @@ class Squares(torch.utils.data.Dataset):
 def test_wrap_map_style_dataset(shuffle, balance):
     n, world = 23, 3
     ranks = [
-        run_rank(shardkit.wrap(Squares(n), shuffle=shuffle, balance=balance, rank=r, world_size=world), num_workers=2, batch_size=3)
+        run_rank(
+            shardkit.wrap(Squares(n), shuffle=shuffle, balance=balance, rank=r, world_size=world),
+            num_workers=2,
+            batch_size=3,
+        )
         for r in range(world)
     ]
     values = collections.Counter(int(v) for batches in ranks for b in batches for v in b)
@@ -201,7 +209,11 @@ def test_wrap_map_style_dataset(shuffle, balance):
 def test_wrap_iterable_keeps_each_readers_share(balance):
     n, world, workers = 29, 2, 2
     ranks = [
-        run_rank(shardkit.wrap(CountingStream(n), balance=balance, rank=r, world_size=world), num_workers=workers, batch_size=4)
+        run_rank(
+            shardkit.wrap(CountingStream(n), balance=balance, rank=r, world_size=world),
+            num_workers=workers,
+            batch_size=4,
+        )
         for r in range(world)
     ]
     seen = collections.Counter(int(v) for batches in ranks for b in batches for v in b)

@@ -133,7 +133,10 @@ def test_the_rest_of_docstrings_becomes_markdown_for_the_site():
         sys.path.remove(str(DOCS / "_ext"))
     text = "see :func:`~shardkit.plan`, :class:`shardkit.Topology` and :meth:`Pipeline.map`::\n\n    code"
     assert replace_roles(text) == "see `plan`, `shardkit.Topology` and `Pipeline.map`:\n\n    code"
-    assert replace_roles("Sum.\n\n    Example:\n        >>> 1 + 1\n        2") == "Sum.\n\n    Examples:\n        >>> 1 + 1\n        2"
+    assert (
+        replace_roles("Sum.\n\n    Example:\n        >>> 1 + 1\n        2")
+        == "Sum.\n\n    Examples:\n        >>> 1 + 1\n        2"
+    )
 
 
 def guide_scripts() -> list[tuple[str, str]]:

@@ -333,8 +333,14 @@ def saved_state(**fields: Any) -> dict[str, Any]:
     """A well-formed state of an even_batches(at_end="pad", every=2) over Batches, 3 batches in."""
     wrapped = even_batches(Batches(["a", "b", "c", "d", "e"]), at_end="pad", every=2)
     base = dict(
-        inner={"position": 5}, window=[even_module.encode("d")], next=[even_module.encode("e")], quota=1, target=2,
-        pad=[even_module.encode("a")], batches=3, from_inner=3,
+        inner={"position": 5},
+        window=[even_module.encode("d")],
+        next=[even_module.encode("e")],
+        quota=1,
+        target=2,
+        pad=[even_module.encode("a")],
+        batches=3,
+        from_inner=3,
     )
     return even_module._state(wrapped, **{**base, **fields})
 
@@ -417,7 +423,10 @@ CHECK = Path(__file__).with_name("even_check.py")
 
 def run_check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(CHECK), *args], capture_output=True, text=True, timeout=timeout  # bounds any hang
+        [sys.executable, str(CHECK), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,  # bounds any hang
     )
 
 
@@ -530,8 +539,12 @@ def test_ddp_eval_example_counts_every_sample_once_and_matches_one_process():
     alone = run(str(EXAMPLES / "ddp_eval.py"), timeout=120)
     assert "world size 1: 1001 samples counted of 1001; each once (id checksums): True" in alone
     spread = run(
-        "-m", "torch.distributed.run", "--nproc_per_node=3", f"--master_port={free_port()}",
-        str(EXAMPLES / "ddp_eval.py"), timeout=120,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=3",
+        f"--master_port={free_port()}",
+        str(EXAMPLES / "ddp_eval.py"),
+        timeout=120,
     )
     assert "world size 3: 1001 samples counted of 1001; each once (id checksums): True" in spread
     assert sorted(re.findall(r"rank \d: (\d+) samples", spread)) == ["333", "334", "334"]
@@ -545,7 +558,9 @@ def test_ddp_eval_example_counts_every_sample_once_and_matches_one_process():
 def test_the_benchmark_runs_and_prints_its_tables():
     done = subprocess.run(
         [sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "even_batches.py"), "--quick"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("even_batches(every=1)") == 2 and "one side-group round trip" in done.stdout

@@ -41,7 +41,10 @@ def test_tfrecord_pipeline():
 
 def test_ddp_train_with_torchrun():
     out = run(
-        "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
         str(EXAMPLES / "ddp_train.py"),
     )
     counts = re.findall(r"batches per rank \[(\d+), (\d+)\]", out)

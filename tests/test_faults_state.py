@@ -560,6 +560,7 @@ def test_edited_remaining_intervals_yield_exactly_those_positions_or_fail(
 ) -> None:
     """Position p of a one-rank run is its p-th sample, so any valid ``remaining``
     is checkable: exactly those positions, in order; any other is a StateError."""
+
     def source_in_block_order() -> ShardedDataset:  # sample-level windows break "position p is sample p"
         dataset = source(shuffle=shuffled)
         dataset.shuffle_window = 0

@@ -133,9 +133,7 @@ def run(loader: MixedLoader) -> list[list[tuple[int, int]]]:
     ],
 )
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_shares_and_exactly_once(
-    counts: list[int], batch_size: int, micro: int | None, drop_last: bool
-) -> None:
+def test_shares_and_exactly_once(counts: list[int], batch_size: int, micro: int | None, drop_last: bool) -> None:
     loader = MixedLoader(
         Tagged(counts),
         batch_size,
@@ -176,7 +174,10 @@ def test_same_seed_same_batches_whatever_the_timing() -> None:
     assert other_seed != first
 
 
-@pytest.mark.parametrize(("counts", "batch_size", "micro"), [([7, 30, 0, 12], 5, 3), ([3, 3, 3], 2, 2), ([2, 1, 2, 1, 2], 2, 1), ([50, 1], 9, 9)])
+@pytest.mark.parametrize(
+    ("counts", "batch_size", "micro"),
+    [([7, 30, 0, 12], 5, 3), ([3, 3, 3], 2, 2), ([2, 1, 2, 1, 2], 2, 1), ([50, 1], 9, 9)],
+)
 def test_batches_do_not_depend_on_arrival_order(counts: list[int], batch_size: int, micro: int) -> None:
     """Feed the assembler every worker's messages in random interleavings."""
     loader = MixedLoader(Tagged(counts), batch_size, num_workers=len(counts), seed=3)
@@ -219,10 +220,7 @@ def test_ranks_with_equal_totals_yield_equal_batch_counts() -> None:
     # Same samples per rank, split differently over the workers.
     counts_per_rank = [[10, 10, 10], [30, 0, 0], [1, 2, 27]]
     for drop_last in (False, True):
-        lengths = {
-            len(run(MixedLoader(Tagged(c), 7, num_workers=3, drop_last=drop_last)))
-            for c in counts_per_rank
-        }
+        lengths = {len(run(MixedLoader(Tagged(c), 7, num_workers=3, drop_last=drop_last))) for c in counts_per_rank}
         assert lengths == {4 if drop_last else 5}
 
 

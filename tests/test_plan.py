@@ -15,9 +15,7 @@ from shardkit.planning import PlanError, reader_counts
 def all_plans(counts, world, workers, **kwargs):
     """{(rank, worker): ranges} for every reader of the world."""
     return {
-        (r, w): plan(counts, Topology(r, world, w, workers), **kwargs)
-        for r in range(world)
-        for w in range(workers)
+        (r, w): plan(counts, Topology(r, world, w, workers), **kwargs) for r in range(world) for w in range(workers)
     }
 
 

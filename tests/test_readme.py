@@ -13,6 +13,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def test_every_shardkit_name_in_the_readme_is_exported() -> None:
     names = set(re.findall(r"\bshardkit\.([A-Za-z_][A-Za-z0-9_]*)", README.read_text()))
+
     def exists(name: str) -> bool:  # an exported name, or a submodule the README names as a module
         return hasattr(shardkit, name) or importlib.util.find_spec(f"shardkit.{name}") is not None
 

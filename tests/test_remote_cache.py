@@ -30,8 +30,9 @@ def server(tmp_path) -> Iterator[FaultServer]:
 
 
 def cached(cache_dir: str, limit: int | None = None) -> RemoteOptions:
-    return RemoteOptions(block_size=16 << 10, readahead_bytes=64 << 10, retry=FAST_RETRY, cache_dir=cache_dir,
-                         cache_limit_bytes=limit)
+    return RemoteOptions(
+        block_size=16 << 10, readahead_bytes=64 << 10, retry=FAST_RETRY, cache_dir=cache_dir, cache_limit_bytes=limit
+    )
 
 
 def test_the_second_epoch_reads_from_the_cache_and_fetches_nothing(server: FaultServer, tmp_path) -> None:
@@ -105,8 +106,10 @@ def test_concurrent_workers_filling_one_entry_fetch_it_once_and_agree(server: Fa
     server.latency = 0.02  # the first filler is still fetching when the others arrive
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    workers = [context.Process(target=_read_cached, args=(f"{server.url}/a.tfrecord", str(tmp_path / "cache"), out))
-               for _ in range(3)]
+    workers = [
+        context.Process(target=_read_cached, args=(f"{server.url}/a.tfrecord", str(tmp_path / "cache"), out))
+        for _ in range(3)
+    ]
     for worker in workers:
         worker.start()
     results = [out.get(timeout=60) for _ in workers]
@@ -132,8 +135,9 @@ def test_a_killed_writer_leaves_no_entry_that_is_read_as_whole(server: FaultServ
     server.latency = 0.05  # about 30 blocks: 1.5 s to fill
     root = str(tmp_path / "cache")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    filler = subprocess.Popen([sys.executable, "-c", _FILLER, f"{server.url}/a.tfrecord", root], env=env,
-                              stdout=subprocess.PIPE)
+    filler = subprocess.Popen(
+        [sys.executable, "-c", _FILLER, f"{server.url}/a.tfrecord", root], env=env, stdout=subprocess.PIPE
+    )
     assert filler.stdout is not None and filler.stdout.readline().strip() == b"started"
     deadline = time.monotonic() + 30
     while len(server.gets()) < 5 and time.monotonic() < deadline:

@@ -196,12 +196,14 @@ def test_several_ranks_resume_their_own_part() -> None:
     # balance="pad": every record at least once, the padding the only repeats
     union = [s for part in per_rank for s in part]
     assert len(union) == 2 * -(-sum(COUNTS) // 2)
-    assert set(union) == {f"{u}:{i}" for u in synthetic_shards(COUNTS) for i in range(int(u.rsplit('-', 1)[1]))}
+    assert set(union) == {f"{u}:{i}" for u in synthetic_shards(COUNTS) for i in range(int(u.rsplit("-", 1)[1]))}
 
 
 def test_state_is_small_plain_versioned_data() -> None:
     block_shuffled = source()
-    block_shuffled.shuffle_window = 0  # records in block order: the state is one interval (windows: tests/test_shuffle.py)
+    block_shuffled.shuffle_window = (
+        0  # records in block order: the state is one interval (windows: tests/test_shuffle.py)
+    )
     dataset = block_shuffled.map(str.upper)
     iterator = iter(dataset)
     for _ in range(10):
