@@ -1,0 +1,34 @@
+"""The house habits are checked, not hoped for: ruff lint and format over the tree."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str) -> str:
+    found = Path(sys.executable).with_name(name)
+    if found.exists():
+        return str(found)
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (it is in the dev extras)")
+    return path
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_tree_passes_ruff_lint():
+    done = _run(_tool("ruff"), "check", ".")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_tree_is_ruff_formatted():
+    done = _run(_tool("ruff"), "format", "--check", ".")
+    assert done.returncode == 0, "run `.venv/bin/ruff format .`:\n" + done.stdout + done.stderr
