@@ -21,10 +21,14 @@ fi
 echo "shardkit: installing into $PWD/$venv (${extras:-core})" >&2
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==2.13.0"
+# editable_mode=compat puts the checkout itself on sys.path (a .pth entry), so
+# a clone run from its parent folder imports the package, not the clone folder
+# as an empty namespace package.
+editable=(--config-settings editable_mode=compat -e)
 if [[ -n "$extras" ]]; then
-    "${pip[@]}" -e ".[$extras]"
+    "${pip[@]}" "${editable[@]}" ".[$extras]"
 else
-    "${pip[@]}" -e .
+    "${pip[@]}" "${editable[@]}" .
 fi
 # A dev install also satisfies a later core-only run: remember both.
 { echo "$want"; [[ -n "$extras" ]] && echo "${want% *} core"; } > "$stamp"

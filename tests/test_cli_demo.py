@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -68,3 +69,16 @@ def test_topology_detection_order(monkeypatch):
     assert (topology.worker_id, topology.num_workers, topology.reader_index, topology.num_readers) == (2, 3, 8, 12)
     with pytest.raises(ValueError, match=r"worker_id must be in \[0, num_workers\) = \[0, 3\), got 3"):
         shardkit.Topology.current(worker_id=3)
+
+
+def test_a_clone_run_from_its_parent_folder_imports_the_package_not_the_folder(tmp_path):
+    # A clone named like the package, run from its parent: the folder must not
+    # shadow the installed package as an empty namespace package.
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "shardkit").symlink_to(root)
+    code = "import shardkit; print(shardkit.__file__); print(len(dir(shardkit)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    path, names = done.stdout.split()
+    assert path.endswith("__init__.py")
+    assert int(names) > 10
