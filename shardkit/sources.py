@@ -666,6 +666,10 @@ class ShardedDataset(_PlannedSource):
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
         if self.shards.num_records is not None:
             return self.shards.num_records
+        indexed = self._index_counts()
+        if indexed is not None:  # index files beside every shard: counts without a counting pass
+            self.shards = self.shards.with_num_records(indexed)
+            return self.shards.num_records
         if required:
             self.count_records()
             return self.shards.num_records
@@ -677,6 +681,11 @@ class ShardedDataset(_PlannedSource):
                 stacklevel=3,
             )
         return self.shards.table.column("num_records")
+
+    def _index_counts(self) -> np.ndarray | None:
+        """Every shard's record count from its checked index file; None where a shard has none
+        (or the reader has no index files). Raises IndexFileError for an index that does not fit."""
+        return None
 
     def _makes_up(self, balance: Balance) -> bool:
         return self.on_error == "skip" and balance != "none"
@@ -1009,6 +1018,12 @@ class _FormatDataset(ShardedDataset):
         self.format = fmt
         read = getattr(fmt, "read_marked", None) or fmt.read
         super().__init__(shards, read, count_fn=fmt.count, **options)
+
+    def _index_counts(self) -> np.ndarray | None:
+        from shardkit.counting import counts_from_indexes  # here, not at the top: keeps the import block as is
+
+        offsets_fn = getattr(self.format, "index_offsets", None)
+        return None if offsets_fn is None else counts_from_indexes(self.shards, offsets_fn)
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
         hint = getattr(self.format, "prefetch", None)
