@@ -580,3 +580,38 @@ def test_a_stale_index_is_refused_not_trusted_for_counts(indexed, tmp_path):
         len(make())
     with pytest.raises(IndexFileError, match=re.escape(urls[1])):
         list(make(rank=0, world_size=2))
+
+
+# -- the in-process index cache --------------------------------------------------------------------
+
+
+def test_a_checked_index_is_read_once_per_process_for_many_ranges(tmp_path, monkeypatch):
+    import shardkit.formats.index as index_module
+
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    shardkit.build_index(url)
+    reads = []
+    real = index_module._load_checked
+    monkeypatch.setattr(index_module, "_load_checked", lambda *a: reads.append(a) or real(*a))
+    fmt = TFRecordFormat()
+    for start in range(1, 19, 3):  # the ranges a sample-level shuffle reads
+        assert list(fmt.read(url, start, start + 2)) == RECORDS[start : start + 2]
+    assert len(reads) == 1
+    assert not load_index(url).flags.writeable  # shared by every caller: nobody can change it for the others
+
+
+@pytest.mark.parametrize("damage", ["grow", "rewrite index"])
+def test_a_cached_index_is_checked_again_when_either_file_changes(tmp_path, damage):
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    index = shardkit.build_index(url)
+    fmt = TFRecordFormat()
+    assert list(fmt.read(url, 13, 15)) == RECORDS[13:15]  # cached now
+    if damage == "grow":
+        _grow(url, index, tmp_path)
+        with pytest.raises(IndexFileError, match="it grew"):
+            list(fmt.read(url, 13, 15))
+    else:  # an index of other records with the same size: only its identity tells it changed
+        other = write_tfrecord(str(tmp_path / "other.tfrecord"), [b"%034d" % i for i in range(10)])  # 500 bytes
+        os.replace(shardkit.build_index(other), index)
+        with pytest.raises(IndexFileError, match="no record of the file ends at its end"):
+            list(fmt.read(url, 13, 15))
