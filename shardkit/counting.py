@@ -45,7 +45,7 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as pc  # its functions are generated at import: pyright sees some, not all
 
 from shardkit.errors import ShardkitError
 from shardkit.shardlist import ShardList
@@ -130,7 +130,7 @@ def resolve_counts(
     if shards.num_records is not None:
         return shards
     path = cache_path(shards, cache_dir)
-    identities = _identities(shards, storage_options) if path is not None else [None] * len(shards)
+    identities: list[str | None] = _identities(shards, storage_options) if path is not None else [None] * len(shards)
     counts, known = _known_counts(shards, path, identities)
     missing = np.flatnonzero(~known)
     if count_fn is not None:
@@ -182,7 +182,8 @@ def _known_counts(shards: ShardList, path: str | None, identities: list[str | No
     cached = _read_cache(path, shards) if path is not None else None
     if cached is not None:
         current = pa.array(identities, pa.large_string())
-        fresh = pc.fill_null(pc.equal(cached.column("identity"), current), False).to_numpy(zero_copy_only=False)
+        same = pc.equal(cached.column("identity"), current)  # pyright: ignore[reportAttributeAccessIssue]
+        fresh = pc.fill_null(same, False).to_numpy(zero_copy_only=False)
         use = fresh & ~known
         counts[use] = cached.column("num_records").to_numpy(zero_copy_only=False)[use]
         known |= fresh
@@ -282,7 +283,7 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
         and table.num_rows == len(shards)
         and table.column("url").equals(urls.cast(pa.large_string()))
         and table.column("num_records").null_count == 0
-        and (pc.min(table.column("num_records")).as_py() or 0) >= 0
+        and (pc.min(table.column("num_records")).as_py() or 0) >= 0  # pyright: ignore[reportAttributeAccessIssue]
     )
     if not usable:
         logger.warning("shardkit: ignoring the counts cache %s: not one of this shard list; it will be rewritten", path)

@@ -734,7 +734,7 @@ class ShardedDataset(_PlannedSource):
         try:
             while True:  # one pass per run of records between bad ones (a loop, not recursion)
                 try:
-                    yield from self._records(shard, url, cursor, stop, stop + 1 if tail else stop)
+                    yield from self._records(shard, url, cursor, stop, None if stop is None else stop + tail)
                     break
                 except Exception as error:
                     intact = isinstance(error, CorruptRecordError) and error.framing_intact
@@ -920,7 +920,7 @@ class MapSource(_PlannedSource):
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
         if self.shuffle_shards:
             start, stop = shard, shard + 1
-        return map(self.dataset.__getitem__, range(start, stop))
+        return map(self.dataset.__getitem__, range(start, len(self.dataset) if stop is None else stop))
 
     def __repr__(self) -> str:
         return f"wrap({type(self.dataset).__name__} of {len(self.dataset)}, shuffle={self.shuffle_shards}, balance={self.balance!r})"
@@ -1201,7 +1201,7 @@ class ParquetDataset(_FormatDataset):
             return -(-counts // size)
         import pyarrow.compute as pc
 
-        return pc.divide(pc.add(counts, size - 1), size)
+        return pc.divide(pc.add(counts, size - 1), size)  # pyright: ignore[reportAttributeAccessIssue]  (generated)
 
     def _planned_count(self, shard: int) -> int | None:
         rows = super()._planned_count(shard)

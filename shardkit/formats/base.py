@@ -91,8 +91,11 @@ class ShardFormat(Protocol):
             (``(".tar.gz", ".tgz", ".tar")``).
     """
 
-    name: str
-    suffixes: tuple[str, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def suffixes(self) -> tuple[str, ...]: ...
 
     def sniff(self, head: bytes) -> bool:
         """Whether a file starting with ``head`` (up to :data:`HEAD_BYTES`) is in this format."""
