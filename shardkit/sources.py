@@ -1030,7 +1030,8 @@ class _FormatDataset(ShardedDataset):
         if hint is not None:
             hint(self.shards[shard], start, stop)
         else:  # open the shard ahead; fetch its first blocks only when the range starts there
-            prefetch(self.shards[shard], self.storage_options, self.format.remote, offset=0 if start == 0 else None)
+            remote = getattr(self.format, "remote", None)
+            prefetch(self.shards[shard], self.storage_options, remote, offset=0 if start == 0 else None)
 
 
 class TFRecordDataset(_FormatDataset):
