@@ -666,12 +666,9 @@ class ShardedDataset(_PlannedSource):
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
         if self.shards.num_records is not None:
             return self.shards.num_records
-        indexed = self._index_counts()
-        if indexed is not None:  # index files beside every shard: counts without a counting pass
-            self.shards = self.shards.with_num_records(indexed)
-            return self.shards.num_records
         if required:
-            self.count_records()
+            if not self._fill_counts():  # no index beside some shard: count them (index files where present)
+                self.count_records()
             return self.shards.num_records
         if len(self.shards) < topology.num_workers and topology.worker_id == 0:
             warnings.warn(
@@ -682,9 +679,29 @@ class ShardedDataset(_PlannedSource):
             )
         return self.shards.table.column("num_records")
 
-    def _index_counts(self) -> np.ndarray | None:
-        """Every shard's record count from its checked index file; None where a shard has none
-        (or the reader has no index files). Raises IndexFileError for an index that does not fit."""
+    def __len__(self) -> int:
+        self._fill_counts()
+        return super().__len__()
+
+    def load_state_dict(self, state: State) -> None:
+        self._fill_counts()
+        super().load_state_dict(state)
+
+    def _fill_counts(self) -> bool:
+        """Where the shard list has no counts, take them from index files beside every shard
+        (or the counts cache), without a counting pass; whether the counts are known now.
+
+        Raises:
+            IndexFileError: an index does not fit its shard: it is refused, not trusted.
+        """
+        if self.shards.num_records is None:
+            filled = self._counts_from_indexes()
+            if filled is not None:
+                self.shards = filled
+        return self.shards.num_records is not None
+
+    def _counts_from_indexes(self) -> ShardList | None:
+        """The shard list with counts from index files, or None (the reader has none, or a shard lacks one)."""
         return None
 
     def _makes_up(self, balance: Balance) -> bool:
@@ -1019,11 +1036,13 @@ class _FormatDataset(ShardedDataset):
         read = getattr(fmt, "read_marked", None) or fmt.read
         super().__init__(shards, read, count_fn=fmt.count, **options)
 
-    def _index_counts(self) -> np.ndarray | None:
+    def _counts_from_indexes(self) -> ShardList | None:
         from shardkit.counting import counts_from_indexes  # here, not at the top: keeps the import block as is
 
         offsets_fn = getattr(self.format, "index_offsets", None)
-        return None if offsets_fn is None else counts_from_indexes(self.shards, offsets_fn)
+        if offsets_fn is None:
+            return None
+        return counts_from_indexes(self.shards, offsets_fn, storage_options=self.storage_options)
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
         hint = getattr(self.format, "prefetch", None)
