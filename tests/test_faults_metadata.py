@@ -615,3 +615,18 @@ def test_a_cached_index_is_checked_again_when_either_file_changes(tmp_path, dama
         os.replace(shardkit.build_index(other), index)
         with pytest.raises(IndexFileError, match="no record of the file ends at its end"):
             list(fmt.read(url, 13, 15))
+
+
+def test_counts_taken_from_index_files_are_cached_for_the_next_dataset(indexed, monkeypatch):
+    urls, make, ids, everything = indexed
+    assert len(make()) == len(everything)
+    fmt_class = type(make().format)
+
+    def read_again(self, url):
+        raise AssertionError(f"the index of {url} was read again")
+
+    monkeypatch.setattr(fmt_class, "index_offsets", read_again)
+    assert len(make()) == len(everything)  # from the counts cache, bound to each shard's identity
+    os.utime(urls[0], ns=(1, 1))  # a shard that may have changed: its index is read (and checked) again
+    with pytest.raises(AssertionError, match=f"the index of {re.escape(urls[0])} was read again"):
+        len(make())
