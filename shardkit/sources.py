@@ -604,7 +604,10 @@ class ShardedDataset(_PlannedSource):
     it ended, what was planned) under ``"raise"``. Under ``"skip"``:
 
     * a record whose data is bad while the framing around it is fine (a data
-      CRC mismatch, a record that does not decode) costs that record only;
+      CRC mismatch, a record that does not decode) costs that record only
+      (``read_fn`` raises a :class:`~shardkit.CorruptRecordError` with
+      ``framing_intact`` and is called again from the next record, or yields
+      a :class:`~shardkit.formats.base.BadRecord` in its place and reads on);
       an error that loses the framing (or any other exception) costs the
       rest of the range; records a short shard lacks are counted as
       ``missing``; a long shard's extra records are not read (counted in
@@ -751,7 +754,8 @@ class ShardedDataset(_PlannedSource):
         try:
             while True:  # one pass per run of records between bad ones (a loop, not recursion)
                 try:
-                    yield from self._records(shard, url, cursor, stop, None if stop is None else stop + tail)
+                    ask = stop + 1 if tail and stop is not None else stop
+                    yield from self._records(shard, url, cursor, stop, ask)
                     break
                 except Exception as error:
                     intact = isinstance(error, CorruptRecordError) and error.framing_intact
