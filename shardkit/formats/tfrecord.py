@@ -62,7 +62,15 @@ from shardkit.formats.io import (
 )
 from shardkit.remote import RemoteOptions
 
-__all__ = ["TFRecordWriter", "count_records", "detect_compression", "read_tfrecord", "scan_offsets", "verify_tfrecord"]
+__all__ = [
+    "TFRecordFormat",
+    "TFRecordWriter",
+    "count_records",
+    "detect_compression",
+    "read_tfrecord",
+    "scan_offsets",
+    "verify_tfrecord",
+]
 
 IndexLike = str | os.PathLike[str] | Sequence[int] | np.ndarray
 Progress = Callable[[int], object]
