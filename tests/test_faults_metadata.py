@@ -630,3 +630,15 @@ def test_counts_taken_from_index_files_are_cached_for_the_next_dataset(indexed, 
     os.utime(urls[0], ns=(1, 1))  # a shard that may have changed: its index is read (and checked) again
     with pytest.raises(AssertionError, match=f"the index of {re.escape(urls[0])} was read again"):
         len(make())
+
+
+@pytest.mark.slow
+def test_dataloader_workers_of_two_ranks_plan_from_index_files_without_count_records(indexed):
+    urls, make, ids, everything = indexed
+    ranks = []
+    for rank in range(2):
+        loader = DataLoader(make(rank=rank, world_size=2, balance="pad"), batch_size=None, num_workers=2)
+        ranks.append([ids(s) for s in loader])
+    assert len(ranks[0]) == len(ranks[1]) == -(-len(everything) // 2)
+    assert set(ranks[0]) | set(ranks[1]) == set(everything)
+    assert len(ranks[0]) + len(ranks[1]) - len(everything) == len(everything) % 2  # "pad" repeats one at most
