@@ -28,7 +28,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from shardkit import MixedLoader, ShardedDataset
-from shardkit.loader import _accelerator_available, _from_slab, _Mixer, _SlabBatch, _SlabRing
+from shardkit.loader import _accelerator_available, _Mixer
+from shardkit.slabs import SlabBatch, SlabRing, from_slab
 from tests.helpers import synthetic_read, synthetic_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,18 +119,18 @@ def shm_files_of(pids: list[int]) -> list[str]:
     return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"torch_{pid}_") for pid in pids)]
 
 
-def from_ring(ring: _SlabRing, chunk: list[Any], slabs: dict[int, torch.Tensor]) -> Any:
+def from_ring(ring: SlabRing, chunk: list[Any], slabs: dict[int, torch.Tensor]) -> Any:
     """What the main process makes of ``ring.collate(chunk)``."""
     out = ring.collate(chunk)
-    if not isinstance(out, _SlabBatch):
+    if not isinstance(out, SlabBatch):
         return out
     if out.slab is not None:
         slabs[out.slot] = out.slab
-    return _from_slab(out.skeleton, slabs[out.slot])
+    return from_slab(out.skeleton, slabs[out.slot])
 
 
 def test_slab_collate_is_default_collate_byte_for_byte() -> None:
-    ring, slabs = _SlabRing(4), {}
+    ring, slabs = SlabRing(4), {}
     for size in (1, 3, 8):
         chunk = [sample(1, i) for i in range(size)]
         assert_same(from_ring(ring, chunk, slabs), default_collate(chunk))
@@ -137,20 +138,20 @@ def test_slab_collate_is_default_collate_byte_for_byte() -> None:
 
 
 def test_a_ring_without_a_free_slot_sends_what_default_collate_makes() -> None:
-    ring = _SlabRing(1)
+    ring = SlabRing(1)
     chunk = [sample(0, i) for i in range(4)]
     first = ring.collate(chunk)
-    assert isinstance(first, _SlabBatch) and first.slab is not None
+    assert isinstance(first, SlabBatch) and first.slab is not None
     second = ring.collate(chunk)
-    assert not isinstance(second, _SlabBatch)
+    assert not isinstance(second, SlabBatch)
     assert_same(second, default_collate(chunk))
     ring.flags[0] = 0  # the main process copied the first one out
     third = ring.collate(chunk)
-    assert isinstance(third, _SlabBatch) and third.slot == 0 and third.slab is None  # the buffer is reused
+    assert isinstance(third, SlabBatch) and third.slot == 0 and third.slab is None  # the buffer is reused
 
 
 def test_a_larger_micro_batch_gets_a_larger_buffer_in_its_slot() -> None:
-    ring, slabs = _SlabRing(1), {}
+    ring, slabs = SlabRing(1), {}
     for size in (1, 2, 30):
         chunk = [sample(2, i) for i in range(size)]
         assert_same(from_ring(ring, chunk, slabs), default_collate(chunk))
@@ -164,12 +165,12 @@ class Subclass(torch.Tensor):
 
 def test_tensors_a_slab_cannot_hold_travel_as_default_collate_makes_them() -> None:
     chunk = [torch.empty(2, device="meta") for _ in range(3)]
-    out = _SlabRing(2).collate(chunk)
-    assert not isinstance(out, _SlabBatch)
+    out = SlabRing(2).collate(chunk)
+    assert not isinstance(out, SlabBatch)
     assert out.device.type == "meta" and out.shape == (3, 2)
     chunk = [{"x": torch.arange(3).as_subclass(Subclass) + i} for i in range(2)]
-    out = _SlabRing(2).collate(chunk)
-    assert not isinstance(out, _SlabBatch)
+    out = SlabRing(2).collate(chunk)
+    assert not isinstance(out, SlabBatch)
     assert_same(out, default_collate(chunk))
     assert type(out["x"]) is Subclass
 
@@ -212,11 +213,11 @@ def test_micro_batches_without_a_free_slot_mix_with_slab_ones_exactly(monkeypatc
         pull(self)
         for queue, length in zip(self._pending, before):
             if len(queue) > length:
-                kinds["plain" if queue[-1][5] is None else "slab"] += 1
+                kinds["plain" if queue[-1].slot is None else "slab"] += 1
 
     monkeypatch.setattr(_Mixer, "_pull", counting_pull)
     loader = MixedLoader(Samples([50, 37]), 8, num_workers=2, micro_batch_size=3)
-    loader._loader.dataset.slots = 1  # most micro-batches find the one slot busy
+    loader._micro_batches.slots = 1  # most micro-batches find the one slot busy
     batches, used = collect(loader)
     assert kinds["slab"] and kinds["plain"], kinds
     check_batches(batches, [50, 37], 8)
@@ -331,7 +332,7 @@ def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path) -> None
 @pytest.mark.parametrize("prefetch_factor", [None, 1, 4])
 def test_any_prefetch_factor_sizes_the_ring(prefetch_factor: int | None) -> None:
     loader = MixedLoader(Samples([9, 14]), 4, num_workers=2, prefetch_factor=prefetch_factor)
-    assert loader._loader.dataset.slots == 3 + (prefetch_factor or 2)
+    assert loader._micro_batches.slots == 3 + (prefetch_factor or 2)
     batches, used = collect(loader)
     assert used
     check_batches(batches, [9, 14], 4)
