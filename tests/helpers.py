@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
@@ -42,6 +43,24 @@ class CountingStream(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.n))
+
+
+def assert_same(got: Any, expected: Any, where: str = "batch") -> None:
+    """Equal types, dtypes, shapes and bytes, all the way down."""
+    assert type(got) is type(expected), f"{where}: {type(got).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and got.shape == expected.shape, where
+        assert got.view(-1).view(torch.uint8).tolist() == expected.view(-1).view(torch.uint8).tolist(), where
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected), where
+        for key in expected:
+            assert_same(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(g, e, f"{where}[{i}]")
+    else:
+        assert got == expected, where
 
 
 def record_offsets(url: str) -> list[int]:

@@ -30,7 +30,7 @@ from torch.utils.data._utils.collate import default_collate
 from shardkit import MixedLoader, ShardedDataset
 from shardkit.loader import _accelerator_available, _Mixer
 from shardkit.slabs import SlabBatch, SlabRing, from_slab
-from tests.helpers import synthetic_read, synthetic_shards
+from tests.helpers import assert_same, synthetic_read, synthetic_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,24 +77,6 @@ class Samples(IterableDataset):
             if index == self.pause_after:
                 time.sleep(60)  # waits to be killed
             yield sample(worker, index)
-
-
-def assert_same(got: Any, expected: Any, where: str = "batch") -> None:
-    """Equal types, dtypes, shapes and bytes, all the way down."""
-    assert type(got) is type(expected), f"{where}: {type(got).__name__} != {type(expected).__name__}"
-    if isinstance(expected, torch.Tensor):
-        assert got.dtype == expected.dtype and got.shape == expected.shape, where
-        assert got.view(-1).view(torch.uint8).tolist() == expected.view(-1).view(torch.uint8).tolist(), where
-    elif isinstance(expected, dict):
-        assert list(got) == list(expected), where
-        for key in expected:
-            assert_same(got[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected), where
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert_same(g, e, f"{where}[{i}]")
-    else:
-        assert got == expected, where
 
 
 def check_batches(batches: list[Any], counts: list[int], batch_size: int) -> None:
