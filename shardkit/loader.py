@@ -326,8 +326,8 @@ class _MicroBatches(IterableDataset):
     state after the message (None if it has none; a string saying why if it
     cannot save one). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once. With ``slots``, collated
-    micro-batches travel in a new :class:`~shardkit.slabs.SlabRing` per iteration, whose
-    flag array goes with the first message."""
+    micro-batches travel in a new :class:`~shardkit.slabs.SlabRing` per
+    iteration, whose flag array goes with the first message."""
 
     def __init__(self, dataset: IterableDataset, size: int, *, collate: bool, resumable: bool, slots: int = 0) -> None:
         self.dataset = dataset
