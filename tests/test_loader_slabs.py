@@ -356,33 +356,37 @@ KILL_SCRIPT = """
 import gc, json, os, signal, sys
 sys.path.insert(0, {repo!r})
 from shardkit import MixedLoader
-from tests.test_loader_slabs import Samples, torch_shm_maps
+from tests.test_loader_slabs import Samples, torch_shm_maps, worker_pids
 
-before = torch_shm_maps()
-loader = MixedLoader(Samples([40, 40], pause_after=20), 4, num_workers=2, timeout=30)
-iterator = iter(loader)
-for _ in range(3):
-    next(iterator)
-pids = [worker.pid for worker in loader._mixer._source._workers]
-error = ""
-try:
-    os.kill(pids[1], signal.SIGKILL)
-    for _ in iterator:
-        pass
-except (RuntimeError, ConnectionError) as caught:
-    error = f"{{type(caught).__name__}}: {{caught}}"
-    del caught
-del iterator, loader
-gc.collect()
-print(json.dumps({{"error": error, "pid": os.getpid(), "pids": pids, "before": before, "after": torch_shm_maps()}}))
+if __name__ == "__main__":  # spawned workers import this script again
+    before = torch_shm_maps()
+    loader = MixedLoader(
+        Samples([40, 40], pause_after=20), 4, num_workers=2, timeout=30, multiprocessing_context={context!r}
+    )
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    pids = worker_pids(loader)
+    error = ""
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        for _ in iterator:
+            pass
+    except (RuntimeError, ConnectionError) as caught:
+        error = f"{{type(caught).__name__}}: {{caught}}"
+        del caught
+    del iterator, loader
+    gc.collect()
+    print(json.dumps({{"error": error, "pid": os.getpid(), "pids": pids, "before": before, "after": torch_shm_maps()}}))
 """
 
 
 @pytest.mark.slow
-def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path, context: str) -> None:
     # In a process of its own: DataLoader's SIGCHLD handler may raise at any later point.
     script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT.format(repo=str(REPO)))
+    script.write_text(KILL_SCRIPT.format(repo=str(REPO), context=context))
     report = last_json_line(run_python(str(script), timeout=120, cwd=REPO).stdout)
     # DataLoader reports the death from its SIGCHLD handler or its next read; or, when the
     # dead worker's message was passing a file descriptor, the receiving end fails.
