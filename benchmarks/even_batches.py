@@ -25,7 +25,6 @@ median as the estimate least disturbed by other processes.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import free_port
 
 import shardkit
 from shardkit import even as even_module
@@ -131,12 +131,6 @@ def run(rank: int, port: int, args: argparse.Namespace) -> None:
             print("\n".join(lines), flush=True)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

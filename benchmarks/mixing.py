@@ -17,6 +17,7 @@ the training step, so the "pages read" row has the loop read one byte of each
 
     python benchmarks/mixing.py            # full run
     python benchmarks/mixing.py --quick    # a few seconds, for CI
+    python benchmarks/mixing.py --pin-memory   # both loaders pin their batches (on a GPU machine)
 """
 
 from __future__ import annotations
@@ -103,11 +104,11 @@ def epoch_seconds(loader: Iterable[Any], consume: Callable[[Any], None] | None) 
     return time.perf_counter() - start
 
 
-def compare(case: Case, repeats: int) -> tuple[dict[str, float], float]:
+def compare(case: Case, repeats: int, *, pin_memory: bool = False) -> tuple[dict[str, float], float]:
     """Median samples/s per loader over ``repeats`` epochs after a warm-up
     epoch, the loaders taking turns so that load from other processes hits
     both, and the median of the rounds' MixedLoader / DataLoader ratios."""
-    common: dict[str, Any] = {"num_workers": WORKERS, "persistent_workers": True}
+    common: dict[str, Any] = {"num_workers": WORKERS, "persistent_workers": True, "pin_memory": pin_memory}
     loaders: dict[str, Iterable[Any]] = {
         "DataLoader": DataLoader(case.dataset, batch_size=case.batch_size, **common),
         "MixedLoader": MixedLoader(case.dataset, case.batch_size, **common),
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small epochs, one repeat")
     parser.add_argument("--repeats", type=int, default=None, help="timed epochs per loader")
+    parser.add_argument("--pin-memory", action="store_true", help="pin_memory=True on both loaders (needs a GPU)")
     args = parser.parse_args(argv)
     scale = 1 if args.quick else 8
     repeats = args.repeats or (1 if args.quick else 5)
@@ -142,10 +144,11 @@ def main(argv: list[str] | None = None) -> None:
             32,
         ),
     ]
-    print(f"{WORKERS} workers, median of {repeats} interleaved epoch(s), samples/s")
+    pinned = ", pin_memory=True" if args.pin_memory else ""
+    print(f"{WORKERS} workers{pinned}, median of {repeats} interleaved epoch(s), samples/s")
     print(f"{'case':<32}{'DataLoader':>12}{'MixedLoader':>13}{'ratio':>8}")
     for case in cases:
-        rates, ratio = compare(case, repeats)
+        rates, ratio = compare(case, repeats, pin_memory=args.pin_memory)
         print(f"{case.name:<32}{rates['DataLoader']:>12,.0f}{rates['MixedLoader']:>13,.0f}{ratio:>8.2f}")
 
 

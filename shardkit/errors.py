@@ -123,3 +123,11 @@ def _rebuild_corrupt_record_error(
     return CorruptRecordError(
         url, record_index, offset, reason, framing_intact=framing_intact, compressed_offset=compressed_offset
     )
+
+
+def check_int(name: str, value: object, *, minimum: int, error: type[Exception] = ShardkitError) -> int:
+    """``value`` if it is an int (a bool is not) of at least ``minimum``; else ``error``
+    naming the argument, the value given and what it must be."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise error(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    return value

@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 from shardkit.state import State, StateError, applies, check, decode, encode, field, node, whole_number
 
 __all__ = ["EvenBatches", "EvenBatchesError", "EvenStats", "even_batches"]
@@ -130,8 +130,7 @@ class EvenBatches:
     def __init__(self, loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: int = 1) -> None:
         if at_end not in AT_END:
             raise EvenBatchesError(f"at_end must be one of {AT_END}, got {at_end!r}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise EvenBatchesError(f"every must be an int >= 1, got {every!r}")
+        check_int("every", every, minimum=1, error=EvenBatchesError)
         if not isinstance(loader, Iterable):
             raise EvenBatchesError(f"even_batches wraps an iterable of batches, got {type(loader).__name__}")
         self.loader = loader
@@ -154,8 +153,7 @@ class EvenBatches:
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch and pass it on: to ``loader.set_epoch`` if the loader
         has one, else to its ``dataset`` and ``sampler`` where they have one."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise EvenBatchesError(f"epoch must be an int >= 0, got {epoch!r}")
+        check_int("epoch", epoch, minimum=0, error=EvenBatchesError)
         self._epoch_set = True
         self._forward(epoch)
 
@@ -547,13 +545,22 @@ def _side_group(group: Any) -> _Side | None:
         return None
     side = _SIDE_GROUPS.get(ranks)
     if side is None:
-        # Only the group's ranks take part in making it (they all wrap their loaders).
-        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-        # The first collective on a new group is often slower than the next ones (1-8 ms
-        # against 0.2-0.5 ms here): pay it when the wrapper is built, not in the first batch.
-        side = _Side(made, dist.get_rank(made), len(ranks))
-        side.all_reduce_min(torch.zeros(4, dtype=torch.int64)).wait()
-        _SIDE_GROUPS[ranks] = side
+        side = _SIDE_GROUPS[ranks] = _new_side_group(ranks)
+    return side
+
+
+def _new_side_group(ranks: tuple[int, ...]) -> _Side:
+    """Make the gloo group over ``ranks`` (every one of them calls this) and
+    run its first collective, which is often slower than the next ones (1-8 ms
+    against 0.2-0.5 ms here): paid when the wrapper is built, not in the first batch."""
+    import torch.distributed as dist
+
+    # Only the group's ranks take part in making it (they all wrap their loaders).
+    made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    # new_group returns a non-member marker (an int) or None only to ranks outside the group.
+    assert isinstance(made, dist.ProcessGroup), f"rank {dist.get_rank()} got no group over its ranks {ranks}"
+    side = _Side(made, dist.get_rank(made), len(ranks))
+    side.all_reduce_min(torch.zeros(4, dtype=torch.int64)).wait()
     return side
 
 

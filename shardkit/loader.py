@@ -22,21 +22,14 @@ How a batch is made:
   so the same seed and data give the same batches.
 * Without ``collate_fn``, workers apply ``default_collate`` to each
   micro-batch and the main process re-collates by slicing the micro-batches
-  along the batch dimension and concatenating (one copy per batch, none per
-  sample). The tensors of a micro-batch travel in a *slab*: each worker keeps
-  a small ring of reusable shared-memory buffers, collates every tensor
-  (numbers and numpy arrays included) straight into a free one and sends only
-  the slot number and shapes; the main process maps each slab once, copies
-  the batch out and marks the slot free in a shared flag array. DataLoader
-  instead creates a new shared-memory segment per tensor per batch and passes
-  its file descriptor over a socket (about 1 ms a batch, whatever its size).
-  A worker that finds no free slot sends the micro-batch the DataLoader way,
-  so a slow consumer never blocks it. The buffers are torch's unlinked
-  shared memory: nothing stays in ``/dev/shm`` when a process dies, and each
-  ring is dropped with its epoch. A custom ``collate_fn`` may depend on the whole batch (padding to
-  the longest sample, custom batch classes), so micro-batches then travel as
-  lists of samples and ``collate_fn`` is called once per output batch, in the
-  main process, exactly as DataLoader would call it.
+  along the batch dimension and concatenating (:mod:`shardkit.collate`: one
+  copy per batch, none per sample). The micro-batches travel through a ring
+  of reusable shared-memory slabs per worker (:mod:`shardkit.slabs`) instead
+  of DataLoader's new segment per tensor per batch. A custom ``collate_fn``
+  may depend on the whole batch (padding to the longest sample, custom batch
+  classes), so micro-batches then travel as lists of samples and
+  ``collate_fn`` is called once per output batch, in the main process,
+  exactly as DataLoader would call it.
 
 Resuming (:meth:`MixedLoader.state_dict` / :meth:`MixedLoader.load_state_dict`):
 every message from a worker carries its dataset's state after that
@@ -53,24 +46,23 @@ not yet delivered follow, in another order.
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
+from shardkit.collate import Part, collated_length, join, tail
 from shardkit.epoch import resume_at
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 from shardkit.pipeline import Pipeline
+from shardkit.slabs import SPARE_SLOTS, SlabBatch, SlabRing, from_slab
 from shardkit.state import State, StateError, applies, check, decode, encode, field, merge, node, validate, whole_number
 
 __all__ = ["LoaderError", "MixedLoader"]
@@ -150,23 +142,7 @@ class MixedLoader:
         resumable: bool = True,
         **dataloader_kwargs: Any,
     ) -> None:
-        if not isinstance(dataset, IterableDataset):
-            raise LoaderError(
-                f"MixedLoader mixes the streams of an IterableDataset's workers; got "
-                f"{type(dataset).__name__}. For a map-style dataset use "
-                "torch.utils.data.DataLoader(dataset, shuffle=True)."
-            )
-        _check_int("batch_size", batch_size, minimum=1)
-        _check_int("num_workers", num_workers, minimum=0)
-        _check_int("seed", seed, minimum=0)
-        if micro_batch_size is not None:
-            _check_int("micro_batch_size", micro_batch_size, minimum=1)
-        if collate_fn is not None and not callable(collate_fn):
-            raise LoaderError(f"collate_fn must be callable or None, got {collate_fn!r}")
-        if not isinstance(drop_last, bool):
-            raise LoaderError(f"drop_last must be a bool, got {drop_last!r}")
-        if not isinstance(resumable, bool):
-            raise LoaderError(f"resumable must be a bool, got {resumable!r}")
+        _check_arguments(dataset, batch_size, num_workers, collate_fn, drop_last, seed, micro_batch_size, resumable)
         unknown = sorted(set(dataloader_kwargs) - PASSTHROUGH_KWARGS)
         if unknown:
             raise TypeError(
@@ -174,7 +150,6 @@ class MixedLoader:
                 f"it passes only {', '.join(sorted(PASSTHROUGH_KWARGS))} to DataLoader "
                 "and does its own batching, so sampler, shuffle and batch_sampler do not apply"
             )
-
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -184,38 +159,40 @@ class MixedLoader:
         self.micro_batch_size = batch_size if micro_batch_size is None else micro_batch_size
         self.resumable = resumable
         self.epoch = 0
-
+        self._pin = False
+        self._micro_batches: _MicroBatches | None = None
         if num_workers == 0:
-            self._pin = False
             self._loader = DataLoader(
-                dataset,
-                batch_size=batch_size,
-                drop_last=drop_last,
-                collate_fn=collate_fn,
-                **dataloader_kwargs,
+                dataset, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn, **dataloader_kwargs
             )
-            return
+        else:
+            self._loader = self._worker_loader(dataloader_kwargs)
+
+    def _worker_loader(self, dataloader_kwargs: dict[str, Any]) -> DataLoader:
+        """The DataLoader whose workers send micro-batches. Pinning is done here, on
+        assembled batches: DataLoader's pin thread would pin micro-batches that are
+        then copied out again."""
         pin = bool(dataloader_kwargs.pop("pin_memory", False))
         dataloader_kwargs.pop("pin_memory_device", None)
         self._pin = pin and _accelerator_available()
         if pin and not self._pin:
             warnings.warn(
                 "MixedLoader: pin_memory=True but no accelerator is available; batches will not be pinned",
-                stacklevel=2,
+                stacklevel=3,
             )
-        slots = _SLAB_SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate_fn is None else 0
-        self._loader = DataLoader(
-            _MicroBatches(dataset, self.micro_batch_size, collate=collate_fn is None, resumable=resumable, slots=slots),
-            batch_size=None,
-            num_workers=num_workers,
-            collate_fn=_as_is,
-            **dataloader_kwargs,
+        collate = self.collate_fn is None
+        slots = SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate else 0
+        self._micro_batches = _MicroBatches(
+            self.dataset, self.micro_batch_size, collate=collate, resumable=self.resumable, slots=slots
+        )
+        return DataLoader(
+            self._micro_batches, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is, **dataloader_kwargs
         )
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch for the next iteration and forward it to
         ``dataset.set_epoch`` when the dataset has one."""
-        _check_int("epoch", epoch, minimum=0)
+        check_int("epoch", epoch, minimum=0, error=LoaderError)
         self.epoch = epoch
         self._epoch_set = True
         set_dataset_epoch = getattr(self.dataset, "set_epoch", None)
@@ -249,11 +226,11 @@ class MixedLoader:
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
         self._iterated = True
-        if self.num_workers == 0:
+        micro_batches = self._micro_batches
+        if micro_batches is None:  # no workers
             if resume is not None:
                 self._resume_in_process(resume)
             return iter(self._loader)
-        micro_batches = self._loader.dataset
         if resume is not None:
             saved = resume["workers"]
             same = resume["num_workers"] == self.num_workers
@@ -349,8 +326,8 @@ class _MicroBatches(IterableDataset):
     state after the message (None if it has none; a string saying why if it
     cannot save one). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once. With ``slots``, collated
-    micro-batches travel in a new :class:`_SlabRing` per iteration, whose
-    flag array goes with the first message."""
+    micro-batches travel in a new :class:`~shardkit.slabs.SlabRing` per
+    iteration, whose flag array goes with the first message."""
 
     def __init__(self, dataset: IterableDataset, size: int, *, collate: bool, resumable: bool, slots: int = 0) -> None:
         self.dataset = dataset
@@ -369,7 +346,7 @@ class _MicroBatches(IterableDataset):
             self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
         samples = iter(self.dataset)
         saver = _StateSaver(self.dataset, self.resumable)
-        ring = _SlabRing(self.slots) if self.collate and self.slots else None
+        ring = SlabRing(self.slots) if self.collate and self.slots else None
         yield worker, _START, None if ring is None else ring.flags, saver()
         while chunk := list(islice(samples, self.size)):
             if not self.collate:
@@ -378,136 +355,6 @@ class _MicroBatches(IterableDataset):
                 payload = default_collate(chunk) if ring is None else ring.collate(chunk)
             yield worker, len(chunk), payload, saver()
         yield worker, 0, None, saver()
-
-
-#: Slots of a worker's slab ring beyond the DataLoader's ``prefetch_factor``
-#: messages in flight: the main process holds up to two micro-batches per
-#: worker, and the worker collates one.
-_SLAB_SPARE_SLOTS = 3
-#: Byte alignment of each tensor inside a slab (any dtype can view it).
-_SLAB_ALIGN = 64
-
-
-@dataclass(frozen=True, slots=True)
-class _InSlab:
-    """Where one collated tensor of a micro-batch lies in its slab."""
-
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class _SlabBatch:
-    """A micro-batch in slot ``slot`` of its worker's ring: ``skeleton`` is what
-    ``default_collate`` makes, with :class:`_InSlab` for each tensor. ``slab``
-    is sent only when the slot holds a new buffer (the main process keeps it)."""
-
-    slot: int
-    slab: torch.Tensor | None
-    skeleton: Any
-
-
-class _NotInSlab(Exception):
-    """A tensor the slab cannot hold (sparse, nested, quantized, a subclass, not on the CPU)."""
-
-
-class _SlabLayout:
-    """Lays out one micro-batch's collated tensors in a slab: the collate
-    functions return :class:`_InSlab` places and :meth:`write` fills them."""
-
-    def __init__(self) -> None:
-        self.size = 0
-        self._writes: list[tuple[_InSlab, Any]] = []
-        self.fn_map: dict[Any, Callable[..., Any]] = dict(default_collate_fn_map)
-        self.fn_map[torch.Tensor] = self._stack
-        for kind in (int, float, (np.bool_, np.number, np.object_)):
-            self.fn_map[kind] = self._wrap(default_collate_fn_map[kind])
-
-    def _place(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int, source: Any) -> _InSlab:
-        place = _InSlab(self.size, shape, dtype)
-        nbytes = numel * dtype.itemsize
-        self.size += -(-nbytes // _SLAB_ALIGN) * _SLAB_ALIGN
-        self._writes.append((place, source))
-        return place
-
-    def _stack(self, batch: Sequence[torch.Tensor], **_: Any) -> _InSlab:
-        elem = batch[0]
-        if type(elem) is not torch.Tensor or elem.layout != torch.strided or elem.device.type != "cpu":
-            raise _NotInSlab  # subclasses keep their type, as default_collate keeps it
-        if elem.is_nested or elem.is_quantized:
-            raise _NotInSlab
-        return self._place((len(batch), *elem.shape), elem.dtype, len(batch) * elem.numel(), batch)
-
-    def _wrap(self, make_tensor: Callable[..., Any]) -> Callable[..., Any]:
-        def in_slab(batch: list[Any], **kwargs: Any) -> _InSlab:
-            tensor = make_tensor(batch, **kwargs)
-            return self._place(tuple(tensor.shape), tensor.dtype, tensor.numel(), tensor)
-
-        return in_slab
-
-    def write(self, slab: torch.Tensor) -> None:
-        for place, source in self._writes:
-            view = _slab_view(slab, place)
-            if isinstance(source, torch.Tensor):
-                view.copy_(source)
-            else:  # a list or tuple of samples' tensors
-                torch.stack(source, 0, out=view)
-
-
-def _slab_view(slab: torch.Tensor, place: _InSlab) -> torch.Tensor:
-    numel = math.prod(place.shape)
-    return slab[place.offset : place.offset + numel * place.dtype.itemsize].view(place.dtype).view(place.shape)
-
-
-class _SlabRing:
-    """A worker's reusable shared-memory buffers and their busy flags.
-
-    The worker sets a slot's flag when it fills it, the main process clears
-    it once the micro-batch is copied out: each side writes one transition
-    only. Buffers grow (a new one in the slot, sent along) when a
-    micro-batch does not fit.
-    """
-
-    def __init__(self, slots: int) -> None:
-        self.flags = torch.zeros(slots, dtype=torch.uint8).share_memory_()
-        self._busy = self.flags.numpy()
-        self._slabs: list[torch.Tensor | None] = [None] * slots
-
-    def collate(self, chunk: list[Any]) -> Any:
-        """``default_collate(chunk)``, its tensors in a free slot; as
-        DataLoader sends it when no slot is free or a tensor cannot go in one."""
-        free = np.flatnonzero(self._busy == 0)
-        if not len(free):
-            return default_collate(chunk)
-        layout = _SlabLayout()
-        try:
-            skeleton = collate(chunk, collate_fn_map=layout.fn_map)
-        except _NotInSlab:
-            return default_collate(chunk)
-        slot = int(free[0])
-        slab = self._slabs[slot]
-        new = slab is None or len(slab) < layout.size
-        if new:  # with room to spare, so that sizes that vary a little do not reallocate
-            slab = torch.empty(layout.size + layout.size // 8 + _SLAB_ALIGN, dtype=torch.uint8).share_memory_()
-            self._slabs[slot] = slab
-        assert slab is not None
-        self._busy[slot] = 1
-        layout.write(slab)
-        return _SlabBatch(slot, slab if new else None, skeleton)
-
-
-def _from_slab(value: Any, slab: torch.Tensor) -> Any:
-    """A slab batch's skeleton with each :class:`_InSlab` replaced by a view of ``slab``."""
-    if type(value) is _InSlab:
-        return _slab_view(slab, value)
-    if isinstance(value, Mapping):
-        return _same_mapping_type(value, {key: _from_slab(item, slab) for key, item in value.items()})
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_from_slab(item, slab) for item in value))
-    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], (str, bytes))):
-        return type(value)(_from_slab(item, slab) for item in value)
-    return value
 
 
 class _StateSaver:
@@ -531,6 +378,34 @@ class _StateSaver:
             except StateError as error:
                 self._failure = str(error)
         return self._failure
+
+
+def _check_arguments(
+    dataset: Any,
+    batch_size: Any,
+    num_workers: Any,
+    collate_fn: Any,
+    drop_last: Any,
+    seed: Any,
+    micro_batch_size: Any,
+    resumable: Any,
+) -> None:
+    """Raise :class:`LoaderError` naming the first MixedLoader argument that cannot work."""
+    if not isinstance(dataset, IterableDataset):
+        raise LoaderError(
+            f"MixedLoader mixes the streams of an IterableDataset's workers; got "
+            f"{type(dataset).__name__}. For a map-style dataset use "
+            "torch.utils.data.DataLoader(dataset, shuffle=True)."
+        )
+    for name, value, minimum in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0), ("seed", seed, 0)):
+        check_int(name, value, minimum=minimum, error=LoaderError)
+    if micro_batch_size is not None:
+        check_int("micro_batch_size", micro_batch_size, minimum=1, error=LoaderError)
+    if collate_fn is not None and not callable(collate_fn):
+        raise LoaderError(f"collate_fn must be callable or None, got {collate_fn!r}")
+    for name, flag in (("drop_last", drop_last), ("resumable", resumable)):
+        if not isinstance(flag, bool):
+            raise LoaderError(f"{name} must be a bool (True or False), got {flag!r}")
 
 
 def _loader_state(loader: MixedLoader | _Mixer, **fields: Any) -> State:
@@ -597,25 +472,12 @@ def _check_tail(tail: Any, index: int, num_workers: int, loader: MixedLoader) ->
     if loader.collate_fn is not None:
         length, form = (len(samples) if type(samples) is list else None), "a list of samples (for collate_fn)"
     else:
-        length, form = _collated_length(samples), "a collated micro-batch"
+        length, form = collated_length(samples), "a collated micro-batch"
     if length != count:
         raise StateError(
             f"{where}: the carried samples must be {form} of {count} samples; got {_describe(samples, length)}"
         )
     return samples
-
-
-def _collated_length(value: Any) -> int | None:
-    """The number of samples in a ``default_collate`` output, read as :func:`_join`
-    reads it; None if ``value`` is not one, or its parts disagree."""
-    if isinstance(value, torch.Tensor):
-        return len(value) if value.dim() else None
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, bytes)) for v in value):
-        return len(value)
-    if isinstance(value, Mapping) or isinstance(value, list):
-        lengths = {_collated_length(v) for v in (value.values() if isinstance(value, Mapping) else value)}
-        return lengths.pop() if len(lengths) == 1 else None
-    return None
 
 
 def _describe(samples: Any, length: int | None) -> str:
@@ -633,6 +495,18 @@ def _accelerator_available() -> bool:
 def _as_is(message: Any) -> Any:
     """DataLoader collate_fn for ready-made messages (module level so spawn can pickle it)."""
     return message
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A micro-batch in a queue of the main process, of which ``start:count`` is left."""
+
+    payload: Any  # collated, or a list of samples (with a collate_fn)
+    count: int
+    state: Any  # the worker's dataset state after this micro-batch
+    start: int = 0
+    carried: bool = False  # a restored tail: saved again even when nothing of it was taken
+    slot: int | None = None  # the slab slot it lies in, freed once the batch holds copies of it
 
 
 class _Mixer(Iterator[Any]):
@@ -654,23 +528,21 @@ class _Mixer(Iterator[Any]):
     ) -> None:
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
-        self._batch_size = loader.batch_size
         self._collate_fn = loader.collate_fn
         self._drop_last = loader.drop_last
         self._pin = loader._pin
         self._epoch_key = _mix64(_mix64(loader.seed) ^ loader.epoch)
         self._workers = workers = loader.num_workers
-        # Per queue: deque of [payload, offset, count, dataset state after it, carried,
-        # slab slot or None] and samples left in it. Queues past the workers' hold
-        # restored tails.
-        self._pending: list[deque[list[Any]]] = [deque() for _ in range(workers)]
+        # Per queue: its micro-batches and the samples left in them. Queues past
+        # the workers' hold restored tails.
+        self._pending: list[deque[_Pending]] = [deque() for _ in range(workers)]
+        self._available = [0] * workers
+        self._done = [False] * workers
         # Per worker: its slab ring's busy flags and buffers by slot; slots to free
         # once the batch being made is copied out of them.
         self._flags: list[Any] = [None] * workers
         self._slabs: list[dict[int, torch.Tensor]] = [{} for _ in range(workers)]
         self._release: list[tuple[int, int]] = []
-        self._available = [0] * workers
-        self._done = [False] * workers
         # Per worker: its dataset state past the entries that left its queue
         # (None until its first message), and after its last message.
         self._base: list[Any] = [None] * workers
@@ -687,16 +559,16 @@ class _Mixer(Iterator[Any]):
         if self._finished:
             self._source = None
         same = state["num_workers"] == self._workers
-        for tail, samples in zip(state["carry"], tails):
-            worker = tail["worker"] if same and tail["worker"] is not None else None
+        for saved, samples in zip(state["carry"], tails):
+            worker = saved["worker"] if same and saved["worker"] is not None else None
             if worker is None:
                 worker = len(self._pending)
                 self._pending.append(deque())
                 self._available.append(0)
                 self._done.append(True)
             dataset_state = state["workers"][worker] if worker < self._workers else None
-            self._pending[worker].appendleft([samples, 0, tail["count"], dataset_state, True, None])
-            self._available[worker] += tail["count"]
+            self._pending[worker].appendleft(_Pending(samples, saved["count"], dataset_state, carried=True))
+            self._available[worker] += saved["count"]
 
     def state_dict(self) -> State:
         """The loader's state: see :meth:`MixedLoader.state_dict`."""
@@ -709,12 +581,9 @@ class _Mixer(Iterator[Any]):
             state = self._base[worker] if real else None
             if real and not queue and self._done[worker]:
                 state = self._final[worker]
-            if queue and (queue[0][1] > 0 or queue[0][4]):  # cut part-way, or a restored tail
-                payload, start, count, after = queue[0][:4]
-                collated = self._collate_fn is None
-                tail = {"worker": worker if real else None, "count": count - start}
-                carry.append({**tail, "payload": encode(_tail(payload, start, count, collated=collated))})
-                state = after
+            if queue and (queue[0].start > 0 or queue[0].carried):  # cut part-way, or a restored tail
+                carry.append(self._carried(queue[0], worker if real else None))
+                state = queue[0].state
             if real:
                 if not isinstance(state, dict):
                     reason = state if isinstance(state, str) else "a worker sent no state"
@@ -722,22 +591,22 @@ class _Mixer(Iterator[Any]):
                 workers.append(state)
         return _loader_state(self, batch_index=self.batch_index, finished=self._finished, workers=workers, carry=carry)
 
+    def _carried(self, entry: _Pending, worker: int | None) -> dict[str, Any]:
+        """The saved form of the undelivered rest of a micro-batch."""
+        rest = tail(entry.payload, entry.start, entry.count, collated=self._collate_fn is None)
+        return {"worker": worker, "count": entry.count - entry.start, "payload": encode(rest)}
+
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
         shares = self._allocate()
         size = sum(shares.values())
-        if size == 0 or (self._drop_last and size < self._batch_size):
-            self._finished = True
-            self._source = None  # lets the DataLoader shut its workers down
-            for queue in self._pending:  # a dropped last batch
-                queue.clear()
-            self._slabs = [{} for _ in self._slabs]  # unmaps the workers' rings now, not with the loader
-            self._flags = [None] * len(self._flags)
+        if size == 0 or (self._drop_last and size < self.batch_size):
+            self._finish()
             raise StopIteration
         parts = [part for worker, share in shares.items() for part in self._take(worker, share)]
         if self._collate_fn is None:
-            batch = _join(parts, copy=any(flags is not None for flags in self._flags))
+            batch = join(parts, copy=any(flags is not None for flags in self._flags))
         else:
             batch = self._collate_fn([s for payload, a, b in parts for s in payload[a:b]])
         for worker, slot in self._release:  # the batch holds copies now
@@ -745,6 +614,14 @@ class _Mixer(Iterator[Any]):
         self._release.clear()
         self.batch_index += 1
         return _pin_memory(batch) if self._pin else batch
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._source = None  # lets the DataLoader shut its workers down
+        for queue in self._pending:  # a dropped last batch
+            queue.clear()
+        self._slabs = [{} for _ in self._slabs]  # unmaps the workers' rings now, not with the loader
+        self._flags = [None] * len(self._flags)
 
     def _allocate(self) -> dict[int, int]:
         """Shares of the next batch per worker, in placement order, pulling
@@ -761,15 +638,16 @@ class _Mixer(Iterator[Any]):
             active = [w for w, left in enumerate(self._available) if left or not self._done[w]]
             active.sort(key=lambda w: _mix64(key ^ w))
             caps = {w: self._available[w] if self._done[w] else None for w in active}
-            shares = _water_fill(self._batch_size, active, caps)
+            shares = _water_fill(self.batch_size, active, caps)
             if all(shares[w] <= self._available[w] for w in active):
                 return shares
             self._pull()
 
     def _pull(self) -> None:
         """Receive one message from the workers."""
+        assert self._source is not None, "a finished epoch pulls no messages"
         try:
-            worker, count, payload, state = next(self._source)  # type: ignore[arg-type]
+            worker, count, payload, state = next(self._source)
         except StopIteration:
             # Every worker ends with an end marker; this only guards against a hang.
             self._done = [True] * len(self._done)
@@ -783,66 +661,37 @@ class _Mixer(Iterator[Any]):
             self._done[worker] = True
             self._final[worker] = state
         else:
-            slot = None
-            if isinstance(payload, _SlabBatch):
-                slot = payload.slot
-                if payload.slab is not None:
-                    self._slabs[worker][slot] = payload.slab
-                payload = _from_slab(payload.skeleton, self._slabs[worker][slot])
-            self._pending[worker].append([payload, 0, count, state, False, slot])
-            self._available[worker] += count
+            self._queue(worker, count, payload, state)
 
-    def _take(self, worker: int, share: int) -> list[tuple[Any, int, int]]:
+    def _queue(self, worker: int, count: int, payload: Any, state: Any) -> None:
+        """Queue a micro-batch; one in a slab becomes views of the slab, mapped once per slot."""
+        slot = None
+        if isinstance(payload, SlabBatch):
+            slot = payload.slot
+            if payload.slab is not None:
+                self._slabs[worker][slot] = payload.slab
+            payload = from_slab(payload.skeleton, self._slabs[worker][slot])
+        self._pending[worker].append(_Pending(payload, count, state, slot=slot))
+        self._available[worker] += count
+
+    def _take(self, worker: int, share: int) -> list[Part]:
         """Remove ``share`` samples from a worker's queue as (payload, start, stop) slices."""
-        parts = []
+        parts: list[Part] = []
         queue = self._pending[worker]
         self._available[worker] -= share
         while share:
             entry = queue[0]
-            payload, start, count, state = entry[:4]
-            stop = min(count, start + share)
-            parts.append((payload, start, stop))
-            share -= stop - start
-            if stop == count:
+            stop = min(entry.count, entry.start + share)
+            parts.append((entry.payload, entry.start, stop))
+            share -= stop - entry.start
+            entry.start = stop
+            if stop == entry.count:
                 queue.popleft()
                 if worker < self._workers:
-                    self._base[worker] = state
-                if entry[5] is not None:
-                    self._release.append((worker, entry[5]))
-            else:
-                entry[1] = stop
+                    self._base[worker] = entry.state
+                if entry.slot is not None:
+                    self._release.append((worker, entry.slot))
         return parts
-
-
-def _tail(payload: Any, start: int, stop: int, *, collated: bool) -> Any:
-    """Samples ``start:stop`` of a micro-batch, in memory of their own (a slice
-    of a tensor would otherwise save the whole micro-batch's storage)."""
-    if not collated:
-        return payload[start:stop]
-    return _own_memory(_join([(payload, start, stop)]))
-
-
-def _own_memory(value: Any) -> Any:
-    """``value`` with every tensor in it copied."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, Mapping):
-        return _same_mapping_type(value, {key: _own_memory(item) for key, item in value.items()})
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*map(_own_memory, value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(map(_own_memory, value))
-    return value
-
-
-def _same_mapping_type(template: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
-    """``values`` in a mapping of ``template``'s type where it can be copied and
-    updated (as ``default_collate`` keeps the sample's mapping type), else a dict."""
-    if isinstance(template, MutableMapping):
-        clone = copy.copy(template)
-        clone.update(values)
-        return clone
-    return values
 
 
 def _water_fill(total: int, order: list[int], caps: dict[int, int | None]) -> dict[int, int]:
@@ -866,59 +715,6 @@ def _water_fill(total: int, order: list[int], caps: dict[int, int | None]) -> di
     return shares
 
 
-def _join(parts: list[tuple[Any, int, int]], *, copy: bool = False) -> Any:
-    """Join slices ``payload[start:stop]`` of ``default_collate`` outputs along
-    the batch dimension, into what ``default_collate`` makes of all samples;
-    with ``copy`` no tensor of the result shares memory with ``parts`` (whose
-    slabs are about to be reused)."""
-    first = parts[0][0]
-    if isinstance(first, torch.Tensor):
-        if len(parts) == 1 and not copy:
-            tensor, start, stop = parts[0]
-            return tensor if start == 0 and stop == len(tensor) else tensor[start:stop]
-        return _concat([tensor[start:stop] for tensor, start, stop in parts])
-    if isinstance(first, Mapping):
-        joined = {key: _join([(p[key], a, b) for p, a, b in parts], copy=copy) for key in first}
-        return _same_mapping_type(first, joined)
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*_join_fields(parts, copy=copy))
-    if isinstance(first, (list, tuple)) and first and isinstance(first[0], (str, bytes)):
-        # default_collate keeps strings and bytes as they come, along the batch:
-        # a list at the top, a tuple inside a sequence (from zip).
-        return type(first)(item for p, a, b in parts for item in p[a:b])
-    if isinstance(first, list):
-        # Any other list holds one collated value per field of the samples.
-        return _join_fields(parts, copy=copy)
-    raise TypeError(f"cannot join micro-batches of type {type(first).__name__}")
-
-
-#: Copies below this many elements run on one thread in torch too (its grain size).
-_SERIAL_COPY_ELEMENTS = 32768
-
-
-def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat`` along dim 0, large copies done by numpy where the dtype allows.
-
-    The main process shares the CPU with busy workers; torch's intra-op
-    threads then spin and wait for each other, which made ``torch.cat`` of
-    3x224x224 images 2-3x slower than numpy's single-threaded copy in
-    ``benchmarks/mixing.py``.
-    """
-    if sum(t.numel() for t in tensors) < _SERIAL_COPY_ELEMENTS:
-        return torch.cat(tensors)
-    rows = sum(len(t) for t in tensors)
-    out = torch.empty((rows, *tensors[0].shape[1:]), dtype=tensors[0].dtype)
-    try:
-        np.concatenate([t.numpy() for t in tensors], out=out.numpy())
-    except TypeError:  # a dtype numpy lacks, such as bfloat16
-        torch.cat(tensors, out=out)
-    return out
-
-
-def _join_fields(parts: list[tuple[Any, int, int]], *, copy: bool = False) -> list[Any]:
-    return [_join([(p[i], a, b) for p, a, b in parts], copy=copy) for i in range(len(parts[0][0]))]
-
-
 _MASK64 = (1 << 64) - 1
 
 
@@ -928,10 +724,3 @@ def _mix64(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
     return value ^ (value >> 31)
-
-
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LoaderError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise LoaderError(f"{name} must be >= {minimum}, got {value}")

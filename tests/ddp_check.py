@@ -13,51 +13,39 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shardkit import ShardedDataset  # noqa: E402
-from tests.helpers import synthetic_read, synthetic_shards  # noqa: E402
+from tests.helpers import gloo_ranks, synthetic_read, synthetic_shards  # noqa: E402
 
 COUNTS = [17, 3, 0, 25, 9, 30, 11, 6, 12]
 
 
-def run(rank: int, world_size: int, port: int, context: str, balance: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        dataset = ShardedDataset(synthetic_shards(COUNTS), synthetic_read, balance=balance, shuffle=True, seed=11)
-        loader = DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context=context)
-        ids: list[str] = []
-        batches = 0
-        for batch in loader:
-            batches += 1
-            ids.extend(batch)
-            if balance != "none":
-                # A collective per step, as DDP's gradient all-reduce: unequal batch
-                # counts would hang here, so the test's timeout would catch them.
-                dist.all_reduce(torch.ones(1))
-        counts = torch.tensor([batches])
-        gathered_counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-        dist.all_gather(gathered_counts, counts)
-        gathered_ids: list[list[str] | None] = [None] * world_size
-        dist.all_gather_object(gathered_ids, ids)
-        if rank == 0:
-            print(json.dumps({"batches": [int(c) for c in gathered_counts], "ids": gathered_ids}), flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run(rank: int, world_size: int, context: str, balance: str) -> None:
+    dataset = ShardedDataset(synthetic_shards(COUNTS), synthetic_read, balance=balance, shuffle=True, seed=11)
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context=context)
+    ids: list[str] = []
+    batches = 0
+    for batch in loader:
+        batches += 1
+        ids.extend(batch)
+        if balance != "none":
+            # A collective per step, as DDP's gradient all-reduce: unequal batch
+            # counts would hang here, so the test's timeout would catch them.
+            dist.all_reduce(torch.ones(1))
+    counts = torch.tensor([batches])
+    gathered_counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(gathered_counts, counts)
+    gathered_ids: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(gathered_ids, ids)
+    if rank == 0:
+        print(json.dumps({"batches": [int(c) for c in gathered_counts], "ids": gathered_ids}), flush=True)
 
 
 def main() -> None:
@@ -66,7 +54,7 @@ def main() -> None:
     parser.add_argument("--context", default="fork", choices=("fork", "spawn", "forkserver"))
     parser.add_argument("--balance", default="pad", choices=("none", "pad", "drop"))
     args = parser.parse_args()
-    mp.spawn(run, args=(args.world_size, free_port(), args.context, args.balance), nprocs=args.world_size, join=True)
+    gloo_ranks(run, args.world_size, args.context, args.balance)
 
 
 if __name__ == "__main__":

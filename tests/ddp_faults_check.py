@@ -19,56 +19,48 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shardkit import CorruptRecordError, ShardedDataset, ShardList  # noqa: E402
-from tests.ddp_check import free_port  # noqa: E402
-from tests.helpers import synthetic_read  # noqa: E402
+from tests.helpers import gloo_ranks, synthetic_read  # noqa: E402
 
 ACTUAL = [17, 3, 0, 10, 9, 30, 11, 6, 12]
 PLANNED = [17, 3, 0, 25, 9, 30, 11, 6, 12]
 WORLD_SIZE = 2
 
 
-def run(rank: int, port: int, on_error: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+def run(rank: int, world_size: int, on_error: str) -> None:
+    shards = ShardList([f"mem/shard{i:03d}-{n}" for i, n in enumerate(ACTUAL)], num_records=PLANNED)
+    dataset = ShardedDataset(shards, synthetic_read, balance="pad", on_error=on_error, shuffle=True, seed=2)
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    batches = samples = 0
     try:
-        shards = ShardList([f"mem/shard{i:03d}-{n}" for i, n in enumerate(ACTUAL)], num_records=PLANNED)
-        dataset = ShardedDataset(shards, synthetic_read, balance="pad", on_error=on_error, shuffle=True, seed=2)
-        loader = DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context="fork")
-        batches = samples = 0
-        try:
-            for batch in loader:
-                batches += 1
-                samples += len(batch)
-                dist.all_reduce(torch.ones(1))  # unequal batch counts would hang here
-        except CorruptRecordError as error:
-            facts = {"type": type(error).__name__, "url": error.url, "record_index": error.record_index}
-            facts.update(offset=error.offset, framing_intact=error.framing_intact)
-            print(json.dumps(facts), flush=True)
-            raise
-        stats = dataset.stats()
-        mine = [batches, samples, stats.total_missing, stats.total_padded]
-        gathered: list[list[int] | None] = [None] * WORLD_SIZE
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            result = {
-                key: [g[i] for g in gathered] for i, key in enumerate(["batches", "samples", "missing", "padded"])
-            }
-            result.update(planned=len(dataset), world_size=WORLD_SIZE)
-            print(json.dumps(result), flush=True)
-    finally:
-        dist.destroy_process_group()
+        for batch in loader:
+            batches += 1
+            samples += len(batch)
+            dist.all_reduce(torch.ones(1))  # unequal batch counts would hang here
+    except CorruptRecordError as error:
+        facts = {"type": type(error).__name__, "url": error.url, "record_index": error.record_index}
+        facts.update(offset=error.offset, framing_intact=error.framing_intact)
+        print(json.dumps(facts), flush=True)
+        raise
+    stats = dataset.stats()
+    mine = [batches, samples, stats.total_missing, stats.total_padded]
+    gathered: list[list[int] | None] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        result = {key: [g[i] for g in gathered] for i, key in enumerate(["batches", "samples", "missing", "padded"])}
+        result.update(planned=len(dataset), world_size=world_size)
+        print(json.dumps(result), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--on-error", default="skip", choices=("raise", "skip"))
     args = parser.parse_args()
-    mp.spawn(run, args=(free_port(), args.on_error), nprocs=WORLD_SIZE, join=True)
+    gloo_ranks(run, WORLD_SIZE, args.on_error)
 
 
 if __name__ == "__main__":

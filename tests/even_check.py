@@ -15,24 +15,21 @@ then fails the run), which shows the check can see a hang.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
-import socket
 import sys
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import shardkit  # noqa: E402
-from tests.helpers import synthetic_read, synthetic_shards  # noqa: E402
+from tests.helpers import gloo_ranks, synthetic_read, synthetic_shards  # noqa: E402
 
 COUNTS = [17, 3, 0, 25, 9, 30, 11, 6, 12]
 BATCH = 4
@@ -145,25 +142,12 @@ def resume(rank: int, wrap: str, every: int, urls: list[str]) -> dict[str, Any]:
     return {"batches": whole, "resumed": first + rest}
 
 
-def run(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    timeout = datetime.timedelta(seconds=args.collective_timeout)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
-    )
-    try:
-        result = run_case(rank, args.case, args.wrap, args.every, args.urls)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            print(json.dumps(gathered), flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    result = run_case(rank, args.case, args.wrap, args.every, args.urls)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        print(json.dumps(gathered), flush=True)
 
 
 def main() -> None:
@@ -177,9 +161,7 @@ def main() -> None:
     parser.add_argument("--collective-timeout", type=float, default=20.0)
     parser.add_argument("urls", nargs="*")
     args = parser.parse_args()
-    mp.start_processes(
-        run, args=(args.world_size, free_port(), args), nprocs=args.world_size, join=True, start_method="fork"
-    )
+    gloo_ranks(run, args.world_size, args, start_method="fork", collective_timeout=args.collective_timeout)
 
 
 if __name__ == "__main__":

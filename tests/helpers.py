@@ -1,13 +1,23 @@
-"""Module-level helpers that DataLoader workers started with spawn can unpickle."""
+"""Shared test helpers: module level, so that DataLoader workers and ranks started with spawn can unpickle them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import datetime
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
 
 import shardkit
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
 
 
 def synthetic_read(url: str, start: int, stop: int | None) -> Iterator[str]:
@@ -42,6 +52,24 @@ class CountingStream(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.n))
+
+
+def assert_same(got: Any, expected: Any, where: str = "batch") -> None:
+    """Equal types, dtypes, shapes and bytes, all the way down."""
+    assert type(got) is type(expected), f"{where}: {type(got).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and got.shape == expected.shape, where
+        assert got.view(-1).view(torch.uint8).tolist() == expected.view(-1).view(torch.uint8).tolist(), where
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected), where
+        for key in expected:
+            assert_same(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(g, e, f"{where}[{i}]")
+    else:
+        assert got == expected, where
 
 
 def record_offsets(url: str) -> list[int]:
@@ -144,3 +172,56 @@ def rank_factory(dataset_class, urls, **kwargs):
         return dataset_class(urls, rank=rank, world_size=world, **kwargs)
 
     return make
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``python *args`` in a new process, its output captured as text; with ``check``, it must exit 0
+    (the end of its stderr is the failure message). The timeout bounds any hang."""
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def last_json_line(stdout: str) -> Any:
+    """The JSON a check script prints as its last line."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def gloo_ranks(
+    fn: Callable[..., None],
+    world_size: int,
+    *args: Any,
+    start_method: str = "spawn",
+    collective_timeout: float | None = None,
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in a gloo
+    process group over localhost (destroyed when ``fn`` returns or raises); waits for all,
+    and raises if one fails."""
+    import torch.multiprocessing as mp
+
+    setup = (fn, world_size, free_port(), collective_timeout, args)
+    mp.start_processes(_gloo_rank, args=setup, nprocs=world_size, join=True, start_method=start_method)
+
+
+def _gloo_rank(
+    rank: int, fn: Callable[..., None], world_size: int, port: int, timeout: float | None, args: tuple
+) -> None:
+    import torch.distributed as dist
+
+    options = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **options)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -8,10 +8,7 @@ unequal counts (marked slow).
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -29,7 +26,7 @@ import shardkit
 from shardkit import EvenBatchesError, even_batches
 from shardkit import even as even_module
 from shardkit.state import StateError
-from tests.test_examples import EXAMPLES, free_port, run
+from tests.helpers import EXAMPLES, REPO, free_port, last_json_line, run_python
 from tests.test_tfrecord_dataset import corrupt_data_byte, write_shards
 
 # -- ranks as threads, agreeing through a fake side group ----------------------
@@ -421,19 +418,8 @@ def test_a_group_without_torch_distributed_is_an_error():
 CHECK = Path(__file__).with_name("even_check.py")
 
 
-def run_check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(CHECK), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,  # bounds any hang
-    )
-
-
 def check_ranks(*args: str) -> list[dict[str, Any]]:
-    done = run_check(*args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return last_json_line(run_python(str(CHECK), *args, timeout=60).stdout)
 
 
 def corrupt_shards(root: Path) -> list[str]:
@@ -517,7 +503,9 @@ def test_ranks_of_a_subgroup_agree_among_themselves_and_a_rank_outside_is_told()
 @pytest.mark.slow
 def test_control_without_even_batches_the_same_run_hangs_until_the_collective_timeout():
     start = time.monotonic()
-    done = run_check("--case", "filter", "--wrap", "none", "--collective-timeout", "5")
+    done = run_python(
+        str(CHECK), "--case", "filter", "--wrap", "none", "--collective-timeout", "5", check=False, timeout=60
+    )
     assert done.returncode != 0 and not done.stdout.strip()
     # It waited out the timeout (a hang), then gloo gave up on one rank and the other lost its peer.
     assert time.monotonic() - start > 5
@@ -536,16 +524,16 @@ def eval_results(out: str) -> tuple[str, float]:
 
 @pytest.mark.slow
 def test_ddp_eval_example_counts_every_sample_once_and_matches_one_process():
-    alone = run(str(EXAMPLES / "ddp_eval.py"), timeout=120)
+    alone = run_python(str(EXAMPLES / "ddp_eval.py"), timeout=120).stdout
     assert "world size 1: 1001 samples counted of 1001; each once (id checksums): True" in alone
-    spread = run(
+    spread = run_python(
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=3",
         f"--master_port={free_port()}",
         str(EXAMPLES / "ddp_eval.py"),
         timeout=120,
-    )
+    ).stdout
     assert "world size 3: 1001 samples counted of 1001; each once (id checksums): True" in spread
     assert sorted(re.findall(r"rank \d: (\d+) samples", spread)) == ["333", "334", "334"]
     (accuracy, loss), (accuracy_alone, loss_alone) = eval_results(spread), eval_results(alone)
@@ -556,11 +544,5 @@ def test_ddp_eval_example_counts_every_sample_once_and_matches_one_process():
 
 @pytest.mark.slow
 def test_the_benchmark_runs_and_prints_its_tables():
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "even_batches.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(str(REPO / "benchmarks" / "even_batches.py"), "--quick", timeout=120)
     assert done.stdout.count("even_batches(every=1)") == 2 and "one side-group round trip" in done.stdout

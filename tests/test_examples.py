@@ -3,50 +3,34 @@
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import EXAMPLES, free_port, run_python
+
 pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def run(*args: str, timeout: int = 300) -> str:
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_wrap_map_dataset():
-    out = run(str(EXAMPLES / "wrap_map_dataset.py"))
+    out = run_python(str(EXAMPLES / "wrap_map_dataset.py")).stdout
     assert "rank 0: 500 samples in 8 batches" in out and "rank 1: 500 samples in 8 batches" in out
     assert "distinct samples: 1000 of 1000; repeated: 0" in out
 
 
 def test_tfrecord_pipeline():
-    out = run(str(EXAMPLES / "tfrecord_pipeline.py"))
+    out = run_python(str(EXAMPLES / "tfrecord_pipeline.py")).stdout
     assert "wrote 4 shards, 1000 records" in out
     assert out.count("1000 samples, label counts [100, 100, 100, 100, 100, 100, 100, 100, 100, 100]") == 2
 
 
 def test_ddp_train_with_torchrun():
-    out = run(
+    out = run_python(
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
         str(EXAMPLES / "ddp_train.py"),
-    )
+    ).stdout
     counts = re.findall(r"batches per rank \[(\d+), (\d+)\]", out)
     assert len(counts) == 3 and all(a == b for a, b in counts), out
     weight, bias = map(float, re.search(r"learned y = ([-\d.]+) x ([-+\d.]+)", out).groups())

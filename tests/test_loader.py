@@ -310,14 +310,15 @@ def test_pin_memory_without_accelerator_warns_and_yields() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"batch_size": 0}, "batch_size must be >= 1"),
-        ({"batch_size": "8"}, "batch_size must be an int"),
-        ({"batch_size": True}, "batch_size must be an int"),
-        ({"num_workers": -1}, "num_workers must be >= 0"),
-        ({"seed": -3}, "seed must be >= 0"),
-        ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
+        ({"batch_size": 0}, r"batch_size must be an int >= 1, got 0 \(int\)"),
+        ({"batch_size": "8"}, r"batch_size must be an int >= 1, got '8' \(str\)"),
+        ({"batch_size": True}, r"batch_size must be an int >= 1, got True \(bool\)"),
+        ({"num_workers": -1}, "num_workers must be an int >= 0, got -1"),
+        ({"seed": -3}, "seed must be an int >= 0, got -3"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be an int >= 1, got 0"),
         ({"collate_fn": 3}, "collate_fn must be callable"),
         ({"drop_last": 1}, "drop_last must be a bool"),
+        ({"resumable": "yes"}, "resumable must be a bool"),
         ({"dataset": [1, 2, 3]}, "map-style dataset use torch.utils.data.DataLoader"),
     ],
 )
@@ -335,5 +336,5 @@ def test_unknown_dataloader_arguments(name: str) -> None:
 
 
 def test_invalid_epoch() -> None:
-    with pytest.raises(LoaderError, match="epoch must be >= 0"):
+    with pytest.raises(LoaderError, match="epoch must be an int >= 0, got -1"):
         MixedLoader(Tagged([1]), 2).set_epoch(-1)

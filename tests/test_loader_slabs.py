@@ -1,4 +1,5 @@
-"""MixedLoader's slab transport: byte-exact batches, exactly once, resume, no leaked shared memory.
+"""MixedLoader's slab transport: byte-exact batches, exactly once and equal counts over ranks with
+0, 2 or 3 workers under fork and spawn, pin_memory, resume, no leaked shared memory.
 
 Every batch is compared with ``default_collate`` of the samples it names, after
 the whole epoch has been collected, so a batch that still pointed into a slab
@@ -12,8 +13,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -28,10 +27,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from shardkit import MixedLoader, ShardedDataset
-from shardkit.loader import _accelerator_available, _from_slab, _Mixer, _SlabBatch, _SlabRing
-from tests.helpers import synthetic_read, synthetic_shards
-
-REPO = Path(__file__).resolve().parents[1]
+from shardkit.loader import _accelerator_available, _Mixer
+from shardkit.slabs import SlabBatch, SlabRing, from_slab
+from tests.helpers import REPO, all_ids, assert_same, last_json_line, run_python, synthetic_read, synthetic_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -78,24 +76,6 @@ class Samples(IterableDataset):
             yield sample(worker, index)
 
 
-def assert_same(got: Any, expected: Any, where: str = "batch") -> None:
-    """Equal types, dtypes, shapes and bytes, all the way down."""
-    assert type(got) is type(expected), f"{where}: {type(got).__name__} != {type(expected).__name__}"
-    if isinstance(expected, torch.Tensor):
-        assert got.dtype == expected.dtype and got.shape == expected.shape, where
-        assert got.view(-1).view(torch.uint8).tolist() == expected.view(-1).view(torch.uint8).tolist(), where
-    elif isinstance(expected, dict):
-        assert list(got) == list(expected), where
-        for key in expected:
-            assert_same(got[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected), where
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert_same(g, e, f"{where}[{i}]")
-    else:
-        assert got == expected, where
-
-
 def check_batches(batches: list[Any], counts: list[int], batch_size: int) -> None:
     """Exactly once, ceil(n / batch_size) batches, each byte-exact against default_collate."""
     assert len(batches) == math.ceil(sum(counts) / batch_size)
@@ -118,18 +98,18 @@ def shm_files_of(pids: list[int]) -> list[str]:
     return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"torch_{pid}_") for pid in pids)]
 
 
-def from_ring(ring: _SlabRing, chunk: list[Any], slabs: dict[int, torch.Tensor]) -> Any:
+def from_ring(ring: SlabRing, chunk: list[Any], slabs: dict[int, torch.Tensor]) -> Any:
     """What the main process makes of ``ring.collate(chunk)``."""
     out = ring.collate(chunk)
-    if not isinstance(out, _SlabBatch):
+    if not isinstance(out, SlabBatch):
         return out
     if out.slab is not None:
         slabs[out.slot] = out.slab
-    return _from_slab(out.skeleton, slabs[out.slot])
+    return from_slab(out.skeleton, slabs[out.slot])
 
 
 def test_slab_collate_is_default_collate_byte_for_byte() -> None:
-    ring, slabs = _SlabRing(4), {}
+    ring, slabs = SlabRing(4), {}
     for size in (1, 3, 8):
         chunk = [sample(1, i) for i in range(size)]
         assert_same(from_ring(ring, chunk, slabs), default_collate(chunk))
@@ -137,20 +117,20 @@ def test_slab_collate_is_default_collate_byte_for_byte() -> None:
 
 
 def test_a_ring_without_a_free_slot_sends_what_default_collate_makes() -> None:
-    ring = _SlabRing(1)
+    ring = SlabRing(1)
     chunk = [sample(0, i) for i in range(4)]
     first = ring.collate(chunk)
-    assert isinstance(first, _SlabBatch) and first.slab is not None
+    assert isinstance(first, SlabBatch) and first.slab is not None
     second = ring.collate(chunk)
-    assert not isinstance(second, _SlabBatch)
+    assert not isinstance(second, SlabBatch)
     assert_same(second, default_collate(chunk))
     ring.flags[0] = 0  # the main process copied the first one out
     third = ring.collate(chunk)
-    assert isinstance(third, _SlabBatch) and third.slot == 0 and third.slab is None  # the buffer is reused
+    assert isinstance(third, SlabBatch) and third.slot == 0 and third.slab is None  # the buffer is reused
 
 
 def test_a_larger_micro_batch_gets_a_larger_buffer_in_its_slot() -> None:
-    ring, slabs = _SlabRing(1), {}
+    ring, slabs = SlabRing(1), {}
     for size in (1, 2, 30):
         chunk = [sample(2, i) for i in range(size)]
         assert_same(from_ring(ring, chunk, slabs), default_collate(chunk))
@@ -164,12 +144,12 @@ class Subclass(torch.Tensor):
 
 def test_tensors_a_slab_cannot_hold_travel_as_default_collate_makes_them() -> None:
     chunk = [torch.empty(2, device="meta") for _ in range(3)]
-    out = _SlabRing(2).collate(chunk)
-    assert not isinstance(out, _SlabBatch)
+    out = SlabRing(2).collate(chunk)
+    assert not isinstance(out, SlabBatch)
     assert out.device.type == "meta" and out.shape == (3, 2)
     chunk = [{"x": torch.arange(3).as_subclass(Subclass) + i} for i in range(2)]
-    out = _SlabRing(2).collate(chunk)
-    assert not isinstance(out, _SlabBatch)
+    out = SlabRing(2).collate(chunk)
+    assert not isinstance(out, SlabBatch)
     assert_same(out, default_collate(chunk))
     assert type(out["x"]) is Subclass
 
@@ -202,6 +182,30 @@ def test_slab_batches_are_exact_and_exactly_once(counts: list[int], micro: int |
     check_batches(batches, counts, 8)
 
 
+def rank_batches(rank: int, num_workers: int, context: str) -> list[dict[str, Any]]:
+    """One epoch of rank ``rank`` of 2 through MixedLoader, byte-checked; 57 records, so "drop" leaves one out."""
+    shards = synthetic_shards([17, 3, 0, 25, 12])
+    dataset = ShardedDataset(shards, synthetic_read, balance="drop", shuffle=True, seed=5, rank=rank, world_size=2)
+    context_kwargs = {"multiprocessing_context": context} if num_workers else {}
+    loader = MixedLoader(dataset.map(labelled), 5, num_workers=num_workers, micro_batch_size=3, **context_kwargs)
+    batches, used = collect(loader)
+    assert used == (num_workers > 0)
+    assert len(batches) == len(loader)
+    for batch in batches:
+        check_labelled(batch)
+    return batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("num_workers", "context"), [(0, ""), (2, "fork"), (3, "fork"), (2, "spawn"), (3, "spawn")])
+def test_ranks_get_exactly_once_and_equal_batch_counts_through_the_slabs(num_workers: int, context: str) -> None:
+    ranks = [rank_batches(rank, num_workers, context) for rank in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == math.ceil(28 / 5)
+    seen = [record for batches in ranks for batch in batches for record in batch["id"]]
+    everything = all_ids(synthetic_shards([17, 3, 0, 25, 12]))
+    assert len(seen) == len(set(seen)) == 56 and set(seen) < set(everything)
+
+
 @pytest.mark.slow
 def test_micro_batches_without_a_free_slot_mix_with_slab_ones_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     kinds: Counter[str] = Counter()
@@ -212,25 +216,50 @@ def test_micro_batches_without_a_free_slot_mix_with_slab_ones_exactly(monkeypatc
         pull(self)
         for queue, length in zip(self._pending, before):
             if len(queue) > length:
-                kinds["plain" if queue[-1][5] is None else "slab"] += 1
+                kinds["plain" if queue[-1].slot is None else "slab"] += 1
 
     monkeypatch.setattr(_Mixer, "_pull", counting_pull)
     loader = MixedLoader(Samples([50, 37]), 8, num_workers=2, micro_batch_size=3)
-    loader._loader.dataset.slots = 1  # most micro-batches find the one slot busy
+    loader._micro_batches.slots = 1  # most micro-batches find the one slot busy
     batches, used = collect(loader)
     assert kinds["slab"] and kinds["plain"], kinds
     check_batches(batches, [50, 37], 8)
 
 
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [tensor for item in items for tensor in tensors_of(item)]
+
+
+def pin_memory_warning() -> Any:
+    """Without an accelerator, pin_memory=True warns (and does not fail)."""
+    return nullcontext() if _accelerator_available() else pytest.warns(UserWarning, match="accelerator")
+
+
+def check_pinned(batches: list[Any]) -> None:
+    """Pinned where pinning is possible: every tensor of every batch, with an accelerator."""
+    if _accelerator_available():
+        assert all(tensor.is_pinned() for batch in batches for tensor in tensors_of(batch))
+
+
 @pytest.mark.slow
 def test_persistent_workers_and_pin_memory_keep_batches_exact() -> None:
-    warns = pytest.warns(UserWarning, match="no accelerator") if not _accelerator_available() else nullcontext()
-    with warns:
+    with pin_memory_warning():
         loader = MixedLoader(Samples([20, 13]), 6, num_workers=2, persistent_workers=True, pin_memory=True)
     for _ in range(3):  # each epoch gives the workers a new ring
         batches, used = collect(loader)
         assert used
         check_batches(batches, [20, 13], 6)
+        check_pinned(batches)
+
+
+def test_pin_memory_without_workers_yields_exact_batches() -> None:
+    with pin_memory_warning():
+        batches, _ = collect(MixedLoader(Samples([11]), 4, pin_memory=True))
+    check_batches(batches, [11], 4)
+    check_pinned(batches)
 
 
 def labelled(record: str) -> dict[str, Any]:
@@ -238,50 +267,88 @@ def labelled(record: str) -> dict[str, Any]:
     return {"id": record, "image": torch.full((3, 4, 4), number % 251, dtype=torch.uint8), "label": number}
 
 
-def resumable_loader() -> MixedLoader:
+def resumable_loader(num_workers: int = 2, context: str = "fork") -> MixedLoader:
     dataset = ShardedDataset(synthetic_shards([7, 13, 5, 20, 9]), synthetic_read, shuffle=True, seed=3)
-    return MixedLoader(dataset.map(labelled), 8, num_workers=2, micro_batch_size=3)
+    return MixedLoader(
+        dataset.map(labelled), 8, num_workers=num_workers, micro_batch_size=3, multiprocessing_context=context
+    )
 
 
 def check_labelled(batch: dict[str, Any]) -> None:
     assert_same(batch, default_collate([labelled(record) for record in batch["id"]]))
 
 
-@pytest.mark.slow
-def test_slab_batches_resume_mid_epoch_with_the_same_batches() -> None:
-    full = []
-    for batch in resumable_loader():
+def saved_after(loader: MixedLoader, stop: int) -> tuple[list[list[str]], Any]:
+    """The record ids of the first ``stop`` batches, and the state after them (through JSON, as a checkpoint)."""
+    ids = []
+    for batch in loader:
         check_labelled(batch)
-        full.append(batch["id"])
-    assert len(full) == math.ceil(54 / 8)
-    for stop in (1, 3, 5):
-        loader = resumable_loader()
-        for count, batch in enumerate(loader, 1):
-            if count == stop:
-                state = json.loads(json.dumps(loader.state_dict()))
-                break
-        resumed = resumable_loader()
-        resumed.load_state_dict(state)
-        rest = []
-        for batch in resumed:
-            check_labelled(batch)
-            rest.append(batch["id"])
-        assert full[:stop] + rest == full, f"resumed after batch {stop}"
+        ids.append(batch["id"])
+        if len(ids) == stop:
+            return ids, json.loads(json.dumps(loader.state_dict()))
+    raise AssertionError(f"the epoch ended before batch {stop}")
+
+
+def resumed_from(state: Any, num_workers: int, context: str) -> list[list[str]]:
+    """The record ids of an epoch's batches, resumed from ``state`` (None: the whole epoch)."""
+    loader = resumable_loader(num_workers, context)
+    if state is not None:
+        loader.load_state_dict(state)
+    rest = []
+    for batch in loader:
+        check_labelled(batch)
+        rest.append(batch["id"])
+    return rest
 
 
 @pytest.mark.slow
-def test_no_shared_memory_stays_after_an_epoch_or_del_loader() -> None:
+@pytest.mark.parametrize(("context", "stops"), [("fork", (1, 3, 5)), ("spawn", (2,))])
+def test_slab_batches_resume_mid_epoch_with_the_same_batches(context: str, stops: tuple[int, ...]) -> None:
+    full = resumed_from(None, 2, context)
+    assert len(full) == math.ceil(54 / 8)
+    for stop in stops:
+        first, state = saved_after(resumable_loader(2, context), stop)
+        assert first + resumed_from(state, 2, context) == full, f"resumed after batch {stop}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved_workers", "resumed_workers"), [(2, 3), (3, 2)])
+def test_slab_batches_resumed_with_another_worker_count_deliver_the_rest_exactly_once(
+    saved_workers: int, resumed_workers: int
+) -> None:
+    first, state = saved_after(resumable_loader(saved_workers), 3)
+    rest = resumed_from(state, resumed_workers, "fork")
+    seen = [record for batch in first + rest for record in batch]
+    assert len(seen) == len(set(seen)) == 54
+    assert len(rest) == math.ceil((54 - 24) / 8)
+
+
+def worker_pids(loader: MixedLoader) -> list[int]:
+    """The pids of the workers of the epoch being iterated."""
+    assert loader._mixer is not None and loader._mixer._source is not None
+    return [worker.pid for worker in loader._mixer._source._workers]  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True])
+def test_no_shared_memory_stays_after_an_epoch_or_del_loader(persistent: bool) -> None:
     before = torch_shm_maps()
-    loader = MixedLoader(Samples([30, 30]), 8, num_workers=2)
-    collect(loader)
-    assert torch_shm_maps() == before, "an epoch's slabs are still mapped after it ended"
+    loader = MixedLoader(Samples([30, 30]), 8, num_workers=2, persistent_workers=persistent)
     iterator = iter(loader)
     next(iterator)
-    pids = [worker.pid for worker in loader._mixer._source._workers]
+    pids = worker_pids(loader)
     assert len(torch_shm_maps()) > len(before)  # the rings are mapped mid-epoch
+    for _ in iterator:
+        pass
+    assert torch_shm_maps() == before, "an epoch's slabs are still mapped after it ended"
+    assert shm_files_of([os.getpid(), *pids]) == []
+    iterator = iter(loader)
+    next(iterator)
+    pids += worker_pids(loader)
+    assert len(torch_shm_maps()) > len(before)
     del iterator, loader
     gc.collect()
-    assert torch_shm_maps() == before
+    assert torch_shm_maps() == before, "slabs are still mapped after del loader"
     assert shm_files_of([os.getpid(), *pids]) == []
 
 
@@ -289,36 +356,38 @@ KILL_SCRIPT = """
 import gc, json, os, signal, sys
 sys.path.insert(0, {repo!r})
 from shardkit import MixedLoader
-from tests.test_loader_slabs import Samples, torch_shm_maps
+from tests.test_loader_slabs import Samples, torch_shm_maps, worker_pids
 
-before = torch_shm_maps()
-loader = MixedLoader(Samples([40, 40], pause_after=20), 4, num_workers=2, timeout=30)
-iterator = iter(loader)
-for _ in range(3):
-    next(iterator)
-pids = [worker.pid for worker in loader._mixer._source._workers]
-error = ""
-try:
-    os.kill(pids[1], signal.SIGKILL)
-    for _ in iterator:
-        pass
-except (RuntimeError, ConnectionError) as caught:
-    error = f"{{type(caught).__name__}}: {{caught}}"
-    del caught
-del iterator, loader
-gc.collect()
-print(json.dumps({{"error": error, "pid": os.getpid(), "pids": pids, "before": before, "after": torch_shm_maps()}}))
+if __name__ == "__main__":  # spawned workers import this script again
+    before = torch_shm_maps()
+    loader = MixedLoader(
+        Samples([40, 40], pause_after=20), 4, num_workers=2, timeout=30, multiprocessing_context={context!r}
+    )
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    pids = worker_pids(loader)
+    error = ""
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        for _ in iterator:
+            pass
+    except (RuntimeError, ConnectionError) as caught:
+        error = f"{{type(caught).__name__}}: {{caught}}"
+        del caught
+    del iterator, loader
+    gc.collect()
+    print(json.dumps({{"error": error, "pid": os.getpid(), "pids": pids, "before": before, "after": torch_shm_maps()}}))
 """
 
 
 @pytest.mark.slow
-def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path, context: str) -> None:
     # In a process of its own: DataLoader's SIGCHLD handler may raise at any later point.
     script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT.format(repo=str(REPO)))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout.splitlines()[-1])
+    script.write_text(KILL_SCRIPT.format(repo=str(REPO), context=context))
+    report = last_json_line(run_python(str(script), timeout=120, cwd=REPO).stdout)
     # DataLoader reports the death from its SIGCHLD handler or its next read; or, when the
     # dead worker's message was passing a file descriptor, the receiving end fails.
     dead = rf"RuntimeError: DataLoader worker \(pid(\(s\))? {report['pids'][1]}\) (is killed|exited)"
@@ -331,7 +400,7 @@ def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path) -> None
 @pytest.mark.parametrize("prefetch_factor", [None, 1, 4])
 def test_any_prefetch_factor_sizes_the_ring(prefetch_factor: int | None) -> None:
     loader = MixedLoader(Samples([9, 14]), 4, num_workers=2, prefetch_factor=prefetch_factor)
-    assert loader._loader.dataset.slots == 3 + (prefetch_factor or 2)
+    assert loader._micro_batches.slots == 3 + (prefetch_factor or 2)
     batches, used = collect(loader)
     assert used
     check_batches(batches, [9, 14], 4)
