@@ -574,14 +574,24 @@ def decode_columns(records: Sequence[BytesLike], features: Mapping[str, FeatureS
         >>> columns["label"], columns["xy"][2], columns["id"].to_pylist()
         (array([0, 1, 2]), array([ 2., -2.], dtype=float32), [b'r0', b'r1', b'r2'])
     """
+    return _decode_columns(records, features, _C)
+
+
+def decode_columns_python(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec]) -> dict[str, Any]:
+    """The pure-Python :func:`decode_columns`: the fallback, and the reference for the C backend."""
+    return _decode_columns(records, features, None)
+
+
+def _decode_columns(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec], compiled: Any) -> dict[str, Any]:
+    """:func:`decode_columns` with the compiled module ``compiled``, or in Python if it is ``None``."""
     columns = _columns(features)
     n = len(records)
     outs = tuple(
         np.empty((n * c.size + 1,) if c.kind == _BYTES else (n, *c.shape), dtype=_DTYPES[c.kind]) for c in columns
     )
-    if _C is not None:
+    if compiled is not None:
         names, kinds, sizes, shapes = (tuple(getattr(c, k) for c in columns) for k in ("name", "kind", "size", "shape"))
-        datas = _C.decode_columns(records, names, kinds, sizes, shapes, outs)
+        datas = compiled.decode_columns(records, names, kinds, sizes, shapes, outs)
     else:
         datas = _decode_columns_python(records, columns, outs)
     return {c.name: _column_value(c, out, data) for c, out, data in zip(columns, outs, datas)}
@@ -594,17 +604,6 @@ def _column_value(column: _Column, out: np.ndarray, data: Optional[bytes]) -> An
 
     values = pa.Array.from_buffers(pa.large_binary(), len(out) - 1, [None, pa.py_buffer(out), pa.py_buffer(data)])
     return pa.FixedSizeListArray.from_arrays(values, column.shape[0]) if column.shape else values
-
-
-def decode_columns_python(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec]) -> dict[str, Any]:
-    """The pure-Python :func:`decode_columns`: the fallback, and the reference for the C backend."""
-    columns = _columns(features)
-    n = len(records)
-    outs = tuple(
-        np.empty((n * c.size + 1,) if c.kind == _BYTES else (n, *c.shape), dtype=_DTYPES[c.kind]) for c in columns
-    )
-    datas = _decode_columns_python(records, columns, outs)
-    return {c.name: _column_value(c, out, data) for c, out, data in zip(columns, outs, datas)}
 
 
 def _decode_columns_python(
