@@ -3,7 +3,21 @@
 A hand-written protobuf wire-format decoder; it beat protobuf's C runtime (upb,
 with descriptors built at runtime) on the benchmark's records because the
 values come out as numpy arrays straight from the bytes (see
-``benchmarks/tfrecord.py``). Messages involved::
+``benchmarks/tfrecord.py``). It has two backends with one behaviour:
+
+* ``_example.c``, a CPython extension that ``pip install -e .`` compiles with
+  the system's C compiler (``setup.py``; optional: a failed build is no failed
+  install). Every read is bounded by the end of its message, lengths are
+  compared by subtraction (no overflow), and unknown groups are skipped with a
+  fixed stack bounded by the depth limit below: no recursion on the input.
+* the pure-Python decoder below (``decode_example_python``...), used when the
+  extension is not built or ``SHARDKIT_PURE_PYTHON=1`` is set at import.
+
+:data:`BACKEND` says which one is in use. The tests run both against protobuf,
+and the C one under a subprocess so that a crash fails a test.
+:func:`decode_columns` decodes a block of records into one column per
+fixed-shape feature, the way ``tf.io.parse_example`` does, without a dict per
+record. Messages involved::
 
     Example         { Features features = 1; }
     SequenceExample { Features context = 1; FeatureLists feature_lists = 2; }
@@ -20,7 +34,7 @@ values, negative int64 as 10-byte varints, repeated map keys (last wins),
 repeated sub-messages merged, the last oneof member wins, unknown fields skipped,
 and bytes that protobuf rejects are rejected. ``tests/test_example_fuzz.py``
 checks this against protobuf's upb runtime on tens of thousands of mutated
-records. Bytes are rejected with :class:`~shardkit.ShardkitError` ("malformed
+records, on both backends. Bytes are rejected with :class:`~shardkit.ShardkitError` ("malformed
 tf.Example (N bytes): <what, at which byte>", or tf.SequenceExample), never
 with another exception, when:
 
@@ -569,10 +583,10 @@ def decode_columns(records: Sequence[BytesLike], features: Mapping[str, FeatureS
 
     Example:
         >>> import shardkit
-        >>> records = [shardkit.encode_example({"label": i, "xy": [i, -i], "id": b"r%d" % i}) for i in range(3)]
+        >>> records = [shardkit.encode_example({"label": i, "xy": [i / 2, -i / 2], "id": b"r%d" % i}) for i in range(3)]
         >>> columns = shardkit.decode_columns(records, {"label": ("int64", ()), "xy": ("float32", (2,)), "id": ("bytes", ())})
         >>> columns["label"], columns["xy"][2], columns["id"].to_pylist()
-        (array([0, 1, 2]), array([ 2., -2.], dtype=float32), [b'r0', b'r1', b'r2'])
+        (array([0, 1, 2]), array([ 1., -1.], dtype=float32), [b'r0', b'r1', b'r2'])
     """
     return _decode_columns(records, features, _C)
 
