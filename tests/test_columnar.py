@@ -155,6 +155,20 @@ def test_a_repeated_key_takes_its_last_value_even_if_an_earlier_one_had_another_
 def test_a_bad_feature_spec_is_refused_with_an_example(spec: object) -> None:
     with pytest.raises(ValueError, match="feature 'f'"):
         example_module.decode_columns([GOOD], {"f": spec})  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="feature 'f'"):
+        example_module.ColumnBatches(iter([GOOD]), {"f": spec}, 2)  # pyright: ignore[reportArgumentType]
+
+
+def test_feature_names_must_be_str() -> None:
+    with pytest.raises(ValueError, match="feature names are str"):
+        example_module.decode_columns([GOOD], {b"label": ("int64", ())})  # pyright: ignore[reportArgumentType]
+
+
+def test_column_batches_cut_the_records_into_blocks_and_keep_the_last_short_one() -> None:
+    records = [encode_example({"i": i, "s": b"%d" % i}) for i in range(7)]
+    batches = list(example_module.ColumnBatches(iter(records), {"i": ("int64", ()), "s": ("bytes", ())}, 3))
+    assert [b["i"].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [v for b in batches for v in b["s"].to_pylist()] == [b"%d" % i for i in range(7)]
 
 
 @with_both_backends

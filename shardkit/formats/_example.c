@@ -612,11 +612,11 @@ static int columns_setup(Column *cols, Py_ssize_t ncols, Py_ssize_t n, PyObject 
         }
         col->itemsize = col->kind == K_FLOAT ? 4 : 8;
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(outs, j), &col->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) return -1;
-        Py_ssize_t items = col->kind == K_BYTES ? n * col->count + 1 : n * col->count;
-        if (col->count && items / col->count < n) { /* n * count overflowed */
+        if (col->count && n > (PY_SSIZE_T_MAX - 1) / col->itemsize / col->count) {
             PyErr_SetString(PyExc_ValueError, "decode_columns: output too large");
             return -1;
         }
+        Py_ssize_t items = col->kind == K_BYTES ? n * col->count + 1 : n * col->count;
         if (col->view.len != items * col->itemsize) {
             PyErr_SetString(PyExc_ValueError, "decode_columns: an output buffer has the wrong size");
             return -1;

@@ -67,8 +67,9 @@ stands. Both accept and reject exactly the same bytes.
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Optional, Union
 
@@ -555,6 +556,8 @@ def _columns(features: Mapping[str, FeatureSpec]) -> list[_Column]:
     out = []
     for name, spec in features.items():
         dtype, shape = spec if isinstance(spec, tuple) and len(spec) == 2 else (spec, None)
+        if not isinstance(name, str):
+            raise ValueError(f"feature names are str, as decode_example's keys are: got {name!r}")
         if dtype not in _KINDS or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(
                 f"feature {name!r}: expected (dtype, shape) with dtype one of {sorted(_KINDS)} and shape a tuple of"
@@ -609,6 +612,34 @@ def _decode_columns(records: Sequence[BytesLike], features: Mapping[str, Feature
     else:
         datas = _decode_columns_python(records, columns, outs)
     return {c.name: _column_value(c, out, data) for c, out, data in zip(columns, outs, datas)}
+
+
+class ColumnBatches:
+    """An iterator of :func:`decode_columns` batches of ``batch_size`` records drawn from ``records``.
+
+    The last batch is shorter if the records run out. A batch is drawn and
+    decoded in one step, so no partial batch is ever pending: where the
+    records' iterator has a ``state_dict()`` (a shardkit source's), this one's
+    is the same, and resuming from it starts at the next batch's first record.
+    """
+
+    def __init__(self, records: Iterator[BytesLike], features: Mapping[str, FeatureSpec], batch_size: int) -> None:
+        _columns(features)  # a bad spec fails here, not at the first batch
+        self._records = records
+        self._features = dict(features)
+        self._batch_size = batch_size
+
+    def __iter__(self) -> ColumnBatches:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        block = list(itertools.islice(self._records, self._batch_size))
+        if not block:
+            raise StopIteration
+        return decode_columns(block, self._features)
+
+    def state_dict(self) -> Any:
+        return self._records.state_dict()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _column_value(column: _Column, out: np.ndarray, data: Optional[bytes]) -> Any:
