@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit import ShardedDataset, ShardList, TFRecordDataset
 from shardkit.counting import identity, resolve_counts
-from shardkit.dataset import TFRecordReader
 from shardkit.formats.index import IndexFileError, load_index
+from shardkit.formats.tfrecord import TFRecordFormat
 from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError
 from tests.helpers import all_ids, synthetic_read
@@ -113,7 +113,7 @@ def test_a_damaged_counts_cache_is_ignored_and_rewritten(tmp_path, caplog, count
     else:  # a valid cache of another list under this list's name
         (tmp_path / "elsewhere").mkdir()
         other = write_shards(tmp_path / "elsewhere", [1])
-        resolve_counts(ShardList(other), TFRecordReader().count, why="test", cache_dir=str(tmp_path / "other"))
+        resolve_counts(ShardList(other), TFRecordFormat().count, why="test", cache_dir=str(tmp_path / "other"))
         [other_name] = os.listdir(tmp_path / "other")
         damaged = open(tmp_path / "other" / other_name, "rb").read()
     with open(cache, "wb") as f:
@@ -364,9 +364,9 @@ def test_a_valid_index_still_seeks_and_counts(tmp_path):
     url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
     shardkit.build_index(url)
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".partial")]
-    reader = TFRecordReader("raw")
-    assert reader.count(url) == 20
-    assert list(reader(url, 13, 17)) == RECORDS[13:17]
+    fmt = TFRecordFormat()
+    assert fmt.count(url) == 20
+    assert list(fmt.read(url, 13, 17)) == RECORDS[13:17]
     assert load_index(url).tolist() == list(range(0, 500, 25))
 
 
@@ -379,7 +379,7 @@ def test_an_index_beside_a_compressed_shard_is_not_used(tmp_path):
     assert load_index(url) is None  # cannot be checked against the compressed bytes
     with open(url, "ab") as f:  # a stale one is therefore never trusted either
         f.write(gzip.compress(_framed([b"more"], tmp_path)))
-    assert TFRecordReader("raw").count(url) == 21
+    assert TFRecordFormat().count(url) == 21
 
 
 # -- manifests --------------------------------------------------------------------------------
