@@ -1,7 +1,10 @@
 """decode_columns: blocks of tf.Examples into columns, byte-exact against decode_example and protobuf.
 
-Both backends run every test: the pure-Python one and the compiled one
-(``shardkit/formats/_example.c``), imported directly.
+Both backends run every decoding test: the pure-Python one and the compiled one
+(``shardkit/formats/_example.c``), imported directly. Then
+``TFRecordDataset(features=..., batch_size=...)``: column batches equal to
+per-record decoding, each record once through two DataLoader workers, resume,
+and faults (a record of another shape, a bad CRC).
 """
 
 from __future__ import annotations
@@ -9,11 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tfrecord import example_pb2
+from torch.utils.data import DataLoader
 
-from shardkit import ShardkitError
+import shardkit
+from shardkit import CorruptRecordError, ShardkitError, TFRecordWriter
 from shardkit.formats import example as example_module
 from shardkit.formats.example import decode_example_python, encode_example
 from tests.test_example import FLOAT32, INT64, compiled, example_record, with_both_backends
@@ -176,3 +182,103 @@ def test_records_may_be_bytearrays_and_memoryviews(backend: str) -> None:
     records = [GOOD, bytearray(GOOD), memoryview(b"xx" + GOOD)[2:]]
     columns = decode_columns(backend, records, {"img": ("bytes", ()), "xy": ("float32", (2,))})
     assert columns["img"].to_pylist() == [b"ab"] * 3 and columns["xy"].tolist() == [[1.0, 2.0]] * 3
+
+
+# --------------------------------------------------------------------------- TFRecordDataset(features=, batch_size=)
+
+FEATURES = {"id": ("int64", ()), "xy": ("float32", (2,)), "blob": ("bytes", ())}
+
+
+def write_shards(folder, shards: int = 3, records: int = 40, odd: int | None = None) -> list[str]:
+    """TFRecord shards of records numbered by "id"; record ``odd`` has three xy values instead of two."""
+    urls = []
+    for shard in range(shards):
+        url = str(folder / f"part-{shard}.tfrecord")
+        with TFRecordWriter(url) as writer:
+            for i in range(shard * records, (shard + 1) * records):
+                xy = [i / 4, -i] + ([0.0] if i == odd else [])
+                writer.write(encode_example({"id": i, "xy": np.array(xy, np.float32), "blob": b"b%d" % i, "n": [1, 2]}))
+        urls.append(url)
+    return urls
+
+
+def rows(batches: list) -> list[tuple]:
+    """(id, xy bits, blob) per record over column batches."""
+    return [
+        (i, xy.view(np.uint32).tolist(), blob)
+        for batch in batches
+        for i, xy, blob in zip(np.asarray(batch["id"]).tolist(), np.asarray(batch["xy"]), batch["blob"].to_pylist())
+    ]
+
+
+def per_record_rows(urls: list[str]) -> list[tuple]:
+    return [(int(r["id"][0]), r["xy"].view(np.uint32).tolist(), r["blob"][0]) for r in shardkit.TFRecordDataset(urls)]
+
+
+def test_tfrecord_dataset_with_features_yields_the_records_as_column_batches(tmp_path) -> None:
+    urls = write_shards(tmp_path)
+    dataset = shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16).count_records()
+    batches = list(dataset)
+    assert [len(batch["id"]) for batch in batches] == [16] * 7 + [8] and len(dataset) == 8
+    assert all(batch["xy"].shape == (len(batch["id"]), 2) for batch in batches)
+    assert rows(batches) == per_record_rows(urls)
+
+
+@pytest.mark.slow
+def test_column_batches_through_two_dataloader_workers_hold_every_record_once(tmp_path) -> None:
+    urls = write_shards(tmp_path)
+    dataset = shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16).count_records()
+    loader = DataLoader(dataset, batch_size=None, num_workers=2)
+    batches = list(loader)
+    assert len(loader) == len(batches) == 8  # 60 records per worker: 4 batches each, the last of 12
+    assert all(isinstance(batch["id"], torch.Tensor) and batch["id"].dtype == torch.int64 for batch in batches)
+    got = rows(batches)
+    assert sorted(got) == sorted(per_record_rows(urls)) and len(got) == 120  # each record once, values equal
+
+
+def test_column_batches_resume_at_the_next_batch(tmp_path) -> None:
+    urls = write_shards(tmp_path)
+    dataset = shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16).count_records()  # positions need counts
+    iterator = iter(dataset)
+    first = [next(iterator) for _ in range(3)]
+    resumed = shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16).count_records()
+    resumed.load_state_dict(dataset.state_dict())
+    assert rows(first) + rows(list(resumed)) == per_record_rows(urls)
+
+
+def test_a_record_of_another_shape_stops_the_batches_naming_the_feature(tmp_path) -> None:
+    urls = write_shards(tmp_path, odd=45)
+    with pytest.raises(ShardkitError, match=r"feature 'xy' of record 13 has 3 values, expected 2"):  # 45 = 2 * 16 + 13
+        list(shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16))
+
+
+def test_a_record_with_a_bad_crc_is_skipped_and_made_up_under_skip(tmp_path) -> None:
+    urls = write_shards(tmp_path)
+    data = bytearray(open(urls[1], "rb").read())
+    offset = 0
+    for _ in range(7):  # past records 0..6 of the shard: length (8), its CRC (4), data, data CRC (4)
+        offset += 16 + int.from_bytes(data[offset : offset + 8], "little")
+    data[offset + 12 + 5] ^= 0x01  # inside record 7's data: its data CRC no longer matches
+    with open(urls[1], "wb") as f:
+        f.write(data)
+    with pytest.raises(CorruptRecordError, match="record 7"):
+        list(shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16))
+    dataset = shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16, on_error="skip").count_records()
+    with pytest.warns(UserWarning, match="skipping record 7"):
+        got = rows(list(dataset))
+    assert len(got) == 120 and len({row[0] for row in got}) == 119  # one record lost, made up by a repeat
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"features": FEATURES},
+        {"batch_size": 4},
+        {"features": FEATURES, "batch_size": 0},
+        {"features": FEATURES, "batch_size": 4, "decode": "raw"},
+        {"features": {"x": ("int8", ())}, "batch_size": 4},
+    ],
+)
+def test_features_and_batch_size_come_together_and_are_checked(tmp_path, kwargs: dict) -> None:
+    with pytest.raises((ValueError, ShardkitError)):
+        shardkit.TFRecordDataset(write_shards(tmp_path, shards=1, records=1), **kwargs)
