@@ -669,6 +669,7 @@ def test_keys_are_taken_exactly_when_protobuf_finds_them_utf8(backend: str) -> N
 CRASH_PROBE = """
 import json, random, sys
 from collections import Counter
+import numpy as np
 from shardkit.formats import _example
 from tests.test_example_fuzz import SEED, example_fields, make_corpus, mutate_bytes, sequence_example_fields
 from shardkit import encode_example
@@ -684,6 +685,7 @@ for _ in range(flips):
         record = mutate_bytes(r, record, r.choice(valid))
     records.append(record)
 records += [v[:i] for v in valid[:20] for i in range(len(v))]  # every truncation
+records += [mutate_bytes(r, valid[0], valid[1]) for _ in range(3000)]
 raised = Counter()
 for record in records:
     for decode in (_example.decode_example, _example.decode_sequence_example):
@@ -692,6 +694,17 @@ for record in records:
             raised["none"] += 1
         except BaseException as exc:
             raised[type(exc).__name__] += 1
+first = _example.decode_example(valid[0])
+sizes = (1, len(first["a"]), len(first["c"]))  # fit valid[0], whose mutations fill columns partly
+shapes = tuple((n,) for n in sizes)
+for i in range(0, len(records), 5):
+    block = [valid[0]] * 2 + records[i : i + 5]
+    outs = (np.empty(len(block) + 1, np.int64), np.empty(len(block) * sizes[1], np.int64), np.empty(len(block) * sizes[2], np.float32))
+    try:  # columns: every record's bytes validated as decode_example does, values copied into place
+        _example.decode_columns(block, ("b", "a", "c"), (0x0A, 0x1A, 0x12), sizes, shapes, outs)
+        raised["none"] += 1
+    except BaseException as exc:
+        raised[type(exc).__name__] += 1
 print(json.dumps({"records": len(records), "raised": raised}))
 """
 
