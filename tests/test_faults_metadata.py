@@ -517,3 +517,128 @@ def test_ranks_with_different_node_caches_count_together_without_hanging(tmp_pat
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[3, 1, 4, 1], [3, 1, 4, 1]]
     # Node 0 counted each file once before; then the two ranks shared the four counts out.
     assert [(tmp_path / f"part-{i}.calls").read_text() for i in range(4)] == ["xx"] * 4
+
+
+# -- counts from index files, without count_records() -------------------------------------------
+
+
+def _indexed_shards(tmp_path, kind: str) -> tuple[list[str], object, list]:
+    """Two shards of ``kind`` with index files beside them: (urls, a dataset factory, every sample id)."""
+    from tests.test_formats_jsonl import write_shards as write_jsonl
+    from tests.test_formats_tar import write_shards as write_tars
+
+    if kind == "tfrecord":
+        urls = [write_tfrecord(str(tmp_path / f"part-{i}.tfrecord"), RECORDS[i::2]) for i in range(2)]
+        factory, ids = (lambda shards, **kw: TFRecordDataset(shards, decode="raw", **kw)), (lambda s: s)
+    elif kind == "tar":
+        urls, factory, ids = write_tars(str(tmp_path), sizes=[9, 12]), shardkit.TarDataset, (lambda s: s["__key__"])
+    else:
+        urls, factory, ids = write_jsonl(str(tmp_path), sizes=[9, 12]), shardkit.JsonlDataset, (lambda s: s["id"])
+    for url in urls:
+        factory([url]).format.build_index(url)
+    return urls, (lambda **kw: factory(ShardList(urls), **kw)), ids
+
+
+@pytest.fixture(params=["tfrecord", "tar", "jsonl"])
+def indexed(request, tmp_path, monkeypatch):
+    """Shards with index files, and every way of counting them by a scan made to fail the test."""
+    urls, make, ids = _indexed_shards(tmp_path, request.param)
+    everything = sorted(ids(s) for s in make(balance="none"))
+
+    def no_counting(*args, **kwargs):
+        raise AssertionError("counted by count_fn / count_records(), not from the index files")
+
+    monkeypatch.setattr(ShardedDataset, "count_records", no_counting)
+    monkeypatch.setattr("shardkit.counting.resolve_counts", no_counting)
+    return urls, make, ids, everything
+
+
+def test_len_and_resume_take_counts_from_index_files_without_count_records(indexed):
+    urls, make, ids, everything = indexed
+    dataset = make()
+    assert len(dataset) == len(everything)
+    iterator = iter(dataset)
+    first = [ids(next(iterator)) for _ in range(5)]
+    state = dataset.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert sorted(first + [ids(s) for s in resumed]) == everything
+
+
+def test_two_balanced_ranks_plan_from_index_files_without_count_records(indexed):
+    urls, make, ids, everything = indexed
+    ranks = [[ids(s) for s in make(rank=r, world_size=2, balance="drop")] for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == len(everything) // 2
+    assert not set(ranks[0]) & set(ranks[1]) and set(ranks[0]) | set(ranks[1]) <= set(everything)
+
+
+def test_a_stale_index_is_refused_not_trusted_for_counts(indexed, tmp_path):
+    urls, make, ids, everything = indexed
+    with open(urls[1], "ab") as f:  # the shard grew after it was indexed
+        f.write(b"\0" * 1024)
+    with pytest.raises(IndexFileError, match=f"does not fit {re.escape(urls[1])}.*shardkit index"):
+        len(make())
+    with pytest.raises(IndexFileError, match=re.escape(urls[1])):
+        list(make(rank=0, world_size=2))
+
+
+# -- the in-process index cache --------------------------------------------------------------------
+
+
+def test_a_checked_index_is_read_once_per_process_for_many_ranges(tmp_path, monkeypatch):
+    import shardkit.formats.index as index_module
+
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    shardkit.build_index(url)
+    reads = []
+    real = index_module._load_checked
+    monkeypatch.setattr(index_module, "_load_checked", lambda *a: reads.append(a) or real(*a))
+    fmt = TFRecordFormat()
+    for start in range(1, 19, 3):  # the ranges a sample-level shuffle reads
+        assert list(fmt.read(url, start, start + 2)) == RECORDS[start : start + 2]
+    assert len(reads) == 1
+    assert not load_index(url).flags.writeable  # shared by every caller: nobody can change it for the others
+
+
+@pytest.mark.parametrize("damage", ["grow", "rewrite index"])
+def test_a_cached_index_is_checked_again_when_either_file_changes(tmp_path, damage):
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    index = shardkit.build_index(url)
+    fmt = TFRecordFormat()
+    assert list(fmt.read(url, 13, 15)) == RECORDS[13:15]  # cached now
+    if damage == "grow":
+        _grow(url, index, tmp_path)
+        with pytest.raises(IndexFileError, match="it grew"):
+            list(fmt.read(url, 13, 15))
+    else:  # an index of other records with the same size: only its identity tells it changed
+        other = write_tfrecord(str(tmp_path / "other.tfrecord"), [b"%034d" % i for i in range(10)])  # 500 bytes
+        os.replace(shardkit.build_index(other), index)
+        with pytest.raises(IndexFileError, match="no record of the file ends at its end"):
+            list(fmt.read(url, 13, 15))
+
+
+def test_counts_taken_from_index_files_are_cached_for_the_next_dataset(indexed, monkeypatch):
+    urls, make, ids, everything = indexed
+    assert len(make()) == len(everything)
+    fmt_class = type(make().format)
+
+    def read_again(self, url):
+        raise AssertionError(f"the index of {url} was read again")
+
+    monkeypatch.setattr(fmt_class, "index_offsets", read_again)
+    assert len(make()) == len(everything)  # from the counts cache, bound to each shard's identity
+    os.utime(urls[0], ns=(1, 1))  # a shard that may have changed: its index is read (and checked) again
+    with pytest.raises(AssertionError, match=f"the index of {re.escape(urls[0])} was read again"):
+        len(make())
+
+
+@pytest.mark.slow
+def test_dataloader_workers_of_two_ranks_plan_from_index_files_without_count_records(indexed):
+    urls, make, ids, everything = indexed
+    ranks = []
+    for rank in range(2):
+        loader = DataLoader(make(rank=rank, world_size=2, balance="pad"), batch_size=None, num_workers=2)
+        ranks.append([ids(s) for s in loader])
+    assert len(ranks[0]) == len(ranks[1]) == -(-len(everything) // 2)
+    assert set(ranks[0]) | set(ranks[1]) == set(everything)
+    assert len(ranks[0]) + len(ranks[1]) - len(everything) == len(everything) % 2  # "pad" repeats one at most
