@@ -12,7 +12,10 @@ One run generates one content and reads it with every loader:
   workers and batch ``--batch``, persistent workers, measured on epoch 2 (the
   workers are up, the files are in the page cache). Every loader yields the
   same thing, ``[list of payload bytes, int64 label tensor]``, except
-  ``shardkit raw``, which yields the record bytes only (no Example decoding).
+  ``shardkit raw``, which yields the record bytes only (no Example decoding),
+  and ``shardkit columns`` (``TFRecordDataset(features=..., batch_size=...)``
+  through ``DataLoader(batch_size=None)``), whose payloads come as one Arrow
+  binary array per batch (a buffer and offsets, no ``bytes`` per sample).
   Loaders run round-robin ``--repeat`` times; the best epoch of each is kept,
   so load from other processes on the machine hurts every loader alike.
   A second figure collates the labels to a Python list instead of a tensor:
@@ -42,6 +45,7 @@ records, one repeat, 200k-entry list, fork only) that finishes in well under
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import os
@@ -215,6 +219,26 @@ def shardkit_decoded(content: Content, setup: Setup) -> Iterable[Any]:
     return _dataloader(_shardkit_decoded_dataset(content, setup), setup)
 
 
+COLUMNS = {"payload": ("bytes", ()), "label": ("int64", ())}
+
+
+def _column_pair(labels: str, batch: dict[str, Any]) -> list[Any]:
+    label = batch["label"]
+    return [batch["payload"], label.tolist() if labels == "list" else torch.from_numpy(label)]
+
+
+def shardkit_columns(content: Content, setup: Setup) -> Iterable[Any]:
+    dataset = shardkit.TFRecordDataset(
+        content.tfrecord, features=COLUMNS, batch_size=setup.batch, rank=setup.rank, world_size=setup.world_size
+    ).map(functools.partial(_column_pair, setup.labels))
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=setup.workers,
+        persistent_workers=setup.persistent and setup.workers > 0,
+    )
+
+
 def shardkit_mixed(content: Content, setup: Setup) -> Iterable[Any]:
     return shardkit.MixedLoader(
         _shardkit_decoded_dataset(content, setup),
@@ -284,6 +308,7 @@ LOADERS = [
     Loader("shardkit TFRecordDataset, decoded", shardkit_decoded, shardkit=True),
     Loader("shardkit TFRecordDataset, raw bytes", shardkit_raw, shardkit=True),
     Loader("shardkit MixedLoader, decoded", shardkit_mixed, shardkit=True),
+    Loader("shardkit TFRecordDataset, columns", shardkit_columns, shardkit=True),
     Loader("tfrecord MultiTFRecordDataset + index", tfrecord_package),
     Loader("webdataset WebDataset, split_by_worker", webdataset_loader),
     Loader("HF datasets streaming (Parquet)", hf_datasets),
@@ -319,7 +344,12 @@ class Result:
 
 
 def _batch_size(batch: Any) -> int:
-    return len(batch[0]) if isinstance(batch, (list, tuple)) and isinstance(batch[0], (list, tuple)) else len(batch)
+    """Samples in a batch: a list of record bytes, or [payloads (a list or an Arrow array), labels]."""
+    return (
+        len(batch[0])
+        if isinstance(batch, (list, tuple)) and not isinstance(batch[0], (bytes, bytearray))
+        else len(batch)
+    )
 
 
 def time_epochs(loader: Loader, content: Content, setup: Setup, result: Result) -> None:
@@ -362,6 +392,8 @@ def time_list_labels(loader: Loader, content: Content, setup: Setup, result: Res
 
 def _ids(batch: Any) -> list[int]:
     payloads = batch if isinstance(batch[0], (bytes, bytearray)) else batch[0]
+    if hasattr(payloads, "to_pylist"):  # the columnar path's Arrow binary array
+        payloads = payloads.to_pylist()
     return [sample_id(bytes(p)) for p in payloads]
 
 
@@ -451,6 +483,8 @@ def note_for(loader: Loader, result: Result, reference: Result, total: int) -> s
         notes.append(f"epoch gave {result.samples:,} of {total:,} samples")
     if loader.name == "shardkit TFRecordDataset, raw bytes":
         notes.append("record bytes only, no Example decoding")
+    if loader.name == "shardkit TFRecordDataset, columns":
+        notes.append("payloads as one Arrow binary array per batch")
     if result.dup_2 > 0 and loader.name.startswith("tfrecord"):
         notes.append("no rank support: every rank reads everything")
     if len(set(result.batches)) > 1:

@@ -2,7 +2,8 @@
 # Sets up the project's own environment in .venv (git-ignored) and installs
 # shardkit into it: `setup.sh` for the package alone, `setup.sh dev` with the
 # test extras. pip runs only when pyproject.toml (or the extras asked for)
-# changed since the last install, so a second run starts at once.
+# changed since the last install, so a second run starts at once; so do setup.py
+# and the C decoder's source, which pip compiles into the package.
 # torch goes first and pinned: its CPU wheel lies on this machine's disk, and a
 # bare `torch` requirement could pull a multi-GB CUDA build instead.
 set -euo pipefail
@@ -13,7 +14,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
     echo "shardkit: creating the project environment in $PWD/$venv" >&2
     python3 -m venv "$venv"
 fi
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) ${extras:-core}"
+want="$(cat pyproject.toml setup.py shardkit/formats/_example.c scripts/setup.sh | sha256sum | cut -c1-16) ${extras:-core}"
 stamp="$venv/.shardkit-installed"
 if [[ -f "$stamp" ]] && grep -qxF "$want" "$stamp"; then
     exit 0

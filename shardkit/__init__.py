@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "TFRecordWriter": "shardkit.formats.tfrecord",
     "build_index": "shardkit.formats.index",
     "ShardWriter": "shardkit.writer",
+    "decode_columns": "shardkit.formats.example",
     "decode_example": "shardkit.formats.example",
     "decode_sequence_example": "shardkit.formats.example",
     "encode_example": "shardkit.formats.example",
@@ -67,7 +68,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
     from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches
     from shardkit.formats.base import ShardFormat, format_for, register_format
-    from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
+    from shardkit.formats.example import decode_columns, decode_example, decode_sequence_example, encode_example
     from shardkit.formats.index import IndexFileError, build_index
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
     from shardkit.loader import MixedLoader

@@ -33,7 +33,7 @@ import logging
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -43,6 +43,7 @@ from shardkit.counting import CountFn, resolve_counts
 from shardkit.epoch import SharedEpoch, check_epoch, resume_at
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.base import BadRecord
+from shardkit.formats.example import ColumnBatches, FeatureSpec
 from shardkit.pipeline import Pipeline
 from shardkit.planning import (
     BALANCES,
@@ -1077,6 +1078,16 @@ class TFRecordDataset(_FormatDataset):
             ``cache_dir`` keeps fetched shards on local disk, shared by the processes of a
             machine, under ``cache_limit_bytes`` (see :mod:`shardkit.cache`). Local files ignore all four.
 
+        features, batch_size: yield column batches instead of samples: each
+            batch is :func:`~shardkit.decode_columns` of the next ``batch_size``
+            records (the last one may be shorter), ``features`` mapping names
+            to fixed shapes, e.g. ``{"label": ("int64", ()), "image": ("bytes", ())}``.
+            Use ``DataLoader(dataset, batch_size=None)``. Plans, shuffling,
+            ``on_error`` and resuming stay per record; ``len()`` counts batches.
+            A record that does not fit ``features`` raises
+            :class:`~shardkit.ShardkitError` naming the feature and the record's
+            place in its batch (``on_error="skip"`` covers bad CRCs, not this).
+
     The other arguments are those of :class:`ShardedDataset`. Record counts,
     when needed and not in the ShardList, come from index files or from one
     fast framing scan. Reading is :class:`~shardkit.formats.tfrecord.TFRecordFormat`'s.
@@ -1101,9 +1112,13 @@ class TFRecordDataset(_FormatDataset):
         retry: RetryPolicy | None = None,
         cache_dir: str | None = None,
         cache_limit_bytes: int | None = None,
+        features: Mapping[str, FeatureSpec] | None = None,
+        batch_size: int | None = None,
     ) -> None:
         from shardkit.formats.tfrecord import DECODERS, TFRecordFormat
 
+        self.features, self.batch_size = _column_options(features, batch_size, decode)
+        decode = "raw" if features is not None else decode  # decode_columns decodes whole batches
         if not callable(decode) and decode not in DECODERS:
             raise DatasetError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
         if compression not in (None, "gzip", "zlib", "auto"):
@@ -1116,6 +1131,43 @@ class TFRecordDataset(_FormatDataset):
             shards, fmt, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size,
             on_error=on_error, storage_options=storage_options,
         )  # fmt: skip
+
+    def __iter__(self) -> Iterator[Any]:
+        records = super().__iter__()  # its state is the dataset's: a batch is drawn in one step
+        if self.features is None or self.batch_size is None:
+            return records
+        return ColumnBatches(records, self.features, self.batch_size)
+
+    def __len__(self) -> int:
+        """Samples (with ``features``: batches) this rank yields per epoch, all of its workers together."""
+        records = super().__len__()
+        if self.batch_size is None:
+            return records
+        from shardkit.trainers import _loader_workers, worker_lengths
+
+        return sum(-(-n // self.batch_size) for n in worker_lengths(records, _loader_workers()))
+
+
+def _column_options(
+    features: Mapping[str, FeatureSpec] | None, batch_size: int | None, decode: Any
+) -> tuple[dict[str, FeatureSpec] | None, int | None]:
+    """Check :class:`TFRecordDataset`'s ``features`` and ``batch_size``."""
+    if features is None and batch_size is None:
+        return None, None
+    if features is None or type(batch_size) is not int or batch_size < 1:
+        raise DatasetError(
+            f"column batches need features (name -> (dtype, shape)) and batch_size (an int >= 1) together, "
+            f"got features={features!r}, batch_size={batch_size!r}"
+        )
+    if decode != "example":
+        raise DatasetError(
+            f"with features, decode_columns decodes the records: leave decode at 'example', not {decode!r}"
+        )
+    try:
+        ColumnBatches(iter(()), features, batch_size)
+    except ValueError as error:
+        raise DatasetError(str(error)) from None
+    return dict(features), batch_size
 
 
 class TarDataset(_FormatDataset):

@@ -1,7 +1,10 @@
 """tf.Example / SequenceExample decoding and encoding, checked against protobuf's own parser.
 
 protobuf (with the ``tfrecord`` package's generated messages) is the reference:
-TensorFlow parses these messages with the same protobuf rules.
+TensorFlow parses these messages with the same protobuf rules. Every decoding
+test runs on both backends: the pure-Python decoder and the compiled one
+(``shardkit/formats/_example.c``), imported directly whichever one
+``shardkit.formats.example`` picked.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import math
 import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,8 +23,24 @@ from tfrecord import example_pb2
 
 import shardkit
 from shardkit import ShardkitError
-from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
+from shardkit.formats import example as example_module
+from shardkit.formats.example import decode_example_python, decode_sequence_example_python, encode_example
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
+
+try:
+    from shardkit.formats import _example as compiled  # pyright: ignore[reportAttributeAccessIssue]
+except ImportError:  # not built: its tests skip, except test_ci_runs_with_the_c_decoder_built under CI
+    compiled = None
+
+# backend -> (decode_example, decode_sequence_example)
+DECODERS = {"python": (decode_example_python, decode_sequence_example_python)}
+if compiled is not None:
+    DECODERS["c"] = (compiled.decode_example, compiled.decode_sequence_example)
+BACKENDS = [
+    "python",
+    pytest.param("c", marks=pytest.mark.skipif(compiled is None, reason="C decoder not built (pip install -e .)")),
+]
+with_both_backends = pytest.mark.parametrize("backend", BACKENDS)
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 FLOAT32 = st.floats(width=32, allow_nan=False)
@@ -148,12 +169,15 @@ def example_record(draw: st.DrawFn) -> bytes:
 # --------------------------------------------------------------------------- decoding
 
 
+@with_both_backends
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(example_record())
-def test_decode_matches_protobuf_on_any_wire_form(record: bytes) -> None:
+def test_decode_matches_protobuf_on_any_wire_form(backend: str, record: bytes) -> None:
+    decode_example = DECODERS[backend][0]
     assert normal_example(decode_example(record)) == reference_example(record)
 
 
+@with_both_backends
 @settings(max_examples=200, deadline=None)
 @given(
     st.dictionaries(
@@ -164,7 +188,8 @@ def test_decode_matches_protobuf_on_any_wire_form(record: bytes) -> None:
         max_size=6,
     )
 )
-def test_decode_matches_protobuf_on_canonical_messages(features: dict) -> None:
+def test_decode_matches_protobuf_on_canonical_messages(backend: str, features: dict) -> None:
+    decode_example = DECODERS[backend][0]
     example = example_pb2.Example()
     for key, values in features.items():
         feature = example.features.feature[key]
@@ -200,6 +225,7 @@ def map_entry_with_other_fields(record: bytes) -> bool:
         return False
 
 
+@with_both_backends
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.one_of(
@@ -212,7 +238,8 @@ def map_entry_with_other_fields(record: bytes) -> bool:
         ),
     )
 )
-def test_garbage_and_truncated_records_fail_exactly_when_protobuf_fails(record: bytes) -> None:
+def test_garbage_and_truncated_records_fail_exactly_when_protobuf_fails(backend: str, record: bytes) -> None:
+    decode_example = DECODERS[backend][0]
     assume(not map_entry_with_other_fields(record))
     try:
         expected = reference_example(record)
@@ -223,7 +250,9 @@ def test_garbage_and_truncated_records_fail_exactly_when_protobuf_fails(record: 
         assert normal_example(decode_example(record)) == expected
 
 
-def test_decoded_types() -> None:
+@with_both_backends
+def test_decoded_types(backend: str) -> None:
+    decode_example = DECODERS[backend][0]
     example = example_pb2.Example()
     f = example.features.feature
     f["i"].int64_list.value.extend([-1, 2**63 - 1, -(2**63), 0, 300])
@@ -246,7 +275,9 @@ def test_negative_int64_is_ten_byte_varint() -> None:
     assert example_pb2.Example.FromString(record).features.feature["x"].int64_list.value == [-1]
 
 
-def test_long_packed_varints_vectorised_path() -> None:
+@with_both_backends
+def test_long_packed_varints_vectorised_path(backend: str) -> None:
+    decode_example = DECODERS[backend][0]
     values = [(-1) ** i * (7**i) % 2**63 * (-1) ** i for i in range(200)] + [-(2**63), 2**63 - 1, -1, 0]
     example = example_pb2.Example()
     example.features.feature["v"].int64_list.value.extend(values)
@@ -254,6 +285,7 @@ def test_long_packed_varints_vectorised_path() -> None:
     assert decode_example(encode_example({"v": np.array(values)}))["v"].tolist() == values
 
 
+@with_both_backends
 @pytest.mark.parametrize(
     "record",
     [
@@ -265,12 +297,15 @@ def test_long_packed_varints_vectorised_path() -> None:
         b"\x0a\x0a\x0a\x08\x0a\x01k\x12\x03\x12\x01\x00",  # packed floats of 1 byte... inside a 3-byte Feature
     ],
 )
-def test_malformed_records_raise(record: bytes) -> None:
+def test_malformed_records_raise(backend: str, record: bytes) -> None:
+    decode_example = DECODERS[backend][0]
     with pytest.raises(ShardkitError, match="malformed tf.Example"):
         decode_example(record)
 
 
-def test_nan_payload_round_trips() -> None:
+@with_both_backends
+def test_nan_payload_round_trips(backend: str) -> None:
+    decode_example = DECODERS[backend][0]
     bits = np.array([0x7FC00001, 0xFF800000], dtype=np.uint32)
     decoded = decode_example(encode_example({"x": bits.view(np.float32)}))
     assert decoded["x"].view(np.uint32).tolist() == bits.tolist()
@@ -279,9 +314,11 @@ def test_nan_payload_round_trips() -> None:
 # --------------------------------------------------------------------------- SequenceExample
 
 
+@with_both_backends
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(feature_message(), max_size=4), st.lists(feature_message(), max_size=4), KEYS, unknown_fields())
-def test_sequence_example_matches_protobuf(context_features, list_features, key, noise) -> None:
+def test_sequence_example_matches_protobuf(backend: str, context_features, list_features, key, noise) -> None:
+    decode_sequence_example = DECODERS[backend][1]
     context = b"".join(
         field(1, 2, field(1, 2, f"c{i}".encode()) + field(2, 2, f)) for i, f in enumerate(context_features)
     )
@@ -297,7 +334,9 @@ def test_sequence_example_matches_protobuf(context_features, list_features, key,
     assert {k: [normal(v) for v in vs] for k, vs in got_lists.items()} == expected_lists
 
 
-def test_sequence_example_basic() -> None:
+@with_both_backends
+def test_sequence_example_basic(backend: str) -> None:
+    decode_sequence_example = DECODERS[backend][1]
     seq = example_pb2.SequenceExample()
     seq.context.feature["length"].int64_list.value.append(3)
     tokens = seq.feature_lists.feature_list["tokens"].feature
@@ -311,7 +350,9 @@ def test_sequence_example_basic() -> None:
 # --------------------------------------------------------------------------- encoding
 
 
-def test_encode_value_kinds() -> None:
+@with_both_backends
+def test_encode_value_kinds(backend: str) -> None:
+    decode_example = DECODERS[backend][0]
     record = encode_example(
         {
             "int": 5,
@@ -373,3 +414,44 @@ def test_encode_write_read_decode_round_trip(tmp_path, examples: list[dict], com
                 assert value.dtype == np.int64 and value.tolist() == values
             else:
                 assert value == values
+
+
+# --------------------------------------------------------------------------- the backends
+
+
+def test_the_compiled_decoder_is_used_when_built() -> None:
+    expected = "c" if compiled is not None and os.environ.get("SHARDKIT_PURE_PYTHON", "") in ("", "0") else "python"
+    assert example_module.BACKEND == expected
+    assert shardkit.decode_example(encode_example({"x": [1]}))["x"].tolist() == [1]
+
+
+def test_ci_runs_with_the_c_decoder_built() -> None:
+    """CI must exercise both backends: there a missing extension is a failure, not a skip."""
+    if compiled is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but shardkit.formats._example is not built: `pip install -e .` must compile it")
+        pytest.skip("C decoder not built (pip install -e .)")
+    assert compiled.decode_example(encode_example({"x": [2]}))["x"].tolist() == [2]
+
+
+def test_shardkit_pure_python_forces_the_fallback() -> None:
+    code = "import shardkit.formats.example as e; print(e.BACKEND, e._decode_example.__name__)"
+    for value, expected in (("1", "python decode_example_python"), ("0", "c decode_example"), ("", "c decode_example")):
+        env = {**os.environ, "SHARDKIT_PURE_PYTHON": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        if compiled is None and value != "1":
+            expected = "python decode_example_python"
+        assert out.stdout.split() == expected.split(), (value, out.stdout, out.stderr)
+
+
+@with_both_backends
+def test_bytearray_and_memoryview_records_decode_like_bytes(backend: str) -> None:
+    decode_example, decode_sequence_example = DECODERS[backend]
+    record = encode_example({"i": [1, -2], "f": [0.5], "b": [b"xy", b""]})
+    expected = normal_example(decode_example(record))
+    for view in (bytearray(record), memoryview(record), memoryview(b"??" + record)[2:]):
+        assert normal_example(decode_example(view)) == expected
+    with pytest.raises(TypeError):
+        decode_example("not bytes")
+    with pytest.raises(ShardkitError, match="malformed tf.SequenceExample"):
+        decode_sequence_example(memoryview(b"\x0a\x05"))

@@ -14,14 +14,23 @@ messages, which gives the values shardkit documents for its one corner (a map
 entry holding unknown fields is kept, as protobuf's C++ runtime does; upb
 drops it). Outside that corner both parses must agree, which the reference
 asserts too.
+
+Every comparison runs on both backends, the pure-Python decoder and the C one
+(``shardkit/formats/_example.c``). The C one also runs once over the corpus
+and thousands of byte-flipped and truncated records in a subprocess, so that a
+crash (a segfault, an abort) fails a test instead of killing the test runner.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import struct
+import subprocess
+import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import pytest
@@ -31,8 +40,7 @@ from google.protobuf.message import DecodeError
 from tfrecord import example_pb2
 
 from shardkit import ShardkitError
-from shardkit.formats.example import decode_example, decode_sequence_example
-from tests.test_example import normal, reference_feature
+from tests.test_example import DECODERS, compiled, normal, reference_feature, with_both_backends
 
 REJECTED = "rejected"
 RAW = -1  # the wire type of bytes written as they are
@@ -114,17 +122,17 @@ def reference_sequence_example(record: bytes) -> tuple | str:
     return context, lists
 
 
-def decoded_example(record: bytes) -> dict | str:
+def decoded_example(record: bytes, backend: str = "python") -> dict | str:
     try:
-        return {key: normal(value) for key, value in decode_example(record).items()}
+        return {key: normal(value) for key, value in DECODERS[backend][0](record).items()}
     except ShardkitError as exc:
         assert str(exc).startswith("malformed tf.Example (")
         return REJECTED
 
 
-def decoded_sequence_example(record: bytes) -> tuple | str:
+def decoded_sequence_example(record: bytes, backend: str = "python") -> tuple | str:
     try:
-        context, lists = decode_sequence_example(record)
+        context, lists = DECODERS[backend][1](record)
     except ShardkitError as exc:
         assert str(exc).startswith("malformed tf.SequenceExample (")
         return REJECTED
@@ -420,29 +428,40 @@ CASES = {
 }
 
 
-def disagreements(corpus: tuple[bytes, ...], reference: Callable, decoded: Callable) -> tuple[list[str], Counter]:
+@cache
+def references(message: str, count: int = DEFAULT_COUNT) -> tuple:
+    """protobuf's outcome for each record of the corpus: computed once, compared with both backends."""
+    corpus, reference, _ = CASES[message]
+    return tuple(map(reference, corpus(count)))
+
+
+def disagreements(
+    corpus: tuple[bytes, ...], expectations: Sequence, decoded: Callable, backend: str
+) -> tuple[list[str], Counter]:
     outcomes: Counter = Counter()
     bad = []
-    for record in corpus:
-        expected = reference(record)
-        got = decoded(record)
+    for record, expected in zip(corpus, expectations):
+        got = decoded(record, backend)
         outcomes["rejected" if expected == REJECTED else "accepted"] += 1
         if got != expected:
             bad.append(f"{record.hex()}: protobuf {expected!r:.200}, shardkit {got!r:.200}")
     return bad, outcomes
 
 
+@with_both_backends
 @pytest.mark.parametrize("message", CASES)
-def test_decoder_agrees_with_protobuf_on_every_mutated_record(message: str) -> None:
-    corpus, reference, decoded = CASES[message]
-    bad, outcomes = disagreements(corpus(), reference, decoded)
+def test_decoder_agrees_with_protobuf_on_every_mutated_record(message: str, backend: str) -> None:
+    corpus, _, decoded = CASES[message]
+    bad, outcomes = disagreements(corpus(), references(message), decoded, backend)
     assert not bad, f"{len(bad)} disagreements, the first: " + "\n".join(bad[:5])
     # both sides of the comparison are exercised in earnest
     assert outcomes["accepted"] >= len(corpus()) // 4 and outcomes["rejected"] >= len(corpus()) // 4, outcomes
 
 
-def test_malformed_records_raise_nothing_but_shardkit_error() -> None:
+@with_both_backends
+def test_malformed_records_raise_nothing_but_shardkit_error(backend: str) -> None:
     raised: Counter = Counter()
+    decode_example, decode_sequence_example = DECODERS[backend]
     for corpus, decode in ((example_corpus(), decode_example), (sequence_example_corpus(), decode_sequence_example)):
         for record in corpus:
             try:
@@ -458,7 +477,9 @@ def test_malformed_records_raise_nothing_but_shardkit_error() -> None:
 def test_decoder_agrees_with_protobuf_on_a_larger_corpus(message: str) -> None:
     generate = example_fields if message == "Example" else sequence_example_fields
     _, reference, decoded = CASES[message]
-    bad, _ = disagreements(tuple(make_corpus(generate, 100_000, SEED + 2)), reference, decoded)
+    corpus = tuple(make_corpus(generate, 100_000, SEED + 2))
+    expectations = [reference(record) for record in corpus]
+    bad = [line for backend in DECODERS for line in disagreements(corpus, expectations, decoded, backend)[0]]
     assert not bad, f"{len(bad)} disagreements, the first: " + "\n".join(bad[:5])
 
 
@@ -495,7 +516,9 @@ LEVELS = [("Example", level) for level in range(5)] + [("SequenceExample", level
 
 
 @pytest.mark.parametrize(("message", "level"), LEVELS)
-def test_groups_nest_as_deep_as_protobuf_allows_and_no_deeper(message: str, level: int) -> None:
+@with_both_backends
+def test_groups_nest_as_deep_as_protobuf_allows_and_no_deeper(message: str, level: int, backend: str) -> None:
+    decode_example, decode_sequence_example = DECODERS[backend]
     _, reference, decoded = CASES[message]
     allowed = DEPTH_LIMIT - level  # every enclosing message counts as a level
     deepest, too_deep = (
@@ -503,14 +526,16 @@ def test_groups_nest_as_deep_as_protobuf_allows_and_no_deeper(message: str, leve
         with_field_at(message, level, groups(allowed + 1)),
     )
     assert reference(deepest) != REJECTED
-    assert decoded(deepest) == reference(deepest)
+    assert decoded(deepest, backend) == reference(deepest)
     assert reference(too_deep) == REJECTED
     with pytest.raises(ShardkitError, match=f"groups nested deeper than {DEPTH_LIMIT} levels"):
         (decode_example if message == "Example" else decode_sequence_example)(too_deep)
 
 
 @pytest.mark.parametrize(("message", "level"), LEVELS)
-def test_ten_thousand_nested_groups_are_rejected_without_recursion(message: str, level: int) -> None:
+@with_both_backends
+def test_ten_thousand_nested_groups_are_rejected_without_recursion(message: str, level: int, backend: str) -> None:
+    decode_example, decode_sequence_example = DECODERS[backend]
     record = with_field_at(message, level, groups(10_000))
     assert CASES[message][1](record) == REJECTED
     with pytest.raises(ShardkitError, match=f"groups nested deeper than {DEPTH_LIMIT} levels"):
@@ -518,13 +543,14 @@ def test_ten_thousand_nested_groups_are_rejected_without_recursion(message: str,
 
 
 @pytest.mark.parametrize(("message", "level"), LEVELS)
-def test_ten_thousand_nested_unknown_messages_are_skipped_unread(message: str, level: int) -> None:
+@with_both_backends
+def test_ten_thousand_nested_unknown_messages_are_skipped_unread(message: str, level: int, backend: str) -> None:
     nested = b""
     for _ in range(10_000):
         nested = encode([F(9, 2, nested), F(1, 0, 1)])
     record = with_field_at(message, level, raw(nested))
     _, reference, decoded = CASES[message]
-    assert reference(record) != REJECTED and decoded(record) == reference(record)
+    assert reference(record) != REJECTED and decoded(record, backend) == reference(record)
 
 
 # --------------------------------------------------------------------------- the documented corner
@@ -539,16 +565,20 @@ def entry_fields(key: bytes | None, feature: list[F], *extra: F) -> F:
     [F(3, 0, 1), F(1, 0, 7), F(2, 5, b"\0\0\0\0"), F(9, 3, [F(1, 2, b"x")])],
     ids=["unknown-number", "key-as-varint", "value-as-fixed32", "unknown-group"],
 )
-def test_a_map_entry_with_other_fields_is_kept_where_upb_leaves_it_out(extra: F) -> None:
+@with_both_backends
+def test_a_map_entry_with_other_fields_is_kept_where_upb_leaves_it_out(extra: F, backend: str) -> None:
+    decode_example = DECODERS[backend][0]
     earlier = entry_fields(b"k", [F(3, 2, [F(1, 0, 1)])])
     later = entry_fields(b"k", [F(3, 2, [F(1, 0, 2)])], extra)
     record = encode([F(1, 2, [earlier, later])])
     assert list(example_pb2.Example.FromString(record).features.feature["k"].int64_list.value) == [1]  # upb
     assert decode_example(record)["k"].tolist() == [2]  # shardkit, like protobuf's C++ runtime
-    assert decoded_example(record) == reference_example(record)
+    assert decoded_example(record, backend) == reference_example(record)
 
 
-def test_a_feature_list_entry_with_other_fields_is_kept_with_its_last_key() -> None:
+@with_both_backends
+def test_a_feature_list_entry_with_other_fields_is_kept_with_its_last_key(backend: str) -> None:
+    decode_sequence_example = DECODERS[backend][1]
     entry = F(
         1, 2, [F(1, 2, b"a"), F(2, 2, [F(1, 2, [F(2, 2, [F(1, 2, b"\0\0\x80?")])])]), F(1, 2, b"b"), F(5, 1, bytes(8))]
     )
@@ -558,7 +588,9 @@ def test_a_feature_list_entry_with_other_fields_is_kept_with_its_last_key() -> N
     assert context == {} and list(lists) == ["b"] and [v.tolist() for v in lists["b"]] == [[1.0]]
 
 
-def test_a_corner_entry_is_still_checked_like_any_other() -> None:
+@with_both_backends
+def test_a_corner_entry_is_still_checked_like_any_other(backend: str) -> None:
+    decode_example = DECODERS[backend][0]
     not_utf8 = encode([F(1, 2, [entry_fields(b"\xff", [], F(3, 0, 1))])])
     bad_feature = encode([F(1, 2, [entry_fields(b"k", [F(2, 2, b"\x0a\x03abc")], F(3, 0, 1))])])  # 3 bytes of floats
     for record in (not_utf8, bad_feature):
@@ -607,13 +639,15 @@ ONE_ENTRY = F(1, 2, [entry_fields(b"k", [])])
         pytest.param([raw(b"\x3b\xbc\x80\x80\x80\x00")], True, id="end-group-tag-overlong"),
     ],
 )
-def test_records_found_by_fuzzing_decode_as_protobuf_does(fields: list[F], accepted: bool) -> None:
+@with_both_backends
+def test_records_found_by_fuzzing_decode_as_protobuf_does(fields: list[F], accepted: bool, backend: str) -> None:
     record = encode(fields)
     assert (reference_example(record) != REJECTED) is accepted
-    assert decoded_example(record) == reference_example(record)
+    assert decoded_example(record, backend) == reference_example(record)
 
 
-def test_keys_are_taken_exactly_when_protobuf_finds_them_utf8() -> None:
+@with_both_backends
+def test_keys_are_taken_exactly_when_protobuf_finds_them_utf8(backend: str) -> None:
     """Every lead byte with continuation bytes at the edges of UTF-8's ranges (overlong, surrogate, > U+10FFFF)."""
     edges = [0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xFF]
     keys = [bytes([a]) for a in range(256)]
@@ -624,6 +658,71 @@ def test_keys_are_taken_exactly_when_protobuf_finds_them_utf8() -> None:
     for key in keys:
         record = encode([F(1, 2, [entry_fields(key, [])])])
         expected = reference_example(record)
-        assert decoded_example(record) == expected, key
+        assert decoded_example(record, backend) == expected, key
         verdicts[expected == REJECTED] += 1
     assert verdicts[True] > 1000 and verdicts[False] > 1000, verdicts
+
+
+# --------------------------------------------------------------------------- crashes
+
+
+CRASH_PROBE = """
+import json, random, sys
+from collections import Counter
+import numpy as np
+from shardkit.formats import _example
+from tests.test_example_fuzz import SEED, example_fields, make_corpus, mutate_bytes, sequence_example_fields
+from shardkit import encode_example
+
+count, flips = int(sys.argv[1]), int(sys.argv[2])
+r = random.Random(SEED + 3)
+valid = [encode_example({"a": [r.randrange(-2**63, 2**63) for _ in range(r.randrange(40))], "b": r.randbytes(r.randrange(50)),
+                          "c": [r.random() for _ in range(r.randrange(9))]}) for _ in range(200)]
+records = make_corpus(example_fields, count, SEED + 4) + make_corpus(sequence_example_fields, count, SEED + 5)
+for _ in range(flips):
+    record = r.choice(valid)
+    for _ in range(r.choice([1, 1, 2, 4])):
+        record = mutate_bytes(r, record, r.choice(valid))
+    records.append(record)
+records += [v[:i] for v in valid[:20] for i in range(len(v))]  # every truncation
+records += [mutate_bytes(r, valid[0], valid[1]) for _ in range(3000)]
+raised = Counter()
+for record in records:
+    for decode in (_example.decode_example, _example.decode_sequence_example):
+        try:
+            decode(record)
+            raised["none"] += 1
+        except BaseException as exc:
+            raised[type(exc).__name__] += 1
+first = _example.decode_example(valid[0])
+sizes = (1, len(first["a"]), len(first["c"]))  # fit valid[0], whose mutations fill columns partly
+shapes = tuple((n,) for n in sizes)
+for i in range(0, len(records), 5):
+    block = [valid[0]] * 2 + records[i : i + 5]
+    outs = (np.empty(len(block) + 1, np.int64), np.empty(len(block) * sizes[1], np.int64), np.empty(len(block) * sizes[2], np.float32))
+    try:  # columns: every record's bytes validated as decode_example does, values copied into place
+        _example.decode_columns(block, ("b", "a", "c"), (0x0A, 0x1A, 0x12), sizes, shapes, outs)
+        raised["none"] += 1
+    except BaseException as exc:
+        raised[type(exc).__name__] += 1
+print(json.dumps({"records": len(records), "raised": raised}))
+"""
+
+
+@pytest.mark.skipif(compiled is None, reason="C decoder not built (pip install -e .)")
+def test_the_c_decoder_survives_mutated_records_in_a_subprocess() -> None:
+    """A memory error in C would kill the process: run it in a child and check it exited cleanly."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", CRASH_PROBE, "3000", "20000"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    result = json.loads(done.stdout)
+    assert set(result["raised"]) == {"none", "ShardkitError"}, result
+    assert result["raised"]["ShardkitError"] > result["records"] // 2, result

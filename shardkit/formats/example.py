@@ -3,7 +3,21 @@
 A hand-written protobuf wire-format decoder; it beat protobuf's C runtime (upb,
 with descriptors built at runtime) on the benchmark's records because the
 values come out as numpy arrays straight from the bytes (see
-``benchmarks/tfrecord.py``). Messages involved::
+``benchmarks/tfrecord.py``). It has two backends with one behaviour:
+
+* ``_example.c``, a CPython extension that ``pip install -e .`` compiles with
+  the system's C compiler (``setup.py``; optional: a failed build is no failed
+  install). Every read is bounded by the end of its message, lengths are
+  compared by subtraction (no overflow), and unknown groups are skipped with a
+  fixed stack bounded by the depth limit below: no recursion on the input.
+* the pure-Python decoder below (``decode_example_python``...), used when the
+  extension is not built or ``SHARDKIT_PURE_PYTHON=1`` is set at import.
+
+:data:`BACKEND` says which one is in use. The tests run both against protobuf,
+and the C one under a subprocess so that a crash fails a test.
+:func:`decode_columns` decodes a block of records into one column per
+fixed-shape feature, the way ``tf.io.parse_example`` does, without a dict per
+record. Messages involved::
 
     Example         { Features features = 1; }
     SequenceExample { Features context = 1; FeatureLists feature_lists = 2; }
@@ -20,7 +34,7 @@ values, negative int64 as 10-byte varints, repeated map keys (last wins),
 repeated sub-messages merged, the last oneof member wins, unknown fields skipped,
 and bytes that protobuf rejects are rejected. ``tests/test_example_fuzz.py``
 checks this against protobuf's upb runtime on tens of thousands of mutated
-records. Bytes are rejected with :class:`~shardkit.ShardkitError` ("malformed
+records, on both backends. Bytes are rejected with :class:`~shardkit.ShardkitError` ("malformed
 tf.Example (N bytes): <what, at which byte>", or tf.SequenceExample), never
 with another exception, when:
 
@@ -53,14 +67,17 @@ stands. Both accept and reject exactly the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, Optional, Union
 
 import numpy as np
 
 from shardkit.errors import ShardkitError
 
-__all__ = ["Value", "decode_example", "decode_sequence_example", "encode_example"]
+__all__ = ["BACKEND", "Value", "decode_columns", "decode_example", "decode_sequence_example", "encode_example"]
 
 Value = Union[np.ndarray, list]
 """A decoded feature: int64 array, float32 array, ``list[bytes]``, or ``[]`` if no kind is set."""
@@ -421,20 +438,8 @@ def _as_bytes(record: BytesLike) -> bytes:
     return record if isinstance(record, bytes) else bytes(record)
 
 
-def decode_example(record: BytesLike) -> dict[str, Value]:
-    """Decode a serialized ``tf.train.Example``.
-
-    ``int64_list`` becomes an int64 numpy array, ``float_list`` a float32 numpy
-    array, ``bytes_list`` a ``list[bytes]``, and a Feature with no kind set ``[]``.
-    Arrays are fresh and writable. Raises :class:`~shardkit.ShardkitError` on
-    bytes that are not a valid Example.
-
-    Example:
-        >>> import shardkit
-        >>> record = shardkit.encode_example({"label": [3], "score": [0.5], "text": "hi"})
-        >>> shardkit.decode_example(record)
-        {'label': array([3]), 'score': array([0.5], dtype=float32), 'text': [b'hi']}
-    """
+def decode_example_python(record: BytesLike) -> dict[str, Value]:
+    """The pure-Python :func:`decode_example`: the fallback, and the reference for the C backend."""
     buf = _as_bytes(record)
     try:
         if buf and buf[0] == _F1_LEN:
@@ -452,13 +457,8 @@ def decode_example(record: BytesLike) -> dict[str, Value]:
         raise ShardkitError(f"malformed tf.Example ({len(buf)} bytes): {exc}") from None
 
 
-def decode_sequence_example(record: BytesLike) -> tuple[dict[str, Value], dict[str, list[Value]]]:
-    """Decode a serialized ``tf.train.SequenceExample`` into ``(context, feature_lists)``.
-
-    ``feature_lists`` maps each name to the list of its decoded Features, with
-    values as in :func:`decode_example`. Raises :class:`~shardkit.ShardkitError`
-    on bytes that are not a valid SequenceExample.
-    """
+def decode_sequence_example_python(record: BytesLike) -> tuple[dict[str, Value], dict[str, list[Value]]]:
+    """The pure-Python :func:`decode_sequence_example`: the fallback, and the reference for the C backend."""
     buf = _as_bytes(record)
     try:
         fields = _fields(buf, 0, len(buf), 0)
@@ -476,6 +476,220 @@ def decode_sequence_example(record: BytesLike) -> tuple[dict[str, Value], dict[s
         return context, feature_lists
     except _ERRORS as exc:
         raise ShardkitError(f"malformed tf.SequenceExample ({len(buf)} bytes): {exc}") from None
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+def _load_c_backend() -> Any:
+    """The compiled decoder (``_example.c``), or ``None`` when it is not built or ``SHARDKIT_PURE_PYTHON`` is set."""
+    if os.environ.get("SHARDKIT_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from shardkit.formats import _example  # pyright: ignore[reportAttributeAccessIssue]
+    except ImportError:  # not built (no compiler at install time): the pure-Python decoder serves
+        return None
+    return _example
+
+
+_C: Final = _load_c_backend()
+
+BACKEND: Final = "c" if _C is not None else "python"
+"""Which decoder :func:`decode_example`, :func:`decode_sequence_example` and
+:func:`decode_columns` use: ``"c"`` (the compiled extension) or ``"python"``
+(it is not built, or the environment sets ``SHARDKIT_PURE_PYTHON=1``)."""
+
+_decode_example = _C.decode_example if _C is not None else decode_example_python
+_decode_sequence_example = _C.decode_sequence_example if _C is not None else decode_sequence_example_python
+
+
+def decode_example(record: BytesLike) -> dict[str, Value]:
+    """Decode a serialized ``tf.train.Example``.
+
+    ``int64_list`` becomes an int64 numpy array, ``float_list`` a float32 numpy
+    array, ``bytes_list`` a ``list[bytes]``, and a Feature with no kind set ``[]``.
+    Arrays are fresh and writable. Raises :class:`~shardkit.ShardkitError` on
+    bytes that are not a valid Example. Both backends (see :data:`BACKEND`)
+    give the same values and reject the same bytes.
+
+    Example:
+        >>> import shardkit
+        >>> record = shardkit.encode_example({"label": [3], "score": [0.5], "text": "hi"})
+        >>> shardkit.decode_example(record)
+        {'label': array([3]), 'score': array([0.5], dtype=float32), 'text': [b'hi']}
+    """
+    return _decode_example(record)
+
+
+def decode_sequence_example(record: BytesLike) -> tuple[dict[str, Value], dict[str, list[Value]]]:
+    """Decode a serialized ``tf.train.SequenceExample`` into ``(context, feature_lists)``.
+
+    ``feature_lists`` maps each name to the list of its decoded Features, with
+    values as in :func:`decode_example`. Raises :class:`~shardkit.ShardkitError`
+    on bytes that are not a valid SequenceExample.
+    """
+    return _decode_sequence_example(record)
+
+
+# --------------------------------------------------------------------------- columns
+
+FeatureSpec = tuple[str, tuple[int, ...]]
+"""A fixed-shape feature for :func:`decode_columns`: ``(dtype, shape)``, dtype ``"int64"``, ``"float32"`` or ``"bytes"``."""
+
+_KINDS: Final = {"int64": _INT64, "float32": _FLOAT, "bytes": _BYTES}
+_KIND_NAMES: Final = {kind: name for name, kind in _KINDS.items()}
+_DTYPES: Final = {_INT64: np.int64, _FLOAT: np.float32, _BYTES: np.int64}  # bytes: their int64 offsets
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One requested feature: its name, kind (Feature member tag), shape and values per record."""
+
+    name: str
+    kind: int
+    shape: tuple[int, ...]
+    size: int
+
+
+def _columns(features: Mapping[str, FeatureSpec]) -> list[_Column]:
+    """Check a ``features`` mapping of :func:`decode_columns` and normalise it."""
+    out = []
+    for name, spec in features.items():
+        dtype, shape = spec if isinstance(spec, tuple) and len(spec) == 2 else (spec, None)
+        if not isinstance(name, str):
+            raise ValueError(f"feature names are str, as decode_example's keys are: got {name!r}")
+        if dtype not in _KINDS or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(
+                f"feature {name!r}: expected (dtype, shape) with dtype one of {sorted(_KINDS)} and shape a tuple of"
+                f' sizes, e.g. ("int64", ()) or ("float32", (3,)); got {spec!r}'
+            )
+        if dtype == "bytes" and (len(shape) > 1 or shape == (0,)):
+            raise ValueError(f"feature {name!r}: bytes take shape () or (k,) with k >= 1, not {shape!r}")
+        out.append(_Column(name, _KINDS[dtype], shape, int(np.prod(shape, dtype=np.int64))))
+    return out
+
+
+def decode_columns(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec]) -> dict[str, Any]:
+    """Decode fixed-shape features of many serialized ``tf.train.Example`` s into columns, as ``tf.io.parse_example`` does.
+
+    ``features`` maps names to ``(dtype, shape)``: an ``"int64"`` or ``"float32"``
+    feature becomes a numpy array of shape ``(len(records), *shape)``; a
+    ``"bytes"`` feature of shape ``()`` a ``pyarrow.LargeBinaryArray`` of one
+    value per record (one buffer and offsets, no per-record objects), of shape
+    ``(k,)`` a ``pyarrow.FixedSizeListArray`` of ``k`` values per record. Values
+    are exactly those of :func:`decode_example`; a Feature with no values fits
+    a shape of size 0 whatever its kind. Other features are validated and skipped.
+
+    Raises :class:`~shardkit.ShardkitError` naming the record (its index in
+    ``records``) and the feature when a record is malformed, lacks a feature,
+    or holds another kind or number of values.
+
+    Example:
+        >>> import shardkit
+        >>> records = [shardkit.encode_example({"label": i, "xy": [i / 2, -i / 2], "id": b"r%d" % i}) for i in range(3)]
+        >>> columns = shardkit.decode_columns(records, {"label": ("int64", ()), "xy": ("float32", (2,)), "id": ("bytes", ())})
+        >>> columns["label"], columns["xy"][2], columns["id"].to_pylist()
+        (array([0, 1, 2]), array([ 1., -1.], dtype=float32), [b'r0', b'r1', b'r2'])
+    """
+    return _decode_columns(records, features, _C)
+
+
+def decode_columns_python(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec]) -> dict[str, Any]:
+    """The pure-Python :func:`decode_columns`: the fallback, and the reference for the C backend."""
+    return _decode_columns(records, features, None)
+
+
+def _decode_columns(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec], compiled: Any) -> dict[str, Any]:
+    """:func:`decode_columns` with the compiled module ``compiled``, or in Python if it is ``None``."""
+    columns = _columns(features)
+    n = len(records)
+    outs = tuple(
+        np.empty((n * c.size + 1,) if c.kind == _BYTES else (n, *c.shape), dtype=_DTYPES[c.kind]) for c in columns
+    )
+    if compiled is not None:
+        names, kinds, sizes, shapes = (tuple(getattr(c, k) for c in columns) for k in ("name", "kind", "size", "shape"))
+        datas = compiled.decode_columns(records, names, kinds, sizes, shapes, outs)
+    else:
+        datas = _decode_columns_python(records, columns, outs)
+    return {c.name: _column_value(c, out, data) for c, out, data in zip(columns, outs, datas)}
+
+
+class ColumnBatches:
+    """An iterator of :func:`decode_columns` batches of ``batch_size`` records drawn from ``records``.
+
+    The last batch is shorter if the records run out. A batch is drawn and
+    decoded in one step, so no partial batch is ever pending: where the
+    records' iterator has a ``state_dict()`` (a shardkit source's), this one's
+    is the same, and resuming from it starts at the next batch's first record.
+    """
+
+    def __init__(self, records: Iterator[BytesLike], features: Mapping[str, FeatureSpec], batch_size: int) -> None:
+        _columns(features)  # a bad spec fails here, not at the first batch
+        self._records = records
+        self._features = dict(features)
+        self._batch_size = batch_size
+
+    def __iter__(self) -> ColumnBatches:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        block = list(itertools.islice(self._records, self._batch_size))
+        if not block:
+            raise StopIteration
+        return decode_columns(block, self._features)
+
+    def state_dict(self) -> Any:
+        return self._records.state_dict()  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _column_value(column: _Column, out: np.ndarray, data: Optional[bytes]) -> Any:
+    if column.kind != _BYTES:
+        return out
+    import pyarrow as pa  # a dependency already; imported here, as decoding single records does not need it
+
+    values = pa.Array.from_buffers(pa.large_binary(), len(out) - 1, [None, pa.py_buffer(out), pa.py_buffer(data)])
+    return pa.FixedSizeListArray.from_arrays(values, column.shape[0]) if column.shape else values
+
+
+def _decode_columns_python(
+    records: Sequence[BytesLike], columns: list[_Column], outs: tuple[np.ndarray, ...]
+) -> list[Optional[bytes]]:
+    datas = [bytearray() if c.kind == _BYTES else None for c in columns]
+    for out, c in zip(outs, columns):
+        if c.kind == _BYTES:
+            out[0] = 0
+    for i, record in enumerate(records):
+        try:
+            decoded = decode_example_python(record)
+        except ShardkitError as exc:
+            raise ShardkitError(f"record {i}: {exc}") from None
+        for c, out, data in zip(columns, outs, datas):
+            values = _column_values(decoded, c, i)
+            if data is not None:
+                for j, value in enumerate(values):
+                    data += value
+                    out[i * c.size + j + 1] = len(data)
+            elif c.size:
+                out[i] = np.asarray(values).reshape(c.shape)
+    return [bytes(data) if data is not None else None for data in datas]
+
+
+def _column_values(decoded: dict[str, Value], column: _Column, i: int) -> Value:
+    """Record ``i``'s value of ``column``, checked to be of its kind and size."""
+    name, want = column.name, _KIND_NAMES[column.kind]
+    if name not in decoded:
+        raise ShardkitError(f"record {i} has no feature {name!r} (wanted: {want} of shape {column.shape!r})")
+    value = decoded[name]
+    kind = "bytes" if isinstance(value, list) else "int64" if value.dtype == np.int64 else "float32"
+    if len(value) and kind != want:
+        raise ShardkitError(
+            f"feature {name!r} of record {i} holds {kind} values, expected {want} of shape {column.shape!r}"
+        )
+    if len(value) != column.size:
+        raise ShardkitError(
+            f"feature {name!r} of record {i} has {len(value)} values, expected {column.size} for {want} of shape {column.shape!r}"
+        )
+    return value
 
 
 # --------------------------------------------------------------------------- encoding
