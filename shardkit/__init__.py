@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "ParquetDataset": "shardkit.dataset",
     "JsonlDataset": "shardkit.dataset",
     "wrap": "shardkit.dataset",
-    "interleave": "shardkit.pipeline",
+    "interleave": "shardkit.interleave",
     "Pipeline": "shardkit.pipeline",
     "MixedLoader": "shardkit.loader",
     "worker_seed": "shardkit.seeding",
