@@ -6,6 +6,13 @@ plain dicts, one node per pipeline stage, that ``json`` and ``torch.save`` can
 hold. Every node has ``"version"`` (:data:`VERSION`) and ``"kind"``; nodes
 with inputs hold their state under ``"upstream"``.
 
+Each kind belongs to one stage's iterator class (a :class:`StageIterator`),
+which holds its keys as constants and, beside ``__next__``, how the node is
+saved, restored, checked and merged; defining the class registers the kind.
+This module holds what all stages share: the node envelope, the checks
+common to several kinds, the sample encoding, and :func:`merge` /
+:func:`merge_ranks`, which hand each node to its kind's class.
+
 Kinds (version 1):
 
 * ``"planned"`` (shard files, map-style datasets): ``epoch``, ``world_size``,
