@@ -41,7 +41,7 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
 from shardkit.counting import CountFn, resolve_counts
-from shardkit.epoch import SharedEpoch, check_epoch, resume_at
+from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.pipeline import Pipeline
 from shardkit.planning import (
@@ -226,10 +226,7 @@ class _PlannedSource(_Source):
         urls from their Arrow buffers takes 0.03 s, once per ShardList.
         """
         if not isinstance(counts, np.ndarray):
-            raise StateError(
-                f"{self!r}: resuming needs the record count of every shard, and some are unknown; "
-                "call count_records() (or give counts: a manifest, index files) before iterating"
-            )
+            raise _unknown_counts(self)
         import hashlib
 
         shards = getattr(self, "shards", None)  # a wrap()ped map-style dataset has no files
@@ -253,9 +250,8 @@ class _PlannedSource(_Source):
         """
         check(state, self._state_kind, self)
         counts, _ = self._counts(self.topology())
-        expect_equal(self, "dataset", state["fingerprint"], self._fingerprint(counts))
-        self._pending = state
-        resume_at(self, state["epoch"])  # the next pass reads the state's epoch (unless set_epoch)
+        expect_equal(self, "dataset", state[_RangeIterator.FINGERPRINT], self._fingerprint(counts))
+        super().load_state_dict(state)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all of its workers together)."""
@@ -284,7 +280,8 @@ class _PlannedSource(_Source):
         if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
             if resume is not None:
                 self._fingerprint(counts)  # raises, naming the fix
-            return _RangeIterator(self, [(None, r) for r in plan(counts, topology, **kwargs)], epoch, topology, None)
+            pieces = [(None, r) for r in plan(counts, topology, **kwargs)]
+            return _RangeIterator(self._calls(), pieces, epoch, topology, None)
         if self._windowed():
             kwargs["block_size"] = self.shuffle_block
         fingerprint = self._fingerprint(counts)
@@ -301,6 +298,10 @@ class _PlannedSource(_Source):
             saved = resume.state[_RangeIterator.REMAINING]
             expect_equal(self, "remaining positions (for its window)", saved, iterator.remaining())
         return iterator
+
+    def _calls(self) -> _SourceCalls:
+        """What a :class:`_RangeIterator` calls back: this source's reads, hints and padding counts."""
+        return _SourceCalls(self, self._read, self._hint, self._count_padded)
 
     def _chunk_size(self, counts: np.ndarray, topology: Topology, base: State | None, kwargs: dict[str, Any]) -> int:
         """Positions in this rank's chunk. After a global state (``base``) the chunk
@@ -327,7 +328,7 @@ class _PlannedSource(_Source):
         stand_in = None
         if self._makes_up(kwargs["balance"]):
             stand_in = functools.partial(self._stand_in, counts, topology, kwargs)
-        ranges = _RangeIterator(self, pieces, epoch, topology, fingerprint, stand_in)
+        ranges = _RangeIterator(self._calls(), pieces, epoch, topology, fingerprint, stand_in)
         ranges.base = base
         if not self._windowed():
             return ranges
@@ -343,6 +344,22 @@ class _PlannedSource(_Source):
 
     def _count_padded(self, shard: int) -> None:
         """Count one sample yielded in place of a skipped or missing record of ``shard``."""
+
+
+def _unknown_counts(owner: object) -> StateError:
+    return StateError(
+        f"{owner!r}: resuming needs the record count of every shard, and some are unknown; "
+        "call count_records() (or give counts: a manifest, index files) before iterating"
+    )
+
+
+class _SourceCalls(NamedTuple):
+    """The source a :class:`_RangeIterator` reads for (named in errors) and what it calls back."""
+
+    owner: object
+    read: Callable[[int, int, int | None], Iterator[Any]]
+    hint: Callable[[int, int, int | None], None]
+    count_padded: Callable[[int], None]
 
 
 class _Start(NamedTuple):
@@ -387,7 +404,7 @@ class _RangeIterator(StageIterator):
 
     def __init__(
         self,
-        source: _PlannedSource,
+        source: _SourceCalls,
         pieces: Sequence[tuple[int | None, Range]],
         epoch: int,
         topology: Topology,
@@ -433,9 +450,9 @@ class _RangeIterator(StageIterator):
 
     def _open_range(self) -> None:
         shard, start, stop = self.ranges[self.range_index]
-        self._records = self._source._read(shard, start + self.done_in_range, stop)
+        self._records = self._source.read(shard, start + self.done_in_range, stop)
         for ahead in self.ranges[self.range_index + 1 : self.range_index + 4]:
-            self._source._hint(*ahead)
+            self._source.hint(*ahead)
 
     def _skip(self, records: int) -> bool:
         """Account for ``records`` skipped records; True if they are to be made up now."""
@@ -454,7 +471,7 @@ class _RangeIterator(StageIterator):
             self._last = self._stand_in()  # type: ignore[misc]
         self._owed -= 1
         self.done_in_range += 1
-        self._source._count_padded(self.ranges[self.range_index].shard)
+        self._source.count_padded(self.ranges[self.range_index].shard)
         return self._last
 
     def _finish_range(self) -> None:
@@ -475,8 +492,8 @@ class _RangeIterator(StageIterator):
 
     def state_dict(self) -> State:
         """The positions of this reader's part not read yet, and whose part it is."""
-        if self._fingerprint is None:
-            self._source._fingerprint(None)  # raises, naming the fix
+        if self._fingerprint is None:  # no positions without record counts
+            raise _unknown_counts(self._source.owner)
         fields = {
             EPOCH: self.epoch,
             self.WORLD_SIZE: self.topology.world_size,
