@@ -25,12 +25,12 @@ _EXPORTS: dict[str, str] = {
     "decode_example": "shardkit.formats.example",
     "decode_sequence_example": "shardkit.formats.example",
     "encode_example": "shardkit.formats.example",
-    "ShardedDataset": "shardkit.dataset",
-    "TFRecordDataset": "shardkit.dataset",
-    "TarDataset": "shardkit.dataset",
-    "ParquetDataset": "shardkit.dataset",
-    "JsonlDataset": "shardkit.dataset",
-    "wrap": "shardkit.dataset",
+    "ShardedDataset": "shardkit.sources",
+    "TFRecordDataset": "shardkit.sources",
+    "TarDataset": "shardkit.sources",
+    "ParquetDataset": "shardkit.sources",
+    "JsonlDataset": "shardkit.sources",
+    "wrap": "shardkit.sources",
     "interleave": "shardkit.interleave",
     "Pipeline": "shardkit.pipeline",
     "MixedLoader": "shardkit.loader",
@@ -59,7 +59,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
-    from shardkit.dataset import JsonlDataset, ParquetDataset, ShardedDataset, TarDataset, TFRecordDataset, wrap
+    from shardkit.sources import JsonlDataset, ParquetDataset, ShardedDataset, TarDataset, TFRecordDataset, wrap
     from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches
     from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
     from shardkit.formats.index import build_index

@@ -301,7 +301,7 @@ class StageIterator:
 _STAGES: dict[str, type[StageIterator]] = {}
 
 #: Modules whose import defines the stage iterators (a state may be merged before any is imported).
-_STAGE_MODULES = ("shardkit.pipeline", "shardkit.interleave", "shardkit.dataset")
+_STAGE_MODULES = ("shardkit.pipeline", "shardkit.interleave", "shardkit.sources")
 
 
 def stage_of(kind: object) -> type[StageIterator] | None:

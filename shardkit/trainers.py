@@ -155,7 +155,7 @@ def reader_lengths(pipeline: Any, num_workers: int) -> list[int] | None:
     ``.repeat(count)`` multiplies it and ``interleave(stop="all_exhausted")``
     adds its inputs'.
     """
-    from shardkit.dataset import _PlannedSource
+    from shardkit.sources import _PlannedSource
     from shardkit.pipeline import Batch, Interleave, Map, Repeat, Shuffle
 
     if isinstance(pipeline, _PlannedSource):

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardkit
-from shardkit.dataset import DatasetError, ShardedDataset
+from shardkit.sources import DatasetError, ShardedDataset
 from shardkit.pipeline import UnknownLengthError
 from tests.helpers import CountingStream, all_ids, synthetic_read, synthetic_shards
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit import ShardedDataset, ShardList, TFRecordDataset
 from shardkit.counting import identity, resolve_counts
-from shardkit.dataset import TFRecordReader
+from shardkit.sources import TFRecordReader
 from shardkit.formats.index import IndexFileError, load_index
 from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import CorruptRecordError, ShardedDataset, TFRecordDataset
-from shardkit.dataset import BalanceError
+from shardkit.sources import BalanceError
 from tests.helpers import record_offsets, synthetic_read
 
 pytestmark = [
