@@ -430,11 +430,9 @@ class _RangeIterator(StageIterator):
         if self._owed:
             return self._made_up()
         while self.range_index < len(self.ranges):
-            if self._records is None:
-                self._open_range()
-            assert self._records is not None
+            records = self._records if self._records is not None else self._open_range()
             try:
-                sample = next(self._records)
+                sample = next(records)
             except StopIteration:
                 self._finish_range()
                 continue
@@ -448,11 +446,13 @@ class _RangeIterator(StageIterator):
             return sample
         raise StopIteration
 
-    def _open_range(self) -> None:
+    def _open_range(self) -> Iterator[Any]:
+        """Start reading the current range (from where it stopped) and hint the next three."""
         shard, start, stop = self.ranges[self.range_index]
         self._records = self._source.read(shard, start + self.done_in_range, stop)
         for ahead in self.ranges[self.range_index + 1 : self.range_index + 4]:
             self._source.hint(*ahead)
+        return self._records
 
     def _skip(self, records: int) -> bool:
         """Account for ``records`` skipped records; True if they are to be made up now."""
