@@ -285,14 +285,9 @@ class _PlannedSource(_Source):
         if self._windowed():
             kwargs["block_size"] = self.shuffle_block
         fingerprint = self._fingerprint(counts)
-        base = None
-        if resume is not None:
-            expect_equal(self, "dataset", resume.state[_RangeIterator.FINGERPRINT], fingerprint)
-            base = _RangeIterator.base_of(resume.state, self)
+        base = None if resume is None else _RangeIterator.base_of(resume, fingerprint)
         size = self._chunk_size(counts, topology, base, kwargs)
-        start = _Start(share([(0, size)], topology.num_workers, topology.worker_id), 0, False)
-        if resume is not None and resume.state[_RangeIterator.RANK] is not None:
-            start = _RangeIterator.start_of(resume, size, self._windowed(), self)
+        start = _RangeIterator.start_of(resume, size, self._windowed(), topology)
         iterator = self._new_iterator(counts, topology, epoch, fingerprint, start, kwargs, base)
         if start.exact and resume is not None:  # the window read again must leave what the state says is left
             saved = resume.state[_RangeIterator.REMAINING]
@@ -505,17 +500,23 @@ class _RangeIterator(StageIterator):
         return node(self.KIND, **fields, **({} if self.base is None else {self.BASE: self.base}))
 
     @classmethod
-    def base_of(cls, state: State, owner: object) -> State | None:
-        """The global node (``world_size``, ``remaining``) an epoch resumed from on another world, if any."""
+    def base_of(cls, resume: Resume, fingerprint: dict[str, Any]) -> State | None:
+        """The global node (``world_size``, ``remaining``) an epoch resumed from on
+        another world, if any; the loaded node must be of this dataset (``fingerprint``)."""
+        state, owner = resume.state, resume.owner
+        expect_equal(owner, "dataset", state[cls.FINGERPRINT], fingerprint)
         if state[cls.RANK] is None:
             check_positions(owner, state[cls.REMAINING], state[cls.FINGERPRINT]["records"])
             return {cls.WORLD_SIZE: state[cls.WORLD_SIZE], cls.REMAINING: state[cls.REMAINING]}
         return state.get(cls.BASE)
 
     @classmethod
-    def start_of(cls, resume: Resume, size: int, windowed: bool, owner: object) -> _Start:
-        """Where this reader starts from a rank's node, in a rank chunk of ``size`` positions."""
-        state, topology = resume.state, resume.topology
+    def start_of(cls, resume: Resume | None, size: int, windowed: bool, topology: Topology) -> _Start:
+        """Where this reader starts in a rank chunk of ``size`` positions: its even part of the
+        chunk, unless ``resume`` is a rank's node (a global one only changes the chunk)."""
+        if resume is None or resume.state[cls.RANK] is None:
+            return _Start(share([(0, size)], topology.num_workers, topology.worker_id), 0, False)
+        state, owner = resume.state, resume.owner
         expect_equal(owner, "world_size", state[cls.WORLD_SIZE], topology.world_size)
         expect_equal(owner, "rank", state[cls.RANK], topology.rank)
         remaining = state[cls.REMAINING]
