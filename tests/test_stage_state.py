@@ -130,18 +130,21 @@ def test_merge_in_a_process_that_imported_only_shardkit_state_finds_every_stage(
 
 
 def test_a_state_of_an_earlier_epoch_is_dropped_with_every_input_state_below_it() -> None:
+    # Saved in pass 1 of a repeat over epoch 0: the source's node is of epoch 1. After
+    # set_epoch(1) the repeat's node is stale, and so is the source's, though its epoch
+    # number is the one pass 0 now reads: resuming it would cut epoch 1 short.
     def make() -> Pipeline:
-        return Shuffle(source(shuffle=True, seed=5), 6).map(str.upper)
+        return Shuffle(source(shuffle=True, seed=5), 6).map(str.upper).repeat(2)
 
-    state = saved_state(make, 4)  # epoch 0, buffer and positions part-read
+    state = saved_state(make, 21 + 4)  # 21 records a pass: 4 into pass 1
+    assert state["epoch"] == 0 and state["upstream"]["upstream"]["epoch"] == 1
     fresh = make()
     fresh.set_epoch(1)
     expected = list(fresh)
     resumed = make()
     resumed.load_state_dict(state)
     resumed.set_epoch(1)
-    assert list(resumed) == expected
-    assert all(stage._pending is None for stage in (resumed, resumed.source, resumed.source.source))
+    assert list(resumed) == expected and len(expected) == 42
 
 
 def test_a_state_of_a_later_epoch_names_the_set_epoch_call() -> None:
