@@ -81,56 +81,6 @@ def interleave(
     return Interleave(datasets, weights, seed=seed, stop=stop)
 
 
-class Interleave(Pipeline):
-    """Weighted random mixing of several pipelines; see :func:`interleave`.
-
-    ``epoch`` and ``topology()`` come from the first dataset; ``seed`` is the
-    mixing seed, which a ``.shuffle()`` chained after it also uses by default.
-    """
-
-    def __init__(
-        self,
-        datasets: Sequence[Pipeline],
-        weights: Sequence[float] | None = None,
-        *,
-        seed: int = 0,
-        stop: str = "first_exhausted",
-    ) -> None:
-        self.upstream = _check_datasets(datasets)
-        self.weights = _check_weights(weights, len(self.upstream))
-        self.mix_seed = check_seed(seed, "interleave(seed)")
-        if stop not in STOP_RULES:
-            raise PipelineError(f"interleave(stop) must be one of {STOP_RULES}, got {stop!r}")
-        self.stop = stop
-
-    @property
-    def seed(self) -> int:
-        """The mixing seed given to :func:`interleave`."""
-        return self.mix_seed
-
-    def __len__(self) -> int:
-        if self.stop == "first_exhausted":
-            raise self._unknown_length(
-                "with stop='first_exhausted' it ends when a randomly drawn source runs out; "
-                "stop='all_exhausted' has a length"
-            )
-        return sum(len(d) for d, w in zip(self.upstream, self.weights) if w > 0)
-
-    def _open(self, resume: Resume | None) -> _InterleaveIterator:
-        epoch, topology = self.epoch, self.topology()
-        rng = generator(self.mix_seed, epoch, topology, INTERLEAVE_STREAM)
-        iterator = _InterleaveIterator(
-            self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology
-        )
-        if resume is not None:
-            iterator.restore(resume)
-        return iterator
-
-    def __repr__(self) -> str:
-        inputs = ", ".join(repr(d) for d in self.upstream)
-        return f"interleave([{inputs}], weights={list(self.weights)}, seed={self.mix_seed}, stop={self.stop!r})"
-
-
 def _check_datasets(datasets: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
     if isinstance(datasets, Pipeline) or not isinstance(datasets, Sequence):
         raise PipelineError(
@@ -300,7 +250,56 @@ class _InterleaveIterator(StageIterator):
         )
 
 
-Interleave._iterator_type = _InterleaveIterator
+class Interleave(Pipeline):
+    """Weighted random mixing of several pipelines; see :func:`interleave`.
+
+    ``epoch`` and ``topology()`` come from the first dataset; ``seed`` is the
+    mixing seed, which a ``.shuffle()`` chained after it also uses by default.
+    """
+
+    _iterator_type = _InterleaveIterator
+
+    def __init__(
+        self,
+        datasets: Sequence[Pipeline],
+        weights: Sequence[float] | None = None,
+        *,
+        seed: int = 0,
+        stop: str = "first_exhausted",
+    ) -> None:
+        self.upstream = _check_datasets(datasets)
+        self.weights = _check_weights(weights, len(self.upstream))
+        self.mix_seed = check_seed(seed, "interleave(seed)")
+        if stop not in STOP_RULES:
+            raise PipelineError(f"interleave(stop) must be one of {STOP_RULES}, got {stop!r}")
+        self.stop = stop
+
+    @property
+    def seed(self) -> int:
+        """The mixing seed given to :func:`interleave`."""
+        return self.mix_seed
+
+    def __len__(self) -> int:
+        if self.stop == "first_exhausted":
+            raise self._unknown_length(
+                "with stop='first_exhausted' it ends when a randomly drawn source runs out; "
+                "stop='all_exhausted' has a length"
+            )
+        return sum(len(d) for d, w in zip(self.upstream, self.weights) if w > 0)
+
+    def _open(self, resume: Resume | None) -> _InterleaveIterator:
+        epoch, topology = self.epoch, self.topology()
+        rng = generator(self.mix_seed, epoch, topology, INTERLEAVE_STREAM)
+        iterator = _InterleaveIterator(
+            self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology
+        )
+        if resume is not None:
+            iterator.restore(resume)
+        return iterator
+
+    def __repr__(self) -> str:
+        inputs = ", ".join(repr(d) for d in self.upstream)
+        return f"interleave([{inputs}], weights={list(self.weights)}, seed={self.mix_seed}, stop={self.stop!r})"
 
 
 class _CallableModule(types.ModuleType):

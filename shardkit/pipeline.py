@@ -392,8 +392,23 @@ class _Wrapper(Pipeline):
 # -- map ----------------------------------------------------------------------
 
 
+class _MapIterator(PassThroughIterator):
+    """Its node is only ``upstream``: a sample is mapped in the step that reads it."""
+
+    KIND = "map"
+
+    def __init__(self, source: Iterator[Any], fn: Callable[[Any], Any]) -> None:
+        super().__init__(source)
+        self._fn = fn
+
+    def __next__(self) -> Any:
+        return self._fn(next(self._source))
+
+
 class Map(_Wrapper):
     """``fn(sample)`` for every sample; see :meth:`Pipeline.map`."""
+
+    _iterator_type = _MapIterator
 
     def __init__(self, upstream: Pipeline, fn: Callable[[Any], Any]) -> None:
         super().__init__(upstream)
@@ -410,41 +425,7 @@ class Map(_Wrapper):
         return f"{self.source!r}.map({_name(self.fn)})"
 
 
-class _MapIterator(PassThroughIterator):
-    """Its node is only ``upstream``: a sample is mapped in the step that reads it."""
-
-    KIND = "map"
-
-    def __init__(self, source: Iterator[Any], fn: Callable[[Any], Any]) -> None:
-        super().__init__(source)
-        self._fn = fn
-
-    def __next__(self) -> Any:
-        return self._fn(next(self._source))
-
-
-Map._iterator_type = _MapIterator
-
-
 # -- filter -------------------------------------------------------------------
-
-
-class Filter(_Wrapper):
-    """The samples ``predicate`` accepts; see :meth:`Pipeline.filter`."""
-
-    def __init__(self, upstream: Pipeline, predicate: Callable[[Any], object]) -> None:
-        super().__init__(upstream)
-        _check_callable("filter(predicate)", predicate)
-        self.predicate = predicate
-
-    def __len__(self) -> int:
-        raise self._unknown_length("filter() drops a number of samples known only after reading them")
-
-    def _open(self, resume: Resume | None) -> Iterator[Any]:
-        return _FilterIterator(iter(self.source), self.predicate)
-
-    def __repr__(self) -> str:
-        return f"{self.source!r}.filter({_name(self.predicate)})"
 
 
 class _FilterIterator(PassThroughIterator):
@@ -463,34 +444,27 @@ class _FilterIterator(PassThroughIterator):
                 return sample
 
 
-Filter._iterator_type = _FilterIterator
+class Filter(_Wrapper):
+    """The samples ``predicate`` accepts; see :meth:`Pipeline.filter`."""
+
+    _iterator_type = _FilterIterator
+
+    def __init__(self, upstream: Pipeline, predicate: Callable[[Any], object]) -> None:
+        super().__init__(upstream)
+        _check_callable("filter(predicate)", predicate)
+        self.predicate = predicate
+
+    def __len__(self) -> int:
+        raise self._unknown_length("filter() drops a number of samples known only after reading them")
+
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
+        return _FilterIterator(iter(self.source), self.predicate)
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.filter({_name(self.predicate)})"
 
 
 # -- shuffle ------------------------------------------------------------------
-
-
-class Shuffle(_Wrapper):
-    """A seeded shuffle buffer; see :meth:`Pipeline.shuffle`."""
-
-    def __init__(self, upstream: Pipeline, buffer_size: int, seed: int | None = None) -> None:
-        super().__init__(upstream)
-        self.buffer_size = _check_int("shuffle(buffer_size)", buffer_size, 1)
-        self.shuffle_seed = None if seed is None else check_seed(seed, "shuffle(seed)")
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def _open(self, resume: Resume | None) -> Iterator[Any]:
-        seed = self.seed if self.shuffle_seed is None else self.shuffle_seed
-        epoch, topology = self.epoch, self.topology()
-        rng = generator(seed, epoch, topology, SHUFFLE_STREAM)
-        iterator = _ShuffleIterator(iter(self.source), self.buffer_size, rng, epoch, topology)
-        if resume is not None:
-            iterator.restore(resume)
-        return iterator
-
-    def __repr__(self) -> str:
-        return f"{self.source!r}.shuffle({self.buffer_size}, seed={self.shuffle_seed})"
 
 
 class _ShuffleIterator(StageIterator):
@@ -589,14 +563,63 @@ class _ShuffleIterator(StageIterator):
         )
 
 
-Shuffle._iterator_type = _ShuffleIterator
+class Shuffle(_Wrapper):
+    """A seeded shuffle buffer; see :meth:`Pipeline.shuffle`."""
+
+    _iterator_type = _ShuffleIterator
+
+    def __init__(self, upstream: Pipeline, buffer_size: int, seed: int | None = None) -> None:
+        super().__init__(upstream)
+        self.buffer_size = _check_int("shuffle(buffer_size)", buffer_size, 1)
+        self.shuffle_seed = None if seed is None else check_seed(seed, "shuffle(seed)")
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
+        seed = self.seed if self.shuffle_seed is None else self.shuffle_seed
+        epoch, topology = self.epoch, self.topology()
+        rng = generator(seed, epoch, topology, SHUFFLE_STREAM)
+        iterator = _ShuffleIterator(iter(self.source), self.buffer_size, rng, epoch, topology)
+        if resume is not None:
+            iterator.restore(resume)
+        return iterator
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.shuffle({self.buffer_size}, seed={self.shuffle_seed})"
 
 
 # -- batch --------------------------------------------------------------------
 
 
+class _BatchIterator(PassThroughIterator):
+    """Its node is only ``upstream``: a batch is made in one step, so no partial batch is ever pending."""
+
+    KIND = "batch"
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        drop_last: bool,
+    ) -> None:
+        super().__init__(source)
+        self._batch_size = batch_size
+        self._collate_fn = collate_fn
+        self._drop_last = drop_last
+
+    def __next__(self) -> Any:
+        samples = list(itertools.islice(self._source, self._batch_size))
+        if not samples or (self._drop_last and len(samples) < self._batch_size):
+            raise StopIteration
+        return self._collate_fn(samples)
+
+
 class Batch(_Wrapper):
     """Collated groups of samples; see :meth:`Pipeline.batch`."""
+
+    _iterator_type = _BatchIterator
 
     def __init__(
         self,
@@ -637,60 +660,7 @@ class Batch(_Wrapper):
         return f"{self.source!r}.batch({self.batch_size}, drop_last={self.drop_last})"
 
 
-class _BatchIterator(PassThroughIterator):
-    """Its node is only ``upstream``: a batch is made in one step, so no partial batch is ever pending."""
-
-    KIND = "batch"
-
-    def __init__(
-        self,
-        source: Iterator[Any],
-        batch_size: int,
-        collate_fn: Callable[[list[Any]], Any],
-        drop_last: bool,
-    ) -> None:
-        super().__init__(source)
-        self._batch_size = batch_size
-        self._collate_fn = collate_fn
-        self._drop_last = drop_last
-
-    def __next__(self) -> Any:
-        samples = list(itertools.islice(self._source, self._batch_size))
-        if not samples or (self._drop_last and len(samples) < self._batch_size):
-            raise StopIteration
-        return self._collate_fn(samples)
-
-
-Batch._iterator_type = _BatchIterator
-
-
 # -- repeat -------------------------------------------------------------------
-
-
-class Repeat(_Wrapper):
-    """Back-to-back passes over the upstream; see :meth:`Pipeline.repeat`.
-
-    Pass ``k`` creates and advances the upstream iterator with the epoch
-    offset (:func:`shardkit.epoch.epoch_offset`) raised by ``k``; sources add
-    it to their shared epoch, so the shared value itself never changes.
-    Nested repeats compose: inside an outer pass ``j``, an inner
-    ``repeat(count)`` numbers its passes from ``j * count``.
-    """
-
-    def __init__(self, upstream: Pipeline, count: int | None = None) -> None:
-        super().__init__(upstream)
-        self.count = None if count is None else _check_int("repeat(count)", count, 1)
-
-    def __len__(self) -> int:
-        if self.count is None:
-            raise self._unknown_length("repeat() without a count never ends; pass repeat(count) for a finite length")
-        return self.count * len(self.source)
-
-    def _open(self, resume: Resume | None) -> Iterator[Any]:
-        return _RepeatIterator(self.source, self.count, self.epoch, resume)
-
-    def __repr__(self) -> str:
-        return f"{self.source!r}.repeat({self.count})"
 
 
 class _RepeatIterator(StageIterator):
@@ -798,7 +768,32 @@ class _RepeatIterator(StageIterator):
         )
 
 
-Repeat._iterator_type = _RepeatIterator
+class Repeat(_Wrapper):
+    """Back-to-back passes over the upstream; see :meth:`Pipeline.repeat`.
+
+    Pass ``k`` creates and advances the upstream iterator with the epoch
+    offset (:func:`shardkit.epoch.epoch_offset`) raised by ``k``; sources add
+    it to their shared epoch, so the shared value itself never changes.
+    Nested repeats compose: inside an outer pass ``j``, an inner
+    ``repeat(count)`` numbers its passes from ``j * count``.
+    """
+
+    _iterator_type = _RepeatIterator
+
+    def __init__(self, upstream: Pipeline, count: int | None = None) -> None:
+        super().__init__(upstream)
+        self.count = None if count is None else _check_int("repeat(count)", count, 1)
+
+    def __len__(self) -> int:
+        if self.count is None:
+            raise self._unknown_length("repeat() without a count never ends; pass repeat(count) for a finite length")
+        return self.count * len(self.source)
+
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
+        return _RepeatIterator(self.source, self.count, self.epoch, resume)
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.repeat({self.count})"
 
 
 def __getattr__(name: str) -> Any:
