@@ -618,7 +618,7 @@ class _RangeIterator(StageIterator):
         return pieces
 
 
-_PlannedSource._iterator_type = _RangeIterator
+_PlannedSource._iterator_type = _RangeIterator  # named here: the source class comes first in this module
 
 
 class _WindowIterator:
@@ -1455,7 +1455,7 @@ class _StrideIterator(StageIterator):
         )
 
 
-StreamSource._iterator_type = _StrideIterator
+StreamSource._iterator_type = _StrideIterator  # named here: the source class comes first in this module
 
 
 # --------------------------------------------------------------------------- sources over the named formats
