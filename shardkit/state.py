@@ -6,7 +6,9 @@ plain dicts, one node per pipeline stage, that ``json`` and ``torch.save`` can
 hold. Every node has ``"version"`` (:data:`VERSION`) and ``"kind"``; nodes
 with inputs hold their state under ``"upstream"``.
 
-Each kind belongs to one stage's iterator class (a :class:`StageIterator`),
+Each kind belongs to one stage's iterator class (a :class:`StageIterator`;
+``"planned"`` and ``"stream"`` in :mod:`shardkit.sources`, ``"interleave"``
+in :mod:`shardkit.interleave`, the others in :mod:`shardkit.pipeline`),
 which holds its keys as constants and, beside ``__next__``, how the node is
 saved, restored, checked and merged; defining the class registers the kind.
 This module holds what all stages share: the node envelope, the checks
@@ -25,8 +27,9 @@ Kinds (version 1):
   state also has ``window``: ``{"from": positions from the start of the
   window it is yielding, "yielded": samples of that window yielded}`` (the
   window is read again on resume); ``remaining`` then lists the window's
-  unyielded positions one by one. A merge keeps ``remaining`` only. Positions count records, not samples: a
-  record skipped under ``on_error="skip"`` counts as read.
+  unyielded positions one by one. A merge keeps ``remaining`` only.
+  Positions count records, not samples: a record skipped under
+  ``on_error="skip"`` counts as read.
 * ``"stream"`` (``wrap`` of a plain iterable): ``items`` the reader has
   stepped past, whether it is ``done``, and its ``reader`` slot; resuming
   iterates the iterable again and skips them (it must repeat itself).
@@ -84,6 +87,7 @@ import base64
 import importlib
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -103,7 +107,7 @@ State = dict[str, Any]
 # Keys that several stages' nodes share; each stage names its own as constants on its iterator.
 EPOCH = "epoch"  #: the epoch the iteration reads (inside ``repeat``, including the pass)
 SHARE = "share"  #: ``[worker, num_workers]``: the DataLoader worker whose part the node is; None: the whole rank's
-RNG = "rng"  #: the draw position (``_Uniforms``), None after a merge
+RNG = "rng"  #: the draw position (``pipeline.Uniforms``), None after a merge
 UPSTREAM = "upstream"  #: the inputs' nodes
 
 
@@ -306,8 +310,8 @@ _STAGE_MODULES = ("shardkit.pipeline", "shardkit.interleave", "shardkit.sources"
 
 def stage_of(kind: object) -> type[StageIterator] | None:
     """The iterator class that owns state nodes of ``kind``, if any."""
-    if not _STAGES:
-        for module in _STAGE_MODULES:
+    for module in _STAGE_MODULES:
+        if module not in sys.modules:  # a state merged by a tool that imported only some stages
             importlib.import_module(module)
     return _STAGES.get(kind) if type(kind) is str else None
 
