@@ -77,6 +77,13 @@ def interleave(
     follows the weights to the end; ``"all_exhausted"`` keeps drawing from the
     others, reweighted, until every source is spent. ``set_epoch`` reaches
     every source.
+
+    Example:
+        >>> import shardkit
+        >>> text, code = shardkit.wrap(["t1", "t2", "t3"]), shardkit.wrap(["c1"])
+        >>> mixed = shardkit.interleave([text, code], weights=[3, 1], seed=0, stop="all_exhausted")
+        >>> sorted(mixed)  # every sample of both, in an order drawn by the weights
+        ['c1', 't1', 't2', 't3']
     """
     return Interleave(datasets, weights, seed=seed, stop=stop)
 

@@ -203,3 +203,13 @@ def test_shardkit_interleave_is_callable_whichever_module_was_imported_first() -
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[1, 2, 3]"
     assert shardkit.interleave([wrap([1])], seed=0).__class__.__name__ == "Interleave"
+
+
+def test_the_interleave_docstring_example_runs_as_shown() -> None:
+    import doctest
+    import importlib
+
+    # Not "import shardkit.interleave as module": that reads the package attribute, the function.
+    module = importlib.import_module("shardkit.interleave")
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
