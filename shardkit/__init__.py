@@ -59,7 +59,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
-    from shardkit.sources import JsonlDataset, ParquetDataset, ShardedDataset, TarDataset, TFRecordDataset, wrap
     from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches
     from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
     from shardkit.formats.index import build_index
@@ -70,5 +69,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.quality import shuffle_quality
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import ShardList
+    from shardkit.sources import JsonlDataset, ParquetDataset, ShardedDataset, TarDataset, TFRecordDataset, wrap
     from shardkit.topology import Topology
     from shardkit.writer import ShardWriter

@@ -4,6 +4,11 @@ Balanced plans (``"pad"``/``"drop"`` over several ranks) need every shard's
 record count. In order of preference the counts come from:
 
 1. the :class:`~shardkit.ShardList` itself (a manifest, or ``num_records=``);
+   when every shard has an index file beside it (``shardkit index``), the
+   sources take the counts from those (:func:`counts_from_indexes`) without a
+   call to ``count_records()``: each index is checked against its shard as it
+   is now, and one that does not fit raises
+   :class:`~shardkit.formats.index.IndexFileError` rather than being trusted;
 2. the counts cache of an earlier counting pass, for every shard whose file
    still has the identity it had when it was counted (:func:`identity`: size
    plus modification time, inode, ETag, version or generation — whatever the
@@ -50,6 +55,7 @@ logger = logging.getLogger("shardkit")
 CACHE_ENV = "SHARDKIT_CACHE_DIR"
 
 CountFn = Callable[[str], int]
+OffsetsFn = Callable[[str], "np.ndarray | None"]
 
 #: Keys of an fsspec ``info`` dict that change when a file's content may have:
 #: local (mtime, inode, ctime), S3 (ETag, VersionId, LastModified), GCS
@@ -146,6 +152,27 @@ def resolve_counts(
         if path is not None and any(found is not None for found in identities):
             _write_cache(path, shards, counts, identities)
     return shards.with_num_records(counts)
+
+
+def counts_from_indexes(shards: ShardList, offsets_fn: OffsetsFn) -> np.ndarray | None:
+    """Every shard's record count from its index file, or None as soon as one shard has none.
+
+    ``offsets_fn(url)`` is a format's ``index_offsets``: the checked record
+    offsets, or None without an index. Nothing is counted by a scan here.
+
+    Raises:
+        IndexFileError: an index does not fit its shard (stale, damaged);
+            its message names the fix (rebuild it, delete it, or ``index=False``).
+    """
+    counts = np.zeros(len(shards), dtype=np.int64)
+    for i, url in enumerate(shards):
+        offsets = offsets_fn(url)
+        if offsets is None:
+            return None
+        counts[i] = len(offsets)
+    if len(shards):
+        logger.info("shardkit: record counts of %d shards from their index files", len(shards))
+    return counts
 
 
 def _known_counts(shards: ShardList, path: str | None, identities: list[str | None]) -> tuple[np.ndarray, np.ndarray]:

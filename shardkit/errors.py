@@ -33,21 +33,32 @@ class CorruptRecordError(ShardkitError):
     the records after it can still be found (a data checksum mismatch, a
     record that does not decode), false when the framing itself is lost (a
     bad length, a truncated file, a shard ending before its planned count).
-    ``offset`` and ``record_index`` are -1 when unknown.
+    ``offset`` and ``record_index`` are -1 when unknown. In a GZIP/ZLIB
+    file ``offset`` is in the uncompressed stream, and ``compressed_offset``
+    is the byte of the compressed file where inflating failed, when the
+    stream itself is damaged (None otherwise, and for plain files).
     """
 
     def __init__(
-        self, url: str, record_index: int = -1, offset: int = -1, reason: str = "", *, framing_intact: bool = False
+        self,
+        url: str,
+        record_index: int = -1,
+        offset: int = -1,
+        reason: str = "",
+        *,
+        framing_intact: bool = False,
+        compressed_offset: int | None = None,
     ) -> None:
         text = url
         details = _parse_details(text) if not reason else None
         if details is not None:  # re-raised by DataLoader from a worker: the text carries the facts
-            url, record_index, offset, reason, framing_intact = details
+            url, record_index, offset, reason, framing_intact, compressed_offset = details
         self.url = url
         self.record_index = record_index
         self.offset = offset
         self.reason = reason
         self.framing_intact = framing_intact
+        self.compressed_offset = compressed_offset
         self._rebuilt = details is not None
         if not reason or self._rebuilt:  # a bare message, or a worker's traceback text: keep it whole
             super().__init__(text)
@@ -64,13 +75,14 @@ class CorruptRecordError(ShardkitError):
             "offset": self.offset,
             "reason": self.reason,
             "framing_intact": self.framing_intact,
+            "compressed_offset": self.compressed_offset,
         }
         return f"{text}\n{_DETAILS}{json.dumps(facts)}]"
 
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_corrupt_record_error,
-            (self.url, self.record_index, self.offset, self.reason, self.framing_intact),
+            (self.url, self.record_index, self.offset, self.reason, self.framing_intact, self.compressed_offset),
         )
 
 
@@ -80,7 +92,7 @@ def _sentence(url: str, record_index: int, offset: int, reason: str) -> str:
     return f"{url}: {record} {where}: {reason}"
 
 
-def _parse_details(text: str) -> tuple[str, int, int, str, bool] | None:
+def _parse_details(text: str) -> tuple[str, int, int, str, bool, int | None] | None:
     """The facts in the last details line of ``text``, or None if it has none (or a broken one)."""
     at = text.rfind(_DETAILS)
     if at < 0:
@@ -93,6 +105,7 @@ def _parse_details(text: str) -> tuple[str, int, int, str, bool] | None:
             int(facts["offset"]),
             str(facts["reason"]),
             bool(facts["framing_intact"]),
+            None if facts.get("compressed_offset") is None else int(facts["compressed_offset"]),
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -105,6 +118,8 @@ def _in_dataloader_worker() -> bool:
 
 
 def _rebuild_corrupt_record_error(
-    url: str, record_index: int, offset: int, reason: str, framing_intact: bool
+    url: str, record_index: int, offset: int, reason: str, framing_intact: bool, compressed_offset: int | None = None
 ) -> CorruptRecordError:
-    return CorruptRecordError(url, record_index, offset, reason, framing_intact=framing_intact)
+    return CorruptRecordError(
+        url, record_index, offset, reason, framing_intact=framing_intact, compressed_offset=compressed_offset
+    )

@@ -30,7 +30,6 @@ import functools
 import gc
 import itertools
 import logging
-import os
 import pickle
 import sys
 import warnings
@@ -43,6 +42,7 @@ from torch.utils.data import Dataset, IterableDataset
 from shardkit.counting import CountFn, resolve_counts
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.base import BadRecord
 from shardkit.pipeline import Pipeline
 from shardkit.planning import (
     BALANCES,
@@ -91,7 +91,6 @@ logger = logging.getLogger("shardkit")
 
 OnError = Literal["raise", "skip"]
 ReadFn = Callable[[str, int, "int | None"], Iterable[Any]]
-DECODERS = ("example", "sequence_example", "raw")
 _NOTHING = object()
 
 
@@ -163,19 +162,6 @@ class _Skipped(NamedTuple):
     """Yielded by ``_read`` in place of ``records`` records it could not read (on_error='skip')."""
 
     records: int
-
-
-#: Returned by ``TFRecordReader._index_past`` when the bad record was the last of its file.
-_SHARD_ENDS = object()
-
-
-class _BadRecord(NamedTuple):
-    """Yielded by :class:`TFRecordReader` in place of one record that is bad while
-    the records after it can still be read (a data CRC mismatch, a record that
-    does not decode): the dataset raises ``error`` or skips just that record,
-    and the same iterator goes on with the next one."""
-
-    error: CorruptRecordError
 
 
 class _Cursor:
@@ -859,6 +845,10 @@ class ShardedDataset(_PlannedSource):
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
         if self.shards.num_records is not None:
             return self.shards.num_records
+        indexed = self._index_counts()
+        if indexed is not None:  # index files beside every shard: counts without a counting pass
+            self.shards = self.shards.with_num_records(indexed)
+            return self.shards.num_records
         if required:
             self.count_records()
             return self.shards.num_records
@@ -870,6 +860,11 @@ class ShardedDataset(_PlannedSource):
                 stacklevel=3,
             )
         return self.shards.table.column("num_records")
+
+    def _index_counts(self) -> np.ndarray | None:
+        """Every shard's record count from its checked index file; None where a shard has none
+        (or the reader has no index files). Raises IndexFileError for an index that does not fit."""
+        return None
 
     def _makes_up(self, balance: Balance) -> bool:
         return self.on_error == "skip" and balance != "none"
@@ -889,7 +884,7 @@ class ShardedDataset(_PlannedSource):
         for shard, start, stop in ranges:
             try:
                 for sample in self.read_fn(self.shards[shard], start, stop):
-                    if not isinstance(sample, _BadRecord):
+                    if not isinstance(sample, BadRecord):
                         return sample
             except Exception:  # noqa: S112 - this range is unreadable as well: try the next one
                 continue
@@ -942,7 +937,7 @@ class ShardedDataset(_PlannedSource):
                 if position >= limit:
                     cursor.past_stop = True
                     return
-                if sample.__class__ is _BadRecord:
+                if sample.__class__ is BadRecord:
                     if self.on_error == "raise":
                         raise sample.error
                     self._lost(shard, url, position, stop, sample.error, intact=True)
@@ -1041,240 +1036,6 @@ def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict
     if isinstance(shards, Sequence):
         return ShardList(list(shards))
     raise DatasetError(f"shards must be a ShardList, a glob pattern or a list of urls, got {type(shards).__name__}")
-
-
-class TFRecordDataset(ShardedDataset):
-    """An IterableDataset over TFRecord shards, split over ranks and workers.
-
-    Args:
-        shards: a :class:`ShardList`, a glob / fsspec pattern, or a list of urls.
-        decode: ``"example"`` (:func:`~shardkit.decode_example`, the default),
-            ``"sequence_example"``, ``"raw"`` (the record bytes) or a callable
-            on the record bytes.
-        verify: check every record's CRCs (see :func:`~shardkit.read_tfrecord`).
-        compression: ``None``, ``"gzip"``, ``"zlib"`` or ``"auto"``.
-        index: use index files beside the shards (``shardkit index``), when
-            present, to seek to a range's first record and to count records.
-        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards
-            are read; see :class:`TFRecordReader`.
-
-    The other arguments are those of :class:`ShardedDataset`. Record counts,
-    when needed and not in the ShardList, come from index files or from one
-    fast framing scan.
-    """
-
-    def __init__(
-        self,
-        shards: ShardList | str | Sequence[str],
-        *,
-        decode: str | Callable[[bytes], Any] = "example",
-        verify: bool = True,
-        compression: str | None = "auto",
-        shuffle: bool = False,
-        seed: int = 0,
-        balance: Balance = "pad",
-        rank: int | None = None,
-        world_size: int | None = None,
-        on_error: OnError = "raise",
-        index: bool = True,
-        storage_options: dict[str, Any] | None = None,
-        readahead_bytes: int | None = None,
-        retry: RetryPolicy | None = None,
-        cache_dir: str | None = None,
-        cache_limit_bytes: int | None = None,
-    ) -> None:
-        if not callable(decode) and decode not in DECODERS:
-            raise DatasetError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
-        if compression not in (None, "gzip", "zlib", "auto"):
-            raise DatasetError(f"compression must be None, 'gzip', 'zlib' or 'auto', got {compression!r}")
-        reader = TFRecordReader(
-            decode,
-            verify=verify,
-            compression=compression,
-            index=index,
-            storage_options=storage_options,
-            readahead_bytes=readahead_bytes,
-            retry=retry,
-            cache_dir=cache_dir,
-            cache_limit_bytes=cache_limit_bytes,
-        )
-        super().__init__(
-            shards,
-            reader,
-            shuffle=shuffle,
-            seed=seed,
-            balance=balance,
-            rank=rank,
-            world_size=world_size,
-            on_error=on_error,
-            count_fn=reader.count,
-            storage_options=storage_options,
-        )
-
-
-class TFRecordReader:
-    """The ``read_fn`` (and ``count_fn``) of :class:`TFRecordDataset`; picklable.
-
-    Remote shards (see :mod:`shardkit.remote`): ``readahead_bytes`` are fetched
-    ahead of the reader, across shard boundaries in the plan's order (default
-    :data:`~shardkit.remote.DEFAULT_READAHEAD_BYTES`, 0 turns it off);
-    transient failures are retried under ``retry`` (a
-    :class:`~shardkit.remote.RetryPolicy`); ``cache_dir`` keeps fetched shards
-    on local disk, shared by the processes of a machine, under
-    ``cache_limit_bytes`` (see :mod:`shardkit.cache`). Local files ignore all four.
-    """
-
-    def __init__(
-        self,
-        decode: str | Callable[[bytes], Any] = "raw",
-        *,
-        verify: bool = True,
-        compression: str | None = "auto",
-        index: bool = True,
-        storage_options: dict[str, Any] | None = None,
-        readahead_bytes: int | None = None,
-        retry: RetryPolicy | None = None,
-        cache_dir: str | None = None,
-        cache_limit_bytes: int | None = None,
-    ) -> None:
-        self.decode = decode
-        self.verify = verify
-        self.compression = compression
-        self.index = index
-        self.storage_options = storage_options
-        self.remote = remote_options(readahead_bytes, retry, cache_dir, cache_limit_bytes)
-
-    def __call__(self, url: str, start: int, stop: int | None) -> Iterator[Any]:
-        """Records ``[start, stop)`` of ``url``, decoded.
-
-        A record that is bad while the framing around it is fine (a data CRC
-        mismatch, or bytes that do not decode) comes as a :class:`_BadRecord`
-        holding its :class:`~shardkit.CorruptRecordError`, and reading goes
-        on with the next record: :class:`ShardedDataset` raises that error or
-        skips just that record. Other errors are raised.
-        """
-        seekable = start > 0 and self.compression in (None, "auto")
-        return self._records(url, start, stop, self._offsets(url) if seekable else None)
-
-    def _records(self, url: str, start: int, stop: int | None, offsets: np.ndarray | None) -> Iterator[Any]:
-        from shardkit.formats.tfrecord import read_tfrecord
-
-        decode = self._decoder()
-        position, index = start, offsets
-        while True:  # one pass per run of good records; a bad data CRC ends read_tfrecord's iterator
-            records = read_tfrecord(
-                url,
-                compression=self.compression,
-                verify=self.verify,
-                start=position,
-                stop=stop,
-                index=index,
-                storage_options=self.storage_options,
-                remote=self.remote,
-            )
-            try:
-                yield from records if decode is None else self._decoded(decode, url, position, records)
-                return
-            except CorruptRecordError as error:
-                if not error.framing_intact or error.record_index < position:
-                    raise
-                yield _BadRecord(error)
-                position = error.record_index + 1
-                index = self._index_past(url, error, offsets)
-                if index is _SHARD_ENDS:  # the bad record was the file's last
-                    return
-
-    def _decoded(self, decode: Callable[[bytes], Any], url: str, start: int, records: Iterator[bytes]) -> Iterator[Any]:
-        for position, record in enumerate(records, start):
-            try:
-                sample = decode(record)
-            except Exception as error:  # the CRCs were fine: only this record is bad
-                sample = _BadRecord(self._decode_error(url, position, error))
-            yield sample
-
-    def _decode_error(self, url: str, position: int, error: Exception) -> CorruptRecordError:
-        """The error for record ``position``, whose CRCs are fine but whose bytes do not decode."""
-        offsets = self._offsets(url) if self.compression in (None, "auto") else None
-        offset = int(offsets[position]) if offsets is not None and position < len(offsets) else -1
-        name = getattr(self.decode, "__name__", repr(self.decode)) if callable(self.decode) else repr(self.decode)
-        reason = f"the record's CRCs are fine but it does not decode with {name}: {type(error).__name__}: {error}"
-        return CorruptRecordError(url, position, offset, reason, framing_intact=True)
-
-    def _index_past(self, url: str, error: CorruptRecordError, offsets: np.ndarray | None) -> Any:
-        """Offsets that let ``read_tfrecord`` seek to the record after the bad one at ``error.offset``.
-
-        With an index file (``offsets``), that index. Else, in an uncompressed file, the bad
-        record's header (its length CRC was checked) gives the next offset: an
-        array holding just that offset at its index saves rescanning the file
-        from its start after each bad record; ``_SHARD_ENDS`` when that offset
-        is the end of the file (the bad record was the last, and no record is
-        claimed past it). A compressed stream cannot seek: None, and the next
-        pass decompresses from the start again.
-        """
-        if offsets is not None:
-            return _SHARD_ENDS if error.record_index + 1 >= len(offsets) else offsets
-        if self.compression not in (None, "auto"):
-            return None
-        import fsspec
-
-        from shardkit.formats.crc import masked_crc32c
-
-        with fsspec.open(url, "rb", **(self.storage_options or {})) as file:
-            size = file.seek(0, os.SEEK_END)
-            file.seek(error.offset)
-            header = file.read(12)
-        if len(header) < 12 or masked_crc32c(header[:8]) != int.from_bytes(header[8:], "little"):
-            return None  # not a plain file at that offset (compressed, "auto" resolved so)
-        after = np.zeros(error.record_index + 2, dtype=np.int64)
-        after[-1] = error.offset + int.from_bytes(header[:8], "little") + 16
-        return _SHARD_ENDS if after[-1] >= size else after
-
-    def count(self, url: str) -> int:
-        """Records in ``url``: from its index file if there is a valid one, else a framing scan.
-
-        An index that does not fit the file (see :func:`~shardkit.formats.index.load_index`)
-        is not used: a warning names it and the fix, and the file is scanned.
-        """
-        from shardkit.formats.index import IndexFileError
-        from shardkit.formats.tfrecord import count_records
-
-        try:
-            offsets = self._offsets(url)
-        except IndexFileError as error:
-            warnings.warn(f"{error}; counting its records by a framing scan instead", stacklevel=2)
-            offsets = None
-        if offsets is not None:
-            return len(offsets)
-        return count_records(
-            url, compression=self.compression, storage_options=self.storage_options, remote=self.remote
-        )
-
-    def prefetch(self, url: str, start: int, stop: int | None) -> None:
-        """Start opening remote ``url`` for a later ``self(url, start, stop)``: its first blocks when
-        reading from its start, else just the open (the offset needs the index)."""
-        prefetch(url, self.storage_options, self.remote, offset=0 if start == 0 else None)
-
-    def _offsets(self, url: str) -> np.ndarray | None:
-        """The record offsets from ``url``'s index file, checked against the file; None when there
-        is none, the file is compressed, or ``index=False``.
-
-        Raises:
-            IndexFileError: the index does not fit the file; seeking never uses such an index.
-        """
-        if not self.index or self.compression in ("gzip", "zlib"):
-            return None
-        from shardkit.formats.index import load_index
-
-        return load_index(url, storage_options=self.storage_options)
-
-    def _decoder(self) -> Callable[[bytes], Any] | None:
-        if callable(self.decode):
-            return self.decode
-        if self.decode == "raw":
-            return None
-        from shardkit.formats import example
-
-        return example.decode_example if self.decode == "example" else example.decode_sequence_example
 
 
 def wrap(
@@ -1462,11 +1223,89 @@ StreamSource._iterator_type = _StrideIterator  # named here: the source class co
 
 
 class _FormatDataset(ShardedDataset):
-    """A :class:`ShardedDataset` whose ``read_fn``/``count_fn`` are a :class:`~shardkit.formats.base.ShardFormat`'s."""
+    """A :class:`ShardedDataset` over one :class:`~shardkit.formats.base.ShardFormat`: it reads with the
+    format's ``read_marked`` when it has one (bad records skipped one at a time), else its ``read``,
+    counts with its ``count``, takes record counts from its index files (``index_offsets``) when the
+    shard list has none, and hints the next ranges to remote storage (``prefetch``)."""
 
     def __init__(self, shards: ShardList | str | Sequence[str], fmt: Any, **options: Any) -> None:
         self.format = fmt
-        super().__init__(shards, fmt.read, count_fn=fmt.count, **options)
+        read = getattr(fmt, "read_marked", None) or fmt.read
+        super().__init__(shards, read, count_fn=fmt.count, **options)
+
+    def _index_counts(self) -> np.ndarray | None:
+        from shardkit.counting import counts_from_indexes  # here, not at the top: keeps the import block as is
+
+        offsets_fn = getattr(self.format, "index_offsets", None)
+        return None if offsets_fn is None else counts_from_indexes(self.shards, offsets_fn)
+
+    def _hint(self, shard: int, start: int, stop: int | None) -> None:
+        hint = getattr(self.format, "prefetch", None)
+        if hint is not None:
+            hint(self.shards[shard], start, stop)
+        else:  # open the shard ahead; fetch its first blocks only when the range starts there
+            prefetch(self.shards[shard], self.storage_options, self.format.remote, offset=0 if start == 0 else None)
+
+
+class TFRecordDataset(_FormatDataset):
+    """An IterableDataset over TFRecord shards, split over ranks and workers.
+
+    Args:
+        shards: a :class:`ShardList`, a glob / fsspec pattern, or a list of urls.
+        decode: ``"example"`` (:func:`~shardkit.decode_example`, the default),
+            ``"sequence_example"``, ``"raw"`` (the record bytes) or a callable
+            on the record bytes.
+        verify: check every record's CRCs (see :func:`~shardkit.read_tfrecord`).
+        compression: ``None``, ``"gzip"``, ``"zlib"`` or ``"auto"``.
+        index: use index files beside the shards (``shardkit index``), when
+            present, to seek to a range's first record and to count records.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards
+            are read (see :mod:`shardkit.remote`): ``readahead_bytes`` are fetched ahead of
+            the reader, across shard boundaries in the plan's order (default
+            :data:`~shardkit.remote.DEFAULT_READAHEAD_BYTES`, 0 turns it off); transient
+            failures are retried under ``retry`` (a :class:`~shardkit.remote.RetryPolicy`);
+            ``cache_dir`` keeps fetched shards on local disk, shared by the processes of a
+            machine, under ``cache_limit_bytes`` (see :mod:`shardkit.cache`). Local files ignore all four.
+
+    The other arguments are those of :class:`ShardedDataset`. Record counts,
+    when needed and not in the ShardList, come from index files or from one
+    fast framing scan. Reading is :class:`~shardkit.formats.tfrecord.TFRecordFormat`'s.
+    """
+
+    def __init__(
+        self,
+        shards: ShardList | str | Sequence[str],
+        *,
+        decode: str | Callable[[bytes], Any] = "example",
+        verify: bool = True,
+        compression: str | None = "auto",
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        index: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        from shardkit.formats.tfrecord import DECODERS, TFRecordFormat
+
+        if not callable(decode) and decode not in DECODERS:
+            raise DatasetError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
+        if compression not in (None, "gzip", "zlib", "auto"):
+            raise DatasetError(f"compression must be None, 'gzip', 'zlib' or 'auto', got {compression!r}")
+        fmt = TFRecordFormat(
+            decode=decode, verify=verify, compression=compression, index=index, storage_options=storage_options,
+            remote=remote_options(readahead_bytes, retry, cache_dir, cache_limit_bytes),
+        )  # fmt: skip
+        super().__init__(
+            shards, fmt, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size,
+            on_error=on_error, storage_options=storage_options,
+        )  # fmt: skip
 
 
 class TarDataset(_FormatDataset):
@@ -1480,6 +1319,8 @@ class TarDataset(_FormatDataset):
         compression: ``"auto"`` (gzip when the file starts with its magic), ``None`` or ``"gzip"``.
         index: use tar index files beside the shards (``shardkit index``), when
             present and valid, to count samples and to seek to a range's first sample.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards
+            are read, as for :class:`TFRecordDataset`.
 
     The other arguments are those of :class:`ShardedDataset`. Record counts,
     when needed and not in the ShardList, come from index files or one header scan.
@@ -1498,10 +1339,17 @@ class TarDataset(_FormatDataset):
         world_size: int | None = None,
         on_error: OnError = "raise",
         storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         from shardkit.formats.tar import TarFormat
 
-        fmt = TarFormat(compression=compression, index=index, storage_options=storage_options)
+        fmt = TarFormat(
+            compression=compression, index=index, storage_options=storage_options,
+            remote=remote_options(readahead_bytes, retry, cache_dir, cache_limit_bytes),
+        )  # fmt: skip
         super().__init__(
             shards, fmt, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size,
             on_error=on_error, storage_options=storage_options,
@@ -1520,6 +1368,8 @@ class ParquetDataset(_FormatDataset):
         batch_size: yield batches of up to this many rows of one file, as a dict
             of column to numpy array, instead of rows: a record is then a
             batch, and plans, exactly-once and resuming count batches.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards
+            are read, as for :class:`TFRecordDataset`.
 
     The other arguments are those of :class:`ShardedDataset`.
     """
@@ -1537,10 +1387,17 @@ class ParquetDataset(_FormatDataset):
         world_size: int | None = None,
         on_error: OnError = "raise",
         storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         from shardkit.formats.parquet import ParquetFormat
 
-        fmt = ParquetFormat(columns=columns, batch_size=batch_size, storage_options=storage_options)
+        fmt = ParquetFormat(
+            columns=columns, batch_size=batch_size, storage_options=storage_options,
+            remote=remote_options(readahead_bytes, retry, cache_dir, cache_limit_bytes),
+        )  # fmt: skip
         super().__init__(
             shards, fmt, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size,
             on_error=on_error, storage_options=storage_options,
@@ -1579,6 +1436,8 @@ class JsonlDataset(_FormatDataset):
             ``"zstd"`` (needs the ``zstandard`` package).
         index: use newline index files beside the shards (``shardkit index``),
             when present and valid, to count lines and to seek.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards
+            are read, as for :class:`TFRecordDataset`.
 
     The other arguments are those of :class:`ShardedDataset`.
     """
@@ -1596,10 +1455,17 @@ class JsonlDataset(_FormatDataset):
         world_size: int | None = None,
         on_error: OnError = "raise",
         storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         from shardkit.formats.jsonl import JsonlFormat
 
-        fmt = JsonlFormat(compression=compression, index=index, storage_options=storage_options)
+        fmt = JsonlFormat(
+            compression=compression, index=index, storage_options=storage_options,
+            remote=remote_options(readahead_bytes, retry, cache_dir, cache_limit_bytes),
+        )  # fmt: skip
         super().__init__(
             shards, fmt, shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size,
             on_error=on_error, storage_options=storage_options,

@@ -155,8 +155,8 @@ def reader_lengths(pipeline: Any, num_workers: int) -> list[int] | None:
     ``.repeat(count)`` multiplies it and ``interleave(stop="all_exhausted")``
     adds its inputs'.
     """
-    from shardkit.sources import _PlannedSource
     from shardkit.pipeline import Batch, Interleave, Map, Repeat, Shuffle
+    from shardkit.sources import _PlannedSource
 
     if isinstance(pipeline, _PlannedSource):
         return worker_lengths(len(pipeline), num_workers)

@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardkit
-from shardkit.sources import DatasetError, ShardedDataset
 from shardkit.pipeline import UnknownLengthError
+from shardkit.sources import DatasetError, ShardedDataset
 from tests.helpers import CountingStream, all_ids, synthetic_read, synthetic_shards
 
 # 9 shards, uneven, with an empty one: 113 records, a prime, so no split is even.

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit import ShardedDataset, ShardList, TFRecordDataset
 from shardkit.counting import identity, resolve_counts
-from shardkit.sources import TFRecordReader
 from shardkit.formats.index import IndexFileError, load_index
+from shardkit.formats.tfrecord import TFRecordFormat
 from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError
 from tests.helpers import all_ids, synthetic_read
@@ -113,7 +113,7 @@ def test_a_damaged_counts_cache_is_ignored_and_rewritten(tmp_path, caplog, count
     else:  # a valid cache of another list under this list's name
         (tmp_path / "elsewhere").mkdir()
         other = write_shards(tmp_path / "elsewhere", [1])
-        resolve_counts(ShardList(other), TFRecordReader().count, why="test", cache_dir=str(tmp_path / "other"))
+        resolve_counts(ShardList(other), TFRecordFormat().count, why="test", cache_dir=str(tmp_path / "other"))
         [other_name] = os.listdir(tmp_path / "other")
         damaged = open(tmp_path / "other" / other_name, "rb").read()
     with open(cache, "wb") as f:
@@ -364,9 +364,9 @@ def test_a_valid_index_still_seeks_and_counts(tmp_path):
     url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
     shardkit.build_index(url)
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".partial")]
-    reader = TFRecordReader("raw")
-    assert reader.count(url) == 20
-    assert list(reader(url, 13, 17)) == RECORDS[13:17]
+    fmt = TFRecordFormat()
+    assert fmt.count(url) == 20
+    assert list(fmt.read(url, 13, 17)) == RECORDS[13:17]
     assert load_index(url).tolist() == list(range(0, 500, 25))
 
 
@@ -379,7 +379,7 @@ def test_an_index_beside_a_compressed_shard_is_not_used(tmp_path):
     assert load_index(url) is None  # cannot be checked against the compressed bytes
     with open(url, "ab") as f:  # a stale one is therefore never trusted either
         f.write(gzip.compress(_framed([b"more"], tmp_path)))
-    assert TFRecordReader("raw").count(url) == 21
+    assert TFRecordFormat().count(url) == 21
 
 
 # -- manifests --------------------------------------------------------------------------------
@@ -517,3 +517,66 @@ def test_ranks_with_different_node_caches_count_together_without_hanging(tmp_pat
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[3, 1, 4, 1], [3, 1, 4, 1]]
     # Node 0 counted each file once before; then the two ranks shared the four counts out.
     assert [(tmp_path / f"part-{i}.calls").read_text() for i in range(4)] == ["xx"] * 4
+
+
+# -- counts from index files, without count_records() -------------------------------------------
+
+
+def _indexed_shards(tmp_path, kind: str) -> tuple[list[str], object, list]:
+    """Two shards of ``kind`` with index files beside them: (urls, a dataset factory, every sample id)."""
+    from tests.test_formats_jsonl import write_shards as write_jsonl
+    from tests.test_formats_tar import write_shards as write_tars
+
+    if kind == "tfrecord":
+        urls = [write_tfrecord(str(tmp_path / f"part-{i}.tfrecord"), RECORDS[i::2]) for i in range(2)]
+        factory, ids = (lambda shards, **kw: TFRecordDataset(shards, decode="raw", **kw)), (lambda s: s)
+    elif kind == "tar":
+        urls, factory, ids = write_tars(str(tmp_path), sizes=[9, 12]), shardkit.TarDataset, (lambda s: s["__key__"])
+    else:
+        urls, factory, ids = write_jsonl(str(tmp_path), sizes=[9, 12]), shardkit.JsonlDataset, (lambda s: s["id"])
+    for url in urls:
+        factory([url]).format.build_index(url)
+    return urls, (lambda **kw: factory(ShardList(urls), **kw)), ids
+
+
+@pytest.fixture(params=["tfrecord", "tar", "jsonl"])
+def indexed(request, tmp_path, monkeypatch):
+    """Shards with index files, and every way of counting them by a scan made to fail the test."""
+    urls, make, ids = _indexed_shards(tmp_path, request.param)
+    everything = sorted(ids(s) for s in make(balance="none"))
+
+    def no_counting(*args, **kwargs):
+        raise AssertionError("counted by count_fn / count_records(), not from the index files")
+
+    monkeypatch.setattr(ShardedDataset, "count_records", no_counting)
+    monkeypatch.setattr("shardkit.counting.resolve_counts", no_counting)
+    return urls, make, ids, everything
+
+
+def test_len_and_resume_take_counts_from_index_files_without_count_records(indexed):
+    urls, make, ids, everything = indexed
+    dataset = make()
+    assert len(dataset) == len(everything)
+    iterator = iter(dataset)
+    first = [ids(next(iterator)) for _ in range(5)]
+    state = dataset.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert sorted(first + [ids(s) for s in resumed]) == everything
+
+
+def test_two_balanced_ranks_plan_from_index_files_without_count_records(indexed):
+    urls, make, ids, everything = indexed
+    ranks = [[ids(s) for s in make(rank=r, world_size=2, balance="drop")] for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == len(everything) // 2
+    assert not set(ranks[0]) & set(ranks[1]) and set(ranks[0]) | set(ranks[1]) <= set(everything)
+
+
+def test_a_stale_index_is_refused_not_trusted_for_counts(indexed, tmp_path):
+    urls, make, ids, everything = indexed
+    with open(urls[1], "ab") as f:  # the shard grew after it was indexed
+        f.write(b"\0" * 1024)
+    with pytest.raises(IndexFileError, match=f"does not fit {re.escape(urls[1])}.*shardkit index"):
+        len(make())
+    with pytest.raises(IndexFileError, match=re.escape(urls[1])):
+        list(make(rank=0, world_size=2))

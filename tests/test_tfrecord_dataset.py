@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import CorruptRecordError, TFRecordDataset
+from shardkit.formats.tfrecord import TFRecordFormat
 
 SIZES = [40, 7, 0, 23, 31]
 
@@ -87,9 +88,9 @@ def test_unknown_counts_over_ranks_come_from_index_files_or_one_scan(tmp_path, c
 def test_index_files_let_a_range_start_mid_shard(tmp_path):
     urls = write_shards(str(tmp_path), sizes=[50])
     shardkit.build_index(urls[0])
-    reader = shardkit.sources.TFRecordReader("raw")
-    assert reader.count(urls[0]) == 50
-    assert list(reader(urls[0], 45, None)) == list(shardkit.read_tfrecord(urls[0]))[45:]
+    fmt = TFRecordFormat()
+    assert fmt.count(urls[0]) == 50
+    assert list(fmt.read(urls[0], 45, None)) == list(shardkit.read_tfrecord(urls[0]))[45:]
 
 
 def test_memory_filesystem_shards_with_forked_workers():

@@ -14,7 +14,11 @@ before it; ``framing_intact`` is true when the next record can still be found,
 so that ``on_error="skip"`` costs just the bad record: the source then calls
 ``read(url, bad + 1, stop)`` again, and a format may remember where that
 record starts (:class:`ResumeHint`) so that the retry seeks instead of
-rescanning.
+rescanning. A format that can go on past a bad record without reopening the
+file may also have ``read_marked(url, start, stop)``, which yields a
+:class:`BadRecord` in place of each such record and reads on; sources call it
+instead of ``read`` when it exists (TFRecord does, for data CRC mismatches and
+records that do not decode).
 
 Index files of the formats that have one share one container, in the style of
 :mod:`shardkit.formats.index` (all integers little-endian ``uint64``)::
@@ -40,11 +44,12 @@ from typing import Any, Final, NamedTuple, Protocol, runtime_checkable
 import fsspec
 import numpy as np
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.index import IndexFileError, index_path_for, write_offsets_file
 from shardkit.formats.io import open_raw
 
 __all__ = [
+    "BadRecord",
     "FormatError",
     "RecordWriter",
     "ResumeHint",
@@ -112,6 +117,15 @@ class ResumeHint(NamedTuple):
     url: str
     record: int
     offset: int
+
+
+class BadRecord(NamedTuple):
+    """Yielded by a format's ``read_marked`` in place of one record that is bad while the
+    records after it can still be read (a data CRC mismatch, a record that does not
+    decode): the source raises ``error`` or skips just that record (``on_error``),
+    and the same iterator goes on with the next one."""
+
+    error: CorruptRecordError
 
 
 _REGISTRY: dict[str, ShardFormat] = {}

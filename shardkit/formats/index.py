@@ -39,7 +39,7 @@ import os
 import struct
 import uuid
 from collections.abc import Callable
-from typing import Any, Final, NamedTuple, Optional
+from typing import Any, Final, NamedTuple
 
 import fsspec
 import numpy as np
@@ -101,15 +101,13 @@ def index_path_for(url: str) -> str:
     return url + INDEX_SUFFIX
 
 
-def write_index(
-    url: str, offsets: np.ndarray, stream_size: int, storage_options: Optional[dict[str, Any]] = None
-) -> None:
+def write_index(url: str, offsets: np.ndarray, stream_size: int, storage_options: dict[str, Any] | None = None) -> None:
     """Write ``offsets`` (record byte offsets) and the stream size as an index file at ``url``, atomically."""
     write_offsets_file(url, _MAGIC, offsets, stream_size, storage_options)
 
 
 def write_offsets_file(
-    url: str, magic: bytes, offsets: np.ndarray, size: int, storage_options: Optional[dict[str, Any]] = None
+    url: str, magic: bytes, offsets: np.ndarray, size: int, storage_options: dict[str, Any] | None = None
 ) -> None:
     """Write an offsets container (``magic``, count, data size, u64 offsets) at ``url``.
 
@@ -132,7 +130,7 @@ def write_offsets_file(
             os.unlink(partial)
 
 
-def read_index(url: str, storage_options: Optional[dict[str, Any]] = None) -> np.ndarray:
+def read_index(url: str, storage_options: dict[str, Any] | None = None) -> np.ndarray:
     """The record offsets stored in an index file, as an ``int64`` array.
 
     Raises:
@@ -144,8 +142,8 @@ def read_index(url: str, storage_options: Optional[dict[str, Any]] = None) -> np
 
 
 def load_index(
-    url: str, index_url: Optional[str] = None, *, storage_options: Optional[dict[str, Any]] = None
-) -> Optional[np.ndarray]:
+    url: str, index_url: str | None = None, *, storage_options: dict[str, Any] | None = None
+) -> np.ndarray | None:
     """The record offsets of the data file ``url``, from its index, checked against the file.
 
     ``index_url`` defaults to :func:`index_path_for` ``(url)``. Returns None
@@ -252,11 +250,11 @@ def _consistent(index: _Index, url: str, index_url: str) -> _Index:
 
 def build_index(
     url: str,
-    index_url: Optional[str] = None,
+    index_url: str | None = None,
     *,
-    compression: Optional[str] = "auto",
-    storage_options: Optional[dict[str, Any]] = None,
-    progress: Optional[Callable[[int], object]] = None,
+    compression: str | None = "auto",
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> str:
     """Scan a TFRecord file and write its index; return the index's URL.
 

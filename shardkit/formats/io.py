@@ -19,7 +19,7 @@ from __future__ import annotations
 import gzip
 import os
 import zlib
-from typing import IO, Any, Final, Optional, Protocol
+from typing import IO, Any, Final, Protocol
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -66,15 +66,15 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def check_compression(compression: Optional[str], *, allow_auto: bool) -> None:
+def check_compression(compression: str | None, *, allow_auto: bool) -> None:
     """Raise ``ValueError`` unless ``compression`` is a supported value."""
-    allowed: tuple[Optional[str], ...] = COMPRESSIONS + (("auto",) if allow_auto else ())
+    allowed: tuple[str | None, ...] = COMPRESSIONS + (("auto",) if allow_auto else ())
     if compression not in allowed:
         raise ValueError(f"compression must be one of {allowed}, not {compression!r}")
 
 
 def open_raw(
-    url: str, mode: str, storage_options: Optional[dict[str, Any]] = None, *, remote: Optional[RemoteOptions] = None
+    url: str, mode: str, storage_options: dict[str, Any] | None = None, *, remote: RemoteOptions | None = None
 ) -> IO[bytes]:
     """Open ``url`` with fsspec in binary ``mode`` ("rb" or "wb").
 
@@ -92,7 +92,7 @@ def open_raw(
     return open_remote(fs, path, url, remote)  # type: ignore[no-any-return]
 
 
-def make_parent_dirs(url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+def make_parent_dirs(url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Create the directory ``url`` will be written into, on local filesystems.
 
     Object stores have no directories to create, so nothing happens there.
@@ -102,7 +102,7 @@ def make_parent_dirs(url: str, storage_options: Optional[dict[str, Any]] = None)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
 
-def sniff_compression(head: bytes) -> Optional[str]:
+def sniff_compression(head: bytes) -> str | None:
     """Guess "gzip" or "zlib" from a stream's first bytes, else ``None``.
 
     A zlib header is two bytes: method 8 in the low nibble of the first, and the
@@ -117,12 +117,12 @@ def sniff_compression(head: bytes) -> Optional[str]:
 
 def open_input(
     url: str,
-    compression: Optional[str],
-    storage_options: Optional[dict[str, Any]] = None,
+    compression: str | None,
+    storage_options: dict[str, Any] | None = None,
     *,
-    raw: Optional[IO[bytes]] = None,
+    raw: IO[bytes] | None = None,
     head: bytes = b"",
-    remote: Optional[RemoteOptions] = None,
+    remote: RemoteOptions | None = None,
 ) -> Stream:
     """A readable stream over ``url``'s (decompressed) bytes.
 
@@ -138,7 +138,7 @@ def open_input(
     return _Inflater(stream, url, compression)
 
 
-def open_output(url: str, compression: Optional[str], storage_options: Optional[dict[str, Any]] = None) -> Sink:
+def open_output(url: str, compression: str | None, storage_options: dict[str, Any] | None = None) -> Sink:
     """A writable binary file at ``url``; GZIP or ZLIB compresses the whole stream."""
     check_compression(compression, allow_auto=False)
     raw = open_raw(url, "wb", storage_options)
@@ -220,7 +220,7 @@ class _Inflater:
         self._base = 0  # compressed offset of _pending[0]
         self._started = False
         self._salvaged = b""  # inflated before a fault, still to be returned
-        self._error: Optional[CompressedStreamError] = None  # raised once nothing else is left to return
+        self._error: CompressedStreamError | None = None  # raised once nothing else is left to return
         self._done = False
 
     def read(self, size: int = -1, /) -> bytes:

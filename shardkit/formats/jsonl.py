@@ -34,6 +34,7 @@ from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.base import ResumeHint, load_offsets, write_offsets
 from shardkit.formats.index import IndexFileError, index_path_for
 from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
+from shardkit.remote import RemoteOptions
 
 __all__ = ["JsonlFormat", "JsonlWriter"]
 
@@ -138,19 +139,27 @@ class JsonlFormat:
         compression: ``"auto"`` (from the first bytes), ``None``, ``"gzip"`` or ``"zstd"``.
         index: use a newline index beside the shard (``shardkit index``) to count and seek.
         storage_options: fsspec options.
+        remote: how remote shards are read (:class:`~shardkit.remote.RemoteOptions`: readahead,
+            retries, the local cache); local files ignore it.
     """
 
     name = "jsonl"
     suffixes = (".jsonl.gz", ".jsonl.zst", ".ndjson.gz", ".ndjson.zst", ".jsonl", ".ndjson")
 
     def __init__(
-        self, *, compression: str | None = "auto", index: bool = True, storage_options: dict[str, Any] | None = None
+        self,
+        *,
+        compression: str | None = "auto",
+        index: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        remote: RemoteOptions | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ShardkitError(f"jsonl compression must be one of {COMPRESSIONS}, got {compression!r}")
         self.compression = compression
         self.index = index
         self.storage_options = storage_options
+        self.remote = remote
         self._hint: ResumeHint | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -172,7 +181,7 @@ class JsonlFormat:
     def _read(self, url: str, start: int, stop: int | None) -> Iterator[Any]:
         if stop is not None and stop <= start:
             return
-        raw = open_raw(url, "rb", self.storage_options)
+        raw = open_raw(url, "rb", self.storage_options, remote=self.remote)
         try:
             compression = self._compression(raw)
             record, offset = (0, 0) if compression is not None else self._seek_point(url, start)
@@ -283,7 +292,7 @@ class JsonlFormat:
             return None
         offsets = load_offsets(url, INDEX_MAGIC, self.storage_options)
         if offsets is not None and len(offsets) and offsets[-1] > 0:
-            with open_raw(url, "rb", self.storage_options) as f:
+            with open_raw(url, "rb", self.storage_options, remote=self.remote) as f:
                 f.seek(int(offsets[-1]) - 1)
                 before = f.read(2)
             if before[:1] != b"\n" or before[1:2].isspace():
@@ -303,7 +312,7 @@ class JsonlFormat:
 
     def scan(self, url: str) -> np.ndarray:
         """Byte offset of every record (non-blank line), in the (uncompressed) stream."""
-        raw = open_raw(url, "rb", self.storage_options)
+        raw = open_raw(url, "rb", self.storage_options, remote=self.remote)
         try:
             compression = self._compression(raw)
             lines = _Lines(self._open(url, raw, compression, 0), 0)
@@ -322,7 +331,7 @@ class JsonlFormat:
 
     def build_index(self, url: str) -> str | None:
         """Write the newline index of ``url`` beside it (``url + ".idx"``) and return its path."""
-        with open_raw(url, "rb", self.storage_options) as f:
+        with open_raw(url, "rb", self.storage_options, remote=self.remote) as f:
             if self._compression(f) is not None:
                 raise ShardkitError(
                     f"{url}: a compressed JSON lines file cannot seek, so it gets no index; its lines are counted by a scan"

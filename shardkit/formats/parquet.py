@@ -33,6 +33,7 @@ import numpy as np
 
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.io import open_raw
+from shardkit.remote import RemoteOptions
 
 __all__ = ["ParquetFormat", "ParquetWriter"]
 
@@ -47,6 +48,8 @@ class ParquetFormat:
         batch_size: None (a record is a row, as a dict) or ``b`` (a record is
             up to ``b`` rows, as a dict of column to numpy array).
         storage_options: fsspec options.
+        remote: how remote shards are read (:class:`~shardkit.remote.RemoteOptions`: readahead,
+            retries, the local cache); local files ignore it.
     """
 
     name = "parquet"
@@ -58,6 +61,7 @@ class ParquetFormat:
         columns: Sequence[str] | None = None,
         batch_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        remote: RemoteOptions | None = None,
     ) -> None:
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
@@ -68,6 +72,7 @@ class ParquetFormat:
         self.columns = list(columns) if columns is not None else None
         self.batch_size = batch_size
         self.storage_options = storage_options
+        self.remote = remote
 
     def __repr__(self) -> str:
         return f"ParquetFormat(columns={self.columns!r}, batch_size={self.batch_size!r})"
@@ -79,7 +84,7 @@ class ParquetFormat:
         """(raw file, pyarrow ParquetFile), the footer read and checked."""
         import pyarrow.parquet as pq
 
-        raw = open_raw(url, "rb", self.storage_options)
+        raw = open_raw(url, "rb", self.storage_options, remote=self.remote)
         try:
             # Page CRCs, where the writer stored them (ParquetWriter here does), are checked.
             return raw, pq.ParquetFile(raw, page_checksum_verification=True)

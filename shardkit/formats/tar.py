@@ -48,6 +48,7 @@ from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.base import load_offsets, write_offsets
 from shardkit.formats.index import IndexFileError, index_path_for
 from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
+from shardkit.remote import RemoteOptions
 
 __all__ = ["TarFormat", "TarWriter"]
 
@@ -341,19 +342,27 @@ class TarFormat:
         index: use a tar index beside the shard (``shardkit index``) to count
             and to seek to a range's first sample.
         storage_options: fsspec options.
+        remote: how remote shards are read (:class:`~shardkit.remote.RemoteOptions`: readahead,
+            retries, the local cache); local files ignore it.
     """
 
     name = "tar"
     suffixes = (".tar.gz", ".tgz", ".tar")
 
     def __init__(
-        self, *, compression: str | None = "auto", index: bool = True, storage_options: dict[str, Any] | None = None
+        self,
+        *,
+        compression: str | None = "auto",
+        index: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        remote: RemoteOptions | None = None,
     ) -> None:
         if compression not in ("auto", None, "gzip"):
             raise ShardkitError(f"tar compression must be 'auto', None or 'gzip', got {compression!r}")
         self.compression = compression
         self.index = index
         self.storage_options = storage_options
+        self.remote = remote
 
     def __repr__(self) -> str:
         return f"TarFormat(compression={self.compression!r}, index={self.index})"
@@ -372,7 +381,7 @@ class TarFormat:
     def _read(self, url: str, start: int, stop: int | None) -> Iterator[dict[str, Any]]:
         if stop is not None and stop <= start:
             return
-        raw = open_raw(url, "rb", self.storage_options)
+        raw = open_raw(url, "rb", self.storage_options, remote=self.remote)
         try:
             compressed = self._compressed(raw)
             offsets = None if compressed else self._index_for(url, start)
@@ -425,7 +434,7 @@ class TarFormat:
             return None
         offsets = load_offsets(url, INDEX_MAGIC, self.storage_options)
         if offsets is not None and len(offsets):
-            with open_raw(url, "rb", self.storage_options) as f:
+            with open_raw(url, "rb", self.storage_options, remote=self.remote) as f:
                 f.seek(int(offsets[-1]))
                 header = f.read(_BLOCK)
             if len(header) < _BLOCK or not _checksum_ok(header):
@@ -447,7 +456,7 @@ class TarFormat:
 
     def scan(self, url: str) -> np.ndarray:
         """Byte offset of each sample's first header (in the uncompressed stream), checking every header."""
-        raw = open_raw(url, "rb", self.storage_options)
+        raw = open_raw(url, "rb", self.storage_options, remote=self.remote)
         try:
             compressed = self._compressed(raw)
             source = open_input(url, "gzip", raw=raw) if compressed else raw
@@ -458,7 +467,7 @@ class TarFormat:
 
     def build_index(self, url: str) -> str | None:
         """Write the tar index of ``url`` beside it (``url + ".idx"``) and return its path."""
-        with open_raw(url, "rb", self.storage_options) as f:
+        with open_raw(url, "rb", self.storage_options, remote=self.remote) as f:
             if f.read(2) == b"\x1f\x8b":
                 raise ShardkitError(
                     f"{url}: a gzip-compressed tar cannot seek, so it gets no index; its samples are counted by a scan"

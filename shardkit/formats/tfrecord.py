@@ -42,7 +42,7 @@ import itertools
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Final, NamedTuple, Optional, Union
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from fsspec.implementations.local import LocalFileOpener
@@ -64,7 +64,7 @@ from shardkit.remote import RemoteOptions
 
 __all__ = ["TFRecordWriter", "count_records", "detect_compression", "read_tfrecord", "scan_offsets", "verify_tfrecord"]
 
-IndexLike = Union[str, "os.PathLike[str]", Sequence[int], np.ndarray]
+IndexLike = str | os.PathLike[str] | Sequence[int] | np.ndarray
 Progress = Callable[[int], object]
 
 _HEADER: Final = 12
@@ -80,17 +80,27 @@ _BATCH: Final = 128  # records cut and checked together; 32..1024 all measured a
 # --------------------------------------------------------------------------- reading
 
 
-class _Source(NamedTuple):
+class _Origin(NamedTuple):
     """What error messages need to know about the stream being read."""
 
     url: str
-    compression: Optional[str]
-    size: Optional[int] = None  # bytes in the stream, when known up front (plain files): bounds record lengths
+    compression: str | None
+    size: int | None = None  # bytes in the stream, when known up front (plain files): bounds record lengths
 
-    def error(self, index: int, offset: int, reason: str, *, framing_intact: bool = False) -> CorruptRecordError:
+    def error(
+        self,
+        index: int,
+        offset: int,
+        reason: str,
+        *,
+        framing_intact: bool = False,
+        compressed_offset: int | None = None,
+    ) -> CorruptRecordError:
         if self.compression is not None:
             reason += f" (offset in the uncompressed {self.compression} stream)"
-        return CorruptRecordError(self.url, index, offset, reason, framing_intact=framing_intact)
+        return CorruptRecordError(
+            self.url, index, offset, reason, framing_intact=framing_intact, compressed_offset=compressed_offset
+        )
 
     def length_error(self, index: int, offset: int, header: bytes) -> CorruptRecordError:
         """A bad length CRC; at the very start of a plain read, say if the file looks compressed."""
@@ -146,7 +156,7 @@ def _frame(buf: bytes, pos: int, end: int, last_start: int) -> list[int]:
     return ends
 
 
-def _checked(block: _Block, src: _Source, check_headers: bool) -> Iterator[_Block]:
+def _checked(block: _Block, src: _Origin, check_headers: bool) -> Iterator[_Block]:
     """Yield ``block``; with a bad length CRC in it, yield the records before it, then raise."""
     if check_headers:
         bad = _first_bad_header(block)
@@ -161,7 +171,7 @@ def _checked(block: _Block, src: _Source, check_headers: bool) -> Iterator[_Bloc
 
 
 def _stream_blocks(
-    stream: Stream, src: _Source, first_index: int, offset: int, check_headers: bool
+    stream: Stream, src: _Origin, first_index: int, offset: int, check_headers: bool
 ) -> Iterator[_Block]:
     """Blocks from a stream read :data:`BLOCK_SIZE` bytes at a time.
 
@@ -203,7 +213,7 @@ def _stream_blocks(
                 rest = b""
 
 
-def _gather(stream: Stream, src: _Source, index: int, offset: int, head: bytes, need: int) -> bytes:
+def _gather(stream: Stream, src: _Origin, index: int, offset: int, head: bytes, need: int) -> bytes:
     """Read on from ``head`` (the record's first bytes) to the record's ``need`` bytes, a block at most per read."""
     parts = [head]
     have = len(head)
@@ -216,18 +226,19 @@ def _gather(stream: Stream, src: _Source, index: int, offset: int, head: bytes, 
     return b"".join(parts)
 
 
-def _read_some(stream: Stream, src: _Source, index: int, offset: int, size: int) -> bytes:
+def _read_some(stream: Stream, src: _Origin, index: int, offset: int, size: int) -> bytes:
     """``stream.read(size)``, with a damaged compressed stream reported at record ``index``."""
     try:
         return stream.read(size)
     except CompressedStreamError as error:
+        at = error.compressed_offset if error.compressed_offset >= 0 else None
         if error.not_compressed:
-            raise src.error(index, offset, error.reason) from None
-        raise src.error(index, offset, f"{error.reason}; reading record {index}") from None
+            raise src.error(index, offset, error.reason, compressed_offset=at) from None
+        raise src.error(index, offset, f"{error.reason}; reading record {index}", compressed_offset=at) from None
 
 
 def _file_blocks(
-    fd: int, src: _Source, first_index: int, offset: int, check_headers: bool, end: Optional[int] = None
+    fd: int, src: _Origin, first_index: int, offset: int, check_headers: bool, end: int | None = None
 ) -> Iterator[_Block]:
     """Blocks from a local file descriptor, each read with one ``os.pread`` at a record boundary.
 
@@ -268,7 +279,7 @@ def _file_blocks(
 
 
 def _check_file_end(
-    fd: int, src: _Source, index: int, pos: int, tail: bytes, opened_size: int, unstarted: bool, check_headers: bool
+    fd: int, src: _Origin, index: int, pos: int, tail: bytes, opened_size: int, unstarted: bool, check_headers: bool
 ) -> None:
     """At the end of a local file (``tail`` read at ``pos``), raise unless it ends cleanly at a record boundary.
 
@@ -287,13 +298,13 @@ def _check_file_end(
 
 
 def _blocks(
-    source: Union[Stream, LocalFileOpener],
-    src: _Source,
+    source: Stream | LocalFileOpener,
+    src: _Origin,
     *,
     first_index: int,
     offset: int,
     check_headers: bool,
-    end: Optional[int] = None,
+    end: int | None = None,
 ) -> Iterator[_Block]:
     """Blocks of whole records from ``source`` at record ``first_index``, byte ``offset``
     (``end``: where the records wanted end, when an index says so).
@@ -321,7 +332,7 @@ def _u32_at(arr: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr[positions[:, None] + _U32_BYTES]).view("<u4").ravel()
 
 
-def _first_bad_header(block: _Block) -> Optional[int]:
+def _first_bad_header(block: _Block) -> int | None:
     """Index (within the block) of the first record whose length CRC is wrong."""
     starts, ends = _spans(block)
     stored = _u32_at(np.frombuffer(block.buf, np.uint8), starts + 8)
@@ -329,7 +340,7 @@ def _first_bad_header(block: _Block) -> Optional[int]:
     return int(bad[0]) if bad.size else None
 
 
-def _batches(block: _Block, lo: int, hi: int, src: _Source, verify: bool) -> Iterator[list[bytes]]:
+def _batches(block: _Block, lo: int, hi: int, src: _Origin, verify: bool) -> Iterator[list[bytes]]:
     """Records ``lo:hi`` of a block in lists of up to :data:`_BATCH`.
 
     With ``verify``, each batch's data CRCs are checked before it is handed
@@ -366,7 +377,7 @@ def _data_crc_reason(record: bytes, stored: int) -> str:
     )
 
 
-def detect_compression(head: bytes) -> Optional[str]:
+def detect_compression(head: bytes) -> str | None:
     """``None``, "gzip" or "zlib" for a stream starting with ``head`` (>= 12 bytes if present).
 
     A valid TFRecord length CRC means plain (a compressed stream passes that
@@ -380,11 +391,11 @@ def detect_compression(head: bytes) -> Optional[str]:
 
 def _open(
     url: str,
-    compression: Optional[str],
-    storage_options: Optional[dict[str, Any]],
+    compression: str | None,
+    storage_options: dict[str, Any] | None,
     seek_to: int = 0,
-    remote: Optional[RemoteOptions] = None,
-) -> tuple[Union[Stream, LocalFileOpener], _Source]:
+    remote: RemoteOptions | None = None,
+) -> tuple[Stream | LocalFileOpener, _Origin]:
     """Open ``url`` for record reading, resolving ``compression="auto"``.
 
     A local uncompressed file comes back as its open file (read with
@@ -400,9 +411,9 @@ def _open(
             head = raw.read(_HEADER if seek_to or local else max(BLOCK_SIZE, _HEADER))
             compression = detect_compression(head)
         if compression is None and local:
-            return raw, _Source(url, None)
+            return raw, _Origin(url, None)
         size = getattr(raw, "size", None) if compression is None else None
-        src = _Source(url, compression, size if isinstance(size, int) else None)
+        src = _Origin(url, compression, size if isinstance(size, int) else None)
         if compression is None and seek_to:
             raw.seek(seek_to)
             head = b""
@@ -415,13 +426,13 @@ def _open(
 def read_tfrecord(
     url: str,
     *,
-    compression: Optional[str] = "auto",
+    compression: str | None = "auto",
     verify: bool = True,
     start: int = 0,
-    stop: Optional[int] = None,
-    index: Optional[IndexLike] = None,
-    storage_options: Optional[dict[str, Any]] = None,
-    remote: Optional[RemoteOptions] = None,
+    stop: int | None = None,
+    index: IndexLike | None = None,
+    storage_options: dict[str, Any] | None = None,
+    remote: RemoteOptions | None = None,
 ) -> Iterator[bytes]:
     """Iterate over the records of a TFRecord file as ``bytes``.
 
@@ -459,13 +470,13 @@ def read_tfrecord(
 
 def _read(
     url: str,
-    compression: Optional[str],
+    compression: str | None,
     verify: bool,
     start: int,
-    stop: Optional[int],
-    index: Optional[IndexLike],
-    storage_options: Optional[dict[str, Any]],
-    remote: Optional[RemoteOptions] = None,
+    stop: int | None,
+    index: IndexLike | None,
+    storage_options: dict[str, Any] | None,
+    remote: RemoteOptions | None = None,
 ) -> Iterator[list[bytes]]:
     """The batches of records ``start:stop``; ``read_tfrecord`` chains them."""
     first = offset = 0
@@ -496,7 +507,7 @@ def _read(
         source.close()
 
 
-def _offsets_from(index: IndexLike, storage_options: Optional[dict[str, Any]]) -> np.ndarray:
+def _offsets_from(index: IndexLike, storage_options: dict[str, Any] | None) -> np.ndarray:
     if isinstance(index, (str, os.PathLike)):
         from shardkit.formats.index import read_index
 
@@ -506,13 +517,13 @@ def _offsets_from(index: IndexLike, storage_options: Optional[dict[str, Any]]) -
 
 def _scan(
     url: str,
-    compression: Optional[str],
-    storage_options: Optional[dict[str, Any]],
+    compression: str | None,
+    storage_options: dict[str, Any] | None,
     *,
     check_headers: bool,
-    progress: Optional[Progress] = None,
-    remote: Optional[RemoteOptions] = None,
-) -> Iterator[tuple[_Block, _Source]]:
+    progress: Progress | None = None,
+    remote: RemoteOptions | None = None,
+) -> Iterator[tuple[_Block, _Origin]]:
     source, src = _open(url, compression, storage_options, remote=remote)
     blocks = _blocks(source, src, first_index=0, offset=0, check_headers=check_headers)
     try:
@@ -528,9 +539,9 @@ def _scan(
 def count_records(
     url: str,
     *,
-    compression: Optional[str] = "auto",
-    storage_options: Optional[dict[str, Any]] = None,
-    remote: Optional[RemoteOptions] = None,
+    compression: str | None = "auto",
+    storage_options: dict[str, Any] | None = None,
+    remote: RemoteOptions | None = None,
 ) -> int:
     """Number of records in a TFRecord file, from a fast framing scan (no CRC checks).
 
@@ -543,9 +554,9 @@ def count_records(
 def scan_offsets(
     url: str,
     *,
-    compression: Optional[str] = "auto",
-    storage_options: Optional[dict[str, Any]] = None,
-    progress: Optional[Progress] = None,
+    compression: str | None = "auto",
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
 ) -> np.ndarray:
     """Byte offset of every record (in the uncompressed stream), as ``int64``.
 
@@ -560,9 +571,9 @@ def scan_offsets(
 def verify_tfrecord(
     url: str,
     *,
-    compression: Optional[str] = "auto",
-    storage_options: Optional[dict[str, Any]] = None,
-    progress: Optional[Progress] = None,
+    compression: str | None = "auto",
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
 ) -> int:
     """Check every length and data CRC; return the number of records.
 
@@ -590,16 +601,14 @@ class TFRecordWriter:
     ``compression`` is ``None``, ``"gzip"`` or ``"zlib"`` (whole-stream, as TensorFlow).
     """
 
-    def __init__(
-        self, url: str, compression: Optional[str] = None, storage_options: Optional[dict[str, Any]] = None
-    ) -> None:
+    def __init__(self, url: str, compression: str | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         self.compression = compression
         self.num_records = 0
         self.num_bytes = 0  # framed, uncompressed bytes written so far
-        self._sink: Optional[Sink] = open_output(url, compression, storage_options)
+        self._sink: Sink | None = open_output(url, compression, storage_options)
 
-    def write(self, record: Union[bytes, bytearray, memoryview]) -> None:
+    def write(self, record: bytes | bytearray | memoryview) -> None:
         """Append one record."""
         if self._sink is None:
             raise ShardkitError(f"{self.url}: write() on a closed TFRecordWriter")
@@ -627,13 +636,32 @@ class TFRecordWriter:
 # --------------------------------------------------------------------------- the format object
 
 
-class TFRecordFormat:
-    """TFRecord as a :class:`~shardkit.formats.base.ShardFormat`: records are the raw record ``bytes``.
+DECODERS: Final = ("example", "sequence_example", "raw")
 
-    A thin binding of :func:`read_tfrecord`, :func:`count_records` and
-    :func:`~shardkit.build_index`: index files (checked with
-    :func:`~shardkit.formats.index.load_index`) seek and count; without one,
-    a framing scan counts. Decoding is left to the caller (``TFRecordDataset``'s ``decode``).
+#: Returned by ``TFRecordFormat._index_past`` when the bad record was the last of its file.
+_SHARD_ENDS: Final = object()
+
+
+class TFRecordFormat:
+    """TFRecord as a :class:`~shardkit.formats.base.ShardFormat`; picklable (the ``read_fn`` of ``TFRecordDataset``).
+
+    Args:
+        decode: ``"raw"`` (the record bytes, the default), ``"example"``,
+            ``"sequence_example"`` or a callable on the record bytes.
+        compression: ``None``, ``"gzip"``, ``"zlib"`` or ``"auto"``.
+        verify: check every record's CRCs (see :func:`read_tfrecord`).
+        index: use index files beside the shards (checked with
+            :func:`~shardkit.formats.index.load_index`) to seek to a range's
+            first record and to count; without one, a framing scan counts.
+        storage_options: fsspec options.
+        remote: how remote shards are read (:class:`~shardkit.remote.RemoteOptions`:
+            readahead across shard boundaries, retries, the local cache); local files ignore it.
+
+    :meth:`read` raises at the first bad record; :meth:`read_marked`, what
+    sources read with, yields a :class:`~shardkit.formats.base.BadRecord` in
+    place of a record whose data CRC is wrong or that does not decode, and
+    reads on (seeking past it by the index, or by the bad record's own checked
+    header), so that ``on_error="skip"`` costs that record alone.
     """
 
     name = "tfrecord"
@@ -642,55 +670,214 @@ class TFRecordFormat:
     def __init__(
         self,
         *,
-        compression: Optional[str] = "auto",
+        decode: str | Callable[[bytes], Any] = "raw",
+        compression: str | None = "auto",
         verify: bool = True,
         index: bool = True,
-        storage_options: Optional[dict[str, Any]] = None,
+        storage_options: dict[str, Any] | None = None,
+        remote: RemoteOptions | None = None,
     ) -> None:
+        from shardkit.formats.base import FormatError
+
         check_compression(compression, allow_auto=True)
+        if not callable(decode) and decode not in DECODERS:
+            raise FormatError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
+        self.decode = decode
         self.compression = compression
         self.verify = verify
         self.index = index
         self.storage_options = storage_options
+        self.remote = remote
 
     def __repr__(self) -> str:
-        return f"TFRecordFormat(compression={self.compression!r}, verify={self.verify}, index={self.index})"
+        return (
+            f"TFRecordFormat(decode={self._decoder_name()}, compression={self.compression!r}, "
+            f"verify={self.verify}, index={self.index})"
+        )
 
     def sniff(self, head: bytes) -> bool:
         return len(head) >= _HEADER and masked_crc32c(head[:8]) == _unpack_header(head)[1]
 
-    def _offsets(self, url: str) -> Optional[np.ndarray]:
+    def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``url``, decoded; a bad record raises its
+        :class:`~shardkit.CorruptRecordError` after the records before it."""
+        _check_range(start, stop)
+        if self._decoder() is None:
+            return read_tfrecord(
+                url,
+                compression=self.compression,
+                verify=self.verify,
+                start=start,
+                stop=stop,
+                index=self._seek_index(url, start),
+                storage_options=self.storage_options,
+                remote=self.remote,
+            )
+        return _raising(self.read_marked(url, start, stop))
+
+    def read_marked(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``url``, decoded, with a :class:`~shardkit.formats.base.BadRecord`
+        in place of each record that is bad while the framing around it is fine (a data CRC
+        mismatch, bytes that do not decode); reading goes on with the next record. Other errors
+        (a bad length, a truncated file, a stale index) are raised."""
+        _check_range(start, stop)
+        return self._records(url, start, stop, self._seek_index(url, start))
+
+    def _seek_index(self, url: str, start: int) -> np.ndarray | None:
+        """The checked offsets when reading from ``start`` can seek with them (raises IndexFileError)."""
+        return self.index_offsets(url) if start > 0 and self.compression in (None, "auto") else None
+
+    def _records(self, url: str, start: int, stop: int | None, offsets: np.ndarray | None) -> Iterator[Any]:
+        from shardkit.formats.base import BadRecord
+
+        decode = self._decoder()
+        position, index = start, offsets
+        while True:  # one pass per run of good records; a bad data CRC ends read_tfrecord's iterator
+            records = read_tfrecord(
+                url,
+                compression=self.compression,
+                verify=self.verify,
+                start=position,
+                stop=stop,
+                index=index,
+                storage_options=self.storage_options,
+                remote=self.remote,
+            )
+            try:
+                yield from records if decode is None else self._decoded(decode, url, position, records)
+                return
+            except CorruptRecordError as error:
+                if not error.framing_intact or error.record_index < position:
+                    raise
+                yield BadRecord(error)
+                position = error.record_index + 1
+                index = self._index_past(url, error, offsets)
+                if index is _SHARD_ENDS:  # the bad record was the file's last
+                    return
+
+    def _decoded(self, decode: Callable[[bytes], Any], url: str, start: int, records: Iterator[bytes]) -> Iterator[Any]:
+        from shardkit.formats.base import BadRecord
+
+        for position, record in enumerate(records, start):
+            try:
+                sample = decode(record)
+            except Exception as error:  # the CRCs were fine: only this record is bad
+                sample = BadRecord(self._decode_error(url, position, error))
+            yield sample
+
+    def _decode_error(self, url: str, position: int, error: Exception) -> CorruptRecordError:
+        """The error for record ``position``, whose CRCs are fine but whose bytes do not decode."""
+        try:
+            offsets = self.index_offsets(url) if self.compression in (None, "auto") else None
+        except ShardkitError:  # a stale index only costs the offset in the message
+            offsets = None
+        offset = int(offsets[position]) if offsets is not None and position < len(offsets) else -1
+        reason = (
+            f"the record's CRCs are fine but it does not decode with {self._decoder_name()}: "
+            f"{type(error).__name__}: {error}"
+        )
+        return CorruptRecordError(url, position, offset, reason, framing_intact=True)
+
+    def _index_past(self, url: str, error: CorruptRecordError, offsets: np.ndarray | None) -> Any:
+        """Offsets that let ``read_tfrecord`` seek to the record after the bad one at ``error.offset``.
+
+        With an index file (``offsets``), that index. Else, in an uncompressed file, the bad
+        record's header (its length CRC was checked) gives the next offset: an
+        array holding just that offset at its index saves rescanning the file
+        from its start after each bad record; ``_SHARD_ENDS`` when that offset
+        is the end of the file (the bad record was the last, and no record is
+        claimed past it). A compressed stream cannot seek: None, and the next
+        pass decompresses from the start again.
+        """
+        if offsets is not None:
+            return _SHARD_ENDS if error.record_index + 1 >= len(offsets) else offsets
+        if self.compression not in (None, "auto"):
+            return None
+        import fsspec
+
+        with fsspec.open(url, "rb", **(self.storage_options or {})) as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(error.offset)
+            header = file.read(_HEADER)
+        if len(header) < _HEADER or masked_crc32c(header[:8]) != _unpack_header(header)[1]:
+            return None  # not a plain file at that offset (compressed, "auto" resolved so)
+        after = np.zeros(error.record_index + 2, dtype=np.int64)
+        after[-1] = error.offset + _unpack_length(header)[0] + _OVERHEAD
+        return _SHARD_ENDS if after[-1] >= size else after
+
+    def index_offsets(self, url: str) -> np.ndarray | None:
+        """The record offsets from ``url``'s index file, checked against the file; None when there
+        is none, the file is compressed, or ``index=False``.
+
+        Raises:
+            IndexFileError: the index does not fit the file; seeking never uses such an index.
+        """
         if not self.index or self.compression in ("gzip", "zlib"):
             return None
         from shardkit.formats.index import load_index
 
         return load_index(url, storage_options=self.storage_options)
 
-    def read(self, url: str, start: int = 0, stop: Optional[int] = None) -> Iterator[bytes]:
-        """Records ``[start, stop)`` of ``url`` as bytes (seeking with a valid index file)."""
-        offsets = self._offsets(url) if start else None
-        return read_tfrecord(
-            url,
-            compression=self.compression,
-            verify=self.verify,
-            start=start,
-            stop=stop,
-            index=offsets,
-            storage_options=self.storage_options,
-        )
-
     def count(self, url: str) -> int:
-        """Records in ``url``: from its index file when valid, else a framing scan."""
-        offsets = self._offsets(url)
+        """Records in ``url``: from its index file if there is a valid one, else a framing scan.
+
+        An index that does not fit the file (see :func:`~shardkit.formats.index.load_index`)
+        is not used: a warning names it and the fix, and the file is scanned.
+        """
+        import warnings
+
+        from shardkit.formats.index import IndexFileError
+
+        try:
+            offsets = self.index_offsets(url)
+        except IndexFileError as error:
+            warnings.warn(f"{error}; counting its records by a framing scan instead", stacklevel=2)
+            offsets = None
         if offsets is not None:
             return len(offsets)
-        return count_records(url, compression=self.compression, storage_options=self.storage_options)
+        return count_records(
+            url, compression=self.compression, storage_options=self.storage_options, remote=self.remote
+        )
 
-    def build_index(self, url: str) -> Optional[str]:
+    def prefetch(self, url: str, start: int, stop: int | None) -> None:
+        """Start opening remote ``url`` for a later read of ``[start, stop)``: its first blocks when
+        reading from its start, else just the open (the offset needs the index)."""
+        from shardkit.remote import prefetch
+
+        prefetch(url, self.storage_options, self.remote, offset=0 if start == 0 else None)
+
+    def build_index(self, url: str) -> str | None:
         from shardkit.formats.index import build_index
 
         return build_index(url, compression=self.compression, storage_options=self.storage_options)
 
-    def writer(self, url: str, *, name: Optional[str] = None) -> TFRecordWriter:
+    def writer(self, url: str, *, name: str | None = None) -> TFRecordWriter:
         compression = self.compression if self.compression in ("gzip", "zlib") else None
         return TFRecordWriter(url, compression, self.storage_options)
+
+    def _decoder(self) -> Callable[[bytes], Any] | None:
+        if callable(self.decode):
+            return self.decode
+        if self.decode == "raw":
+            return None
+        from shardkit.formats import example
+
+        return example.decode_example if self.decode == "example" else example.decode_sequence_example
+
+    def _decoder_name(self) -> str:
+        return getattr(self.decode, "__name__", repr(self.decode)) if callable(self.decode) else repr(self.decode)
+
+
+def _check_range(start: int, stop: int | None) -> None:
+    if start < 0 or (stop is not None and stop < start):
+        raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
+
+
+def _raising(records: Iterator[Any]) -> Iterator[Any]:
+    """``records`` with the first :class:`~shardkit.formats.base.BadRecord` raised as its error."""
+    from shardkit.formats.base import BadRecord
+
+    for record in records:
+        if record.__class__ is BadRecord:
+            raise record.error
+        yield record
