@@ -213,3 +213,13 @@ def test_the_interleave_docstring_example_runs_as_shown() -> None:
     module = importlib.import_module("shardkit.interleave")
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_node_of_another_registered_kind_in_a_stage_is_refused_naming_both() -> None:
+    state = saved_state(lambda: Shuffle(source(shuffle=True, seed=5), 6).map(str.upper), 4)
+    state["upstream"] = {**state["upstream"], "kind": "interleave"}  # a shuffle's node relabelled
+    resumed = Shuffle(source(shuffle=True, seed=5), 6).map(str.upper)
+    with pytest.raises(StateError, match="of a 'interleave' stage but this stage is 'shuffle'"):
+        resumed.load_state_dict(state)
+    with pytest.raises(StateError, match=r"worker 0\['upstream'\]: state\['upstream'\] must be list or tuple"):
+        merge([state])
