@@ -223,3 +223,12 @@ def test_a_node_of_another_registered_kind_in_a_stage_is_refused_naming_both() -
         resumed.load_state_dict(state)
     with pytest.raises(StateError, match=r"worker 0\['upstream'\]: state\['upstream'\] must be list or tuple"):
         merge([state])
+
+
+def test_the_reference_page_names_the_class_and_module_of_every_registered_kind() -> None:
+    stage_of("planned")  # imports every stage module
+    page = (ROOT / "docs" / "reference" / "state.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    for kind, stage in shardkit.state._STAGES.items():
+        module = stage.__module__.replace(".", "/") + ".py"
+        assert any(f"`{kind}`" in row and f"`{stage.__name__}`" in row and module in row for row in rows), kind
