@@ -40,6 +40,12 @@ _EXPORTS: dict[str, str] = {
     "EvenBatches": "shardkit.even",
     "EvenBatchesError": "shardkit.even",
     "EvenStats": "shardkit.even",
+    "ShardFormat": "shardkit.formats.base",
+    "register_format": "shardkit.formats.base",
+    "format_for": "shardkit.formats.base",
+    "IndexFileError": "shardkit.formats.index",
+    "DuplicateShardWarning": "shardkit.shardlist",
+    "TrainerError": "shardkit.trainers",
 }
 
 __all__ = ["__version__", "CorruptRecordError", "ShardkitError", *_EXPORTS]
@@ -60,15 +66,17 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
     from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches
+    from shardkit.formats.base import ShardFormat, format_for, register_format
     from shardkit.formats.example import decode_example, decode_sequence_example, encode_example
-    from shardkit.formats.index import build_index
+    from shardkit.formats.index import IndexFileError, build_index
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
     from shardkit.loader import MixedLoader
     from shardkit.pipeline import Pipeline, interleave
     from shardkit.planning import Range, plan
     from shardkit.quality import shuffle_quality
     from shardkit.seeding import worker_seed
-    from shardkit.shardlist import ShardList
+    from shardkit.shardlist import DuplicateShardWarning, ShardList
     from shardkit.sources import JsonlDataset, ParquetDataset, ShardedDataset, TarDataset, TFRecordDataset, wrap
     from shardkit.topology import Topology
+    from shardkit.trainers import TrainerError
     from shardkit.writer import ShardWriter

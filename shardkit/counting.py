@@ -45,7 +45,7 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as pc  # its functions are generated at import: pyright sees some, not all
 
 from shardkit.errors import ShardkitError
 from shardkit.shardlist import ShardList
@@ -130,7 +130,7 @@ def resolve_counts(
     if shards.num_records is not None:
         return shards
     path = cache_path(shards, cache_dir)
-    identities = _identities(shards, storage_options) if path is not None else [None] * len(shards)
+    identities: list[str | None] = _identities(shards, storage_options) if path is not None else [None] * len(shards)
     counts, known = _known_counts(shards, path, identities)
     missing = np.flatnonzero(~known)
     if count_fn is not None:
@@ -154,25 +154,41 @@ def resolve_counts(
     return shards.with_num_records(counts)
 
 
-def counts_from_indexes(shards: ShardList, offsets_fn: OffsetsFn) -> np.ndarray | None:
-    """Every shard's record count from its index file, or None as soon as one shard has none.
+def counts_from_indexes(
+    shards: ShardList,
+    offsets_fn: OffsetsFn,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
+) -> ShardList | None:
+    """``shards`` with every count filled in from the counts cache or the index files beside the
+    shards; None as soon as a shard has neither. Nothing is counted by a scan, nothing collective.
 
-    ``offsets_fn(url)`` is a format's ``index_offsets``: the checked record
-    offsets, or None without an index. Nothing is counted by a scan here.
+    ``offsets_fn(url)`` is a format's ``index_offsets``: the record offsets
+    checked against the file as it is now, or None without an index. Counts
+    taken from indexes go to the counts cache, bound to each file's identity,
+    so the next epoch's workers (and the next run) need not read the indexes again.
 
     Raises:
-        IndexFileError: an index does not fit its shard (stale, damaged);
-            its message names the fix (rebuild it, delete it, or ``index=False``).
+        IndexFileError: an index does not fit its shard (stale, damaged); its
+            message names the fix (rebuild it, delete it, or ``index=False``).
     """
-    counts = np.zeros(len(shards), dtype=np.int64)
-    for i, url in enumerate(shards):
-        offsets = offsets_fn(url)
+    if shards.num_records is not None:
+        return shards
+    path = cache_path(shards, cache_dir)
+    identities: list[str | None] = _identities(shards, storage_options) if path is not None else [None] * len(shards)
+    counts, known = _known_counts(shards, path, identities)
+    missing = np.flatnonzero(~known)
+    for i in missing:
+        offsets = offsets_fn(shards[int(i)])
         if offsets is None:
             return None
         counts[i] = len(offsets)
-    if len(shards):
-        logger.info("shardkit: record counts of %d shards from their index files", len(shards))
-    return counts
+    if missing.size:
+        logger.info("shardkit: record counts of %d shards from their index files", missing.size)
+        if path is not None and any(found is not None for found in identities):
+            _write_cache(path, shards, counts, identities)
+    return shards.with_num_records(counts)
 
 
 def _known_counts(shards: ShardList, path: str | None, identities: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
@@ -182,7 +198,8 @@ def _known_counts(shards: ShardList, path: str | None, identities: list[str | No
     cached = _read_cache(path, shards) if path is not None else None
     if cached is not None:
         current = pa.array(identities, pa.large_string())
-        fresh = pc.fill_null(pc.equal(cached.column("identity"), current), False).to_numpy(zero_copy_only=False)
+        same = pc.equal(cached.column("identity"), current)  # pyright: ignore[reportAttributeAccessIssue]
+        fresh = pc.fill_null(same, False).to_numpy(zero_copy_only=False)
         use = fresh & ~known
         counts[use] = cached.column("num_records").to_numpy(zero_copy_only=False)[use]
         known |= fresh
@@ -282,7 +299,7 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
         and table.num_rows == len(shards)
         and table.column("url").equals(urls.cast(pa.large_string()))
         and table.column("num_records").null_count == 0
-        and (pc.min(table.column("num_records")).as_py() or 0) >= 0
+        and (pc.min(table.column("num_records")).as_py() or 0) >= 0  # pyright: ignore[reportAttributeAccessIssue]
     )
     if not usable:
         logger.warning("shardkit: ignoring the counts cache %s: not one of this shard list; it will be rewritten", path)

@@ -783,7 +783,10 @@ class ShardedDataset(_PlannedSource):
     it ended, what was planned) under ``"raise"``. Under ``"skip"``:
 
     * a record whose data is bad while the framing around it is fine (a data
-      CRC mismatch, a record that does not decode) costs that record only;
+      CRC mismatch, a record that does not decode) costs that record only
+      (``read_fn`` raises a :class:`~shardkit.CorruptRecordError` with
+      ``framing_intact`` and is called again from the next record, or yields
+      a :class:`~shardkit.formats.base.BadRecord` in its place and reads on);
       an error that loses the framing (or any other exception) costs the
       rest of the range; records a short shard lacks are counted as
       ``missing``; a long shard's extra records are not read (counted in
@@ -845,12 +848,9 @@ class ShardedDataset(_PlannedSource):
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
         if self.shards.num_records is not None:
             return self.shards.num_records
-        indexed = self._index_counts()
-        if indexed is not None:  # index files beside every shard: counts without a counting pass
-            self.shards = self.shards.with_num_records(indexed)
-            return self.shards.num_records
         if required:
-            self.count_records()
+            if not self._fill_counts():  # no index beside some shard: count them (index files where present)
+                self.count_records()
             return self.shards.num_records
         if len(self.shards) < topology.num_workers and topology.worker_id == 0:
             warnings.warn(
@@ -861,9 +861,29 @@ class ShardedDataset(_PlannedSource):
             )
         return self.shards.table.column("num_records")
 
-    def _index_counts(self) -> np.ndarray | None:
-        """Every shard's record count from its checked index file; None where a shard has none
-        (or the reader has no index files). Raises IndexFileError for an index that does not fit."""
+    def __len__(self) -> int:
+        self._fill_counts()
+        return super().__len__()
+
+    def load_state_dict(self, state: State) -> None:
+        self._fill_counts()
+        super().load_state_dict(state)
+
+    def _fill_counts(self) -> bool:
+        """Where the shard list has no counts, take them from index files beside every shard
+        (or the counts cache), without a counting pass; whether the counts are known now.
+
+        Raises:
+            IndexFileError: an index does not fit its shard: it is refused, not trusted.
+        """
+        if self.shards.num_records is None:
+            filled = self._counts_from_indexes()
+            if filled is not None:
+                self.shards = filled
+        return self.shards.num_records is not None
+
+    def _counts_from_indexes(self) -> ShardList | None:
+        """The shard list with counts from index files, or None (the reader has none, or a shard lacks one)."""
         return None
 
     def _makes_up(self, balance: Balance) -> bool:
@@ -913,7 +933,8 @@ class ShardedDataset(_PlannedSource):
         try:
             while True:  # one pass per run of records between bad ones (a loop, not recursion)
                 try:
-                    yield from self._records(shard, url, cursor, stop, stop + 1 if tail else stop)
+                    ask = stop + 1 if tail and stop is not None else stop
+                    yield from self._records(shard, url, cursor, stop, ask)
                     break
                 except Exception as error:
                     intact = isinstance(error, CorruptRecordError) and error.framing_intact
@@ -1099,7 +1120,7 @@ class MapSource(_PlannedSource):
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
         if self.shuffle_shards:
             start, stop = shard, shard + 1
-        return map(self.dataset.__getitem__, range(start, stop))
+        return map(self.dataset.__getitem__, range(start, len(self.dataset) if stop is None else stop))
 
     def __repr__(self) -> str:
         return f"wrap({type(self.dataset).__name__} of {len(self.dataset)}, shuffle={self.shuffle_shards}, balance={self.balance!r})"
@@ -1233,18 +1254,21 @@ class _FormatDataset(ShardedDataset):
         read = getattr(fmt, "read_marked", None) or fmt.read
         super().__init__(shards, read, count_fn=fmt.count, **options)
 
-    def _index_counts(self) -> np.ndarray | None:
+    def _counts_from_indexes(self) -> ShardList | None:
         from shardkit.counting import counts_from_indexes  # here, not at the top: keeps the import block as is
 
         offsets_fn = getattr(self.format, "index_offsets", None)
-        return None if offsets_fn is None else counts_from_indexes(self.shards, offsets_fn)
+        if offsets_fn is None:
+            return None
+        return counts_from_indexes(self.shards, offsets_fn, storage_options=self.storage_options)
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
         hint = getattr(self.format, "prefetch", None)
         if hint is not None:
             hint(self.shards[shard], start, stop)
         else:  # open the shard ahead; fetch its first blocks only when the range starts there
-            prefetch(self.shards[shard], self.storage_options, self.format.remote, offset=0 if start == 0 else None)
+            remote = getattr(self.format, "remote", None)
+            prefetch(self.shards[shard], self.storage_options, remote, offset=0 if start == 0 else None)
 
 
 class TFRecordDataset(_FormatDataset):
@@ -1415,7 +1439,7 @@ class ParquetDataset(_FormatDataset):
             return -(-counts // size)
         import pyarrow.compute as pc
 
-        return pc.divide(pc.add(counts, size - 1), size)
+        return pc.divide(pc.add(counts, size - 1), size)  # pyright: ignore[reportAttributeAccessIssue]  (generated)
 
     def _planned_count(self, shard: int) -> int | None:
         rows = super()._planned_count(shard)

@@ -254,8 +254,9 @@ def _writable_format(format: Any, pattern: str, compression: str | None, storage
     if storage_options is not None and getattr(fmt, "storage_options", None) != storage_options:
         import copy
 
-        fmt = copy.copy(fmt)
-        fmt.storage_options = storage_options
+        copied: Any = copy.copy(fmt)  # the same format, writing with these options
+        copied.storage_options = storage_options
+        return copied
     return fmt
 
 

@@ -580,3 +580,65 @@ def test_a_stale_index_is_refused_not_trusted_for_counts(indexed, tmp_path):
         len(make())
     with pytest.raises(IndexFileError, match=re.escape(urls[1])):
         list(make(rank=0, world_size=2))
+
+
+# -- the in-process index cache --------------------------------------------------------------------
+
+
+def test_a_checked_index_is_read_once_per_process_for_many_ranges(tmp_path, monkeypatch):
+    import shardkit.formats.index as index_module
+
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    shardkit.build_index(url)
+    reads = []
+    real = index_module._load_checked
+    monkeypatch.setattr(index_module, "_load_checked", lambda *a: reads.append(a) or real(*a))
+    fmt = TFRecordFormat()
+    for start in range(1, 19, 3):  # the ranges a sample-level shuffle reads
+        assert list(fmt.read(url, start, start + 2)) == RECORDS[start : start + 2]
+    assert len(reads) == 1
+    assert not load_index(url).flags.writeable  # shared by every caller: nobody can change it for the others
+
+
+@pytest.mark.parametrize("damage", ["grow", "rewrite index"])
+def test_a_cached_index_is_checked_again_when_either_file_changes(tmp_path, damage):
+    url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
+    index = shardkit.build_index(url)
+    fmt = TFRecordFormat()
+    assert list(fmt.read(url, 13, 15)) == RECORDS[13:15]  # cached now
+    if damage == "grow":
+        _grow(url, index, tmp_path)
+        with pytest.raises(IndexFileError, match="it grew"):
+            list(fmt.read(url, 13, 15))
+    else:  # an index of other records with the same size: only its identity tells it changed
+        other = write_tfrecord(str(tmp_path / "other.tfrecord"), [b"%034d" % i for i in range(10)])  # 500 bytes
+        os.replace(shardkit.build_index(other), index)
+        with pytest.raises(IndexFileError, match="no record of the file ends at its end"):
+            list(fmt.read(url, 13, 15))
+
+
+def test_counts_taken_from_index_files_are_cached_for_the_next_dataset(indexed, monkeypatch):
+    urls, make, ids, everything = indexed
+    assert len(make()) == len(everything)
+    fmt_class = type(make().format)
+
+    def read_again(self, url):
+        raise AssertionError(f"the index of {url} was read again")
+
+    monkeypatch.setattr(fmt_class, "index_offsets", read_again)
+    assert len(make()) == len(everything)  # from the counts cache, bound to each shard's identity
+    os.utime(urls[0], ns=(1, 1))  # a shard that may have changed: its index is read (and checked) again
+    with pytest.raises(AssertionError, match=f"the index of {re.escape(urls[0])} was read again"):
+        len(make())
+
+
+@pytest.mark.slow
+def test_dataloader_workers_of_two_ranks_plan_from_index_files_without_count_records(indexed):
+    urls, make, ids, everything = indexed
+    ranks = []
+    for rank in range(2):
+        loader = DataLoader(make(rank=rank, world_size=2, balance="pad"), batch_size=None, num_workers=2)
+        ranks.append([ids(s) for s in loader])
+    assert len(ranks[0]) == len(ranks[1]) == -(-len(everything) // 2)
+    assert set(ranks[0]) | set(ranks[1]) == set(everything)
+    assert len(ranks[0]) + len(ranks[1]) - len(everything) == len(everything) % 2  # "pad" repeats one at most

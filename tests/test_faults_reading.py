@@ -419,3 +419,30 @@ def test_a_bad_last_record_ends_the_shard_after_costing_only_itself(tmp_path, wi
         assert list(dataset) == [b"%08d" % i for i in range(0, 20, 2)]
     stats = dataset.stats()
     assert (stats.total_read, stats.total_skipped, stats.total_errors, stats.total_missing) == (10, 10, 10, 0)
+
+
+@pytest.mark.parametrize("kind", ["tar", "jsonl"])
+def test_a_damaged_gzip_tar_or_jsonl_names_the_compressed_byte(tmp_path, kind):
+    import io
+    import tarfile
+
+    from tests.test_faults_tfrecord import damaged_mid_stream
+
+    words = [f"word{i % 17} " * (i % 13 + 1) for i in range(4000)]
+    if kind == "tar":
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for i, text in enumerate(words):
+                data = text.encode()
+                info = tarfile.TarInfo(f"s{i:05d}.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        body, dataset = buffer.getvalue(), shardkit.TarDataset
+    else:
+        body, dataset = "".join(json.dumps({"text": text}) + "\n" for text in words).encode(), shardkit.JsonlDataset
+    damaged, bad_byte = damaged_mid_stream(body, len(body) // 2, "gzip")
+    url = str(tmp_path / f"damaged.{kind}.gz")
+    Path(url).write_bytes(damaged)
+    with pytest.raises(CorruptRecordError) as raised:
+        list(dataset([url]))
+    assert raised.value.compressed_offset == bad_byte and f"compressed byte {bad_byte}" in str(raised.value)

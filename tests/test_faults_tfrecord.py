@@ -145,6 +145,7 @@ def test_damage_inside_compressed_stream_names_record_and_both_offsets(place: st
     assert got == records[:2000]  # every record inflated before the bad byte is delivered
     assert (error.url, error.record_index, error.offset, error.framing_intact) == (url, 2000, sum(sizes[:2000]), False)
     assert f"{compression} stream is damaged at compressed byte {bad_byte} (" in error.reason
+    assert error.compressed_offset == bad_byte  # the compressed byte, as an attribute too
     assert "invalid block type" in error.reason and "reading record 2000" in error.reason
     assert f"offset in the uncompressed {compression} stream" in error.reason
     assert "pass the right compression" not in error.reason
@@ -169,6 +170,28 @@ def test_truncated_compressed_stream_delivers_records_before_and_names_the_cut(p
         f"{compression} stream is truncated: the compressed file ends at byte {cut} before the end-of-stream marker"
         in error.reason
     )
+    assert error.compressed_offset == cut
+
+
+def test_compressed_offset_is_none_for_plain_files_and_survives_a_dataloader_worker(tmp_path) -> None:
+    import pickle
+
+    from torch.utils.data import DataLoader
+
+    import shardkit
+
+    records = compressible_records(2000)
+    plain = b"".join(map(framed, records))
+    cut_plain = put(f"{tmp_path}/cut.tfrecord", plain[: len(plain) // 2])
+    assert read_until_error(cut_plain, compression=None)[1].compressed_offset is None
+    damaged, bad_byte = damaged_mid_stream(plain, sum(map(len, map(framed, records[:1500]))) + 3, "gzip")
+    url = put(f"{tmp_path}/damaged.tfrecord.gz", damaged)
+    error = read_until_error(url, compression="gzip")[1]
+    assert pickle.loads(pickle.dumps(error)).compressed_offset == bad_byte
+    dataset = shardkit.TFRecordDataset([url], decode="raw", compression="gzip")
+    with pytest.raises(CorruptRecordError) as raised:  # rebuilt by torch in the main process from the text
+        list(DataLoader(dataset, batch_size=None, num_workers=1))
+    assert raised.value.compressed_offset == bad_byte and raised.value.record_index == 1500
 
 
 @pytest.mark.parametrize("compression", ["gzip", "zlib"])

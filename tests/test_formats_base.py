@@ -141,3 +141,39 @@ def test_the_formats_mix_with_every_sample_once_over_ranks_and_spawned_workers(t
     assert set(seen) == expected
     # balance="pad" over 2 ranks: each source's 13 records become 14, the one repeat the only duplicate
     assert len(seen) == 3 * 14 and all(seen.count(s) <= 2 for s in seen)
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_tfrecord_format_read_raises_at_a_bad_record_and_read_marked_reads_past_it(tmp_path, indexed):
+    from shardkit import CorruptRecordError
+    from shardkit.formats.base import BadRecord
+
+    url = str(tmp_path / "a.tfrecord")
+    records = [b"record %02d" % n for n in range(10)]  # 9 data bytes: 25 framed each
+    with shardkit.TFRecordWriter(url) as writer:
+        for record in records:
+            writer.write(record)
+    if indexed:
+        shardkit.build_index(url)
+    data = bytearray(open(url, "rb").read())
+    data[4 * 25 + 12] ^= 0xFF  # a data byte of record 4: its data CRC fails, the framing holds
+    open(url, "wb").write(bytes(data))
+
+    with pytest.raises(CorruptRecordError, match="record 4 at byte offset 100: data CRC mismatch"):
+        list(TFRecordFormat().read(url))
+    marked = list(TFRecordFormat().read_marked(url, 2, None))
+    assert [r for r in marked if not isinstance(r, BadRecord)] == records[2:4] + records[5:]
+    assert marked[2].error.record_index == 4 and marked[2].error.framing_intact
+
+    def fussy(record: bytes) -> bytes:
+        if record.endswith(b"07"):
+            raise ValueError("no sevens")
+        return record.upper()
+
+    decoded = list(TFRecordFormat(decode=fussy).read_marked(url, 5, 9))
+    assert decoded[:2] == [b"RECORD 05", b"RECORD 06"] and decoded[3] == b"RECORD 08"
+    bad = decoded[2].error
+    assert (bad.record_index, bad.offset) == (7, 175 if indexed else -1)  # the offset is known from an index
+    assert "does not decode with fussy" in str(bad)
+    with pytest.raises(CorruptRecordError, match="no sevens"):
+        list(TFRecordFormat(decode=fussy).read(url, 5, 9))

@@ -159,7 +159,8 @@ def test_a_dataset_reads_remote_shards_exactly_once_across_workers_with_prefetch
         server.inject(f"s{i}.tfrecord", "reset")
     dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
     assert sorted(dataset) == sorted(expected)
-    heads = [r.path for r in server.log if r.method == "HEAD"]
+    # list() asks len(), which looks for index files beside the shards (the first is missing: one probe).
+    heads = [r.path for r in server.log if r.method == "HEAD" and not r.path.endswith(".idx")]
     assert sorted(set(heads)) == sorted(f"/s{i}.tfrecord" for i in range(5))
 
 

@@ -89,10 +89,22 @@ class ShardFormat(Protocol):
         name: the format's name (``"tar"``, ``"parquet"``, ``"jsonl"``, ``"tfrecord"``).
         suffixes: file name endings that mean this format, longest first
             (``(".tar.gz", ".tgz", ".tar")``).
+
+    Optional, used by the sources when present (the built-in formats have them):
+    ``read_marked(url, start, stop)`` yields a :class:`BadRecord` in place of a
+    bad record and reads on; ``index_offsets(url)`` gives the checked record
+    offsets from an index file (None without one; raises
+    :class:`~shardkit.formats.index.IndexFileError` for one that does not fit),
+    from which record counts are taken without a counting pass;
+    ``prefetch(url, start, stop)`` and a ``remote``
+    (:class:`~shardkit.remote.RemoteOptions`) attribute open remote shards ahead.
     """
 
-    name: str
-    suffixes: tuple[str, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def suffixes(self) -> tuple[str, ...]: ...
 
     def sniff(self, head: bytes) -> bool:
         """Whether a file starting with ``head`` (up to :data:`HEAD_BYTES`) is in this format."""

@@ -29,6 +29,13 @@ against it, so it is not used at all (counting scans instead).
 
 Index files are written atomically on local disks (temporary name, then
 rename); object stores publish a file only when it is complete.
+
+A checked index is kept in memory per process (:data:`CACHE_BYTES` of
+offsets at most, least recently used dropped first), bound to the identity of
+both files (size, modification time, inode; ETag or version remotely): a
+sample-level shuffle reads a shard in many small ranges, and each would
+otherwise read and check its whole index again. A file that changes gets a
+new identity, so its index is read and checked afresh.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ import contextlib
 import logging
 import os
 import struct
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
@@ -67,6 +76,10 @@ _MAGIC: Final = b"SKTFIDX1"
 _HEAD: Final = struct.Struct("<8sQQ")
 _RECORD_HEADER: Final = struct.Struct("<QI")  # length, masked CRC of the length
 _FRAMING: Final = 16  # bytes of framing around each record's data
+
+
+CACHE_BYTES: Final = 64 << 20
+"""Bytes of checked offsets :func:`load_index` keeps per process (8M records)."""
 
 
 class IndexFileError(ShardkitError, ValueError):
@@ -156,6 +169,24 @@ def load_index(
     """
     index_url = index_url if index_url is not None else index_path_for(url)
     try:
+        of_index = _identity(index_url, storage_options)
+    except FileNotFoundError:
+        return None
+    identity = (_identity(url, storage_options), of_index)
+    key = (url, index_url, repr(sorted((storage_options or {}).items())))
+    cached = _CACHE.get(key, identity)
+    if cached is not None:
+        return cached
+    offsets = _load_checked(url, index_url, storage_options)
+    if offsets is not None and None not in identity:  # a bare size cannot tell a rewritten file: not kept
+        offsets.flags.writeable = False  # shared by every caller of this process
+        _CACHE.put(key, identity, offsets)
+    return offsets
+
+
+def _load_checked(url: str, index_url: str, storage_options: dict[str, Any] | None) -> np.ndarray | None:
+    """Read ``index_url`` and check it against ``url`` as it is now (see :func:`load_index`)."""
+    try:
         with open_raw(index_url, "rb", storage_options) as f:
             data = f.read()
     except FileNotFoundError:
@@ -174,6 +205,66 @@ def load_index(
             )
         _check_last_record(f, index.offsets, size, url, index_url)
     return index.offsets
+
+
+def _identity(url: str, storage_options: dict[str, Any] | None) -> Any:
+    """What changes when the file at ``url`` may have: one ``stat`` locally, else the store's
+    ETag/version/mtime (None when the store reports only a size).
+
+    Raises:
+        FileNotFoundError: there is no such file.
+    """
+    if "://" not in url or url.startswith("file://"):
+        st = os.stat(url.removeprefix("file://"))
+        return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+    from shardkit.remote import identity_of
+
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    found = identity_of(fs.info(path))
+    return found if any(not part.startswith("size=") for part in found.split(",") if part) else None
+
+
+class _IndexCache:
+    """Checked offsets by (url, index url, options), each valid while both files keep their identity; LRU by bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._entries: OrderedDict[tuple[str, str, str], tuple[Any, np.ndarray]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str, str], identity: Any) -> np.ndarray | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] != identity:
+                return None
+            self._entries.move_to_end(key)
+            return entry[1]
+
+    def put(self, key: tuple[str, str, str], identity: Any, offsets: np.ndarray) -> None:
+        if offsets.nbytes > self.limit:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._bytes += offsets.nbytes - (0 if old is None else old[1].nbytes)
+            self._entries[key] = (identity, offsets)
+            while self._bytes > self.limit:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def after_fork(self) -> None:
+        """A forked child starts with a fresh lock (one held by a thread of the parent would never be released)."""
+        self._lock = threading.Lock()
+
+
+_CACHE: Final = _IndexCache(CACHE_BYTES)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_CACHE.after_fork)
 
 
 def _check_last_record(f: Any, offsets: np.ndarray, size: int, url: str, index_url: str) -> None:

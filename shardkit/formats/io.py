@@ -19,7 +19,7 @@ from __future__ import annotations
 import gzip
 import os
 import zlib
-from typing import IO, Any, Final, Protocol
+from typing import IO, Any, Final, Protocol, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -61,7 +61,7 @@ class Stream(Protocol):
 class Sink(Protocol):
     """The minimal binary writer the record writers need."""
 
-    def write(self, data: bytes, /) -> int: ...
+    def write(self, data: bytes | bytearray | memoryview, /) -> int: ...
 
     def close(self) -> None: ...
 
@@ -88,7 +88,7 @@ def open_raw(
         make_parent_dirs(url, storage_options)
         return fs.open(path, mode)
     if isinstance(fs, LocalFileSystem) or mode != "rb":
-        return fs.open(path, mode)
+        return cast("IO[bytes]", fs.open(path, mode))
     return open_remote(fs, path, url, remote)  # type: ignore[no-any-return]
 
 
@@ -324,7 +324,7 @@ class _Deflater:
         self._raw = raw
         self._deflate = zlib.compressobj()
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         self._raw.write(self._deflate.compress(data))
         return len(data)
 

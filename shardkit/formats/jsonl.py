@@ -212,7 +212,9 @@ class JsonlFormat:
                     if stop is not None and pos.record >= stop:
                         return
         except CompressedStreamError as error:
-            raise CorruptRecordError(url, pos.record, -1, f"{error.reason}; reading record {pos.record}") from None
+            at = error.compressed_offset if error.compressed_offset >= 0 else None
+            reason = f"{error.reason}; reading record {pos.record}"
+            raise CorruptRecordError(url, pos.record, -1, reason, compressed_offset=at) from None
 
     def _line_by_line(
         self, url: str, chunk: list[bytes], pos: _Position, start: int, stop: int | None, compression: str | None

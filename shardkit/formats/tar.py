@@ -245,7 +245,9 @@ class _Parser:
             if not self.blocks.need(n):
                 raise self._truncated(at, reason)
         except CompressedStreamError as error:
-            raise self.error(at, error.reason) from None
+            failure = self.error(at, error.reason)
+            failure.compressed_offset = error.compressed_offset if error.compressed_offset >= 0 else None
+            raise failure from None
 
     def _truncated(self, offset: int, reason: str) -> CorruptRecordError:
         shrank = self.blocks.shrank()

@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -62,7 +62,15 @@ from shardkit.formats.io import (
 )
 from shardkit.remote import RemoteOptions
 
-__all__ = ["TFRecordWriter", "count_records", "detect_compression", "read_tfrecord", "scan_offsets", "verify_tfrecord"]
+__all__ = [
+    "TFRecordFormat",
+    "TFRecordWriter",
+    "count_records",
+    "detect_compression",
+    "read_tfrecord",
+    "scan_offsets",
+    "verify_tfrecord",
+]
 
 IndexLike = str | os.PathLike[str] | Sequence[int] | np.ndarray
 Progress = Callable[[int], object]
@@ -172,7 +180,7 @@ def _checked(block: _Block, src: _Origin, check_headers: bool) -> Iterator[_Bloc
 
 def _stream_blocks(
     stream: Stream, src: _Origin, first_index: int, offset: int, check_headers: bool
-) -> Iterator[_Block]:
+) -> Generator[_Block, None, None]:
     """Blocks from a stream read :data:`BLOCK_SIZE` bytes at a time.
 
     A record longer than a block is gathered read by read up to its stated
@@ -239,7 +247,7 @@ def _read_some(stream: Stream, src: _Origin, index: int, offset: int, size: int)
 
 def _file_blocks(
     fd: int, src: _Origin, first_index: int, offset: int, check_headers: bool, end: int | None = None
-) -> Iterator[_Block]:
+) -> Generator[_Block, None, None]:
     """Blocks from a local file descriptor, each read with one ``os.pread`` at a record boundary.
 
     Not memory-mapped: a mapped file truncated under the reader kills the
@@ -305,7 +313,7 @@ def _blocks(
     offset: int,
     check_headers: bool,
     end: int | None = None,
-) -> Iterator[_Block]:
+) -> Generator[_Block, None, None]:
     """Blocks of whole records from ``source`` at record ``first_index``, byte ``offset``
     (``end``: where the records wanted end, when an index says so).
 
@@ -793,9 +801,7 @@ class TFRecordFormat:
             return _SHARD_ENDS if error.record_index + 1 >= len(offsets) else offsets
         if self.compression not in (None, "auto"):
             return None
-        import fsspec
-
-        with fsspec.open(url, "rb", **(self.storage_options or {})) as file:
+        with open_raw(url, "rb", self.storage_options) as file:
             size = file.seek(0, os.SEEK_END)
             file.seek(error.offset)
             header = file.read(_HEADER)

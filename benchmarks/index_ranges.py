@@ -1,0 +1,75 @@
+"""What a small range of an indexed TFRecord shard costs: the per-range price of sample-level shuffling.
+
+A shuffled epoch reads every shard in blocks of at most 512 records, each
+block a range that seeks with the shard's index. This measures, in one
+process: ``load_index`` alone, a 1-record and a 512-record range read through
+``TFRecordFormat.read_marked`` (what the sources call), and one shuffled epoch
+of ``TFRecordDataset`` over 4 shards. Run it on two checkouts to compare::
+
+    PYTHONPATH=. python benchmarks/index_ranges.py [--records 200000] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+
+import shardkit
+from shardkit.formats.index import load_index
+from shardkit.formats.tfrecord import TFRecordFormat
+
+
+def write_shard(url: str, records: int) -> str:
+    if not os.path.exists(url + ".idx"):
+        with shardkit.TFRecordWriter(url) as writer:
+            for n in range(records):
+                writer.write(b"%06d" % n + b"x" * 94)
+        shardkit.build_index(url)
+    return url
+
+
+def per_call_us(fn: Callable[[int], object], starts: list[int], repeats: int = 3) -> float:
+    fn(0)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for start in starts:
+            fn(start)
+        best = min(best, time.perf_counter() - began)
+    return best / len(starts) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=200_000, help="records in the measured shard")
+    parser.add_argument("--dir", default=None, help="where to write the shards (default: a temporary directory)")
+    args = parser.parse_args()
+    root = args.dir or tempfile.mkdtemp(prefix="shardkit-index-ranges-")
+    os.makedirs(root, exist_ok=True)
+    url = write_shard(os.path.join(root, "one.tfrecord"), args.records)
+    fmt = TFRecordFormat()
+    starts = [random.Random(n).randrange(0, args.records - 512) for n in range(400)]
+    print(f"| measured ({args.records} records, 100 B each) | us per call, best of 3 x 400 |")
+    print("| --- | --- |")
+    print(f"| load_index | {per_call_us(lambda s: load_index(url), starts):.0f} |")
+    one = per_call_us(lambda s: sum(1 for _ in fmt.read_marked(url, s, s + 1)), starts)
+    print(f"| 1-record range | {one:.0f} |")
+    block = per_call_us(lambda s: sum(1 for _ in fmt.read_marked(url, s, s + 512)), starts)
+    print(f"| 512-record range | {block:.0f} |")
+    urls = [write_shard(os.path.join(root, f"part-{i}.tfrecord"), args.records // 4) for i in range(4)]
+    shards = shardkit.ShardList(urls, num_records=[args.records // 4] * 4)
+    best = float("inf")
+    for seed in range(3):
+        dataset = shardkit.TFRecordDataset(shards, decode="raw", shuffle=True, seed=seed)
+        began = time.perf_counter()
+        count = sum(1 for _ in dataset)
+        best = min(best, time.perf_counter() - began)
+    print(f"| shuffled epoch, {count} records in 4 shards | {best * 1e6 / (count / 512):.0f} per block |")
+
+
+if __name__ == "__main__":
+    main()
