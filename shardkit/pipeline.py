@@ -18,38 +18,64 @@ attributes (no generator frames), so its position can be saved and restored:
 every pipeline has ``state_dict()`` (where its latest iteration in this
 process stands) and ``load_state_dict(state)`` (resume there at the next
 ``__iter__``), the Stateful protocol of torchdata's ``StatefulDataLoader``.
-The format is described in :mod:`shardkit.state`.
+
+A stage is two classes: the pipeline (an ``IterableDataset`` that only holds
+its settings) and its iterator, a :class:`~shardkit.state.StageIterator` that
+keeps beside ``__next__`` everything about the stage's state: the keys (as
+constants), ``state_dict``, ``load_state_dict``, the schema of a loaded node
+and how the nodes of all workers (and ranks) merge. :meth:`Pipeline.__iter__`
+checks once whether a loaded state applies to the iteration it opens. The
+format is described in :mod:`shardkit.state`; :func:`interleave` lives in
+:mod:`shardkit.interleave`.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
-from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, default_collate
 
 from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset, load_outermost, open_pass
 from shardkit.errors import ShardkitError
-from shardkit.seeding import INTERLEAVE_STREAM, SHUFFLE_STREAM, check_seed, generator
+from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
 from shardkit.state import (
     DRAW_BLOCK,
+    EPOCH,
+    RNG,
+    SHARE,
+    UPSTREAM,
+    PassThroughIterator,
+    Resume,
+    StageIterator,
     State,
     StateError,
     applies,
     check,
+    check_all_shares,
+    check_draws,
+    check_inputs_epoch,
+    check_share,
     decode,
     encode,
+    field,
     generator_state,
+    merge,
     node,
-    own_share,
     restore_generator,
-    share_of,
+    same_value,
+    share_field,
+    upstream_state,
+    whole_number,
 )
 from shardkit.topology import Topology
+
+if TYPE_CHECKING:  # at run time, module __getattr__ below: shardkit.interleave builds on this module
+    from shardkit.interleave import Interleave, interleave
 
 __all__ = [
     "Batch",
@@ -64,7 +90,6 @@ __all__ = [
     "interleave",
 ]
 
-STOP_RULES = ("first_exhausted", "all_exhausted")
 _UNIFORM_BLOCK = DRAW_BLOCK  # one Generator call per this many draws: a scalar call costs ~1 us
 
 
@@ -97,23 +122,21 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-class _Uniforms:
+class Uniforms:
     """Uniform floats in [0, 1) from ``rng``, drawn a block at a time.
 
     The sequence is fixed by the generator's state, so a position in it is
     (generator state at the block's start, index in the block).
     """
 
-    def __init__(self, rng: np.random.Generator, state: State | None = None) -> None:
+    GENERATOR = "generator"  #: state key: the generator's state at the start of the current block
+    NEXT = "next"  #: state key: the index of the next draw in the block
+
+    def __init__(self, rng: np.random.Generator) -> None:
         self._rng = rng
         self._block: list[float] = []
         self._next = 0
         self._block_start: dict[str, Any] | None = None
-        if state is not None:
-            self._rng = restore_generator(state["generator"])
-            if state["next"]:
-                self._draw_block()
-                self._next = state["next"]
 
     def _draw_block(self) -> None:
         self._block_start = generator_state(self._rng)
@@ -130,8 +153,16 @@ class _Uniforms:
     def state_dict(self) -> State:
         """The position in the sequence: generator state at the block's start and index in it."""
         if self._block_start is None:
-            return {"generator": generator_state(self._rng), "next": 0}
-        return {"generator": self._block_start, "next": self._next}
+            return {self.GENERATOR: generator_state(self._rng), self.NEXT: 0}
+        return {self.GENERATOR: self._block_start, self.NEXT: self._next}
+
+    def load_state_dict(self, state: State) -> None:
+        """Continue the sequence at the position :meth:`state_dict` saved (checked by ``check_draws``)."""
+        self._rng = restore_generator(state[self.GENERATOR])
+        self._block, self._next, self._block_start = [], 0, None
+        if state[self.NEXT]:
+            self._draw_block()
+            self._next = state[self.NEXT]
 
 
 def _discard_pending(pipeline: Pipeline) -> None:
@@ -141,39 +172,29 @@ def _discard_pending(pipeline: Pipeline) -> None:
         _discard_pending(upstream)
 
 
-def _same_reader(state: State, own: bool, topology: Topology) -> bool:
-    """Whether ``state`` continues this reader's own draws: its own worker
-    state, or a one-worker state resumed by one worker (merged states drop
-    the generator position)."""
-    return own or (topology.num_workers == 1 and state["rng"] is not None)
-
-
-def _iterator_state(iterator: Iterator[Any]) -> State:
-    """The state of an upstream iterator, which must be a shardkit one."""
-    state_dict = getattr(iterator, "state_dict", None)
-    if state_dict is None:
-        raise StateError(
-            f"cannot save the position of a {type(iterator).__name__}: it has no state_dict(). "
-            "Pipelines whose __iter__ returns a generator cannot be resumed; return an iterator "
-            "object that keeps its cursor in attributes and implements state_dict()"
-        )
-    return state_dict()
-
-
 class Pipeline(IterableDataset):
     """Base of every shardkit dataset.
 
     Sources (no inputs) leave ``upstream`` empty and override ``__iter__``,
     ``set_epoch``, ``epoch``, ``seed`` and ``topology``. Wrappers hold their
     inputs in ``upstream`` and inherit the plumbing, which asks the first one.
+
+    A stage that can be resumed names its iterator class in ``_iterator_type``
+    (a :class:`~shardkit.state.StageIterator`, which owns the stage's state)
+    and implements ``_open(resume)``.
     """
 
     upstream: tuple[Pipeline, ...] = ()
 
-    #: The ``kind`` of this stage's state node; see :mod:`shardkit.state`.
-    _state_kind = ""
+    #: The iterator class of this stage, which owns its state node; None: a stage without one.
+    _iterator_type: type[StageIterator] | None = None
     _iterator: Any = None
     _pending: State | None = None
+
+    @property
+    def _state_kind(self) -> str:
+        """The ``kind`` of this stage's state node (its iterator's); see :mod:`shardkit.state`."""
+        return "" if self._iterator_type is None else self._iterator_type.KIND
 
     # -- chaining ------------------------------------------------------------
 
@@ -266,13 +287,33 @@ class Pipeline(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         """Start an iteration, resuming a state given to :meth:`load_state_dict`."""
-        state, self._pending = self._pending, None
-        iterator = open_pass(self, self._open, state)  # counts the epoch once per pass (shardkit.epoch)
+        loaded, self._pending = self._pending, None
+        iterator = open_pass(self, self._open_loaded, loaded)  # counts the epoch once per pass (shardkit.epoch)
         self._iterator = iterator
         return iterator
 
-    def _open(self, state: State | None) -> Iterator[Any]:
-        """A new iterator; ``state`` is this stage's loaded state node, if any."""
+    def _open_loaded(self, loaded: State | None) -> Iterator[Any]:
+        return self._open(self._resume(loaded))
+
+    def _resume(self, loaded: State | None) -> Resume | None:
+        """The one check of whether a loaded state resumes the iteration being opened.
+
+        A node that records an epoch resumes an iteration of that epoch; of an
+        earlier one, the iteration starts afresh and the inputs' loaded states
+        (of the old epoch) are dropped with it; of a later one, raises
+        (:func:`~shardkit.state.applies`). Whose the state is (this worker's or
+        the whole rank's) the :class:`~shardkit.state.Resume` answers.
+        """
+        if loaded is None:
+            return None
+        if EPOCH in loaded and not applies(loaded, self.epoch, self):
+            for upstream in self.upstream:
+                _discard_pending(upstream)
+            return None
+        return Resume(loaded, self.topology(), self)
+
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
+        """A new iterator, continuing from ``resume`` (this stage's loaded node that applies), if any."""
         raise NotImplementedError(f"{type(self).__name__} must implement __iter__ or _open")
 
     # -- state ---------------------------------------------------------------
@@ -315,8 +356,11 @@ class Pipeline(IterableDataset):
         self._pending = state
 
     def _load_upstream(self, state: State) -> None:
-        """Pass the inputs' parts of ``state`` to the inputs."""
-        self._first_upstream("load_state_dict").load_state_dict(state["upstream"])
+        """Pass the inputs' parts of ``state`` to the inputs (the iterator class says which is whose)."""
+        if self._iterator_type is None:
+            raise StateError(f"{self!r} has no saved position to load (it defines no _iterator_type)")
+        for upstream, part in self._iterator_type.inputs_to_load(self, state):
+            upstream.load_state_dict(part)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the live iterator (DataLoader workers make their own)."""
@@ -348,46 +392,62 @@ class _Wrapper(Pipeline):
 # -- map ----------------------------------------------------------------------
 
 
+class _MapIterator(PassThroughIterator):
+    """Its node is only ``upstream``: a sample is mapped in the step that reads it."""
+
+    KIND = "map"
+
+    def __init__(self, source: Iterator[Any], fn: Callable[[Any], Any]) -> None:
+        super().__init__(source)
+        self._fn = fn
+
+    def __next__(self) -> Any:
+        return self._fn(next(self._source))
+
+
 class Map(_Wrapper):
     """``fn(sample)`` for every sample; see :meth:`Pipeline.map`."""
+
+    _iterator_type = _MapIterator
 
     def __init__(self, upstream: Pipeline, fn: Callable[[Any], Any]) -> None:
         super().__init__(upstream)
         _check_callable("map(fn)", fn)
         self.fn = fn
 
-    _state_kind = "map"
-
     def __len__(self) -> int:
         return len(self.source)
 
-    def _open(self, state: State | None) -> Iterator[Any]:
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
         return _MapIterator(iter(self.source), self.fn)
 
     def __repr__(self) -> str:
         return f"{self.source!r}.map({_name(self.fn)})"
 
 
-class _MapIterator:
-    def __init__(self, source: Iterator[Any], fn: Callable[[Any], Any]) -> None:
-        self._source = source
-        self._fn = fn
+# -- filter -------------------------------------------------------------------
 
-    def __iter__(self) -> _MapIterator:
-        return self
+
+class _FilterIterator(PassThroughIterator):
+    """Its node is only ``upstream``: a step reads until a sample is accepted."""
+
+    KIND = "filter"
+
+    def __init__(self, source: Iterator[Any], predicate: Callable[[Any], object]) -> None:
+        super().__init__(source)
+        self._predicate = predicate
 
     def __next__(self) -> Any:
-        return self._fn(next(self._source))
-
-    def state_dict(self) -> State:
-        return node("map", upstream=_iterator_state(self._source))
-
-
-# -- filter -------------------------------------------------------------------
+        while True:
+            sample = next(self._source)
+            if self._predicate(sample):
+                return sample
 
 
 class Filter(_Wrapper):
     """The samples ``predicate`` accepts; see :meth:`Pipeline.filter`."""
+
+    _iterator_type = _FilterIterator
 
     def __init__(self, upstream: Pipeline, predicate: Callable[[Any], object]) -> None:
         super().__init__(upstream)
@@ -397,106 +457,39 @@ class Filter(_Wrapper):
     def __len__(self) -> int:
         raise self._unknown_length("filter() drops a number of samples known only after reading them")
 
-    _state_kind = "filter"
-
-    def _open(self, state: State | None) -> Iterator[Any]:
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
         return _FilterIterator(iter(self.source), self.predicate)
 
     def __repr__(self) -> str:
         return f"{self.source!r}.filter({_name(self.predicate)})"
 
 
-class _FilterIterator:
-    def __init__(self, source: Iterator[Any], predicate: Callable[[Any], object]) -> None:
-        self._source = source
-        self._predicate = predicate
-
-    def __iter__(self) -> _FilterIterator:
-        return self
-
-    def __next__(self) -> Any:
-        while True:
-            sample = next(self._source)
-            if self._predicate(sample):
-                return sample
-
-    def state_dict(self) -> State:
-        return node("filter", upstream=_iterator_state(self._source))
-
-
 # -- shuffle ------------------------------------------------------------------
 
 
-class Shuffle(_Wrapper):
-    """A seeded shuffle buffer; see :meth:`Pipeline.shuffle`."""
+class _ShuffleIterator(StageIterator):
+    """Keeps ``buffer_size`` samples; each step pulls one in and hands a random one out.
 
-    def __init__(self, upstream: Pipeline, buffer_size: int, seed: int | None = None) -> None:
-        super().__init__(upstream)
-        self.buffer_size = _check_int("shuffle(buffer_size)", buffer_size, 1)
-        self.shuffle_seed = None if seed is None else check_seed(seed, "shuffle(seed)")
+    Its node: ``epoch``, the buffered ``samples`` (each encoded with
+    :func:`~shardkit.state.encode`), the draw position ``rng``, ``share`` and
+    ``upstream``. The contents are saved rather than re-derived: exact and
+    cheap to restore, at the cost of a state as large as the buffer.
+    """
 
-    def __len__(self) -> int:
-        return len(self.source)
-
-    _state_kind = "shuffle"
-
-    def _open(self, state: State | None) -> Iterator[Any]:
-        seed = self.seed if self.shuffle_seed is None else self.shuffle_seed
-        epoch, topology = self.epoch, self.topology()
-        rng = generator(seed, epoch, topology, SHUFFLE_STREAM)
-        iterator = _ShuffleIterator(iter(self.source), self.buffer_size, rng, epoch, topology)
-        if state is not None and applies(state, epoch, self):
-            iterator.restore(state, own_share(state, topology.worker_id, topology.num_workers, self))
-        return iterator
-
-    def __repr__(self) -> str:
-        return f"{self.source!r}.shuffle({self.buffer_size}, seed={self.shuffle_seed})"
-
-
-class _ShuffleIterator:
-    """Keeps ``buffer_size`` samples; each step pulls one in and hands a random one out."""
+    KIND = "shuffle"
+    SAMPLES = "samples"  #: state key: the buffered samples, encoded
+    _PICKLED = "buffer"  # state key of shardkit <= 0.x: samples pickled, refused
 
     def __init__(
         self, source: Iterator[Any], buffer_size: int, rng: np.random.Generator, epoch: int, topology: Topology
     ) -> None:
         self._source = source
         self._buffer_size = buffer_size
-        self._uniforms = _Uniforms(rng)
+        self._uniforms = Uniforms(rng)
         self._buffer: list[Any] = []
         self._exhausted = False
         self._epoch = epoch
         self._topology = topology
-
-    def restore(self, state: State, own: bool) -> None:
-        """Refill the buffer (and, for this worker's own state, the draws) from ``state``.
-
-        A whole-rank state's buffered samples are dealt out: worker ``w`` of
-        ``n`` takes every ``n``-th one from the ``w``-th on.
-        """
-        buffered = [decode(sample) for sample in state["samples"]]
-        topology = self._topology
-        self._buffer = buffered if own else buffered[topology.worker_id :: topology.num_workers]
-        if _same_reader(state, own, topology):
-            self._uniforms = _Uniforms(self._uniforms._rng, state["rng"])
-
-    def state_dict(self) -> State:
-        """The buffered samples are saved (encoded as plain data), so a restore is exact without re-reading.
-
-        Raises:
-            StateError: a buffered sample is of a type a state cannot hold (see :func:`shardkit.state.encode`).
-        """
-        topology = self._topology
-        return node(
-            "shuffle",
-            epoch=self._epoch,
-            samples=[encode(sample) for sample in self._buffer],
-            rng=self._uniforms.state_dict(),
-            share=share_of(topology.worker_id, topology.num_workers),
-            upstream=_iterator_state(self._source),
-        )
-
-    def __iter__(self) -> _ShuffleIterator:
-        return self
 
     def __next__(self) -> Any:
         buffer = self._buffer
@@ -513,12 +506,120 @@ class _ShuffleIterator:
         buffer.pop()
         return sample
 
+    def state_dict(self) -> State:
+        """The buffered samples are saved (encoded as plain data), so a restore is exact without re-reading.
+
+        Raises:
+            StateError: a buffered sample is of a type a state cannot hold (see :func:`shardkit.state.encode`).
+        """
+        return node(
+            self.KIND,
+            **{
+                EPOCH: self._epoch,
+                self.SAMPLES: [encode(sample) for sample in self._buffer],
+                RNG: self._uniforms.state_dict(),
+                SHARE: share_field(self._topology),
+                UPSTREAM: upstream_state(self._source),
+            },
+        )
+
+    def restore(self, resume: Resume) -> None:
+        """Refill the buffer (and, for this worker's own state, the draws) from the state.
+
+        A whole-rank state's buffered samples are dealt out: worker ``w`` of
+        ``n`` takes every ``n``-th one from the ``w``-th on.
+        """
+        self._buffer = resume.part([decode(sample) for sample in resume.state[self.SAMPLES]])
+        draws = resume.draws()
+        if draws is not None:
+            self._uniforms.load_state_dict(draws)
+
+    @classmethod
+    def check_state(cls, state: State, where: str) -> None:
+        if cls._PICKLED in state and cls.SAMPLES not in state:
+            raise StateError(
+                f"{where}: this shuffle state keeps its samples pickled ('buffer', written by an earlier "
+                "shardkit); it is refused because unpickling can run code. Start the epoch afresh"
+            )
+        whole_number(state, EPOCH, where)
+        field(state, cls.SAMPLES, where, list)
+        check_draws(state, where)
+        check_share(state, where)
+        check_inputs_epoch(state, [field(state, UPSTREAM, where, dict)], where)
+
+    @classmethod
+    def merge(cls, states: Sequence[State]) -> State:
+        """The workers' buffers pooled; the draws start afresh."""
+        check_all_shares(states)
+        return node(
+            cls.KIND,
+            **{
+                EPOCH: same_value(states, EPOCH),
+                cls.SAMPLES: [sample for s in states for sample in s[cls.SAMPLES]],
+                RNG: None,
+                SHARE: None,
+                UPSTREAM: merge([s[UPSTREAM] for s in states]),
+            },
+        )
+
+
+class Shuffle(_Wrapper):
+    """A seeded shuffle buffer; see :meth:`Pipeline.shuffle`."""
+
+    _iterator_type = _ShuffleIterator
+
+    def __init__(self, upstream: Pipeline, buffer_size: int, seed: int | None = None) -> None:
+        super().__init__(upstream)
+        self.buffer_size = _check_int("shuffle(buffer_size)", buffer_size, 1)
+        self.shuffle_seed = None if seed is None else check_seed(seed, "shuffle(seed)")
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
+        seed = self.seed if self.shuffle_seed is None else self.shuffle_seed
+        epoch, topology = self.epoch, self.topology()
+        rng = generator(seed, epoch, topology, SHUFFLE_STREAM)
+        iterator = _ShuffleIterator(iter(self.source), self.buffer_size, rng, epoch, topology)
+        if resume is not None:
+            iterator.restore(resume)
+        return iterator
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}.shuffle({self.buffer_size}, seed={self.shuffle_seed})"
+
 
 # -- batch --------------------------------------------------------------------
 
 
+class _BatchIterator(PassThroughIterator):
+    """Its node is only ``upstream``: a batch is made in one step, so no partial batch is ever pending."""
+
+    KIND = "batch"
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        drop_last: bool,
+    ) -> None:
+        super().__init__(source)
+        self._batch_size = batch_size
+        self._collate_fn = collate_fn
+        self._drop_last = drop_last
+
+    def __next__(self) -> Any:
+        samples = list(itertools.islice(self._source, self._batch_size))
+        if not samples or (self._drop_last and len(samples) < self._batch_size):
+            raise StopIteration
+        return self._collate_fn(samples)
+
+
 class Batch(_Wrapper):
     """Collated groups of samples; see :meth:`Pipeline.batch`."""
+
+    _iterator_type = _BatchIterator
 
     def __init__(
         self,
@@ -552,91 +653,25 @@ class Batch(_Wrapper):
             return samples // self.batch_size
         return math.ceil(samples / self.batch_size)
 
-    _state_kind = "batch"
-
-    def _open(self, state: State | None) -> Iterator[Any]:
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
         return _BatchIterator(iter(self.source), self.batch_size, self.collate_fn, self.drop_last)
 
     def __repr__(self) -> str:
         return f"{self.source!r}.batch({self.batch_size}, drop_last={self.drop_last})"
 
 
-class _BatchIterator:
-    def __init__(
-        self,
-        source: Iterator[Any],
-        batch_size: int,
-        collate_fn: Callable[[list[Any]], Any],
-        drop_last: bool,
-    ) -> None:
-        self._source = source
-        self._batch_size = batch_size
-        self._collate_fn = collate_fn
-        self._drop_last = drop_last
-
-    def __iter__(self) -> _BatchIterator:
-        return self
-
-    def __next__(self) -> Any:
-        samples = list(itertools.islice(self._source, self._batch_size))
-        if not samples or (self._drop_last and len(samples) < self._batch_size):
-            raise StopIteration
-        return self._collate_fn(samples)
-
-    def state_dict(self) -> State:
-        """A batch is made in one step, so no partial batch is ever pending."""
-        return node("batch", upstream=_iterator_state(self._source))
-
-
 # -- repeat -------------------------------------------------------------------
 
 
-class Repeat(_Wrapper):
-    """Back-to-back passes over the upstream; see :meth:`Pipeline.repeat`.
+class _RepeatIterator(StageIterator):
+    """Runs the passes; its node: ``epoch``, the ``pass``, whether the pass has
+    ``yielded`` yet, and the pass's ``upstream`` node (None once every pass is done)."""
 
-    Pass ``k`` creates and advances the upstream iterator with the epoch
-    offset (:func:`shardkit.epoch.epoch_offset`) raised by ``k``; sources add
-    it to their shared epoch, so the shared value itself never changes.
-    Nested repeats compose: inside an outer pass ``j``, an inner
-    ``repeat(count)`` numbers its passes from ``j * count``.
-    """
+    KIND = "repeat"
+    PASS = "pass"  #: state key: passes finished before the current one
+    YIELDED = "yielded"  #: state key: whether the current pass has yielded (an empty pass ends an endless repeat)
 
-    def __init__(self, upstream: Pipeline, count: int | None = None) -> None:
-        super().__init__(upstream)
-        self.count = None if count is None else _check_int("repeat(count)", count, 1)
-
-    def __len__(self) -> int:
-        if self.count is None:
-            raise self._unknown_length("repeat() without a count never ends; pass repeat(count) for a finite length")
-        return self.count * len(self.source)
-
-    _state_kind = "repeat"
-
-    def _open(self, state: State | None) -> Iterator[Any]:
-        epoch = self.epoch
-        if state is not None and not applies(state, epoch, self):
-            # The inputs' states are of later passes of an old epoch, whose
-            # epoch numbers a pass of this epoch may share: drop them.
-            _discard_pending(self.source)
-            state = None
-        return _RepeatIterator(self.source, self.count, epoch, state)
-
-    def _load_upstream(self, state: State) -> None:
-        passes, done = state["pass"], state["upstream"] is None  # None: every pass is done
-        if self.count is not None and (passes > self.count or (passes == self.count and not done)):
-            raise StateError(
-                f"{self!r}: the state is in pass {passes}, but this repeat() makes {self.count} passes; "
-                "load the state into the same pipeline that saved it"
-            )
-        if not done:
-            self.source.load_state_dict(state["upstream"])
-
-    def __repr__(self) -> str:
-        return f"{self.source!r}.repeat({self.count})"
-
-
-class _RepeatIterator:
-    def __init__(self, upstream: Pipeline, count: int | None, epoch: int, state: State | None = None) -> None:
+    def __init__(self, upstream: Pipeline, count: int | None, epoch: int, resume: Resume | None = None) -> None:
         self._upstream = upstream
         self._count = count
         self._epoch = epoch
@@ -644,25 +679,14 @@ class _RepeatIterator:
         self._first_offset = outer if count is None else outer * count
         self._pass = 0
         self._yielded_this_pass = 0
-        if state is not None:
-            self._pass = state["pass"]
-            self._yielded_this_pass = int(state["yielded"])
         self._source: Iterator[Any] | None = None
-        if state is None or state["upstream"] is not None:
+        if resume is not None:  # before the pass is opened: the loaded upstream state resumes that pass
+            self.restore(resume)
+        if resume is None or resume.state[UPSTREAM] is not None:
             self._source = self._start_pass()
-
-    def state_dict(self) -> State:
-        """The pass, whether it has yielded yet, and the pass's upstream state (None when done)."""
-        upstream = None if self._source is None else _iterator_state(self._source)
-        return node(
-            "repeat", epoch=self._epoch, **{"pass": self._pass}, yielded=self._yielded_this_pass > 0, upstream=upstream
-        )
 
     def _start_pass(self) -> Iterator[Any]:
         return call_with_epoch_offset(self._first_offset + self._pass, iter, self._upstream)
-
-    def __iter__(self) -> _RepeatIterator:
-        return self
 
     def __next__(self) -> Any:
         while self._source is not None:
@@ -679,195 +703,103 @@ class _RepeatIterator:
             return sample
         raise StopIteration
 
+    def state_dict(self) -> State:
+        """The pass, whether it has yielded yet, and the pass's upstream state (None when done)."""
+        upstream = None if self._source is None else upstream_state(self._source)
+        return node(
+            self.KIND,
+            **{
+                EPOCH: self._epoch,
+                self.PASS: self._pass,
+                self.YIELDED: self._yielded_this_pass > 0,
+                UPSTREAM: upstream,
+            },
+        )
 
-# -- interleave -----------------------------------------------------------------
+    def restore(self, resume: Resume) -> None:
+        """Go to the saved pass; called by ``__init__`` before the pass's upstream iterator is opened."""
+        self._pass = resume.state[self.PASS]
+        self._yielded_this_pass = int(resume.state[self.YIELDED])
+
+    @classmethod
+    def inputs_to_load(cls, stage: Any, state: State) -> list[tuple[Any, State]]:
+        passes, upstream = state[cls.PASS], state[UPSTREAM]  # upstream None: every pass is done
+        count = stage.count
+        if count is not None and (passes > count or (passes == count and upstream is not None)):
+            raise StateError(
+                f"{stage!r}: the state is in pass {passes}, but this repeat() makes {count} passes; "
+                "load the state into the same pipeline that saved it"
+            )
+        return [] if upstream is None else [(stage.source, upstream)]
+
+    @classmethod
+    def check_state(cls, state: State, where: str) -> None:
+        whole_number(state, EPOCH, where)
+        passes = whole_number(state, cls.PASS, where)
+        yielded = field(state, cls.YIELDED, where, bool)
+        upstream = field(state, UPSTREAM, where, dict, type(None))
+        # No upstream means every pass is done, which happens only right after a pass ends.
+        if upstream is None and (yielded or passes == 0):
+            raise StateError(
+                f"{where}: a repeat() state without an upstream state must be past a finished pass "
+                f"(pass >= 1, yielded False), got pass {passes}, yielded {yielded}"
+            )
+
+    @classmethod
+    def merge(cls, states: Sequence[State]) -> State:
+        """Workers in the same pass merge; in different passes they cannot be split anew."""
+        passes = [s[cls.PASS] for s in states]
+        if any(p != passes[0] for p in passes):
+            raise StateError(
+                f"workers are in different repeat() passes {passes}; such a state resumes only with the "
+                "same number of workers"
+            )
+        upstreams = [s[UPSTREAM] for s in states]
+        if any(u is None for u in upstreams) != all(u is None for u in upstreams):
+            raise StateError("cannot merge repeat() states where some workers have finished and others not")
+        return node(
+            cls.KIND,
+            **{
+                EPOCH: same_value(states, EPOCH),
+                cls.PASS: passes[0],
+                cls.YIELDED: any(s[cls.YIELDED] for s in states),
+                UPSTREAM: None if upstreams[0] is None else merge(upstreams),
+            },
+        )
 
 
-def interleave(
-    datasets: Sequence[Pipeline],
-    weights: Sequence[float] | None = None,
-    *,
-    seed: int = 0,
-    stop: str = "first_exhausted",
-) -> Pipeline:
-    """Mix several pipelines, drawing the next source at random by ``weights``.
+class Repeat(_Wrapper):
+    """Back-to-back passes over the upstream; see :meth:`Pipeline.repeat`.
 
-    Draws are seeded from (``seed``, epoch, rank, worker): deterministic for a
-    given topology and epoch, different per epoch. ``weights=None`` mixes
-    evenly; weights need not sum to 1. A source with weight 0 is never read.
-    ``stop="first_exhausted"`` ends when a drawn source runs out, so the mix
-    follows the weights to the end; ``"all_exhausted"`` keeps drawing from the
-    others, reweighted, until every source is spent. ``set_epoch`` reaches
-    every source.
+    Pass ``k`` creates and advances the upstream iterator with the epoch
+    offset (:func:`shardkit.epoch.epoch_offset`) raised by ``k``; sources add
+    it to their shared epoch, so the shared value itself never changes.
+    Nested repeats compose: inside an outer pass ``j``, an inner
+    ``repeat(count)`` numbers its passes from ``j * count``.
     """
-    return Interleave(datasets, weights, seed=seed, stop=stop)
 
+    _iterator_type = _RepeatIterator
 
-class Interleave(Pipeline):
-    """Weighted random mixing of several pipelines; see :func:`interleave`.
-
-    ``epoch`` and ``topology()`` come from the first dataset; ``seed`` is the
-    mixing seed, which a ``.shuffle()`` chained after it also uses by default.
-    """
-
-    def __init__(
-        self,
-        datasets: Sequence[Pipeline],
-        weights: Sequence[float] | None = None,
-        *,
-        seed: int = 0,
-        stop: str = "first_exhausted",
-    ) -> None:
-        self.upstream = _check_datasets(datasets)
-        self.weights = _check_weights(weights, len(self.upstream))
-        self.mix_seed = check_seed(seed, "interleave(seed)")
-        if stop not in STOP_RULES:
-            raise PipelineError(f"interleave(stop) must be one of {STOP_RULES}, got {stop!r}")
-        self.stop = stop
-
-    @property
-    def seed(self) -> int:
-        """The mixing seed given to :func:`interleave`."""
-        return self.mix_seed
+    def __init__(self, upstream: Pipeline, count: int | None = None) -> None:
+        super().__init__(upstream)
+        self.count = None if count is None else _check_int("repeat(count)", count, 1)
 
     def __len__(self) -> int:
-        if self.stop == "first_exhausted":
-            raise self._unknown_length(
-                "with stop='first_exhausted' it ends when a randomly drawn source runs out; "
-                "stop='all_exhausted' has a length"
-            )
-        return sum(len(d) for d, w in zip(self.upstream, self.weights) if w > 0)
+        if self.count is None:
+            raise self._unknown_length("repeat() without a count never ends; pass repeat(count) for a finite length")
+        return self.count * len(self.source)
 
-    _state_kind = "interleave"
-
-    def _open(self, state: State | None) -> Iterator[Any]:
-        epoch, topology = self.epoch, self.topology()
-        rng = generator(self.mix_seed, epoch, topology, INTERLEAVE_STREAM)
-        iterator = _InterleaveIterator(
-            self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology
-        )
-        if state is not None and applies(state, epoch, self):
-            iterator.restore(state, own_share(state, topology.worker_id, topology.num_workers, self))
-        return iterator
-
-    def _load_upstream(self, state: State) -> None:
-        inputs = state["upstream"]
-        if len(inputs) != len(self.upstream):
-            raise StateError(f"{self!r}: the state has {len(inputs)} inputs, this interleave {len(self.upstream)}")
-        for index, (dataset, part, weight) in enumerate(zip(self.upstream, inputs, self.weights)):
-            if (part is None) != (weight == 0):  # every input that is read has a position
-                saved = "no state" if part is None else "a state"
-                raise StateError(f"{self!r}: the state has {saved} for input {index} of weight {weight}")
-            if part is not None:
-                dataset.load_state_dict(part)
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
+        return _RepeatIterator(self.source, self.count, self.epoch, resume)
 
     def __repr__(self) -> str:
-        inputs = ", ".join(repr(d) for d in self.upstream)
-        return f"interleave([{inputs}], weights={list(self.weights)}, seed={self.mix_seed}, stop={self.stop!r})"
+        return f"{self.source!r}.repeat({self.count})"
 
 
-def _check_datasets(datasets: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
-    if isinstance(datasets, Pipeline) or not isinstance(datasets, Sequence):
-        raise PipelineError(
-            f"interleave(datasets) takes a list of pipelines, got {type(datasets).__name__}; "
-            "write interleave([a, b], ...)"
-        )
-    if not datasets:
-        raise PipelineError("interleave(datasets) needs at least one dataset, got an empty list")
-    for position, dataset in enumerate(datasets):
-        if not isinstance(dataset, Pipeline):
-            raise PipelineError(
-                f"interleave(datasets[{position}]) is a {type(dataset).__name__}, not a shardkit Pipeline; "
-                "turn it into one with shardkit.wrap(...)"
-            )
-    return tuple(datasets)
-
-
-def _check_weights(weights: Sequence[float] | None, count: int) -> tuple[float, ...]:
-    if weights is None:
-        return (1.0,) * count
-    try:
-        values = [float(w) for w in weights]
-    except (TypeError, ValueError):
-        raise PipelineError(f"interleave(weights) must be a sequence of numbers, got {weights!r}") from None
-    if len(values) != count:
-        raise PipelineError(
-            f"interleave got {count} datasets but {len(values)} weights; "
-            "pass one weight per dataset, or weights=None to mix evenly"
-        )
-    for position, value in enumerate(values):
-        if not math.isfinite(value) or value < 0:
-            raise PipelineError(f"interleave(weights[{position}]) must be finite and >= 0, got {value}")
-    if sum(values) == 0:
-        raise PipelineError("interleave(weights) are all zero; give at least one dataset a positive weight")
-    return tuple(values)
-
-
-class _InterleaveIterator:
-    """Draws a source for every sample from the cumulative weights of the live ones."""
-
-    def __init__(
-        self,
-        datasets: tuple[Pipeline, ...],
-        weights: tuple[float, ...],
-        rng: np.random.Generator,
-        stop_on_first: bool,
-        epoch: int,
-        topology: Topology,
-    ) -> None:
-        self._weights = weights
-        self._uniforms = _Uniforms(rng)
-        self._stop_on_first = stop_on_first
-        self._epoch = epoch
-        self._topology = topology
-        self._sources = [iter(d) if w > 0 else None for d, w in zip(datasets, weights)]
-        self._live = [i for i, w in enumerate(weights) if w > 0]
-        self._cumulative = list(itertools.accumulate(weights[i] for i in self._live))
-        self._stopped = False
-
-    def restore(self, state: State, own: bool) -> None:
-        """Take the live inputs (and, for this worker's own state, the draws) from ``state``."""
-        self._live = [i for i in state["live"] if self._sources[i] is not None]
-        self._cumulative = list(itertools.accumulate(self._weights[i] for i in self._live))
-        self._stopped = bool(state["stopped"])
-        if self._stopped:
-            self._live = []
-        if _same_reader(state, own, self._topology):
-            self._uniforms = _Uniforms(self._uniforms._rng, state["rng"])
-
-    def state_dict(self) -> State:
-        """Every input's state (None for weight 0), the live inputs and the draws."""
-        topology = self._topology
-        return node(
-            "interleave",
-            epoch=self._epoch,
-            upstream=[None if s is None else _iterator_state(s) for s in self._sources],
-            live=list(self._live),
-            rng=self._uniforms.state_dict(),
-            stopped=self._stopped,
-            share=share_of(topology.worker_id, topology.num_workers),
-        )
-
-    def __iter__(self) -> _InterleaveIterator:
-        return self
-
-    def _drop(self, index: int) -> None:
-        self._live.remove(index)
-        self._cumulative = list(itertools.accumulate(self._weights[i] for i in self._live))
-
-    def __next__(self) -> Any:
-        while self._live:
-            point = self._uniforms.draw() * self._cumulative[-1]
-            slot = min(bisect_right(self._cumulative, point), len(self._live) - 1)
-            index = self._live[slot]
-            source = self._sources[index]
-            assert source is not None
-            try:
-                return next(source)
-            except StopIteration:
-                if self._stop_on_first:
-                    self._live = []
-                    self._stopped = True
-                else:
-                    self._drop(index)
-        raise StopIteration
+def __getattr__(name: str) -> Any:
+    """``interleave``, ``Interleave`` and ``STOP_RULES`` live in :mod:`shardkit.interleave`
+    (imported when first asked for: it builds on this module)."""
+    if name in ("interleave", "Interleave", "STOP_RULES"):
+        module = importlib.import_module("shardkit.interleave")
+        return getattr(module, name)
+    raise AttributeError(f"module 'shardkit.pipeline' has no attribute {name!r}")

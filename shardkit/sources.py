@@ -40,7 +40,7 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
 from shardkit.counting import CountFn, resolve_counts
-from shardkit.epoch import SharedEpoch, check_epoch, resume_at
+from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.base import BadRecord
 from shardkit.formats.example import ColumnBatches, FeatureSpec
@@ -57,13 +57,33 @@ from shardkit.planning import (
     share,
     split_remaining,
     take,
+    through,
     union,
     window_order,
 )
 from shardkit.remote import RetryPolicy, prefetch, remote_options
 from shardkit.seeding import check_seed, seed_iteration
 from shardkit.shardlist import NUM_RECORDS, ShardList
-from shardkit.state import State, StateError, applies, check, check_positions, expect_equal, node, own_share, share_of
+from shardkit.state import (
+    EPOCH,
+    SEQUENCE,
+    SHARE,
+    Resume,
+    StageIterator,
+    State,
+    StateError,
+    check,
+    check_all_shares,
+    check_intervals,
+    check_positions,
+    check_share,
+    expect_equal,
+    field,
+    node,
+    same_value,
+    share_field,
+    whole_number,
+)
 from shardkit.stats import ReadStats, SharedStats
 from shardkit.topology import Topology
 from shardkit.trainers import check_dataloader_len
@@ -117,9 +137,6 @@ class _Source(Pipeline):
 
     _process_group: tuple[int, int] | None = None
 
-    def _load_upstream(self, state: State) -> None:
-        """A source has no inputs."""
-
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for DataLoader workers (spawn, forkserver): carry this
         process's torch.distributed rank, which a fresh worker process cannot see."""
@@ -162,8 +179,6 @@ class _Cursor:
 class _PlannedSource(_Source):
     """A source whose records are ranges of numbered shards, split by :func:`plan`."""
 
-    _state_kind = "planned"
-
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
         """Per-shard record counts for the plan: an int64 array, or, where some
         are unknown and ``required`` is false, a pyarrow array with nulls."""
@@ -198,10 +213,7 @@ class _PlannedSource(_Source):
         urls from their Arrow buffers takes 0.03 s, once per ShardList.
         """
         if not isinstance(counts, np.ndarray):
-            raise StateError(
-                f"{self!r}: resuming needs the record count of every shard, and some are unknown; "
-                "call count_records() (or give counts: a manifest, index files) before iterating"
-            )
+            raise _unknown_counts(self)
         import hashlib
 
         shards = getattr(self, "shards", None)  # a wrap()ped map-style dataset has no files
@@ -225,9 +237,8 @@ class _PlannedSource(_Source):
         """
         check(state, self._state_kind, self)
         counts, _ = self._counts(self.topology())
-        expect_equal(self, "dataset", state["fingerprint"], self._fingerprint(counts))
-        self._pending = state
-        resume_at(self, state["epoch"])  # the next pass reads the state's epoch (unless set_epoch)
+        expect_equal(self, "dataset", state[_RangeIterator.FINGERPRINT], self._fingerprint(counts))
+        super().load_state_dict(state)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all of its workers together)."""
@@ -249,66 +260,61 @@ class _PlannedSource(_Source):
         """Whether ``shuffle=True`` shuffles samples here (needs known record counts)."""
         return self.shuffle_shards and self.shuffle_window > 0
 
-    def _open(self, state: State | None) -> Iterator[Any]:
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
         topology, epoch = self._start()
         counts, balance = self._counts(topology)
         kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle_shards, "balance": balance}
         if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
-            if state is not None:
+            if resume is not None:
                 self._fingerprint(counts)  # raises, naming the fix
-            return _RangeReader(self, [(None, r) for r in plan(counts, topology, **kwargs)], epoch, topology, None)
-        windowed = self._windowed()
-        if windowed:
+            pieces = [(None, r) for r in plan(counts, topology, **kwargs)]
+            return _RangeIterator(self._calls(), pieces, epoch, topology, None)
+        if self._windowed():
             kwargs["block_size"] = self.shuffle_block
         fingerprint = self._fingerprint(counts)
-        total = int(counts.sum())
-        base, yielded, exact = None, 0, False
-        if state is not None and applies(state, epoch, self):
-            expect_equal(self, "dataset", state["fingerprint"], fingerprint)
-            base = self._base_of(state)
-        if base is not None:  # the epoch resumed from a global state: this rank's part of what it left
-            chunk = split_remaining(base["remaining"], total, topology.world_size, topology.rank, balance)
-            kwargs.update(chunk=chunk, stream_world_size=base["world_size"])
-            size = sum(b - a for a, b in chunk)
-        else:
-            size = rank_span(total, topology.world_size, topology.rank, balance)[1]
-        intervals = share([(0, size)], topology.num_workers, topology.worker_id)
-        if state is not None and state["rank"] is not None and applies(state, epoch, self):
-            intervals, yielded, exact = self._resume_positions(state, topology, size, windowed)
-        pieces = plan_intervals(counts, topology, intervals, **kwargs)
+        base = None if resume is None else _RangeIterator.base_of(resume, fingerprint)
+        size = self._chunk_size(counts, topology, base, kwargs)
+        start = _RangeIterator.start_of(resume, size, self._windowed(), topology)
+        iterator = self._new_iterator(counts, topology, epoch, fingerprint, start, kwargs, base)
+        if start.exact and resume is not None:  # the window read again must leave what the state says is left
+            saved = resume.state[_RangeIterator.REMAINING]
+            expect_equal(self, "remaining positions (for its window)", saved, iterator.remaining())
+        return iterator
+
+    def _calls(self) -> _SourceCalls:
+        """What a :class:`_RangeIterator` calls back: this source's reads, hints and padding counts."""
+        return _SourceCalls(self, self._read, self._hint, self._count_padded)
+
+    def _chunk_size(self, counts: np.ndarray, topology: Topology, base: State | None, kwargs: dict[str, Any]) -> int:
+        """Positions in this rank's chunk. After a global state (``base``) the chunk
+        is this rank's part of what that state left, which ``kwargs`` then carry."""
+        total, balance = int(counts.sum()), kwargs["balance"]
+        if base is None:
+            return rank_span(total, topology.world_size, topology.rank, balance)[1]
+        chunk = split_remaining(base["remaining"], total, topology.world_size, topology.rank, balance)
+        kwargs.update(chunk=chunk, stream_world_size=base["world_size"])
+        return sum(b - a for a, b in chunk)
+
+    def _new_iterator(
+        self,
+        counts: np.ndarray,
+        topology: Topology,
+        epoch: int,
+        fingerprint: dict[str, Any],
+        start: _Start,
+        kwargs: dict[str, Any],
+        base: State | None,
+    ) -> _RangeIterator | _WindowIterator:
+        """The iterator over ``start``'s positions: their ranges, windowed under sample-level shuffling."""
+        pieces = plan_intervals(counts, topology, start.intervals, **kwargs)
         stand_in = None
-        if self._makes_up(balance):
+        if self._makes_up(kwargs["balance"]):
             stand_in = functools.partial(self._stand_in, counts, topology, kwargs)
-        reader = _RangeReader(self, pieces, epoch, topology, fingerprint, stand_in)
-        reader.base = base
-        if not windowed:
-            return reader
-        windows = _WindowReader(reader, intervals, self.shuffle_window, seed=self.seed, skip=yielded)
-        if exact:  # the window read again must leave what the state says is left
-            expect_equal(self, "remaining positions (for its window)", state["remaining"], windows.remaining())
-        return windows
-
-    def _base_of(self, state: State) -> dict[str, Any] | None:
-        """The global state (``world_size``, ``remaining``) an epoch resumed from on another world, if any."""
-        if state["rank"] is None:
-            check_positions(self, state["remaining"], state["fingerprint"]["records"])
-            return {"world_size": state["world_size"], "remaining": state["remaining"]}
-        return state.get("base")
-
-    def _resume_positions(
-        self, state: State, topology: Topology, size: int, windowed: bool
-    ) -> tuple[list[tuple[int, int]], int, bool]:
-        """This reader's positions from a rank's state: (intervals, window samples yielded, exact window?)."""
-        expect_equal(self, "world_size", state["world_size"], topology.world_size)
-        expect_equal(self, "rank", state["rank"], topology.rank)
-        remaining = state["remaining"]
-        check_positions(self, remaining, size)
-        own = own_share(state, topology.worker_id, topology.num_workers, self)
-        window = state.get("window") if windowed else None
-        if window is not None and (own or topology.num_workers == 1):  # exactly where it stopped
-            check_positions(self, window["from"], size)
-            return [tuple(i) for i in window["from"]], window["yielded"], True
-        return (union(remaining) if own else share(remaining, topology.num_workers, topology.worker_id)), 0, False
+        ranges = _RangeIterator(self._calls(), pieces, epoch, topology, fingerprint, stand_in)
+        ranges.base = base
+        if not self._windowed():
+            return ranges
+        return _WindowIterator(ranges, start.intervals, self.shuffle_window, seed=self.seed, skip=start.yielded)
 
     def _makes_up(self, balance: Balance) -> bool:
         """Whether records this source skips are replaced by repeats, to keep ranks balanced."""
@@ -322,7 +328,32 @@ class _PlannedSource(_Source):
         """Count one sample yielded in place of a skipped or missing record of ``shard``."""
 
 
-class _RangeReader:
+def _unknown_counts(owner: object) -> StateError:
+    return StateError(
+        f"{owner!r}: resuming needs the record count of every shard, and some are unknown; "
+        "call count_records() (or give counts: a manifest, index files) before iterating"
+    )
+
+
+class _SourceCalls(NamedTuple):
+    """The source a :class:`_RangeIterator` reads for (named in errors) and what it calls back."""
+
+    owner: object
+    read: Callable[[int, int, int | None], Iterator[Any]]
+    hint: Callable[[int, int, int | None], None]
+    count_padded: Callable[[int], None]
+
+
+class _Start(NamedTuple):
+    """Where a reader starts: the positions it reads (in order), the samples of its
+    first window already yielded, and whether that window is exactly a saved one."""
+
+    intervals: list[tuple[int, int]]
+    yielded: int
+    exact: bool
+
+
+class _RangeIterator(StageIterator):
     """Reads one reader's ranges in order; the cursor is (range, records done).
 
     Each range comes with the rank-chunk position of its first record (None
@@ -335,12 +366,28 @@ class _RangeReader:
     samples. A made-up sample takes the position of the record it replaces,
     one at a time, so a state saved in the middle of a run of them resumes
     with exactly the rest (the source finds the same bad records again).
+
+    Its node (``"planned"``, see :mod:`shardkit.state`) is positions: the
+    keys below, ``epoch`` and ``share``. A :class:`_WindowIterator` over it
+    adds ``window``. A planned source's ``_open`` plans the positions a
+    loaded node leaves (:meth:`start_of`, :meth:`base_of`) instead of loading
+    them into an iterator.
     """
+
+    KIND = "planned"
+    WORLD_SIZE = "world_size"  #: state key: the world size (of a global node: that its stream was planned for)
+    RANK = "rank"  #: state key: the rank; None in a global node (all ranks')
+    FINGERPRINT = "fingerprint"  #: state key: what the dataset must agree on (``_PlannedSource._fingerprint``)
+    REMAINING = "remaining"  #: state key: ``[start, stop)`` intervals of positions still to read
+    BASE = "base"  #: state key: the global node (``world_size``, ``remaining``) this epoch resumed from
+    WINDOW = "window"  #: state key: ``{"from": positions from the window's start, "yielded": its samples yielded}``
+    WINDOW_FROM = "from"
+    WINDOW_YIELDED = "yielded"
 
     def __init__(
         self,
-        source: _PlannedSource,
-        pieces: list[tuple[int | None, Range]],
+        source: _SourceCalls,
+        pieces: Sequence[tuple[int | None, Range]],
         epoch: int,
         topology: Topology,
         fingerprint: dict[str, Any] | None,
@@ -352,63 +399,27 @@ class _RangeReader:
         self.range_index = 0
         self.done_in_range = 0
         self._records: Iterator[Any] | None = None
-        self._epoch = epoch
-        self._topology = topology
+        self.epoch = epoch
+        self.topology = topology
         self._fingerprint = fingerprint
         self._stand_in = stand_in
         self._last: Any = _NOTHING
         self._owed = 0  # records skipped in the current range and not made up yet
         self.skips: list[tuple[int, int]] = []  # (first position, records) of runs skipped without a sample
-        self.base: dict[str, Any] | None = None  # the global state this epoch resumed from, on another world
-
-    def state_dict(self) -> State:
-        """The positions of this reader's part not read yet (records, not samples)."""
-        if self._fingerprint is None:
-            self._source._fingerprint(None)  # raises, naming the fix
-        remaining = []
-        for index in range(self.range_index, len(self.ranges)):
-            _, start, stop = self.ranges[index]
-            position = self.positions[index]
-            done = self.done_in_range if index == self.range_index else 0
-            remaining.append((position + done, position + stop - start))  # type: ignore[operator]
-        topology = self._topology
-        return node(
-            "planned",
-            epoch=self._epoch,
-            world_size=topology.world_size,
-            rank=topology.rank,
-            fingerprint=self._fingerprint,
-            remaining=[list(interval) for interval in union(remaining)],
-            share=share_of(topology.worker_id, topology.num_workers),
-            **({} if self.base is None else {"base": self.base}),
-        )
-
-    def __iter__(self) -> _RangeReader:
-        return self
+        self.base: State | None = None  # the global node this epoch resumed from, on another world
 
     def __next__(self) -> Any:
         if self._owed:
             return self._made_up()
         while self.range_index < len(self.ranges):
-            if self._records is None:
-                shard, start, stop = self.ranges[self.range_index]
-                self._records = self._source._read(shard, start + self.done_in_range, stop)
-                for ahead in self.ranges[self.range_index + 1 : self.range_index + 4]:
-                    self._source._hint(*ahead)
+            records = self._records if self._records is not None else self._open_range()
             try:
-                sample = next(self._records)
+                sample = next(records)
             except StopIteration:
                 self._finish_range()
                 continue
             if isinstance(sample, _Skipped):
-                if self._stand_in is None:
-                    position = self.positions[self.range_index]
-                    if position is not None and sample.records:  # for _WindowReader: positions without a sample
-                        self.skips.append((position + self.done_in_range, sample.records))
-                    self.done_in_range += sample.records
-                    continue
-                self._owed = sample.records
-                if self._owed:
+                if self._skip(sample.records):
                     return self._made_up()
                 continue
             self.done_in_range += 1
@@ -417,13 +428,32 @@ class _RangeReader:
             return sample
         raise StopIteration
 
+    def _open_range(self) -> Iterator[Any]:
+        """Start reading the current range (from where it stopped) and hint the next three."""
+        shard, start, stop = self.ranges[self.range_index]
+        self._records = self._source.read(shard, start + self.done_in_range, stop)
+        for ahead in self.ranges[self.range_index + 1 : self.range_index + 4]:
+            self._source.hint(*ahead)
+        return self._records
+
+    def _skip(self, records: int) -> bool:
+        """Account for ``records`` skipped records; True if they are to be made up now."""
+        if self._stand_in is not None:
+            self._owed = records
+            return records > 0
+        position = self.positions[self.range_index]
+        if position is not None and records:  # for _WindowIterator: positions without a sample
+            self.skips.append((position + self.done_in_range, records))
+        self.done_in_range += records
+        return False
+
     def _made_up(self) -> Any:
         """One repeat in place of the next skipped record (see the class docstring)."""
         if self._last is _NOTHING:
             self._last = self._stand_in()  # type: ignore[misc]
         self._owed -= 1
         self.done_in_range += 1
-        self._source._count_padded(self.ranges[self.range_index].shard)
+        self._source.count_padded(self.ranges[self.range_index].shard)
         return self._last
 
     def _finish_range(self) -> None:
@@ -431,9 +461,155 @@ class _RangeReader:
         self.range_index += 1
         self.done_in_range = 0
 
+    def remaining(self) -> list[list[int]]:
+        """The positions of this reader's part not read yet (records, not samples)."""
+        remaining = []
+        for index in range(self.range_index, len(self.ranges)):
+            _, start, stop = self.ranges[index]
+            position = self.positions[index]
+            assert position is not None and stop is not None  # positions exist with known counts only
+            done = self.done_in_range if index == self.range_index else 0
+            remaining.append((position + done, position + stop - start))
+        return [list(interval) for interval in union(remaining)]
 
-class _WindowReader:
-    """Sample-level shuffling over a :class:`_RangeReader`: read a window, yield it permuted.
+    def state_dict(self) -> State:
+        """The positions of this reader's part not read yet, and whose part it is."""
+        if self._fingerprint is None:  # no positions without record counts
+            raise _unknown_counts(self._source.owner)
+        fields = {
+            EPOCH: self.epoch,
+            self.WORLD_SIZE: self.topology.world_size,
+            self.RANK: self.topology.rank,
+            self.FINGERPRINT: self._fingerprint,
+            self.REMAINING: self.remaining(),
+            SHARE: share_field(self.topology),
+        }
+        return node(self.KIND, **fields, **({} if self.base is None else {self.BASE: self.base}))
+
+    @classmethod
+    def base_of(cls, resume: Resume, fingerprint: dict[str, Any]) -> State | None:
+        """The global node (``world_size``, ``remaining``) an epoch resumed from on
+        another world, if any; the loaded node must be of this dataset (``fingerprint``)."""
+        state, owner = resume.state, resume.owner
+        expect_equal(owner, "dataset", state[cls.FINGERPRINT], fingerprint)
+        if state[cls.RANK] is None:
+            check_positions(owner, state[cls.REMAINING], state[cls.FINGERPRINT]["records"])
+            return {cls.WORLD_SIZE: state[cls.WORLD_SIZE], cls.REMAINING: state[cls.REMAINING]}
+        return state.get(cls.BASE)
+
+    @classmethod
+    def start_of(cls, resume: Resume | None, size: int, windowed: bool, topology: Topology) -> _Start:
+        """Where this reader starts in a rank chunk of ``size`` positions: its even part of the
+        chunk, unless ``resume`` is a rank's node (a global one only changes the chunk)."""
+        if resume is None or resume.state[cls.RANK] is None:
+            return _Start(share([(0, size)], topology.num_workers, topology.worker_id), 0, False)
+        state, owner = resume.state, resume.owner
+        expect_equal(owner, "world_size", state[cls.WORLD_SIZE], topology.world_size)
+        expect_equal(owner, "rank", state[cls.RANK], topology.rank)
+        remaining = state[cls.REMAINING]
+        check_positions(owner, remaining, size)
+        window = state.get(cls.WINDOW) if windowed else None
+        if window is not None and (resume.own or topology.num_workers == 1):  # exactly where it stopped
+            check_positions(owner, window[cls.WINDOW_FROM], size)
+            return _Start([(a, b) for a, b in window[cls.WINDOW_FROM]], window[cls.WINDOW_YIELDED], True)
+        if resume.own:
+            return _Start(union(remaining), 0, False)
+        return _Start(share(remaining, topology.num_workers, topology.worker_id), 0, False)
+
+    @classmethod
+    def check_state(cls, state: State, where: str) -> None:
+        whole_number(state, EPOCH, where)
+        world_size = whole_number(state, cls.WORLD_SIZE, where, 1)
+        rank = field(state, cls.RANK, where, int, type(None))
+        if rank is not None and rank < 0:
+            raise StateError(f"{where}: state['rank'] must be >= 0 (or None for a global state), got {rank}")
+        if rank is not None and rank >= world_size:
+            raise StateError(f"{where}: state['rank'] {rank} is not below state['world_size'] {world_size}")
+        field(state, cls.FINGERPRINT, where, dict)
+        check_intervals(field(state, cls.REMAINING, where, *SEQUENCE), where)
+        check_share(state, where)
+        base = field(state, cls.BASE, where, dict, type(None)) if cls.BASE in state else None
+        if rank is None and (state[SHARE] is not None or base is not None):
+            raise StateError(f"{where}: a global state (rank None) has no share and no base")
+        if base is not None:
+            whole_number(base, cls.WORLD_SIZE, f"{where} (base)", 1)
+            check_intervals(field(base, cls.REMAINING, f"{where} (base)", *SEQUENCE), f"{where} (base)")
+        if cls.WINDOW in state[cls.FINGERPRINT]:  # a dataset that shuffles samples: the key is always there
+            cls._check_window(state, rank, where)
+
+    @classmethod
+    def _check_window(cls, state: State, rank: int | None, where: str) -> None:
+        window = field(state, cls.WINDOW, where, dict, type(None))
+        if window is None:  # a merged state: positions only
+            return
+        if rank is None:
+            raise StateError(f"{where}: a global state (rank None) has no window")
+        check_intervals(field(window, cls.WINDOW_FROM, f"{where} (window)", *SEQUENCE), f"{where} (window)", "from")
+        whole_number(window, cls.WINDOW_YIELDED, f"{where} (window)")
+
+    @classmethod
+    def merge(cls, states: Sequence[State]) -> State:
+        """The workers' remaining positions united (each position is one worker's); windows start afresh."""
+        check_all_shares(states)
+        keys = (EPOCH, cls.WORLD_SIZE, cls.RANK, cls.FINGERPRINT)
+        fields = {key: same_value(states, key) for key in keys}
+        if states[0].get(cls.BASE) is not None:
+            fields[cls.BASE] = same_value(states, cls.BASE)
+        intervals = [interval for s in states for interval in s[cls.REMAINING]]
+        remaining = union(intervals)
+        if sum(b - a for a, b in remaining) != sum(b - a for a, b in intervals):
+            raise StateError(
+                "cannot merge worker states whose remaining positions overlap: each position is one worker's"
+            )
+        window = {cls.WINDOW: None} if cls.WINDOW in fields[cls.FINGERPRINT] else {}
+        return node(cls.KIND, **fields, **{cls.REMAINING: [list(i) for i in remaining], SHARE: None}, **window)
+
+    @classmethod
+    def merge_ranks(cls, states: Sequence[State]) -> State:
+        """The positions no rank has read yet, in the epoch's global stream (``rank`` None)."""
+        fields = {key: same_value(states, key) for key in (EPOCH, cls.WORLD_SIZE, cls.FINGERPRINT)}
+        fingerprint, world_size = fields[cls.FINGERPRINT], fields[cls.WORLD_SIZE]
+        ranks = sorted(s[cls.RANK] for s in states)
+        if ranks != list(range(world_size)):
+            raise StateError(
+                f"merge_ranks needs the state of every rank 0..{world_size - 1} exactly once, got ranks {ranks}"
+            )
+        bases = [s.get(cls.BASE) for s in states]
+        if any(b != bases[0] for b in bases):
+            raise StateError("cannot merge rank states resumed from different global states")
+        pieces = [piece for state in states for piece in cls._global_positions(state, fingerprint, bases[0])]
+        remaining = union(pieces)
+        if sum(b - a for a, b in remaining) != sum(b - a for a, b in pieces):
+            raise StateError("cannot merge rank states that both hold the same positions: each position is one rank's")
+        window = {cls.WINDOW: None} if cls.WINDOW in fingerprint else {}
+        return node(
+            cls.KIND,
+            **{EPOCH: fields[EPOCH], cls.WORLD_SIZE: world_size if bases[0] is None else bases[0][cls.WORLD_SIZE]},
+            **{cls.RANK: None, cls.FINGERPRINT: fingerprint, cls.REMAINING: [list(i) for i in remaining]},
+            **{SHARE: None},
+            **window,
+        )
+
+    @classmethod
+    def _global_positions(cls, state: State, fingerprint: dict[str, Any], base: State | None) -> list[tuple[int, int]]:
+        """A rank's remaining positions in the global stream (repeats that ``"pad"`` planned are not owed)."""
+        total, balance, world_size = fingerprint["records"], fingerprint["balance"], state[cls.WORLD_SIZE]
+        if base is None:
+            start, size = rank_span(total, world_size, state[cls.RANK], balance)
+            chunk = [(start, start + size)]
+        else:
+            chunk = split_remaining(base[cls.REMAINING], total, world_size, state[cls.RANK], balance)
+        pieces = []
+        for a, b in state[cls.REMAINING]:
+            pieces += [(x, min(y, total)) for x, y in through(chunk, a, b) if x < total]
+        return pieces
+
+
+_PlannedSource._iterator_type = _RangeIterator  # named here: the source class comes first in this module
+
+
+class _WindowIterator:
+    """Sample-level shuffling over a :class:`_RangeIterator`: read a window, yield it permuted.
 
     The reader's positions (``intervals``, in reading order) are cut into
     windows of ``size`` consecutive positions. A window is read sequentially
@@ -452,9 +628,9 @@ class _WindowReader:
     """
 
     def __init__(
-        self, reader: _RangeReader, intervals: Sequence[Sequence[int]], size: int, *, seed: int, skip: int = 0
+        self, ranges: _RangeIterator, intervals: Sequence[Sequence[int]], size: int, *, seed: int, skip: int = 0
     ) -> None:
-        self._reader = reader
+        self._ranges = ranges
         self._size = size
         self._seed = seed
         self._from = [(int(a), int(b)) for a, b in intervals if b > a]
@@ -473,11 +649,11 @@ class _WindowReader:
         self._yielded = skip
 
     def _fill(self) -> None:
-        """Read the next window from the reader's current position and permute it.
+        """Read the next window from the ranges' current position and permute it.
 
         The window is the first ``size`` positions of ``self._from``; samples are
         read in batches (a C-level loop: this is every sample's path) and their
-        positions found from the window's start and the reader's log of skipped
+        positions found from the window's start and the ranges' log of skipped
         records. A sample read past the window's end is carried to the next one.
         """
         head, self._rest = take(self._from, self._size)
@@ -485,22 +661,21 @@ class _WindowReader:
         end = head[-1][1] if head else 0  # positions are read in increasing order: the window is all below
         samples, positions = self._carry
         self._carry = ([], [])
-        reader = self._reader
+        ranges = self._ranges
         if head:  # skips before the window no longer matter
-            reader.skips = [(p, n) for p, n in reader.skips if p + n > head[0][0]]
-        last = not self._rest  # read the reader to its end: its last range's end checks and counts run
+            ranges.skips = [(p, n) for p, n in ranges.skips if p + n > head[0][0]]
+        last = not self._rest  # read the ranges to their end: the last range's end checks and counts run
         with _collection_paused():
             while want and (last or not positions or positions[-1] < end - 1):
-                read = list(itertools.islice(reader, max(1, want - len(samples))))
+                read = list(itertools.islice(ranges, max(1, want - len(samples))))
                 if not read:
                     break
                 samples += read
-                positions = self._positions_of(len(samples), reader.skips)
+                positions = self._positions_of(len(samples), ranges.skips)
         inside = bisect.bisect_left(positions, end)
         self._carry = (samples[inside:], positions[inside:])
         first = head[0][0] if head else 0
-        topology = self._reader._topology
-        order = window_order(inside, seed=self._seed, epoch=self._reader._epoch, rank=topology.rank, first=first)
+        order = window_order(inside, seed=self._seed, epoch=ranges.epoch, rank=ranges.topology.rank, first=first)
         self._window, self._order, self._positions = samples[:inside], order.tolist(), positions[:inside]
         self._yielded = 0
 
@@ -514,7 +689,7 @@ class _WindowReader:
             positions = positions[~np.isin(positions, gone)]
         return positions[:count].tolist()
 
-    def __iter__(self) -> _WindowReader:
+    def __iter__(self) -> _WindowIterator:
         return self
 
     def __next__(self) -> Any:
@@ -533,9 +708,13 @@ class _WindowReader:
         return [list(interval) for interval in union(unyielded + list(self._rest))]
 
     def state_dict(self) -> State:
-        state = self._reader.state_dict()
-        state["remaining"] = self.remaining()
-        state["window"] = {"from": [list(i) for i in self._from], "yielded": self._yielded}
+        """The ranges' node, with the unyielded positions as ``remaining`` and the window's start."""
+        state = self._ranges.state_dict()
+        state[_RangeIterator.REMAINING] = self.remaining()
+        state[_RangeIterator.WINDOW] = {
+            _RangeIterator.WINDOW_FROM: [list(i) for i in self._from],
+            _RangeIterator.WINDOW_YIELDED: self._yielded,
+        }
         return state
 
 
@@ -957,31 +1136,39 @@ class StreamSource(_Source):
         super().__init__(shuffle=False, seed=seed, balance=balance, rank=rank, world_size=world_size)
         self.iterable = iterable
 
-    _state_kind = "stream"
-
-    def _open(self, state: State | None) -> Iterator[Any]:
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
         topology, epoch = self._start()
-        reader = _StrideReader(iter(self.iterable), topology.reader_index, topology.num_readers, self.balance, epoch)
-        if state is not None and applies(state, epoch, self):
-            expect_equal(self, "reader slot [rank * num_workers + worker, readers]", state["reader"], reader.slot)
-            reader.skip(state["items"], state["done"])
-        return reader
+        iterator = _StrideIterator(
+            iter(self.iterable), topology.reader_index, topology.num_readers, self.balance, epoch
+        )
+        if resume is not None:
+            iterator.restore(resume)
+        return iterator
 
     def __repr__(self) -> str:
         return f"wrap({type(self.iterable).__name__}, balance={self.balance!r})"
 
 
-class _StrideReader:
-    """Keeps item ``reader`` of every group of ``readers`` consecutive items.
+class _StrideIterator(StageIterator):
+    """Keeps item ``slot`` of every group of ``readers`` consecutive items.
 
     The last, incomplete group: ``"none"`` keeps the item if there is one;
     ``"drop"`` keeps nothing of it; ``"pad"`` keeps an item of it in every
     reader (wrapping round the group), so all readers yield the same number.
+
+    Its node (``"stream"``): ``epoch``, the ``items`` stepped past, whether it
+    is ``done``, and its ``reader`` slot; resuming iterates the iterable again
+    and skips them, so it resumes only into the same reader slot.
     """
 
-    def __init__(self, items: Iterator[Any], reader: int, readers: int, balance: Balance, epoch: int) -> None:
+    KIND = "stream"
+    READER = "reader"  #: state key: ``[slot, readers]``, the reader slot (rank-major) and how many there are
+    ITEMS = "items"  #: state key: items stepped past
+    DONE = "done"  #: state key: the last group was handled
+
+    def __init__(self, items: Iterator[Any], slot: int, readers: int, balance: Balance, epoch: int) -> None:
         self._items = items
-        self._reader = reader
+        self._slot = slot
         self._readers = readers
         self._balance = balance
         self._done = False
@@ -989,26 +1176,9 @@ class _StrideReader:
         self.items_seen = 0
 
     @property
-    def slot(self) -> list[int]:
-        return [self._reader, self._readers]
-
-    def skip(self, items: int, done: bool) -> None:
-        """Step past the ``items`` items a saved reader had stepped past (they are read again)."""
-        for _ in itertools.islice(self._items, items):
-            self.items_seen += 1
-        if self.items_seen < items:
-            raise StateError(
-                f"the state says {items} items were read, but the iterable has only {self.items_seen}; "
-                "it must yield the same items every time it is iterated"
-            )
-        self._done = done
-
-    def state_dict(self) -> State:
-        """How many items this reader has stepped past; resuming replays them."""
-        return node("stream", epoch=self._epoch, reader=self.slot, items=self.items_seen, done=self._done)
-
-    def __iter__(self) -> _StrideReader:
-        return self
+    def reader(self) -> list[int]:
+        """``[slot, readers]``: which reader this is."""
+        return [self._slot, self._readers]
 
     def __next__(self) -> Any:
         if self._done:
@@ -1018,13 +1188,57 @@ class _StrideReader:
             self.items_seen += 1
             group.append(item)
             if len(group) == self._readers:
-                return group[self._reader]
+                return group[self._slot]
         self._done = True
         if group and self._balance == "pad":
-            return group[self._reader % len(group)]
-        if group and self._balance == "none" and self._reader < len(group):
-            return group[self._reader]
+            return group[self._slot % len(group)]
+        if group and self._balance == "none" and self._slot < len(group):
+            return group[self._slot]
         raise StopIteration
+
+    def state_dict(self) -> State:
+        """How many items this reader has stepped past; resuming replays them."""
+        fields = {EPOCH: self._epoch, self.READER: self.reader, self.ITEMS: self.items_seen, self.DONE: self._done}
+        return node(self.KIND, **fields)
+
+    def restore(self, resume: Resume) -> None:
+        """Step past the items the saved reader had stepped past (they are read again); same slot only."""
+        state = resume.state
+        expect_equal(
+            resume.owner, "reader slot [rank * num_workers + worker, readers]", state[self.READER], self.reader
+        )
+        items = state[self.ITEMS]
+        for _ in itertools.islice(self._items, items):
+            self.items_seen += 1
+        if self.items_seen < items:
+            raise StateError(
+                f"the state says {items} items were read, but the iterable has only {self.items_seen}; "
+                "it must yield the same items every time it is iterated"
+            )
+        self._done = state[self.DONE]
+
+    @classmethod
+    def check_state(cls, state: State, where: str) -> None:
+        whole_number(state, EPOCH, where)
+        reader = field(state, cls.READER, where, *SEQUENCE)
+        if len(reader) != 2 or any(type(v) is not int for v in reader) or not 0 <= reader[0] < reader[1]:
+            raise StateError(f"{where}: state['reader'] must be [slot, readers] with 0 <= slot < readers, got {reader}")
+        whole_number(state, cls.ITEMS, where)
+        field(state, cls.DONE, where, bool)
+
+    @classmethod
+    def merge(cls, states: Sequence[State]) -> State:
+        """Only one reader's node merges (into itself): readers keep every n-th item."""
+        if len(states) == 1:
+            return states[0]
+        raise StateError(
+            "a wrap() of a plain iterable resumes only into the same reader slot (same num_workers): "
+            "its readers keep every n-th item, so their positions cannot be split anew. "
+            "Wrap a map-style dataset or use shard files to resume with another number of workers"
+        )
+
+
+StreamSource._iterator_type = _StrideIterator  # named here: the source class comes first in this module
 
 
 # --------------------------------------------------------------------------- sources over the named formats

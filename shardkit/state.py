@@ -6,6 +6,15 @@ plain dicts, one node per pipeline stage, that ``json`` and ``torch.save`` can
 hold. Every node has ``"version"`` (:data:`VERSION`) and ``"kind"``; nodes
 with inputs hold their state under ``"upstream"``.
 
+Each kind belongs to one stage's iterator class (a :class:`StageIterator`;
+``"planned"`` and ``"stream"`` in :mod:`shardkit.sources`, ``"interleave"``
+in :mod:`shardkit.interleave`, the others in :mod:`shardkit.pipeline`),
+which holds its keys as constants and, beside ``__next__``, how the node is
+saved, restored, checked and merged; defining the class registers the kind.
+This module holds what all stages share: the node envelope, the checks
+common to several kinds, the sample encoding, and :func:`merge` /
+:func:`merge_ranks`, which hand each node to its kind's class.
+
 Kinds (version 1):
 
 * ``"planned"`` (shard files, map-style datasets): ``epoch``, ``world_size``,
@@ -18,8 +27,9 @@ Kinds (version 1):
   state also has ``window``: ``{"from": positions from the start of the
   window it is yielding, "yielded": samples of that window yielded}`` (the
   window is read again on resume); ``remaining`` then lists the window's
-  unyielded positions one by one. A merge keeps ``remaining`` only. Positions count records, not samples: a
-  record skipped under ``on_error="skip"`` counts as read.
+  unyielded positions one by one. A merge keeps ``remaining`` only.
+  Positions count records, not samples: a record skipped under
+  ``on_error="skip"`` counts as read.
 * ``"stream"`` (``wrap`` of a plain iterable): ``items`` the reader has
   stepped past, whether it is ``done``, and its ``reader`` slot; resuming
   iterates the iterable again and skips them (it must repeat itself).
@@ -74,21 +84,31 @@ ranks: a shuffle buffer, an interleave or a repeat keeps per-rank positions.
 from __future__ import annotations
 
 import base64
+import importlib
 import math
 import re
-from collections.abc import Callable, Sequence
-from typing import Any
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from shardkit.errors import ShardkitError
-from shardkit.planning import union
+
+if TYPE_CHECKING:
+    from shardkit.topology import Topology
 
 #: Version of the state format written by this shardkit.
 VERSION = 1
 
 State = dict[str, Any]
+
+# Keys that several stages' nodes share; each stage names its own as constants on its iterator.
+EPOCH = "epoch"  #: the epoch the iteration reads (inside ``repeat``, including the pass)
+SHARE = "share"  #: ``[worker, num_workers]``: the DataLoader worker whose part the node is; None: the whole rank's
+RNG = "rng"  #: the draw position (``pipeline.Uniforms``), None after a merge
+UPSTREAM = "upstream"  #: the inputs' nodes
 
 
 class StateError(ShardkitError, ValueError):
@@ -139,7 +159,7 @@ def applies(state: State, epoch: int, owner: object) -> bool:
     epoch has moved on (``set_epoch``), and the iteration starts afresh. A
     state of a later epoch means ``set_epoch`` was not called: raised.
     """
-    saved = state["epoch"]
+    saved = state[EPOCH]
     if saved == epoch:
         return True
     if saved < epoch:
@@ -150,30 +170,190 @@ def applies(state: State, epoch: int, owner: object) -> bool:
     )
 
 
-def own_share(state: State, worker_id: int, num_workers: int, owner: object) -> bool:
-    """True if ``state`` is this worker's own part, False if it is the whole
-    rank's (to be split among the workers); raises if it is another worker's."""
-    share = state["share"]
+def share_field(topology: Topology) -> list[int] | None:
+    """The ``share`` a stage records: ``[worker, num_workers]``, or None when the
+    reader is its rank's only DataLoader worker (its part is the whole rank's)."""
+    return None if topology.num_workers == 1 else [topology.worker_id, topology.num_workers]
+
+
+def is_own(state: State, topology: Topology, owner: object) -> bool:
+    """True if ``state`` is this worker's own part (its ``share``), False if it is
+    the whole rank's (to be split among the workers); raises if it is another worker's."""
+    share = state[SHARE]
     if share is None:
         return False
-    if list(share) == [worker_id, num_workers]:
+    if list(share) == [topology.worker_id, topology.num_workers]:
         return True
     raise StateError(
         f"{owner!r}: the state is DataLoader worker {share[0]}'s of {share[1]}, loaded into worker "
-        f"{worker_id} of {num_workers}; restore each worker's state into the same worker (StatefulDataLoader "
-        "does), or merge the states of all workers with shardkit.state.merge() to resume with any number"
+        f"{topology.worker_id} of {topology.num_workers}; restore each worker's state into the same worker "
+        "(StatefulDataLoader does), or merge the states of all workers with shardkit.state.merge() to resume "
+        "with any number"
     )
 
 
-def share_of(worker_id: int, num_workers: int) -> list[int] | None:
-    """The ``share`` a reader records: None when it is the rank's only worker."""
-    return None if num_workers == 1 else [worker_id, num_workers]
+class Resume:
+    """A loaded state node that resumes the iteration being opened, and whose it is.
+
+    ``Pipeline.__iter__`` makes one only for a state of the epoch being read
+    (:func:`applies`), so a stage never checks that again. :attr:`own` is
+    worked out when first asked (a stage may check other fields first).
+    """
+
+    def __init__(self, state: State, topology: Topology, owner: object) -> None:
+        self.state = state
+        self.topology = topology
+        self.owner = owner  # the stage loading it, named in errors
+        self._own: bool | None = None
+
+    @property
+    def own(self) -> bool:
+        """Whether the state is this worker's own part, not the whole rank's (see :func:`is_own`)."""
+        if self._own is None:
+            self._own = is_own(self.state, self.topology, self.owner)
+        return self._own
+
+    def part(self, items: list[Any]) -> list[Any]:
+        """This worker's part of ``items`` saved in the state: all of them if the
+        state is its own, else every ``num_workers``-th from the ``worker``-th on."""
+        if self.own:
+            return items
+        return items[self.topology.worker_id :: self.topology.num_workers]
+
+    def draws(self) -> State | None:
+        """The saved draw position (``rng``) if it continues this reader's draws: its
+        own state, or a one-worker state resumed by one worker (a merge drops it)."""
+        draws = self.state[RNG]
+        if self.own or (self.topology.num_workers == 1 and draws is not None):
+            return draws
+        return None
+
+
+# -- the stages that own a kind of state ------------------------------------------------
+
+
+class StageIterator:
+    """Base of the iterator of every stage whose position is saved.
+
+    Each subclass names its node's :attr:`KIND` and keeps, beside ``__next__``,
+    everything about its state: the keys (class constants), ``state_dict()``,
+    ``restore(resume)`` (continue from a :class:`Resume`, right after
+    ``__init__``), :meth:`check_state` (the schema of a loaded node),
+    :meth:`inputs_to_load` (which input loads which part), :meth:`merge` (one
+    whole-rank node from every worker's) and :meth:`merge_ranks` (one global
+    node from every rank's). Defining a subclass with a ``KIND`` registers
+    it: :func:`validate`, :func:`merge` and :func:`merge_ranks` look the kind
+    up here.
+
+    The loading method is ``restore``, not ``load_state_dict``: an iterator
+    with both would be a torchdata ``Stateful``, and ``StatefulDataLoader``
+    would load the state a second time into the iterator that already
+    resumed from it (the pipeline's ``load_state_dict`` is the one it calls).
+    """
+
+    #: The ``kind`` of this stage's state node; empty for an abstract base.
+    KIND: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("KIND")
+        if not kind:
+            return
+        known = _STAGES.get(kind)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"state kind {kind!r} is already {known.__qualname__}'s; give {cls.__qualname__} another")
+        _STAGES[kind] = cls
+
+    def __iter__(self) -> StageIterator:
+        return self
+
+    def __next__(self) -> Any:
+        raise NotImplementedError
+
+    def state_dict(self) -> State:
+        """This stage's node (with its inputs' under ``upstream``)."""
+        raise NotImplementedError
+
+    def restore(self, resume: Resume) -> None:
+        """Continue from ``resume`` (a node of this kind, already checked); nothing by default."""
+
+    @classmethod
+    def inputs_to_load(cls, stage: Any, state: State) -> list[tuple[Any, State]]:
+        """Which of ``stage``'s inputs loads which part of its loaded node ``state``
+        (checked against the stage's settings): by default its one input the ``upstream``."""
+        return [(stage.upstream[0], state[UPSTREAM])] if stage.upstream else []
+
+    @classmethod
+    def check_state(cls, state: State, where: str) -> None:
+        """Raise :class:`StateError` naming the first field of a loaded node that is wrong."""
+        raise NotImplementedError(f"{cls.__qualname__} must define check_state")
+
+    @classmethod
+    def merge(cls, states: Sequence[State]) -> State:
+        """One node of the whole rank (``share`` None) from every worker's node."""
+        raise NotImplementedError(f"{cls.__qualname__} must define merge")
+
+    @classmethod
+    def merge_ranks(cls, states: Sequence[State]) -> State:
+        """One global node from every rank's whole-rank node; by default a stage cannot."""
+        raise StateError(
+            f"a {cls.KIND!r} stage keeps its position per rank and cannot be split over another world size; "
+            "resume on another world size works for shard datasets with map/filter/batch stages"
+        )
+
+
+_STAGES: dict[str, type[StageIterator]] = {}
+
+#: Modules whose import defines the stage iterators (a state may be merged before any is imported).
+_STAGE_MODULES = ("shardkit.pipeline", "shardkit.interleave", "shardkit.sources")
+
+
+def stage_of(kind: object) -> type[StageIterator] | None:
+    """The iterator class that owns state nodes of ``kind``, if any."""
+    for module in _STAGE_MODULES:
+        if module not in sys.modules:  # a state merged by a tool that imported only some stages
+            importlib.import_module(module)
+    return _STAGES.get(kind) if type(kind) is str else None
+
+
+class PassThroughIterator(StageIterator):
+    """A stage that holds nothing between samples: its node is only ``upstream``."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._source = source
+
+    def state_dict(self) -> State:
+        return node(self.KIND, **{UPSTREAM: upstream_state(self._source)})
+
+    @classmethod
+    def check_state(cls, state: State, where: str) -> None:
+        field(state, UPSTREAM, where, dict)
+
+    @classmethod
+    def merge(cls, states: Sequence[State]) -> State:
+        return node(cls.KIND, **{UPSTREAM: merge([s[UPSTREAM] for s in states])})
+
+    @classmethod
+    def merge_ranks(cls, states: Sequence[State]) -> State:
+        return node(cls.KIND, **{UPSTREAM: combine_ranks([s[UPSTREAM] for s in states])})
+
+
+def upstream_state(iterator: Iterator[Any]) -> State:
+    """The state of an input's iterator, which must be a shardkit one."""
+    state_dict = getattr(iterator, "state_dict", None)
+    if state_dict is None:
+        raise StateError(
+            f"cannot save the position of a {type(iterator).__name__}: it has no state_dict(). "
+            "Pipelines whose __iter__ returns a generator cannot be resumed; return an iterator "
+            "object that keeps its cursor in attributes and implements state_dict()"
+        )
+    return state_dict()
 
 
 # -- checking loaded states ---------------------------------------------------------
 #
 # A loaded state is untrusted input: every field a stage reads is checked for
-# presence, type and range in one schema function per kind, so a tampered or
+# presence, type and range by its stage's check_state, so a tampered or
 # truncated state is a StateError naming the field, never a KeyError or
 # TypeError deep in an iterator, nor an epoch that silently ends early.
 
@@ -181,7 +361,7 @@ def share_of(worker_id: int, num_workers: int) -> list[int] | None:
 DRAW_BLOCK = 1024
 
 _BIT_GENERATORS = ("PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937")
-_SEQUENCE = (list, tuple)
+SEQUENCE = (list, tuple)
 
 
 def field(state: State, key: str, where: str, *types: type) -> Any:
@@ -207,7 +387,7 @@ def check_intervals(intervals: Any, where: str, what: str = "remaining") -> None
     """Raise unless ``intervals`` are sorted, disjoint, non-empty ``[start, stop)`` int pairs from 0 on."""
     previous = 0
     for interval in intervals:
-        if type(interval) not in _SEQUENCE or len(interval) != 2 or any(type(v) is not int for v in interval):
+        if type(interval) not in SEQUENCE or len(interval) != 2 or any(type(v) is not int for v in interval):
             raise StateError(f"{where}: state[{what!r}] must hold [start, stop] pairs of ints, got {_short(interval)}")
         start, stop = interval
         if not previous <= start < stop:
@@ -227,8 +407,9 @@ def check_positions(owner: object, remaining: Sequence[Sequence[int]], size: int
         )
 
 
-def _share(state: State, where: str) -> None:
-    share = field(state, "share", where, type(None), *_SEQUENCE)
+def check_share(state: State, where: str) -> None:
+    """``state['share']`` must be None or ``[worker, num_workers]``."""
+    share = field(state, SHARE, where, type(None), *SEQUENCE)
     if share is None:
         return
     if len(share) != 2 or any(type(v) is not int for v in share) or not 0 <= share[0] < share[1]:
@@ -238,12 +419,9 @@ def _share(state: State, where: str) -> None:
         )
 
 
-def _epoch(state: State, where: str) -> None:
-    whole_number(state, "epoch", where)
-
-
-def _draws(state: State, where: str) -> None:
-    draws = field(state, "rng", where, type(None), dict)
+def check_draws(state: State, where: str) -> None:
+    """``state['rng']`` must be None or a draw position: a numpy generator state and an index in its block."""
+    draws = field(state, RNG, where, type(None), dict)
     if draws is None:
         return
     position = whole_number(draws, "next", f"{where} (rng)")
@@ -252,128 +430,30 @@ def _draws(state: State, where: str) -> None:
     restore_generator(field(draws, "generator", f"{where} (rng)", dict), where)
 
 
-def _check_planned(state: State, where: str) -> None:
-    _epoch(state, where)
-    world_size = whole_number(state, "world_size", where, 1)
-    rank = field(state, "rank", where, int, type(None))
-    if rank is not None and rank < 0:
-        raise StateError(f"{where}: state['rank'] must be >= 0 (or None for a global state), got {rank}")
-    if rank is not None and rank >= world_size:
-        raise StateError(f"{where}: state['rank'] {rank} is not below state['world_size'] {world_size}")
-    field(state, "fingerprint", where, dict)
-    check_intervals(field(state, "remaining", where, *_SEQUENCE), where)
-    _share(state, where)
-    base = field(state, "base", where, dict, type(None)) if "base" in state else None
-    if rank is None and (state["share"] is not None or base is not None):
-        raise StateError(f"{where}: a global state (rank None) has no share and no base")
-    if base is not None:
-        whole_number(base, "world_size", f"{where} (base)", 1)
-        check_intervals(field(base, "remaining", f"{where} (base)", *_SEQUENCE), f"{where} (base)")
-    if "window" in state["fingerprint"]:  # a dataset that shuffles samples: the key is always there
-        window = field(state, "window", where, dict, type(None))
-        if window is None:  # a merged state: positions only
-            return
-        if rank is None:
-            raise StateError(f"{where}: a global state (rank None) has no window")
-        check_intervals(field(window, "from", f"{where} (window)", *_SEQUENCE), f"{where} (window)", "from")
-        whole_number(window, "yielded", f"{where} (window)")
-
-
-def _check_stream(state: State, where: str) -> None:
-    _epoch(state, where)
-    reader = field(state, "reader", where, *_SEQUENCE)
-    if len(reader) != 2 or any(type(v) is not int for v in reader) or not 0 <= reader[0] < reader[1]:
-        raise StateError(
-            f"{where}: state['reader'] must be [slot, readers] with 0 <= slot < readers, got {_short(reader)}"
-        )
-    whole_number(state, "items", where)
-    field(state, "done", where, bool)
-
-
-def _check_pass_through(state: State, where: str) -> None:
-    field(state, "upstream", where, dict)
-
-
-def _check_shuffle(state: State, where: str) -> None:
-    if "buffer" in state and "samples" not in state:
-        raise StateError(
-            f"{where}: this shuffle state keeps its samples pickled ('buffer', written by an earlier "
-            "shardkit); it is refused because unpickling can run code. Start the epoch afresh"
-        )
-    _epoch(state, where)
-    field(state, "samples", where, list)
-    _draws(state, where)
-    _share(state, where)
-    _check_inputs_epoch(state, [field(state, "upstream", where, dict)], where)
-
-
-def _check_inputs_epoch(state: State, inputs: Sequence[Any], where: str) -> None:
+def check_inputs_epoch(state: State, inputs: Sequence[Any], where: str) -> None:
     """The inputs of a shuffle or interleave read the epoch it reads (an
     older stage state over newer inputs would drop what it held)."""
     for part in inputs:
         epoch = _first_epoch(part)
-        if type(epoch) is int and epoch >= 0 and epoch != state["epoch"]:  # else its own check names it
-            raise StateError(f"{where}: the state is of epoch {state['epoch']} but its inputs' of epoch {epoch}")
+        if type(epoch) is int and epoch >= 0 and epoch != state[EPOCH]:  # else its own check names it
+            raise StateError(f"{where}: the state is of epoch {state[EPOCH]} but its inputs' of epoch {epoch}")
 
 
 def _first_epoch(state: Any) -> Any:
     """The epoch of the first stage at or below ``state`` that records one."""
     while isinstance(state, dict):
-        if "epoch" in state:
-            return state["epoch"]
-        state = state.get("upstream")
+        if EPOCH in state:
+            return state[EPOCH]
+        state = state.get(UPSTREAM)
     return None
 
 
-def _check_repeat(state: State, where: str) -> None:
-    _epoch(state, where)
-    passes = whole_number(state, "pass", where)
-    yielded = field(state, "yielded", where, bool)
-    upstream = field(state, "upstream", where, dict, type(None))
-    # No upstream means every pass is done, which happens only right after a pass ends.
-    if upstream is None and (yielded or passes == 0):
-        raise StateError(
-            f"{where}: a repeat() state without an upstream state must be past a finished pass "
-            f"(pass >= 1, yielded False), got pass {passes}, yielded {yielded}"
-        )
-
-
-def _check_interleave(state: State, where: str) -> None:
-    _epoch(state, where)
-    inputs = field(state, "upstream", where, *_SEQUENCE)
-    for index, part in enumerate(inputs):
-        if type(part) not in (dict, type(None)):
-            raise StateError(f"{where}: state['upstream'][{index}] must be a dict or None, got {type(part).__name__}")
-    live = field(state, "live", where, *_SEQUENCE)
-    indices = all(type(i) is int for i in live) and list(live) == sorted(set(live))
-    if not indices or not set(live) <= set(range(len(inputs))):
-        raise StateError(
-            f"{where}: state['live'] must be increasing indices of inputs below {len(inputs)}, got {_short(live)}"
-        )
-    _draws(state, where)
-    field(state, "stopped", where, bool)
-    _share(state, where)
-    _check_inputs_epoch(state, inputs, where)
-
-
-_SCHEMAS: dict[str, Callable[[State, str], None]] = {
-    "planned": _check_planned,
-    "stream": _check_stream,
-    "map": _check_pass_through,
-    "filter": _check_pass_through,
-    "batch": _check_pass_through,
-    "shuffle": _check_shuffle,
-    "repeat": _check_repeat,
-    "interleave": _check_interleave,
-}
-
-
 def _inputs(state: State) -> list[tuple[str, State]]:
-    """The input nodes of a checked node, with their keys."""
-    upstream = state.get("upstream")
+    """The input nodes of a checked node, with their keys: one dict, or a list (None: an input never read)."""
+    upstream = state.get(UPSTREAM)
     if isinstance(upstream, dict):
         return [("['upstream']", upstream)]
-    if state["kind"] == "interleave":
+    if isinstance(upstream, SEQUENCE):
         return [(f"['upstream'][{i}]", part) for i, part in enumerate(upstream) if part is not None]
     return []
 
@@ -388,10 +468,10 @@ def validate(state: object, where: str = "state") -> State:
     Raises:
         StateError: naming the first field that is missing, mistyped or out of range.
     """
-    _check_node(state, None, where)
-    for key, part in _inputs(state):  # type: ignore[arg-type]
+    checked = _check_node(state, None, where)
+    for key, part in _inputs(checked):
         validate(part, where + key)
-    return state  # type: ignore[return-value]
+    return checked
 
 
 def _check_node(state: object, kind: str | None, where: str) -> State:
@@ -408,11 +488,11 @@ def _check_node(state: object, kind: str | None, where: str) -> State:
             f"{where}: the state is of a {_short(saved)} stage but this stage is {kind!r}; "
             "load the state into the same pipeline (same stages in the same order) that saved it"
         )
-    schema = _SCHEMAS.get(saved) if type(saved) is str else None
-    if schema is None and kind is None:
-        raise StateError(f"{where}: unknown state kind {_short(saved)}; known: {', '.join(_SCHEMAS)}")
-    if schema is not None:
-        schema(state, where)
+    stage = stage_of(saved)
+    if stage is None and kind is None:
+        raise StateError(f"{where}: unknown state kind {_short(saved)}; known: {', '.join(_STAGES)}")
+    if stage is not None:
+        stage.check_state(state, where)
     return state
 
 
@@ -693,7 +773,7 @@ _DECODERS: dict[str, Callable[[list[Any]], Any]] = {
 
 def generator_state(rng: np.random.Generator) -> dict[str, Any]:
     """The position of a numpy generator, as plain data."""
-    return rng.bit_generator.state
+    return dict(rng.bit_generator.state)
 
 
 def restore_generator(state: dict[str, Any], where: str = "state") -> np.random.Generator:
@@ -726,7 +806,8 @@ def merge(states: Sequence[State]) -> State:
     None, remaining positions are united, buffered samples pooled, and
     generator positions dropped (workers restart their draws from the epoch's
     seed; which samples come is exact, their order after the restore is not
-    the uninterrupted one).
+    the uninterrupted one). Each stage merges its own nodes
+    (:meth:`StageIterator.merge`).
 
     Raises:
         StateError: for states of different pipelines, epochs or ranks, an
@@ -741,18 +822,17 @@ def merge(states: Sequence[State]) -> State:
     kinds = {s.get("kind") for s in states}
     if len(kinds) != 1:
         raise StateError(f"cannot merge states of different stages {sorted(map(str, kinds))}")
-    kind = states[0]["kind"]
-    merger = _MERGERS.get(kind)
-    if merger is None:
-        raise StateError(f"unknown state kind {kind!r}")
-    if len(states) == 1 and kind != "stream":
+    stage = stage_of(states[0]["kind"])
+    if stage is None:
+        raise StateError(f"unknown state kind {states[0]['kind']!r}")
+    if len(states) == 1:
         states = [_whole(states[0])]
-    return merger(states)
+    return stage.merge(states)
 
 
 def _whole(state: State) -> State:
-    """A one-worker state: its share is the whole rank."""
-    share = state.get("share")
+    """A one-worker state: its share (if it has one) is the whole rank."""
+    share = state.get(SHARE)
     if share is not None and share[1] != 1:
         raise StateError(
             f"this state is worker {share[0]}'s of {share[1]}; merge needs the states of all {share[1]} workers"
@@ -760,121 +840,25 @@ def _whole(state: State) -> State:
     return state
 
 
-def _same(states: Sequence[State], key: str) -> Any:
+def same_value(states: Sequence[State], key: str) -> Any:
+    """``key``'s value, which every worker's (or rank's) node must share."""
     values = [s[key] for s in states]
     if any(v != values[0] for v in values):
         raise StateError(f"cannot merge worker states with different {key}: {values}")
     return values[0]
 
 
-def _check_shares(states: Sequence[State]) -> None:
-    shares = [s.get("share") for s in states]
+def check_all_shares(states: Sequence[State]) -> None:
+    """The nodes must be every worker's exactly once (or all whole-rank ones)."""
+    shares = [s.get(SHARE) for s in states]
     if all(share is None for share in shares):
         return
     if any(share is None for share in shares):
         raise StateError("cannot merge a whole-rank state with per-worker states")
-    count = shares[0][1]
-    if sorted(tuple(s) for s in shares) != [(w, count) for w in range(count)]:
+    count = shares[0][1]  # type: ignore[index]  # not None: checked above
+    if sorted(tuple(s) for s in shares if s is not None) != [(w, count) for w in range(count)]:
         raise StateError(f"merge needs the states of all {count} workers exactly once, got shares {shares}")
 
-
-def _merge_upstreams(states: Sequence[State]) -> State:
-    return merge([s["upstream"] for s in states])
-
-
-def _merge_pass_through(states: Sequence[State]) -> State:
-    return node(states[0]["kind"], upstream=_merge_upstreams(states))
-
-
-def _merge_planned(states: Sequence[State]) -> State:
-    _check_shares(states)
-    fields = {key: _same(states, key) for key in ("epoch", "world_size", "rank", "fingerprint")}
-    if states[0].get("base") is not None:
-        fields["base"] = _same(states, "base")
-    intervals = [interval for s in states for interval in s["remaining"]]
-    remaining = union(intervals)
-    if sum(b - a for a, b in remaining) != sum(b - a for a, b in intervals):
-        raise StateError("cannot merge worker states whose remaining positions overlap: each position is one worker's")
-    window = {"window": None} if "window" in fields["fingerprint"] else {}  # the windows start afresh
-    return node("planned", **fields, remaining=[list(i) for i in remaining], share=None, **window)
-
-
-def _merge_stream(states: Sequence[State]) -> State:
-    if len(states) == 1:
-        return states[0]
-    raise StateError(
-        "a wrap() of a plain iterable resumes only into the same reader slot (same num_workers): "
-        "its readers keep every n-th item, so their positions cannot be split anew. "
-        "Wrap a map-style dataset or use shard files to resume with another number of workers"
-    )
-
-
-def _merge_shuffle(states: Sequence[State]) -> State:
-    _check_shares(states)
-    return node(
-        "shuffle",
-        epoch=_same(states, "epoch"),
-        samples=[sample for s in states for sample in s["samples"]],
-        rng=None,
-        share=None,
-        upstream=_merge_upstreams(states),
-    )
-
-
-def _merge_repeat(states: Sequence[State]) -> State:
-    passes = [s["pass"] for s in states]
-    if any(p != passes[0] for p in passes):
-        raise StateError(
-            f"workers are in different repeat() passes {passes}; such a state resumes only with the "
-            "same number of workers"
-        )
-    upstreams = [s["upstream"] for s in states]
-    if any(u is None for u in upstreams) != all(u is None for u in upstreams):
-        raise StateError("cannot merge repeat() states where some workers have finished and others not")
-    return node(
-        "repeat",
-        epoch=_same(states, "epoch"),
-        **{"pass": passes[0]},
-        yielded=any(s["yielded"] for s in states),
-        upstream=None if upstreams[0] is None else merge(upstreams),
-    )
-
-
-def _merge_interleave(states: Sequence[State]) -> State:
-    _check_shares(states)
-    stopped = [s["stopped"] for s in states]
-    if any(stopped) and not all(stopped):
-        raise StateError(
-            "an interleave(stop='first_exhausted') has stopped in some workers: where the mix ends "
-            "depends on each worker's draws, so the state resumes only with the same number of workers"
-        )
-    if len({len(s["upstream"]) for s in states}) != 1:
-        raise StateError("cannot merge interleave() states with different numbers of inputs")
-    inputs = []
-    for index in range(len(states[0]["upstream"])):
-        parts = [s["upstream"][index] for s in states if s["upstream"][index] is not None]
-        inputs.append(merge(parts) if parts else None)
-    return node(
-        "interleave",
-        epoch=_same(states, "epoch"),
-        upstream=inputs,
-        live=sorted({i for s in states for i in s["live"]}),
-        rng=None,
-        stopped=all(stopped),
-        share=None,
-    )
-
-
-_MERGERS: dict[str, Callable[[Sequence[State]], State]] = {
-    "planned": _merge_planned,
-    "stream": _merge_stream,
-    "map": _merge_pass_through,
-    "filter": _merge_pass_through,
-    "batch": _merge_pass_through,
-    "shuffle": _merge_shuffle,
-    "repeat": _merge_repeat,
-    "interleave": _merge_interleave,
-}
 
 # -- combining the states of all ranks -----------------------------------------
 
@@ -902,10 +886,10 @@ def merge_ranks(states: Sequence[State | Sequence[State]]) -> State:
     if not states:
         raise StateError("merge_ranks() needs the state of every rank, got none")
     wholes = [merge(list(s)) if isinstance(s, (list, tuple)) else merge([_dataset_part(s)]) for s in states]
-    return _merge_ranks(wholes)
+    return combine_ranks(wholes)
 
 
-def _dataset_part(state: State) -> Any:
+def _dataset_part(state: Any) -> Any:
     """A rank's dataset state; from a MixedLoader state, its workers' states (merged)."""
     if not isinstance(state, dict) or state.get("kind") != "mixed_loader":
         return state
@@ -918,58 +902,16 @@ def _dataset_part(state: State) -> Any:
     return merge(state["workers"])
 
 
-def _merge_ranks(states: Sequence[State]) -> State:
-    kind = states[0]["kind"]
-    if any(s["kind"] != kind for s in states):
-        raise StateError(f"cannot merge rank states of different stages {sorted({s['kind'] for s in states})}")
-    if kind in ("map", "filter", "batch"):
-        return node(kind, upstream=_merge_ranks([s["upstream"] for s in states]))
-    if kind != "planned":
-        raise StateError(
-            f"a {kind!r} stage keeps its position per rank and cannot be split over another world size; "
-            "resume on another world size works for shard datasets with map/filter/batch stages"
-        )
-    return _merge_planned_ranks(states)
-
-
-def _merge_planned_ranks(states: Sequence[State]) -> State:
-    from shardkit.planning import rank_span, split_remaining, through
-
-    fields = {key: _same(states, key) for key in ("epoch", "world_size", "fingerprint")}
-    fingerprint, world_size = fields["fingerprint"], fields["world_size"]
-    ranks = sorted(s["rank"] for s in states)
-    if ranks != list(range(world_size)):
-        raise StateError(
-            f"merge_ranks needs the state of every rank 0..{world_size - 1} exactly once, got ranks {ranks}"
-        )
-    bases = [s.get("base") for s in states]
-    if any(b != bases[0] for b in bases):
-        raise StateError("cannot merge rank states resumed from different global states")
-    total, balance, base = fingerprint["records"], fingerprint["balance"], bases[0]
-    pieces = []
-    for state in states:
-        if base is None:
-            start, size = rank_span(total, world_size, state["rank"], balance)
-            chunk = [(start, start + size)]
-        else:
-            chunk = split_remaining(base["remaining"], total, world_size, state["rank"], balance)
-        for a, b in state["remaining"]:
-            pieces += [(x, min(y, total)) for x, y in through(chunk, a, b) if x < total]  # repeats are not owed
-    remaining = union(pieces)
-    if sum(b - a for a, b in remaining) != sum(b - a for a, b in pieces):
-        raise StateError("cannot merge rank states that both hold the same positions: each position is one rank's")
-    window = {"window": None} if "window" in fingerprint else {}
-    stream_world = world_size if base is None else base["world_size"]
-    return node(
-        "planned",
-        epoch=fields["epoch"],
-        world_size=stream_world,
-        rank=None,
-        fingerprint=fingerprint,
-        remaining=[list(i) for i in remaining],
-        share=None,
-        **window,
-    )
+def combine_ranks(states: Sequence[State]) -> State:
+    """One global node from every rank's whole-rank node (checked, of one kind each):
+    each stage combines its own (:meth:`StageIterator.merge_ranks`)."""
+    kinds = {s["kind"] for s in states}
+    if len(kinds) != 1:
+        raise StateError(f"cannot merge rank states of different stages {sorted(kinds)}")
+    stage = stage_of(states[0]["kind"])
+    if stage is None:
+        raise StateError(f"unknown state kind {states[0]['kind']!r}")
+    return stage.merge_ranks(states)
 
 
 def gather(state: State | Sequence[State], group: Any = None) -> State:
