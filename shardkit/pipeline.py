@@ -26,7 +26,7 @@ constants), ``state_dict``, ``load_state_dict``, the schema of a loaded node
 and how the nodes of all workers (and ranks) merge. :meth:`Pipeline.__iter__`
 checks once whether a loaded state applies to the iteration it opens. The
 format is described in :mod:`shardkit.state`; :func:`interleave` lives in
-:mod:`shardkit.interleave`.
+:mod:`shardkit.interleaving`.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ from shardkit.state import (
 )
 from shardkit.topology import Topology
 
-if TYPE_CHECKING:  # at run time, module __getattr__ below: shardkit.interleave builds on this module
-    from shardkit.interleave import Interleave, interleave
+if TYPE_CHECKING:  # at run time, module __getattr__ below: shardkit.interleaving builds on this module
+    from shardkit.interleaving import Interleave, interleave
 
 __all__ = [
     "Batch",
@@ -797,9 +797,9 @@ class Repeat(_Wrapper):
 
 
 def __getattr__(name: str) -> Any:
-    """``interleave``, ``Interleave`` and ``STOP_RULES`` live in :mod:`shardkit.interleave`
+    """``interleave``, ``Interleave`` and ``STOP_RULES`` live in :mod:`shardkit.interleaving`
     (imported when first asked for: it builds on this module)."""
     if name in ("interleave", "Interleave", "STOP_RULES"):
-        module = importlib.import_module("shardkit.interleave")
+        module = importlib.import_module("shardkit.interleaving")
         return getattr(module, name)
     raise AttributeError(f"module 'shardkit.pipeline' has no attribute {name!r}")

@@ -8,7 +8,7 @@ with inputs hold their state under ``"upstream"``.
 
 Each kind belongs to one stage's iterator class (a :class:`StageIterator`;
 ``"planned"`` and ``"stream"`` in :mod:`shardkit.sources`, ``"interleave"``
-in :mod:`shardkit.interleave`, the others in :mod:`shardkit.pipeline`),
+in :mod:`shardkit.interleaving`, the others in :mod:`shardkit.pipeline`),
 which holds its keys as constants and, beside ``__next__``, how the node is
 saved, restored, checked and merged; defining the class registers the kind.
 This module holds what all stages share: the node envelope, the checks
@@ -305,7 +305,7 @@ class StageIterator:
 _STAGES: dict[str, type[StageIterator]] = {}
 
 #: Modules whose import defines the stage iterators (a state may be merged before any is imported).
-_STAGE_MODULES = ("shardkit.pipeline", "shardkit.interleave", "shardkit.sources")
+_STAGE_MODULES = ("shardkit.pipeline", "shardkit.interleaving", "shardkit.sources")
 
 
 def stage_of(kind: object) -> type[StageIterator] | None:

@@ -187,14 +187,14 @@ def test_merge_hands_each_node_to_its_stage_and_refuses_an_unknown_kind() -> Non
         merge([{**state, "kind": "mystery"}])
 
 
-def test_shardkit_interleave_is_callable_whichever_module_was_imported_first() -> None:
+def test_shardkit_interleave_is_the_function_whichever_module_was_imported_first() -> None:
     script = textwrap.dedent(
         """
-        import shardkit.interleave  # the submodule first: Python binds shardkit.interleave to it
+        import shardkit.interleaving  # the submodule first: it must not shadow the function
         import shardkit
         from shardkit.pipeline import interleave as from_pipeline
-        from shardkit.interleave import interleave as from_module
-        assert from_pipeline is from_module
+        from shardkit.interleaving import interleave as from_module
+        assert from_pipeline is from_module is shardkit.interleave
         mixed = shardkit.interleave([shardkit.wrap([1, 2]), shardkit.wrap([3])], stop="all_exhausted")
         print(sorted(mixed))
         """
@@ -207,10 +207,9 @@ def test_shardkit_interleave_is_callable_whichever_module_was_imported_first() -
 
 def test_the_interleave_docstring_example_runs_as_shown() -> None:
     import doctest
-    import importlib
 
-    # Not "import shardkit.interleave as module": that reads the package attribute, the function.
-    module = importlib.import_module("shardkit.interleave")
+    import shardkit.interleaving as module
+
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 

@@ -12,18 +12,15 @@ Like every stage it is two classes: :class:`Interleave` holds the settings,
 inputs, the draw position ``rng``, ``stopped`` and ``share``), including how
 the nodes of all workers merge.
 
-The module is callable: ``import shardkit.interleave`` makes the package
-attribute ``shardkit.interleave`` this module (Python's import system sets
-it), so calling the module calls :func:`interleave`, and
-``shardkit.interleave([a, b])`` works whichever was imported first.
+The module is named ``interleaving`` so that it never shadows the package's
+``shardkit.interleave`` function (importing a submodule binds its name on the
+package).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import sys
-import types
 from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
@@ -307,13 +304,3 @@ class Interleave(Pipeline):
     def __repr__(self) -> str:
         inputs = ", ".join(repr(d) for d in self.upstream)
         return f"interleave([{inputs}], weights={list(self.weights)}, seed={self.mix_seed}, stop={self.stop!r})"
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`interleave` (see the module docstring)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Pipeline:
-        return interleave(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
