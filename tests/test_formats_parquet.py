@@ -170,29 +170,80 @@ def test_one_file_with_one_huge_row_group_is_split_by_row_over_more_readers(tmp_
         assert min(len(batches) for batches in ranks) >= 10
 
 
-def row_group_offset(url: str, group: int) -> int:
-    meta = pq.ParquetFile(url).metadata.row_group(group)
-    return min(meta.column(c).file_offset for c in range(meta.num_columns))
+def flip_in_row_group(url: str, group: int, column: int = 1) -> int:
+    """Flip a byte inside the data of ``column``'s last page in row group ``group`` (page CRCs catch it);
+    return the byte offset where that column chunk starts."""
+    from shardkit.formats.parquet import _chunk_start
 
-
-def test_a_corrupt_row_group_raises_with_its_location_or_is_skipped_and_counted(tmp_path):
-    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
-    meta = pq.ParquetFile(urls[0]).metadata.row_group(2).column(0)
-    with open(urls[0], "r+b") as f:  # a byte inside the first data page of row group 2 (rows 10..14)
-        at = meta.data_page_offset + meta.total_compressed_size - 3
+    chunk = pq.ParquetFile(url).metadata.row_group(group).column(column)
+    at = _chunk_start(chunk) + chunk.total_compressed_size - 3  # the size counts from the dictionary page
+    with open(url, "r+b") as f:
         f.seek(at)
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0x55]))
+    return _chunk_start(chunk)
+
+
+def test_a_corrupt_row_group_raises_with_its_first_record_and_column_chunk_offset(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
+    chunk_at = flip_in_row_group(urls[0], 2)  # rows 10..14, column "n"
     with pytest.raises(
-        CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2 does not decode"
-    ):
+        CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2"
+    ) as info:
         list(ParquetDataset(urls, balance="none"))
+    error = info.value
+    assert (error.url, error.record_index, error.offset, error.framing_intact) == (urls[0], 10, chunk_at, True)
+    assert "column 'n'" in error.reason
+    with pytest.raises(CorruptRecordError) as info:  # a range starting inside the group names its own first record
+        list(ParquetFormat().read(urls[0], 12, 18))
+    assert (info.value.record_index, info.value.offset) == (12, chunk_at)
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip(tmp_path, monkeypatch):
+    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
+    flip_in_row_group(urls[0], 2)
+    decoded = []
+    original = pq.ParquetFile.read_row_group
+
+    def spy(self, i, *args, **kwargs):
+        decoded.append(i)
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
     lenient = ParquetDataset(shardkit.ShardList(urls, num_records=[20, 10]), balance="none", on_error="skip")
-    with pytest.warns(UserWarning, match="skipping 10 records of .*part-000.parquet from record 10"):
+    with pytest.warns(UserWarning, match=r"skipping record 10 of .*part-000.parquet: .*row group 2"):
         ids = [r["id"] for r in lenient]
-    assert ids == all_ids([30])[:10] + all_ids([30])[20:]
-    assert lenient.stats().skipped.tolist() == [10, 0]
+    assert ids == all_ids([30])[:10] + all_ids([30])[15:]
+    assert lenient.stats().skipped.tolist() == [5, 0] and lenient.stats().read.tolist() == [15, 10]
+    # The bad group is decoded once (plus once per column to find the bad chunk), not once per skipped row.
+    assert decoded.count(2) == 1 + 2
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize("balance", ["pad", "drop"])
+def test_a_corrupt_row_group_keeps_planned_counts_equal_over_ranks(tmp_path, balance):
+    urls = write_shards(str(tmp_path), [20, 10, 7], row_group_size=5)
+    flip_in_row_group(urls[0], 2)
+    ranks = ids_per_rank(make_dataset(urls, balance=balance, on_error="skip"), world_size=3, num_workers=0)
+    per_rank = -(-37 // 3) if balance == "pad" else 37 // 3
+    assert [sum(len(b) for b in batches) for batches in ranks] == [per_rank] * 3
+    seen = {s for batches in ranks for batch in batches for s in batch}
+    assert seen.isdisjoint(all_ids([37])[10:15])
+    if balance == "pad":
+        assert seen == set(all_ids([37])) - set(all_ids([37])[10:15])
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_corrupt_row_group_costs_the_batches_holding_its_rows(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
+    flip_in_row_group(urls[0], 2, column=0)  # rows 10..14: batches 2 (rows 8..11) and 3 (12..15) of 4 rows
+    lenient = ParquetDataset(urls, balance="none", on_error="skip", batch_size=4)
+    rows = [i for batch in lenient for i in batch_ids(batch)]
+    assert rows == all_ids([30])[:8] + all_ids([30])[16:]
+    assert lenient.stats().skipped.tolist() == [2, 0]
+    assert list(ParquetFormat(columns=["n", "x"]).read(urls[0], 10, 12)) == [{"n": n, "x": n / 7} for n in (10, 11)]
 
 
 def test_a_truncated_file_is_a_located_error_or_a_counted_skip(tmp_path):
