@@ -19,7 +19,7 @@ import shardkit
 from shardkit import CorruptRecordError, TarDataset
 from shardkit.formats.base import format_for
 from shardkit.formats.index import IndexFileError
-from shardkit.formats.tar import TarFormat, TarWriter, _split_key
+from shardkit.formats.tar import TarFormat, TarWriter, _blame, _split_key
 from tests.helpers import assert_split, ids_per_rank, rank_factory, sample_id
 from tests.test_resume import Run, check_resume
 
@@ -205,8 +205,8 @@ def test_a_header_checksum_mismatch_and_a_missing_end_marker_are_located_errors(
     with open(url, "r+b") as f:
         f.seek(offset + 3)
         f.write(b"!")
-    # Sample 1 is not known to be complete until the next header is read: it is the first one lost.
-    with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: tar header checksum mismatch"):
+    # The damaged header is sample 2's (its pax header names no key; the member after it is s00002's).
+    with pytest.raises(CorruptRecordError, match=rf"record 2 at byte offset {offset}: tar header checksum mismatch"):
         list(TarFormat().read(url))
     (tmp_path / "b").mkdir()
     (url,) = write_shards(str(tmp_path / "b"), [6])
@@ -371,3 +371,133 @@ def test_a_malformed_pax_record_is_a_located_error(tmp_path):
         f.write(b"zz path=x\n")
     with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: malformed pax header"):
         list(TarFormat().read(url))
+
+
+# --------------------------------------------------------------------------- resync after a bad header (no index)
+
+
+def write_two_member_tar(url: str, fmt: int, count: int = 8) -> None:
+    """``count`` samples ``k000..`` of two members (.txt, .cls), written by tarfile in format ``fmt``."""
+    with tarfile.open(url, "w", format=fmt) as tar:
+        for i in range(count):
+            for ext in ("txt", "cls"):
+                data = f"{i}{ext}".encode() * (i * 70 + 1)
+                info = tarfile.TarInfo(f"k{i:03d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def flip(url: str, at: int, mask: int = 0x41) -> None:
+    with open(url, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ mask]))
+
+
+WRITERS = {
+    "webdataset": lambda url: write_shards(os.path.dirname(url), [8])[0],
+    "tarfile-ustar": lambda url: write_two_member_tar(url, tarfile.USTAR_FORMAT) or url,
+    "tarfile-gnu": lambda url: write_two_member_tar(url, tarfile.GNU_FORMAT) or url,
+    "tarfile-pax": lambda url: write_two_member_tar(url, tarfile.PAX_FORMAT) or url,
+}
+# Bytes of a header: a key character, the extension, mode, size, mtime, the checksum field, the type flag, padding.
+HEADER_BYTES = [1, 6, 101, 130, 140, 150, 156, 300, 511]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("byte", HEADER_BYTES)
+def test_without_an_index_a_flipped_header_costs_exactly_the_sample_of_the_hit_member(tmp_path, writer, byte):
+    url = WRITERS[writer](str(tmp_path / "part-000.tar"))
+    intact = list(TarFormat().read(url))
+    members = header_offsets(url)
+    hit = 5  # sample 2's second member (its pax header, where the writer writes one)
+    per_sample = len(members) // len(intact)
+    flip(url, members[hit] + byte)
+    lost = hit // per_sample
+    with pytest.raises(CorruptRecordError) as info:
+        list(TarFormat(index=False).read(url))
+    error = info.value
+    assert (error.url, error.record_index, error.offset, error.framing_intact) == (url, lost, members[hit], True)
+    assert TarFormat(index=False).count(url) == len(intact)  # the scan counts the lost sample: numbering holds
+    lenient = TarDataset(shardkit.ShardList([url], num_records=[len(intact)]), balance="none", on_error="skip")
+    assert list(lenient) == intact[:lost] + intact[lost + 1 :]  # every later sample byte-exact
+    assert lenient.stats().skipped.tolist() == [1]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_garbage_over_a_header_costs_its_sample_and_a_gzip_tar_resyncs_too(tmp_path):
+    (url,) = write_shards(str(tmp_path), [8])
+    intact = list(TarFormat().read(url))
+    with tarfile.open(url) as tar:  # sample 6's first member: its ustar header, after its pax header
+        at = tar.getmembers()[3 * 6].offset_data - 512
+    with open(url, "r+b") as f:
+        f.seek(at)
+        f.write(os.urandom(512))
+    with pytest.raises(CorruptRecordError, match=rf"record 6 at byte offset {at}: tar header checksum mismatch"):
+        list(TarFormat().read(url))
+    with open(url, "rb") as f, gzip.open(url + ".gz", "wb") as g:
+        g.write(f.read())
+    for shard in (url, url + ".gz"):
+        lenient = TarDataset([shard], balance="none", on_error="skip")
+        assert [s["bin"] for s in lenient] == [s["bin"] for i, s in enumerate(intact) if i != 6]
+        assert lenient.stats().skipped.tolist() == [1]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_an_index_from_before_the_damage_and_a_scan_after_it_lose_the_same_sample(tmp_path):
+    urls = write_shards(str(tmp_path), [10, 10])
+    TarFormat().build_index(urls[0])
+    intact = list(TarFormat().read(urls[0]))
+    flip(urls[0], header_offsets(urls[0])[3 * 7 + 2] + 140)  # sample 7's third member, its mtime
+    with pytest.raises(shardkit.ShardkitError, match="record 7"):
+        TarFormat().build_index(urls[0])  # the index is not rebuilt over damage
+    for index in (True, False):
+        counted = TarFormat(index=index).count(urls[0])
+        lenient = TarDataset(urls, balance="none", on_error="skip", index=index)
+        keys = [s["__key__"] for s in lenient]
+        assert counted == 10 and keys == [k for n, k in enumerate(all_keys([20])) if n != 7]
+        assert [s for s in TarFormat(index=index).read(urls[0], 8, 10)] == intact[8:]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize("balance", ["pad", "drop"])
+def test_a_bad_header_keeps_planned_counts_equal_over_ranks(tmp_path, balance):
+    urls = write_shards(str(tmp_path), [10, 10, 5])
+    flip(urls[1], header_offsets(urls[1])[3 * 4] + 150)  # sample 14: its first header's checksum field
+    ranks = ids_per_rank(make_dataset(urls, balance=balance, on_error="skip"), world_size=3, num_workers=0)
+    per_rank = -(-25 // 3) if balance == "pad" else 25 // 3
+    assert [sum(len(b) for b in batches) for batches in ranks] == [per_rank] * 3
+    seen = {s for batches in ranks for batch in batches for s in batch}
+    assert "s00014" not in seen and (balance == "drop" or seen == set(all_keys([25])) - {"s00014"})
+
+
+@pytest.mark.filterwarnings("ignore:skipping")
+@pytest.mark.parametrize("writer", ["webdataset", "tarfile-gnu"])
+def test_a_tar_cut_mid_member_is_a_located_error_or_a_counted_skip_with_equal_counts(tmp_path, writer):
+    url = WRITERS[writer](str(tmp_path / "part-000.tar"))
+    members = header_offsets(url)
+    per_sample = len(members) // 8
+    with open(url, "r+b") as f:
+        f.truncate(members[per_sample * 5 + 1] + 600)  # inside sample 5's second member
+    with pytest.raises(CorruptRecordError, match="the file ends inside") as info:
+        list(TarFormat().read(url))
+    assert info.value.record_index == 5 and info.value.url == url
+    lenient = TarDataset(shardkit.ShardList([url], num_records=[8]), balance="pad", on_error="skip")
+    assert len(list(lenient)) == 8 and lenient.stats().skipped.tolist() == [3]
+
+
+def test_a_damaged_run_is_blamed_on_the_sample_its_name_or_neighbours_point_to():
+    current = {"__key__": "k001", "__url__": "u", "txt": b""}
+    previous = {"__key__": "k000", "__url__": "u", "txt": b"", "cls": b""}
+    assert _blame(("k001", "cls"), current, ("k002", "txt"), previous) == "current"  # names the open sample
+    assert _blame(("k0Q1", "cls"), current, ("k001", "json"), previous) == "current"  # the next member is its
+    assert _blame(("k0Q1", "cls"), current, ("k002", "txt"), previous) == "current"  # the open one lacks .cls
+    assert _blame(("", ""), None, ("k002", "cls"), previous) == "next"  # an extended header
+    assert _blame(("k0Q2", "txt"), previous, ("k002", "cls"), previous) == "next"  # the next one lacks .txt
+    complete = {**current, "cls": b""}
+    assert _blame(("k002", "tXt"), complete, ("k003", "txt"), previous) == "own"  # an unknown extension
+    assert _blame(None, current, ("k003", "txt"), previous) == "current"  # garbage: the open one is short
+    assert _blame(None, previous, ("k003", "cls"), previous) == "next"  # garbage: .cls never comes first
+    assert _blame(None, previous, ("k003", "txt"), previous) == "own"
