@@ -178,6 +178,45 @@ def test_a_truncated_gzip_shard_is_a_located_error_or_a_counted_skip(tmp_path):
     assert len(ids) == stats.read.sum() and stats.read[0] + stats.skipped[0] == 200 and stats.read[1] == 10
 
 
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.999])
+def test_a_gzip_shard_cut_mid_stream_yields_every_complete_line_then_a_located_error(tmp_path, fraction):
+    import zlib
+
+    (url,) = write_shards(str(tmp_path), [3000], ".jsonl.gz")
+    with open(url, "rb") as f:
+        data = f.read()
+    cut = int(len(data) * fraction)
+    with open(url, "wb") as f:
+        f.write(data[:cut])
+    recoverable = zlib.decompressobj(31).decompress(data[:cut])  # an independent inflater's view of the prefix
+    complete = recoverable.count(b"\n")
+    read = []
+    with pytest.raises(CorruptRecordError, match="gzip stream is truncated") as info:
+        read.extend(JsonlFormat().read(url))
+    assert [r["id"] for r in read] == all_ids([complete])
+    error = info.value
+    assert (error.url, error.record_index, error.offset) == (url, complete, recoverable.rindex(b"\n") + 1)
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_last_line_cut_short_without_a_newline_costs_exactly_that_line(tmp_path):
+    urls = write_shards(str(tmp_path), [10, 4])
+    with open(urls[0], "r+b") as f:
+        data = f.read()
+        f.truncate(len(data) - 20)  # inside the last line: no newline, not JSON
+    last = data.rindex(b"\n", 0, len(data) - 1) + 1
+    with pytest.raises(CorruptRecordError, match=rf"record 9 at byte offset {last}: line 10 is not valid JSON") as info:
+        list(JsonlFormat().read(urls[0]))
+    assert info.value.framing_intact
+    assert JsonlFormat().count(urls[0]) == 10  # a scan counts it: numbering matches the planned count
+    ranks = [JsonlDataset(urls, balance="pad", on_error="skip", rank=rank, world_size=2) for rank in (0, 1)]
+    ids = [[r["id"] for r in lenient] for lenient in ranks]
+    assert [len(i) for i in ids] == [7, 7]  # the planned count on each rank, made up by a repeat
+    assert set(ids[0] + ids[1]) == set(all_ids([14])) - {"r00009"}
+    assert sum(lenient.stats().skipped.tolist()[0] for lenient in ranks) == 1
+    assert sum(int(lenient.stats().padded.sum()) for lenient in ranks) == 1
+
+
 def test_a_stale_index_is_refused_for_seeking_and_replaced_by_a_scan_for_counting(tmp_path):
     (url,) = write_shards(str(tmp_path), [30])
     fmt = JsonlFormat()
