@@ -63,7 +63,7 @@ def test_corrupt_files_of_every_format_exit_1_with_one_located_line(tmp_path, ca
     with open(parquet, "r+b") as f:
         f.truncate(f.seek(0, 2) - 20)
     for url, where in [
-        (tar, f"record 1 at byte offset {offset}"),
+        (tar, f"record 2 at byte offset {offset}"),  # the damaged header is sample 2's
         (line, f"record 3 at byte offset {at}: line 4"),
         (parquet, "record 0"),
     ]:
