@@ -20,38 +20,20 @@ from shardkit import CorruptRecordError, TarDataset
 from shardkit.formats.base import format_for
 from shardkit.formats.index import IndexFileError
 from shardkit.formats.tar import TarFormat, TarWriter, _blame, _split_key
-from tests.helpers import assert_split, ids_per_rank, rank_factory, sample_id
-from tests.test_resume import Run, check_resume
+from tests.helpers import assert_split, format_ids, ids_per_rank, rank_factory, tar_sample, write_tar_shards
 
 SIZES = [17, 3, 0, 25, 9, 11]  # 65 samples, an empty shard among them
-slow = pytest.mark.slow
 
 
-def sample(n: int) -> dict:
-    return {"__key__": f"s{n:05d}", "txt": f"text {n}", "cls": str(n % 10), "bin": bytes([n % 256]) * (n * 13 % 700)}
+sample = tar_sample
 
 
 def write_shards(root: str, sizes=SIZES, storage_options=None) -> list[str]:
-    """Tars written by webdataset.TarWriter; sample ids count up across shards."""
-    urls, n = [], 0
-    for i, size in enumerate(sizes):
-        url = f"{root}/part-{i:03d}.tar"
-        if storage_options is None:
-            with wds.TarWriter(url) as writer:
-                for _ in range(size):
-                    writer.write(sample(n))
-                    n += 1
-        else:
-            with TarWriter(url, storage_options=storage_options) as writer:
-                for _ in range(size):
-                    writer.write(sample(n))
-                    n += 1
-        urls.append(url)
-    return urls
+    return write_tar_shards(root, sizes, storage_options)
 
 
 def all_keys(sizes=SIZES) -> list[str]:
-    return [f"s{n:05d}" for n in range(sum(sizes))]
+    return format_ids("tar", sizes)
 
 
 def webdataset_samples(url: str) -> list[dict]:
@@ -139,44 +121,6 @@ def make_dataset(urls, **kwargs):
     return rank_factory(TarDataset, urls, **kwargs)
 
 
-@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)])
-def test_every_sample_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_workers, world_size, balance):
-    urls = write_shards(str(tmp_path))
-    make = make_dataset(urls, balance=balance, shuffle=True, seed=2)
-    ranks = ids_per_rank(make, world_size=world_size, num_workers=num_workers)
-    assert_split(ranks, all_keys(), balance)
-
-
-@slow
-@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
-def test_ranks_from_the_environment_split_too(tmp_path, monkeypatch, balance):
-    urls = write_shards(str(tmp_path))
-    make = make_dataset(urls, balance=balance)
-    ranks = ids_per_rank(make, world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch)
-    assert_split(ranks, all_keys(), balance)
-
-
-@slow
-def test_one_shard_with_a_huge_member_is_split_by_sample_over_more_readers(tmp_path):
-    url = str(tmp_path / "big.tar")
-    with wds.TarWriter(url) as writer:
-        for n in range(12):
-            writer.write({"__key__": f"s{n:05d}", "bin": bytes([n]) * ((5 << 20) if n == 6 else 100)})
-    TarFormat().build_index(url)
-    seen = []
-    for world in (1, 2):
-
-        def make(rank, world):
-            return TarDataset([url], balance="none", rank=rank, world_size=world).count_records()
-
-        ranks = ids_per_rank(make, world_size=world, num_workers=3, batch_size=1)
-        seen.append(sorted(s for batches in ranks for b in batches for s in b))
-        assert min(len(batches) for batches in ranks) >= 3  # more than one reader got part of the one shard
-    assert seen == [all_keys([12])] * 2
-
-
 def header_offsets(url: str) -> list[int]:
     with tarfile.open(url) as tar:
         return [member.offset for member in tar.getmembers()]
@@ -231,28 +175,6 @@ def test_a_stale_index_is_refused_for_seeking_and_replaced_by_a_scan_for_countin
         f.truncate(30)
     with pytest.raises(IndexFileError, match="should hold"):
         list(fmt.read(url, 4))
-
-
-def test_resuming_mid_shard_equals_the_uninterrupted_epoch(tmp_path):
-    urls = write_shards(str(tmp_path))
-    TarFormat().build_index(urls[3])
-
-    def make():
-        return TarDataset(shardkit.ShardList(urls, num_records=SIZES), shuffle=True, seed=4).map(sample_id)
-
-    check_resume(Run("stateful", make, 2), [None])
-
-
-@slow
-def test_s3_round_trip_over_two_ranks(s3_server):
-    bucket = s3_server.new_bucket()
-    options = s3_server.storage_options()
-    urls = write_shards(bucket, [7, 12, 5], storage_options=options)
-    fmt = TarFormat(storage_options=options)
-    assert fmt.build_index(urls[1]) == urls[1] + ".idx"
-    assert list(fmt.read(urls[1], 3, 5)) == list(fmt.read(urls[1]))[3:5]
-    make = make_dataset(f"{bucket}/part-*.tar", balance="none", storage_options=options)
-    assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_keys([7, 12, 5]), "none")
 
 
 def test_shard_writer_rolls_tars_over_and_writes_a_manifest_webdataset_agrees_with(tmp_path):
