@@ -13,12 +13,12 @@ import webdataset as wds
 import shardkit
 from shardkit.cli import main
 from shardkit.formats.tar import TarFormat
+from tests.helpers import jsonl_row as json_row
+from tests.helpers import write_jsonl_shards as write_jsonl
+from tests.helpers import write_parquet_shards as write_parquet
+from tests.helpers import write_tar_shards as write_tars
 from tests.test_formats_jsonl import corrupt_line
-from tests.test_formats_jsonl import row as json_row
-from tests.test_formats_jsonl import write_shards as write_jsonl
-from tests.test_formats_parquet import write_shards as write_parquet
 from tests.test_formats_tar import header_offsets
-from tests.test_formats_tar import write_shards as write_tars
 
 
 def one_error_line(err: str, command: str) -> str:

@@ -510,7 +510,8 @@ def _blame(
     # No name, or an extension no sample around has (a flip in it): the shape of the samples decides.
     if previous is not None and current is not None and len(current) < len(previous):
         return "current"  # the open sample has fewer members than the one before
-    if previous is not None and following is not None and following[1] != _first_extension(previous):
+    first = _first_extension(previous if previous is not None else current or {})
+    if following is not None and first is not None and following[1] != first:
         return "next"  # the member after the run is not a sample's first
     return "own"
 
