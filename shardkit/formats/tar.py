@@ -75,6 +75,7 @@ _ZEROS: Final = bytes(_BLOCK)
 _SKIPPED: Final = (b"1", b"2", b"3", b"4", b"5", b"6", b"g", b"V", b"M", b"N", b"S", b"D")
 _EXTENDED: Final = (b"x", b"L", b"K")
 _KNOWN: Final = frozenset(_REGULAR + _SKIPPED + _EXTENDED)
+_EXTENDED_NAMES: Final = (b"@PaxHeader", b"PaxHeaders.", b"@LongLink")  # Python, GNU tar; GNU long names
 
 
 def _checksum_ok(header: bytes) -> bool:
@@ -468,8 +469,9 @@ class _Bad(NamedTuple):
 
 def _guess_name(header: bytes) -> tuple[str, str] | None:
     """(key, extension) a damaged header names, read despite its checksum; ``("", "")`` for an
-    extended header (pax, GNU long name: it belongs to the member after it); None when the name gives none."""
-    if header[156:157] in _EXTENDED:
+    extended header (pax, GNU long name: it belongs to the member after it), known by its type flag
+    or, when the flip hit that, by the name writers give it; None when the name gives none."""
+    if header[156:157] in _EXTENDED or any(mark in header[:100] for mark in _EXTENDED_NAMES):
         return "", ""
     return _split_key(_name_of(header))
 
