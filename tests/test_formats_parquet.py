@@ -167,10 +167,11 @@ def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip(tmp_path, monkeyp
 
 @pytest.mark.filterwarnings("ignore:skipping record")
 @pytest.mark.parametrize("balance", ["pad", "drop"])
-def test_a_corrupt_row_group_keeps_planned_counts_equal_over_ranks(tmp_path, balance):
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_corrupt_row_group_keeps_planned_counts_equal_over_ranks(tmp_path, balance, num_workers):
     urls = write_shards(str(tmp_path), [20, 10, 7], row_group_size=5)
     flip_in_row_group(urls[0], 2)
-    ranks = ids_per_rank(make_dataset(urls, balance=balance, on_error="skip"), world_size=3, num_workers=0)
+    ranks = ids_per_rank(make_dataset(urls, balance=balance, on_error="skip"), world_size=3, num_workers=num_workers)
     per_rank = -(-37 // 3) if balance == "pad" else 37 // 3
     assert [sum(len(b) for b in batches) for batches in ranks] == [per_rank] * 3
     seen = {s for batches in ranks for batch in batches for s in batch}

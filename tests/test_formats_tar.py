@@ -392,10 +392,11 @@ def test_an_index_from_before_the_damage_and_a_scan_after_it_lose_the_same_sampl
 
 @pytest.mark.filterwarnings("ignore:skipping record")
 @pytest.mark.parametrize("balance", ["pad", "drop"])
-def test_a_bad_header_keeps_planned_counts_equal_over_ranks(tmp_path, balance):
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_bad_header_keeps_planned_counts_equal_over_ranks(tmp_path, balance, num_workers):
     urls = write_shards(str(tmp_path), [10, 10, 5])
     flip(urls[1], header_offsets(urls[1])[3 * 4] + 150)  # sample 14: its first header's checksum field
-    ranks = ids_per_rank(make_dataset(urls, balance=balance, on_error="skip"), world_size=3, num_workers=0)
+    ranks = ids_per_rank(make_dataset(urls, balance=balance, on_error="skip"), world_size=3, num_workers=num_workers)
     per_rank = -(-25 // 3) if balance == "pad" else 25 // 3
     assert [sum(len(b) for b in batches) for batches in ranks] == [per_rank] * 3
     seen = {s for batches in ranks for batch in batches for s in batch}
