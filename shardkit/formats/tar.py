@@ -219,10 +219,11 @@ class _Parser:
         self.compressed = compressed
         self.damage = ""  # what was wrong with the last damaged run members() yielded
 
-    def error(self, offset: int, reason: str, *, framing_intact: bool = False) -> CorruptRecordError:
-        if self.compressed:
-            reason += " (offset in the uncompressed gzip stream)"
-        return CorruptRecordError(self.url, self.index, offset, reason, framing_intact=framing_intact)
+    def error(self, offset: int, reason: str) -> CorruptRecordError:
+        return CorruptRecordError(self.url, self.index, offset, self._note(reason))
+
+    def _note(self, reason: str) -> str:
+        return reason + " (offset in the uncompressed gzip stream)" if self.compressed else reason
 
     def members(self, resync: bool = False) -> Iterator[tuple[str | None, int, bytes]]:
         """(name, offset of its first header, data) of each regular member, to the end-of-archive marker.
@@ -376,20 +377,11 @@ class _Parser:
                 continue
             key, ext = split
             if damage is not None:
-                blame = _blame(_guess_name(damage[1]), sample, split, previous)
-                current = None if sample is None else sample["__key__"]
-                if blame != "current" and sample is not None:
-                    yield sample_at, sample
-                    self.index += 1
-                    previous = sample
-                blamed = current if blame == "current" else key if blame == "next" else None
-                lost = self._damaged(*damage, blamed)
+                settled, bad, previous = self._settle(damage, sample, sample_at, split, at, previous)
                 sample = damage = None
-                if blame == "own":  # it ends where this member starts
-                    yield lost.error.offset, lost._replace(resume=at)
+                for item in settled:
+                    yield item
                     self.index += 1
-                else:
-                    bad = lost
             if bad is not None:
                 if key == bad.key:
                     continue
@@ -432,12 +424,11 @@ class _Parser:
     ) -> Iterator[tuple[int, dict[str, Any] | _Bad]]:
         """The samples left at the end of the archive: the open one, and a damaged run not yet blamed."""
         if damage is not None:
-            current = None if sample is None else sample["__key__"]
-            blame = _blame(_guess_name(damage[1]), sample, None, previous)
-            if sample is not None and blame != "current":
-                yield sample_at, sample
+            settled, bad, previous = self._settle(damage, sample, sample_at, None, self.blocks.offset, previous)
+            sample = None
+            for item in settled:
+                yield item
                 self.index += 1
-            bad, sample = self._damaged(*damage, current if blame == "current" else None), None
         if bad is not None:
             yield bad.error.offset, bad._replace(resume=self.blocks.offset)
             self.index += 1
@@ -445,14 +436,43 @@ class _Parser:
             yield sample_at, sample
             self.index += 1
 
-    def _damaged(self, at: int, header: bytes, problem: str, key: str | None) -> _Bad:
-        """The bad sample (index ``self.index``) a damaged run from byte ``at`` is blamed on."""
+    def _settle(
+        self,
+        damage: tuple[int, bytes, str],
+        sample: dict[str, Any] | None,
+        sample_at: int,
+        following: tuple[str, str] | None,
+        resume: int,
+        previous: dict[str, Any] | None,
+    ) -> tuple[list[tuple[int, dict[str, Any] | _Bad]], _Bad | None, dict[str, Any] | None]:
+        """Blame a damaged run once the first sound member after it is known (``following``, starting at
+        ``resume``; None at the end of the archive).
+
+        Returns what to hand out now, in order (the open sample if the run is not
+        its, a lost sample of its own), the lost sample whose members are still
+        being dropped (blamed on the open or the next sample), and the new ``previous``.
+        """
+        blame = _blame(_guess_name(damage[1]), sample, following, previous)
+        settled: list[tuple[int, dict[str, Any] | _Bad]] = []
+        key = None
+        if sample is not None and blame == "current":
+            key = sample["__key__"]
+        elif sample is not None:
+            settled.append((sample_at, sample))
+            previous = sample
+        if blame == "next" and following is not None:
+            key = following[0]
+        at, _, problem = damage
         what = f"sample {key!r}" if key is not None else "the sample there"
         reason = (
-            f"{problem}: {what} is lost; the next header that verifies "
-            "starts the next sample (scanned at 512-byte boundaries)"
+            f"{problem}: {what} is lost; the next header that verifies starts the next sample "
+            "(scanned at 512-byte boundaries)"
         )
-        return _Bad(self.error(at, reason, framing_intact=True), key, -1)
+        error = CorruptRecordError(self.url, self.index + len(settled), at, self._note(reason), framing_intact=True)
+        if blame == "own":  # it ends where the following member starts
+            settled.append((at, _Bad(error, None, resume)))
+            return settled, None, previous
+        return settled, _Bad(error, key, -1), previous
 
 
 class _Bad(NamedTuple):
