@@ -225,3 +225,96 @@ def _gloo_rank(
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- one writer per shard format
+# (the format tests and tests/test_formats_matrix.py; ids count up across the shards of one call)
+
+
+def tar_sample(n: int) -> dict:
+    return {"__key__": f"s{n:05d}", "txt": f"text {n}", "cls": str(n % 10), "bin": bytes([n % 256]) * (n * 13 % 700)}
+
+
+def write_tar_shards(root: str, sizes: list[int], storage_options=None) -> list[str]:
+    """Tars written by webdataset.TarWriter (shardkit's TarWriter on remote storage), samples ``s00000``..."""
+    import webdataset as wds
+
+    from shardkit.formats.tar import TarWriter
+
+    urls, n = [], 0
+    for i, size in enumerate(sizes):
+        url = f"{root}/part-{i:03d}.tar"
+        with wds.TarWriter(url) if storage_options is None else TarWriter(url, storage_options=storage_options) as w:
+            for _ in range(size):
+                w.write(tar_sample(n))
+                n += 1
+        urls.append(url)
+    return urls
+
+
+def parquet_row(n: int) -> dict:
+    return {"id": f"r{n:05d}", "n": n, "x": n / 7, "tags": [n % 3] * (n % 4), "blob": bytes([n % 256]) * (n % 9)}
+
+
+def write_parquet_shards(root: str, sizes: list[int], row_group_size: int = 4, storage_options=None) -> list[str]:
+    """Files written by pyarrow.parquet with page checksums, several row groups each; rows ``r00000``..."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("n", pa.int64()),
+            ("x", pa.float64()),
+            ("tags", pa.list_(pa.int64())),
+            ("blob", pa.binary()),
+        ]
+    )
+    urls, n = [], 0
+    for i, size in enumerate(sizes):
+        url = f"{root}/part-{i:03d}.parquet"
+        table = pa.Table.from_pylist([parquet_row(k) for k in range(n, n + size)], schema=schema)
+        filesystem = None
+        if storage_options is not None:
+            import fsspec
+
+            filesystem = fsspec.filesystem("s3", **storage_options)
+            url = url.removeprefix("s3://")
+        pq.write_table(table, url, row_group_size=row_group_size, filesystem=filesystem, write_page_checksum=True)
+        urls.append(url if storage_options is None else f"s3://{url}")
+        n += size
+    return urls
+
+
+def jsonl_row(n: int) -> dict:
+    return {
+        "id": f"r{n:05d}",
+        "text": 'é\u2028 "quoted"\\' * (n % 4),
+        "values": [n, n / 3, None, True],
+        "nested": {"n": n},
+    }
+
+
+def write_jsonl_shards(root: str, sizes: list[int], suffix: str = ".jsonl", storage_options=None) -> list[str]:
+    """Shards written with json.dumps, one value a line (gzip for .gz); lines ``r00000``..."""
+    import gzip
+    import json
+
+    import fsspec
+
+    urls, n = [], 0
+    for i, size in enumerate(sizes):
+        url = f"{root}/part-{i:03d}{suffix}"
+        text = "".join(json.dumps(jsonl_row(k)) + "\n" for k in range(n, n + size))
+        n += size
+        data = gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode()
+        with fsspec.open(url, "wb", **(storage_options or {})) as f:
+            f.write(data)
+        urls.append(url)
+    return urls
+
+
+def format_ids(name: str, sizes: list[int]) -> list[str]:
+    """The sample ids (:func:`sample_id`) the writer of format ``name`` gives ``sizes``."""
+    prefix = "s" if name == "tar" else "r"
+    return [f"{prefix}{n:05d}" for n in range(sum(sizes))]

@@ -13,12 +13,12 @@ import webdataset as wds
 import shardkit
 from shardkit.cli import main
 from shardkit.formats.tar import TarFormat
+from tests.helpers import jsonl_row as json_row
+from tests.helpers import write_jsonl_shards as write_jsonl
+from tests.helpers import write_parquet_shards as write_parquet
+from tests.helpers import write_tar_shards as write_tars
 from tests.test_formats_jsonl import corrupt_line
-from tests.test_formats_jsonl import row as json_row
-from tests.test_formats_jsonl import write_shards as write_jsonl
-from tests.test_formats_parquet import write_shards as write_parquet
 from tests.test_formats_tar import header_offsets
-from tests.test_formats_tar import write_shards as write_tars
 
 
 def one_error_line(err: str, command: str) -> str:
@@ -63,7 +63,7 @@ def test_corrupt_files_of_every_format_exit_1_with_one_located_line(tmp_path, ca
     with open(parquet, "r+b") as f:
         f.truncate(f.seek(0, 2) - 20)
     for url, where in [
-        (tar, f"record 1 at byte offset {offset}"),
+        (tar, f"record 2 at byte offset {offset}"),  # the damaged header is sample 2's
         (line, f"record 3 at byte offset {at}: line 4"),
         (parquet, "record 0"),
     ]:

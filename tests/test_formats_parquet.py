@@ -4,7 +4,6 @@ ranges by row group, column batches, splits, faults, resume, S3."""
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -12,46 +11,26 @@ import shardkit
 from shardkit import CorruptRecordError, ParquetDataset
 from shardkit.formats.base import format_for
 from shardkit.formats.parquet import ParquetFormat, ParquetWriter
-from tests.helpers import assert_split, ids_per_rank, rank_factory, sample_id
-from tests.test_resume import Run, check_resume
+from tests.helpers import (
+    format_ids,
+    ids_per_rank,
+    parquet_row,
+    rank_factory,
+    write_parquet_shards,
+)
 
 SIZES = [17, 3, 0, 25, 9, 11]
-slow = pytest.mark.slow
 
 
-def row(n: int) -> dict:
-    return {"id": f"r{n:05d}", "n": n, "x": n / 7, "tags": [n % 3] * (n % 4), "blob": bytes([n % 256]) * (n % 9)}
+row = parquet_row
 
 
 def write_shards(root: str, sizes=SIZES, row_group_size: int = 4, storage_options=None) -> list[str]:
-    """Files written by pyarrow.parquet, several row groups each; ids count up across files."""
-    urls, n = [], 0
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("n", pa.int64()),
-            ("x", pa.float64()),
-            ("tags", pa.list_(pa.int64())),
-            ("blob", pa.binary()),
-        ]
-    )
-    for i, size in enumerate(sizes):
-        url = f"{root}/part-{i:03d}.parquet"
-        table = pa.Table.from_pylist([row(k) for k in range(n, n + size)], schema=schema)
-        filesystem = None
-        if storage_options is not None:
-            import fsspec
-
-            filesystem = fsspec.filesystem("s3", **storage_options)
-            url = url.removeprefix("s3://")
-        pq.write_table(table, url, row_group_size=row_group_size, filesystem=filesystem, write_page_checksum=True)
-        urls.append(url if storage_options is None else f"s3://{url}")
-        n += size
-    return urls
+    return write_parquet_shards(root, sizes, row_group_size, storage_options)
 
 
 def all_ids(sizes=SIZES) -> list[str]:
-    return [f"r{n:05d}" for n in range(sum(sizes))]
+    return format_ids("parquet", sizes)
 
 
 def test_rows_equal_what_pyarrow_and_hf_datasets_read(tmp_path, monkeypatch):
@@ -116,27 +95,6 @@ def make_dataset(urls, **kwargs):
     return rank_factory(ParquetDataset, urls, **kwargs)
 
 
-@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)])
-def test_every_row_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_workers, world_size, balance):
-    urls = write_shards(str(tmp_path))
-    ranks = ids_per_rank(
-        make_dataset(urls, balance=balance, shuffle=True, seed=2), world_size=world_size, num_workers=num_workers
-    )
-    assert_split(ranks, all_ids(), balance)
-
-
-@slow
-@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
-def test_ranks_from_the_environment_split_too(tmp_path, monkeypatch, balance):
-    urls = write_shards(str(tmp_path))
-    ranks = ids_per_rank(
-        make_dataset(urls, balance=balance), world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch
-    )
-    assert_split(ranks, all_ids(), balance)
-
-
 def batch_ids(batch: dict) -> list[str]:
     return [str(i) for i in batch["id"]]
 
@@ -156,43 +114,81 @@ def test_column_batches_split_exactly_once_and_manifest_counts_stay_rows(tmp_pat
     assert sum(lengths) == batches == sum(-(-s // 4) for s in SIZES)  # len() counts batches, not rows
 
 
-@slow
-def test_one_file_with_one_huge_row_group_is_split_by_row_over_more_readers(tmp_path):
-    (url,) = write_shards(str(tmp_path), [600], row_group_size=600)
-    assert pq.ParquetFile(url).num_row_groups == 1
-    for world in (1, 2):
+def flip_in_row_group(url: str, group: int, column: int = 1) -> int:
+    """Flip a byte inside the data of ``column``'s last page in row group ``group`` (page CRCs catch it);
+    return the byte offset where that column chunk starts."""
+    from shardkit.formats.parquet import _chunk_start
 
-        def make(rank, world):
-            return ParquetDataset([url], balance="none", rank=rank, world_size=world).count_records()
-
-        ranks = ids_per_rank(make, world_size=world, num_workers=3, batch_size=10)
-        assert_split(ranks, all_ids([600]), "none")
-        assert min(len(batches) for batches in ranks) >= 10
-
-
-def row_group_offset(url: str, group: int) -> int:
-    meta = pq.ParquetFile(url).metadata.row_group(group)
-    return min(meta.column(c).file_offset for c in range(meta.num_columns))
-
-
-def test_a_corrupt_row_group_raises_with_its_location_or_is_skipped_and_counted(tmp_path):
-    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
-    meta = pq.ParquetFile(urls[0]).metadata.row_group(2).column(0)
-    with open(urls[0], "r+b") as f:  # a byte inside the first data page of row group 2 (rows 10..14)
-        at = meta.data_page_offset + meta.total_compressed_size - 3
+    chunk = pq.ParquetFile(url).metadata.row_group(group).column(column)
+    at = _chunk_start(chunk) + chunk.total_compressed_size - 3  # the size counts from the dictionary page
+    with open(url, "r+b") as f:
         f.seek(at)
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0x55]))
+    return _chunk_start(chunk)
+
+
+def test_a_corrupt_row_group_raises_with_its_first_record_and_column_chunk_offset(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
+    chunk_at = flip_in_row_group(urls[0], 2)  # rows 10..14, column "n"
     with pytest.raises(
-        CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2 does not decode"
-    ):
+        CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2"
+    ) as info:
         list(ParquetDataset(urls, balance="none"))
+    error = info.value
+    assert (error.url, error.record_index, error.offset, error.framing_intact) == (urls[0], 10, chunk_at, True)
+    assert "column 'n'" in error.reason
+    with pytest.raises(CorruptRecordError) as info:  # a range starting inside the group names its own first record
+        list(ParquetFormat().read(urls[0], 12, 18))
+    assert (info.value.record_index, info.value.offset) == (12, chunk_at)
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip(tmp_path, monkeypatch):
+    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
+    flip_in_row_group(urls[0], 2)
+    decoded = []
+    original = pq.ParquetFile.read_row_group
+
+    def spy(self, i, *args, **kwargs):
+        decoded.append(i)
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
     lenient = ParquetDataset(shardkit.ShardList(urls, num_records=[20, 10]), balance="none", on_error="skip")
-    with pytest.warns(UserWarning, match="skipping 10 records of .*part-000.parquet from record 10"):
+    with pytest.warns(UserWarning, match=r"skipping record 10 of .*part-000.parquet: .*row group 2"):
         ids = [r["id"] for r in lenient]
-    assert ids == all_ids([30])[:10] + all_ids([30])[20:]
-    assert lenient.stats().skipped.tolist() == [10, 0]
+    assert ids == all_ids([30])[:10] + all_ids([30])[15:]
+    assert lenient.stats().skipped.tolist() == [5, 0] and lenient.stats().read.tolist() == [15, 10]
+    # The bad group is decoded once (plus once per column to find the bad chunk), not once per skipped row.
+    assert decoded.count(2) == 1 + 2
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize("balance", ["pad", "drop"])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_corrupt_row_group_keeps_planned_counts_equal_over_ranks(tmp_path, balance, num_workers):
+    urls = write_shards(str(tmp_path), [20, 10, 7], row_group_size=5)
+    flip_in_row_group(urls[0], 2)
+    ranks = ids_per_rank(make_dataset(urls, balance=balance, on_error="skip"), world_size=3, num_workers=num_workers)
+    per_rank = -(-37 // 3) if balance == "pad" else 37 // 3
+    assert [sum(len(b) for b in batches) for batches in ranks] == [per_rank] * 3
+    seen = {s for batches in ranks for batch in batches for s in batch}
+    assert seen.isdisjoint(all_ids([37])[10:15])
+    if balance == "pad":
+        assert seen == set(all_ids([37])) - set(all_ids([37])[10:15])
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_corrupt_row_group_costs_the_batches_holding_its_rows(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
+    flip_in_row_group(urls[0], 2, column=0)  # rows 10..14: batches 2 (rows 8..11) and 3 (12..15) of 4 rows
+    lenient = ParquetDataset(urls, balance="none", on_error="skip", batch_size=4)
+    rows = [i for batch in lenient for i in batch_ids(batch)]
+    assert rows == all_ids([30])[:8] + all_ids([30])[16:]
+    assert lenient.stats().skipped.tolist() == [2, 0]
+    assert list(ParquetFormat(columns=["n", "x"]).read(urls[0], 10, 12)) == [{"n": n, "x": n / 7} for n in (10, 11)]
 
 
 def test_a_truncated_file_is_a_located_error_or_a_counted_skip(tmp_path):
@@ -208,27 +204,6 @@ def test_a_truncated_file_is_a_located_error_or_a_counted_skip(tmp_path):
         ids = [r["id"] for r in lenient]
     assert len(ids) == 30 and set(ids) == set(all_ids([30])[20:])  # made up to the planned count by repeats
     assert lenient.stats().skipped.tolist() == [20, 0] and lenient.stats().padded.sum() == 20
-
-
-def test_resuming_mid_shard_equals_the_uninterrupted_epoch(tmp_path):
-    urls = write_shards(str(tmp_path))
-
-    def make():
-        return ParquetDataset(urls, shuffle=True, seed=4).count_records().map(sample_id)
-
-    check_resume(Run("stateful", make, 2), [None])
-
-
-@slow
-def test_s3_round_trip_over_two_ranks(s3_server):
-    bucket = s3_server.new_bucket()
-    options = s3_server.storage_options()
-    urls = write_shards(bucket, [7, 12, 5], storage_options=options)
-    fmt = ParquetFormat(storage_options=options)
-    assert fmt.count(urls[1]) == 12
-    assert list(fmt.read(urls[1], 3, 9)) == [row(n) for n in range(10, 16)]
-    make = make_dataset(f"{bucket}/part-*.parquet", balance="pad", storage_options=options)
-    assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_ids([7, 12, 5]), "pad")
 
 
 def test_shard_writer_writes_parquet_shards_and_a_manifest(tmp_path):

@@ -19,39 +19,21 @@ import shardkit
 from shardkit import CorruptRecordError, TarDataset
 from shardkit.formats.base import format_for
 from shardkit.formats.index import IndexFileError
-from shardkit.formats.tar import TarFormat, TarWriter, _split_key
-from tests.helpers import assert_split, ids_per_rank, rank_factory, sample_id
-from tests.test_resume import Run, check_resume
+from shardkit.formats.tar import TarFormat, TarWriter, _blame, _split_key
+from tests.helpers import assert_split, format_ids, ids_per_rank, rank_factory, tar_sample, write_tar_shards
 
 SIZES = [17, 3, 0, 25, 9, 11]  # 65 samples, an empty shard among them
-slow = pytest.mark.slow
 
 
-def sample(n: int) -> dict:
-    return {"__key__": f"s{n:05d}", "txt": f"text {n}", "cls": str(n % 10), "bin": bytes([n % 256]) * (n * 13 % 700)}
+sample = tar_sample
 
 
 def write_shards(root: str, sizes=SIZES, storage_options=None) -> list[str]:
-    """Tars written by webdataset.TarWriter; sample ids count up across shards."""
-    urls, n = [], 0
-    for i, size in enumerate(sizes):
-        url = f"{root}/part-{i:03d}.tar"
-        if storage_options is None:
-            with wds.TarWriter(url) as writer:
-                for _ in range(size):
-                    writer.write(sample(n))
-                    n += 1
-        else:
-            with TarWriter(url, storage_options=storage_options) as writer:
-                for _ in range(size):
-                    writer.write(sample(n))
-                    n += 1
-        urls.append(url)
-    return urls
+    return write_tar_shards(root, sizes, storage_options)
 
 
 def all_keys(sizes=SIZES) -> list[str]:
-    return [f"s{n:05d}" for n in range(sum(sizes))]
+    return format_ids("tar", sizes)
 
 
 def webdataset_samples(url: str) -> list[dict]:
@@ -139,44 +121,6 @@ def make_dataset(urls, **kwargs):
     return rank_factory(TarDataset, urls, **kwargs)
 
 
-@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow), pytest.param(3, marks=slow)])
-def test_every_sample_once_or_equal_counts_over_workers_and_ranks(tmp_path, num_workers, world_size, balance):
-    urls = write_shards(str(tmp_path))
-    make = make_dataset(urls, balance=balance, shuffle=True, seed=2)
-    ranks = ids_per_rank(make, world_size=world_size, num_workers=num_workers)
-    assert_split(ranks, all_keys(), balance)
-
-
-@slow
-@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
-def test_ranks_from_the_environment_split_too(tmp_path, monkeypatch, balance):
-    urls = write_shards(str(tmp_path))
-    make = make_dataset(urls, balance=balance)
-    ranks = ids_per_rank(make, world_size=3, num_workers=2, env=True, monkeypatch=monkeypatch)
-    assert_split(ranks, all_keys(), balance)
-
-
-@slow
-def test_one_shard_with_a_huge_member_is_split_by_sample_over_more_readers(tmp_path):
-    url = str(tmp_path / "big.tar")
-    with wds.TarWriter(url) as writer:
-        for n in range(12):
-            writer.write({"__key__": f"s{n:05d}", "bin": bytes([n]) * ((5 << 20) if n == 6 else 100)})
-    TarFormat().build_index(url)
-    seen = []
-    for world in (1, 2):
-
-        def make(rank, world):
-            return TarDataset([url], balance="none", rank=rank, world_size=world).count_records()
-
-        ranks = ids_per_rank(make, world_size=world, num_workers=3, batch_size=1)
-        seen.append(sorted(s for batches in ranks for b in batches for s in b))
-        assert min(len(batches) for batches in ranks) >= 3  # more than one reader got part of the one shard
-    assert seen == [all_keys([12])] * 2
-
-
 def header_offsets(url: str) -> list[int]:
     with tarfile.open(url) as tar:
         return [member.offset for member in tar.getmembers()]
@@ -205,8 +149,8 @@ def test_a_header_checksum_mismatch_and_a_missing_end_marker_are_located_errors(
     with open(url, "r+b") as f:
         f.seek(offset + 3)
         f.write(b"!")
-    # Sample 1 is not known to be complete until the next header is read: it is the first one lost.
-    with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: tar header checksum mismatch"):
+    # The damaged header is sample 2's (its pax header names no key; the member after it is s00002's).
+    with pytest.raises(CorruptRecordError, match=rf"record 2 at byte offset {offset}: tar header checksum mismatch"):
         list(TarFormat().read(url))
     (tmp_path / "b").mkdir()
     (url,) = write_shards(str(tmp_path / "b"), [6])
@@ -231,28 +175,6 @@ def test_a_stale_index_is_refused_for_seeking_and_replaced_by_a_scan_for_countin
         f.truncate(30)
     with pytest.raises(IndexFileError, match="should hold"):
         list(fmt.read(url, 4))
-
-
-def test_resuming_mid_shard_equals_the_uninterrupted_epoch(tmp_path):
-    urls = write_shards(str(tmp_path))
-    TarFormat().build_index(urls[3])
-
-    def make():
-        return TarDataset(shardkit.ShardList(urls, num_records=SIZES), shuffle=True, seed=4).map(sample_id)
-
-    check_resume(Run("stateful", make, 2), [None])
-
-
-@slow
-def test_s3_round_trip_over_two_ranks(s3_server):
-    bucket = s3_server.new_bucket()
-    options = s3_server.storage_options()
-    urls = write_shards(bucket, [7, 12, 5], storage_options=options)
-    fmt = TarFormat(storage_options=options)
-    assert fmt.build_index(urls[1]) == urls[1] + ".idx"
-    assert list(fmt.read(urls[1], 3, 5)) == list(fmt.read(urls[1]))[3:5]
-    make = make_dataset(f"{bucket}/part-*.tar", balance="none", storage_options=options)
-    assert_split(ids_per_rank(make, world_size=2, num_workers=2), all_keys([7, 12, 5]), "none")
 
 
 def test_shard_writer_rolls_tars_over_and_writes_a_manifest_webdataset_agrees_with(tmp_path):
@@ -371,3 +293,141 @@ def test_a_malformed_pax_record_is_a_located_error(tmp_path):
         f.write(b"zz path=x\n")
     with pytest.raises(CorruptRecordError, match=rf"record 1 at byte offset {offset}: malformed pax header"):
         list(TarFormat().read(url))
+
+
+# --------------------------------------------------------------------------- resync after a bad header (no index)
+
+
+def write_two_member_tar(url: str, fmt: int, count: int = 8) -> None:
+    """``count`` samples ``k000..`` of two members (.txt, .cls), written by tarfile in format ``fmt``."""
+    with tarfile.open(url, "w", format=fmt) as tar:
+        for i in range(count):
+            for ext in ("txt", "cls"):
+                data = f"{i}{ext}".encode() * (i * 70 + 1)
+                info = tarfile.TarInfo(f"k{i:03d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def flip(url: str, at: int, mask: int = 0x41) -> None:
+    with open(url, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ mask]))
+
+
+WRITERS = {
+    "webdataset": lambda url: write_shards(os.path.dirname(url), [8])[0],
+    "tarfile-ustar": lambda url: write_two_member_tar(url, tarfile.USTAR_FORMAT) or url,
+    "tarfile-gnu": lambda url: write_two_member_tar(url, tarfile.GNU_FORMAT) or url,
+    "tarfile-pax": lambda url: write_two_member_tar(url, tarfile.PAX_FORMAT) or url,
+}
+# Bytes of a header: a key character, the extension, the size, the checksum field, the type flag, padding.
+HEADER_BYTES = [1, 6, 130, 150, 156, 300]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("byte", HEADER_BYTES)
+@pytest.mark.parametrize("member", ["first", "last"])
+def test_without_an_index_a_flipped_header_costs_exactly_the_sample_of_the_hit_member(tmp_path, writer, byte, member):
+    url = WRITERS[writer](str(tmp_path / "part-000.tar"))
+    intact = list(TarFormat().read(url))
+    with tarfile.open(url) as tar:
+        members = tar.getmembers()
+    per_sample = len(members) // len(intact)
+    lost = 3
+    hit = members[lost * per_sample + (0 if member == "first" else per_sample - 1)]
+    with open(url, "rb") as f:
+        original = f.read()
+    for header in sorted({hit.offset, hit.offset_data - 512}):  # a pax header, and the member's own header
+        with open(url, "wb") as f:
+            f.write(original)
+        flip(url, header + byte)
+        with pytest.raises(CorruptRecordError) as info:
+            list(TarFormat(index=False).read(url))
+        error = info.value
+        assert (error.url, error.record_index, error.offset, error.framing_intact) == (url, lost, header, True)
+        assert TarFormat(index=False).count(url) == len(intact)  # the scan counts the lost sample: numbering holds
+        lenient = TarDataset(shardkit.ShardList([url], num_records=[len(intact)]), balance="none", on_error="skip")
+        assert list(lenient) == intact[:lost] + intact[lost + 1 :]  # every later sample byte-exact
+        assert lenient.stats().skipped.tolist() == [1]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_garbage_over_a_header_costs_its_sample_and_a_gzip_tar_resyncs_too(tmp_path):
+    (url,) = write_shards(str(tmp_path), [8])
+    intact = list(TarFormat().read(url))
+    with tarfile.open(url) as tar:  # sample 6's first member: its ustar header, after its pax header
+        at = tar.getmembers()[3 * 6].offset_data - 512
+    with open(url, "r+b") as f:
+        f.seek(at)
+        f.write(os.urandom(512))
+    with pytest.raises(CorruptRecordError, match=rf"record 6 at byte offset {at}: tar header checksum mismatch"):
+        list(TarFormat().read(url))
+    with open(url, "rb") as f, gzip.open(url + ".gz", "wb") as g:
+        g.write(f.read())
+    for shard in (url, url + ".gz"):
+        lenient = TarDataset([shard], balance="none", on_error="skip")
+        assert [s["bin"] for s in lenient] == [s["bin"] for i, s in enumerate(intact) if i != 6]
+        assert lenient.stats().skipped.tolist() == [1]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_an_index_from_before_the_damage_and_a_scan_after_it_lose_the_same_sample(tmp_path):
+    urls = write_shards(str(tmp_path), [10, 10])
+    TarFormat().build_index(urls[0])
+    intact = list(TarFormat().read(urls[0]))
+    flip(urls[0], header_offsets(urls[0])[3 * 7 + 2] + 140)  # sample 7's third member, its mtime
+    with pytest.raises(shardkit.ShardkitError, match="record 7"):
+        TarFormat().build_index(urls[0])  # the index is not rebuilt over damage
+    for index in (True, False):
+        counted = TarFormat(index=index).count(urls[0])
+        lenient = TarDataset(urls, balance="none", on_error="skip", index=index)
+        keys = [s["__key__"] for s in lenient]
+        assert counted == 10 and keys == [k for n, k in enumerate(all_keys([20])) if n != 7]
+        assert [s for s in TarFormat(index=index).read(urls[0], 8, 10)] == intact[8:]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize("balance", ["pad", "drop"])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_bad_header_keeps_planned_counts_equal_over_ranks(tmp_path, balance, num_workers):
+    urls = write_shards(str(tmp_path), [10, 10, 5])
+    flip(urls[1], header_offsets(urls[1])[3 * 4] + 150)  # sample 14: its first header's checksum field
+    ranks = ids_per_rank(make_dataset(urls, balance=balance, on_error="skip"), world_size=3, num_workers=num_workers)
+    per_rank = -(-25 // 3) if balance == "pad" else 25 // 3
+    assert [sum(len(b) for b in batches) for batches in ranks] == [per_rank] * 3
+    seen = {s for batches in ranks for batch in batches for s in batch}
+    assert "s00014" not in seen and (balance == "drop" or seen == set(all_keys([25])) - {"s00014"})
+
+
+@pytest.mark.filterwarnings("ignore:skipping")
+@pytest.mark.parametrize("writer", ["webdataset", "tarfile-gnu"])
+def test_a_tar_cut_mid_member_is_a_located_error_or_a_counted_skip_with_equal_counts(tmp_path, writer):
+    url = WRITERS[writer](str(tmp_path / "part-000.tar"))
+    members = header_offsets(url)
+    per_sample = len(members) // 8
+    with open(url, "r+b") as f:
+        f.truncate(members[per_sample * 5 + 1] + 600)  # inside sample 5's second member
+    with pytest.raises(CorruptRecordError, match="the file ends inside") as info:
+        list(TarFormat().read(url))
+    assert info.value.record_index == 5 and info.value.url == url
+    lenient = TarDataset(shardkit.ShardList([url], num_records=[8]), balance="pad", on_error="skip")
+    assert len(list(lenient)) == 8 and lenient.stats().skipped.tolist() == [3]
+
+
+def test_a_damaged_run_is_blamed_on_the_sample_its_name_or_neighbours_point_to():
+    current = {"__key__": "k001", "__url__": "u", "txt": b""}
+    previous = {"__key__": "k000", "__url__": "u", "txt": b"", "cls": b""}
+    assert _blame(("k001", "cls"), current, ("k002", "txt"), previous) == "current"  # names the open sample
+    assert _blame(("k0Q1", "cls"), current, ("k001", "json"), previous) == "current"  # the next member is its
+    assert _blame(("k0Q1", "cls"), current, ("k002", "txt"), previous) == "current"  # the open one lacks .cls
+    assert _blame(("", ""), None, ("k002", "cls"), previous) == "next"  # an extended header
+    assert _blame(("k0Q2", "txt"), previous, ("k002", "cls"), previous) == "next"  # the next one lacks .txt
+    complete = {**current, "cls": b""}
+    assert _blame(("k002", "tXt"), complete, ("k003", "txt"), previous) == "own"  # an unknown extension
+    assert _blame(None, current, ("k003", "txt"), previous) == "current"  # garbage: the open one is short
+    assert _blame(None, previous, ("k003", "cls"), previous) == "next"  # garbage: .cls never comes first
+    assert _blame(None, previous, ("k003", "txt"), previous) == "own"

@@ -18,6 +18,14 @@ the retry seeks there. A newline index (``shardkit index``: the byte offset
 of every record, bound to the file's size and checked when used: the byte
 before the last offset must be a newline) gives counts without a scan and
 ranges with a seek; compressed files get none (they cannot seek).
+
+A line cut short at the end of a file (no newline, not JSON) is such a bad
+line: it costs that record. A compressed stream that is cut short or damaged
+yields every complete line before the damage, then raises at the record being
+read with the offset where its line starts in the uncompressed stream (the
+message names the compressed byte); ``framing_intact`` is false, since
+nothing after the damage can be inflated, so the rest of the range is
+skipped and counted under ``on_error="skip"``.
 """
 
 from __future__ import annotations
@@ -73,8 +81,8 @@ class _Lines:
     """The lines of a file from a byte offset: (byte offset, line bytes) pairs, a block at a time."""
 
     def __init__(self, source: Any, offset: int) -> None:
-        self._fd = source.fileno() if isinstance(source, LocalFileOpener) else None
-        self._source = source
+        self._fd: int | None = source.fileno() if isinstance(source, LocalFileOpener) else None
+        self._source: Any = source
         self.offset = offset
 
     def _read(self, pos: int) -> bytes:
@@ -211,10 +219,10 @@ class JsonlFormat:
                         yield from values
                     if stop is not None and pos.record >= stop:
                         return
-        except CompressedStreamError as error:
+        except CompressedStreamError as error:  # after every line before the damage; pos.at: where the cut line starts
             at = error.compressed_offset if error.compressed_offset >= 0 else None
-            reason = f"{error.reason}; reading record {pos.record}"
-            raise CorruptRecordError(url, pos.record, -1, reason, compressed_offset=at) from None
+            reason = f"{error.reason}; reading record {pos.record} (offset in the uncompressed {compression} stream)"
+            raise CorruptRecordError(url, pos.record, pos.at, reason, compressed_offset=at) from None
 
     def _line_by_line(
         self, url: str, chunk: list[bytes], pos: _Position, start: int, stop: int | None, compression: str | None
@@ -242,7 +250,7 @@ class JsonlFormat:
         at: int,
         line: bytes,
         line_number: int | None,
-        error: ValueError,
+        error: ValueError | RecursionError,
         compression: str | None,
     ) -> CorruptRecordError:
         if compression is None:

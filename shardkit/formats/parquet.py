@@ -13,13 +13,25 @@ records. Measured in ``benchmarks/formats.py``.
 
 Trust nothing: page CRCs are checked where the file has them (:class:`ParquetWriter`
 writes them; many writers do not, and then a flipped value byte goes
-unseen: Parquet has no other checksum). A footer that cannot be read, or a
-row group that does not decode (a bad page CRC, a bad length, a truncated
-page) raises
-:class:`~shardkit.CorruptRecordError` naming the url, the first record of the
-row group and the row group's byte offset, after the rows before it.
-``framing_intact`` is false: under ``on_error="skip"`` the rest of the range
-is skipped and counted.
+unseen: Parquet has no other checksum). A footer that cannot be read raises
+:class:`~shardkit.CorruptRecordError` at record 0 with ``framing_intact``
+false: nothing in the file can be located, so under ``on_error="skip"`` the
+rest of the range is skipped and counted.
+
+A row group that does not decode (a bad page CRC, a bad length, a truncated
+page, fewer rows than its footer entry) costs exactly its own rows: the
+footer still locates every other row group. The error names the url, the
+first record of the row group in the range, the byte offset of the column
+chunk that failed (found by decoding the group's columns one at a time, only
+after a failure) and its column, with ``framing_intact`` true. Under
+``on_error="skip"`` the source then asks for the next record, which is in
+the same bad group: the reader remembers the bad group (:class:`_BadGroup`,
+checked against the footer when the file is reopened) and raises again at
+once, without decoding it, until the range passes the group; so the group's
+rows are skipped one record at a time (each counted under ``skipped`` in
+``stats()``, each with a warning) and positions stay exact for pad/drop. With
+``batch_size`` a record is a batch: the batches holding any row of the bad
+group are lost (rows of a neighbouring good group in such a batch with them).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -38,6 +50,23 @@ from shardkit.remote import RemoteOptions
 __all__ = ["ParquetFormat", "ParquetWriter"]
 
 _MAGIC: Final = b"PAR1"
+
+
+class _BadGroup(NamedTuple):
+    """A row group found bad, kept so the retries for its next records skip decoding it again.
+
+    ``record`` is the next record the source will ask for and ``end`` the first
+    record past the group; ``shape`` is the group's footer entry (rows, bytes,
+    offset), which must be unchanged when the file is reopened for the hint to apply.
+    """
+
+    url: str
+    record: int
+    end: int
+    group: int
+    shape: tuple[int, int, int]
+    offset: int
+    reason: str
 
 
 class ParquetFormat:
@@ -73,6 +102,10 @@ class ParquetFormat:
         self.batch_size = batch_size
         self.storage_options = storage_options
         self.remote = remote
+        self._bad: _BadGroup | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_bad": None}
 
     def __repr__(self) -> str:
         return f"ParquetFormat(columns={self.columns!r}, batch_size={self.batch_size!r})"
@@ -137,26 +170,49 @@ class ParquetFormat:
                     raise ShardkitError(f"{url} has no columns {missing}; it has {pf.schema_arrow.names}")
             group = bisect.bisect_right(starts, lo) - 1
             while group < len(sizes) and starts[group] < hi:
-                table = self._row_group(url, pf, group, starts[group])
-                yield table.slice(max(0, lo - starts[group]), min(hi, starts[group + 1]) - max(lo, starts[group]))
+                first, end = max(lo, starts[group]), starts[group + 1]
+                self._raise_if_known_bad(url, pf, group, first)
+                table = self._row_group(url, pf, group, first, end)
+                yield table.slice(first - starts[group], min(hi, end) - first)
                 group += 1
         finally:
             raw.close()
 
-    def _row_group(self, url: str, pf: Any, group: int, first_row: int) -> Any:
+    def _row_group(self, url: str, pf: Any, group: int, first: int, end: int) -> Any:
+        """Row group ``group`` (rows ``[.., end)``, read from row ``first``) as a table, or its located error."""
         try:
             table = pf.read_row_group(group, columns=self.columns)
         except Exception as error:
-            columns = pf.metadata.row_group(group)
-            offset = (
-                min(columns.column(c).file_offset for c in range(columns.num_columns)) if columns.num_columns else -1
-            )
-            reason = f"row group {group} does not decode ({type(error).__name__}: {error})"
-            raise CorruptRecordError(url, self._record_of(first_row), offset, reason) from None
-        if table.num_rows != pf.metadata.row_group(group).num_rows:
-            reason = f"row group {group} holds {table.num_rows} rows, its footer says {pf.metadata.row_group(group).num_rows}"
-            raise CorruptRecordError(url, self._record_of(first_row), -1, reason)
+            offset, column = _failing_chunk(pf, group, self.columns)
+            where = f" in column {column!r}" if column is not None else ""
+            reason = f"row group {group} does not decode{where} ({type(error).__name__}: {error})"
+            raise self._bad_group(url, pf, group, first, end, offset, reason) from None
+        expected = pf.metadata.row_group(group).num_rows
+        if table.num_rows != expected:
+            reason = f"row group {group} holds {table.num_rows} rows, its footer says {expected}"
+            raise self._bad_group(url, pf, group, first, end, _shape(pf, group)[2], reason)
         return table
+
+    def _bad_group(
+        self, url: str, pf: Any, group: int, first: int, end: int, offset: int, reason: str
+    ) -> CorruptRecordError:
+        """The error for the bad row group at record ``first``; remember the group for the retries."""
+        record = self._record_of(first)
+        last = end if self.batch_size is None else -(-end // self.batch_size)  # every batch holding one of its rows
+        self._bad = _BadGroup(url, record + 1, last, group, _shape(pf, group), offset, reason)
+        return CorruptRecordError(url, record, offset, reason, framing_intact=True)
+
+    def _raise_if_known_bad(self, url: str, pf: Any, group: int, first: int) -> None:
+        """Raise at once for a retry (record ``first``) that starts inside the row group last found bad."""
+        bad, record = self._bad, self._record_of(first)
+        if bad is None or (bad.url, bad.group, bad.record) != (url, group, record):
+            return
+        if record >= bad.end or _shape(pf, group) != bad.shape:
+            self._bad = None
+            return
+        self._bad = bad._replace(record=record + 1)
+        reason = f"{bad.reason}; record {record} is in that row group"
+        raise CorruptRecordError(url, record, bad.offset, reason, framing_intact=True)
 
     def _record_of(self, row: int) -> int:
         return row if self.batch_size is None else row // self.batch_size
@@ -185,6 +241,43 @@ class ParquetFormat:
     def writer(self, url: str, *, name: str | None = None) -> ParquetWriter:
         """A writer of rows to ``url`` (``name``: the name it will be renamed to; unused)."""
         return ParquetWriter(url, storage_options=self.storage_options)
+
+
+def _shape(pf: Any, group: int) -> tuple[int, int, int]:
+    """(rows, bytes, byte offset of its first column chunk) of row group ``group``, from the footer."""
+    meta = pf.metadata.row_group(group)
+    starts = [_chunk_start(meta.column(c)) for c in range(meta.num_columns)]
+    return int(meta.num_rows), int(meta.total_byte_size), min(starts) if starts else -1
+
+
+def _chunk_start(chunk: Any) -> int:
+    """Where a column chunk's first page (its dictionary page, if it has one) starts."""
+    dictionary = chunk.dictionary_page_offset if chunk.has_dictionary_page else None
+    return int(dictionary if dictionary is not None else chunk.data_page_offset)
+
+
+def _failing_chunk(pf: Any, group: int, columns: list[str] | None) -> tuple[int, str | None]:
+    """(byte offset, column) of the first projected column of ``group`` that does not decode on its own.
+
+    Only called after the whole group failed. A column's chunks are its leaves
+    (``tags.list.element`` for ``tags``); when every column decodes alone (the
+    failure was in combining them), the group's first chunk and None.
+    """
+    meta = pf.metadata.row_group(group)
+    starts: dict[str, int] = {}
+    for c in range(meta.num_columns):
+        chunk = meta.column(c)
+        name = next((n for n in pf.schema_arrow.names if chunk.path_in_schema.split(".")[0] == n), None)
+        if name is not None:
+            starts[name] = min(starts.get(name, _chunk_start(chunk)), _chunk_start(chunk))
+    for name, start in starts.items():
+        if columns is not None and name not in columns:
+            continue
+        try:
+            pf.read_row_group(group, columns=[name])
+        except Exception:
+            return start, name
+    return _shape(pf, group)[2], None
 
 
 def _numpy(table: Any) -> dict[str, np.ndarray]:

@@ -20,15 +20,30 @@ Trust nothing: every header's checksum is checked; a bad one, a size field
 that is not a number or runs past the end of the file (it never sizes an
 allocation), a malformed pax record, or a file that ends inside a member or
 without the end-of-archive marker raises :class:`~shardkit.CorruptRecordError`
-naming the sample index and the header's byte offset. Without an index the
-next header cannot be found after a bad one (``framing_intact`` false: the
-rest of the range is lost under ``on_error="skip"``, and counted). An index
-(``shardkit index``) stores the byte offset of each sample's first header and
-the tar's size; it is checked when used (size, ascending offsets, a valid
-header at the last offset, and no index boundary inside a sample), so counts
-need no scan, a range starts with a seek, and a bad header costs exactly its
-sample (``framing_intact`` true). Gzip-compressed tars are streamed; their
-counts and ranges come from a scan (they cannot seek).
+naming the sample index and the header's byte offset.
+
+A bad header costs exactly the sample it belongs to (``framing_intact``
+true, so ``on_error="skip"`` skips that sample and counts it). With an index
+(``shardkit index``: the byte offset of each sample's first header and the
+tar's size, checked when used: size, ascending offsets, a valid header at the
+last offset, no index boundary inside a sample) the index says where the next
+sample starts; counts need no scan and a range starts with a seek. Without
+one the reader *resyncs*: it scans on at 512-byte boundaries for the next
+header whose checksum verifies and whose size and type parse, and blames the
+damaged run on one sample (:func:`_blame`: the one its name names, else the
+one around it by the neighbours' keys and extensions); that sample's members
+after the run are dropped. Record numbering: the damaged sample keeps its
+index and every later sample keeps its own, so a count from an index built
+before the damage, a count from a scan after it (which counts the lost
+sample, as :meth:`TarFormat.scan` does) and the reader agree. Where they
+cannot (a run that destroyed several whole samples counts as one, a header
+turned to garbage over a pax header may count as one sample more, a tar
+stored inside a member can fake a header) the source reports the difference
+against the planned count (missing or extra records): never silently. The
+retry after a damaged sample seeks to the next one (a :class:`ResumeHint`);
+gzip-compressed tars are streamed, so their counts and ranges come from a
+scan and a retry reads the stream again from its start. A file cut short
+loses the rest of the range (``framing_intact`` false): nothing follows.
 """
 
 from __future__ import annotations
@@ -39,13 +54,13 @@ import re
 import tarfile
 import time
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.base import load_offsets, write_offsets
+from shardkit.formats.base import ResumeHint, load_offsets, write_offsets
 from shardkit.formats.index import IndexFileError, index_path_for
 from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
 from shardkit.remote import RemoteOptions
@@ -59,6 +74,9 @@ _META = re.compile(r"__[^/]*__($|/)")
 _REGULAR: Final = (b"0", b"\0", b"7")
 _ZEROS: Final = bytes(_BLOCK)
 _SKIPPED: Final = (b"1", b"2", b"3", b"4", b"5", b"6", b"g", b"V", b"M", b"N", b"S", b"D")
+_EXTENDED: Final = (b"x", b"L", b"K")
+_KNOWN: Final = frozenset(_REGULAR + _SKIPPED + _EXTENDED)
+_EXTENDED_NAMES: Final = (b"@PaxHeader", b"PaxHeaders.", b"@LongLink")  # Python, GNU tar; GNU long names
 
 
 def _checksum_ok(header: bytes) -> bool:
@@ -76,6 +94,23 @@ def _checksum_ok(header: bytes) -> bool:
         return True
     signed = unsigned - 2 * sum(b for b in header if b > 127) + 2 * sum(b for b in field if b > 127)
     return stored == signed
+
+
+def _header_size(header: bytes) -> int:
+    """The member size of a sound header: its checksum verifies and its size field is a number; else -1."""
+    if not _checksum_ok(header):
+        return -1
+    try:
+        return _size_of(header)
+    except ValueError:
+        return -1
+
+
+def _header_problem(header: bytes) -> str:
+    """Why :func:`_header_size` refused ``header``."""
+    if not _checksum_ok(header):
+        return f"tar header checksum mismatch (header bytes {header[:16]!r}...)"
+    return f"tar header size field {header[124:136]!r} is not a number"
 
 
 def _size_of(header: bytes) -> int:
@@ -138,11 +173,11 @@ class _Blocks:
     __slots__ = ("buf", "pos", "base", "_fd", "_stream", "_eof", "_opened_size")
 
     def __init__(self, source: Any, offset: int) -> None:
-        self.buf = b""
+        self.buf: bytes = b""
         self.pos = 0
         self.base = offset  # stream offset of buf[0]
-        self._fd = source.fileno() if isinstance(source, LocalFileOpener) else None
-        self._stream = None if self._fd is not None else source
+        self._fd: int | None = source.fileno() if isinstance(source, LocalFileOpener) else None
+        self._stream: Any = None if self._fd is not None else source
         self._eof = False
         self._opened_size = os.fstat(self._fd).st_size if self._fd is not None else None
 
@@ -183,15 +218,19 @@ class _Parser:
         self.blocks = blocks
         self.index = first  # index of the next sample
         self.compressed = compressed
+        self.damage = ""  # what was wrong with the last damaged run members() yielded
 
     def error(self, offset: int, reason: str) -> CorruptRecordError:
-        if self.compressed:
-            reason += " (offset in the uncompressed gzip stream)"
-        return CorruptRecordError(self.url, self.index, offset, reason)
+        return CorruptRecordError(self.url, self.index, offset, self._note(reason))
 
-    def members(self) -> Iterator[tuple[str, int, bytes]]:
+    def _note(self, reason: str) -> str:
+        return reason + " (offset in the uncompressed gzip stream)" if self.compressed else reason
+
+    def members(self, resync: bool = False) -> Iterator[tuple[str | None, int, bytes]]:
         """(name, offset of its first header, data) of each regular member, to the end-of-archive marker.
 
+        A bad header raises, or with ``resync`` yields ``(None, offset, header)``
+        for the damaged run and goes on at the next header that verifies.
         Every sample's path runs through this loop, hence the locals and the
         inline checks of what is in the window before calling ``need``.
         """
@@ -208,12 +247,20 @@ class _Parser:
             at = blocks.base + pos
             if header == _ZEROS:
                 return
-            if not _checksum_ok(header):
-                raise self.error(at, f"tar header checksum mismatch (header bytes {header[:16]!r}...)")
-            try:
-                size = _size_of(header)
+            try:  # inline: every member's path (see _header_size)
+                size = _size_of(header) if _checksum_ok(header) else -1
             except ValueError:
-                raise self.error(at, f"tar header size field {header[124:136]!r} is not a number") from None
+                size = -1
+            if size < 0:
+                if not resync:
+                    raise self.error(at, _header_problem(header))
+                ended = self._resync(pos)
+                self.damage = _header_problem(header)
+                yield None, at, header  # a damaged run from `at` to the window's position
+                long_name, start = None, -1
+                if ended:
+                    return
+                continue
             padded = _BLOCK + -(-size // _BLOCK) * _BLOCK
             if len(buf) - pos < padded:
                 self._need(padded, at, f"the file ends inside the member {_name_of(header)!r} of {size} bytes")
@@ -227,9 +274,11 @@ class _Parser:
                 try:
                     long_name = _long_name(kind, data)
                 except ValueError:
-                    raise self.error(
-                        at, f"malformed {'pax' if kind == b'x' else 'GNU long name'} header {data[:40]!r}"
-                    ) from None
+                    self.damage = f"malformed {'pax' if kind == b'x' else 'GNU long name'} header {data[:40]!r}"
+                    if not resync:
+                        raise self.error(at, self.damage) from None
+                    yield None, at, header  # the run is this extended header: it belongs to the next member
+                    long_name, start = None, -1
                 continue
             name = long_name or _name_of(header)
             long_name = None
@@ -248,6 +297,28 @@ class _Parser:
             failure = self.error(at, error.reason)
             failure.compressed_offset = error.compressed_offset if error.compressed_offset >= 0 else None
             raise failure from None
+
+    def _resync(self, pos: int) -> bool:
+        """Move the window from the bad header at ``pos`` to the next 512-byte block that is a sound header.
+
+        Returns True when none is left: the damage runs to the end of the file
+        (through an end-of-archive marker, or a file cut short). Zero blocks are
+        passed over: a member's data may hold them, and the marker is only the
+        end when no header follows.
+        """
+        blocks = self.blocks
+        blocks.pos = pos + _BLOCK
+        try:
+            while True:
+                if len(blocks.buf) - blocks.pos < _BLOCK and not blocks.need(_BLOCK):
+                    blocks.pos = len(blocks.buf)
+                    return True
+                header = blocks.buf[blocks.pos : blocks.pos + _BLOCK]
+                if header != _ZEROS and _header_size(header) >= 0 and header[156:157] in _KNOWN:
+                    return False
+                blocks.pos += _BLOCK
+        except CompressedStreamError as error:
+            raise self.error(blocks.offset, error.reason) from None
 
     def _truncated(self, offset: int, reason: str) -> CorruptRecordError:
         shrank = self.blocks.shrank()
@@ -278,29 +349,54 @@ class _Parser:
             pos += _BLOCK + -(-size // _BLOCK) * _BLOCK
         return None
 
-    def samples(self, ends: np.ndarray | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    def samples(self, ends: np.ndarray | None = None) -> Iterator[tuple[int, dict[str, Any] | _Bad]]:
         """(offset of its first header, sample) for each sample, grouped as WebDataset does.
 
         With ``ends`` (the index's sample offsets) a sample is handed out as
         soon as its last member ends where the index says the next sample
         starts, before the next header is read: a bad header is then blamed
         on its own sample. A key that goes on past an index boundary is an error.
+
+        Without ``ends`` a bad header does not end the walk: the damaged run is
+        blamed on one sample (:func:`_blame`), which comes as a :class:`_Bad`
+        in its place (its members after the damage are dropped), and the
+        samples after it follow with their indices one higher, as a scan counts them.
         """
         sample: dict[str, Any] | None = None
         sample_at = -1
         last_key = None
-        for name, at, data in self.members():
+        damage: tuple[int, bytes, str] | None = None  # a damaged run not yet blamed on a sample
+        bad: _Bad | None = None  # a bad sample whose members are being dropped
+        previous: dict[str, Any] | None = None  # the last sample handed out, for _blame
+        for name, at, data in self.members(resync=ends is None):
+            if name is None:
+                if bad is None and damage is None:  # a second run before the next good member counts with the first
+                    damage = (at, data, self.damage)
+                continue
             if name.startswith("__") and ("/" not in name and name.endswith("__") or _META.match(name)):
                 continue
             split = _split_key(name)
             if split is None:
                 continue
             key, ext = split
+            if damage is not None:
+                settled, bad, previous = self._settle(damage, sample, sample_at, split, at, previous)
+                sample = damage = None
+                for item in settled:
+                    yield item
+                    self.index += 1
+            if bad is not None:
+                if key == bad.key:
+                    continue
+                yield bad.error.offset, bad._replace(resume=at)
+                self.index += 1
+                bad = None
             if sample is None or key != sample["__key__"]:
                 if sample is not None:
                     last_key = sample["__key__"]
                     yield sample_at, sample
                     self.index += 1
+                    previous = sample
                 elif key == last_key:
                     raise self.error(
                         at, f"the index file puts a sample boundary inside the sample {key!r} (rebuild it)"
@@ -318,10 +414,136 @@ class _Parser:
                 last_key = key
                 yield sample_at, sample
                 self.index += 1
-                sample = None
-        if sample is not None:
+                previous, sample = sample, None
+        yield from self._last(sample, sample_at, damage, bad, previous)
+
+    def _last(
+        self,
+        sample: dict[str, Any] | None,
+        sample_at: int,
+        damage: tuple[int, bytes, str] | None,
+        bad: _Bad | None,
+        previous: dict[str, Any] | None,
+    ) -> Iterator[tuple[int, dict[str, Any] | _Bad]]:
+        """The samples left at the end of the archive: the open one, and a damaged run not yet blamed."""
+        if damage is not None:
+            settled, bad, previous = self._settle(damage, sample, sample_at, None, self.blocks.offset, previous)
+            sample = None
+            for item in settled:
+                yield item
+                self.index += 1
+        if bad is not None:
+            yield bad.error.offset, bad._replace(resume=self.blocks.offset)
+            self.index += 1
+        elif sample is not None:
             yield sample_at, sample
             self.index += 1
+
+    def _settle(
+        self,
+        damage: tuple[int, bytes, str],
+        sample: dict[str, Any] | None,
+        sample_at: int,
+        following: tuple[str, str] | None,
+        resume: int,
+        previous: dict[str, Any] | None,
+    ) -> tuple[list[tuple[int, dict[str, Any] | _Bad]], _Bad | None, dict[str, Any] | None]:
+        """Blame a damaged run once the first sound member after it is known (``following``, starting at
+        ``resume``; None at the end of the archive).
+
+        Returns what to hand out now, in order (the open sample if the run is not
+        its, a lost sample of its own), the lost sample whose members are still
+        being dropped (blamed on the open or the next sample), and the new ``previous``.
+        """
+        blame = _blame(_guess_name(damage[1]), sample, following, previous)
+        settled: list[tuple[int, dict[str, Any] | _Bad]] = []
+        key = None
+        if sample is not None and blame == "current":
+            key = sample["__key__"]
+        elif sample is not None:
+            settled.append((sample_at, sample))
+            previous = sample
+        if blame == "next" and following is not None:
+            key = following[0]
+        at, _, problem = damage
+        what = f"sample {key!r}" if key is not None else "the sample there"
+        reason = (
+            f"{problem}: {what} is lost; the next header that verifies starts the next sample "
+            "(scanned at 512-byte boundaries)"
+        )
+        error = CorruptRecordError(self.url, self.index + len(settled), at, self._note(reason), framing_intact=True)
+        if blame == "own":  # it ends where the following member starts
+            settled.append((at, _Bad(error, None, resume)))
+            return settled, None, previous
+        return settled, _Bad(error, key, -1), previous
+
+
+class _Bad(NamedTuple):
+    """A sample lost to a damaged run, in its place in :meth:`_Parser.samples`.
+
+    ``key``: members with this key after the damage belong to it and are
+    dropped; ``resume``: the byte offset where the next sample starts (-1 until known).
+    """
+
+    error: CorruptRecordError
+    key: str | None
+    resume: int
+
+
+def _guess_name(header: bytes) -> tuple[str, str] | None:
+    """(key, extension) a damaged header names, read despite its checksum; ``("", "")`` for an
+    extended header (pax, GNU long name: it belongs to the member after it), known by its type flag
+    or, when the flip hit that, by the name writers give it; None when the name gives none."""
+    if header[156:157] in _EXTENDED or any(mark in header[:100] for mark in _EXTENDED_NAMES):
+        return "", ""
+    return _split_key(_name_of(header))
+
+
+def _blame(
+    guess: tuple[str, str] | None,
+    current: dict[str, Any] | None,
+    following: tuple[str, str] | None,
+    previous: dict[str, Any] | None,
+) -> str:
+    """Which sample a damaged run between two sound members belongs to.
+
+    ``guess`` is the damaged header's (key, extension) (:func:`_guess_name`),
+    ``current`` the sample open before the run, ``following`` the (key,
+    extension) of the first sound member after it, ``previous`` the sample
+    before ``current``. ``"current"`` when the run sits inside the open sample
+    (the member after it has its key) or names it; ``"next"`` when it names the
+    following member's key or is an extended header. A name that matches
+    neither (a flip in the key, or a sample of its own) is decided by its
+    extension when the samples around have it (they share extensions, as
+    WebDataset's do): one the open sample lacks makes it ``"current"``, one
+    other than the following member's makes it ``"next"``. With no usable
+    name (garbage), by the shape: an open sample with fewer members than the
+    one before is ``"current"``, a following member that is not a sample's
+    first is ``"next"``. Else ``"own"``: a sample of its own between the two.
+    """
+    key = None if current is None else current["__key__"]
+    if key is not None and (guess is not None and key == guess[0] or following is not None and key == following[0]):
+        return "current"
+    if following is not None and guess is not None and guess[0] in (following[0], ""):
+        return "next"
+    if guess is not None and (previous is None or guess[1] in previous or following and guess[1] == following[1]):
+        if current is not None and guess[1] not in current:
+            return "current"
+        if following is not None and guess[1] != following[1]:
+            return "next"
+        return "own"
+    # No name, or an extension no sample around has (a flip in it): the shape of the samples decides.
+    if previous is not None and current is not None and len(current) < len(previous):
+        return "current"  # the open sample has fewer members than the one before
+    first = _first_extension(previous if previous is not None else current or {})
+    if following is not None and first is not None and following[1] != first:
+        return "next"  # the member after the run is not a sample's first
+    return "own"
+
+
+def _first_extension(sample: dict[str, Any]) -> str | None:
+    """The extension of a sample's first member (keys after ``__key__`` and ``__url__`` keep member order)."""
+    return next((ext for ext in sample if not ext.startswith("__")), None)
 
 
 def _located_by_index(error: CorruptRecordError, offsets: np.ndarray | None) -> CorruptRecordError:
@@ -365,6 +587,10 @@ class TarFormat:
         self.index = index
         self.storage_options = storage_options
         self.remote = remote
+        self._hint: ResumeHint | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_hint": None}
 
     def __repr__(self) -> str:
         return f"TarFormat(compression={self.compression!r}, index={self.index})"
@@ -386,26 +612,40 @@ class TarFormat:
         raw = open_raw(url, "rb", self.storage_options, remote=self.remote)
         try:
             compressed = self._compressed(raw)
-            offsets = None if compressed else self._index_for(url, start)
-            first = start if offsets is not None and start else 0
-            if first:
-                if start >= len(offsets):  # type: ignore[arg-type]  # the index says there is no sample `start`
+            hint = self._hint if not compressed else None
+            if hint is not None and (hint.url, hint.record) == (url, start):  # the retry after a damaged sample
+                offsets, first, offset = None, start, hint.offset
+            else:
+                offsets = None if compressed else self._index_for(url, start)
+                first = start if offsets is not None and start else 0
+                if first and start >= len(offsets):  # type: ignore[arg-type]  # the index says there is no sample `start`
                     return
-                raw.seek(int(offsets[start]))  # type: ignore[index]
-            offset = int(offsets[start]) if first else 0  # type: ignore[index]
+                offset = int(offsets[start]) if first else 0  # type: ignore[index]
+            self._hint = None
+            if offset:
+                raw.seek(offset)
             source = open_input(url, "gzip", raw=raw) if compressed else raw
             parser = _Parser(url, _Blocks(source, offset), first, compressed)
             try:
                 for _, sample in parser.samples(offsets):
                     index = parser.index
-                    if index >= start:
-                        yield sample
-                        if stop is not None and index + 1 >= stop:
-                            return
+                    if index < start:
+                        continue
+                    if isinstance(sample, _Bad):
+                        raise self._lost(url, sample, compressed)
+                    yield sample
+                    if stop is not None and index + 1 >= stop:
+                        return
             except CorruptRecordError as error:
                 raise _located_by_index(error, offsets) from None
         finally:
             raw.close()
+
+    def _lost(self, url: str, bad: _Bad, compressed: bool) -> CorruptRecordError:
+        """The error for a damaged sample; the retry for the next one seeks where it starts (plain files)."""
+        if not compressed:
+            self._hint = ResumeHint(url, bad.error.record_index + 1, bad.resume)
+        return bad.error
 
     def _index_for(self, url: str, start: int) -> np.ndarray | None:
         """The checked index, to seek to ``start`` and to find the sample after a bad one.
@@ -456,14 +696,23 @@ class TarFormat:
             return len(offsets)
         return len(self.scan(url))
 
-    def scan(self, url: str) -> np.ndarray:
-        """Byte offset of each sample's first header (in the uncompressed stream), checking every header."""
+    def scan(self, url: str, *, strict: bool = False) -> np.ndarray:
+        """Byte offset of each sample's first header (in the uncompressed stream), checking every header.
+
+        A sample lost to a damaged header counts as one sample at the damage's
+        offset, as the reader numbers it; ``strict`` raises its error instead.
+        """
         raw = open_raw(url, "rb", self.storage_options, remote=self.remote)
         try:
             compressed = self._compressed(raw)
             source = open_input(url, "gzip", raw=raw) if compressed else raw
             parser = _Parser(url, _Blocks(source, 0), 0, compressed)
-            return np.array([at for at, _ in parser.samples()], dtype=np.int64)
+            starts = []
+            for at, sample in parser.samples():
+                if strict and isinstance(sample, _Bad):
+                    raise sample.error
+                starts.append(at)
+            return np.array(starts, dtype=np.int64)
         finally:
             raw.close()
 
@@ -474,7 +723,7 @@ class TarFormat:
                 raise ShardkitError(
                     f"{url}: a gzip-compressed tar cannot seek, so it gets no index; its samples are counted by a scan"
                 )
-        offsets = self.scan(url)
+        offsets = self.scan(url, strict=True)  # an index never records damage: it would seek into it
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
