@@ -49,6 +49,7 @@ from shardkit.planning import (
     SHUFFLE_BLOCK,
     SHUFFLE_WINDOW,
     Balance,
+    PlannedRanges,
     Range,
     plan,
     plan_intervals,
@@ -353,15 +354,19 @@ class _RangeReader:
     def __init__(
         self,
         source: _PlannedSource,
-        pieces: list[tuple[int | None, Range]],
+        pieces: Sequence[tuple[int | None, Range]],
         epoch: int,
         topology: Topology,
         fingerprint: dict[str, Any] | None,
         stand_in: Callable[[], Any] | None = None,
     ) -> None:
         self._source = source
-        self.positions = [position for position, _ in pieces]
-        self.ranges = [piece for _, piece in pieces]
+        if isinstance(pieces, PlannedRanges):  # a plan's arrays, indexed lazily: no object per shard
+            self.positions: Sequence[int | None] = pieces.positions
+            self.ranges: Sequence[Range] = pieces.ranges
+        else:
+            self.positions = [position for position, _ in pieces]
+            self.ranges = [piece for _, piece in pieces]
         self.range_index = 0
         self.done_in_range = 0
         self._records: Iterator[Any] | None = None
