@@ -30,7 +30,9 @@ for every non-local url), so the design lives here, not in a format:
   :class:`ObjectChangedError` naming it and both identities, never a silent mix
   of two versions.
 - **Counted.** Requests, bytes, retries, the time spent waiting to retry and
-  cache hits and misses are counted per process (:func:`remote_stats`).
+  cache hits and misses are counted per process (:func:`remote_stats`); a
+  dataset's ``stats()`` sums the retries over its DataLoader workers
+  (:mod:`shardkit.stats`).
 
 The opt-in local cache (``cache_dir=``) is :mod:`shardkit.cache`.
 """
@@ -526,12 +528,14 @@ def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int 
 
 
 def _after_fork_in_child() -> None:
-    """A forked DataLoader worker starts with fresh locks and no warm shards: a lock held by a fetch
-    thread of the parent at fork time would otherwise never be released (threads do not survive fork)."""
+    """A forked DataLoader worker starts with fresh locks, no warm shards and zero counters: a lock held by
+    a fetch thread of the parent at fork time would otherwise never be released (threads do not survive
+    fork), and the parent's counts would be summed twice into a dataset's stats()."""
     global _counts_lock, _pool_lock, _warm_lock, _pool
     _counts_lock, _pool_lock, _warm_lock = threading.Lock(), threading.Lock(), threading.Lock()
     _pool = None
     _warm.clear()
+    _counts.update(dict.fromkeys(_COUNTERS, 0))  # a worker counts its own reads (stats.py sums them)
 
 
 # --------------------------------------------------------------------------- prefetch across shards

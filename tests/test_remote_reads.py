@@ -180,3 +180,50 @@ def test_dataloader_workers_read_remote_shards_through_faults_exactly_once(serve
     loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     assert sorted(loader) == sorted(expected)
     assert all(server.take_fault(f"/s{i}.tfrecord") is None for i in range(6))
+
+
+def write_faulty_shards(server: FaultServer, tmp_path, count: int, faults: list[str]) -> tuple[list[str], list[bytes]]:
+    """``count`` shards served by ``server``, each with ``faults`` queued; their urls and all their records."""
+    expected: list[bytes] = []
+    for i in range(count):
+        expected += write_shard(os.path.join(tmp_path, f"s{i}.tfrecord"), count=40 + i, seed=i)
+        server.inject(f"s{i}.tfrecord", *faults)
+    return [f"{server.url}/s{i}.tfrecord" for i in range(count)], expected
+
+
+def test_retries_and_their_waits_are_counted_in_a_datasets_stats(server: FaultServer, tmp_path) -> None:
+    from shardkit import TFRecordDataset
+
+    urls, expected = write_faulty_shards(server, tmp_path, 3, ["503", "429"])
+    dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
+    assert dataset.stats().retries == 0
+    assert sorted(dataset) == sorted(expected)
+    stats = dataset.stats()
+    assert stats.retries == 6
+    assert 0 < stats.retry_wait_seconds <= 6 * FAST_RETRY.max_backoff
+    dataset._stats.reset()
+    assert dataset.stats().retries == 0 and dataset.stats().retry_wait_seconds == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_retries_in_dataloader_workers_are_summed_into_stats(server: FaultServer, tmp_path, context: str) -> None:
+    from torch.utils.data import DataLoader
+
+    from shardkit import TFRecordDataset
+
+    os.makedirs(tmp_path / "before")
+    write_shard(os.path.join(tmp_path, "before", "a.tfrecord"))
+    server.inject("before/a.tfrecord", "503", "503", "503")
+    list(read_tfrecord(f"{server.url}/before/a.tfrecord", remote=SMALL))  # the parent's own retries, before
+    parent = remote_stats()["retries"]
+    assert parent >= 3
+    urls, expected = write_faulty_shards(server, tmp_path, 4, ["503", "503"])
+    dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context)
+    assert sorted(loader) == sorted(expected)
+    assert all(server.take_fault(f"/s{i}.tfrecord") is None for i in range(4))
+    stats = dataset.stats()
+    assert stats.retries == 8  # the workers' retries, and none the forked workers inherited from the parent
+    assert stats.retry_wait_seconds > 0
+    assert remote_stats()["retries"] == parent  # the parent read nothing more
