@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from shardkit.errors import ShardkitError
+from shardkit.httpranges import HTTPStatusError, RangeClient, Response, Unsupported, client_for
 
 __all__ = [
     "DEFAULT_READAHEAD_BYTES",
@@ -349,6 +350,8 @@ class RemoteFile:
         self._blocks: OrderedDict[int, Future[bytes]] = OrderedDict()
         self._closed = False
         self._fetch_kwargs = _fetch_kwargs(fs, info)
+        self._http = client_for(fs, path)  # plain HTTP without options: the fast path (httpranges.py)
+        self._etag = _etag(info)
 
     # -- reading
 
@@ -413,6 +416,11 @@ class RemoteFile:
 
     def _request(self, start: int, stop: int) -> bytes:
         _count(requests=1)
+        if self._http is not None:
+            try:
+                return self._ranged_get(self._http, start, stop)
+            except Unsupported:
+                self._http = None  # an answer the fast path does not read: fsspec from now on
         try:
             data = self.fs.cat_file(self.path, start=start, end=stop, **self._fetch_kwargs)
         except Exception as error:
@@ -428,6 +436,38 @@ class RemoteFile:
         if not data:
             raise _ShortRead(f"{self.url}: empty body for bytes {start}-{stop - 1}")
         return data
+
+    def _ranged_get(self, client: RangeClient, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` by :mod:`shardkit.httpranges`, checked against the version opened."""
+        headers = {"If-Match": self._etag} if self._etag else None
+        try:
+            response = client.get(self.path, start, stop, headers)
+        except HTTPStatusError as error:
+            if error.status == 412:
+                raise ObjectChangedError(self.url, self.identity, "its ETag no longer matches") from error
+            if error.status == 404:
+                raise FileNotFoundError(f"{self.url}: not found (HTTP 404)") from error
+            raise
+        etag, total = response.headers.get("etag"), response.total_size()
+        if (self._etag and etag and etag != self._etag) or (total is not None and total != self.size):
+            now = identity_of({"ETag": etag, "size": total})
+            raise ObjectChangedError(self.url, self.identity, f"answered as {now}")
+        data = response.body
+        _count(bytes=len(data))
+        if len(data) > stop - start or (response.status == 200 and start > 0):
+            raise RemoteReadError(
+                f"{self.url}: asked for bytes {start}-{stop - 1}, got {len(data)} bytes: the server ignores "
+                "HTTP Range requests, which reading in blocks needs"
+            )
+        if not data:
+            raise _ShortRead(f"{self.url}: empty body for bytes {start}-{stop - 1}")
+        return data
+
+    def _seed(self, block: int, data: bytes) -> None:
+        """Keep block ``block``'s bytes, fetched already (by the GET that opened the object)."""
+        future: Future[bytes] = Future()
+        future.set_result(data)
+        self._blocks[block] = future
 
     def check_identity(self) -> None:
         """Raise :class:`ObjectChangedError` unless the object is still the version opened."""
@@ -516,6 +556,12 @@ def open_remote(fs: Any, path: str, url: str, options: RemoteOptions | None = No
 
 
 def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int | None = 0) -> Any:
+    client = client_for(fs, path) if options.cache_dir is None else None
+    if client is not None:
+        try:
+            return _open_by_get(client, fs, path, url, options, offset)
+        except Unsupported:
+            pass  # a server the fast path does not read: ask fsspec, as below
     info = with_retries(lambda: _info(fs, path), options.retry, url)
     if options.cache_dir is not None:
         from shardkit.cache import Cache
@@ -525,6 +571,45 @@ def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int 
             return local
     remote = RemoteFile(fs, path, url, info, options)
     return remote if offset is None else remote.start(offset, options.readahead_bytes // _WARM_LIMIT)
+
+
+def _open_by_get(
+    client: RangeClient, fs: Any, path: str, url: str, options: RemoteOptions, offset: int | None
+) -> RemoteFile:
+    """Open over plain HTTP with no HEAD: the first block's ranged GET also says the object's size and
+    ETag (``Content-Range``, ``ETag``), which every later request is then pinned to (``If-Match``)."""
+    bs = options.block_size
+    first = (offset or 0) // bs
+    start, stop = first * bs, (first + 1) * bs
+    what = f"{url} bytes {start}-{stop - 1}"
+    response = with_retries(lambda: _first_get(client, path, url, start, stop), options.retry, what)
+    size = response.total_size()
+    if size is None and response.status == 200:  # the whole object, smaller than a block
+        size = len(response.body)
+    if size is None:
+        raise Unsupported(f"{url}: a ranged answer without Content-Range")
+    info: dict[str, Any] = {"size": size}
+    for name in ("ETag", "Last-Modified"):  # what fsspec's HEAD gives, so identities compare equal
+        if response.headers.get(name.lower()):
+            info[name] = response.headers[name.lower()]
+    remote = RemoteFile(fs, path, url, info, options)
+    expected = max(0, min(size, (first + 1) * bs) - first * bs)
+    if response.status in (200, 206) and len(response.body) == expected and (response.status == 206 or first == 0):
+        remote._seed(first, response.body)
+        _count(bytes=len(response.body))
+    return remote if offset is None else remote.start(offset, options.readahead_bytes // _WARM_LIMIT)
+
+
+def _first_get(client: RangeClient, path: str, url: str, start: int, stop: int) -> Response:
+    _count(requests=1)
+    try:
+        return client.get(path, start, stop)
+    except HTTPStatusError as error:
+        if error.status == 404:
+            raise FileNotFoundError(f"{url}: not found (HTTP 404)") from error
+        if error.status == 416:  # past the end (an empty object): the size is in Content-Range
+            return Response(416, error.headers, b"")
+        raise
 
 
 def _after_fork_in_child() -> None:

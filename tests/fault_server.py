@@ -2,7 +2,8 @@
 
 It serves the files of a directory with HEAD and single-range GET, an ETag
 that changes when a file is replaced (size and mtime in nanoseconds), and
-``If-Match`` (412 when the ETag differs). Each request first sleeps
+``If-Match`` (412 when the ETag differs; ``honour_if_match = False`` ignores
+it), over HTTP/1.1 keep-alive connections. Each request first sleeps
 ``latency`` seconds (an object store's first-byte time). Faults are queued
 with :meth:`FaultServer.inject` and each is spent by the next GET of a path:
 
@@ -37,6 +38,7 @@ class Request(NamedTuple):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    protocol_version = "HTTP/1.1"  # keep-alive, as object stores serve
 
     def log_message(self, *args: object) -> None:  # keep test output quiet
         pass
@@ -74,7 +76,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(HTTPStatus.NOT_FOUND)
 
     def _answer(self, f, size: int, etag: str, body: bool, fault: str | None) -> None:  # type: ignore[no-untyped-def]
-        wanted = self.headers.get("If-Match")
+        wanted = self.headers.get("If-Match") if self.server.owner.honour_if_match else None
         if wanted is not None and wanted != etag:
             self._log(0, 0, 412)
             self.send_response(HTTPStatus.PRECONDITION_FAILED)
@@ -130,6 +132,7 @@ class FaultServer:
     def __init__(self, root: str, latency: float = 0.0) -> None:
         self.root = root
         self.latency = latency
+        self.honour_if_match = True  # False: a store that ignores If-Match (the ETag it answers still tells)
         self.log: list[Request] = []
         self._faults: dict[str, deque[str]] = {}
         self._lock = threading.Lock()

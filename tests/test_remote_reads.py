@@ -159,8 +159,8 @@ def test_a_dataset_reads_remote_shards_exactly_once_across_workers_with_prefetch
         server.inject(f"s{i}.tfrecord", "reset")
     dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
     assert sorted(dataset) == sorted(expected)
-    heads = [r.path for r in server.log if r.method == "HEAD"]
-    assert sorted(set(heads)) == sorted(f"/s{i}.tfrecord" for i in range(5))
+    assert not [r for r in server.log if r.method == "HEAD"]  # each opened by its first ranged GET
+    assert sorted({r.path for r in server.gets()}) == sorted(f"/s{i}.tfrecord" for i in range(5))
 
 
 @pytest.mark.slow
@@ -227,3 +227,51 @@ def test_retries_in_dataloader_workers_are_summed_into_stats(server: FaultServer
     assert stats.retries == 8  # the workers' retries, and none the forked workers inherited from the parent
     assert stats.retry_wait_seconds > 0
     assert remote_stats()["retries"] == parent  # the parent read nothing more
+
+
+def requests_of(server: FaultServer, name: str) -> tuple[int, int]:
+    """(HEAD, GET) requests the server answered for ``/name``."""
+    log = [r for r in server.log if r.path == "/" + name]
+    return sum(r.method == "HEAD" for r in log), sum(r.method == "GET" for r in log)
+
+
+def test_plain_http_shards_are_opened_by_their_first_ranged_get_without_a_head(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"), count=200)  # about 140 KB: 9 blocks of 16 KiB
+    url = f"{server.url}/a.tfrecord"
+    through_fsspec = {"headers": {"X-Any": "1"}}  # options the fast path does not carry: fsspec reads it
+    assert list(read_tfrecord(url, storage_options=through_fsspec, remote=SMALL)) == records
+    before = requests_of(server, "a.tfrecord")
+    server.log.clear()
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    after = requests_of(server, "a.tfrecord")
+    assert before == (1, 9) and after == (0, 9)
+
+
+@pytest.mark.parametrize("honour_if_match", [True, False])
+def test_an_object_replaced_after_a_head_free_open_is_caught_by_its_etag(
+    server: FaultServer, tmp_path, honour_if_match: bool
+) -> None:
+    """Opened with no HEAD, the version is pinned by the first GET's ETag: If-Match makes the store refuse
+    another version (412), and a store that ignores If-Match still names its version in the ETag it answers."""
+    path = os.path.join(tmp_path, "a.tfrecord")
+    write_shard(path, count=7000)
+    server.honour_if_match = honour_if_match
+    records = read_tfrecord(f"{server.url}/a.tfrecord", remote=RemoteOptions(block_size=1 << 20, readahead_bytes=0))
+    assert [next(records) for _ in range(5)] == list(read_tfrecord(path, stop=5))
+    write_shard(path + ".new", count=7000, seed=99)
+    os.replace(path + ".new", path)  # same size: only the ETag (mtime) tells the versions apart
+    with pytest.raises(ObjectChangedError, match=r"a\.tfrecord: the object changed while it was being read"):
+        list(records)
+    assert requests_of(server, "a.tfrecord")[0] == 0
+    assert [r.status for r in server.gets("a.tfrecord")][-1] == (412 if honour_if_match else 206)
+
+
+def test_a_keep_alive_connection_the_server_closed_is_replaced_without_a_retry(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"))
+    url = f"{server.url}/a.tfrecord"
+    assert list(read_tfrecord(url, remote=SMALL)) == records  # leaves kept-alive connections behind
+    server.inject("a.tfrecord", "drop")  # the next GET finds its connection closed before any answer
+    remote_stats(reset=True)
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    assert server.take_fault("/a.tfrecord") is None
+    assert remote_stats()["retries"] == 0  # the first GET went out on the kept-alive connection of the last read
