@@ -117,8 +117,10 @@ class RangeClient:
 
     def _connection(self) -> tuple[socket.socket, bool]:
         sock = getattr(self._local, "sock", None)
-        if sock is not None:
+        if sock is not None and self._local.pid == os.getpid():
             return sock, True
+        if sock is not None:  # this thread forked with a connection open: it is the parent's, leave it be
+            self._local.sock = None
         sock = socket.create_connection((self.host, self.port), timeout=_TIMEOUT)
         # Blocking mode (a timeout would make every recv non-blocking and MSG_WAITALL moot);
         # the kernel's own timeouts bound a stalled server instead.
@@ -127,7 +129,7 @@ class RangeClient:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._local.sock = sock
+        self._local.sock, self._local.pid = sock, os.getpid()
         return sock, False
 
     def _drop(self) -> None:

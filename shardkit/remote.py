@@ -584,7 +584,12 @@ def _open_by_get(
     what = f"{url} bytes {start}-{stop - 1}"
     response = with_retries(lambda: _first_get(client, path, url, start, stop), options.retry, what)
     size = response.total_size()
-    if size is None and response.status == 200:  # the whole object, smaller than a block
+    if size is None and response.status == 200:  # the whole object: fine if it is smaller than a block
+        if len(response.body) > stop - start:
+            raise RemoteReadError(
+                f"{url}: asked for bytes {start}-{stop - 1}, got {len(response.body)} bytes: the server ignores "
+                "HTTP Range requests, which reading in blocks needs"
+            )
         size = len(response.body)
     if size is None:
         raise Unsupported(f"{url}: a ranged answer without Content-Range")

@@ -84,7 +84,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         start, stop, status = 0, size, HTTPStatus.OK
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        ranges = self.headers.get("Range", "") if self.server.owner.honour_range else ""
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", ranges)
         if match:
             start = int(match.group(1))
             stop = min(size, int(match.group(2)) + 1) if match.group(2) else size
@@ -133,6 +134,7 @@ class FaultServer:
         self.root = root
         self.latency = latency
         self.honour_if_match = True  # False: a store that ignores If-Match (the ETag it answers still tells)
+        self.honour_range = True  # False: a server that answers every GET with the whole file
         self.log: list[Request] = []
         self._faults: dict[str, deque[str]] = {}
         self._lock = threading.Lock()

@@ -275,3 +275,22 @@ def test_a_keep_alive_connection_the_server_closed_is_replaced_without_a_retry(s
     assert list(read_tfrecord(url, remote=SMALL)) == records
     assert server.take_fault("/a.tfrecord") is None
     assert remote_stats()["retries"] == 0  # the first GET went out on the kept-alive connection of the last read
+
+
+def test_a_server_that_ignores_ranges_is_an_error_not_a_misread(server: FaultServer, tmp_path) -> None:
+    write_shard(os.path.join(tmp_path, "a.tfrecord"))  # about 210 KB: more than one 16 KiB block
+    server.honour_range = False
+    with pytest.raises(RemoteReadError, match="the server ignores HTTP Range requests"):
+        list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL))
+
+
+def test_an_object_smaller_than_a_block_is_read_whole_even_without_ranges(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"), count=10)  # 7 KB, under a 16 KiB block
+    server.honour_range = False
+    assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL)) == records
+    assert requests_of(server, "a.tfrecord") == (0, 1)
+
+
+def test_an_empty_object_opened_by_a_ranged_get_reads_as_no_records(server: FaultServer, tmp_path) -> None:
+    open(os.path.join(tmp_path, "empty.tfrecord"), "wb").close()
+    assert list(read_tfrecord(f"{server.url}/empty.tfrecord", remote=SMALL)) == []
