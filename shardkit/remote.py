@@ -24,9 +24,19 @@ for every non-local url), so the design lives here, not in a format:
   local read.
 - **One version per read.** The object's identity (ETag, version id,
   generation, size, modification time: whichever the store gives) is taken
-  when it is opened. HTTP range requests carry ``If-Match: <ETag>``; S3 objects
-  with a version id are read at that version; after any failed request the
-  identity is checked again. An object that changed under the reader raises
+  when it is opened: from a HEAD (``fs.info``), or over plain ``http://``
+  from the answer to the first block's ranged GET (``Content-Range`` gives the
+  size, ``ETag`` the version), which saves a round trip per shard. HTTP range
+  requests carry ``If-Match: <ETag>``, and the ETag and size each answer
+  gives are compared with those (for a store that ignores ``If-Match``); S3
+  objects with a version id are read at that version; after any failed
+  request the identity is checked again.
+- **Plain HTTP without fsspec.** A ranged GET over ``http://`` is sent by
+  :mod:`shardkit.httpranges` on a kept-alive connection per thread and its
+  body read in one blocking call that holds no GIL, instead of through
+  aiohttp's event loop (a GIL hand-off per 256 KiB, which starved the fetch
+  threads beside a decoding worker). Filesystems built with options, and
+  every other protocol, go through fsspec. An object that changed under the reader raises
   :class:`ObjectChangedError` naming it and both identities, never a silent mix
   of two versions.
 - **Counted.** Requests, bytes, retries, the time spent waiting to retry and
