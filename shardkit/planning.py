@@ -147,6 +147,15 @@ class PlannedRanges(Sequence[tuple[int, Range]]):
     def __repr__(self) -> str:
         return f"PlannedRanges({len(self)} ranges)"
 
+    def remaining(self, index: int, done: int) -> list[tuple[int, int]]:
+        """The positions of ranges ``index:`` not read yet, ``done`` records of range ``index`` being read,
+        as :func:`union` gives them: what a reader's state saves, without a Python object per range."""
+        start = self.position[index:].copy()
+        if len(start):
+            start[0] += done
+        stop = self.position[index:] + (self.stop[index:] - self.first[index:])
+        return _union_arrays(start, stop)
+
     @property
     def positions(self) -> Sequence[int]:
         """The chunk position of each range's first record, indexed lazily."""
@@ -156,6 +165,21 @@ class PlannedRanges(Sequence[tuple[int, Range]]):
     def ranges(self) -> Sequence[Range]:
         """The ranges alone, indexed lazily (a slice is a list)."""
         return _RangeColumn(self)
+
+
+def _union_arrays(start: np.ndarray, stop: np.ndarray) -> list[tuple[int, int]]:
+    """:func:`union` of the intervals ``[start[i], stop[i])``, vectorised."""
+    keep = stop > start
+    start, stop = start[keep], stop[keep]
+    if not len(start):
+        return []
+    order = np.argsort(start, kind="stable")
+    start, stop = start[order], np.maximum.accumulate(stop[order])
+    new = np.ones(len(start), dtype=bool)
+    new[1:] = start[1:] > stop[:-1]  # touching or overlapping intervals join, as union() joins them
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(start)) - 1
+    return list(zip(start[first].tolist(), stop[last].tolist()))
 
 
 class _Column(Sequence[int]):

@@ -309,3 +309,25 @@ def test_a_million_shards_are_planned_without_an_object_per_shard():
     planned = plan_intervals(counts, Topology(1, 2), [(0, 50_000_000)])
     assert len(planned) == 500_000
     assert planned.ranges[0] == Range(500_000, 0, 100) and planned.positions[-1] == 49_999_900
+
+
+@settings(max_examples=100, deadline=None)
+@given(shard_counts, worlds, st.booleans(), st.integers(0, 99), st.data())
+def test_what_a_planned_reader_has_left_is_the_union_of_its_unread_ranges(counts, world, shuffle, seed, data):
+    from shardkit.planning import plan_intervals, rank_span, union
+
+    size = rank_span(sum(counts), world, 0, "pad")[1]
+    cut = data.draw(st.integers(0, size))
+    intervals = [(cut, size), (0, cut)]  # out of order, as a resumed reader's may be
+    planned = plan_intervals(counts, Topology(0, world), intervals, shuffle=shuffle, seed=seed, block_size=5)
+    for index in range(len(planned) + 1):
+        if index < len(planned):
+            length = planned.ranges[index].stop - planned.ranges[index].start
+            done = data.draw(st.integers(0, length))
+        else:
+            done = 0
+        left = [
+            (position + (done if i == index else 0), position + piece.stop - piece.start)
+            for i, (position, piece) in enumerate(list(planned)[index:], start=index)
+        ]
+        assert planned.remaining(index, done) == union(left)
