@@ -74,6 +74,7 @@ class RangeClient:
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
+        self.usable = True  # False once the server answered in a way this client does not read
         self._local = threading.local()
 
     def get(self, url: str, start: int, stop: int, headers: dict[str, str] | None = None) -> Response:
@@ -230,4 +231,4 @@ def client_for(fs: Any, url: str) -> RangeClient | None:
         client = _clients.get(key)
         if client is None:
             client = _clients[key] = RangeClient(*key)
-        return client
+        return client if client.usable else None

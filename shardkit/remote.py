@@ -30,15 +30,15 @@ for every non-local url), so the design lives here, not in a format:
   requests carry ``If-Match: <ETag>``, and the ETag and size each answer
   gives are compared with those (for a store that ignores ``If-Match``); S3
   objects with a version id are read at that version; after any failed
-  request the identity is checked again.
+  request the identity is checked again. An object that changed under the
+  reader raises :class:`ObjectChangedError` naming it and both identities,
+  never a silent mix of two versions.
 - **Plain HTTP without fsspec.** A ranged GET over ``http://`` is sent by
   :mod:`shardkit.httpranges` on a kept-alive connection per thread and its
   body read in one blocking call that holds no GIL, instead of through
   aiohttp's event loop (a GIL hand-off per 256 KiB, which starved the fetch
   threads beside a decoding worker). Filesystems built with options, and
-  every other protocol, go through fsspec. An object that changed under the reader raises
-  :class:`ObjectChangedError` naming it and both identities, never a silent mix
-  of two versions.
+  every other protocol, go through fsspec.
 - **Counted.** Requests, bytes, retries, the time spent waiting to retry and
   cache hits and misses are counted per process (:func:`remote_stats`); a
   dataset's ``stats()`` sums the retries over its DataLoader workers
@@ -430,7 +430,8 @@ class RemoteFile:
             try:
                 return self._ranged_get(self._http, start, stop)
             except Unsupported:
-                self._http = None  # an answer the fast path does not read: fsspec from now on
+                self._http.usable = False  # an answer the fast path does not read: fsspec from now on
+                self._http = None
         try:
             data = self.fs.cat_file(self.path, start=start, end=stop, **self._fetch_kwargs)
         except Exception as error:
@@ -449,7 +450,8 @@ class RemoteFile:
 
     def _ranged_get(self, client: RangeClient, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` by :mod:`shardkit.httpranges`, checked against the version opened."""
-        headers = {"If-Match": self._etag} if self._etag else None
+        # A weak ETag never matches If-Match (RFC 9110 compares strongly): then only the answer's ETag is checked.
+        headers = {"If-Match": self._etag} if self._etag and not self._etag.startswith("W/") else None
         try:
             response = client.get(self.path, start, stop, headers)
         except HTTPStatusError as error:
@@ -571,7 +573,7 @@ def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int 
         try:
             return _open_by_get(client, fs, path, url, options, offset)
         except Unsupported:
-            pass  # a server the fast path does not read: ask fsspec, as below
+            client.usable = False  # a server the fast path does not read: fsspec, now and from now on
     info = with_retries(lambda: _info(fs, path), options.retry, url)
     if options.cache_dir is not None:
         from shardkit.cache import Cache

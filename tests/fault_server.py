@@ -94,7 +94,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         if status == HTTPStatus.PARTIAL_CONTENT:
             self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
-        self.send_header("Content-Length", str(stop - start))
+        if self.server.owner.send_length or not body:
+            self.send_header("Content-Length", str(stop - start))
+        else:  # the body ends where the connection does
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("ETag", etag)
         self.end_headers()
@@ -135,6 +139,7 @@ class FaultServer:
         self.latency = latency
         self.honour_if_match = True  # False: a store that ignores If-Match (the ETag it answers still tells)
         self.honour_range = True  # False: a server that answers every GET with the whole file
+        self.send_length = True  # False: bodies without Content-Length, ended by closing the connection
         self.log: list[Request] = []
         self._faults: dict[str, deque[str]] = {}
         self._lock = threading.Lock()

@@ -294,3 +294,14 @@ def test_an_object_smaller_than_a_block_is_read_whole_even_without_ranges(server
 def test_an_empty_object_opened_by_a_ranged_get_reads_as_no_records(server: FaultServer, tmp_path) -> None:
     open(os.path.join(tmp_path, "empty.tfrecord"), "wb").close()
     assert list(read_tfrecord(f"{server.url}/empty.tfrecord", remote=SMALL)) == []
+
+
+def test_a_server_the_fast_path_cannot_read_is_read_through_fsspec(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"))
+    server.send_length = False
+    url = f"{server.url}/a.tfrecord"
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    heads, gets = requests_of(server, "a.tfrecord")
+    assert heads == 1  # fell back to fsspec, which opens with a HEAD
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    assert requests_of(server, "a.tfrecord") == (2, 2 * gets - 1)  # no fast-path GET tried again
