@@ -1,21 +1,24 @@
-"""Ranged GETs over plain HTTP without handing the GIL back and forth: the remote fast path.
+"""Ranged GETs over plain HTTP with few GIL hand-offs and no HEAD: the remote fast path.
 
 A DataLoader worker decodes in its main thread, holding the GIL, while its
 fetch threads download the next blocks. Every time a fetch thread returns
 from a blocking socket call it must take the GIL back, and a thread waiting
 for it waits up to the switch interval (5 ms) while the decoder runs. fsspec's
-HTTP filesystem reads a body through aiohttp on an event loop thread, about
-256 KiB per loop turn plus the hand-offs of its sync wrapper: measured, a
-4 MiB block took 10 ms alone and 49 ms beside a busy thread, and a worker
-read remote shards at 0.25-0.43x its local speed at 0 ms latency, waiting on
-blocks, not on the network.
+HTTP filesystem reads a body through aiohttp on an event loop thread, a loop
+turn per 256 KiB or so plus the hand-offs of its sync wrapper. Measured beside
+a busy thread, a 4 MiB block took 35-49 ms that way and 26-30 ms through this
+client (5-13 ms either way alone).
 
 :class:`RangeClient` asks for a range on a keep-alive connection kept per
 thread and reads the body in one ``recv_into(..., MSG_WAITALL)``: the kernel
-fills the whole buffer while the thread holds no GIL, so a block costs three
+fills the whole buffer while the thread holds no GIL, so a block costs a few
 hand-offs (send, headers, body) whatever its size. The response's headers
 are returned too, so the caller learns the object's size (``Content-Range``)
-and ETag from its first GET and needs no HEAD.
+and ETag from its first GET and needs no HEAD: one round trip less per shard.
+Measured with 2 workers over 16 shards of 5 MB (A/B runs on 2 busy cores,
+noisy): at 100 ms per request remote/local went from
+0.71-0.75x (fsspec, HEAD + GETs) to 0.93-0.97x; at 0 and 30 ms the two
+paths are within the noise once the server keeps connections alive.
 
 Scope: ``http://`` urls of an fsspec ``HTTPFileSystem`` built without custom
 options (headers, auth, a client) — those go through fsspec, as do

@@ -36,9 +36,9 @@ for every non-local url), so the design lives here, not in a format:
 - **Plain HTTP without fsspec.** A ranged GET over ``http://`` is sent by
   :mod:`shardkit.httpranges` on a kept-alive connection per thread and its
   body read in one blocking call that holds no GIL, instead of through
-  aiohttp's event loop (a GIL hand-off per 256 KiB, which starved the fetch
-  threads beside a decoding worker). Filesystems built with options, and
-  every other protocol, go through fsspec.
+  aiohttp's event loop (a GIL hand-off per loop turn, each one a wait beside
+  a decoding worker). Filesystems built with options, and every other
+  protocol (``https://``, S3, GCS), go through fsspec.
 - **Counted.** Requests, bytes, retries, the time spent waiting to retry and
   cache hits and misses are counted per process (:func:`remote_stats`); a
   dataset's ``stats()`` sums the retries over its DataLoader workers
