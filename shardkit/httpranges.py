@@ -29,16 +29,19 @@ options (headers, auth, a client) — those go through fsspec, as do
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import threading
 from typing import Any, Final
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 __all__ = ["HTTPStatusError", "RangeClient", "Response", "Unsupported", "client_for"]
 
 _TIMEOUT: Final = 60.0  # seconds without a byte before a request fails (retried as transient)
 _HEAD_LIMIT: Final = 64 << 10
+_SAFE: Final = "/%:@!$&'()*+,;=-._~?"  # characters a url path or query keeps as they are
+_STRAY_PERCENT: Final = re.compile("%(?![0-9A-Fa-f]{2})")
 
 
 class Unsupported(Exception):
@@ -88,7 +91,8 @@ class RangeClient:
         failure is raised for the caller's retry policy.
         """
         target = urlsplit(url)
-        path = (target.path or "/") + (f"?{target.query}" if target.query else "")
+        # Quoted as fsspec's yarl quotes an unencoded url: spaces and non-ASCII escaped, %XX kept.
+        path = _quote(target.path or "/") + (f"?{_quote(target.query)}" if target.query else "")
         lines = [f"GET {path} HTTP/1.1", f"Host: {target.netloc}", f"Range: bytes={start}-{stop - 1}"]
         lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -141,6 +145,12 @@ class RangeClient:
         self._local.sock = None
         if sock is not None:
             sock.close()
+
+
+def _quote(text: str) -> str:
+    """``text`` percent-encoded as yarl encodes a url given unencoded: a ``%`` that starts no escape becomes
+    ``%25``, spaces and non-ASCII are escaped, escapes and the reserved characters stay."""
+    return quote(_STRAY_PERCENT.sub("%25", text), safe=_SAFE)
 
 
 class _Closed(Exception):

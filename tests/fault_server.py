@@ -26,6 +26,7 @@ from collections import deque
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
+from urllib.parse import unquote
 
 
 class Request(NamedTuple):
@@ -52,7 +53,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, body: bool) -> None:
         owner = self.server.owner
         time.sleep(owner.latency)
-        path = os.path.join(owner.root, self.path.lstrip("/").split("?")[0])
+        path = os.path.join(owner.root, unquote(self.path.lstrip("/").split("?")[0]))
         fault = owner.take_fault(self.path) if body else None
         if fault == "drop":
             self._log(0, 0, 0)

@@ -305,3 +305,14 @@ def test_a_server_the_fast_path_cannot_read_is_read_through_fsspec(server: Fault
     assert heads == 1  # fell back to fsspec, which opens with a HEAD
     assert list(read_tfrecord(url, remote=SMALL)) == records
     assert requests_of(server, "a.tfrecord") == (2, 2 * gets - 1)  # no fast-path GET tried again
+
+
+@pytest.mark.parametrize("name", ["a b.tfrecord", "naïve 100%.tfrecord", "plain.tfrecord"])
+def test_urls_are_quoted_as_fsspec_quotes_them(server: FaultServer, tmp_path, name: str) -> None:
+    records = write_shard(os.path.join(tmp_path, name))
+    url = f"{server.url}/{name}"
+    assert list(read_tfrecord(url, storage_options={"headers": {"X-Any": "1"}}, remote=SMALL)) == records  # fsspec
+    through_fsspec = {r.path for r in server.gets()}
+    server.log.clear()
+    assert list(read_tfrecord(url, remote=SMALL)) == records  # the fast path
+    assert {r.path for r in server.gets()} == through_fsspec
