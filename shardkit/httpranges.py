@@ -36,7 +36,15 @@ import threading
 from typing import Any, Final
 from urllib.parse import quote, urlsplit
 
-__all__ = ["HTTPStatusError", "RangeClient", "Response", "Unsupported", "client_for"]
+__all__ = [
+    "HTTPGetter",
+    "HTTPStatusError",
+    "PreconditionFailed",
+    "RangeClient",
+    "Response",
+    "Unsupported",
+    "client_for",
+]
 
 _TIMEOUT: Final = 60.0  # seconds without a byte before a request fails (retried as transient)
 _HEAD_LIMIT: Final = 64 << 10
@@ -60,19 +68,56 @@ class HTTPStatusError(OSError):
         return (type(self), (str(self).split(": HTTP")[0], self.status, "", self.headers))
 
 
+class PreconditionFailed(Exception):
+    """The store refused the range: the object no longer has the ETag it was pinned to (HTTP 412)."""
+
+
 class Response:
-    """A ranged GET's status, headers (lower-case names) and body."""
+    """A ranged GET's status, headers (lower-case names) and body, and ``info``: the object's identity
+    fields named as the filesystem's ``info()`` names them (so identities from both compare equal)."""
 
-    __slots__ = ("body", "headers", "status")
+    __slots__ = ("body", "headers", "info", "status")
 
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes, info: dict[str, Any] | None = None) -> None:
         self.status, self.headers, self.body = status, headers, body
+        self.info = info if info is not None else _http_info(headers)
 
     def total_size(self) -> int | None:
         """The object's size from ``Content-Range: bytes a-b/SIZE`` (or ``bytes */SIZE``), if given."""
         value = self.headers.get("content-range", "")
         _, _, size = value.rpartition("/")
         return int(size) if size.isdigit() else None
+
+
+def _http_info(headers: dict[str, str]) -> dict[str, Any]:
+    """What fsspec's HTTP ``info()`` (a HEAD) names an object's version by."""
+    return {name: headers[name.lower()] for name in ("ETag", "Last-Modified") if headers.get(name.lower())}
+
+
+class HTTPGetter:
+    """Ranged GETs of one url through a :class:`RangeClient`, pinned to an ETag by ``If-Match``."""
+
+    def __init__(self, client: RangeClient, url: str) -> None:
+        self.client, self.url = client, url
+
+    def get(self, start: int, stop: int, info: dict[str, Any] | None = None) -> Response:
+        """Bytes ``[start, stop)`` of the version ``info`` names (any version when None)."""
+        etag = (info or {}).get("ETag")
+        # A weak ETag never matches If-Match (RFC 9110 compares strongly): then only the answer's ETag is checked.
+        headers = {"If-Match": etag} if isinstance(etag, str) and etag and not etag.startswith("W/") else None
+        try:
+            return self.client.get(self.url, start, stop, headers)
+        except HTTPStatusError as error:
+            if error.status == 412:
+                raise PreconditionFailed(str(error)) from error
+            if error.status == 404:
+                raise FileNotFoundError(f"{self.url}: not found (HTTP 404)") from error
+            if error.status == 416:  # past the end (an empty object): the size is in Content-Range
+                return Response(416, error.headers, b"")
+            raise
+        except Unsupported:
+            self.client.usable = False  # this server answers in ways the client does not read: fsspec from now on
+            raise
 
 
 class RangeClient:

@@ -316,3 +316,47 @@ def test_urls_are_quoted_as_fsspec_quotes_them(server: FaultServer, tmp_path, na
     server.log.clear()
     assert list(read_tfrecord(url, remote=SMALL)) == records  # the fast path
     assert {r.path for r in server.gets()} == through_fsspec
+
+
+def put_shard(s3_server, tmp_path, records: int, seed: int = 0) -> tuple[str, dict, list[bytes]]:
+    """A TFRecord shard copied to a new bucket of the moto server: its url, storage options and records."""
+    import fsspec
+
+    options = s3_server.storage_options()
+    url = f"{s3_server.new_bucket()}/a.tfrecord"
+    local = os.path.join(tmp_path, f"put-{seed}.tfrecord")
+    data = write_shard(local, count=records, seed=seed)
+    fsspec.filesystem("s3", **options).put_file(local, url)
+    return url, options, data
+
+
+def test_s3_objects_are_opened_by_their_first_ranged_get_without_a_head(s3_server, tmp_path) -> None:
+    import fsspec
+
+    from shardkit.remote import _open_now
+
+    url, options, records = put_shard(s3_server, tmp_path, 300)  # about 215 KB: 14 blocks of 16 KiB
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    blocks = -(-fs.size(path) // SMALL.block_size)
+    remote_stats(reset=True)
+    assert list(read_tfrecord(url, storage_options=options, remote=SMALL)) == records
+    assert remote_stats()["requests"] == blocks  # one GET per block, no HEAD
+    opened = _open_now(fs, path, url, SMALL, offset=None)
+    opened.check_identity()  # the identity from the GET is the one a HEAD gives: no false "changed"
+    assert "ETag=" in opened.identity and "size=" in opened.identity
+
+
+def test_an_s3_object_replaced_between_blocks_is_an_error_naming_it(s3_server, tmp_path) -> None:
+    """On a bucket without versioning, every block is asked for with If-Match: the store refuses a new version."""
+    import fsspec
+
+    url, options, records = put_shard(s3_server, tmp_path, 7000)  # about 5 MB: several 1 MiB blocks
+    stream = read_tfrecord(
+        url, storage_options=options, remote=RemoteOptions(block_size=1 << 20, readahead_bytes=0, retry=FAST_RETRY)
+    )
+    assert [next(stream) for _ in range(5)] == records[:5]
+    local = os.path.join(tmp_path, "other.tfrecord")
+    write_shard(local, count=7000, seed=99)  # the same size, other bytes
+    fsspec.filesystem("s3", **options).put_file(local, url)
+    with pytest.raises(ObjectChangedError, match=r"a\.tfrecord: the object changed while it was being read"):
+        list(stream)
