@@ -222,8 +222,9 @@ class _RangeColumn(Sequence[Range]):
 
     def __getitem__(self, index: int | slice) -> Range | list[Range]:
         plan = self._plan
-        if isinstance(index, slice):
-            return [piece for _, piece in plan[index]]
+        if isinstance(index, slice):  # a reader's look-ahead: a few ranges, once per range
+            columns = (plan.shard[index].tolist(), plan.first[index].tolist(), plan.stop[index].tolist())
+            return list(itertools.starmap(Range, zip(*columns)))
         return Range(int(plan.shard[index]), int(plan.first[index]), int(plan.stop[index]))
 
 
