@@ -23,6 +23,10 @@ from shardkit.httpranges import PreconditionFailed, Response, Unsupported
 
 __all__ = ["S3Getter", "usable"]
 
+#: Answers after which the caller reads through s3fs as before: a range past the end (an empty object), and
+#: what an S3-compatible store that does not implement conditional reads may answer to ``IfMatch``.
+_FALL_BACK = frozenset({"InvalidRange", "NotImplemented", "InvalidArgument"})
+
 
 def usable(fs: Any) -> bool:
     """Whether ``fs`` is an s3fs filesystem whose client this module can call."""
@@ -62,7 +66,7 @@ class S3Getter:
             code = _code_in_chain(error)
             if code == "PreconditionFailed":
                 raise PreconditionFailed(f"s3://{bucket}/{key}: {error}") from error
-            if code == "InvalidRange":  # an empty object: let a HEAD say so
+            if code in _FALL_BACK:  # an empty object (a HEAD says so), or a store that refuses IfMatch
                 raise Unsupported(f"s3://{bucket}/{key}: {error}") from error
             raise
         headers = {"content-range": answer.get("ContentRange") or "", "etag": answer.get("ETag") or ""}

@@ -360,3 +360,22 @@ def test_an_s3_object_replaced_between_blocks_is_an_error_naming_it(s3_server, t
     fsspec.filesystem("s3", **options).put_file(local, url)
     with pytest.raises(ObjectChangedError, match=r"a\.tfrecord: the object changed while it was being read"):
         list(stream)
+
+
+def test_an_s3_compatible_store_that_refuses_if_match_is_read_through_s3fs(s3_server, tmp_path, monkeypatch) -> None:
+    import s3fs
+    from botocore.exceptions import ClientError
+
+    url, options, records = put_shard(s3_server, tmp_path, 300)
+    original = s3fs.S3FileSystem._call_s3
+    refused = []
+
+    async def no_conditional_reads(self, method, *args, **kwargs):
+        if method == "get_object" and "IfMatch" in kwargs:
+            refused.append(kwargs["Range"])
+            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "If-Match"}}, "GetObject")
+        return await original(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", no_conditional_reads)
+    assert list(read_tfrecord(url, storage_options=options, remote=SMALL)) == records
+    assert len(refused) >= 1  # the store refused once, and the rest was read through s3fs's cat_file
