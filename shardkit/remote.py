@@ -587,12 +587,13 @@ def _open_by_get(
     (``Content-Range``, ``ETag``, a version id), which every later request is then pinned to."""
     bs = options.block_size
     first = (offset or 0) // bs
-    start, stop = first * bs, (first + 1) * bs
+    # Where the reader will start is unknown (offset None): one byte says the size and version, as a HEAD would.
+    start, stop = (first * bs, (first + 1) * bs) if offset is not None else (0, 1)
     what = f"{url} bytes {start}-{stop - 1}"
     response = with_retries(lambda: _first_get(getter, start, stop), options.retry, what)
     size = response.total_size()
     if size is None and response.status == 200:  # the whole object: fine if it is smaller than a block
-        if len(response.body) > stop - start:
+        if len(response.body) > bs:
             raise RemoteReadError(
                 f"{url}: asked for bytes {start}-{stop - 1}, got {len(response.body)} bytes: the server ignores "
                 "HTTP Range requests, which reading in blocks needs"

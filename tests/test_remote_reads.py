@@ -379,3 +379,16 @@ def test_an_s3_compatible_store_that_refuses_if_match_is_read_through_s3fs(s3_se
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", no_conditional_reads)
     assert list(read_tfrecord(url, storage_options=options, remote=SMALL)) == records
     assert len(refused) >= 1  # the store refused once, and the rest was read through s3fs's cat_file
+
+
+def test_a_shard_opened_ahead_without_a_start_costs_a_one_byte_probe_not_a_block(server: FaultServer, tmp_path) -> None:
+    """A plan whose next range starts inside a shard hints it with no offset: its identity, not its first block."""
+    records = write_shard(os.path.join(tmp_path, "c.tfrecord"))
+    url = f"{server.url}/c.tfrecord"
+    prefetch(url, None, SMALL, offset=None)
+    deadline = time.monotonic() + 5
+    while not server.gets("c.tfrecord") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(r.start, r.length) for r in server.gets("c.tfrecord")] == [(0, 1)]
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    assert requests_of(server, "c.tfrecord")[0] == 0
