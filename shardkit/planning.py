@@ -48,13 +48,17 @@ window shuffles better but holds more samples. Memory: one window of samples per
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, NamedTuple, Union
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union, overload
 
 import numpy as np
 
 from shardkit.errors import ShardkitError
 from shardkit.topology import Topology
+
+if TYPE_CHECKING:
+    import pyarrow
 
 Balance = Literal["none", "pad", "drop"]
 BALANCES: tuple[str, ...] = ("none", "pad", "drop")
@@ -71,7 +75,9 @@ SHUFFLE_BLOCK = 512
 #: the memory cost of ``shuffle=True`` is this many samples per reader.
 SHUFFLE_WINDOW = 4096
 
-RecordCounts = Union[np.ndarray, Sequence[Union[int, None]], "pyarrow.Array", "pyarrow.ChunkedArray"]  # noqa: F821
+_BATCH = 4096  # ranges converted to Python objects at a time when a plan is iterated
+
+RecordCounts = Union[np.ndarray, Sequence[Union[int, None]], "pyarrow.Array", "pyarrow.ChunkedArray"]
 
 
 class PlanError(ShardkitError, ValueError):
@@ -94,6 +100,132 @@ class Range(NamedTuple):
     shard: int
     start: int
     stop: int | None
+
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+class PlannedRanges(Sequence[tuple[int, Range]]):
+    """What :func:`plan_intervals` returns: ``(position, Range)`` pairs held as four int64 arrays.
+
+    Reading a million shards' plan as Python objects took seconds (a Range
+    per shard per reader); the arrays are built in milliseconds, and an item
+    is made only when it is asked for. ``plan.positions[i]`` and
+    ``plan.ranges[i]`` index the columns alone; iterating yields pairs, so it
+    reads like the list it replaces.
+    """
+
+    __slots__ = ("first", "position", "shard", "stop")
+
+    def __init__(self, position: np.ndarray, shard: np.ndarray, first: np.ndarray, stop: np.ndarray) -> None:
+        self.position, self.shard, self.first, self.stop = position, shard, first, stop
+
+    @classmethod
+    def empty(cls) -> PlannedRanges:
+        return cls(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, Range]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> PlannedRanges: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[int, Range] | PlannedRanges:
+        if isinstance(index, slice):
+            return PlannedRanges(self.position[index], self.shard[index], self.first[index], self.stop[index])
+        return int(self.position[index]), self.ranges[index]
+
+    def __iter__(self) -> Iterator[tuple[int, Range]]:
+        for begin in range(0, len(self), _BATCH):  # converted a batch at a time: one C loop per column
+            chunk = slice(begin, begin + _BATCH)
+            columns = (self.shard[chunk].tolist(), self.first[chunk].tolist(), self.stop[chunk].tolist())
+            yield from zip(self.position[chunk].tolist(), itertools.starmap(Range, zip(*columns)))
+
+    def __repr__(self) -> str:
+        return f"PlannedRanges({len(self)} ranges)"
+
+    def remaining(self, index: int, done: int) -> list[tuple[int, int]]:
+        """The positions of ranges ``index:`` not read yet, ``done`` records of range ``index`` being read,
+        as :func:`union` gives them: what a reader's state saves, without a Python object per range."""
+        start = self.position[index:].copy()
+        if len(start):
+            start[0] += done
+        stop = self.position[index:] + (self.stop[index:] - self.first[index:])
+        return _union_arrays(start, stop)
+
+    @property
+    def positions(self) -> Sequence[int]:
+        """The chunk position of each range's first record, indexed lazily."""
+        return _Column(self.position)
+
+    @property
+    def ranges(self) -> Sequence[Range]:
+        """The ranges alone, indexed lazily (a slice is a list)."""
+        return _RangeColumn(self)
+
+
+def _union_arrays(start: np.ndarray, stop: np.ndarray) -> list[tuple[int, int]]:
+    """:func:`union` of the intervals ``[start[i], stop[i])``, vectorised."""
+    keep = stop > start
+    start, stop = start[keep], stop[keep]
+    if not len(start):
+        return []
+    order = np.argsort(start, kind="stable")
+    start, stop = start[order], np.maximum.accumulate(stop[order])
+    new = np.ones(len(start), dtype=bool)
+    new[1:] = start[1:] > stop[:-1]  # touching or overlapping intervals join, as union() joins them
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(start)) - 1
+    return list(zip(start[first].tolist(), stop[last].tolist()))
+
+
+class _Column(Sequence[int]):
+    """A read-only int64 array seen as a sequence of Python ints."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._values = values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._values[index].tolist() if isinstance(index, slice) else int(self._values[index])
+
+
+class _RangeColumn(Sequence[Range]):
+    """The ranges of a :class:`PlannedRanges`, made one at a time when indexed."""
+
+    __slots__ = ("_plan",)
+
+    def __init__(self, plan: PlannedRanges) -> None:
+        self._plan = plan
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    @overload
+    def __getitem__(self, index: int) -> Range: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Range]: ...
+
+    def __getitem__(self, index: int | slice) -> Range | list[Range]:
+        plan = self._plan
+        if isinstance(index, slice):  # a reader's look-ahead: a few ranges, once per range
+            columns = (plan.shard[index].tolist(), plan.first[index].tolist(), plan.stop[index].tolist())
+            return list(itertools.starmap(Range, zip(*columns)))
+        return Range(int(plan.shard[index]), int(plan.first[index]), int(plan.stop[index]))
 
 
 def plan(
@@ -176,7 +308,7 @@ def plan_intervals(
     block_size: int | None = None,
     chunk: Sequence[tuple[int, int]] | None = None,
     stream_world_size: int | None = None,
-) -> list[tuple[int, Range]]:
+) -> PlannedRanges:
     """The ranges holding positions ``intervals`` of this rank's chunk, in order.
 
     Positions count records from the start of rank ``topology.rank``'s chunk
@@ -189,6 +321,10 @@ def plan_intervals(
     ``chunk`` gives it as intervals of global stream positions (see
     :func:`split_remaining`), and ``stream_world_size`` the world size the
     epoch's stream was planned for (its blocks depend on it).
+
+    The result is a :class:`PlannedRanges`: a sequence of ``(position,
+    Range)`` pairs kept as four numpy arrays, so planning a million shards
+    makes no Python object per shard.
 
     Raises:
         PlanError: on unknown counts, intervals outside the chunk, or the
@@ -210,16 +346,16 @@ def plan_intervals(
     stream = _Stream.build(
         counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, block_size=block_size
     )
-    out: list[tuple[int, Range]] = []
+    parts: list[tuple[np.ndarray, ...]] = []
     for start, stop in intervals:
         if not 0 <= start <= stop <= rank_size:
             raise PlanError(f"interval [{start}, {stop}) is outside this rank's chunk of {rank_size} records")
-        position = start
-        for global_start, global_stop in through(chunk, start, stop):
-            for piece in stream.ranges(global_start, global_stop):
-                out.append((position, piece))
-                position += piece.stop - piece.start
-    return out
+        pieces = [stream.range_arrays(a, b) for a, b in through(chunk, start, stop)]
+        if pieces:
+            shard, first, last = (np.concatenate(column) for column in zip(*pieces))
+            position = start + np.cumsum(last - first) - (last - first)  # each piece's first record
+            parts.append((position, shard, first, last))
+    return PlannedRanges(*(np.concatenate(column) for column in zip(*parts))) if parts else PlannedRanges.empty()
 
 
 def through(chunk: Sequence[Sequence[int]], start: int, stop: int) -> list[tuple[int, int]]:
@@ -428,6 +564,11 @@ class _Stream:
 
     def ranges(self, start: int, stop: int) -> list[Range]:
         """The ranges covering stream positions ``[start, stop)``, wrapping past the end."""
+        shard, first, last = self.range_arrays(start, stop)
+        return [Range(*r) for r in zip(shard.tolist(), first.tolist(), last.tolist())]
+
+    def range_arrays(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`ranges` as three int64 arrays: shard, first record, record just past the last."""
         shards, firsts, lasts = [], [], []
         while start < stop:
             position = start % self.total
@@ -437,12 +578,14 @@ class _Stream:
             firsts.append(piece_first)
             lasts.append(piece_last)
             start += take
-        shard, first, last = (np.concatenate(parts) for parts in (shards, firsts, lasts))
+        if not shards:
+            return _EMPTY, _EMPTY, _EMPTY
+        shard, first, last = (np.concatenate(parts).astype(np.int64, copy=False) for parts in (shards, firsts, lasts))
         # Join neighbours that continue each other in the same shard.
         keep = np.ones(len(shard), dtype=bool)
         keep[1:] = (shard[1:] != shard[:-1]) | (first[1:] != last[:-1])
         last = np.maximum.reduceat(last, np.flatnonzero(keep)) if len(last) else last
-        return [Range(*r) for r in zip(shard[keep].tolist(), first[keep].tolist(), last.tolist())]
+        return shard[keep], first[keep], last
 
     def _cover(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo = int(np.searchsorted(self.end, start, side="right"))
@@ -465,8 +608,9 @@ def _deal_whole_shards(counts: np.ndarray, topology: Topology, *, seed: int, epo
 def _normalise_counts(num_records: RecordCounts) -> tuple[np.ndarray, bool]:
     """An int64 array with -1 for unknown counts, and whether all are known."""
     if hasattr(num_records, "to_numpy") and hasattr(num_records, "null_count"):  # pyarrow
-        known_mask = np.asarray(num_records.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-        values = np.asarray(num_records.fill_null(-1).to_numpy(zero_copy_only=False))
+        column: Any = num_records
+        known_mask = np.asarray(column.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        values = np.asarray(column.fill_null(-1).to_numpy(zero_copy_only=False))
     elif isinstance(num_records, np.ndarray):
         values, known_mask = num_records, None
     else:
@@ -506,6 +650,7 @@ __all__ = [
     "SHUFFLE_WINDOW",
     "Balance",
     "PlanError",
+    "PlannedRanges",
     "Range",
     "plan",
     "plan_intervals",

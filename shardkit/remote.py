@@ -24,13 +24,26 @@ for every non-local url), so the design lives here, not in a format:
   local read.
 - **One version per read.** The object's identity (ETag, version id,
   generation, size, modification time: whichever the store gives) is taken
-  when it is opened. HTTP range requests carry ``If-Match: <ETag>``; S3 objects
-  with a version id are read at that version; after any failed request the
-  identity is checked again. An object that changed under the reader raises
-  :class:`ObjectChangedError` naming it and both identities, never a silent mix
-  of two versions.
+  when it is opened: over plain ``http://`` and S3 from the answer to the
+  first block's ranged GET (``Content-Range`` gives the size, ``ETag`` and a
+  version id the version), which saves a HEAD per shard; elsewhere from a
+  HEAD (``fs.info``). Range requests carry ``If-Match: <ETag>`` (S3: also the
+  version id), and the ETag and size each answer gives are compared with
+  those (for a store that ignores ``If-Match``); after any failed request the
+  identity is checked again. An object that changed under the
+  reader raises :class:`ObjectChangedError` naming it and both identities,
+  never a silent mix of two versions.
+- **Plain HTTP without fsspec.** A ranged GET over ``http://`` is sent by
+  :mod:`shardkit.httpranges` on a kept-alive connection per thread and its
+  body read in one blocking call that holds no GIL, instead of through
+  aiohttp's event loop (a GIL hand-off per loop turn, each one a wait beside
+  a decoding worker). Filesystems built with options, ``https://`` and
+  other stores go through fsspec; S3 blocks go through s3fs's client
+  (:mod:`shardkit.s3ranges`), which returns the answer's version with them.
 - **Counted.** Requests, bytes, retries, the time spent waiting to retry and
-  cache hits and misses are counted per process (:func:`remote_stats`).
+  cache hits and misses are counted per process (:func:`remote_stats`); a
+  dataset's ``stats()`` sums the retries over its DataLoader workers
+  (:mod:`shardkit.stats`).
 
 The opt-in local cache (``cache_dir=``) is :mod:`shardkit.cache`.
 """
@@ -47,9 +60,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
+from shardkit import s3ranges
 from shardkit.errors import ShardkitError
+from shardkit.httpranges import HTTPGetter, PreconditionFailed, Response, Unsupported, client_for
 
 __all__ = [
     "DEFAULT_READAHEAD_BYTES",
@@ -347,6 +362,8 @@ class RemoteFile:
         self._blocks: OrderedDict[int, Future[bytes]] = OrderedDict()
         self._closed = False
         self._fetch_kwargs = _fetch_kwargs(fs, info)
+        self._getter = getter_for(fs, path)  # ranged GETs that report the version answering (None: fsspec)
+        self._etag = _etag(info)
 
     # -- reading
 
@@ -411,6 +428,11 @@ class RemoteFile:
 
     def _request(self, start: int, stop: int) -> bytes:
         _count(requests=1)
+        if self._getter is not None:
+            try:
+                return self._ranged_get(self._getter, start, stop)
+            except Unsupported:
+                self._getter = None  # an answer the getter does not read: fsspec from now on
         try:
             data = self.fs.cat_file(self.path, start=start, end=stop, **self._fetch_kwargs)
         except Exception as error:
@@ -426,6 +448,33 @@ class RemoteFile:
         if not data:
             raise _ShortRead(f"{self.url}: empty body for bytes {start}-{stop - 1}")
         return data
+
+    def _ranged_get(self, getter: Getter, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` by a getter, pinned to and checked against the version opened."""
+        try:
+            response = getter.get(start, stop, self.info)
+        except PreconditionFailed as error:
+            raise ObjectChangedError(self.url, self.identity, "its ETag no longer matches") from error
+        etag, total = response.headers.get("etag"), response.total_size()
+        if (self._etag and etag and etag != self._etag) or (total is not None and total != self.size):
+            now = identity_of({"ETag": etag, "size": total})
+            raise ObjectChangedError(self.url, self.identity, f"answered as {now}")
+        data = response.body
+        _count(bytes=len(data))
+        if len(data) > stop - start or (response.status == 200 and start > 0):
+            raise RemoteReadError(
+                f"{self.url}: asked for bytes {start}-{stop - 1}, got {len(data)} bytes: the server ignores "
+                "HTTP Range requests, which reading in blocks needs"
+            )
+        if not data:
+            raise _ShortRead(f"{self.url}: empty body for bytes {start}-{stop - 1}")
+        return data
+
+    def _seed(self, block: int, data: bytes) -> None:
+        """Keep block ``block``'s bytes, fetched already (by the GET that opened the object)."""
+        future: Future[bytes] = Future()
+        future.set_result(data)
+        self._blocks[block] = future
 
     def check_identity(self) -> None:
         """Raise :class:`ObjectChangedError` unless the object is still the version opened."""
@@ -514,6 +563,12 @@ def open_remote(fs: Any, path: str, url: str, options: RemoteOptions | None = No
 
 
 def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int | None = 0) -> Any:
+    getter = getter_for(fs, path) if options.cache_dir is None else None
+    if getter is not None:
+        try:
+            return _open_by_get(getter, fs, path, url, options, offset)
+        except Unsupported:
+            pass  # an answer the getter does not read: a HEAD and fsspec, as below
     info = with_retries(lambda: _info(fs, path), options.retry, url)
     if options.cache_dir is not None:
         from shardkit.cache import Cache
@@ -525,13 +580,66 @@ def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int 
     return remote if offset is None else remote.start(offset, options.readahead_bytes // _WARM_LIMIT)
 
 
+def _open_by_get(
+    getter: Getter, fs: Any, path: str, url: str, options: RemoteOptions, offset: int | None
+) -> RemoteFile:
+    """Open with no HEAD: the first block's ranged GET also says the object's size and version
+    (``Content-Range``, ``ETag``, a version id), which every later request is then pinned to."""
+    bs = options.block_size
+    first = (offset or 0) // bs
+    # Where the reader will start is unknown (offset None): one byte says the size and version, as a HEAD would.
+    start, stop = (first * bs, (first + 1) * bs) if offset is not None else (0, 1)
+    what = f"{url} bytes {start}-{stop - 1}"
+    response = with_retries(lambda: _first_get(getter, start, stop), options.retry, what)
+    size = response.total_size()
+    if size is None and response.status == 200:  # the whole object: fine if it is smaller than a block
+        if len(response.body) > bs:
+            raise RemoteReadError(
+                f"{url}: asked for bytes {start}-{stop - 1}, got {len(response.body)} bytes: the server ignores "
+                "HTTP Range requests, which reading in blocks needs"
+            )
+        size = len(response.body)
+    if size is None:
+        raise Unsupported(f"{url}: a ranged answer without Content-Range")
+    info: dict[str, Any] = {"size": size, **response.info}  # named as fs.info() names them: identities compare
+    remote = RemoteFile(fs, path, url, info, options)
+    expected = max(0, min(size, (first + 1) * bs) - first * bs)
+    if response.status in (200, 206) and len(response.body) == expected and (response.status == 206 or first == 0):
+        remote._seed(first, response.body)
+        _count(bytes=len(response.body))
+    return remote if offset is None else remote.start(offset, options.readahead_bytes // _WARM_LIMIT)
+
+
+def _first_get(getter: Getter, start: int, stop: int) -> Response:
+    _count(requests=1)
+    return getter.get(start, stop)
+
+
+class Getter(Protocol):
+    """Ranged GETs of one object that return the answer's headers and identity (see ``httpranges``)."""
+
+    def get(self, start: int, stop: int, info: dict[str, Any] | None = None) -> Response: ...
+
+
+def getter_for(fs: Any, path: str) -> Getter | None:
+    """A getter for ``path`` when its store has one (plain HTTP without options, S3 through s3fs), else None."""
+    client = client_for(fs, path)
+    if client is not None:
+        return HTTPGetter(client, path)
+    if s3ranges.usable(fs):
+        return s3ranges.S3Getter(fs, path)
+    return None
+
+
 def _after_fork_in_child() -> None:
-    """A forked DataLoader worker starts with fresh locks and no warm shards: a lock held by a fetch
-    thread of the parent at fork time would otherwise never be released (threads do not survive fork)."""
+    """A forked DataLoader worker starts with fresh locks, no warm shards and zero counters: a lock held by
+    a fetch thread of the parent at fork time would otherwise never be released (threads do not survive
+    fork), and the parent's counts would be summed twice into a dataset's stats()."""
     global _counts_lock, _pool_lock, _warm_lock, _pool
     _counts_lock, _pool_lock, _warm_lock = threading.Lock(), threading.Lock(), threading.Lock()
     _pool = None
     _warm.clear()
+    _counts.update(dict.fromkeys(_COUNTERS, 0))  # a worker counts its own reads (stats.py sums them)
 
 
 # --------------------------------------------------------------------------- prefetch across shards

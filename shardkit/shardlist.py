@@ -48,7 +48,7 @@ from typing import Any, overload
 import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as _compute
 from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError
@@ -59,6 +59,9 @@ __all__ = ["DuplicateShardWarning", "ShardList", "ShardListError"]
 URL = "url"
 NUM_RECORDS = "num_records"
 SIZE = "size"
+
+#: pyarrow.compute's functions are generated at import time: a type checker sees none of them.
+pc: Any = _compute
 
 _BATCH = 4096
 _TEMP_PREFIX = "shardkit-"
@@ -401,9 +404,9 @@ def _build_table(urls: Any, num_records: IntColumn | None, sizes: IntColumn | No
 
 def _url_column(urls: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
     if isinstance(urls, (pa.Array, pa.ChunkedArray)):
-        if not (pa.types.is_string(urls.type) or pa.types.is_large_string(urls.type)):
-            raise ShardListError(f"urls must be a string array, got type {urls.type}")
-        column = urls
+        column: Any = urls
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            raise ShardListError(f"urls must be a string array, got type {column.type}")
     elif isinstance(urls, (str, bytes)):
         raise ShardListError("urls must be a sequence of urls, got a single string; wrap it in a list")
     else:
@@ -478,8 +481,8 @@ def _int_column(values: IntColumn | None, n: int, label: str) -> pa.Array | pa.C
         if isinstance(values, np.ndarray) and values.dtype.kind not in "iu":
             raise ShardListError(f"{label} must hold integers, got dtype {values.dtype}")
         try:
-            column = pa.array(values) if isinstance(values, np.ndarray) else values
-            column = column.cast(pa.int64())
+            array: Any = pa.array(values) if isinstance(values, np.ndarray) else values
+            column = array.cast(pa.int64())
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
             raise ShardListError(f"{label} must hold integers that fit in int64: {err}") from err
     else:

@@ -50,6 +50,7 @@ from shardkit.planning import (
     SHUFFLE_BLOCK,
     SHUFFLE_WINDOW,
     Balance,
+    PlannedRanges,
     Range,
     plan,
     plan_intervals,
@@ -394,8 +395,13 @@ class _RangeIterator(StageIterator):
         stand_in: Callable[[], Any] | None = None,
     ) -> None:
         self._source = source
-        self.positions = [position for position, _ in pieces]
-        self.ranges = [piece for _, piece in pieces]
+        self._planned = pieces if isinstance(pieces, PlannedRanges) else None
+        if isinstance(pieces, PlannedRanges):  # a plan's arrays, indexed lazily: no object per shard
+            self.positions: Sequence[int | None] = pieces.positions
+            self.ranges: Sequence[Range] = pieces.ranges
+        else:
+            self.positions = [position for position, _ in pieces]
+            self.ranges = [piece for _, piece in pieces]
         self.range_index = 0
         self.done_in_range = 0
         self._records: Iterator[Any] | None = None
@@ -463,6 +469,8 @@ class _RangeIterator(StageIterator):
 
     def remaining(self) -> list[list[int]]:
         """The positions of this reader's part not read yet (records, not samples)."""
+        if self._planned is not None:  # vectorised: a million ranges take milliseconds, not a second
+            return [list(interval) for interval in self._planned.remaining(self.range_index, self.done_in_range)]
         remaining = []
         for index in range(self.range_index, len(self.ranges)):
             _, start, stop = self.ranges[index]

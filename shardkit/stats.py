@@ -13,21 +13,41 @@ multiprocessing's own descriptor passing while they are being started. A copy
 made by plain pickling has its own counters (the tensor is copied), so it
 gets its own lock. A thread lock beside it covers threads of one process,
 which POSIX locks do not tell apart.
+
+Remote retries (:mod:`shardkit.remote`) are counted per process, by the fetch
+threads, which do not know which dataset asked. Each time a reader of this
+dataset finishes a range (and when :meth:`SharedStats.snapshot` is taken), the
+process's retries since the last such sweep are added to two more shared
+counters: ``retries`` and ``retry_wait_seconds`` in :class:`ReadStats` are then
+the sums over the main process and every DataLoader worker. A forked worker
+starts its remote counters at zero (:mod:`shardkit.remote` resets them after
+fork), so nothing the parent counted is added twice. Two datasets read in the
+same process share that process's retries: each is added to whichever sweeps
+first, so the sum over datasets is exact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing import reduction
+from multiprocessing.context import get_spawning_popen  # pyright: ignore[reportAttributeAccessIssue]
+from typing import Any
 
 import numpy as np
 import torch
 
+from shardkit import remote
+
 READ, SKIPPED, ERRORS, MISSING, PADDED = range(5)
 _COUNTERS = 5  # the order of SharedStats.add's delta
+#: The remote counters swept into the shared ones, in their order there.
+REMOTE_COUNTERS = ("retries", "retry_wait_seconds")
 
 
 @dataclass(frozen=True)
@@ -49,6 +69,10 @@ class ReadStats:
     * ``errors[i]``: errors met in shard ``i``, including a shard found to
       hold records past its planned count (those are not read, and not
       counted: the plan does not cover them).
+    * ``retries``, ``retry_wait_seconds``: remote requests retried after a
+      transient failure and the seconds spent waiting before those retries
+      (see :class:`~shardkit.remote.RetryPolicy`), summed over this process
+      and its DataLoader workers; counted as each range is finished.
 
     For every shard whose count is known, ``read + skipped + missing`` is the
     number of its records the plan gave to the readers counted here. When a
@@ -61,6 +85,8 @@ class ReadStats:
     errors: np.ndarray
     missing: np.ndarray
     padded: np.ndarray
+    retries: int = 0
+    retry_wait_seconds: float = 0.0
 
     @property
     def total_read(self) -> int:
@@ -92,6 +118,7 @@ class SharedStats:
 
     def __init__(self, num_shards: int) -> None:
         self._counts = torch.zeros((num_shards, _COUNTERS), dtype=torch.int64).share_memory_()
+        self._remote = torch.zeros(len(REMOTE_COUNTERS), dtype=torch.float64).share_memory_()
         self._open_lock()
 
     def _open_lock(self, fd: int | None = None) -> None:
@@ -103,46 +130,81 @@ class SharedStats:
         # naming whatever file reuses the number.
         self._file = os.fdopen(fd, "r+b", buffering=0)
         self._thread_lock = threading.Lock()
+        # The process's remote counters already swept (or there before this object): (pid, values).
+        self._swept = (os.getpid(), _remote_counts())
 
-    def __getstate__(self) -> dict[str, object]:
-        from multiprocessing import context, reduction
-
-        state: dict[str, object] = {"counts": self._counts, "lock": None}
-        if context.get_spawning_popen() is not None:  # starting a worker: it shares counters and lock
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"counts": self._counts, "remote": self._remote, "lock": None}
+        if get_spawning_popen() is not None:  # starting a worker: it shares counters and lock
             state["lock"] = reduction.DupFd(self._file.fileno())
         return state
 
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self._counts = state["counts"]  # type: ignore[assignment]
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._counts = state["counts"]
+        self._remote = state["remote"]
         lock = state["lock"]
-        self._open_lock(None if lock is None else lock.detach())  # type: ignore[attr-defined]
+        self._open_lock(None if lock is None else lock.detach())
 
     def add(
         self, shard: int, *, read: int = 0, skipped: int = 0, errors: int = 0, missing: int = 0, padded: int = 0
     ) -> None:
-        """Add to shard ``shard``'s counters, atomically across processes and threads."""
+        """Add to shard ``shard``'s counters, atomically across processes and threads
+        (and sweep this process's remote retries in; see the module docstring)."""
         delta = torch.tensor((read, skipped, errors, missing, padded), dtype=torch.int64)
+        with self._locked() as fd:
+            if fd is not None:
+                self._counts[shard] += delta
+                self._sweep_remote()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[int | None]:
+        """Hold the thread and process locks; yields None when this object is being garbage collected."""
         with self._thread_lock:
             try:
                 fd = self._file.fileno()
             except ValueError:  # closed: this object is being garbage collected with its last reader
+                yield None
                 return
             fcntl.lockf(fd, fcntl.LOCK_EX)
             try:
-                self._counts[shard] += delta
+                yield fd
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN)
 
+    def _sweep_remote(self) -> None:
+        """Add this process's remote retries since the last sweep (call with the locks held)."""
+        pid, before = self._swept
+        now = _remote_counts()
+        if pid != os.getpid():  # a forked worker: its counters started at zero
+            before = (0.0,) * len(REMOTE_COUNTERS)
+        if now != before:
+            self._remote += torch.tensor([a - b for a, b in zip(now, before)], dtype=torch.float64)
+        self._swept = (os.getpid(), now)
+
     def reset(self) -> None:
         """Zero every counter (a new epoch starts counting afresh)."""
-        self._counts.zero_()
+        with self._locked():
+            self._counts.zero_()
+            self._remote.zero_()
+            self._swept = (os.getpid(), _remote_counts())
 
     def snapshot(self) -> ReadStats:
+        with self._locked() as fd:
+            if fd is not None:
+                self._sweep_remote()
         counts = self._counts.numpy().copy()
+        retries, waited = self._remote.tolist()
         return ReadStats(
             read=counts[:, READ],
             skipped=counts[:, SKIPPED],
             errors=counts[:, ERRORS],
             missing=counts[:, MISSING],
             padded=counts[:, PADDED],
+            retries=int(round(retries)),
+            retry_wait_seconds=float(waited),
         )
+
+
+def _remote_counts() -> tuple[float, ...]:
+    counts = remote.remote_stats()
+    return tuple(float(counts[name]) for name in REMOTE_COUNTERS)

@@ -2,7 +2,8 @@
 
 It serves the files of a directory with HEAD and single-range GET, an ETag
 that changes when a file is replaced (size and mtime in nanoseconds), and
-``If-Match`` (412 when the ETag differs). Each request first sleeps
+``If-Match`` (412 when the ETag differs; ``honour_if_match = False`` ignores
+it), over HTTP/1.1 keep-alive connections. Each request first sleeps
 ``latency`` seconds (an object store's first-byte time). Faults are queued
 with :meth:`FaultServer.inject` and each is spent by the next GET of a path:
 
@@ -25,6 +26,7 @@ from collections import deque
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
+from urllib.parse import unquote
 
 
 class Request(NamedTuple):
@@ -37,6 +39,7 @@ class Request(NamedTuple):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    protocol_version = "HTTP/1.1"  # keep-alive, as object stores serve
 
     def log_message(self, *args: object) -> None:  # keep test output quiet
         pass
@@ -50,7 +53,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, body: bool) -> None:
         owner = self.server.owner
         time.sleep(owner.latency)
-        path = os.path.join(owner.root, self.path.lstrip("/").split("?")[0])
+        path = os.path.join(owner.root, unquote(self.path.lstrip("/").split("?")[0]))
         fault = owner.take_fault(self.path) if body else None
         if fault == "drop":
             self._log(0, 0, 0)
@@ -74,7 +77,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(HTTPStatus.NOT_FOUND)
 
     def _answer(self, f, size: int, etag: str, body: bool, fault: str | None) -> None:  # type: ignore[no-untyped-def]
-        wanted = self.headers.get("If-Match")
+        wanted = self.headers.get("If-Match") if self.server.owner.honour_if_match else None
         if wanted is not None and wanted != etag:
             self._log(0, 0, 412)
             self.send_response(HTTPStatus.PRECONDITION_FAILED)
@@ -82,7 +85,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         start, stop, status = 0, size, HTTPStatus.OK
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        ranges = self.headers.get("Range", "") if self.server.owner.honour_range else ""
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", ranges)
         if match:
             start = int(match.group(1))
             stop = min(size, int(match.group(2)) + 1) if match.group(2) else size
@@ -91,7 +95,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         if status == HTTPStatus.PARTIAL_CONTENT:
             self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
-        self.send_header("Content-Length", str(stop - start))
+        if self.server.owner.send_length or not body:
+            self.send_header("Content-Length", str(stop - start))
+        else:  # the body ends where the connection does
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("ETag", etag)
         self.end_headers()
@@ -130,6 +138,9 @@ class FaultServer:
     def __init__(self, root: str, latency: float = 0.0) -> None:
         self.root = root
         self.latency = latency
+        self.honour_if_match = True  # False: a store that ignores If-Match (the ETag it answers still tells)
+        self.honour_range = True  # False: a server that answers every GET with the whole file
+        self.send_length = True  # False: bodies without Content-Length, ended by closing the connection
         self.log: list[Request] = []
         self._faults: dict[str, deque[str]] = {}
         self._lock = threading.Lock()

@@ -242,3 +242,92 @@ def test_plan_intervals_rejects_unknown_counts_and_foreign_positions():
         plan_intervals([3, None], Topology(), [(0, 1)], balance="none")
     with pytest.raises(PlanError, match="outside this rank's chunk of 5 records"):
         plan_intervals([5], Topology(), [(2, 9)])
+
+
+def per_range_plan_intervals(counts, topology, intervals, **kwargs):
+    """The former form of plan_intervals: a (position, Range) tuple per piece, built in Python."""
+    from shardkit.planning import _Stream, rank_span, through
+
+    total = sum(counts)
+    rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, kwargs["balance"])
+    stream = _Stream.build(
+        np.asarray(counts, dtype=np.int64),
+        seed=kwargs["seed"],
+        epoch=kwargs["epoch"],
+        shuffle=kwargs["shuffle"],
+        world_size=topology.world_size,
+        block_size=kwargs.get("block_size"),
+    )
+    out = []
+    for start, stop in intervals:
+        position = start
+        for a, b in through([(rank_start, rank_start + rank_size)], start, stop):
+            for piece in stream.ranges(a, b):
+                out.append((position, piece))
+                position += piece.stop - piece.start
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shard_counts,
+    worlds,
+    worker_counts,
+    st.sampled_from(["none", "pad", "drop"]),
+    st.booleans(),
+    st.sampled_from([None, 1, 7, 512]),
+    st.integers(0, 99),
+)
+def test_plan_intervals_as_arrays_equals_the_per_range_form(counts, world, workers, balance, shuffle, block, seed):
+    from shardkit.planning import PlannedRanges, plan_intervals, rank_span, share
+
+    total = sum(counts)
+    assume(balance != "drop" or total == 0 or total >= world)
+    kwargs = dict(seed=seed, epoch=1, shuffle=shuffle, balance=balance, block_size=block)
+    for rank in range(world):
+        size = rank_span(total, world, rank, balance)[1]
+        for worker in range(workers):
+            topology = Topology(rank, world, worker, workers)
+            intervals = share([(0, size)], workers, worker)
+            if size > 3:  # several intervals, as a resumed reader has
+                intervals = [(0, size // 3), (size // 2, size)]
+            planned = plan_intervals(counts, topology, intervals, **kwargs)
+            expected = per_range_plan_intervals(counts, topology, intervals, **kwargs)
+            assert isinstance(planned, PlannedRanges)
+            assert list(planned) == expected
+            assert len(planned) == len(expected)
+            assert [planned.positions[i] for i in range(len(planned))] == [p for p, _ in expected]
+            assert [planned.ranges[i] for i in range(len(planned))] == [r for _, r in expected]
+            assert planned.ranges[1:4] == [r for _, r in expected[1:4]]
+            assert all(type(v) is int for v in (*planned[0][1], planned[0][0])) if expected else True
+
+
+def test_a_million_shards_are_planned_without_an_object_per_shard():
+    from shardkit.planning import plan_intervals
+
+    counts = np.full(1_000_000, 100, dtype=np.int64)
+    planned = plan_intervals(counts, Topology(1, 2), [(0, 50_000_000)])
+    assert len(planned) == 500_000
+    assert planned.ranges[0] == Range(500_000, 0, 100) and planned.positions[-1] == 49_999_900
+
+
+@settings(max_examples=100, deadline=None)
+@given(shard_counts, worlds, st.booleans(), st.integers(0, 99), st.data())
+def test_what_a_planned_reader_has_left_is_the_union_of_its_unread_ranges(counts, world, shuffle, seed, data):
+    from shardkit.planning import plan_intervals, rank_span, union
+
+    size = rank_span(sum(counts), world, 0, "pad")[1]
+    cut = data.draw(st.integers(0, size))
+    intervals = [(cut, size), (0, cut)]  # out of order, as a resumed reader's may be
+    planned = plan_intervals(counts, Topology(0, world), intervals, shuffle=shuffle, seed=seed, block_size=5)
+    for index in range(len(planned) + 1):
+        if index < len(planned):
+            length = planned.ranges[index].stop - planned.ranges[index].start
+            done = data.draw(st.integers(0, length))
+        else:
+            done = 0
+        left = [
+            (position + (done if i == index else 0), position + piece.stop - piece.start)
+            for i, (position, piece) in enumerate(list(planned)[index:], start=index)
+        ]
+        assert planned.remaining(index, done) == union(left)

@@ -160,8 +160,10 @@ def test_a_dataset_reads_remote_shards_exactly_once_across_workers_with_prefetch
     dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
     assert sorted(dataset) == sorted(expected)
     # list() asks len(), which looks for index files beside the shards (the first is missing: one probe).
-    heads = [r.path for r in server.log if r.method == "HEAD" and not r.path.endswith(".idx")]
-    assert sorted(set(heads)) == sorted(f"/s{i}.tfrecord" for i in range(5))
+    assert not [r for r in server.log if r.method == "HEAD" and not r.path.endswith(".idx")]  # opened by a ranged GET
+    assert sorted({r.path for r in server.gets() if not r.path.endswith(".idx")}) == sorted(
+        f"/s{i}.tfrecord" for i in range(5)
+    )
 
 
 @pytest.mark.slow
@@ -181,3 +183,215 @@ def test_dataloader_workers_read_remote_shards_through_faults_exactly_once(serve
     loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     assert sorted(loader) == sorted(expected)
     assert all(server.take_fault(f"/s{i}.tfrecord") is None for i in range(6))
+
+
+def write_faulty_shards(server: FaultServer, tmp_path, count: int, faults: list[str]) -> tuple[list[str], list[bytes]]:
+    """``count`` shards served by ``server``, each with ``faults`` queued; their urls and all their records."""
+    expected: list[bytes] = []
+    for i in range(count):
+        expected += write_shard(os.path.join(tmp_path, f"s{i}.tfrecord"), count=40 + i, seed=i)
+        server.inject(f"s{i}.tfrecord", *faults)
+    return [f"{server.url}/s{i}.tfrecord" for i in range(count)], expected
+
+
+def test_retries_and_their_waits_are_counted_in_a_datasets_stats(server: FaultServer, tmp_path) -> None:
+    from shardkit import TFRecordDataset
+
+    urls, expected = write_faulty_shards(server, tmp_path, 3, ["503", "429"])
+    dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
+    assert dataset.stats().retries == 0
+    assert sorted(dataset) == sorted(expected)
+    stats = dataset.stats()
+    assert stats.retries == 6
+    assert 0 < stats.retry_wait_seconds <= 6 * FAST_RETRY.max_backoff
+    dataset._stats.reset()
+    assert dataset.stats().retries == 0 and dataset.stats().retry_wait_seconds == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_retries_in_dataloader_workers_are_summed_into_stats(server: FaultServer, tmp_path, context: str) -> None:
+    from torch.utils.data import DataLoader
+
+    from shardkit import TFRecordDataset
+
+    os.makedirs(tmp_path / "before")
+    write_shard(os.path.join(tmp_path, "before", "a.tfrecord"))
+    server.inject("before/a.tfrecord", "503", "503", "503")
+    list(read_tfrecord(f"{server.url}/before/a.tfrecord", remote=SMALL))  # the parent's own retries, before
+    parent = remote_stats()["retries"]
+    assert parent >= 3
+    urls, expected = write_faulty_shards(server, tmp_path, 4, ["503", "503"])
+    dataset = TFRecordDataset(urls, decode="raw", readahead_bytes=64 << 10, retry=FAST_RETRY)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context)
+    assert sorted(loader) == sorted(expected)
+    assert all(server.take_fault(f"/s{i}.tfrecord") is None for i in range(4))
+    stats = dataset.stats()
+    assert stats.retries == 8  # the workers' retries, and none the forked workers inherited from the parent
+    assert stats.retry_wait_seconds > 0
+    assert remote_stats()["retries"] == parent  # the parent read nothing more
+
+
+def requests_of(server: FaultServer, name: str) -> tuple[int, int]:
+    """(HEAD, GET) requests the server answered for ``/name``."""
+    log = [r for r in server.log if r.path == "/" + name]
+    return sum(r.method == "HEAD" for r in log), sum(r.method == "GET" for r in log)
+
+
+def test_plain_http_shards_are_opened_by_their_first_ranged_get_without_a_head(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"), count=200)  # about 140 KB: 9 blocks of 16 KiB
+    url = f"{server.url}/a.tfrecord"
+    through_fsspec = {"headers": {"X-Any": "1"}}  # options the fast path does not carry: fsspec reads it
+    assert list(read_tfrecord(url, storage_options=through_fsspec, remote=SMALL)) == records
+    before = requests_of(server, "a.tfrecord")
+    server.log.clear()
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    after = requests_of(server, "a.tfrecord")
+    assert before == (1, 9) and after == (0, 9)
+
+
+@pytest.mark.parametrize("honour_if_match", [True, False])
+def test_an_object_replaced_after_a_head_free_open_is_caught_by_its_etag(
+    server: FaultServer, tmp_path, honour_if_match: bool
+) -> None:
+    """Opened with no HEAD, the version is pinned by the first GET's ETag: If-Match makes the store refuse
+    another version (412), and a store that ignores If-Match still names its version in the ETag it answers."""
+    path = os.path.join(tmp_path, "a.tfrecord")
+    write_shard(path, count=7000)
+    server.honour_if_match = honour_if_match
+    records = read_tfrecord(f"{server.url}/a.tfrecord", remote=RemoteOptions(block_size=1 << 20, readahead_bytes=0))
+    assert [next(records) for _ in range(5)] == list(read_tfrecord(path, stop=5))
+    write_shard(path + ".new", count=7000, seed=99)
+    os.replace(path + ".new", path)  # same size: only the ETag (mtime) tells the versions apart
+    with pytest.raises(ObjectChangedError, match=r"a\.tfrecord: the object changed while it was being read"):
+        list(records)
+    assert requests_of(server, "a.tfrecord")[0] == 0
+    assert [r.status for r in server.gets("a.tfrecord")][-1] == (412 if honour_if_match else 206)
+
+
+def test_a_keep_alive_connection_the_server_closed_is_replaced_without_a_retry(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"))
+    url = f"{server.url}/a.tfrecord"
+    assert list(read_tfrecord(url, remote=SMALL)) == records  # leaves kept-alive connections behind
+    server.inject("a.tfrecord", "drop")  # the next GET finds its connection closed before any answer
+    remote_stats(reset=True)
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    assert server.take_fault("/a.tfrecord") is None
+    assert remote_stats()["retries"] == 0  # the first GET went out on the kept-alive connection of the last read
+
+
+def test_a_server_that_ignores_ranges_is_an_error_not_a_misread(server: FaultServer, tmp_path) -> None:
+    write_shard(os.path.join(tmp_path, "a.tfrecord"))  # about 210 KB: more than one 16 KiB block
+    server.honour_range = False
+    with pytest.raises(RemoteReadError, match="the server ignores HTTP Range requests"):
+        list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL))
+
+
+def test_an_object_smaller_than_a_block_is_read_whole_even_without_ranges(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"), count=10)  # 7 KB, under a 16 KiB block
+    server.honour_range = False
+    assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL)) == records
+    assert requests_of(server, "a.tfrecord") == (0, 1)
+
+
+def test_an_empty_object_opened_by_a_ranged_get_reads_as_no_records(server: FaultServer, tmp_path) -> None:
+    open(os.path.join(tmp_path, "empty.tfrecord"), "wb").close()
+    assert list(read_tfrecord(f"{server.url}/empty.tfrecord", remote=SMALL)) == []
+
+
+def test_a_server_the_fast_path_cannot_read_is_read_through_fsspec(server: FaultServer, tmp_path) -> None:
+    records = write_shard(os.path.join(tmp_path, "a.tfrecord"))
+    server.send_length = False
+    url = f"{server.url}/a.tfrecord"
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    heads, gets = requests_of(server, "a.tfrecord")
+    assert heads == 1  # fell back to fsspec, which opens with a HEAD
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    assert requests_of(server, "a.tfrecord") == (2, 2 * gets - 1)  # no fast-path GET tried again
+
+
+@pytest.mark.parametrize("name", ["a b.tfrecord", "naïve 100%.tfrecord", "plain.tfrecord"])
+def test_urls_are_quoted_as_fsspec_quotes_them(server: FaultServer, tmp_path, name: str) -> None:
+    records = write_shard(os.path.join(tmp_path, name))
+    url = f"{server.url}/{name}"
+    assert list(read_tfrecord(url, storage_options={"headers": {"X-Any": "1"}}, remote=SMALL)) == records  # fsspec
+    through_fsspec = {r.path for r in server.gets()}
+    server.log.clear()
+    assert list(read_tfrecord(url, remote=SMALL)) == records  # the fast path
+    assert {r.path for r in server.gets()} == through_fsspec
+
+
+def put_shard(s3_server, tmp_path, records: int, seed: int = 0) -> tuple[str, dict, list[bytes]]:
+    """A TFRecord shard copied to a new bucket of the moto server: its url, storage options and records."""
+    import fsspec
+
+    options = s3_server.storage_options()
+    url = f"{s3_server.new_bucket()}/a.tfrecord"
+    local = os.path.join(tmp_path, f"put-{seed}.tfrecord")
+    data = write_shard(local, count=records, seed=seed)
+    fsspec.filesystem("s3", **options).put_file(local, url)
+    return url, options, data
+
+
+def test_s3_objects_are_opened_by_their_first_ranged_get_without_a_head(s3_server, tmp_path) -> None:
+    import fsspec
+
+    from shardkit.remote import _open_now
+
+    url, options, records = put_shard(s3_server, tmp_path, 300)  # about 215 KB: 14 blocks of 16 KiB
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    blocks = -(-fs.size(path) // SMALL.block_size)
+    remote_stats(reset=True)
+    assert list(read_tfrecord(url, storage_options=options, remote=SMALL)) == records
+    assert remote_stats()["requests"] == blocks  # one GET per block, no HEAD
+    opened = _open_now(fs, path, url, SMALL, offset=None)
+    opened.check_identity()  # the identity from the GET is the one a HEAD gives: no false "changed"
+    assert "ETag=" in opened.identity and "size=" in opened.identity
+
+
+def test_an_s3_object_replaced_between_blocks_is_an_error_naming_it(s3_server, tmp_path) -> None:
+    """On a bucket without versioning, every block is asked for with If-Match: the store refuses a new version."""
+    import fsspec
+
+    url, options, records = put_shard(s3_server, tmp_path, 7000)  # about 5 MB: several 1 MiB blocks
+    stream = read_tfrecord(
+        url, storage_options=options, remote=RemoteOptions(block_size=1 << 20, readahead_bytes=0, retry=FAST_RETRY)
+    )
+    assert [next(stream) for _ in range(5)] == records[:5]
+    local = os.path.join(tmp_path, "other.tfrecord")
+    write_shard(local, count=7000, seed=99)  # the same size, other bytes
+    fsspec.filesystem("s3", **options).put_file(local, url)
+    with pytest.raises(ObjectChangedError, match=r"a\.tfrecord: the object changed while it was being read"):
+        list(stream)
+
+
+def test_an_s3_compatible_store_that_refuses_if_match_is_read_through_s3fs(s3_server, tmp_path, monkeypatch) -> None:
+    import s3fs
+    from botocore.exceptions import ClientError
+
+    url, options, records = put_shard(s3_server, tmp_path, 300)
+    original = s3fs.S3FileSystem._call_s3
+    refused = []
+
+    async def no_conditional_reads(self, method, *args, **kwargs):
+        if method == "get_object" and "IfMatch" in kwargs:
+            refused.append(kwargs["Range"])
+            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "If-Match"}}, "GetObject")
+        return await original(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", no_conditional_reads)
+    assert list(read_tfrecord(url, storage_options=options, remote=SMALL)) == records
+    assert len(refused) >= 1  # the store refused once, and the rest was read through s3fs's cat_file
+
+
+def test_a_shard_opened_ahead_without_a_start_costs_a_one_byte_probe_not_a_block(server: FaultServer, tmp_path) -> None:
+    """A plan whose next range starts inside a shard hints it with no offset: its identity, not its first block."""
+    records = write_shard(os.path.join(tmp_path, "c.tfrecord"))
+    url = f"{server.url}/c.tfrecord"
+    prefetch(url, None, SMALL, offset=None)
+    deadline = time.monotonic() + 5
+    while not server.gets("c.tfrecord") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(r.start, r.length) for r in server.gets("c.tfrecord")] == [(0, 1)]
+    assert list(read_tfrecord(url, remote=SMALL)) == records
+    assert requests_of(server, "c.tfrecord")[0] == 0
