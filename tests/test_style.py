@@ -1,4 +1,4 @@
-"""The house habits are checked, not hoped for: ruff lint and format over the tree."""
+"""The house habits are checked, not hoped for: ruff lint and format over the tree, pyright over the package."""
 
 import shutil
 import subprocess
@@ -32,3 +32,10 @@ def test_the_tree_passes_ruff_lint():
 def test_the_tree_is_ruff_formatted():
     done = _run(_tool("ruff"), "format", "--check", ".")
     assert done.returncode == 0, "run `.venv/bin/ruff format .`:\n" + done.stdout + done.stderr
+
+
+def test_the_package_has_no_basedpyright_errors():
+    # pyright's standard mode over shardkit/ (pyproject.toml); the interpreter is this one, so
+    # torch, numpy and pyarrow resolve to what the tests run against.
+    done = _run(_tool("basedpyright"), "--pythonpath", sys.executable)
+    assert done.returncode == 0 and " 0 errors" in done.stdout, done.stdout[-4000:] + done.stderr
