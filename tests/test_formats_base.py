@@ -127,13 +127,13 @@ def _mixed(tmp_path, rank, world):
 
 
 @pytest.mark.slow
-def test_the_formats_mix_with_every_sample_once_over_ranks_and_spawned_workers(tmp_path):
+def test_the_formats_mix_with_every_sample_once_over_ranks_and_spawned_or_forked_workers(tmp_path):
     from torch.utils.data import DataLoader
 
     seen = []
-    for rank in range(2):
+    for rank, start in ((0, "spawn"), (1, "fork")):  # one rank each: spawned workers cost seconds to start
         loader = DataLoader(
-            _mixed(tmp_path, rank, 2).map(mixed_id), batch_size=5, num_workers=2, multiprocessing_context="spawn"
+            _mixed(tmp_path, rank, 2).map(mixed_id), batch_size=5, num_workers=2, multiprocessing_context=start
         )
         seen += [s for batch in loader for s in batch]
     expected = {f"{kind}:{key}" for kind, prefix in (("tar", "s"), ("parquet", "r"), ("jsonl", "r")) for key in
