@@ -55,7 +55,7 @@ logger = logging.getLogger("shardkit")
 CACHE_ENV = "SHARDKIT_CACHE_DIR"
 
 CountFn = Callable[[str], int]
-OffsetsFn = Callable[[str], "np.ndarray | None"]
+StoredCountFn = Callable[[str], "int | None"]
 
 #: Keys of an fsspec ``info`` dict that change when a file's content may have:
 #: local (mtime, inode, ctime), S3 (ETag, VersionId, LastModified), GCS
@@ -156,7 +156,7 @@ def resolve_counts(
 
 def counts_from_indexes(
     shards: ShardList,
-    offsets_fn: OffsetsFn,
+    stored_count: StoredCountFn,
     *,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
@@ -164,8 +164,9 @@ def counts_from_indexes(
     """``shards`` with every count filled in from the counts cache or the index files beside the
     shards; None as soon as a shard has neither. Nothing is counted by a scan, nothing collective.
 
-    ``offsets_fn(url)`` is a format's ``index_offsets``: the record offsets
-    checked against the file as it is now, or None without an index. Counts
+    ``stored_count(url)`` is the count a shard's metadata holds (an index
+    file's length, checked against the file as it is now; a Parquet footer),
+    or None where there is none. Counts
     taken from indexes go to the counts cache, bound to each file's identity,
     so the next epoch's workers (and the next run) need not read the indexes again.
 
@@ -180,10 +181,10 @@ def counts_from_indexes(
     counts, known = _known_counts(shards, path, identities)
     missing = np.flatnonzero(~known)
     for i in missing:
-        offsets = offsets_fn(shards[int(i)])
-        if offsets is None:
+        count = stored_count(shards[int(i)])
+        if count is None:
             return None
-        counts[i] = len(offsets)
+        counts[i] = count
     if missing.size:
         logger.info("shardkit: record counts of %d shards from their index files", missing.size)
         if path is not None and any(found is not None for found in identities):

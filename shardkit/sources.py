@@ -1266,10 +1266,18 @@ class _FormatDataset(ShardedDataset):
     def _counts_from_indexes(self) -> ShardList | None:
         from shardkit.counting import counts_from_indexes  # here, not at the top: keeps the import block as is
 
+        stored = getattr(self.format, "stored_count", None)  # a count the file's own metadata holds
         offsets_fn = getattr(self.format, "index_offsets", None)
-        if offsets_fn is None:
+        if stored is None and offsets_fn is None:
             return None
-        return counts_from_indexes(self.shards, offsets_fn, storage_options=self.storage_options)
+
+        def stored_count(url: str) -> int | None:
+            if stored is not None:
+                return stored(url)
+            offsets = offsets_fn(url)  # pyright: ignore[reportOptionalCall]  (one of the two is set)
+            return None if offsets is None else len(offsets)
+
+        return counts_from_indexes(self.shards, stored_count, storage_options=self.storage_options)
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
         hint = getattr(self.format, "prefetch", None)

@@ -216,3 +216,32 @@ def test_shard_writer_writes_parquet_shards_and_a_manifest(tmp_path):
     assert [r["id"] for r in ParquetDataset(manifest, balance="none")] == all_ids([30])
     batches = list(ParquetDataset(manifest, balance="none", batch_size=5))
     assert [len(b["id"]) for b in batches] == [5, 5, 2, 5, 5, 2, 5, 1]  # counts from the manifest are rows
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_len_resume_and_balanced_ranks_take_counts_from_the_footers_without_count_records(
+    tmp_path, monkeypatch, batch_size
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no counts cached from another test
+    urls = write_shards(str(tmp_path))
+
+    def make(**options):
+        return ParquetDataset(urls, batch_size=batch_size, **options)
+
+    counted = make().count_records()
+    assert make().shards.num_records is None
+    assert len(make()) == len(counted)
+
+    def ids(sample):
+        return list(sample["id"]) if batch_size else [sample["id"]]
+
+    dataset = make(shuffle=True, seed=4)
+    iterator = iter(dataset)
+    first = [i for _ in range(3) for i in ids(next(iterator))]
+    state = dataset.state_dict()
+    resumed = make(shuffle=True, seed=4)
+    resumed.load_state_dict(state)
+    assert sorted(first + [i for s in resumed for i in ids(s)]) == sorted(all_ids())
+    if batch_size is None:
+        ranks = [[s["id"] for s in make(rank=r, world_size=2, balance="drop")] for r in range(2)]
+        assert len(ranks[0]) == len(ranks[1]) == sum(SIZES) // 2

@@ -132,6 +132,10 @@ class ParquetFormat:
         rows = self.count_rows(url)
         return rows if self.batch_size is None else -(-rows // self.batch_size)
 
+    def stored_count(self, url: str) -> int:
+        """Rows in ``url`` from its footer: what sources take as its record count when the list has none."""
+        return self.count_rows(url)
+
     def count_rows(self, url: str) -> int:
         """Rows in ``url``, from its footer."""
         raw, pf = self._open(url)
