@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardkit.listing import list_shards
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow  # gloo ranks in subprocesses
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, pattern: str, out_dir: str) -> None:
@@ -42,7 +36,7 @@ def _rank(rank: int, port: int, pattern: str, out_dir: str) -> None:
 
 
 def _run(pattern: str, tmp_path) -> list[dict]:
-    mp.start_processes(_rank, args=(_free_port(), pattern, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(free_port(), pattern, str(tmp_path)), nprocs=2, start_method="spawn")
     return [json.load(open(tmp_path / f"{rank}.json")) for rank in range(2)]
 
 
@@ -88,6 +82,6 @@ def test_a_glob_dataset_built_on_rank_0_only_does_not_wait_for_the_other_ranks(t
         with shardkit.TFRecordWriter(str(data / f"s{shard}.tfrecord")) as writer:
             for i in range(4):
                 writer.write(b"%d" % i)
-    args = (_free_port(), str(data), str(tmp_path))
+    args = (free_port(), str(data), str(tmp_path))
     mp.start_processes(_rank_zero_builds_alone, args=args, nprocs=2, start_method="spawn")
     assert json.load(open(tmp_path / "0.json")) == {"records": 12}

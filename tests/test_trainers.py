@@ -28,7 +28,7 @@ from shardkit.pipeline import UnknownLengthError
 from shardkit.planning import plan
 from shardkit.topology import Topology
 from shardkit.trainers import TrainerError, reader_lengths
-from tests.helpers import all_ids, synthetic_read, synthetic_shards
+from tests.helpers import all_ids, free_port, synthetic_read, synthetic_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -258,14 +258,6 @@ def test_accelerate_wrapper_on_one_rank_passes_every_sample():
 
 
 # -- 2 ranks through each trainer ------------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args: list[str], *, torchrun: bool, timeout: int = 180) -> subprocess.CompletedProcess[str]:
