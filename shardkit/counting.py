@@ -129,10 +129,8 @@ def resolve_counts(
     """
     if shards.num_records is not None:
         return shards
-    path = cache_path(shards, cache_dir)
-    identities: list[str | None] = _identities(shards, storage_options) if path is not None else [None] * len(shards)
-    counts, known = _known_counts(shards, path, identities)
-    missing = np.flatnonzero(~known)
+    cached = _Cached.read(shards, storage_options, cache_dir)
+    counts, missing = cached.counts, cached.missing
     if count_fn is not None:
         missing = _union_over_ranks(missing)  # caches are per node: ranks may miss different shards
     if missing.size and count_fn is None:
@@ -149,8 +147,7 @@ def resolve_counts(
             why,
         )
         counts[missing] = _count(shards, missing, count_fn)  # type: ignore[arg-type]
-        if path is not None and any(found is not None for found in identities):
-            _write_cache(path, shards, counts, identities)
+        cached.write(shards)
     return shards.with_num_records(counts)
 
 
@@ -176,10 +173,8 @@ def counts_from_indexes(
     """
     if shards.num_records is not None:
         return shards
-    path = cache_path(shards, cache_dir)
-    identities: list[str | None] = _identities(shards, storage_options) if path is not None else [None] * len(shards)
-    counts, known = _known_counts(shards, path, identities)
-    missing = np.flatnonzero(~known)
+    cached = _Cached.read(shards, storage_options, cache_dir)
+    counts, missing = cached.counts, cached.missing
     for i in missing:
         count = stored_count(shards[int(i)])
         if count is None:
@@ -187,9 +182,30 @@ def counts_from_indexes(
         counts[i] = count
     if missing.size:
         logger.info("shardkit: record counts of %d shards from their index files", missing.size)
-        if path is not None and any(found is not None for found in identities):
-            _write_cache(path, shards, counts, identities)
+        cached.write(shards)
     return shards.with_num_records(counts)
+
+
+class _Cached:
+    """The counts a shard list has or the counts cache holds for its files as they are now
+    (``counts``; ``missing`` the shards with neither), and where more go once known."""
+
+    def __init__(self, path: str | None, identities: list[str | None], counts: np.ndarray, known: np.ndarray) -> None:
+        self.path, self.identities, self.counts = path, identities, counts
+        self.missing = np.flatnonzero(~known)
+
+    @classmethod
+    def read(cls, shards: ShardList, storage_options: dict[str, Any] | None, cache_dir: str | None) -> _Cached:
+        path = cache_path(shards, cache_dir)
+        identities: list[str | None] = (
+            _identities(shards, storage_options) if path is not None else [None] * len(shards)
+        )
+        return cls(path, identities, *_known_counts(shards, path, identities))
+
+    def write(self, shards: ShardList) -> None:
+        """Keep ``counts`` in the cache, bound to each file's identity (where one is known)."""
+        if self.path is not None and any(found is not None for found in self.identities):
+            _write_cache(self.path, shards, self.counts, self.identities)
 
 
 def _known_counts(shards: ShardList, path: str | None, identities: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
