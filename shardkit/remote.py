@@ -439,15 +439,7 @@ class RemoteFile:
             if _status_of(error) == 412 or _code_of(error) == "PreconditionFailed":
                 raise ObjectChangedError(self.url, self.identity, "its ETag no longer matches") from error
             raise
-        _count(bytes=len(data))
-        if len(data) > stop - start:  # the server ignored the range: never trust such a body
-            raise RemoteReadError(
-                f"{self.url}: asked for bytes {start}-{stop - 1}, got {len(data)} bytes: the server ignores "
-                "HTTP Range requests, which reading in blocks needs"
-            )
-        if not data:
-            raise _ShortRead(f"{self.url}: empty body for bytes {start}-{stop - 1}")
-        return data
+        return self._checked_body(data, start, stop, ignored_range=False)
 
     def _ranged_get(self, getter: Getter, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` by a getter, pinned to and checked against the version opened."""
@@ -459,9 +451,14 @@ class RemoteFile:
         if (self._etag and etag and etag != self._etag) or (total is not None and total != self.size):
             now = identity_of({"ETag": etag, "size": total})
             raise ObjectChangedError(self.url, self.identity, f"answered as {now}")
-        data = response.body
+        return self._checked_body(response.body, start, stop, ignored_range=response.status == 200 and start > 0)
+
+    def _checked_body(self, data: bytes, start: int, stop: int, *, ignored_range: bool) -> bytes:
+        """``data``, the answer for bytes ``[start, stop)``, counted; an error if the server ignored the
+        range (a longer body, or a whole-object 200 to a request not from 0: never trust such a body)
+        or sent nothing."""
         _count(bytes=len(data))
-        if len(data) > stop - start or (response.status == 200 and start > 0):
+        if ignored_range or len(data) > stop - start:
             raise RemoteReadError(
                 f"{self.url}: asked for bytes {start}-{stop - 1}, got {len(data)} bytes: the server ignores "
                 "HTTP Range requests, which reading in blocks needs"
