@@ -22,7 +22,7 @@ import shardkit
 from shardkit import CorruptRecordError, ShardkitError, TFRecordWriter
 from shardkit.formats import example as example_module
 from shardkit.formats.example import decode_example_python, encode_example
-from tests.test_example import FLOAT32, INT64, compiled, example_record, with_both_backends
+from tests.test_example import FLOAT32, INT64, compiled, example_record, garbage_records, with_both_backends
 
 SPECS = {  # name -> (dtype, shape, strategy of one value)
     "label": ("int64", (), INT64),
@@ -118,15 +118,7 @@ def column_outcome(backend: str, records: list, features: dict) -> object:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.one_of(
-        st.binary(max_size=40),
-        example_record().flatmap(lambda r: st.integers(0, len(r)).map(lambda i: r[:i])),  # truncated
-        example_record().flatmap(  # a few bytes overwritten
-            lambda r: st.tuples(st.integers(0, len(r)), st.binary(min_size=1, max_size=3)).map(
-                lambda cut: r[: cut[0]] + cut[1] + r[cut[0] + len(cut[1]) :]
-            )
-        ),
-    ),
+    garbage_records(),
     st.sampled_from([{"a": ("int64", (1,))}, {"b": ("bytes", ())}, {"": ("float32", (0,))}, {"a": ("bytes", (2,))}]),
 )
 def test_garbage_records_give_the_same_columns_or_error_on_both_backends(record: bytes, features: dict) -> None:

@@ -166,6 +166,19 @@ def example_record(draw: st.DrawFn) -> bytes:
     return b"".join(field(1, 2, part) for part in features if part or draw(st.booleans())) + draw(unknown_fields())
 
 
+def garbage_records() -> st.SearchStrategy[bytes]:
+    """Random bytes, and well-formed records truncated or with a few bytes overwritten."""
+    return st.one_of(
+        st.binary(max_size=40),
+        example_record().flatmap(lambda r: st.integers(0, len(r)).map(lambda i: r[:i])),  # truncated
+        example_record().flatmap(  # a few bytes overwritten
+            lambda r: st.tuples(st.integers(0, len(r)), st.binary(min_size=1, max_size=3)).map(
+                lambda cut: r[: cut[0]] + cut[1] + r[cut[0] + len(cut[1]) :]
+            )
+        ),
+    )
+
+
 # --------------------------------------------------------------------------- decoding
 
 
@@ -227,17 +240,7 @@ def map_entry_with_other_fields(record: bytes) -> bool:
 
 @with_both_backends
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.one_of(
-        st.binary(max_size=40),
-        example_record().flatmap(lambda r: st.integers(0, len(r)).map(lambda i: r[:i])),  # truncated
-        example_record().flatmap(  # a few bytes overwritten
-            lambda r: st.tuples(st.integers(0, len(r)), st.binary(min_size=1, max_size=3)).map(
-                lambda cut: r[: cut[0]] + cut[1] + r[cut[0] + len(cut[1]) :]
-            )
-        ),
-    )
-)
+@given(garbage_records())
 def test_garbage_and_truncated_records_fail_exactly_when_protobuf_fails(backend: str, record: bytes) -> None:
     decode_example = DECODERS[backend][0]
     assume(not map_entry_with_other_fields(record))
