@@ -528,6 +528,7 @@ class _Mixer(Iterator[Any]):
     ) -> None:
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
+        self._dataloader = loader._loader
         self._collate_fn = loader.collate_fn
         self._drop_last = loader.drop_last
         self._pin = loader._pin
@@ -623,6 +624,24 @@ class _Mixer(Iterator[Any]):
         self._slabs = [{} for _ in self._slabs]  # unmaps the workers' rings now, not with the loader
         self._flags = [None] * len(self._flags)
 
+    def _stop_workers(self) -> None:
+        """Shut the workers down now: one of them raised.
+
+        The error's traceback holds the DataLoader iterator. Left to the cycle
+        collector (a caught error kept in a variable, a test's ``raises``), the
+        iterator's queues are finalized before the iterator itself, so its
+        workers never receive their exit message and DataLoader waits 5 s per
+        worker before terminating them. Persistent workers are started anew
+        next epoch.
+        """
+        shutdown = getattr(self._source, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        if getattr(self._dataloader, "_iterator", None) is self._source:
+            self._dataloader._iterator = None
+        self._source = None
+        self._finish()
+
     def _allocate(self) -> dict[int, int]:
         """Shares of the next batch per worker, in placement order, pulling
         messages until every worker's share is known to be available.
@@ -653,6 +672,9 @@ class _Mixer(Iterator[Any]):
             self._done = [True] * len(self._done)
             self._source = None
             return
+        except BaseException:
+            self._stop_workers()
+            raise
         if count == _START:
             self._base[worker] = state
             if payload is not None:  # the busy flags of the worker's slab ring

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -338,3 +340,41 @@ def test_unknown_dataloader_arguments(name: str) -> None:
 def test_invalid_epoch() -> None:
     with pytest.raises(LoaderError, match="epoch must be an int >= 0, got -1"):
         MixedLoader(Tagged([1]), 2).set_epoch(-1)
+
+
+class FailsWhileMarked(IterableDataset):
+    """Ints 0..39 split over the workers; record 21 raises, naming its worker's pid, while ``marker`` exists."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        for sample in range(worker, 40, workers):
+            if sample == 21 and os.path.exists(self.marker):
+                raise RuntimeError(f"record 21 is bad (worker pid {os.getpid()})")
+            yield sample
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_worker_error_stops_the_workers_at_once_and_the_next_epoch_starts_anew(tmp_path, persistent):
+    marker = tmp_path / "bad"
+    marker.touch()
+    loader = MixedLoader(FailsWhileMarked(str(marker)), 4, num_workers=2, persistent_workers=persistent)
+    with pytest.raises(RuntimeError, match=r"record 21 is bad") as error:
+        list(loader)
+    pid = int(re.search(r"worker pid (\d+)", str(error.value)).group(1))
+    # The error, still held here, keeps the DataLoader iterator alive; its workers must be gone anyway
+    # (left to the cycle collector they would wait 5 s each before being terminated).
+    assert not _process_exists(pid)
+    marker.unlink()
+    assert sorted(int(sample) for batch in loader for sample in batch) == list(range(40))
