@@ -7,7 +7,7 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +318,22 @@ def format_ids(name: str, sizes: list[int]) -> list[str]:
     """The sample ids (:func:`sample_id`) the writer of format ``name`` gives ``sizes``."""
     prefix = "s" if name == "tar" else "r"
     return [f"{prefix}{n:05d}" for n in range(sum(sizes))]
+
+
+def read_all(loader: Iterable[Any]) -> list[Any]:
+    """``list(loader)``, but a DataLoader worker's error shuts the workers down before it propagates.
+
+    DataLoader re-raises a worker's error with a traceback that holds its
+    iterator. Kept by ``pytest.raises``, the iterator is freed by the cycle
+    collector, which finalizes its queues first: the workers never get their
+    exit message and DataLoader waits 5 s per worker before terminating them.
+    (MixedLoader shuts its own workers down; a plain DataLoader needs this.)
+    """
+    iterator = iter(loader)
+    try:
+        return list(iterator)
+    except BaseException:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        raise

@@ -30,7 +30,7 @@ from shardkit.formats.index import IndexFileError, load_index
 from shardkit.formats.tfrecord import TFRecordFormat
 from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError
-from tests.helpers import all_ids, synthetic_read
+from tests.helpers import all_ids, read_all, synthetic_read
 
 
 def write_tfrecord(path: str, records: list[bytes]) -> str:
@@ -330,7 +330,7 @@ def test_seeking_with_a_bad_index_raises_naming_both_files_and_the_fix(bad_index
     shards = ShardList([url], num_records=[len(truth)])  # true counts: only the index is wrong
     dataset = TFRecordDataset(shards, decode="raw", rank=rank, world_size=world_size)
     with pytest.raises(IndexFileError) as info:  # rank 1 / worker 1 starts mid-shard, so seeks
-        list(DataLoader(dataset, batch_size=None, num_workers=workers))
+        read_all(DataLoader(dataset, batch_size=None, num_workers=workers))
     message = str(info.value)
     assert url in message and index in message and f"shardkit index {url}" in message
     assert re.search(problem, message)
