@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit import CorruptRecordError, ShardedDataset, TFRecordDataset
 from shardkit.sources import BalanceError
-from tests.helpers import record_offsets, synthetic_read
+from tests.helpers import read_all, record_offsets, synthetic_read
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
@@ -334,13 +334,13 @@ def test_corrupt_record_errors_keep_their_facts_through_dataloader_workers(tmp_p
     flip_data_byte(url, offsets, [7])
     loader = DataLoader(TFRecordDataset([url, url], balance="none"), batch_size=2, num_workers=2)
     with pytest.raises(CorruptRecordError) as info:
-        list(loader)
+        read_all(loader)
     error = info.value
     assert (error.url, error.record_index, error.offset, error.framing_intact) == (url, 7, offsets[7], True)
     assert error.reason.startswith("data CRC mismatch") and "DataLoader worker process" in str(error)
     short = DataLoader(ShardedDataset(lying_shards([3, 2], [3, 4]), synthetic_read), num_workers=2)
     with pytest.raises(CorruptRecordError) as info:
-        list(short)
+        read_all(short)
     assert (info.value.url, info.value.record_index, info.value.offset) == ("mem/shard001-2", 2, -1)
     assert not info.value.framing_intact and "planned records are missing" in info.value.reason
     mixed = shardkit.MixedLoader(ShardedDataset(lying_shards([3, 2], [3, 4]), synthetic_read), 2, num_workers=2)

@@ -30,7 +30,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from shardkit import MixedLoader, ShardedDataset, interleave, wrap
 from shardkit.pipeline import Pipeline, Shuffle
 from shardkit.state import StateError, decode, encode, merge
-from tests.helpers import CountingStream, synthetic_read, synthetic_shards
+from tests.helpers import CountingStream, read_all, synthetic_read, synthetic_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning", "ignore:'set_vital'")
 
@@ -624,4 +624,4 @@ def test_fields_checked_against_the_dataset_fail_in_the_workers_as_state_errors(
         loader = StatefulDataLoader(Shuffle(source(), 10), batch_size=None, num_workers=2)
         with pytest.raises(StateError, match=message):
             loader.load_state_dict(state)
-            list(loader)
+            read_all(loader)

@@ -31,6 +31,7 @@ from shardkit.formats import tfrecord as tfr
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.index import read_index, write_index
 from shardkit.formats.tfrecord import TFRecordWriter, count_records, read_tfrecord, scan_offsets, verify_tfrecord
+from tests.helpers import read_all
 
 COMPRESS = {None: lambda data: data, "gzip": lambda data: gzip.compress(data, mtime=0), "zlib": zlib.compress}
 
@@ -190,7 +191,7 @@ def test_compressed_offset_is_none_for_plain_files_and_survives_a_dataloader_wor
     assert pickle.loads(pickle.dumps(error)).compressed_offset == bad_byte
     dataset = shardkit.TFRecordDataset([url], decode="raw", compression="gzip")
     with pytest.raises(CorruptRecordError) as raised:  # rebuilt by torch in the main process from the text
-        list(DataLoader(dataset, batch_size=None, num_workers=1))
+        read_all(DataLoader(dataset, batch_size=None, num_workers=1))
     assert raised.value.compressed_offset == bad_byte and raised.value.record_index == 1500
 
 
