@@ -376,5 +376,6 @@ def test_a_worker_error_stops_the_workers_at_once_and_the_next_epoch_starts_anew
     # The error, still held here, keeps the DataLoader iterator alive; its workers must be gone anyway
     # (left to the cycle collector they would wait 5 s each before being terminated).
     assert not _process_exists(pid)
+    del error  # its traceback would keep this test's frame, and with it the next epoch's persistent workers
     marker.unlink()
     assert sorted(int(sample) for batch in loader for sample in batch) == list(range(40))
