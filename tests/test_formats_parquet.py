@@ -3,6 +3,8 @@ ranges by row group, column batches, splits, faults, resume, S3."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -133,19 +135,18 @@ def test_a_corrupt_row_group_raises_with_its_first_record_and_column_chunk_offse
     urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
     chunk_at = flip_in_row_group(urls[0], 2)  # rows 10..14, column "n"
     with pytest.raises(
-        CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2"
+        CorruptRecordError, match=r"part-000.parquet: records 10 to 14 \(5 records\) at byte offset \d+: row group 2"
     ) as info:
         list(ParquetDataset(urls, balance="none"))
     error = info.value
     assert (error.url, error.record_index, error.offset, error.framing_intact) == (urls[0], 10, chunk_at, True)
-    assert "column 'n'" in error.reason
+    assert error.records == 5 and "column 'n'" in error.reason
     with pytest.raises(CorruptRecordError) as info:  # a range starting inside the group names its own first record
         list(ParquetFormat().read(urls[0], 12, 18))
-    assert (info.value.record_index, info.value.offset) == (12, chunk_at)
+    assert (info.value.record_index, info.value.offset, info.value.records) == (12, chunk_at, 3)
 
 
-@pytest.mark.filterwarnings("ignore:skipping record")
-def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip(tmp_path, monkeypatch):
+def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip_with_one_warning(tmp_path, monkeypatch):
     urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
     flip_in_row_group(urls[0], 2)
     decoded = []
@@ -157,10 +158,14 @@ def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip(tmp_path, monkeyp
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
     lenient = ParquetDataset(shardkit.ShardList(urls, num_records=[20, 10]), balance="none", on_error="skip")
-    with pytest.warns(UserWarning, match=r"skipping record 10 of .*part-000.parquet: .*row group 2"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         ids = [r["id"] for r in lenient]
+    assert [str(w.message)[:50] for w in caught] == [f"skipping records 10 to 14 (5 records) of {urls[0]}"[:50]]
+    assert "row group 2" in str(caught[0].message)
     assert ids == all_ids([30])[:10] + all_ids([30])[15:]
-    assert lenient.stats().skipped.tolist() == [5, 0] and lenient.stats().read.tolist() == [15, 10]
+    stats = lenient.stats()
+    assert (stats.skipped.tolist(), stats.read.tolist(), stats.errors.tolist()) == ([5, 0], [15, 10], [1, 0])
     # The bad group is decoded once (plus once per column to find the bad chunk), not once per skipped row.
     assert decoded.count(2) == 1 + 2
 
@@ -178,6 +183,25 @@ def test_a_corrupt_row_group_keeps_planned_counts_equal_over_ranks(tmp_path, bal
     assert seen.isdisjoint(all_ids([37])[10:15])
     if balance == "pad":
         assert seen == set(all_ids([37])) - set(all_ids([37])[10:15])
+
+
+@pytest.mark.parametrize("balance", ["pad", "drop"])
+def test_a_corrupt_row_group_over_two_ranks_warns_once_and_counts_its_rows_as_skipped(tmp_path, balance):
+    urls = write_shards(str(tmp_path), [20, 10, 7], row_group_size=5)
+    chunk_at = flip_in_row_group(urls[0], 1)  # rows 5..9, column "n": its data pages, bytes really flipped
+    datasets = [make_dataset(urls, balance=balance, on_error="skip")(rank, 2) for rank in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        counts = [sum(1 for _ in dataset) for dataset in datasets]
+    assert counts[0] == counts[1] == (-(-37 // 2) if balance == "pad" else 37 // 2)
+    (warning,) = [w for w in caught if "skipping" in str(w.message)]
+    text = str(warning.message)
+    assert f"skipping records 5 to 9 (5 records) of {urls[0]}" in text
+    assert f"records 5 to 9 (5 records) at byte offset {chunk_at}: row group 1" in text and "column 'n'" in text
+    stats = [dataset.stats() for dataset in datasets]
+    assert sum(s.total_skipped for s in stats) == 5 and sum(s.total_errors for s in stats) == 1
+    if balance == "pad":
+        assert sum(s.total_padded for s in stats) == 5  # each lost row made up by a repeat: the ranks stay in step
 
 
 @pytest.mark.filterwarnings("ignore:skipping record")
