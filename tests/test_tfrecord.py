@@ -149,6 +149,35 @@ def test_index_ignored_for_compressed_files(tmp_path) -> None:
     assert list(read_tfrecord(path, start=3, index=offsets)) == RECORDS[3:]
 
 
+@pytest.mark.parametrize("place", ["local", "memory"])
+def test_a_small_indexed_range_frames_only_its_own_bytes_and_reads_them_byte_exact(tmp_path, monkeypatch, place):
+    rng = np.random.default_rng(5)
+    records = [rng.bytes(int(n)) for n in rng.integers(0, 300, 3000)]  # most of a block after any record
+    root = str(tmp_path) if place == "local" else "memory://small-ranges"
+    path = write(f"{root}/a.tfrecord", records)
+    offsets = read_index(build_index(path))
+    framed: list[int] = []
+    frame = tfr._frame
+    monkeypatch.setattr(
+        tfr, "_frame", lambda buf, pos, end, last: framed.append(end - pos) or frame(buf, pos, end, last)
+    )
+    ends = [*offsets.tolist(), sum(len(r) + 16 for r in records)]
+    for start, stop in [(1000, 1001), (2500, 2503), (17, 529), (2999, 3000)]:
+        framed.clear()
+        assert list(read_tfrecord(path, start=start, stop=stop, index=offsets)) == records[start:stop]
+        assert sum(framed) == ends[stop] - ends[start]  # the range's bytes, not the block after its start
+    framed.clear()  # the format's own reads (what the sources call) go through the index file the same way
+    assert list(tfr.TFRecordFormat().read_marked(path, 1000, 1001)) == records[1000:1001]
+    assert sum(framed) == len(records[1000]) + 16
+
+
+def test_an_end_offset_from_the_index_is_not_used_on_a_compressed_stream(tmp_path) -> None:
+    plain = write(tmp_path / "plain.tfrecord", RECORDS)
+    path = write("memory://small-ranges/a.tfrecord.gz", RECORDS, "gzip")
+    offsets = read_index(build_index(plain))  # uncompressed offsets: only a plain file could seek by them
+    assert list(read_tfrecord(path, start=1, stop=3, index=offsets)) == RECORDS[1:3]
+
+
 def test_bad_arguments(tmp_path) -> None:
     path = write(tmp_path / "a.tfrecord", RECORDS)
     with pytest.raises(ValueError, match="start"):
