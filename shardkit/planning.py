@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union, overload
 
 import numpy as np
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 from shardkit.topology import Topology
 
 if TYPE_CHECKING:
@@ -640,8 +640,7 @@ def _check_arguments(topology: Topology, seed: int, epoch: int, balance: str) ->
     if balance not in BALANCES:
         raise PlanError(f"balance must be one of {BALANCES}, got {balance!r}")
     for name, value in (("seed", seed), ("epoch", epoch)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise PlanError(f"{name} must be a non-negative int, got {value!r}")
+        check_int(name, int(value) if isinstance(value, np.integer) else value, minimum=0, error=PlanError)
 
 
 __all__ = [

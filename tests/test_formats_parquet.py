@@ -84,6 +84,12 @@ def test_columns_are_projected_and_batches_are_column_arrays(tmp_path):
         list(ParquetFormat(columns=["nope"]).read(url))
 
 
+@pytest.mark.parametrize("batch_size", [0, 2.0, True])
+def test_a_batch_size_that_is_not_a_positive_int_names_the_value_and_none(batch_size):
+    with pytest.raises(shardkit.ShardkitError, match=rf"batch_size must be an int >= 1, got {batch_size!r} .*or None"):
+        ParquetFormat(batch_size=batch_size)
+
+
 def test_the_writer_writes_row_groups_pyarrow_reads(tmp_path):
     url = str(tmp_path / "w.parquet")
     with ParquetWriter(url, row_group_size=10) as writer:

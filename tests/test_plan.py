@@ -166,8 +166,8 @@ def test_accepts_numpy_and_pyarrow_counts():
         ({"num_records": [3, None], "balance": "pad"}, r"balance='pad' needs the record count .* 1 of 2 shards"),
         ({"num_records": [3, None], "balance": "drop"}, r"shardkit index"),
         ({"num_records": [3], "balance": "even"}, r"balance must be one of"),
-        ({"num_records": [3], "seed": -1}, r"seed must be a non-negative int"),
-        ({"num_records": [3], "epoch": 1.5}, r"epoch must be a non-negative int"),
+        ({"num_records": [3], "seed": -1}, r"seed must be an int >= 0, got -1 \(int\)"),
+        ({"num_records": [3], "epoch": 1.5}, r"epoch must be an int >= 0, got 1.5 \(float\)"),
         ({"num_records": [[3]]}, r"one-dimensional"),
         ({"num_records": [1.5]}, r"whole numbers"),
         ({"num_records": [2], "balance": "drop", "world": 4}, r"balance='drop' with 2 records over world_size=4"),
@@ -182,9 +182,9 @@ def test_errors_say_what_is_wrong(kwargs, message):
 
 
 def test_topology_rejects_impossible_values():
-    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, world_size\) = \[0, 2\), got 2"):
         Topology(rank=2, world_size=2)
-    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+    with pytest.raises(ValueError, match=r"num_workers must be an int >= 1, got 0 \(int\)"):
         Topology(num_workers=0)
 
 

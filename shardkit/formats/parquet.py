@@ -42,7 +42,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.errors import CorruptRecordError, ShardkitError, check_int
 from shardkit.formats.io import open_raw
 from shardkit.remote import RemoteOptions
 
@@ -76,10 +76,8 @@ class ParquetFormat:
     ) -> None:
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
-        if batch_size is not None and (
-            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
-        ):
-            raise ShardkitError(f"batch_size must be None or a positive int, got {batch_size!r}")
+        if batch_size is not None:
+            check_int("batch_size", batch_size, minimum=1, hint="or None for one row per record")
         self.columns = list(columns) if columns is not None else None
         self.batch_size = batch_size
         self.storage_options = storage_options
