@@ -68,6 +68,7 @@ __all__ = [
     "count_records",
     "detect_compression",
     "read_tfrecord",
+    "scan_count",
     "scan_offsets",
     "verify_tfrecord",
 ]
@@ -555,19 +556,27 @@ def _scan(
         source.close()
 
 
-def count_records(
+def scan_count(
     url: str,
     *,
     compression: str | None = "auto",
     storage_options: dict[str, Any] | None = None,
     remote: RemoteOptions | None = None,
 ) -> int:
-    """Number of records in a TFRecord file, from a fast framing scan (no CRC checks).
+    """Number of records in one TFRecord file, from a fast framing scan (no CRC checks).
 
     Raises :class:`~shardkit.CorruptRecordError` if the file ends inside a record.
+    Named like :func:`scan_offsets`, its sibling: ``count_records`` is
+    :meth:`ShardedDataset.count_records() <shardkit.ShardedDataset.count_records>`,
+    which fills in the counts of a whole shard list (manifest, index files,
+    cache or ``count_fn``) and returns the dataset.
     """
     scan = _scan(url, compression, storage_options, check_headers=False, remote=remote)
     return sum(len(block.ends) for block, _ in scan)
+
+
+count_records = scan_count
+"""The old name of :func:`scan_count`, kept so that code importing it still works."""
 
 
 def scan_offsets(
@@ -852,9 +861,7 @@ class TFRecordFormat:
             offsets = None
         if offsets is not None:
             return len(offsets)
-        return count_records(
-            url, compression=self.compression, storage_options=self.storage_options, remote=self.remote
-        )
+        return scan_count(url, compression=self.compression, storage_options=self.storage_options, remote=self.remote)
 
     def prefetch(self, url: str, start: int, stop: int | None) -> None:
         """Start opening remote ``url`` for a later read of ``[start, stop)``: its first blocks when
