@@ -52,8 +52,9 @@ from shardkit.planning import (
     Balance,
     PlannedRanges,
     Range,
-    plan,
+    WholeShards,
     plan_intervals,
+    plan_whole_shards,
     rank_span,
     share,
     split_remaining,
@@ -268,7 +269,7 @@ class _PlannedSource(_Source):
         if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
             if resume is not None:
                 self._fingerprint(counts)  # raises, naming the fix
-            pieces = [(None, r) for r in plan(counts, topology, **kwargs)]
+            pieces = plan_whole_shards(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffle_shards)
             return _RangeIterator(self._calls(), pieces, epoch, topology, None)
         if self._windowed():
             kwargs["block_size"] = self.shuffle_block
@@ -396,7 +397,7 @@ class _RangeIterator(StageIterator):
     ) -> None:
         self._source = source
         self._planned = pieces if isinstance(pieces, PlannedRanges) else None
-        if isinstance(pieces, PlannedRanges):  # a plan's arrays, indexed lazily: no object per shard
+        if isinstance(pieces, (PlannedRanges, WholeShards)):  # a plan's arrays, indexed lazily: no object per shard
             self.positions: Sequence[int | None] = pieces.positions
             self.ranges: Sequence[Range] = pieces.ranges
         else:

@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from shardkit import Range, Topology, plan
-from shardkit.planning import PlanError, reader_counts
+from shardkit.planning import PlanError, plan_whole_shards, reader_counts
 
 
 def all_plans(counts, world, workers, **kwargs):
@@ -125,6 +125,52 @@ def test_unknown_counts_deal_whole_shards_exactly_once(counts, world, workers, s
             assert r.start == 0 and r.stop == counts[r.shard]
     shards_per_reader = [len(v) for v in plans.values()]
     assert max(shards_per_reader) - min(shards_per_reader) <= 1
+
+
+def old_whole_shard_plan(counts, topology, seed, epoch, shuffle):
+    """The unknown-count plan as it was built before WholeShards: a Range per shard, from Python ints."""
+    values = np.array([-1 if c is None else c for c in counts], dtype=np.int64)
+    candidates = np.flatnonzero(values != 0)
+    order = np.random.default_rng([seed, epoch]).permutation(candidates) if shuffle else candidates
+    mine = order[topology.rank :: topology.world_size][topology.worker_id :: topology.num_workers]
+    return [Range(int(i), 0, None if values[i] < 0 else int(values[i])) for i in mine.tolist()]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.one_of(st.none(), st.integers(0, 2**40)), max_size=300),
+    worlds,
+    worker_counts,
+    st.booleans(),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 5),
+    st.data(),
+)
+def test_the_array_plan_of_unknown_counts_equals_the_range_per_shard_plan_it_replaces(
+    counts, world, workers, shuffle, seed, epoch, data
+):
+    assume(None in counts)
+    rank, worker = data.draw(st.integers(0, world - 1)), data.draw(st.integers(0, workers - 1))
+    topology = Topology(rank, world, worker, workers)
+    old = old_whole_shard_plan(counts, topology, seed, epoch, shuffle)
+    kwargs = {"seed": seed, "epoch": epoch, "shuffle": shuffle}
+    assert plan(counts, topology, balance="none", **kwargs) == old
+    for given_counts in (counts, pa.array(counts, pa.int64())):
+        whole = plan_whole_shards(given_counts, topology, **kwargs)
+        assert list(whole) == [(None, r) for r in old] and len(whole) == len(old)
+        assert [whole.ranges[i] for i in range(len(old))] == old and list(whole.positions) == [None] * len(old)
+        a, b = sorted(data.draw(st.lists(st.integers(0, len(old)), min_size=2, max_size=2)))
+        assert whole.ranges[a:b] == old[a:b] and list(whole[a:b]) == [(None, r) for r in old[a:b]]
+
+
+def test_a_million_shards_of_unknown_count_plan_as_arrays_in_well_under_a_second():
+    import time
+
+    counts = pa.nulls(1_000_000, pa.int64())
+    began = time.perf_counter()
+    whole = plan_whole_shards(counts, Topology(0, 1), shuffle=True)
+    assert time.perf_counter() - began < 0.5  # was about 2 s with a Range object per shard
+    assert len(whole) == 1_000_000 and whole.ranges[-1].stop is None
 
 
 def test_without_shuffle_whole_shards_are_read_in_order():
