@@ -18,6 +18,7 @@ from tests.helpers import (
     ids_per_rank,
     parquet_row,
     rank_factory,
+    sample_id,
     write_parquet_shards,
 )
 
@@ -208,6 +209,21 @@ def test_a_corrupt_row_group_over_two_ranks_warns_once_and_counts_its_rows_as_sk
     assert sum(s.total_skipped for s in stats) == 5 and sum(s.total_errors for s in stats) == 1
     if balance == "pad":
         assert sum(s.total_padded for s in stats) == 5  # each lost row made up by a repeat: the ranks stay in step
+
+
+def test_a_corrupt_row_group_cut_into_shuffled_blocks_costs_its_rows_with_a_warning_per_block(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 10, 7], row_group_size=5)
+    flip_in_row_group(urls[0], 1)  # rows 5..9
+    datasets = [make_dataset(urls, balance="pad", on_error="skip", shuffle=True, seed=3)(rank, 2) for rank in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ids = [[sample_id(s) for s in dataset] for dataset in datasets]
+    assert len(ids[0]) == len(ids[1]) == -(-37 // 2)
+    assert set(ids[0] + ids[1]) == set(all_ids([37])) - set(all_ids([37])[5:10])
+    stats = [dataset.stats() for dataset in datasets]
+    assert sum(s.total_skipped for s in stats) == 5
+    skipping = [str(w.message) for w in caught if "skipping" in str(w.message)]
+    assert len(skipping) == sum(s.total_errors for s in stats) <= 5  # one per planned block that holds bad rows
 
 
 @pytest.mark.filterwarnings("ignore:skipping record")
