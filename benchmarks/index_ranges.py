@@ -3,8 +3,10 @@
 A shuffled epoch reads every shard in blocks of at most 512 records, each
 block a range that seeks with the shard's index. This measures, in one
 process: ``load_index`` alone, a 1-record and a 512-record range read through
-``TFRecordFormat.read_marked`` (what the sources call), and one shuffled epoch
-of ``TFRecordDataset`` over 4 shards. Run it on two checkouts to compare::
+``TFRecordFormat.read_marked`` (what the sources call), the same from a copy
+in ``memory://`` (the streamed path remote shards take; the bytes framed per
+range are printed too), and one shuffled epoch of ``TFRecordDataset`` over 4
+shards. Run it on two checkouts to compare::
 
     PYTHONPATH=. python benchmarks/index_ranges.py [--records 200000] [--dir DIR]
 """
@@ -18,7 +20,10 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import fsspec
+
 import shardkit
+from shardkit.formats import tfrecord
 from shardkit.formats.index import load_index
 from shardkit.formats.tfrecord import TFRecordFormat
 
@@ -43,6 +48,28 @@ def per_call_us(fn: Callable[[int], object], starts: list[int], repeats: int = 3
     return best / len(starts) * 1e6
 
 
+def copy_to_memory(url: str) -> str:
+    """A copy of the shard and its index in ``memory://``: read through the streamed (remote) path."""
+    fs = fsspec.filesystem("memory")
+    target = "memory://index-ranges/" + os.path.basename(url)
+    for suffix in ("", ".idx"):
+        with open(url + suffix, "rb") as f:
+            fs.pipe(target + suffix, f.read())
+    return target
+
+
+def framed_bytes(fmt: TFRecordFormat, url: str, n: int) -> int:
+    """Bytes the reader frames for one ``n``-record range from record 1000."""
+    seen: list[int] = []
+    frame = tfrecord._frame
+    tfrecord._frame = lambda buf, pos, end, last: seen.append(end - pos) or frame(buf, pos, end, last)
+    try:
+        sum(1 for _ in fmt.read_marked(url, 1000, 1000 + n))
+    finally:
+        tfrecord._frame = frame
+    return sum(seen)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=200_000, help="records in the measured shard")
@@ -60,6 +87,10 @@ def main() -> None:
     print(f"| 1-record range | {one:.0f} |")
     block = per_call_us(lambda s: sum(1 for _ in fmt.read_marked(url, s, s + 512)), starts)
     print(f"| 512-record range | {block:.0f} |")
+    streamed = copy_to_memory(url)
+    for n in (1, 512):
+        us = per_call_us(lambda s: sum(1 for _ in fmt.read_marked(streamed, s, s + n)), starts[:100])
+        print(f"| {n}-record range, streamed (memory://), {framed_bytes(fmt, streamed, n)} bytes framed | {us:.0f} |")
     urls = [write_shard(os.path.join(root, f"part-{i}.tfrecord"), args.records // 4) for i in range(4)]
     shards = shardkit.ShardList(urls, num_records=[args.records // 4] * 4)
     best = float("inf")

@@ -3,7 +3,9 @@
 Target (issue 2): 10M shards for 64 ranks x 8 workers, well under a second per
 reader. Prints seconds per reader for a few readers, with and without shuffle,
 and for comparison the time numpy needs just to permute the shard indices
-(the floor of any shuffled plan).
+(the floor of any shuffled plan). With unknown counts (whole shards dealt
+out), both the arrays the datasets read (``plan_whole_shards``) and the list
+``plan()`` returns.
 
     python benchmarks/plan.py [--shards 10000000] [--ranks 64] [--workers 8]
 """
@@ -11,11 +13,14 @@ and for comparison the time numpy needs just to permute the shard indices
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import numpy as np
+import pyarrow as pa
 
 from shardkit import Topology, plan
+from shardkit.planning import plan_whole_shards
 
 
 def main() -> None:
@@ -44,6 +49,16 @@ def main() -> None:
             ranges = len(mine)
         seconds = float(np.median(times))
         print(f"{f'shuffle={shuffle} {balance}':<28}{seconds:>12.3f}{ranges:>10,}{seconds / permute:>11.1f}x")
+    unknown = pa.nulls(shards, pa.int64())  # what a ShardList without counts holds
+    calls = {"unknown, arrays": plan_whole_shards, "unknown, plan() list": functools.partial(plan, balance="none")}
+    for name, make in calls.items():
+        times = []
+        for rank, worker in readers:
+            t0 = time.perf_counter()
+            mine = make(unknown, Topology(rank, args.ranks, worker, args.workers), shuffle=True)
+            times.append(time.perf_counter() - t0)
+        seconds = float(np.median(times))
+        print(f"{name:<28}{seconds:>12.3f}{len(mine):>10,}{seconds / permute:>11.1f}x")
     print(f"{'numpy permutation alone':<28}{permute:>12.3f}")
 
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 
 _T = TypeVar("_T")
 
@@ -60,11 +60,7 @@ class EpochError(ShardkitError, ValueError):
 
 def check_epoch(epoch: int) -> int:
     """Return ``epoch`` if it is a non-negative int, else raise :class:`EpochError`."""
-    if isinstance(epoch, bool) or not isinstance(epoch, int):
-        raise EpochError(f"epoch must be an int, got {epoch!r} ({type(epoch).__name__})")
-    if epoch < 0:
-        raise EpochError(f"epoch must be >= 0, got {epoch}")
-    return epoch
+    return check_int("epoch", epoch, minimum=0, error=EpochError)
 
 
 def reader_slot() -> int:

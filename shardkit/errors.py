@@ -37,6 +37,11 @@ class CorruptRecordError(ShardkitError):
     file ``offset`` is in the uncompressed stream, and ``compressed_offset``
     is the byte of the compressed file where inflating failed, when the
     stream itself is damaged (None otherwise, and for plain files).
+    ``records`` is how many consecutive records from ``record_index`` the
+    fault costs when ``framing_intact``: 1 for one bad record, more when one
+    fault spoils several (a Parquet row group that does not decode costs its
+    rows), so that under ``on_error="skip"`` they are skipped, warned and
+    counted as one error instead of one per record.
     """
 
     def __init__(
@@ -48,22 +53,25 @@ class CorruptRecordError(ShardkitError):
         *,
         framing_intact: bool = False,
         compressed_offset: int | None = None,
+        records: int = 1,
     ) -> None:
         text = url
         details = _parse_details(text) if not reason else None
         if details is not None:  # re-raised by DataLoader from a worker: the text carries the facts
-            url, record_index, offset, reason, framing_intact, compressed_offset = details
+            url, record_index, offset, reason, framing_intact, compressed_offset, records = details
+        check_int("records", records, minimum=1, error=ValueError)  # how many records the fault costs
         self.url = url
         self.record_index = record_index
         self.offset = offset
         self.reason = reason
         self.framing_intact = framing_intact
         self.compressed_offset = compressed_offset
+        self.records = records
         self._rebuilt = details is not None
         if not reason or self._rebuilt:  # a bare message, or a worker's traceback text: keep it whole
             super().__init__(text)
             return
-        super().__init__(_sentence(url, record_index, offset, reason))
+        super().__init__(_sentence(url, record_index, offset, reason, records))
 
     def __str__(self) -> str:
         text = super().__str__()
@@ -76,23 +84,34 @@ class CorruptRecordError(ShardkitError):
             "reason": self.reason,
             "framing_intact": self.framing_intact,
             "compressed_offset": self.compressed_offset,
+            "records": self.records,
         }
         return f"{text}\n{_DETAILS}{json.dumps(facts)}]"
 
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_corrupt_record_error,
-            (self.url, self.record_index, self.offset, self.reason, self.framing_intact, self.compressed_offset),
+            (
+                self.url,
+                self.record_index,
+                self.offset,
+                self.reason,
+                self.framing_intact,
+                self.compressed_offset,
+                self.records,
+            ),
         )
 
 
-def _sentence(url: str, record_index: int, offset: int, reason: str) -> str:
+def _sentence(url: str, record_index: int, offset: int, reason: str, records: int = 1) -> str:
     record = f"record {record_index}" if record_index >= 0 else "record index unknown"
+    if records > 1 and record_index >= 0:
+        record = f"records {record_index} to {record_index + records - 1} ({records} records)"
     where = f"at byte offset {offset}" if offset >= 0 else "(byte offset unknown)"
     return f"{url}: {record} {where}: {reason}"
 
 
-def _parse_details(text: str) -> tuple[str, int, int, str, bool, int | None] | None:
+def _parse_details(text: str) -> tuple[str, int, int, str, bool, int | None, int] | None:
     """The facts in the last details line of ``text``, or None if it has none (or a broken one)."""
     at = text.rfind(_DETAILS)
     if at < 0:
@@ -106,6 +125,7 @@ def _parse_details(text: str) -> tuple[str, int, int, str, bool, int | None] | N
             str(facts["reason"]),
             bool(facts["framing_intact"]),
             None if facts.get("compressed_offset") is None else int(facts["compressed_offset"]),
+            int(facts.get("records", 1)),
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -118,16 +138,30 @@ def _in_dataloader_worker() -> bool:
 
 
 def _rebuild_corrupt_record_error(
-    url: str, record_index: int, offset: int, reason: str, framing_intact: bool, compressed_offset: int | None = None
+    url: str,
+    record_index: int,
+    offset: int,
+    reason: str,
+    framing_intact: bool,
+    compressed_offset: int | None = None,
+    records: int = 1,
 ) -> CorruptRecordError:
     return CorruptRecordError(
-        url, record_index, offset, reason, framing_intact=framing_intact, compressed_offset=compressed_offset
+        url,
+        record_index,
+        offset,
+        reason,
+        framing_intact=framing_intact,
+        compressed_offset=compressed_offset,
+        records=records,
     )
 
 
-def check_int(name: str, value: object, *, minimum: int, error: type[Exception] = ShardkitError) -> int:
+def check_int(name: str, value: object, *, minimum: int, error: type[Exception] = ShardkitError, hint: str = "") -> int:
     """``value`` if it is an int (a bool is not) of at least ``minimum``; else ``error``
-    naming the argument, the value given and what it must be."""
+    naming the argument, the value given and what it must be (then ``hint``, the fix
+    when it is not just "pass such an int")."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise error(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+        fix = f"; {hint}" if hint else ""
+        raise error(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__}){fix}")
     return value

@@ -41,7 +41,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, default_collate
 
 from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset, load_outermost, open_pass
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
 from shardkit.state import (
     DRAW_BLOCK,
@@ -103,14 +103,6 @@ class UnknownLengthError(ShardkitError, TypeError):
     A :class:`TypeError`, as Python expects from ``__len__``, so ``list(ds)``
     and ``operator.length_hint`` still work.
     """
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PipelineError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise PipelineError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _check_callable(name: str, value: object) -> None:
@@ -570,7 +562,7 @@ class Shuffle(_Wrapper):
 
     def __init__(self, upstream: Pipeline, buffer_size: int, seed: int | None = None) -> None:
         super().__init__(upstream)
-        self.buffer_size = _check_int("shuffle(buffer_size)", buffer_size, 1)
+        self.buffer_size = check_int("shuffle(buffer_size)", buffer_size, minimum=1, error=PipelineError)
         self.shuffle_seed = None if seed is None else check_seed(seed, "shuffle(seed)")
 
     def __len__(self) -> int:
@@ -629,7 +621,7 @@ class Batch(_Wrapper):
         drop_last: bool = False,
     ) -> None:
         super().__init__(upstream)
-        self.batch_size = _check_int("batch(batch_size)", batch_size, 1)
+        self.batch_size = check_int("batch(batch_size)", batch_size, minimum=1, error=PipelineError)
         if collate_fn is not None:
             _check_callable("batch(collate_fn)", collate_fn)
         if not isinstance(drop_last, bool):
@@ -782,7 +774,7 @@ class Repeat(_Wrapper):
 
     def __init__(self, upstream: Pipeline, count: int | None = None) -> None:
         super().__init__(upstream)
-        self.count = None if count is None else _check_int("repeat(count)", count, 1)
+        self.count = None if count is None else check_int("repeat(count)", count, minimum=1, error=PipelineError)
 
     def __len__(self) -> int:
         if self.count is None:

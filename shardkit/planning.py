@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union, overload
 
 import numpy as np
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 from shardkit.topology import Topology
 
 if TYPE_CHECKING:
@@ -147,6 +147,13 @@ class PlannedRanges(Sequence[tuple[int, Range]]):
     def __repr__(self) -> str:
         return f"PlannedRanges({len(self)} ranges)"
 
+    def range_at(self, index: int) -> Range:
+        return Range(int(self.shard[index]), int(self.first[index]), int(self.stop[index]))
+
+    def ranges_in(self, index: slice) -> list[Range]:
+        columns = (self.shard[index].tolist(), self.first[index].tolist(), self.stop[index].tolist())
+        return list(itertools.starmap(Range, zip(*columns)))
+
     def remaining(self, index: int, done: int) -> list[tuple[int, int]]:
         """The positions of ranges ``index:`` not read yet, ``done`` records of range ``index`` being read,
         as :func:`union` gives them: what a reader's state saves, without a Python object per range."""
@@ -204,11 +211,11 @@ class _Column(Sequence[int]):
 
 
 class _RangeColumn(Sequence[Range]):
-    """The ranges of a :class:`PlannedRanges`, made one at a time when indexed."""
+    """The ranges of a :class:`PlannedRanges` or :class:`WholeShards`, made one at a time when indexed."""
 
     __slots__ = ("_plan",)
 
-    def __init__(self, plan: PlannedRanges) -> None:
+    def __init__(self, plan: PlannedRanges | WholeShards) -> None:
         self._plan = plan
 
     def __len__(self) -> int:
@@ -221,11 +228,64 @@ class _RangeColumn(Sequence[Range]):
     def __getitem__(self, index: slice) -> list[Range]: ...
 
     def __getitem__(self, index: int | slice) -> Range | list[Range]:
-        plan = self._plan
         if isinstance(index, slice):  # a reader's look-ahead: a few ranges, once per range
-            columns = (plan.shard[index].tolist(), plan.first[index].tolist(), plan.stop[index].tolist())
-            return list(itertools.starmap(Range, zip(*columns)))
-        return Range(int(plan.shard[index]), int(plan.first[index]), int(plan.stop[index]))
+            return self._plan.ranges_in(index)
+        return self._plan.range_at(index)
+
+
+class WholeShards(Sequence[tuple[None, Range]]):
+    """What :func:`plan_whole_shards` returns: ``(None, Range(shard, 0, count))`` pairs held as two int64 arrays.
+
+    The plan when some record count is unknown: whole shards, read to their
+    end (``stop`` None where the count is unknown, -1 in ``counts``). There are
+    no positions without counts, hence the None. As :class:`PlannedRanges`,
+    an item is made only when it is asked for: a million shards take
+    milliseconds to plan, not the seconds a Range per shard took.
+    """
+
+    __slots__ = ("counts", "shard")
+
+    def __init__(self, shard: np.ndarray, counts: np.ndarray) -> None:
+        self.shard, self.counts = shard, counts
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[None, Range]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> WholeShards: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[None, Range] | WholeShards:
+        if isinstance(index, slice):
+            return WholeShards(self.shard[index], self.counts[index])
+        return None, self.range_at(index)
+
+    def __iter__(self) -> Iterator[tuple[None, Range]]:
+        for begin in range(0, len(self), _BATCH):
+            yield from zip(itertools.repeat(None), self.ranges_in(slice(begin, begin + _BATCH)))
+
+    def __repr__(self) -> str:
+        return f"WholeShards({len(self)} shards)"
+
+    def range_at(self, index: int) -> Range:
+        count = int(self.counts[index])
+        return Range(int(self.shard[index]), 0, None if count < 0 else count)
+
+    def ranges_in(self, index: slice) -> list[Range]:
+        counts = [None if c < 0 else c for c in self.counts[index].tolist()]
+        return list(map(Range, self.shard[index].tolist(), itertools.repeat(0), counts))
+
+    @property
+    def positions(self) -> Sequence[None]:
+        """No positions without counts: None for every range."""
+        return [None] * len(self)
+
+    @property
+    def ranges(self) -> Sequence[Range]:
+        """The ranges alone, indexed lazily (a slice is a list)."""
+        return _RangeColumn(self)
 
 
 def plan(
@@ -283,7 +343,8 @@ def plan(
                 "ShardWriter, or index files from `shardkit index`), count them with a "
                 "scanning pass, or use balance='none', which deals out whole shards."
             )
-        return _deal_whole_shards(counts, topology, seed=seed, epoch=epoch, shuffle=shuffle)
+        whole = _deal_whole_shards(counts, topology, seed=seed, epoch=epoch, shuffle=shuffle)
+        return whole.ranges_in(slice(None))
     total = int(counts.sum())
     rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, balance)
     worker_offset, worker_size = worker_span(rank_size, topology.num_workers, topology.worker_id)
@@ -294,6 +355,28 @@ def plan(
     )
     start = rank_start + worker_offset
     return stream.ranges(start, start + worker_size)
+
+
+def plan_whole_shards(
+    num_records: RecordCounts, topology: Topology, *, seed: int = 0, epoch: int = 0, shuffle: bool = False
+) -> WholeShards:
+    """Whole shards for one reader, as :func:`plan` deals them out when some record count is unknown.
+
+    The shards with a count other than 0 (shuffled with ``(seed, epoch)``
+    when ``shuffle``) are dealt round the ranks, then round the rank's
+    workers. The result is a :class:`WholeShards`: ``(None, Range)`` pairs
+    kept as two numpy arrays, so planning a million shards makes no Python
+    object per shard; ``plan()`` returns the same ranges as a list.
+
+    Example:
+        >>> from shardkit import Topology
+        >>> whole = plan_whole_shards([None, 5, 0, None], Topology(rank=0, world_size=2))
+        >>> whole.ranges[:]
+        [Range(shard=0, start=0, stop=None), Range(shard=3, start=0, stop=None)]
+    """
+    _check_arguments(topology, seed, epoch, "none")
+    counts, _ = _normalise_counts(num_records)
+    return _deal_whole_shards(counts, topology, seed=seed, epoch=epoch, shuffle=shuffle)
 
 
 def plan_intervals(
@@ -598,11 +681,11 @@ class _Stream:
         return shard, begin, finish
 
 
-def _deal_whole_shards(counts: np.ndarray, topology: Topology, *, seed: int, epoch: int, shuffle: bool) -> list[Range]:
+def _deal_whole_shards(counts: np.ndarray, topology: Topology, *, seed: int, epoch: int, shuffle: bool) -> WholeShards:
     candidates = np.flatnonzero(counts != 0)
     order = np.random.default_rng([seed, epoch]).permutation(candidates) if shuffle else candidates
     mine = order[topology.rank :: topology.world_size][topology.worker_id :: topology.num_workers]
-    return [Range(int(i), 0, None if counts[i] < 0 else int(counts[i])) for i in mine.tolist()]
+    return WholeShards(mine.astype(np.int64, copy=False), counts[mine].astype(np.int64, copy=False))
 
 
 def _normalise_counts(num_records: RecordCounts) -> tuple[np.ndarray, bool]:
@@ -640,8 +723,7 @@ def _check_arguments(topology: Topology, seed: int, epoch: int, balance: str) ->
     if balance not in BALANCES:
         raise PlanError(f"balance must be one of {BALANCES}, got {balance!r}")
     for name, value in (("seed", seed), ("epoch", epoch)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise PlanError(f"{name} must be a non-negative int, got {value!r}")
+        check_int(name, int(value) if isinstance(value, np.integer) else value, minimum=0, error=PlanError)
 
 
 __all__ = [
@@ -652,8 +734,10 @@ __all__ = [
     "PlanError",
     "PlannedRanges",
     "Range",
+    "WholeShards",
     "plan",
     "plan_intervals",
+    "plan_whole_shards",
     "rank_span",
     "reader_counts",
     "share",

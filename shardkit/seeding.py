@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 from shardkit.topology import Topology
 
 _MAX_SEED = 2**64
@@ -38,11 +38,8 @@ class SeedError(ShardkitError, ValueError):
 
 def check_seed(seed: int, name: str = "seed") -> int:
     """Return ``seed`` if it is a non-negative int, else raise :class:`SeedError`."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise SeedError(f"{name} must be an int, got {seed!r} ({type(seed).__name__})")
-    if seed < 0:
-        raise SeedError(f"{name} must be >= 0, got {seed}; use abs() or a hash if it can be negative")
-    return int(seed)
+    value = int(seed) if isinstance(seed, np.integer) else seed  # a numpy int (from a config, an array) is an int
+    return check_int(name, value, minimum=0, error=SeedError, hint="use abs() or a hash if it can be negative")
 
 
 def _sequence(seed: int, epoch: int, rank: int, worker: int, stream: int) -> np.random.SeedSequence:

@@ -52,8 +52,9 @@ from shardkit.planning import (
     Balance,
     PlannedRanges,
     Range,
-    plan,
+    WholeShards,
     plan_intervals,
+    plan_whole_shards,
     rank_span,
     share,
     split_remaining,
@@ -268,7 +269,7 @@ class _PlannedSource(_Source):
         if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
             if resume is not None:
                 self._fingerprint(counts)  # raises, naming the fix
-            pieces = [(None, r) for r in plan(counts, topology, **kwargs)]
+            pieces = plan_whole_shards(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffle_shards)
             return _RangeIterator(self._calls(), pieces, epoch, topology, None)
         if self._windowed():
             kwargs["block_size"] = self.shuffle_block
@@ -396,7 +397,7 @@ class _RangeIterator(StageIterator):
     ) -> None:
         self._source = source
         self._planned = pieces if isinstance(pieces, PlannedRanges) else None
-        if isinstance(pieces, PlannedRanges):  # a plan's arrays, indexed lazily: no object per shard
+        if isinstance(pieces, (PlannedRanges, WholeShards)):  # a plan's arrays, indexed lazily: no object per shard
             self.positions: Sequence[int | None] = pieces.positions
             self.ranges: Sequence[Range] = pieces.ranges
         else:
@@ -796,6 +797,8 @@ class ShardedDataset(_PlannedSource):
       (``read_fn`` raises a :class:`~shardkit.CorruptRecordError` with
       ``framing_intact`` and is called again from the next record, or yields
       a :class:`~shardkit.formats.base.BadRecord` in its place and reads on);
+      an intact error with ``records=n`` (a Parquet row group) costs those
+      ``n`` records, with one warning and one error counted;
       an error that loses the framing (or any other exception) costs the
       rest of the range; records a short shard lacks are counted as
       ``missing``; a long shard's extra records are not read (counted in
@@ -986,9 +989,13 @@ class ShardedDataset(_PlannedSource):
         if self.on_error == "raise":
             self._stats.add(shard, errors=1)
             raise error
-        if intact:  # one record's data is bad, the framing around it is fine: skip just it
-            lost = 1 if stop is None or position < stop else 0
-            warnings.warn(f"skipping record {position} of {url}: {_plain_message(error)}", stacklevel=3)
+        if intact:  # the records' data is bad, the framing around them is fine: skip just them
+            spoilt = error.records if isinstance(error, CorruptRecordError) else 1
+            lost = spoilt if stop is None else max(0, min(spoilt, stop - position))
+            what = (
+                f"record {position}" if lost <= 1 else f"records {position} to {position + lost - 1} ({lost} records)"
+            )
+            warnings.warn(f"skipping {what} of {url}: {_plain_message(error)}", stacklevel=3)
         else:
             lost = 0 if stop is None else stop - position
             what = "the rest of the shard (count unknown)" if stop is None else f"{lost} records"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 
 
 class TopologyError(ShardkitError, ValueError):
@@ -18,13 +18,10 @@ class TopologyError(ShardkitError, ValueError):
 
 
 def _check_slot(name: str, index: int, count_name: str, count: int) -> None:
-    for label, value in ((name, index), (count_name, count)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TopologyError(f"{label} must be an int, got {value!r}")
-    if count < 1:
-        raise TopologyError(f"{count_name} must be >= 1, got {count}")
-    if not 0 <= index < count:
-        raise TopologyError(f"{name} must be in [0, {count_name}) = [0, {count}), got {index}")
+    check_int(count_name, count, minimum=1, error=TopologyError)
+    # Not check_int: the index has an upper bound too, and the message names both.
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        raise TopologyError(f"{name} must be an int in [0, {count_name}) = [0, {count}), got {index!r}")
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,7 @@ class Topology:
         >>> Topology(rank=2, world_size=2)
         Traceback (most recent call last):
         ...
-        shardkit.topology.TopologyError: rank must be in [0, world_size) = [0, 2), got 2
+        shardkit.topology.TopologyError: rank must be an int in [0, world_size) = [0, 2), got 2
     """
 
     rank: int = 0

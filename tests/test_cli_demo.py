@@ -67,7 +67,7 @@ def test_topology_detection_order(monkeypatch):
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(id=2, num_workers=3))
     topology = shardkit.Topology.current()
     assert (topology.worker_id, topology.num_workers, topology.reader_index, topology.num_readers) == (2, 3, 8, 12)
-    with pytest.raises(ValueError, match=r"worker_id must be in \[0, num_workers\) = \[0, 3\), got 3"):
+    with pytest.raises(ValueError, match=r"worker_id must be an int in \[0, num_workers\) = \[0, 3\), got 3"):
         shardkit.Topology.current(worker_id=3)
 
 

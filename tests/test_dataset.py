@@ -243,9 +243,9 @@ def test_wrap_rejects_what_it_cannot_wrap():
     [
         ({"balance": "even"}, "balance must be one of"),
         ({"rank": 1}, "give rank and world_size together"),
-        ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size\)"),
+        ({"rank": 2, "world_size": 2}, r"rank must be an int in \[0, world_size\)"),
         ({"on_error": "ignore"}, "on_error must be 'raise' or 'skip'"),
-        ({"seed": -3}, "seed must be >= 0"),
+        ({"seed": -3}, "seed must be an int >= 0"),
     ],
 )
 def test_arguments_are_checked_at_construction(kwargs, message):

@@ -52,9 +52,9 @@ def test_shared_epoch_get_set_and_validation():
     shared.set(3)
     assert shared.get() == 3 and repr(shared) == "SharedEpoch(3)"
     assert SharedEpoch(7).get() == 7
-    with pytest.raises(ValueError, match="epoch must be >= 0, got -2"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -2"):
         shared.set(-2)
-    with pytest.raises(ValueError, match="epoch must be an int, got '1'"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got '1' \\(str\\)"):
         SharedEpoch("1")
 
 
@@ -108,15 +108,26 @@ def test_worker_seed_is_deterministic_64_bit_and_distinct_per_argument():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((-1, 0, 0, 0), "seed must be >= 0, got -1"),
-        ((0, -1, 0, 0), "epoch must be >= 0"),
-        ((0, 0, 1.0, 0), "rank must be an int, got 1.0"),
+        ((-1, 0, 0, 0), "seed must be an int >= 0, got -1"),
+        ((0, -1, 0, 0), "epoch must be an int >= 0"),
+        ((0, 0, 1.0, 0), "rank must be an int >= 0, got 1.0"),
         ((0, 0, 0, True), "worker must be an int"),
     ],
 )
 def test_worker_seed_rejects_bad_arguments(args, message):
     with pytest.raises(SeedError, match=message):
         worker_seed(*args)
+
+
+def test_a_numpy_int_seed_is_taken_as_that_int_and_a_negative_one_names_the_fix():
+    import numpy as np
+
+    from shardkit.seeding import check_seed
+
+    assert check_seed(np.int64(7)) == 7 and type(check_seed(np.uint32(7))) is int
+    assert worker_seed(np.int64(7), 0, 0, 0) == worker_seed(7, 0, 0, 0)
+    with pytest.raises(SeedError, match=r"seed must be an int >= 0, got -3 \(int\); use abs\(\) or a hash"):
+        check_seed(np.int64(-3))
 
 
 def test_seed_everything_seeds_random_numpy_and_torch():

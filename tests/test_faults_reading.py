@@ -357,6 +357,19 @@ def test_corrupt_record_error_text_outside_workers_is_one_sentence():
     assert CorruptRecordError("a message alone").url == "a message alone"
 
 
+def test_corrupt_record_error_keeps_how_many_records_it_costs_through_pickle_and_a_worker_message(monkeypatch):
+    import shardkit.errors
+
+    error = CorruptRecordError("a.parquet", 10, 4, "row group 2 does not decode", framing_intact=True, records=5)
+    assert str(error) == "a.parquet: records 10 to 14 (5 records) at byte offset 4: row group 2 does not decode"
+    assert pickle.loads(pickle.dumps(error)).records == 5
+    monkeypatch.setattr(shardkit.errors, "_in_dataloader_worker", lambda: True)
+    rebuilt = CorruptRecordError(f"Traceback (worker 0):\n{error}")  # what DataLoader does in the main process
+    assert (rebuilt.record_index, rebuilt.records, rebuilt.framing_intact) == (10, 5, True)
+    with pytest.raises(ValueError, match=r"records must be an int >= 1, got 0"):
+        CorruptRecordError("a.parquet", 10, 4, "bad", framing_intact=True, records=0)
+
+
 # --------------------------------------------------------------------------- a real gloo run
 
 SCRIPT = Path(__file__).with_name("ddp_faults_check.py")

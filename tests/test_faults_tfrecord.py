@@ -30,7 +30,7 @@ from shardkit.formats import io as skio
 from shardkit.formats import tfrecord as tfr
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.index import read_index, write_index
-from shardkit.formats.tfrecord import TFRecordWriter, count_records, read_tfrecord, scan_offsets, verify_tfrecord
+from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
 from tests.helpers import read_all
 
 COMPRESS = {None: lambda data: data, "gzip": lambda data: gzip.compress(data, mtime=0), "zlib": zlib.compress}
@@ -370,7 +370,7 @@ def fuzz_once(url: str, compression: str | None, verify: bool, start: int, index
     kwargs = {"compression": compression, "verify": verify, "start": start, "index": index}
     calls = [lambda: list(read_tfrecord(url, **kwargs))]
     if start == 0 and verify:
-        calls += [lambda: count_records(url, compression=compression), lambda: verify_tfrecord(url)]
+        calls += [lambda: scan_count(url, compression=compression), lambda: verify_tfrecord(url)]
     for call in calls:
         try:
             call()

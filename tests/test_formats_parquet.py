@@ -3,6 +3,8 @@ ranges by row group, column batches, splits, faults, resume, S3."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -16,6 +18,7 @@ from tests.helpers import (
     ids_per_rank,
     parquet_row,
     rank_factory,
+    sample_id,
     write_parquet_shards,
 )
 
@@ -82,6 +85,12 @@ def test_columns_are_projected_and_batches_are_column_arrays(tmp_path):
         list(ParquetFormat(columns=["nope"]).read(url))
 
 
+@pytest.mark.parametrize("batch_size", [0, 2.0, True])
+def test_a_batch_size_that_is_not_a_positive_int_names_the_value_and_none(batch_size):
+    with pytest.raises(shardkit.ShardkitError, match=rf"batch_size must be an int >= 1, got {batch_size!r} .*or None"):
+        ParquetFormat(batch_size=batch_size)
+
+
 def test_the_writer_writes_row_groups_pyarrow_reads(tmp_path):
     url = str(tmp_path / "w.parquet")
     with ParquetWriter(url, row_group_size=10) as writer:
@@ -133,19 +142,18 @@ def test_a_corrupt_row_group_raises_with_its_first_record_and_column_chunk_offse
     urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
     chunk_at = flip_in_row_group(urls[0], 2)  # rows 10..14, column "n"
     with pytest.raises(
-        CorruptRecordError, match=r"part-000.parquet: record 10 at byte offset \d+: row group 2"
+        CorruptRecordError, match=r"part-000.parquet: records 10 to 14 \(5 records\) at byte offset \d+: row group 2"
     ) as info:
         list(ParquetDataset(urls, balance="none"))
     error = info.value
     assert (error.url, error.record_index, error.offset, error.framing_intact) == (urls[0], 10, chunk_at, True)
-    assert "column 'n'" in error.reason
+    assert error.records == 5 and "column 'n'" in error.reason
     with pytest.raises(CorruptRecordError) as info:  # a range starting inside the group names its own first record
         list(ParquetFormat().read(urls[0], 12, 18))
-    assert (info.value.record_index, info.value.offset) == (12, chunk_at)
+    assert (info.value.record_index, info.value.offset, info.value.records) == (12, chunk_at, 3)
 
 
-@pytest.mark.filterwarnings("ignore:skipping record")
-def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip(tmp_path, monkeypatch):
+def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip_with_one_warning(tmp_path, monkeypatch):
     urls = write_shards(str(tmp_path), [20, 10], row_group_size=5)
     flip_in_row_group(urls[0], 2)
     decoded = []
@@ -157,10 +165,14 @@ def test_a_corrupt_row_group_costs_exactly_its_rows_under_skip(tmp_path, monkeyp
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
     lenient = ParquetDataset(shardkit.ShardList(urls, num_records=[20, 10]), balance="none", on_error="skip")
-    with pytest.warns(UserWarning, match=r"skipping record 10 of .*part-000.parquet: .*row group 2"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         ids = [r["id"] for r in lenient]
+    assert [str(w.message)[:50] for w in caught] == [f"skipping records 10 to 14 (5 records) of {urls[0]}"[:50]]
+    assert "row group 2" in str(caught[0].message)
     assert ids == all_ids([30])[:10] + all_ids([30])[15:]
-    assert lenient.stats().skipped.tolist() == [5, 0] and lenient.stats().read.tolist() == [15, 10]
+    stats = lenient.stats()
+    assert (stats.skipped.tolist(), stats.read.tolist(), stats.errors.tolist()) == ([5, 0], [15, 10], [1, 0])
     # The bad group is decoded once (plus once per column to find the bad chunk), not once per skipped row.
     assert decoded.count(2) == 1 + 2
 
@@ -178,6 +190,40 @@ def test_a_corrupt_row_group_keeps_planned_counts_equal_over_ranks(tmp_path, bal
     assert seen.isdisjoint(all_ids([37])[10:15])
     if balance == "pad":
         assert seen == set(all_ids([37])) - set(all_ids([37])[10:15])
+
+
+@pytest.mark.parametrize("balance", ["pad", "drop"])
+def test_a_corrupt_row_group_over_two_ranks_warns_once_and_counts_its_rows_as_skipped(tmp_path, balance):
+    urls = write_shards(str(tmp_path), [20, 10, 7], row_group_size=5)
+    chunk_at = flip_in_row_group(urls[0], 1)  # rows 5..9, column "n": its data pages, bytes really flipped
+    datasets = [make_dataset(urls, balance=balance, on_error="skip")(rank, 2) for rank in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        counts = [sum(1 for _ in dataset) for dataset in datasets]
+    assert counts[0] == counts[1] == (-(-37 // 2) if balance == "pad" else 37 // 2)
+    (warning,) = [w for w in caught if "skipping" in str(w.message)]
+    text = str(warning.message)
+    assert f"skipping records 5 to 9 (5 records) of {urls[0]}" in text
+    assert f"records 5 to 9 (5 records) at byte offset {chunk_at}: row group 1" in text and "column 'n'" in text
+    stats = [dataset.stats() for dataset in datasets]
+    assert sum(s.total_skipped for s in stats) == 5 and sum(s.total_errors for s in stats) == 1
+    if balance == "pad":
+        assert sum(s.total_padded for s in stats) == 5  # each lost row made up by a repeat: the ranks stay in step
+
+
+def test_a_corrupt_row_group_cut_into_shuffled_blocks_costs_its_rows_with_a_warning_per_block(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 10, 7], row_group_size=5)
+    flip_in_row_group(urls[0], 1)  # rows 5..9
+    datasets = [make_dataset(urls, balance="pad", on_error="skip", shuffle=True, seed=3)(rank, 2) for rank in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ids = [[sample_id(s) for s in dataset] for dataset in datasets]
+    assert len(ids[0]) == len(ids[1]) == -(-37 // 2)
+    assert set(ids[0] + ids[1]) == set(all_ids([37])) - set(all_ids([37])[5:10])
+    stats = [dataset.stats() for dataset in datasets]
+    assert sum(s.total_skipped for s in stats) == 5
+    skipping = [str(w.message) for w in caught if "skipping" in str(w.message)]
+    assert len(skipping) == sum(s.total_errors for s in stats) <= 5  # one per planned block that holds bad rows
 
 
 @pytest.mark.filterwarnings("ignore:skipping record")

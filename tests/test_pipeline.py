@@ -188,14 +188,17 @@ def test_list_of_an_unknown_length_stream_still_works():
     [
         (lambda s: s.map(3), "map\\(fn\\) must be callable, got 3"),
         (lambda s: s.filter(None), "filter\\(predicate\\) must be callable, got None"),
-        (lambda s: s.shuffle(0), "shuffle\\(buffer_size\\) must be >= 1, got 0"),
-        (lambda s: s.shuffle(10.0), "shuffle\\(buffer_size\\) must be an int, got 10.0"),
-        (lambda s: s.shuffle(10, seed=-1), "shuffle\\(seed\\) must be >= 0, got -1"),
-        (lambda s: s.batch(0), "batch\\(batch_size\\) must be >= 1, got 0"),
-        (lambda s: s.batch(True), "batch\\(batch_size\\) must be an int"),
+        (lambda s: s.shuffle(0), "shuffle\\(buffer_size\\) must be an int >= 1, got 0 \\(int\\)"),
+        (lambda s: s.shuffle(10.0), "shuffle\\(buffer_size\\) must be an int >= 1, got 10.0 \\(float\\)"),
+        (
+            lambda s: s.shuffle(10, seed=-1),
+            "shuffle\\(seed\\) must be an int >= 0, got -1 \\(int\\); use abs\\(\\) or a hash",
+        ),
+        (lambda s: s.batch(0), "batch\\(batch_size\\) must be an int >= 1, got 0 \\(int\\)"),
+        (lambda s: s.batch(True), "batch\\(batch_size\\) must be an int >= 1, got True \\(bool\\)"),
         (lambda s: s.batch(2, collate_fn="stack"), "batch\\(collate_fn\\) must be callable"),
         (lambda s: s.batch(2, drop_last="yes"), "batch\\(drop_last\\) must be a bool"),
-        (lambda s: s.repeat(0), "repeat\\(count\\) must be >= 1, got 0"),
+        (lambda s: s.repeat(0), "repeat\\(count\\) must be an int >= 1, got 0 \\(int\\)"),
     ],
 )
 def test_bad_arguments_fail_at_construction(build, message):
@@ -206,9 +209,9 @@ def test_bad_arguments_fail_at_construction(build, message):
 
 def test_set_epoch_rejects_a_negative_or_non_int_epoch():
     pipeline = RangeSource(4).map(double)
-    with pytest.raises(ValueError, match="epoch must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
         pipeline.set_epoch(-1)
-    with pytest.raises(ValueError, match="epoch must be an int, got 1.5"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got 1.5"):
         pipeline.set_epoch(1.5)
 
 
@@ -423,7 +426,7 @@ def test_interleave_set_epoch_reaches_every_source_and_seed_is_the_mixing_seed()
         ((RangeSource(2),), {}, "takes a list of pipelines, got RangeSource; write interleave\\(\\[a, b\\]"),
         (([RangeSource(2), range(3)],), {}, "datasets\\[1\\]\\) is a range, not a shardkit Pipeline; .*shardkit.wrap"),
         (([RangeSource(2)],), {"stop": "longest"}, "stop\\) must be one of"),
-        (([RangeSource(2)],), {"seed": -3}, "interleave\\(seed\\) must be >= 0, got -3"),
+        (([RangeSource(2)],), {"seed": -3}, "interleave\\(seed\\) must be an int >= 0, got -3"),
     ],
 )
 def test_interleave_rejects_bad_arguments(args, kwargs, message):

@@ -17,7 +17,7 @@ from shardkit.formats import io as skio
 from shardkit.formats import tfrecord as tfr
 from shardkit.formats.crc import crc32c, mask, mask_array, masked_crc32c, masked_crc32c_of_lengths
 from shardkit.formats.index import build_index, index_path_for, read_index
-from shardkit.formats.tfrecord import TFRecordWriter, count_records, read_tfrecord, scan_offsets, verify_tfrecord
+from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
 
 RECORDS = [b"", b"a", b"hello world", os.urandom(300), bytes(range(256)) * 5]
 
@@ -78,7 +78,7 @@ def test_round_trip(tmp_path, compression: str | None) -> None:
     assert list(read_tfrecord(path)) == RECORDS  # auto-detected
     assert list(read_tfrecord(path, compression=compression)) == RECORDS
     assert list(read_tfrecord(path, verify=False)) == RECORDS
-    assert count_records(path) == len(RECORDS)
+    assert scan_count(path) == len(RECORDS)
     assert verify_tfrecord(path) == len(RECORDS)
 
 
@@ -96,7 +96,13 @@ def test_records_straddling_blocks(place: str, small_blocks: None, compression: 
     path = write(f"{place}/a.tfrecord", records, compression)
     assert list(read_tfrecord(path)) == records
     assert list(read_tfrecord(path, start=2, stop=5)) == records[2:5]
-    assert count_records(path) == len(records)
+    assert scan_count(path) == len(records)
+
+
+def test_the_old_name_count_records_still_imports_as_scan_count(tmp_path) -> None:
+    from shardkit.formats.tfrecord import count_records
+
+    assert count_records is scan_count and count_records(write(tmp_path / "a.tfrecord", RECORDS)) == len(RECORDS)
 
 
 def test_record_larger_than_block(tmp_path) -> None:
@@ -109,7 +115,7 @@ def test_empty_file(tmp_path) -> None:
     for compression in (None, "gzip", "zlib"):
         path = write(tmp_path / f"empty-{compression}.tfrecord", [], compression)
         assert list(read_tfrecord(path)) == []
-        assert count_records(path) == 0
+        assert scan_count(path) == 0
 
 
 def test_gzip_written_by_stdlib_and_multi_member(tmp_path) -> None:
@@ -149,6 +155,35 @@ def test_index_ignored_for_compressed_files(tmp_path) -> None:
     assert list(read_tfrecord(path, start=3, index=offsets)) == RECORDS[3:]
 
 
+@pytest.mark.parametrize("place", ["local", "memory"])
+def test_a_small_indexed_range_frames_only_its_own_bytes_and_reads_them_byte_exact(tmp_path, monkeypatch, place):
+    rng = np.random.default_rng(5)
+    records = [rng.bytes(int(n)) for n in rng.integers(0, 300, 3000)]  # most of a block after any record
+    root = str(tmp_path) if place == "local" else "memory://small-ranges"
+    path = write(f"{root}/a.tfrecord", records)
+    offsets = read_index(build_index(path))
+    framed: list[int] = []
+    frame = tfr._frame
+    monkeypatch.setattr(
+        tfr, "_frame", lambda buf, pos, end, last: framed.append(end - pos) or frame(buf, pos, end, last)
+    )
+    ends = [*offsets.tolist(), sum(len(r) + 16 for r in records)]
+    for start, stop in [(1000, 1001), (2500, 2503), (17, 529), (2999, 3000)]:
+        framed.clear()
+        assert list(read_tfrecord(path, start=start, stop=stop, index=offsets)) == records[start:stop]
+        assert sum(framed) == ends[stop] - ends[start]  # the range's bytes, not the block after its start
+    framed.clear()  # the format's own reads (what the sources call) go through the index file the same way
+    assert list(tfr.TFRecordFormat().read_marked(path, 1000, 1001)) == records[1000:1001]
+    assert sum(framed) == len(records[1000]) + 16
+
+
+def test_an_end_offset_from_the_index_is_not_used_on_a_compressed_stream(tmp_path) -> None:
+    plain = write(tmp_path / "plain.tfrecord", RECORDS)
+    path = write("memory://small-ranges/a.tfrecord.gz", RECORDS, "gzip")
+    offsets = read_index(build_index(plain))  # uncompressed offsets: only a plain file could seek by them
+    assert list(read_tfrecord(path, start=1, stop=3, index=offsets)) == RECORDS[1:3]
+
+
 def test_bad_arguments(tmp_path) -> None:
     path = write(tmp_path / "a.tfrecord", RECORDS)
     with pytest.raises(ValueError, match="start"):
@@ -172,7 +207,7 @@ def test_memory_filesystem() -> None:
         url = f"memory://tfrecord-test/{compression}/a.tfrecord"
         write(url, RECORDS, compression)
         assert list(read_tfrecord(url)) == RECORDS
-        assert count_records(url) == len(RECORDS)
+        assert scan_count(url) == len(RECORDS)
     url = "memory://tfrecord-test/None/a.tfrecord"
     assert read_index(build_index(url)).tolist() == scan_offsets(url).tolist()
     assert list(read_tfrecord(url, start=3, index=index_path_for(url))) == RECORDS[3:]
@@ -251,7 +286,7 @@ def test_truncation_at_every_boundary(place: str, small_blocks: None) -> None:
                 list(read_tfrecord(str(path), compression=None, verify=verify))
             assert (info.value.record_index, info.value.offset) == (index, record_start)
         with pytest.raises(CorruptRecordError, match=r"expected \d+ more bytes"):
-            count_records(str(path), compression=None)
+            scan_count(str(path), compression=None)
 
 
 def test_truncated_compressed_stream(tmp_path) -> None:

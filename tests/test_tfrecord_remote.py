@@ -16,7 +16,7 @@ import shardkit
 from shardkit.cli import main as cli_main
 from shardkit.formats.index import build_index, index_path_for, read_index
 from shardkit.formats.io import BLOCK_SIZE
-from shardkit.formats.tfrecord import TFRecordWriter, count_records, read_tfrecord
+from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count
 
 pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
 
@@ -38,7 +38,7 @@ def test_s3_round_trip(s3_server, compression: str | None) -> None:
     options = s3_server.storage_options()
     url = write(f"{s3_server.new_bucket()}/data/a.tfrecord", RECORDS, compression, options)
     assert list(read_tfrecord(url, storage_options=options)) == RECORDS
-    assert count_records(url, storage_options=options) == len(RECORDS)
+    assert scan_count(url, storage_options=options) == len(RECORDS)
 
 
 def test_s3_index_and_seek(s3_server) -> None:

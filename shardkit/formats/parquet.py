@@ -23,15 +23,14 @@ page, fewer rows than its footer entry) costs exactly its own rows: the
 footer still locates every other row group. The error names the url, the
 first record of the row group in the range, the byte offset of the column
 chunk that failed (found by decoding the group's columns one at a time, only
-after a failure) and its column, with ``framing_intact`` true. Under
-``on_error="skip"`` the source then asks for the next record, which is in
-the same bad group: the reader remembers the bad group (:class:`_BadGroup`,
-checked against the footer when the file is reopened) and raises again at
-once, without decoding it, until the range passes the group; so the group's
-rows are skipped one record at a time (each counted under ``skipped`` in
-``stats()``, each with a warning) and positions stay exact for pad/drop. With
-``batch_size`` a record is a batch: the batches holding any row of the bad
-group are lost (rows of a neighbouring good group in such a batch with them).
+after a failure) and its column, with ``framing_intact`` true and
+``records`` the records of the group from there on. Under
+``on_error="skip"`` the source skips those records at once: one warning,
+one error and ``records`` skipped in ``stats()``, positions exact for
+pad/drop, and the read goes on from the next row group (the bad group is
+not decoded again). With ``batch_size`` a record is a batch: the batches
+holding any row of the bad group are lost (rows of a neighbouring good
+group in such a batch with them).
 """
 
 from __future__ import annotations
@@ -39,34 +38,17 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import numpy as np
 
-from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.errors import CorruptRecordError, ShardkitError, check_int
 from shardkit.formats.io import open_raw
 from shardkit.remote import RemoteOptions
 
 __all__ = ["ParquetFormat", "ParquetWriter"]
 
 _MAGIC: Final = b"PAR1"
-
-
-class _BadGroup(NamedTuple):
-    """A row group found bad, kept so the retries for its next records skip decoding it again.
-
-    ``record`` is the next record the source will ask for and ``end`` the first
-    record past the group; ``shape`` is the group's footer entry (rows, bytes,
-    offset), which must be unchanged when the file is reopened for the hint to apply.
-    """
-
-    url: str
-    record: int
-    end: int
-    group: int
-    shape: tuple[int, int, int]
-    offset: int
-    reason: str
 
 
 class ParquetFormat:
@@ -94,18 +76,12 @@ class ParquetFormat:
     ) -> None:
         if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
             raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
-        if batch_size is not None and (
-            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
-        ):
-            raise ShardkitError(f"batch_size must be None or a positive int, got {batch_size!r}")
+        if batch_size is not None:
+            check_int("batch_size", batch_size, minimum=1, hint="or None for one row per record")
         self.columns = list(columns) if columns is not None else None
         self.batch_size = batch_size
         self.storage_options = storage_options
         self.remote = remote
-        self._bad: _BadGroup | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_bad": None}
 
     def __repr__(self) -> str:
         return f"ParquetFormat(columns={self.columns!r}, batch_size={self.batch_size!r})"
@@ -175,7 +151,6 @@ class ParquetFormat:
             group = bisect.bisect_right(starts, lo) - 1
             while group < len(sizes) and starts[group] < hi:
                 first, end = max(lo, starts[group]), starts[group + 1]
-                self._raise_if_known_bad(url, pf, group, first)
                 table = self._row_group(url, pf, group, first, end)
                 yield table.slice(first - starts[group], min(hi, end) - first)
                 group += 1
@@ -200,23 +175,10 @@ class ParquetFormat:
     def _bad_group(
         self, url: str, pf: Any, group: int, first: int, end: int, offset: int, reason: str
     ) -> CorruptRecordError:
-        """The error for the bad row group at record ``first``; remember the group for the retries."""
+        """The error for the bad row group at row ``first``: it costs the group's records from there on."""
         record = self._record_of(first)
         last = end if self.batch_size is None else -(-end // self.batch_size)  # every batch holding one of its rows
-        self._bad = _BadGroup(url, record + 1, last, group, _shape(pf, group), offset, reason)
-        return CorruptRecordError(url, record, offset, reason, framing_intact=True)
-
-    def _raise_if_known_bad(self, url: str, pf: Any, group: int, first: int) -> None:
-        """Raise at once for a retry (record ``first``) that starts inside the row group last found bad."""
-        bad, record = self._bad, self._record_of(first)
-        if bad is None or (bad.url, bad.group, bad.record) != (url, group, record):
-            return
-        if record >= bad.end or _shape(pf, group) != bad.shape:
-            self._bad = None
-            return
-        self._bad = bad._replace(record=record + 1)
-        reason = f"{bad.reason}; record {record} is in that row group"
-        raise CorruptRecordError(url, record, bad.offset, reason, framing_intact=True)
+        return CorruptRecordError(url, record, offset, reason, framing_intact=True, records=last - record)
 
     def _record_of(self, row: int) -> int:
         return row if self.batch_size is None else row // self.batch_size

@@ -68,6 +68,7 @@ __all__ = [
     "count_records",
     "detect_compression",
     "read_tfrecord",
+    "scan_count",
     "scan_offsets",
     "verify_tfrecord",
 ]
@@ -178,10 +179,20 @@ def _checked(block: _Block, src: _Origin, check_headers: bool) -> Iterator[_Bloc
     yield block
 
 
+def _first_read(offset: int, end: int | None) -> int:
+    """Bytes to read first from ``offset``: up to ``end`` when an index says the records wanted end there.
+
+    A short range (a block of a shuffled plan, one record) must not cost
+    framing a whole :data:`BLOCK_SIZE` (a remote file: nor the readahead a
+    large read starts); reads after the first are whole blocks.
+    """
+    return min(BLOCK_SIZE, end - offset) if end is not None and end > offset else BLOCK_SIZE
+
+
 def _stream_blocks(
-    stream: Stream, src: _Origin, first_index: int, offset: int, check_headers: bool
+    stream: Stream, src: _Origin, first_index: int, offset: int, check_headers: bool, end: int | None = None
 ) -> Generator[_Block, None, None]:
-    """Blocks from a stream read :data:`BLOCK_SIZE` bytes at a time.
+    """Blocks from a stream read :data:`BLOCK_SIZE` bytes at a time (the first up to ``end``, when known).
 
     A record longer than a block is gathered read by read up to its stated
     length, never by one request of that length: a corrupt length field can say
@@ -192,8 +203,10 @@ def _stream_blocks(
     index = first_index
     rest = b""
     started = offset
+    size = _first_read(offset, end)
     while True:
-        chunk = _read_some(stream, src, index, offset, BLOCK_SIZE)
+        chunk = _read_some(stream, src, index, offset, size)
+        size = BLOCK_SIZE
         if not chunk:
             if rest:
                 raise src.truncated(index, offset, rest[:_HEADER], len(rest), check_headers)
@@ -257,9 +270,7 @@ def _file_blocks(
     """
     index = first_index
     pos = offset
-    # A range whose end offset is known (an index) reads just that much first: a
-    # short range (a block of a shuffled plan) must not cost a whole BLOCK_SIZE read.
-    size = min(BLOCK_SIZE, end - offset) if end is not None and end > offset else BLOCK_SIZE
+    size = _first_read(offset, end)
     opened_size = os.fstat(fd).st_size
     while True:
         buf = os.pread(fd, size, pos)
@@ -323,7 +334,7 @@ def _blocks(
     """
     if isinstance(source, LocalFileOpener):
         return _file_blocks(source.fileno(), src, first_index, offset, check_headers, end)
-    return _stream_blocks(source, src, first_index, offset, check_headers)
+    return _stream_blocks(source, src, first_index, offset, check_headers, end)
 
 
 def _spans(block: _Block) -> tuple[np.ndarray, np.ndarray]:
@@ -500,6 +511,7 @@ def _read(
     source, src = _open(url, compression, storage_options, seek_to=offset, remote=remote)
     if src.compression is not None:
         first = offset = 0  # compressed streams cannot seek by record
+        end = None
     blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
     try:
         for block in blocks:
@@ -544,19 +556,27 @@ def _scan(
         source.close()
 
 
-def count_records(
+def scan_count(
     url: str,
     *,
     compression: str | None = "auto",
     storage_options: dict[str, Any] | None = None,
     remote: RemoteOptions | None = None,
 ) -> int:
-    """Number of records in a TFRecord file, from a fast framing scan (no CRC checks).
+    """Number of records in one TFRecord file, from a fast framing scan (no CRC checks).
 
     Raises :class:`~shardkit.CorruptRecordError` if the file ends inside a record.
+    Named like :func:`scan_offsets`, its sibling: ``count_records`` is
+    :meth:`ShardedDataset.count_records() <shardkit.ShardedDataset.count_records>`,
+    which fills in the counts of a whole shard list (manifest, index files,
+    cache or ``count_fn``) and returns the dataset.
     """
     scan = _scan(url, compression, storage_options, check_headers=False, remote=remote)
     return sum(len(block.ends) for block, _ in scan)
+
+
+count_records = scan_count
+"""The old name of :func:`scan_count`, kept so that code importing it still works."""
 
 
 def scan_offsets(
@@ -841,9 +861,7 @@ class TFRecordFormat:
             offsets = None
         if offsets is not None:
             return len(offsets)
-        return count_records(
-            url, compression=self.compression, storage_options=self.storage_options, remote=self.remote
-        )
+        return scan_count(url, compression=self.compression, storage_options=self.storage_options, remote=self.remote)
 
     def prefetch(self, url: str, start: int, stop: int | None) -> None:
         """Start opening remote ``url`` for a later read of ``[start, stop)``: its first blocks when
