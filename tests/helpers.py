@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -207,20 +209,25 @@ def gloo_ranks(
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in a gloo
     process group over localhost (destroyed when ``fn`` returns or raises); waits for all,
-    and raises if one fails."""
+    and raises if one fails.
+
+    The ranks meet through a file store in a fresh folder, not a TCP port picked in
+    advance: a port found free can be taken by another process before rank 0 binds it.
+    """
     import torch.multiprocessing as mp
 
-    setup = (fn, world_size, free_port(), collective_timeout, args)
-    mp.start_processes(_gloo_rank, args=setup, nprocs=world_size, join=True, start_method=start_method)
+    with tempfile.TemporaryDirectory(prefix="shardkit-gloo-") as folder:
+        setup = (fn, world_size, os.path.join(folder, "store"), collective_timeout, args)
+        mp.start_processes(_gloo_rank, args=setup, nprocs=world_size, join=True, start_method=start_method)
 
 
 def _gloo_rank(
-    rank: int, fn: Callable[..., None], world_size: int, port: int, timeout: float | None, args: tuple
+    rank: int, fn: Callable[..., None], world_size: int, store: str, timeout: float | None, args: tuple
 ) -> None:
     import torch.distributed as dist
 
     options = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **options)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, **options)
     try:
         fn(rank, world_size, *args)
     finally:
