@@ -179,6 +179,10 @@ def _checked(block: _Block, src: _Origin, check_headers: bool) -> Iterator[_Bloc
     yield block
 
 
+#: First read of a local file when no end offset is known (reads then double up to BLOCK_SIZE).
+_FIRST_LOCAL_READ = 16 * 1024
+
+
 def _first_read(offset: int, end: int | None) -> int:
     """Bytes to read first from ``offset``: up to ``end`` when an index says the records wanted end there.
 
@@ -270,7 +274,10 @@ def _file_blocks(
     """
     index = first_index
     pos = offset
-    size = _first_read(offset, end)
+    # Without an end, the first read is small and reads double up to a block: a
+    # reader restarts here after each bad record it skips, and framing a whole
+    # block per restart made a shard of many bad records cost quadratic time.
+    size = _first_read(offset, end) if end is not None else min(_FIRST_LOCAL_READ, BLOCK_SIZE)
     opened_size = os.fstat(fd).st_size
     while True:
         buf = os.pread(fd, size, pos)
@@ -279,7 +286,7 @@ def _file_blocks(
             yield from _checked(_Block(buf, 0, ends, index, pos), src, check_headers)
             index += len(ends)
             pos += ends[-1]
-            size = BLOCK_SIZE
+            size = min(2 * size, BLOCK_SIZE) if end is None else BLOCK_SIZE
             continue
         if len(buf) < size:  # the file ends here
             _check_file_end(fd, src, index, pos, buf, opened_size, first_index > 0 and pos == offset, check_headers)
