@@ -395,3 +395,38 @@ def test_a_shard_opened_ahead_without_a_start_costs_a_one_byte_probe_not_a_block
     assert [(r.start, r.length) for r in server.gets("c.tfrecord")] == [(0, 1)]
     assert list(read_tfrecord(url, remote=SMALL)) == records
     assert requests_of(server, "c.tfrecord")[0] == 0
+
+
+def _shard_gets(server: FaultServer, expected: int) -> list[str]:
+    """The shard GETs logged, once ``expected`` of them are (the hinted ones finish in the background)."""
+    deadline = time.monotonic() + 10
+    while True:
+        gets = [r.path for r in server.gets() if r.path.endswith(".tfrecord")]
+        if len(gets) >= expected or time.monotonic() > deadline:
+            return gets
+        time.sleep(0.01)
+
+
+def test_each_epoch_starts_on_shards_opened_while_the_last_one_ended(server: FaultServer, tmp_path) -> None:
+    """The next epoch's first three shards (in its own shuffled order) are opened as an epoch ends, so a
+    pass starts without a round trip; every shard is still fetched exactly once per epoch."""
+    from shardkit import TFRecordDataset
+
+    for i in range(6):
+        with TFRecordWriter(os.path.join(tmp_path, f"s{i}.tfrecord")) as writer:
+            for n in range(20):
+                writer.write(b"%d %d " % (i, n) * 100)  # one 4 MiB block: one GET per open
+    urls = [f"{server.url}/s{i}.tfrecord" for i in range(6)]
+    dataset = TFRecordDataset(urls, decode="raw", shuffle=True, seed=3, readahead_bytes=64 << 10, retry=FAST_RETRY)
+    dataset.shuffle_window = 0  # whole shards in a seeded order per epoch: the order is the shards'
+    orders = []
+    for epoch in range(3):
+        before = _shard_gets(server, 6 * epoch + 3 * (epoch > 0))
+        records = list(iter(dataset))
+        assert sorted(records) == sorted(b"%d %d " % (i, n) * 100 for i in range(6) for n in range(20))
+        order = [f"/s{int(record.split()[0])}.tfrecord" for record in records[::20]]
+        if epoch > 0:  # opened during the last epoch, in this epoch's order
+            assert sorted(before[-3:]) == sorted(order[:3])
+        orders.append(order)
+    assert len(set(map(tuple, orders))) > 1  # the order does change from epoch to epoch
+    assert len(_shard_gets(server, 6 * 3 + 3)) == 6 * 3 + 3  # nothing fetched twice: 3 epochs and 3 hints
