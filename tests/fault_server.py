@@ -1,6 +1,6 @@
 """A fault-injecting HTTP range server on 127.0.0.1, for the remote-read tests and benchmarks/remote.py.
 
-It serves the files of a directory with HEAD and single-range GET, an ETag
+It serves the files of a directory (over TLS if given a certificate) with HEAD and single-range GET, an ETag
 that changes when a file is replaced (size and mtime in nanoseconds), and
 ``If-Match`` (412 when the ETag differs; ``honour_if_match = False`` ignores
 it), over HTTP/1.1 keep-alive connections. Each request first sleeps
@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -135,7 +136,8 @@ class _Server(ThreadingHTTPServer):
 class FaultServer:
     """Serve ``root`` on 127.0.0.1 (a free port) with ``latency`` seconds per request; a context manager."""
 
-    def __init__(self, root: str, latency: float = 0.0) -> None:
+    def __init__(self, root: str, latency: float = 0.0, tls: tuple[str, str] | None = None) -> None:
+        """``tls``: ``(cert.pem, key.pem)`` to serve HTTPS instead of plain HTTP."""
         self.root = root
         self.latency = latency
         self.honour_if_match = True  # False: a store that ignores If-Match (the ETag it answers still tells)
@@ -146,11 +148,17 @@ class FaultServer:
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
+        self.scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self._server.server_address[1]}"
 
     def inject(self, path: str, *faults: str) -> None:
         """Queue ``faults`` for the next GETs of ``/path``, one each."""

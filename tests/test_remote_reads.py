@@ -430,3 +430,39 @@ def test_each_epoch_starts_on_shards_opened_while_the_last_one_ended(server: Fau
         orders.append(order)
     assert len(set(map(tuple, orders))) > 1  # the order does change from epoch to epoch
     assert len(_shard_gets(server, 6 * 3 + 3)) == 6 * 3 + 3  # nothing fetched twice: 3 epochs and 3 hints
+
+
+def test_https_shards_are_opened_by_their_first_ranged_get_without_a_head(tmp_path, monkeypatch) -> None:
+    """Over TLS too (a loopback server with a certificate made here, trusted through SSL_CERT_FILE as the
+    default context trusts a CA file): one GET per block, no HEAD, the records of a local read."""
+    from shardkit import httpranges
+    from tests.helpers import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
+    monkeypatch.setattr(httpranges, "_clients", {})  # a client made now reads the CA file named above
+    data = tmp_path / "data"
+    data.mkdir()
+    records = write_shard(str(data / "a.tfrecord"), count=200)  # about 140 KB: 9 blocks of 16 KiB
+    with FaultServer(str(data), tls=(cert, key)) as server:
+        assert server.url.startswith("https://")
+        assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL)) == records
+        assert requests_of(server, "a.tfrecord") == (0, 9)
+        server.inject("a.tfrecord", "reset", "503", "drop", "reset")  # faults over TLS are retried alike
+        remote_stats(reset=True)
+        assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL)) == records
+        assert server.take_fault("/a.tfrecord") is None
+        assert remote_stats()["retries"] >= 3  # (a drop on a kept-alive connection is replaced, not retried)
+
+
+def test_an_https_server_with_a_certificate_nobody_trusts_is_refused(tmp_path, monkeypatch) -> None:
+    from shardkit import httpranges
+    from tests.helpers import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    monkeypatch.setattr(httpranges, "_clients", {})
+    write_shard(str(tmp_path / "a.tfrecord"), count=20)
+    with FaultServer(str(tmp_path), tls=(cert, key)) as server:
+        with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
+            list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL))
+        assert not server.gets("a.tfrecord")  # not one byte of the object went to an unverified peer
