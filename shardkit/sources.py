@@ -837,10 +837,11 @@ class ShardedDataset(_PlannedSource):
             "Bad data" below.
         count_fn: ``count_fn(url) -> int``, used once when record counts are
             needed (several ranks with ``"pad"``/``"drop"``) and unknown.
-        storage_options: fsspec options, for a glob ``shards``. Each process
-            lists a glob itself; to list a large bucket once per job, pass
-            ``shardkit.listing.list_shards(pattern)`` (a collective: call it on
-            every rank) or a manifest.
+        storage_options: fsspec options, for a glob ``shards``. A glob is
+            listed once per job: under a torch.distributed process group the
+            first rank to build the dataset lists it and the others read that
+            listing from the group's store; DataLoader workers never list (see
+            :mod:`shardkit.listing`). A manifest skips listing altogether.
 
     When the record counts are unknown, one rank deals whole shards to its
     workers (and warns if there are fewer shards than workers); several ranks
@@ -1122,10 +1123,11 @@ def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict
     if isinstance(shards, ShardList):
         return shards
     if isinstance(shards, str):
-        # Listed by this process: a listing shared through the process group would make
-        # building a dataset a collective, which hangs a rank-0-only build (e.g. for
-        # evaluation). shardkit.listing.list_shards is that collective, opt-in.
-        return ShardList.from_glob(shards, storage_options=storage_options)
+        from shardkit.listing import shared_listing
+
+        # Once per job: the first rank to get here lists, the others read its listing from the
+        # process group's store (not a collective: a rank-0-only build does not wait).
+        return shared_listing(shards, storage_options)
     if isinstance(shards, Sequence):
         return ShardList(list(shards))
     raise DatasetError(f"shards must be a ShardList, a glob pattern or a list of urls, got {type(shards).__name__}")

@@ -11,7 +11,8 @@ with :meth:`FaultServer.inject` and each is spent by the next GET of a path:
 - ``"reset"``: headers and half of the body, then the connection is reset;
 - ``"drop"``: the connection is closed before any answer.
 
-Every request is logged as ``(method, path, start, length, status)``.
+Every request is logged as ``(method, path, start, length, status)``; a request for a directory
+(fsspec lists one by GETting it: a page of links) is logged as method ``LIST``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         time.sleep(owner.latency)
         path = os.path.join(owner.root, unquote(self.path.lstrip("/").split("?")[0]))
+        if os.path.isdir(path):
+            self._list(path, body)
+            return
         fault = owner.take_fault(self.path) if body else None
         if fault == "drop":
             self._log(0, 0, 0)
@@ -114,6 +118,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._reset()
             return
         self.wfile.write(data)
+
+    def _list(self, directory: str, body: bool) -> None:
+        """A directory as an HTML page of links, as fsspec's HTTP filesystem lists (logged as ``LIST``)."""
+        names = sorted(os.listdir(directory))
+        page = "".join(f'<a href="{name}">{name}</a>\n' for name in names).encode()
+        self.server.owner.log.append(Request("LIST", self.path, 0, len(page), 200))
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        if body:
+            self.wfile.write(page)
 
     def _log(self, start: int, length: int, status: int) -> None:
         self.server.owner.log.append(Request(self.command, self.path, start, length, status))
@@ -197,6 +213,7 @@ class _CountingHandler(_Handler):
                 {
                     "GET": sum(r.method == "GET" for r in log),
                     "HEAD": sum(r.method == "HEAD" for r in log),
+                    "LIST": sum(r.method == "LIST" for r in log),
                     "bytes": sum(r.length for r in log),
                 }
             ).encode()
