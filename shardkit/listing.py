@@ -55,10 +55,12 @@ _builds_lock = threading.Lock()
 def list_shards(pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
     """``ShardList.from_glob(pattern)``, listed by rank 0 only when a process group is initialised.
 
-    Every rank of the group must call it (it is a collective), with the same pattern;
-    datasets given a glob do not call it (each process lists for itself), so that
-    building a dataset on some ranks only never waits for the others. Use it as
-    ``TFRecordDataset(list_shards("s3://bucket/train-*.tfrecord"))``.
+    Every rank of the group must call it (it is a collective), with the same pattern.
+    Datasets given a glob do not call it: they use :func:`shared_listing`, which lists
+    once per job too but is no collective, so that building a dataset on some ranks
+    only never waits for the others. Use it as
+    ``TFRecordDataset(list_shards("s3://bucket/train-*.tfrecord"))`` where every rank
+    should hold the listing at the same point (e.g. before building anything).
     """
     group = _process_group()
     if group is None:
