@@ -39,7 +39,7 @@ import os
 import posixpath
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -83,6 +83,22 @@ def identity(info: Mapping[str, Any]) -> str | None:
     if not parts:
         return None
     return f"size={info.get('size')};" + ";".join(parts)
+
+
+_listed: dict[str, str | None] = {}
+"""The identity of every remote url a glob listing of this process saw or received (see :func:`remember`)."""
+
+
+def remember(urls: Sequence[str], identities: Sequence[str | None]) -> None:
+    """Keep the identities a listing gave for ``urls``: the counts cache then checks its entries against
+    them instead of listing the shards' directories again in every reader (a LIST per DataLoader worker
+    otherwise). Forked workers inherit them; a listing shared between ranks carries them."""
+    _listed.update(zip(urls, identities))
+
+
+def listed_identities(urls: Sequence[str]) -> list[str | None]:
+    """The identities remembered for ``urls`` (None where unknown)."""
+    return [_listed.get(url) for url in urls]
 
 
 def cache_dir(override: str | None = None) -> str | None:
@@ -263,13 +279,16 @@ def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndar
 
 def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> list[str | None]:
     """The :func:`identity` of every shard's file (None where it cannot be read):
-    one ``os.stat`` per local path, one listing per directory elsewhere (not one
-    request per object)."""
+    one ``os.stat`` per local path, the glob listing's where it found the url
+    (:func:`remember`), one listing per directory elsewhere (not one request per
+    object)."""
     urls = list(shards)
     found: list[str | None] = [None] * len(urls)
     by_dir: dict[str, list[int]] = defaultdict(list)
     for i, url in enumerate(urls):
-        if "://" in url:
+        if url in _listed:  # seen by the listing that found it: no directory listing per reader
+            found[i] = _listed[url]
+        elif "://" in url:
             by_dir[posixpath.dirname(url)].append(i)
         else:
             found[i] = _local_identity(url)

@@ -23,7 +23,8 @@ counts and sizes). Between ranks, two ways:
   tensor.
 
 Either way the listing travels as one Arrow IPC buffer of urls and sizes
-(plain data, no pickle), so every rank plans over the very same list, and a
+(plain data, no pickle; the shared listing adds each file's identity, which the
+counts cache checks its entries against instead of listing again per reader), so every rank plans over the very same list, and a
 listing that fails fails on every rank that waits for it, with the lister's
 error, instead of hanging.
 """
@@ -41,6 +42,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from shardkit.counting import listed_identities, remember
 from shardkit.shardlist import ShardList, ShardListError
 
 __all__ = ["list_shards", "shared_listing"]
@@ -91,8 +93,11 @@ def _process_group() -> Any:
     return dist.group.WORLD
 
 
-def _to_ipc(table: pa.Table) -> bytes:
+def _to_ipc(table: pa.Table, identities: list[str | None] | None = None) -> bytes:
+    """Urls and sizes (and the identities the listing saw) as one Arrow IPC stream."""
     table = table.select(["url", "size"])
+    if identities is not None:
+        table = table.append_column("identity", pa.array(identities, pa.string()))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -126,7 +131,7 @@ def shared_listing(pattern: str, storage_options: Mapping[str, Any] | None = Non
         except Exception as error:
             store.set(key, _ERROR + f"{type(error).__name__}: {error}".encode())
             raise
-        store.set(key, _OK + _to_ipc(shards.table))
+        store.set(key, _OK + _to_ipc(shards.table, listed_identities(shards.urls())))
         return shards
     store.wait([key], _WAIT)
     value = bytes(store.get(key))
@@ -135,6 +140,7 @@ def shared_listing(pattern: str, storage_options: Mapping[str, Any] | None = Non
             f"another rank listed {pattern!r} for this one and failed: {value[len(_ERROR) :].decode(errors='replace')}"
         )
     table = pa.ipc.open_stream(value[len(_OK) :]).read_all()
+    remember(table.column("url").to_pylist(), table.column("identity").to_pylist())
     return ShardList(table.column("url"), sizes=table.column("size"))
 
 

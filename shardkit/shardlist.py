@@ -133,14 +133,19 @@ class ShardList:
             ShardListError: nothing matches, or files named without wildcards
                 do not exist.
         """
+        from shardkit.counting import identity, remember  # (counting imports this module)
+
         fs, path = fsspec.core.url_to_fs(pattern, **dict(storage_options or {}))
         sizes: dict[str, int | None] = {}
         literal: list[str] = []
         for part in _expand_braces(path):
             if _GLOB_MAGIC.search(part):
-                for name, info in fs.glob(part, detail=True).items():
-                    if info.get("type") != "directory":
-                        sizes[name] = info.get("size")
+                listed: dict[str, dict[str, Any]] = fs.glob(part, detail=True)  # pyright: ignore[reportAssignmentType]
+                found = {name: info for name, info in listed.items() if info.get("type") != "directory"}
+                for name, info in found.items():
+                    sizes[name] = info.get("size")
+                if not isinstance(fs, LocalFileSystem):  # the counts cache checks against these, not a new listing
+                    remember([fs.unstrip_protocol(name) for name in found], [identity(info) for info in found.values()])
             else:
                 literal.append(part)
         missing = _stat_literal(fs, literal, sizes)

@@ -93,7 +93,7 @@ def _read_glob_with_workers(rank: int, world_size: int, pattern: str, out_dir: s
     import shardkit
 
     dataset = shardkit.TFRecordDataset(pattern, decode="raw")  # built in the main process: listed here, once
-    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork")  # as by default
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump([record.decode() for record in loader], f)
 
@@ -109,14 +109,18 @@ def _write_shards(root, shards: int = 6, records: int = 5) -> list[str]:
     return [f"{shard}-{i}" for shard in range(shards) for i in range(records)]
 
 
-def test_a_remote_glob_is_listed_once_per_job_by_default_with_two_ranks_of_two_workers(tmp_path, monkeypatch) -> None:
-    """(The counts cache is off here: with it on, each reader also lists a shard directory once, to
-    check the cached counts against the files' identities; see test_counting for that cache.)"""
+@pytest.mark.parametrize("counts_cache", [True, False])
+def test_a_remote_glob_is_listed_once_per_job_by_default_with_two_ranks_of_two_workers(
+    tmp_path, monkeypatch, counts_cache: bool
+) -> None:
+    """Counting the records (two ranks need counts) checks the counts cache against the identities the
+    listing gave, not a listing of its own per worker."""
     from shardkit.shardlist import ShardList
     from tests.fault_server import FaultServer
     from tests.helpers import gloo_ranks
 
-    monkeypatch.setenv("SHARDKIT_CACHE_DIR", "")  # inherited by the ranks and their workers
+    if not counts_cache:
+        monkeypatch.setenv("SHARDKIT_CACHE_DIR", "")  # inherited by the ranks and their workers
     everything = _write_shards(tmp_path / "data")
     with FaultServer(str(tmp_path)) as server:
         pattern = f"{server.url}/data/s*.tfrecord"
@@ -174,3 +178,21 @@ def test_a_shared_listing_that_fails_fails_on_every_rank_instead_of_hanging(tmp_
     assert results[0].startswith("ShardListError: another rank listed")  # the rank that waited ...
     assert results[1].startswith("ShardListError: no files match")  # ... learns the lister's error
     assert "no files match" in results[0]
+
+
+def test_the_identities_a_glob_remembers_are_those_a_directory_listing_gives() -> None:
+    """So counts cached against either still match: the counts cache skips its own listing only when it
+    would have found the same identities."""
+    import fsspec
+
+    from shardkit import counting
+    from shardkit.shardlist import ShardList
+
+    fs = fsspec.filesystem("memory")
+    for i in range(3):
+        fs.pipe(f"/remembered/part-{i}.tfrecord", b"x" * (i + 1))
+    shards = ShardList.from_glob("memory://remembered/part-*.tfrecord")
+    remembered = counting.listed_identities(shards.urls())
+    listing = {fs.unstrip_protocol(info["name"]): counting.identity(info) for info in fs.ls("/remembered", detail=True)}
+    assert remembered == [listing[url] for url in shards.urls()]
+    assert all(remembered)  # memory:// reports a creation time: these identities can key the cache
