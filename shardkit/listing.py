@@ -131,7 +131,7 @@ def shared_listing(pattern: str, storage_options: Mapping[str, Any] | None = Non
         except Exception as error:
             store.set(key, _ERROR + f"{type(error).__name__}: {error}".encode())
             raise
-        store.set(key, _OK + _to_ipc(shards.table, listed_identities(shards.urls())))
+        store.set(key, _OK + _to_ipc(shards.table, listed_identities(shards.urls())[1]))
         return shards
     store.wait([key], _WAIT)
     value = bytes(store.get(key))

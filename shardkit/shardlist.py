@@ -137,6 +137,7 @@ class ShardList:
 
         fs, path = fsspec.core.url_to_fs(pattern, **dict(storage_options or {}))
         sizes: dict[str, int | None] = {}
+        identities: dict[str, str | None] = {}
         literal: list[str] = []
         for part in _expand_braces(path):
             if _GLOB_MAGIC.search(part):
@@ -144,10 +145,11 @@ class ShardList:
                 found = {name: info for name, info in listed.items() if info.get("type") != "directory"}
                 for name, info in found.items():
                     sizes[name] = info.get("size")
-                if not isinstance(fs, LocalFileSystem):  # the counts cache checks against these, not a new listing
-                    remember([fs.unstrip_protocol(name) for name in found], [identity(info) for info in found.values()])
+                    identities[name] = identity(info)
             else:
                 literal.append(part)
+        if identities and not isinstance(fs, LocalFileSystem):  # the counts cache checks these, not a new listing
+            remember([fs.unstrip_protocol(name) for name in identities], list(identities.values()))
         missing = _stat_literal(fs, literal, sizes)
         if missing:
             shown = ", ".join(repr(m) for m in missing[:3])
