@@ -21,7 +21,9 @@ except in the cache row). Rounds are interleaved ``--repeat`` times and the
 median kept. Reported: samples/s, the ratio to shardkit local, shardkit
 remote over each other loader at the same latency, the time to the first
 batch of epoch 1 (workers start, first shard opened), and the requests the
-server answered per epoch.
+server answered per epoch (GET, HEAD, LIST: a directory page, which is how
+fsspec lists over HTTP) and while the loader was built (shardkit HTTP is
+given a glob, so its listing shows there).
 
 Start-up at scale (``--startup N``, default 1,000,000; 0 skips it): a
 manifest of N shards of 100 records (only the first few files exist: an
@@ -127,7 +129,9 @@ def _urls(content: Any, kind: str, base: str | None) -> list[str]:
 
 def shardkit_loader(content: Any, setup: Setup, base: str | None, cache_dir: str | None = None) -> DataLoader:
     options = {} if cache_dir is None else {"cache_dir": cache_dir}  # (also runs on versions without the cache)
-    dataset = shardkit.TFRecordDataset(_urls(content, "tfrecord", base), decode="example", **options)
+    # Over HTTP a glob, as a job names a bucket's shards: the listing is counted (LIST) when the loader is built.
+    shards = _urls(content, "tfrecord", None) if base is None else f"{base}/tfrecord/*.tfrecord"
+    dataset = shardkit.TFRecordDataset(shards, decode="example", **options)
     return _loader(dataset.map(compare._example_pair), setup)
 
 
@@ -166,7 +170,10 @@ class Row:
 def run_round(row: Row, expected: int, server: Server | None) -> None:
     """Two epochs of a fresh loader: first batch of epoch 1, samples/s of epoch 2, requests of epoch 2."""
     try:
+        if server is not None:
+            server.stats()
         loader = row.make()
+        listed = server.stats()["LIST"] if server is not None else 0
         for epoch in range(2):
             if server is not None:
                 server.stats()
@@ -182,7 +189,7 @@ def run_round(row: Row, expected: int, server: Server | None) -> None:
         row.rates.append(seen / elapsed)
         if server is not None:
             got = server.stats()
-            row.requests.append(f"{got['GET']} GET + {got['HEAD']} HEAD")
+            row.requests.append(f"{got['GET']} GET + {got['HEAD']} HEAD + {got['LIST']} LIST; {listed} LIST at build")
         _close(loader)
     except Exception as error:  # a loader that fails is reported, not fatal to the run
         row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:150]}"
@@ -307,7 +314,9 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         f"\n{args.shards} shards x {args.records} samples of ~1 KB, {args.workers} workers, batch {args.batch}, "
         f"median of {args.repeat} rounds; cores: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}\n"
     )
-    print("| loader | latency | samples/s | x shardkit local | shardkit HTTP is | 1st batch (ep 1) | requests (ep 2) |")
+    print(
+        "| loader | latency | samples/s | x shardkit local | shardkit HTTP is | 1st batch (ep 1) | requests (ep 2; build) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         rate = _median(row.rates)

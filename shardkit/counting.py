@@ -39,7 +39,7 @@ import os
 import posixpath
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -83,6 +83,37 @@ def identity(info: Mapping[str, Any]) -> str | None:
     if not parts:
         return None
     return f"size={info.get('size')};" + ";".join(parts)
+
+
+_listed: list[pa.Table] = []
+"""(url, identity) of the remote files the last few glob listings of this process saw or received (Arrow
+columns: a million urls cost their bytes, not a million dict entries); see :func:`remember`."""
+_LISTINGS_KEPT = 4
+
+
+def remember(urls: Sequence[str], identities: Sequence[str | None]) -> None:
+    """Keep the identities a listing gave for ``urls``: the counts cache then checks its entries against
+    them instead of listing the shards' directories again in every reader (a LIST per DataLoader worker
+    otherwise). Forked workers inherit them; a listing shared between ranks carries them."""
+    _listed.append(pa.table({"url": pa.array(urls, pa.string()), "identity": pa.array(identities, pa.string())}))
+    del _listed[:-_LISTINGS_KEPT]
+
+
+def listed_identities(urls: Sequence[str]) -> tuple[np.ndarray, list[str | None]]:
+    """Which of ``urls`` a remembered listing saw, and their identities there (None where unseen
+    or where the listing reported none); the newest listing wins."""
+    known = np.zeros(len(urls), dtype=bool)
+    found: list[str | None] = [None] * len(urls)
+    column = pa.array(urls, pa.string())
+    for table in reversed(_listed):
+        where = pc.index_in(column, value_set=table.column("url")).to_numpy(zero_copy_only=False)  # pyright: ignore[reportAttributeAccessIssue]
+        fresh = np.flatnonzero(~known & ~np.isnan(where.astype(np.float64)))
+        if fresh.size:
+            identities = table.column("identity").take(pa.array(where[fresh].astype(np.int64))).to_pylist()
+            for i, ident in zip(fresh.tolist(), identities):
+                found[i] = ident
+            known[fresh] = True
+    return known, found
 
 
 def cache_dir(override: str | None = None) -> str | None:
@@ -263,13 +294,17 @@ def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndar
 
 def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> list[str | None]:
     """The :func:`identity` of every shard's file (None where it cannot be read):
-    one ``os.stat`` per local path, one listing per directory elsewhere (not one
-    request per object)."""
+    one ``os.stat`` per local path, the glob listing's where it found the url
+    (:func:`remember`), one listing per directory elsewhere (not one request per
+    object)."""
     urls = list(shards)
     found: list[str | None] = [None] * len(urls)
     by_dir: dict[str, list[int]] = defaultdict(list)
+    listed, identities = listed_identities(urls) if _listed else (np.zeros(len(urls), dtype=bool), found)
     for i, url in enumerate(urls):
-        if "://" in url:
+        if listed[i]:  # seen by the listing that found it: no directory listing per reader
+            found[i] = identities[i]
+        elif "://" in url:
             by_dir[posixpath.dirname(url)].append(i)
         else:
             found[i] = _local_identity(url)

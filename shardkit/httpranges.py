@@ -20,10 +20,19 @@ noisy): at 100 ms per request remote/local went from
 0.71-0.75x (fsspec, HEAD + GETs) to 0.93-0.97x; at 0 and 30 ms the two
 paths are within the noise once the server keeps connections alive.
 
-Scope: ``http://`` urls of an fsspec ``HTTPFileSystem`` built without custom
-options (headers, auth, a client) — those go through fsspec, as do
-``https://`` and every other filesystem. A response this client cannot take
-(no ``Content-Length``) raises :class:`Unsupported` and the caller falls back.
+Scope: ``http://`` and ``https://`` urls of an fsspec ``HTTPFileSystem``
+built without custom options (headers, auth, a client, an ssl context) —
+those go through fsspec, as does every other filesystem. A response this
+client cannot take (no ``Content-Length``) raises :class:`Unsupported` and
+the caller falls back.
+
+TLS: verified as aiohttp (fsspec's client) verifies by default, with
+``ssl.create_default_context()`` (the system's CAs, ``SSL_CERT_FILE`` and
+``SSL_CERT_DIR`` honoured; the hostname checked). A TLS socket takes no
+``MSG_WAITALL`` and hands back one TLS record (16 KiB) per call, so an
+``https`` body costs a GIL hand-off per record, as under aiohttp; what
+``https`` gains here is the HEAD saved per shard and the kept-alive
+connection.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 import struct
 import threading
 from typing import Any, Final
@@ -121,10 +131,11 @@ class HTTPGetter:
 
 
 class RangeClient:
-    """Ranged GETs to one ``host:port``, on one keep-alive connection per calling thread."""
+    """Ranged GETs to one ``host:port``, on one keep-alive connection per calling thread; over TLS
+    (``https``) when given an ``ssl`` context."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+        self.host, self.port, self.tls = host, port, tls
         self.usable = True  # False once the server answered in a way this client does not read
         self._local = threading.local()
 
@@ -175,13 +186,16 @@ class RangeClient:
         if sock is not None:  # this thread forked with a connection open: it is the parent's, leave it be
             self._local.sock = None
         sock = socket.create_connection((self.host, self.port), timeout=_TIMEOUT)
-        # Blocking mode (a timeout would make every recv non-blocking and MSG_WAITALL moot);
-        # the kernel's own timeouts bound a stalled server instead.
-        sock.settimeout(None)
-        limit = _timeval(_TIMEOUT)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:  # TLS reads a record (16 KiB) per call whatever the flags: keep Python's timeout
+            sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+        else:
+            # Blocking mode (a timeout would make every recv non-blocking and MSG_WAITALL moot);
+            # the kernel's own timeouts bound a stalled server instead.
+            sock.settimeout(None)
+            limit = _timeval(_TIMEOUT)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         self._local.sock, self._local.pid = sock, os.getpid()
         return sock, False
 
@@ -248,9 +262,10 @@ def _read_body(sock: socket.socket, fields: dict[str, str], rest: bytes, url: st
     buffer = bytearray(size)
     buffer[: len(rest)] = rest
     view = memoryview(buffer)[len(rest) :]
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL  # TLS takes no flags
     while len(view):
         try:
-            got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+            got = sock.recv_into(view, len(view), flags)
         except BlockingIOError as error:
             raise TimeoutError(f"{url}: the body stalled for {_TIMEOUT:g} s") from error
         if not got:
@@ -259,7 +274,7 @@ def _read_body(sock: socket.socket, fields: dict[str, str], rest: bytes, url: st
     return bytes(buffer)
 
 
-_clients: dict[tuple[str, int], RangeClient] = {}
+_clients: dict[tuple[str, str, int], RangeClient] = {}
 _clients_lock = threading.Lock()
 
 
@@ -274,19 +289,29 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def client_for(fs: Any, url: str) -> RangeClient | None:
-    """A :class:`RangeClient` for ``url`` when fsspec would read it over plain HTTP with no options, else None."""
-    if not url.startswith("http://"):
+    """A :class:`RangeClient` for ``url`` when fsspec would read it over HTTP(S) with no options, else None."""
+    if not url.startswith(("http://", "https://")):
         return None
     from fsspec.implementations.http import HTTPFileSystem, get_client
 
     if type(fs) is not HTTPFileSystem or fs.kwargs or fs.client_kwargs or fs.get_client is not get_client:
         return None
     target = urlsplit(url)
-    if target.scheme != "http" or not target.hostname or target.username or target.password:
+    if target.scheme not in _PORTS or not target.hostname or target.username or target.password:
         return None
-    key = (target.hostname, target.port or 80)
+    key = (target.scheme, target.hostname, target.port or _PORTS[target.scheme])
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            client = _clients[key] = RangeClient(*key)
+            client = _clients[key] = RangeClient(key[1], key[2], _tls_context() if key[0] == "https" else None)
         return client if client.usable else None
+
+
+_PORTS: Final = {"http": 80, "https": 443}
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The context aiohttp (fsspec's client) verifies servers with by default: the system's CAs
+    (``SSL_CERT_FILE``/``SSL_CERT_DIR`` honoured), hostname checked; made per client, so a CA
+    file named in the environment after import still counts."""
+    return ssl.create_default_context()

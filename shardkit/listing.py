@@ -1,38 +1,68 @@
-"""List a glob once per job, not once per rank: rank 0 lists, the others receive its listing.
+"""List a glob once per job, not once per rank or worker.
 
 Listing a bucket of a million objects takes thousands of LIST requests and
 tens of seconds; every rank doing it multiplies both and can trip the store's
-request limits. Under an initialised ``torch.distributed`` process group,
-:func:`list_shards` has rank 0 call :meth:`ShardList.from_glob` and broadcast
-the result through the group as one Arrow IPC buffer in a ``uint8`` tensor
-(urls and sizes; plain data, no pickle), so every rank plans over the very
-same list. DataLoader workers never list: the dataset is built in the main
-process and carries its ShardList to them. If rank 0 cannot list, every rank
-raises the same error instead of waiting forever.
+request limits. DataLoader workers never list: a dataset is built in the main
+process and carries its ShardList to them (pickled or forked, a list of urls,
+counts and sizes). Between ranks, two ways:
+
+- **By default** (:func:`shared_listing`, what a dataset given a glob uses):
+  under an initialised ``torch.distributed`` process group, the *first* rank
+  to build a dataset over a glob lists it and puts the listing in the group's
+  key-value store (the one ``init_process_group`` rendezvoused through); the
+  others read it from there. Not a collective: a rank that arrives first never
+  waits, so a dataset built on rank 0 alone (evaluation) works as before, and
+  ranks need not build their datasets at the same moment. The *k*-th dataset
+  a rank builds over a pattern (and storage options) shares the listing of
+  every rank's *k*-th: a job that rebuilds its dataset each epoch re-lists
+  once per epoch, not once per rank per epoch. Without a process group (or
+  with options that cannot be named the same on every rank) each process
+  lists for itself.
+- **A collective** (:func:`list_shards`): every rank calls it; rank 0 lists
+  and broadcasts the result through the group as one buffer in a ``uint8``
+  tensor.
+
+Either way the listing travels as one Arrow IPC buffer of urls and sizes
+(plain data, no pickle; the shared listing adds each file's identity, which the
+counts cache checks its entries against instead of listing again per reader), so every rank plans over the very same list, and a
+listing that fails fails on every rank that waits for it, with the lister's
+error, instead of hanging.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
+from collections import Counter
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from shardkit.counting import listed_identities, remember
 from shardkit.shardlist import ShardList, ShardListError
 
-__all__ = ["list_shards"]
+__all__ = ["list_shards", "shared_listing"]
 
 _FAILED = -1
+_OK, _ERROR = b"ok:", b"error:"
+_WAIT: timedelta = timedelta(minutes=30)  # a listing of millions of objects takes minutes at worst
+_builds: Counter[str] = Counter()  # datasets this process built per (pattern, options): the k-th shares the k-th
+_builds_lock = threading.Lock()
 
 
 def list_shards(pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
     """``ShardList.from_glob(pattern)``, listed by rank 0 only when a process group is initialised.
 
-    Every rank of the group must call it (it is a collective), with the same pattern;
-    datasets given a glob do not call it (each process lists for itself), so that
-    building a dataset on some ranks only never waits for the others. Use it as
-    ``TFRecordDataset(list_shards("s3://bucket/train-*.tfrecord"))``.
+    Every rank of the group must call it (it is a collective), with the same pattern.
+    Datasets given a glob do not call it: they use :func:`shared_listing`, which lists
+    once per job too but is no collective, so that building a dataset on some ranks
+    only never waits for the others. Use it as
+    ``TFRecordDataset(list_shards("s3://bucket/train-*.tfrecord"))`` where every rank
+    should hold the listing at the same point (e.g. before building anything).
     """
     group = _process_group()
     if group is None:
@@ -63,8 +93,11 @@ def _process_group() -> Any:
     return dist.group.WORLD
 
 
-def _to_ipc(table: pa.Table) -> bytes:
+def _to_ipc(table: pa.Table, identities: list[str | None] | None = None) -> bytes:
+    """Urls and sizes (and the identities the listing saw) as one Arrow IPC stream."""
     table = table.select(["url", "size"])
+    if identities is not None:
+        table = table.append_column("identity", pa.array(identities, pa.string()))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -85,3 +118,51 @@ def _broadcast(length: int, payload: bytes) -> tuple[int, bytes]:
         buffer.copy_(torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()))
     dist.broadcast(buffer, src=0)
     return length, buffer.cpu().numpy().tobytes()
+
+
+def shared_listing(pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
+    """``ShardList.from_glob(pattern)``, listed once per job under a process group (see the module doc)."""
+    store, key = _store(), _key(pattern, storage_options)
+    if store is None or key is None:
+        return ShardList.from_glob(pattern, storage_options)
+    if store.add(f"{key}/claim", 1) == 1:  # the first rank here lists; the others read what it put
+        try:
+            shards = ShardList.from_glob(pattern, storage_options)
+        except Exception as error:
+            store.set(key, _ERROR + f"{type(error).__name__}: {error}".encode())
+            raise
+        store.set(key, _OK + _to_ipc(shards.table, listed_identities(shards.urls())[1]))
+        return shards
+    store.wait([key], _WAIT)
+    value = bytes(store.get(key))
+    if value.startswith(_ERROR):
+        raise ShardListError(
+            f"another rank listed {pattern!r} for this one and failed: {value[len(_ERROR) :].decode(errors='replace')}"
+        )
+    table = pa.ipc.open_stream(value[len(_OK) :]).read_all()
+    remember(table.column("url").to_pylist(), table.column("identity").to_pylist())
+    return ShardList(table.column("url"), sizes=table.column("size"))
+
+
+def _store() -> Any:
+    """The process group's key-value store, or None (no group, one rank, or a torch without it)."""
+    if _process_group() is None:
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+    except ImportError:  # pragma: no cover - a torch without it: each rank lists
+        return None
+    return _get_default_store()
+
+
+def _key(pattern: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """The store key of this process's next listing of ``pattern``: the same on every rank for its k-th
+    build, or None when the options are not plain data (they could differ between ranks unseen)."""
+    try:
+        named = json.dumps([pattern, dict(storage_options or {})], sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    digest = hashlib.sha256(named.encode()).hexdigest()[:32]
+    with _builds_lock:
+        _builds[digest] += 1
+        return f"shardkit/listing/{digest}/{_builds[digest]}"

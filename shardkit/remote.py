@@ -24,7 +24,7 @@ for every non-local url), so the design lives here, not in a format:
   local read.
 - **One version per read.** The object's identity (ETag, version id,
   generation, size, modification time: whichever the store gives) is taken
-  when it is opened: over plain ``http://`` and S3 from the answer to the
+  when it is opened: over ``http(s)://`` and S3 from the answer to the
   first block's ranged GET (``Content-Range`` gives the size, ``ETag`` and a
   version id the version), which saves a HEAD per shard; elsewhere from a
   HEAD (``fs.info``). Range requests carry ``If-Match: <ETag>`` (S3: also the
@@ -33,13 +33,19 @@ for every non-local url), so the design lives here, not in a format:
   identity is checked again. An object that changed under the
   reader raises :class:`ObjectChangedError` naming it and both identities,
   never a silent mix of two versions.
-- **Plain HTTP without fsspec.** A ranged GET over ``http://`` is sent by
-  :mod:`shardkit.httpranges` on a kept-alive connection per thread and its
-  body read in one blocking call that holds no GIL, instead of through
-  aiohttp's event loop (a GIL hand-off per loop turn, each one a wait beside
-  a decoding worker). Filesystems built with options, ``https://`` and
-  other stores go through fsspec; S3 blocks go through s3fs's client
+- **HTTP(S) without fsspec.** A ranged GET over ``http://`` or ``https://``
+  is sent by :mod:`shardkit.httpranges` on a kept-alive connection per
+  thread and (plain HTTP) its body read in one blocking call that holds no
+  GIL, instead of through aiohttp's event loop (a GIL hand-off per loop turn,
+  each one a wait beside a decoding worker). Filesystems built with options
+  and other stores go through fsspec; S3 blocks go through s3fs's client
   (:mod:`shardkit.s3ranges`), which returns the answer's version with them.
+  ``gs://`` goes through fsspec (gcsfs) with a HEAD per shard: no ranged-GET
+  getter for it yet.
+- **Across epochs.** A reader hints its next epoch's first ranges (its own
+  seeded plan for ``epoch + 1``) as its epoch ends, so a pass starts on
+  shards already open; a wrong guess (an explicit ``set_epoch`` elsewhere)
+  costs the first blocks of three shards, never a record.
 - **Counted.** Requests, bytes, retries, the time spent waiting to retry and
   cache hits and misses are counted per process (:func:`remote_stats`); a
   dataset's ``stats()`` sums the retries over its DataLoader workers
@@ -119,6 +125,7 @@ _TRANSIENT_NAMES: Final = frozenset(
         "EndpointConnectionError",
         "ResponseStreamingError",
         "_ShortRead",
+        "SSLEOFError",  # a TLS stream cut without its close_notify
     }
 )
 T = TypeVar("T")

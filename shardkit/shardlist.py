@@ -133,16 +133,23 @@ class ShardList:
             ShardListError: nothing matches, or files named without wildcards
                 do not exist.
         """
+        from shardkit.counting import identity, remember  # (counting imports this module)
+
         fs, path = fsspec.core.url_to_fs(pattern, **dict(storage_options or {}))
         sizes: dict[str, int | None] = {}
+        identities: dict[str, str | None] = {}
         literal: list[str] = []
         for part in _expand_braces(path):
             if _GLOB_MAGIC.search(part):
-                for name, info in fs.glob(part, detail=True).items():
-                    if info.get("type") != "directory":
-                        sizes[name] = info.get("size")
+                listed: dict[str, dict[str, Any]] = fs.glob(part, detail=True)  # pyright: ignore[reportAssignmentType]
+                found = {name: info for name, info in listed.items() if info.get("type") != "directory"}
+                for name, info in found.items():
+                    sizes[name] = info.get("size")
+                    identities[name] = identity(info)
             else:
                 literal.append(part)
+        if identities and not isinstance(fs, LocalFileSystem):  # the counts cache checks these, not a new listing
+            remember([fs.unstrip_protocol(name) for name in identities], list(identities.values()))
         missing = _stat_literal(fs, literal, sizes)
         if missing:
             shown = ", ".join(repr(m) for m in missing[:3])

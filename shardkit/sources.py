@@ -34,7 +34,7 @@ import pickle
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
@@ -270,7 +270,7 @@ class _PlannedSource(_Source):
             if resume is not None:
                 self._fingerprint(counts)  # raises, naming the fix
             pieces = plan_whole_shards(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffle_shards)
-            return _RangeIterator(self._calls(), pieces, epoch, topology, None)
+            return self._hinting(_RangeIterator(self._calls(), pieces, epoch, topology, None), counts, topology, kwargs)
         if self._windowed():
             kwargs["block_size"] = self.shuffle_block
         fingerprint = self._fingerprint(counts)
@@ -314,9 +314,40 @@ class _PlannedSource(_Source):
             stand_in = functools.partial(self._stand_in, counts, topology, kwargs)
         ranges = _RangeIterator(self._calls(), pieces, epoch, topology, fingerprint, stand_in)
         ranges.base = base
+        self._hinting(ranges, counts, topology, kwargs)
         if not self._windowed():
             return ranges
         return _WindowIterator(ranges, start.intervals, self.shuffle_window, seed=self.seed, skip=start.yielded)
+
+    def _hinting(
+        self, ranges: _RangeIterator, counts: Any, topology: Topology, kwargs: dict[str, Any]
+    ) -> _RangeIterator:
+        """``ranges``, set to hint the next epoch's first ranges as it ends when the shards are remote."""
+        if self._reads_remote():
+            ranges.next_head = functools.partial(self._next_epoch_head, counts, topology, kwargs)
+        return ranges
+
+    def _reads_remote(self) -> bool:
+        """Whether hints can start anything: the shards are remote (the first one says for all)."""
+        shards = getattr(self, "shards", None)
+        if shards is None or not len(shards):
+            return False
+        first = str(shards[0])
+        return "://" in first and not first.startswith("file://")
+
+    def _next_epoch_head(self, counts: Any, topology: Topology, kwargs: dict[str, Any]) -> list[Range]:
+        """The first ranges this reader reads in the next epoch when that epoch is ``epoch + 1`` from its
+        start (the usual next pass). A guess, only used to open shards ahead: a wrong one costs the
+        requests of a few blocks, never a record."""
+        fresh = {k: v for k, v in kwargs.items() if k not in ("chunk", "stream_world_size")}
+        fresh["epoch"] += 1
+        if not isinstance(counts, np.ndarray):
+            whole = plan_whole_shards(counts, topology, seed=self.seed, epoch=fresh["epoch"], shuffle=fresh["shuffle"])
+            return [whole[i][1] for i in range(min(_HINTED, len(whole)))]
+        size = rank_span(int(counts.sum()), topology.world_size, topology.rank, fresh["balance"])[1]
+        start = _RangeIterator.start_of(None, size, self._windowed(), topology)
+        pieces = plan_intervals(counts, topology, start.intervals, **fresh)
+        return [pieces[i][1] for i in range(min(_HINTED, len(pieces)))]
 
     def _makes_up(self, balance: Balance) -> bool:
         """Whether records this source skips are replaced by repeats, to keep ranks balanced."""
@@ -335,6 +366,16 @@ def _unknown_counts(owner: object) -> StateError:
         f"{owner!r}: resuming needs the record count of every shard, and some are unknown; "
         "call count_records() (or give counts: a manifest, index files) before iterating"
     )
+
+
+def _calling(callback: Callable[[], None]) -> Iterator[Any]:
+    """An empty iterator that calls ``callback`` when it is reached (in an ``itertools.chain``)."""
+    callback()
+    yield from ()
+
+
+_HINTED: Final = 3
+"""Ranges hinted ahead of the one being opened (the remote module keeps four shards open ahead)."""
 
 
 class _SourceCalls(NamedTuple):
@@ -414,6 +455,11 @@ class _RangeIterator(StageIterator):
         self._owed = 0  # records skipped in the current range and not made up yet
         self.skips: list[tuple[int, int]] = []  # (first position, records) of runs skipped without a sample
         self.base: State | None = None  # the global node this epoch resumed from, on another world
+        # This reader's first ranges of the next epoch, hinted as this one ends (a pass begun in the next epoch
+        # then starts on shards already open). None: nothing to hint, the source reads no remote shards.
+        self.next_head: Callable[[], list[Range]] | None = None
+        self._head: list[Range] | None = None
+        self._hinted: list[Range] = []
 
     def __next__(self) -> Any:
         if self._owed:
@@ -439,9 +485,27 @@ class _RangeIterator(StageIterator):
         """Start reading the current range (from where it stopped) and hint the next three."""
         shard, start, stop = self.ranges[self.range_index]
         self._records = self._source.read(shard, start + self.done_in_range, stop)
-        for ahead in self.ranges[self.range_index + 1 : self.range_index + 4]:
-            self._source.hint(*ahead)
+        ahead = self.ranges[self.range_index + 1 : self.range_index + 1 + _HINTED]
+        for piece in ahead:
+            self._source.hint(*piece)
+        if len(ahead) < _HINTED and self.next_head is not None:  # the epoch's end: the next one's start
+            # Once this range's shard is open: hinting it before would find it still held open for this read.
+            self._records = itertools.chain(
+                itertools.islice(self._records, 1), _calling(self._hint_next_epoch), self._records
+            )
         return self._records
+
+    def _hint_next_epoch(self) -> None:
+        """Hint the next epoch's first ranges, up to three ahead in all, but none of a shard this epoch still
+        reads (it is hinted once its range here has opened it: the next epoch needs its own open)."""
+        if self._head is None:
+            self._head = self.next_head() if self.next_head is not None else []
+        later = {piece[0] for piece in self.ranges[self.range_index + 1 :]}  # at most two: the epoch's last ranges
+        room = _HINTED - (len(self.ranges) - self.range_index - 1)
+        for piece in self._head[: max(0, room)]:
+            if piece[0] not in later and piece not in self._hinted:
+                self._hinted.append(piece)
+                self._source.hint(*piece)
 
     def _skip(self, records: int) -> bool:
         """Account for ``records`` skipped records; True if they are to be made up now."""
@@ -775,10 +839,11 @@ class ShardedDataset(_PlannedSource):
             "Bad data" below.
         count_fn: ``count_fn(url) -> int``, used once when record counts are
             needed (several ranks with ``"pad"``/``"drop"``) and unknown.
-        storage_options: fsspec options, for a glob ``shards``. Each process
-            lists a glob itself; to list a large bucket once per job, pass
-            ``shardkit.listing.list_shards(pattern)`` (a collective: call it on
-            every rank) or a manifest.
+        storage_options: fsspec options, for a glob ``shards``. A glob is
+            listed once per job: under a torch.distributed process group the
+            first rank to build the dataset lists it and the others read that
+            listing from the group's store; DataLoader workers never list (see
+            :mod:`shardkit.listing`). A manifest skips listing altogether.
 
     When the record counts are unknown, one rank deals whole shards to its
     workers (and warns if there are fewer shards than workers); several ranks
@@ -1066,10 +1131,11 @@ def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict
     if isinstance(shards, ShardList):
         return shards
     if isinstance(shards, str):
-        # Listed by this process: a listing shared through the process group would make
-        # building a dataset a collective, which hangs a rank-0-only build (e.g. for
-        # evaluation). shardkit.listing.list_shards is that collective, opt-in.
-        return ShardList.from_glob(shards, storage_options=storage_options)
+        from shardkit.listing import shared_listing
+
+        # Once per job: the first rank to get here lists, the others read its listing from the
+        # process group's store (not a collective: a rank-0-only build does not wait).
+        return shared_listing(shards, storage_options)
     if isinstance(shards, Sequence):
         return ShardList(list(shards))
     raise DatasetError(f"shards must be a ShardList, a glob pattern or a list of urls, got {type(shards).__name__}")

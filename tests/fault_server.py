@@ -1,6 +1,6 @@
 """A fault-injecting HTTP range server on 127.0.0.1, for the remote-read tests and benchmarks/remote.py.
 
-It serves the files of a directory with HEAD and single-range GET, an ETag
+It serves the files of a directory (over TLS if given a certificate) with HEAD and single-range GET, an ETag
 that changes when a file is replaced (size and mtime in nanoseconds), and
 ``If-Match`` (412 when the ETag differs; ``honour_if_match = False`` ignores
 it), over HTTP/1.1 keep-alive connections. Each request first sleeps
@@ -11,7 +11,8 @@ with :meth:`FaultServer.inject` and each is spent by the next GET of a path:
 - ``"reset"``: headers and half of the body, then the connection is reset;
 - ``"drop"``: the connection is closed before any answer.
 
-Every request is logged as ``(method, path, start, length, status)``.
+Every request is logged as ``(method, path, start, length, status)``; a request for a directory
+(fsspec lists one by GETting it: a page of links) is logged as method ``LIST``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -54,6 +56,9 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         time.sleep(owner.latency)
         path = os.path.join(owner.root, unquote(self.path.lstrip("/").split("?")[0]))
+        if os.path.isdir(path):
+            self._list(path, body)
+            return
         fault = owner.take_fault(self.path) if body else None
         if fault == "drop":
             self._log(0, 0, 0)
@@ -114,6 +119,18 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self.wfile.write(data)
 
+    def _list(self, directory: str, body: bool) -> None:
+        """A directory as an HTML page of links, as fsspec's HTTP filesystem lists (logged as ``LIST``)."""
+        names = sorted(os.listdir(directory))
+        page = "".join(f'<a href="{name}">{name}</a>\n' for name in names).encode()
+        self.server.owner.log.append(Request("LIST", self.path, 0, len(page), 200))
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        if body:
+            self.wfile.write(page)
+
     def _log(self, start: int, length: int, status: int) -> None:
         self.server.owner.log.append(Request(self.command, self.path, start, length, status))
 
@@ -135,7 +152,8 @@ class _Server(ThreadingHTTPServer):
 class FaultServer:
     """Serve ``root`` on 127.0.0.1 (a free port) with ``latency`` seconds per request; a context manager."""
 
-    def __init__(self, root: str, latency: float = 0.0) -> None:
+    def __init__(self, root: str, latency: float = 0.0, tls: tuple[str, str] | None = None) -> None:
+        """``tls``: ``(cert.pem, key.pem)`` to serve HTTPS instead of plain HTTP."""
         self.root = root
         self.latency = latency
         self.honour_if_match = True  # False: a store that ignores If-Match (the ETag it answers still tells)
@@ -146,11 +164,17 @@ class FaultServer:
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
+        self.scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self._server.server_address[1]}"
 
     def inject(self, path: str, *faults: str) -> None:
         """Queue ``faults`` for the next GETs of ``/path``, one each."""
@@ -189,6 +213,7 @@ class _CountingHandler(_Handler):
                 {
                     "GET": sum(r.method == "GET" for r in log),
                     "HEAD": sum(r.method == "HEAD" for r in log),
+                    "LIST": sum(r.method == "LIST" for r in log),
                     "bytes": sum(r.length for r in log),
                 }
             ).encode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -395,3 +396,75 @@ def test_a_shard_opened_ahead_without_a_start_costs_a_one_byte_probe_not_a_block
     assert [(r.start, r.length) for r in server.gets("c.tfrecord")] == [(0, 1)]
     assert list(read_tfrecord(url, remote=SMALL)) == records
     assert requests_of(server, "c.tfrecord")[0] == 0
+
+
+def _shard_gets(server: FaultServer, expected: int) -> list[str]:
+    """The shard GETs logged, once ``expected`` of them are (the hinted ones finish in the background)."""
+    deadline = time.monotonic() + 10
+    while True:
+        gets = [r.path for r in server.gets() if r.path.endswith(".tfrecord")]
+        if len(gets) >= expected or time.monotonic() > deadline:
+            return gets
+        time.sleep(0.01)
+
+
+def test_each_epoch_starts_on_shards_opened_while_the_last_one_ended(server: FaultServer, tmp_path) -> None:
+    """The next epoch's first three shards (in its own shuffled order) are opened as an epoch ends, so a
+    pass starts without a round trip; every shard is still fetched exactly once per epoch."""
+    from shardkit import TFRecordDataset
+
+    for i in range(6):
+        with TFRecordWriter(os.path.join(tmp_path, f"s{i}.tfrecord")) as writer:
+            for n in range(20):
+                writer.write(b"%d %d " % (i, n) * 100)  # one 4 MiB block: one GET per open
+    urls = [f"{server.url}/s{i}.tfrecord" for i in range(6)]
+    paths = [f"/s{i}.tfrecord" for i in range(6)]
+    dataset = TFRecordDataset(urls, decode="raw", shuffle=True, seed=3, readahead_bytes=64 << 10, retry=FAST_RETRY)
+    dataset.shuffle_window = 0  # whole shards in a seeded order per epoch: the order is the shards'
+    orders = []
+    for epoch in range(3):
+        before = _shard_gets(server, 6 * epoch + 3 * (epoch > 0))
+        records = list(iter(dataset))
+        assert sorted(records) == sorted(b"%d %d " % (i, n) * 100 for i in range(6) for n in range(20))
+        order = [f"/s{int(record.split()[0])}.tfrecord" for record in records[::20]]
+        if epoch > 0:  # every shard once per epoch before, and this epoch's first three, opened ahead
+            assert Counter(before) - Counter(paths * epoch) == Counter(order[:3])
+        orders.append(order)
+    assert len(set(map(tuple, orders))) > 1  # the order does change from epoch to epoch
+    assert len(_shard_gets(server, 6 * 3 + 3)) == 6 * 3 + 3  # nothing fetched twice: 3 epochs and 3 hints
+
+
+def test_https_shards_are_opened_by_their_first_ranged_get_without_a_head(tmp_path, monkeypatch) -> None:
+    """Over TLS too (a loopback server with a certificate made here, trusted through SSL_CERT_FILE as the
+    default context trusts a CA file): one GET per block, no HEAD, the records of a local read."""
+    from shardkit import httpranges
+    from tests.helpers import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
+    monkeypatch.setattr(httpranges, "_clients", {})  # a client made now reads the CA file named above
+    data = tmp_path / "data"
+    data.mkdir()
+    records = write_shard(str(data / "a.tfrecord"), count=200)  # about 140 KB: 9 blocks of 16 KiB
+    with FaultServer(str(data), tls=(cert, key)) as server:
+        assert server.url.startswith("https://")
+        assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL)) == records
+        assert requests_of(server, "a.tfrecord") == (0, 9)
+        server.inject("a.tfrecord", "reset", "503", "drop", "reset")  # faults over TLS are retried alike
+        remote_stats(reset=True)
+        assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL)) == records
+        assert server.take_fault("/a.tfrecord") is None
+        assert remote_stats()["retries"] >= 3  # (a drop on a kept-alive connection is replaced, not retried)
+
+
+def test_an_https_server_with_a_certificate_nobody_trusts_is_refused(tmp_path, monkeypatch) -> None:
+    from shardkit import httpranges
+    from tests.helpers import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    monkeypatch.setattr(httpranges, "_clients", {})
+    write_shard(str(tmp_path / "a.tfrecord"), count=20)
+    with FaultServer(str(tmp_path), tls=(cert, key)) as server:
+        with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
+            list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL))
+        assert not server.gets("a.tfrecord")  # not one byte of the object went to an unverified peer
