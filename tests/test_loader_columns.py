@@ -236,7 +236,7 @@ from tests.test_loader_slabs import torch_shm_maps, worker_pids
 if __name__ == "__main__":  # spawned workers import this script again
     before = torch_shm_maps()
     loader = MixedLoader(
-        ColumnStream([40, 40], pause_after=20, pause_file={pause!r}),
+        ColumnStream([40, 40], pause_after=10, pause_file={pause!r}),
         4,
         num_workers=2,
         timeout=30,
