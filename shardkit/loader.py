@@ -30,6 +30,15 @@ How a batch is made:
   classes), so micro-batches then travel as lists of samples and
   ``collate_fn`` is called once per output batch, in the main process,
   exactly as DataLoader would call it.
+* Over a dataset that yields column batches (its ``column_batches`` is true:
+  ``TFRecordDataset(features=..., batch_size=...)``), each of the dataset's
+  batches is one micro-batch: the worker writes its columns into a slab
+  (bytes as a values buffer and offsets) and the main process cuts every
+  batch from row ranges of them (:mod:`shardkit.columns`), with no work per
+  sample anywhere. Batches are dicts of a tensor per numeric column and a
+  ``pyarrow.LargeBinaryArray`` per bytes column; the dataset's batch_size
+  sets the micro-batch (1024 records is a good start for small records).
+  Without workers the same assembly runs in the main process.
 
 Resuming (:meth:`MixedLoader.state_dict` / :meth:`MixedLoader.load_state_dict`):
 every message from a worker carries its dataset's state after that
@@ -98,12 +107,13 @@ class MixedLoader:
         num_workers: DataLoader worker processes; 0 reads in the main process
             and batches the stream plainly.
         collate_fn: called once per output batch with its list of samples, in
-            the main process. ``None`` collates with ``default_collate`` in the
+            the main process (not for column batches: see the module docstring). ``None`` collates with ``default_collate`` in the
             workers and joins micro-batches in the main process.
         drop_last: drop the last batch of an epoch if it is not full.
         seed: seeds the placement of the workers' shares in each batch.
         micro_batch_size: samples per message from a worker (with workers);
-            defaults to ``batch_size``. The main process holds one or two
+            defaults to ``batch_size``; for column batches, the dataset's
+            batch_size is the micro-batch and this must stay None. The main process holds one or two
             micro-batches per worker; smaller values shorten that and the
             wait for the first batch, at the cost of more messages, which
             cost most when samples are small. Without ``collate_fn`` each

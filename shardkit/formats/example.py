@@ -77,7 +77,15 @@ import numpy as np
 
 from shardkit.errors import ShardkitError
 
-__all__ = ["BACKEND", "Value", "decode_columns", "decode_example", "decode_sequence_example", "encode_example"]
+__all__ = [
+    "BACKEND",
+    "FeatureCheck",
+    "Value",
+    "decode_columns",
+    "decode_example",
+    "decode_sequence_example",
+    "encode_example",
+]
 
 Value = Union[np.ndarray, list]
 """A decoded feature: int64 array, float32 array, ``list[bytes]``, or ``[]`` if no kind is set."""
@@ -655,11 +663,13 @@ class FeatureCheck:
     def __init__(self, features: Mapping[str, FeatureSpec]) -> None:
         self._columns = _columns(features)
         self._args = tuple(tuple(getattr(c, k) for c in self._columns) for k in ("name", "kind", "size", "shape"))
-
-    def __call__(self, record: BytesLike) -> BytesLike:
-        outs = tuple(
+        # One record's outputs, written and thrown away by every check.
+        self._outs = tuple(
             np.empty((c.size + 1,) if c.kind == _BYTES else (1, *c.shape), dtype=_DTYPES[c.kind]) for c in self._columns
         )
+
+    def __call__(self, record: BytesLike) -> BytesLike:
+        outs = self._outs
         try:
             if _C is not None:
                 _C.decode_columns((record,), *self._args, outs)
