@@ -274,3 +274,24 @@ def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path, context
     assert re.match(dead, report["error"]) or report["error"].startswith("ConnectionResetError"), report["error"]
     assert report["after"] == report["before"]
     assert shm_files_of([report["pid"], *report["pids"]]) == []
+
+
+def test_bytes_features_of_several_values_per_record_come_as_fixed_size_lists(tmp_path: Path) -> None:
+    url = str(tmp_path / "pairs.tfrecord")
+    with shardkit.TFRecordWriter(url) as writer:
+        for i in range(23):
+            writer.write(shardkit.encode_example({"id": i, "pair": [b"a" * (i % 4), b"b%d" % i]}))
+    features = {"id": ("int64", ()), "pair": ("bytes", (2,))}
+    dataset = shardkit.TFRecordDataset([url], features=features, batch_size=7).count_records()
+    batches = epoch(MixedLoader(dataset, 5))
+    assert all(isinstance(batch["pair"], pa.FixedSizeListArray) for batch in batches)
+    assert [pair for batch in batches for pair in batch["pair"].to_pylist()] == [
+        [b"a" * (i % 4), b"b%d" % i] for i in range(23)
+    ]
+    iterator = iter(loader := MixedLoader(dataset, 5))
+    next(iterator), next(iterator)
+    state = loader.state_dict()  # 10 rows out: the second micro-batch of 7 cut after 3, 4 carried
+    assert [tail["count"] for tail in state["carry"]] == [4]
+    resumed_loader = MixedLoader(dataset, 5)
+    resumed_loader.load_state_dict(state)
+    assert [pair for batch in epoch(resumed_loader) for pair in batch["pair"].to_pylist()][0] == [b"aa", b"b10"]
