@@ -295,3 +295,20 @@ def test_bytes_features_of_several_values_per_record_come_as_fixed_size_lists(tm
     resumed_loader = MixedLoader(dataset, 5)
     resumed_loader.load_state_dict(state)
     assert [pair for batch in epoch(resumed_loader) for pair in batch["pair"].to_pylist()][0] == [b"aa", b"b10"]
+
+
+@pytest.mark.slow
+def test_column_batches_sent_without_a_free_slot_mix_with_slab_ones_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    put = SlabRing.put
+    calls = []
+
+    def every_other_slot(ring: SlabRing, parts: dict[str, Any]) -> Any:  # as if the ring were full
+        calls.append(1)
+        return parts if len(calls) % 2 else put(ring, parts)
+
+    monkeypatch.setattr(SlabRing, "put", every_other_slot)  # the forked workers inherit it
+    urls = write_column_shards(tmp_path)
+    batches = epoch(MixedLoader(columns_dataset(urls), 10, num_workers=2, multiprocessing_context="fork"))
+    check_same_batches(batches, decoded_batches(urls, 10, 2))
