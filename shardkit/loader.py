@@ -30,6 +30,15 @@ How a batch is made:
   classes), so micro-batches then travel as lists of samples and
   ``collate_fn`` is called once per output batch, in the main process,
   exactly as DataLoader would call it.
+* Over a dataset that yields column batches (its ``column_batches`` is true:
+  ``TFRecordDataset(features=..., batch_size=...)``), each of the dataset's
+  batches is one micro-batch: the worker writes its columns into a slab
+  (bytes as a values buffer and offsets) and the main process cuts every
+  batch from row ranges of them (:mod:`shardkit.columns`), with no work per
+  sample anywhere. Batches are dicts of a tensor per numeric column and a
+  ``pyarrow.LargeBinaryArray`` per bytes column; the dataset's batch_size
+  sets the micro-batch (1024 records is a good start for small records).
+  Without workers the same assembly runs in the main process.
 
 Resuming (:meth:`MixedLoader.state_dict` / :meth:`MixedLoader.load_state_dict`):
 every message from a worker carries its dataset's state after that
@@ -58,11 +67,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
+from shardkit import columns
 from shardkit.collate import Part, collated_length, join, tail
 from shardkit.epoch import resume_at
 from shardkit.errors import ShardkitError, check_int
 from shardkit.pipeline import Pipeline
-from shardkit.slabs import SPARE_SLOTS, SlabBatch, SlabRing, from_slab
+from shardkit.slabs import SPARE_SLOTS, SlabBatch, SlabRing, from_slab, view
 from shardkit.state import State, StateError, applies, check, decode, encode, field, merge, node, validate, whole_number
 
 __all__ = ["LoaderError", "MixedLoader"]
@@ -97,12 +107,13 @@ class MixedLoader:
         num_workers: DataLoader worker processes; 0 reads in the main process
             and batches the stream plainly.
         collate_fn: called once per output batch with its list of samples, in
-            the main process. ``None`` collates with ``default_collate`` in the
+            the main process (not for column batches: see the module docstring). ``None`` collates with ``default_collate`` in the
             workers and joins micro-batches in the main process.
         drop_last: drop the last batch of an epoch if it is not full.
         seed: seeds the placement of the workers' shares in each batch.
         micro_batch_size: samples per message from a worker (with workers);
-            defaults to ``batch_size``. The main process holds one or two
+            defaults to ``batch_size``; for column batches, the dataset's
+            batch_size is the micro-batch and this must stay None. The main process holds one or two
             micro-batches per worker; smaller values shorten that and the
             wait for the first batch, at the cost of more messages, which
             cost most when samples are small. Without ``collate_fn`` each
@@ -143,6 +154,7 @@ class MixedLoader:
         **dataloader_kwargs: Any,
     ) -> None:
         _check_arguments(dataset, batch_size, num_workers, collate_fn, drop_last, seed, micro_batch_size, resumable)
+        self._columns = _column_batches(dataset, collate_fn, micro_batch_size)
         unknown = sorted(set(dataloader_kwargs) - PASSTHROUGH_KWARGS)
         if unknown:
             raise TypeError(
@@ -161,7 +173,7 @@ class MixedLoader:
         self.epoch = 0
         self._pin = False
         self._micro_batches: _MicroBatches | None = None
-        if num_workers == 0:
+        if num_workers == 0 and not self._columns:
             self._loader = DataLoader(
                 dataset, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn, **dataloader_kwargs
             )
@@ -181,9 +193,14 @@ class MixedLoader:
                 stacklevel=3,
             )
         collate = self.collate_fn is None
-        slots = SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate else 0
+        slots = SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate and self.num_workers else 0
         self._micro_batches = _MicroBatches(
-            self.dataset, self.micro_batch_size, collate=collate, resumable=self.resumable, slots=slots
+            self.dataset,
+            self.micro_batch_size,
+            collate=collate,
+            resumable=self.resumable,
+            slots=slots,
+            columns=self._columns,
         )
         return DataLoader(
             self._micro_batches, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is, **dataloader_kwargs
@@ -200,13 +217,18 @@ class MixedLoader:
             set_dataset_epoch(epoch)
 
     def __len__(self) -> int:
-        """Batches in one epoch, from ``len(dataset)`` (samples this rank reads)."""
-        if not hasattr(self.dataset, "__len__"):
+        """Batches in one epoch, from ``len(dataset)`` (samples this rank reads; for
+        column batches the dataset's ``num_samples()``)."""
+        count = getattr(self.dataset, "num_samples", None) if self._columns else None
+        if callable(count):
+            samples: int = count()  # pyright: ignore[reportAssignmentType]  (TFRecordDataset.num_samples)
+        elif not hasattr(self.dataset, "__len__"):
             raise TypeError(
                 f"MixedLoader has no len(): {type(self.dataset).__name__} does not define "
                 "__len__ (the number of samples this rank reads)"
             )
-        samples = len(self.dataset)  # type: ignore[arg-type]
+        else:
+            samples = len(self.dataset)  # type: ignore[arg-type]
         if self.drop_last:
             return samples // self.batch_size
         return math.ceil(samples / self.batch_size)
@@ -227,14 +249,14 @@ class MixedLoader:
             resume = None
         self._iterated = True
         micro_batches = self._micro_batches
-        if micro_batches is None:  # no workers
+        if micro_batches is None:  # no workers, samples
             if resume is not None:
                 self._resume_in_process(resume)
             return iter(self._loader)
         if resume is not None:
             saved = resume["workers"]
             same = resume["num_workers"] == self.num_workers
-            micro_batches.states = list(saved) if same else [merge(saved)] * self.num_workers
+            micro_batches.states = list(saved) if same else [merge(saved)] * max(self.num_workers, 1)
         try:
             source = iter(self._loader)  # starts the workers, each with its copy of the states
         finally:
@@ -261,7 +283,7 @@ class MixedLoader:
             raise StateError("MixedLoader.state_dict(): nothing has been iterated yet, so there is no position to save")
         if not self.resumable:
             raise StateError("MixedLoader cannot save its position: it was built with resumable=False")
-        if self.num_workers == 0:
+        if self._micro_batches is None:
             workers = [_dataset_state(self.dataset)]
             return _loader_state(self, batch_index=-1, finished=False, workers=workers, carry=[])
         assert self._mixer is not None
@@ -291,7 +313,7 @@ class MixedLoader:
                 "MixedLoader.load_state_dict() after persistent workers have started; "
                 "build a new MixedLoader and load the state before iterating it"
             )
-        if self.num_workers == 0 and state["carry"]:
+        if self._micro_batches is None and state["carry"]:
             raise StateError(
                 "this state holds samples cut out of micro-batches, which only a MixedLoader with "
                 "num_workers >= 1 can deliver; restore it with workers"
@@ -327,34 +349,61 @@ class _MicroBatches(IterableDataset):
     cannot save one). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once. With ``slots``, collated
     micro-batches travel in a new :class:`~shardkit.slabs.SlabRing` per
-    iteration, whose flag array goes with the first message."""
+    iteration, whose flag array goes with the first message. With ``columns``
+    each of the dataset's column batches is one micro-batch
+    (:mod:`shardkit.columns`); without workers (columns only) it runs in the
+    main process as worker 0."""
 
-    def __init__(self, dataset: IterableDataset, size: int, *, collate: bool, resumable: bool, slots: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        size: int,
+        *,
+        collate: bool,
+        resumable: bool,
+        slots: int = 0,
+        columns: bool = False,
+    ) -> None:
         self.dataset = dataset
         self.size = size
         self.collate = collate
         self.resumable = resumable
         self.slots = slots
+        self.columns = columns
         self.states: list[State] | None = None
 
     def __iter__(self) -> Iterator[Message]:
         info = get_worker_info()
-        assert info is not None, "_MicroBatches runs only in DataLoader workers"
-        worker = info.id
-        states, self.states = self.states, None
+        assert info is not None or self.columns, "_MicroBatches of samples runs only in DataLoader workers"
+        states, self.states = self.states, None  # now: in the main process, the caller clears them next
+        return self._messages(0 if info is None else info.id, states)
+
+    def _messages(self, worker: int, states: list[State] | None) -> Iterator[Message]:
         if states is not None:
             self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
         samples = iter(self.dataset)
         saver = _StateSaver(self.dataset, self.resumable)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
         yield worker, _START, None if ring is None else ring.flags, saver()
+        chunks = self._column_chunks(samples, ring) if self.columns else self._chunks(samples, ring)
+        for count, payload in chunks:
+            yield worker, count, payload, saver()
+        yield worker, 0, None, saver()
+
+    def _chunks(self, samples: Iterator[Any], ring: SlabRing | None) -> Iterator[tuple[int, Any]]:
         while chunk := list(islice(samples, self.size)):
             if not self.collate:
-                payload: Any = chunk
+                yield len(chunk), chunk
             else:
-                payload = default_collate(chunk) if ring is None else ring.collate(chunk)
-            yield worker, len(chunk), payload, saver()
-        yield worker, 0, None, saver()
+                yield len(chunk), default_collate(chunk) if ring is None else ring.collate(chunk)
+
+    @staticmethod
+    def _column_chunks(batches: Iterator[Any], ring: SlabRing | None) -> Iterator[tuple[int, Any]]:
+        for batch in batches:
+            parts = columns.as_parts(batch)
+            count = columns.columns_length(parts)
+            if count:  # 0 would read as the end marker
+                yield count, parts if ring is None else ring.put(parts)
 
 
 class _StateSaver:
@@ -406,6 +455,24 @@ def _check_arguments(
     for name, flag in (("drop_last", drop_last), ("resumable", resumable)):
         if not isinstance(flag, bool):
             raise LoaderError(f"{name} must be a bool (True or False), got {flag!r}")
+
+
+def _column_batches(dataset: Any, collate_fn: Any, micro_batch_size: Any) -> bool:
+    """Whether ``dataset`` yields column batches (its ``column_batches`` is true), checking
+    the arguments that do not apply to them."""
+    if not getattr(dataset, "column_batches", False):
+        return False
+    if collate_fn is not None:
+        raise LoaderError(
+            f"{type(dataset).__name__} yields column batches, which MixedLoader cuts into batches itself; "
+            "collate_fn applies to samples: pass collate_fn=None, or build the dataset without features"
+        )
+    if micro_batch_size is not None:
+        raise LoaderError(
+            f"{type(dataset).__name__} yields column batches: each of them is one micro-batch, so set their "
+            f"size with the dataset's batch_size (now {getattr(dataset, 'batch_size', None)}), not micro_batch_size"
+        )
+    return True
 
 
 def _loader_state(loader: MixedLoader | _Mixer, **fields: Any) -> State:
@@ -463,13 +530,16 @@ def _check_tail(tail: Any, index: int, num_workers: int, loader: MixedLoader) ->
     if not isinstance(tail, dict):
         raise StateError(f"{where} must be a dict, got {type(tail).__name__}")
     worker = field(tail, "worker", where, int, type(None))
-    if worker is not None and not 0 <= worker < num_workers:
+    if worker is not None and not 0 <= worker < max(num_workers, 1):
         raise StateError(f"{where}: worker {worker} is not one of the saving loader's {num_workers} workers")
     count = whole_number(tail, "count", where, 1)
     if "payload" not in tail:
         raise StateError(f"{where} has no 'payload'")
     samples = decode(tail["payload"])
-    if loader.collate_fn is not None:
+    if loader._columns:
+        samples = columns.from_plain(samples)
+        length, form = columns.columns_length(samples), "a column batch"
+    elif loader.collate_fn is not None:
         length, form = (len(samples) if type(samples) is list else None), "a list of samples (for collate_fn)"
     else:
         length, form = collated_length(samples), "a collated micro-batch"
@@ -530,10 +600,11 @@ class _Mixer(Iterator[Any]):
         self._source: Iterator[Message] | None = source
         self._dataloader = loader._loader
         self._collate_fn = loader.collate_fn
+        self._columns = loader._columns
         self._drop_last = loader.drop_last
         self._pin = loader._pin
         self._epoch_key = _mix64(_mix64(loader.seed) ^ loader.epoch)
-        self._workers = workers = loader.num_workers
+        self._workers = workers = max(loader.num_workers, 1)  # without workers, columns come from worker 0
         # Per queue: its micro-batches and the samples left in them. Queues past
         # the workers' hold restored tails.
         self._pending: list[deque[_Pending]] = [deque() for _ in range(workers)]
@@ -559,7 +630,7 @@ class _Mixer(Iterator[Any]):
         self._finished = state["finished"]
         if self._finished:
             self._source = None
-        same = state["num_workers"] == self._workers
+        same = state["num_workers"] == self.num_workers
         for saved, samples in zip(state["carry"], tails):
             worker = saved["worker"] if same and saved["worker"] is not None else None
             if worker is None:
@@ -594,7 +665,10 @@ class _Mixer(Iterator[Any]):
 
     def _carried(self, entry: _Pending, worker: int | None) -> dict[str, Any]:
         """The saved form of the undelivered rest of a micro-batch."""
-        rest = tail(entry.payload, entry.start, entry.count, collated=self._collate_fn is None)
+        if self._columns:
+            rest: Any = columns.plain(columns.tail(entry.payload, entry.start, entry.count))
+        else:
+            rest = tail(entry.payload, entry.start, entry.count, collated=self._collate_fn is None)
         return {"worker": worker, "count": entry.count - entry.start, "payload": encode(rest)}
 
     def __next__(self) -> Any:
@@ -606,7 +680,9 @@ class _Mixer(Iterator[Any]):
             self._finish()
             raise StopIteration
         parts = [part for worker, share in shares.items() for part in self._take(worker, share)]
-        if self._collate_fn is None:
+        if self._columns:
+            batch = columns.join_columns(parts)  # copies: the slabs are released below
+        elif self._collate_fn is None:
             batch = join(parts, copy=any(flags is not None for flags in self._flags))
         else:
             batch = self._collate_fn([s for payload, a, b in parts for s in payload[a:b]])
@@ -692,7 +768,11 @@ class _Mixer(Iterator[Any]):
             slot = payload.slot
             if payload.slab is not None:
                 self._slabs[worker][slot] = payload.slab
-            payload = from_slab(payload.skeleton, self._slabs[worker][slot])
+            slab = self._slabs[worker][slot]
+            if self._columns:
+                payload = columns.from_slab(payload.skeleton, lambda place: view(slab, place))
+            else:
+                payload = from_slab(payload.skeleton, slab)
         self._pending[worker].append(_Pending(payload, count, state, slot=slot))
         self._available[worker] += count
 

@@ -12,6 +12,8 @@ first time its slot is used), views the batch with :func:`from_slab`,
 copies it out and clears the slot's flag in a shared flag array. Each side
 writes one transition of a flag only: the worker sets it when it fills the
 slot, the main process clears it when the rows are copied out.
+Column batches (:mod:`shardkit.columns`) go into the same rings with
+:meth:`SlabRing.put`: one place per column, bytes as values and offsets.
 
 A worker that finds no free slot, or a tensor a slab cannot hold (sparse,
 nested, quantized, a subclass, not on the CPU), sends what
@@ -33,13 +35,16 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from shardkit.collate import same_mapping_type
+from shardkit.columns import Binary, BinaryInSlab
 
-__all__ = ["SPARE_SLOTS", "InSlab", "SlabBatch", "SlabRing", "from_slab"]
+__all__ = ["SPARE_SLOTS", "InSlab", "SlabBatch", "SlabRing", "from_slab", "view"]
 
 #: Slots of a worker's slab ring beyond the DataLoader's ``prefetch_factor``
 #: messages in flight: the main process holds up to two micro-batches per
 #: worker, and the worker collates one.
 SPARE_SLOTS = 3
+#: torch dtypes of the numpy dtypes columns usually hold (the others are looked up).
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32, np.dtype(np.uint8): torch.uint8}
 #: Byte alignment of each tensor inside a slab (any dtype can view it).
 _ALIGN = 64
 
@@ -102,16 +107,28 @@ class _Layout:
 
         return in_slab
 
+    def column(self, column: np.ndarray | Binary) -> InSlab | BinaryInSlab:
+        """Place a column of a column batch (:mod:`shardkit.columns`); bytes as values and offsets from 0."""
+        if isinstance(column, Binary):
+            low, high = int(column.offsets[0]), int(column.offsets[-1])
+            values = self.column(column.values[low:high])
+            return BinaryInSlab(values, self.column(column.offsets - low), column.list_size)
+        dtype = _TORCH_DTYPES.get(column.dtype) or torch.from_numpy(column[:0]).dtype
+        return self._place(tuple(column.shape), dtype, column.size, column)
+
     def write(self, slab: torch.Tensor) -> None:
         for place, source in self._writes:
-            view = _view(slab, place)
-            if isinstance(source, torch.Tensor):
-                view.copy_(source)
+            target = view(slab, place)
+            if isinstance(source, np.ndarray):
+                target.numpy()[...] = source
+            elif isinstance(source, torch.Tensor):
+                target.copy_(source)
             else:  # a list or tuple of samples' tensors
-                torch.stack(source, 0, out=view)
+                torch.stack(source, 0, out=target)
 
 
-def _view(slab: torch.Tensor, place: InSlab) -> torch.Tensor:
+def view(slab: torch.Tensor, place: InSlab) -> torch.Tensor:
+    """The tensor at ``place`` in ``slab``."""
     numel = math.prod(place.shape)
     return slab[place.offset : place.offset + numel * place.dtype.itemsize].view(place.dtype).view(place.shape)
 
@@ -141,7 +158,20 @@ class SlabRing:
             skeleton = collate(chunk, collate_fn_map=layout.fn_map)
         except _NotInSlab:
             return default_collate(chunk)
-        slot = int(free[0])
+        return self._fill(int(free[0]), layout, skeleton)
+
+    def put(self, parts: dict[str, np.ndarray | Binary]) -> Any:
+        """A column batch (:func:`shardkit.columns.as_parts` form) in a free slot, or
+        as it is when no slot is free."""
+        free = np.flatnonzero(self._busy == 0)
+        if not len(free):
+            return parts
+        layout = _Layout()
+        skeleton = {name: layout.column(column) for name, column in parts.items()}
+        return self._fill(int(free[0]), layout, skeleton)
+
+    def _fill(self, slot: int, layout: _Layout, skeleton: Any) -> SlabBatch:
+        """Write ``layout``'s tensors into ``slot`` (a larger buffer if they do not fit) and mark it busy."""
         slab = self._slabs[slot]
         new = slab is None or len(slab) < layout.size
         if new:  # with room to spare, so that sizes that vary a little do not reallocate
@@ -156,7 +186,7 @@ class SlabRing:
 def from_slab(value: Any, slab: torch.Tensor) -> Any:
     """A slab batch's skeleton with each :class:`InSlab` replaced by a view of ``slab``."""
     if type(value) is InSlab:
-        return _view(slab, value)
+        return view(slab, value)
     if isinstance(value, Mapping):
         return same_mapping_type(value, {key: from_slab(item, slab) for key, item in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):

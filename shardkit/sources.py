@@ -43,7 +43,7 @@ from shardkit.counting import CountFn, resolve_counts
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.base import BadRecord
-from shardkit.formats.example import ColumnBatches, FeatureSpec
+from shardkit.formats.example import ColumnBatches, FeatureCheck, FeatureSpec
 from shardkit.pipeline import Pipeline
 from shardkit.planning import (
     BALANCES,
@@ -1389,7 +1389,13 @@ class TFRecordDataset(_FormatDataset):
             ``on_error`` and resuming stay per record; ``len()`` counts batches.
             A record that does not fit ``features`` raises
             :class:`~shardkit.ShardkitError` naming the feature and the record's
-            place in its batch (``on_error="skip"`` covers bad CRCs, not this).
+            place in its batch; under ``on_error="skip"`` every record is
+            checked as it is read (:class:`~shardkit.formats.example.FeatureCheck`,
+            a second decode), and one that does not fit is skipped alone,
+            like a record with a bad CRC: warned with its url, record index
+            and byte offset, and counted in ``stats()``.
+            :class:`~shardkit.MixedLoader` cuts its batches from column batches
+            without per-sample work (see ``column_batches``).
 
     The other arguments are those of :class:`ShardedDataset`. Record counts,
     when needed and not in the ShardList, come from index files or from one
@@ -1421,7 +1427,8 @@ class TFRecordDataset(_FormatDataset):
         from shardkit.formats.tfrecord import DECODERS, TFRecordFormat
 
         self.features, self.batch_size = _column_options(features, batch_size, decode)
-        decode = "raw" if features is not None else decode  # decode_columns decodes whole batches
+        if features is not None:  # decode_columns decodes whole batches; under skip, each record is checked alone
+            decode = FeatureCheck(features) if on_error == "skip" else "raw"
         if not callable(decode) and decode not in DECODERS:
             raise DatasetError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
         if compression not in (None, "gzip", "zlib", "auto"):
@@ -1440,6 +1447,16 @@ class TFRecordDataset(_FormatDataset):
         if self.features is None or self.batch_size is None:
             return records
         return ColumnBatches(records, self.features, self.batch_size)
+
+    @property
+    def column_batches(self) -> bool:
+        """Whether this dataset yields column batches (``features`` given); :class:`~shardkit.MixedLoader`
+        then cuts its batches from them."""
+        return self.features is not None
+
+    def num_samples(self) -> int:
+        """Records this rank reads per epoch, all of its workers together (``len()`` without ``features``)."""
+        return super().__len__()
 
     def __len__(self) -> int:
         """Samples (with ``features``: batches) this rank yields per epoch, all of its workers together."""

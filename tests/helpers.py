@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
@@ -385,3 +386,49 @@ def read_all(loader: Iterable[Any]) -> list[Any]:
         if shutdown is not None:
             shutdown()
         raise
+
+
+# --------------------------------------------------------------------------- column batches
+
+COLUMN_FEATURES = {"id": ("int64", ()), "xy": ("float32", (2,)), "blob": ("bytes", ())}
+
+
+def write_column_shards(
+    folder: Path, shards: int = 3, records: int = 40, odd: int | None = None, misfits: dict[int, str] | None = None
+) -> list[str]:
+    """TFRecord shards of records numbered by "id" with COLUMN_FEATURES (and an extra "n").
+
+    Record ``odd`` has three xy values instead of two; ``misfits`` maps record ids to how
+    they do not fit: ``"shape"`` (three xy values), ``"missing"`` (no xy), ``"type"`` (xy as bytes).
+    """
+    misfits = {**(misfits or {}), **({} if odd is None else {odd: "shape"})}
+    urls = []
+    for shard in range(shards):
+        url = str(folder / f"part-{shard}.tfrecord")
+        with shardkit.TFRecordWriter(url) as writer:
+            for i in range(shard * records, (shard + 1) * records):
+                features: dict[str, Any] = {"id": i, "xy": np.array([i / 4, -i], np.float32), "blob": b"b%d" % i}
+                misfit = misfits.get(i)
+                if misfit == "shape":
+                    features["xy"] = np.array([i / 4, -i, 0.0], np.float32)
+                elif misfit == "missing":
+                    del features["xy"]
+                elif misfit == "type":
+                    features["xy"] = [b"x", b"y"]
+                writer.write(shardkit.encode_example({**features, "n": [1, 2]}))
+        urls.append(url)
+    return urls
+
+
+def column_rows(batches: list[Any]) -> list[tuple[int, list[int], bytes]]:
+    """(id, xy bits, blob) per record over column batches."""
+    return [
+        (i, xy.view(np.uint32).tolist(), blob)
+        for batch in batches
+        for i, xy, blob in zip(np.asarray(batch["id"]).tolist(), np.asarray(batch["xy"]), batch["blob"].to_pylist())
+    ]
+
+
+def per_record_rows(urls: list[str]) -> list[tuple[int, list[int], bytes]]:
+    """column_rows of the records decoded one by one (decode_example)."""
+    return [(int(r["id"][0]), r["xy"].view(np.uint32).tolist(), r["blob"][0]) for r in shardkit.TFRecordDataset(urls)]

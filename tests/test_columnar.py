@@ -9,6 +9,8 @@ and faults (a record of another shape, a bad CRC).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -19,9 +21,13 @@ from tfrecord import example_pb2
 from torch.utils.data import DataLoader
 
 import shardkit
-from shardkit import CorruptRecordError, ShardkitError, TFRecordWriter
+from shardkit import CorruptRecordError, ShardkitError
 from shardkit.formats import example as example_module
 from shardkit.formats.example import decode_example_python, encode_example
+from tests.helpers import COLUMN_FEATURES as FEATURES
+from tests.helpers import column_rows as rows
+from tests.helpers import per_record_rows, record_offsets
+from tests.helpers import write_column_shards as write_shards
 from tests.test_example import FLOAT32, INT64, compiled, example_record, garbage_records, with_both_backends
 
 SPECS = {  # name -> (dtype, shape, strategy of one value)
@@ -205,34 +211,6 @@ def test_records_may_be_bytearrays_and_memoryviews(backend: str) -> None:
 
 # --------------------------------------------------------------------------- TFRecordDataset(features=, batch_size=)
 
-FEATURES = {"id": ("int64", ()), "xy": ("float32", (2,)), "blob": ("bytes", ())}
-
-
-def write_shards(folder, shards: int = 3, records: int = 40, odd: int | None = None) -> list[str]:
-    """TFRecord shards of records numbered by "id"; record ``odd`` has three xy values instead of two."""
-    urls = []
-    for shard in range(shards):
-        url = str(folder / f"part-{shard}.tfrecord")
-        with TFRecordWriter(url) as writer:
-            for i in range(shard * records, (shard + 1) * records):
-                xy = [i / 4, -i] + ([0.0] if i == odd else [])
-                writer.write(encode_example({"id": i, "xy": np.array(xy, np.float32), "blob": b"b%d" % i, "n": [1, 2]}))
-        urls.append(url)
-    return urls
-
-
-def rows(batches: list) -> list[tuple]:
-    """(id, xy bits, blob) per record over column batches."""
-    return [
-        (i, xy.view(np.uint32).tolist(), blob)
-        for batch in batches
-        for i, xy, blob in zip(np.asarray(batch["id"]).tolist(), np.asarray(batch["xy"]), batch["blob"].to_pylist())
-    ]
-
-
-def per_record_rows(urls: list[str]) -> list[tuple]:
-    return [(int(r["id"][0]), r["xy"].view(np.uint32).tolist(), r["blob"][0]) for r in shardkit.TFRecordDataset(urls)]
-
 
 def test_tfrecord_dataset_with_features_yields_the_records_as_column_batches(tmp_path) -> None:
     urls = write_shards(tmp_path)
@@ -286,6 +264,33 @@ def test_a_record_with_a_bad_crc_is_skipped_and_made_up_under_skip(tmp_path) -> 
     with pytest.warns(UserWarning, match="skipping record 7"):
         got = rows(list(dataset))
     assert len(got) == 120 and len({row[0] for row in got}) == 119  # one record lost, made up by a repeat
+
+
+@pytest.mark.parametrize(
+    ("misfit", "reason"),
+    [
+        ("shape", "feature 'xy' has 3 values, expected 2"),
+        ("missing", "the record has no feature 'xy'"),
+        ("type", "feature 'xy' holds bytes values, expected float32"),
+    ],
+)
+def test_a_record_that_does_not_fit_the_features_costs_only_itself_under_skip(
+    tmp_path, misfit: str, reason: str
+) -> None:
+    urls = write_shards(tmp_path, misfits={45: misfit})  # record 5 of part-1
+    with pytest.raises(ShardkitError, match="feature 'xy'"):
+        list(shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16))
+    offset = record_offsets(urls[1])[5]
+    where = rf"skipping record 5 of {re.escape(urls[1])}: .*record 5 at byte offset {offset}: .*{re.escape(reason)}"
+    dataset = shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16, on_error="skip", balance="none")
+    with pytest.warns(UserWarning, match=where):
+        got = rows(list(dataset))
+    assert [row[0] for row in got] == [i for i in range(120) if i != 45]
+    assert dataset.stats().skipped.tolist() == [0, 1, 0] and dataset.stats().errors.tolist() == [0, 1, 0]
+    padded = shardkit.TFRecordDataset(urls, features=FEATURES, batch_size=16, on_error="skip").count_records()
+    with pytest.warns(UserWarning, match=where):
+        got = rows(list(padded))
+    assert len(got) == 120 and {row[0] for row in got} == set(range(120)) - {45}  # made up by a repeat
 
 
 @pytest.mark.parametrize(

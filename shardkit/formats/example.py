@@ -77,7 +77,15 @@ import numpy as np
 
 from shardkit.errors import ShardkitError
 
-__all__ = ["BACKEND", "Value", "decode_columns", "decode_example", "decode_sequence_example", "encode_example"]
+__all__ = [
+    "BACKEND",
+    "FeatureCheck",
+    "Value",
+    "decode_columns",
+    "decode_example",
+    "decode_sequence_example",
+    "encode_example",
+]
 
 Value = Union[np.ndarray, list]
 """A decoded feature: int64 array, float32 array, ``list[bytes]``, or ``[]`` if no kind is set."""
@@ -640,6 +648,41 @@ class ColumnBatches:
 
     def state_dict(self) -> Any:
         return self._records.state_dict()  # pyright: ignore[reportAttributeAccessIssue]
+
+
+class FeatureCheck:
+    """A record reader's ``decode`` that returns each record as it is after checking that it
+    fits ``features`` (:func:`decode_columns` of the record alone; raises like it).
+
+    ``TFRecordDataset(features=..., on_error="skip")`` reads with it, so that a record that
+    does not fit is a bad record of its own, located and skipped like one with a bad CRC,
+    instead of failing the whole batch it would land in. It decodes every record once more
+    (about a microsecond for small records with the compiled decoder).
+    """
+
+    def __init__(self, features: Mapping[str, FeatureSpec]) -> None:
+        self._columns = _columns(features)
+        self._args = tuple(tuple(getattr(c, k) for c in self._columns) for k in ("name", "kind", "size", "shape"))
+        # One record's outputs, written and thrown away by every check.
+        self._outs = tuple(
+            np.empty((c.size + 1,) if c.kind == _BYTES else (1, *c.shape), dtype=_DTYPES[c.kind]) for c in self._columns
+        )
+
+    def __call__(self, record: BytesLike) -> BytesLike:
+        outs = self._outs
+        try:
+            if _C is not None:
+                _C.decode_columns((record,), *self._args, outs)
+            else:
+                _decode_columns_python((record,), self._columns, outs)
+        except ShardkitError as error:  # the batch place ("record 0") means nothing here
+            message = str(error).replace(" of record 0", "").replace("record 0: ", "")
+            raise ShardkitError(message.replace("record 0 ", "the record ")) from None
+        return record
+
+    def __repr__(self) -> str:
+        wanted = ", ".join(f"{c.name}: {_KIND_NAMES[c.kind]}{list(c.shape)}" for c in self._columns)
+        return f"the features {{{wanted}}}"
 
 
 def _column_value(column: _Column, out: np.ndarray, data: Optional[bytes]) -> Any:

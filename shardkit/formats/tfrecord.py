@@ -804,7 +804,9 @@ class TFRecordFormat:
         """The error for record ``position``, whose CRCs are fine but whose bytes do not decode."""
         try:
             offsets = self.index_offsets(url) if self.compression in (None, "auto") else None
-        except ShardkitError:  # a stale index only costs the offset in the message
+            if offsets is None:  # no index file: a framing scan, on this rare path only
+                offsets = scan_offsets(url, compression=self.compression, storage_options=self.storage_options)
+        except ShardkitError:  # a stale index or a later bad frame only costs the offset in the message
             offsets = None
         offset = int(offsets[position]) if offsets is not None and position < len(offsets) else -1
         reason = (
