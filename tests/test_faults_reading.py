@@ -10,6 +10,7 @@ import collections
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -276,17 +277,23 @@ def test_ten_thousand_bad_records_in_one_shard_cost_exactly_those_records(tmp_pa
     assert (stats.total_read, stats.total_skipped, stats.total_errors) == (n // 2, n // 2, n // 2)
 
 
-def test_a_record_that_does_not_decode_costs_only_itself(tmp_path):
+def test_a_record_that_does_not_decode_costs_only_itself_and_is_located(tmp_path):
     records = [shardkit.encode_example({"id": [i]}) for i in range(10)]
     records[4] = b"\x0a\xff\xff\xff\xff\x0f"  # CRCs fine, not an Example
     url = write_records(tmp_path / "part.tfrecord", records)
-    with pytest.raises(CorruptRecordError, match=r"record 4 \(byte offset unknown\): .*does not decode") as info:
-        list(TFRecordDataset([url]))
-    assert (info.value.url, info.value.record_index, info.value.framing_intact) == (url, 4, True)
-    shardkit.build_index(url)  # with an index file the offset is known
+    offset = record_offsets(url)[4]
+    with pytest.raises(CorruptRecordError, match=rf"record 4 at byte offset {offset}: .*does not decode") as info:
+        list(TFRecordDataset([url]))  # no index file: the offset comes from a scan on this error path
+    assert (info.value.url, info.value.record_index, info.value.offset, info.value.framing_intact) == (
+        url,
+        4,
+        offset,
+        True,
+    )
+    shardkit.build_index(url)  # with an index file, from the index
     with pytest.raises(CorruptRecordError) as info:
         list(TFRecordDataset([url]))
-    assert info.value.offset == record_offsets(url)[4]
+    assert info.value.offset == offset
     lenient = TFRecordDataset([url], on_error="skip", balance="none")
     assert [int(e["id"][0]) for e in lenient] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     assert lenient.stats().skipped.tolist() == [1] and lenient.stats().read.tolist() == [9]
@@ -459,3 +466,17 @@ def test_a_damaged_gzip_tar_or_jsonl_names_the_compressed_byte(tmp_path, kind):
     with pytest.raises(CorruptRecordError) as raised:
         list(dataset([url]))
     assert raised.value.compressed_offset == bad_byte and f"compressed byte {bad_byte}" in str(raised.value)
+
+
+def test_many_undecodable_records_without_an_index_scan_their_shard_once(tmp_path, monkeypatch):
+    from shardkit.formats import tfrecord as tfr
+
+    records = [shardkit.encode_example({"id": [i]}) if i % 2 else b"\x0a\xff\xff\xff\xff\x0f" for i in range(40)]
+    url = write_records(tmp_path / "part.tfrecord", records)
+    scans = []
+    real_scan = tfr.scan_offsets
+    monkeypatch.setattr(tfr, "scan_offsets", lambda *args, **kwargs: scans.append(args) or real_scan(*args, **kwargs))
+    lenient = TFRecordDataset([url], on_error="skip", balance="none")
+    with pytest.warns(UserWarning, match=rf"skipping record 38 of {re.escape(url)}"):
+        assert [int(e["id"][0]) for e in lenient] == list(range(1, 40, 2))
+    assert len(scans) == 1 and lenient.stats().skipped.tolist() == [20]

@@ -723,6 +723,9 @@ class TFRecordFormat:
         self.index = index
         self.storage_options = storage_options
         self.remote = remote
+        # The last shard scanned for a bad record's offset: one scan per shard, not one per
+        # bad record (a shard of many undecodable records would otherwise be read again for each).
+        self._scanned: tuple[str, np.ndarray | None] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -804,16 +807,27 @@ class TFRecordFormat:
         """The error for record ``position``, whose CRCs are fine but whose bytes do not decode."""
         try:
             offsets = self.index_offsets(url) if self.compression in (None, "auto") else None
-            if offsets is None:  # no index file: a framing scan, on this rare path only
-                offsets = scan_offsets(url, compression=self.compression, storage_options=self.storage_options)
-        except ShardkitError:  # a stale index or a later bad frame only costs the offset in the message
+        except ShardkitError:  # a stale index only costs the offset in the message
             offsets = None
+        if offsets is None:
+            offsets = self._scanned_offsets(url)
         offset = int(offsets[position]) if offsets is not None and position < len(offsets) else -1
         reason = (
             f"the record's CRCs are fine but it does not decode with {self._decoder_name()}: "
             f"{type(error).__name__}: {error}"
         )
         return CorruptRecordError(url, position, offset, reason, framing_intact=True)
+
+    def _scanned_offsets(self, url: str) -> np.ndarray | None:
+        """Record offsets of ``url`` from a framing scan (no index file), on the bad-record path only;
+        None when a later bad frame stops the scan (it only costs the offset in the message)."""
+        if self._scanned is None or self._scanned[0] != url:
+            try:
+                offsets = scan_offsets(url, compression=self.compression, storage_options=self.storage_options)
+            except ShardkitError:
+                offsets = None
+            self._scanned = (url, offsets)
+        return self._scanned[1]
 
     def _index_past(self, url: str, error: CorruptRecordError, offsets: np.ndarray | None) -> Any:
         """Offsets that let ``read_tfrecord`` seek to the record after the bad one at ``error.offset``.
