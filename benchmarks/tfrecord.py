@@ -258,7 +258,7 @@ def mapped_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
     """The reader as it was: blocks framed in a read-only memory map of the file."""
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    src = tfr._Source(path, None)
+    src = tfr._Origin(path, None)
     pos, index = 0, 0
     while pos < len(mapped):
         ends = tfr._frame(mapped, pos, len(mapped), pos + BLOCK_SIZE)
@@ -272,7 +272,7 @@ def pread_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
     """The reader as it is: one ``os.pread`` into a fresh ``bytes`` per block."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        src = tfr._Source(path, None)
+        src = tfr._Origin(path, None)
         for block in tfr._file_blocks(fd, src, 0, 0, verify):
             yield from tfr._batches(block, 0, len(block.ends), src, verify)
     finally:
@@ -283,7 +283,7 @@ def readinto_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
     """The alternative: ``readinto`` one reused buffer, records copied out of a memoryview (no error paths)."""
     buf = bytearray(BLOCK_SIZE)
     view = memoryview(buf)
-    src = tfr._Source(path, None)
+    src = tfr._Origin(path, None)
     with open(path, "rb", buffering=0) as f:
         pos = index = 0
         while n := f.readinto(buf):
