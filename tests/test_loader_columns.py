@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,14 +32,11 @@ from shardkit.slabs import SlabBatch, SlabRing, view
 from shardkit.state import StateError, encode
 from tests.helpers import (
     COLUMN_FEATURES,
-    REPO,
     column_rows,
-    last_json_line,
     per_record_rows,
-    run_python,
     write_column_shards,
 )
-from tests.test_loader_slabs import shm_files_of, torch_shm_maps, worker_pids
+from tests.test_loader_slabs import assert_a_killed_worker_leaves_nothing, shm_files_of, torch_shm_maps, worker_pids
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -226,54 +222,13 @@ def test_no_shared_memory_stays_after_an_epoch_or_del_loader(persistent: bool) -
     assert shm_files_of([os.getpid(), *pids]) == []
 
 
-KILL_SCRIPT = """
-import gc, json, os, signal, sys, time
-sys.path.insert(0, {repo!r})
-from shardkit import MixedLoader
-from tests.test_loader_columns import ColumnStream
-from tests.test_loader_slabs import torch_shm_maps, worker_pids
-
-if __name__ == "__main__":  # spawned workers import this script again
-    before = torch_shm_maps()
-    loader = MixedLoader(
-        ColumnStream([40, 40], pause_after=10, pause_file={pause!r}),
-        4,
-        num_workers=2,
-        timeout=30,
-        multiprocessing_context={context!r},
-    )
-    iterator = iter(loader)
-    for _ in range(3):
-        next(iterator)
-    pids = worker_pids(loader)
-    for _ in range(3000):  # killed while it waits, not inside torch's creation of a segment
-        if os.path.exists({pause!r} + ".1"):
-            break
-        time.sleep(0.01)
-    error = ""
-    try:
-        os.kill(pids[1], signal.SIGKILL)
-        for _ in iterator:
-            pass
-    except (RuntimeError, ConnectionError) as caught:
-        error = f"{{type(caught).__name__}}: {{caught}}"
-        del caught
-    del iterator, loader
-    gc.collect()
-    print(json.dumps({{"error": error, "pid": os.getpid(), "pids": pids, "before": before, "after": torch_shm_maps()}}))
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path, context: str) -> None:
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT.format(repo=str(REPO), context=context, pause=str(tmp_path / "paused")))
-    report = last_json_line(run_python(str(script), timeout=120, cwd=REPO).stdout)
-    dead = rf"RuntimeError: DataLoader worker \(pid(\(s\))? {report['pids'][1]}\) (is killed|exited)"
-    assert re.match(dead, report["error"]) or report["error"].startswith("ConnectionResetError"), report["error"]
-    assert report["after"] == report["before"]
-    assert shm_files_of([report["pid"], *report["pids"]]) == []
+    pause = str(tmp_path / "paused")
+    dataset = f"ColumnStream([40, 40], pause_after=10, pause_file={pause!r})"
+    imports = "from tests.test_loader_columns import ColumnStream"
+    assert_a_killed_worker_leaves_nothing(tmp_path, context, dataset, imports, pause=pause)
 
 
 def test_bytes_features_of_several_values_per_record_come_as_fixed_size_lists(tmp_path: Path) -> None:

@@ -353,20 +353,23 @@ def test_no_shared_memory_stays_after_an_epoch_or_del_loader(persistent: bool) -
 
 
 KILL_SCRIPT = """
-import gc, json, os, signal, sys
+import gc, json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
 from shardkit import MixedLoader
-from tests.test_loader_slabs import Samples, torch_shm_maps, worker_pids
+from tests.test_loader_slabs import torch_shm_maps, worker_pids
+{imports}
 
 if __name__ == "__main__":  # spawned workers import this script again
     before = torch_shm_maps()
-    loader = MixedLoader(
-        Samples([40, 40], pause_after=20), 4, num_workers=2, timeout=30, multiprocessing_context={context!r}
-    )
+    loader = MixedLoader({dataset}, 4, num_workers=2, timeout=30, multiprocessing_context={context!r})
     iterator = iter(loader)
     for _ in range(3):
         next(iterator)
     pids = worker_pids(loader)
+    for _ in range(3000 if {pause!r} else 0):  # killed while it waits, not inside torch's creation of a segment
+        if os.path.exists({pause!r} + ".1"):
+            break
+        time.sleep(0.01)
     error = ""
     try:
         os.kill(pids[1], signal.SIGKILL)
@@ -381,12 +384,19 @@ if __name__ == "__main__":  # spawned workers import this script again
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path, context: str) -> None:
-    # In a process of its own: DataLoader's SIGCHLD handler may raise at any later point.
+def assert_a_killed_worker_leaves_nothing(
+    tmp_path: Path, context: str, dataset: str, imports: str = "", pause: str = ""
+) -> None:
+    """Kill worker 1 of a MixedLoader over ``dataset`` (source text; ``imports`` make it, ``pause``
+    is the file prefix its workers touch when they wait) three batches in: the death is reported
+    and nothing stays mapped or in /dev/shm.
+
+    In a process of its own: DataLoader's SIGCHLD handler may raise at any later point.
+    """
     script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT.format(repo=str(REPO), context=context))
+    script.write_text(
+        KILL_SCRIPT.format(repo=str(REPO), context=context, dataset=dataset, imports=imports, pause=pause)
+    )
     report = last_json_line(run_python(str(script), timeout=120, cwd=REPO).stdout)
     # DataLoader reports the death from its SIGCHLD handler or its next read; or, when the
     # dead worker's message was passing a file descriptor, the receiving end fails.
@@ -394,6 +404,13 @@ def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path, context
     assert re.match(dead, report["error"]) or report["error"].startswith("ConnectionResetError"), report["error"]
     assert report["after"] == report["before"]
     assert shm_files_of([report["pid"], *report["pids"]]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_no_shared_memory_stays_after_a_worker_is_killed(tmp_path: Path, context: str) -> None:
+    dataset = "Samples([40, 40], pause_after=20)"
+    assert_a_killed_worker_leaves_nothing(tmp_path, context, dataset, "from tests.test_loader_slabs import Samples")
 
 
 @pytest.mark.slow
