@@ -715,8 +715,7 @@ class _Mixer(Iterator[Any]):
             shutdown()
         if getattr(self._dataloader, "_iterator", None) is self._source:
             self._dataloader._iterator = None
-        self._source = None
-        self._finish()
+        self._finish()  # drops the source too
 
     def _allocate(self) -> dict[int, int]:
         """Shares of the next batch per worker, in placement order, pulling
