@@ -31,5 +31,9 @@ if [[ -n "$extras" ]]; then
 else
     "${pip[@]}" "${editable[@]}" .
 fi
-# A dev install also satisfies a later core-only run: remember both.
-{ echo "$want"; [[ -n "$extras" ]] && echo "${want% *} core"; } > "$stamp"
+# A dev install also satisfies a later core-only run: remember both. (An
+# `if`, not `[[ ]] &&`: a last command with status 1 would fail the script.)
+{
+    echo "$want"
+    if [[ -n "$extras" ]]; then echo "${want% *} core"; fi
+} > "$stamp"
