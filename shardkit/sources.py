@@ -39,7 +39,7 @@ from typing import Any, Final, Literal, NamedTuple
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
-from shardkit.counting import CountFn, resolve_counts
+from shardkit.counting import CountFn, StoredCountFn, plan_counts, resolve_counts
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.base import BadRecord
@@ -923,12 +923,9 @@ class ShardedDataset(_PlannedSource):
         return self._stats.snapshot()
 
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
-        if self.shards.num_records is not None:
-            return self.shards.num_records
-        if required:
-            if not self._fill_counts():  # no index beside some shard: count them (index files where present)
-                self.count_records()
-            return self.shards.num_records
+        counts = self._resolve_counts(required)
+        if counts is not None:
+            return counts
         if len(self.shards) < topology.num_workers and topology.worker_id == 0:
             warnings.warn(
                 f"{len(self.shards)} shards for {topology.num_workers} DataLoader workers and unknown "
@@ -938,29 +935,24 @@ class ShardedDataset(_PlannedSource):
             )
         return self.shards.table.column("num_records")
 
-    def __len__(self) -> int:
-        self._fill_counts()
-        return super().__len__()
-
-    def load_state_dict(self, state: State) -> None:
-        self._fill_counts()
-        super().load_state_dict(state)
-
-    def _fill_counts(self) -> bool:
-        """Where the shard list has no counts, take them from index files beside every shard
-        (or the counts cache), without a counting pass; whether the counts are known now.
+    def _resolve_counts(self, required: bool) -> np.ndarray | None:
+        """The record counts every plan, ``len()`` and state of this source use (None: unknown, whole
+        shards are dealt), by :func:`~shardkit.counting.plan_counts`: the same precedence in every
+        rank and worker, whichever method runs first. Counts once known are kept in ``shards``.
 
         Raises:
             IndexFileError: an index does not fit its shard: it is refused, not trusted.
         """
         if self.shards.num_records is None:
-            filled = self._counts_from_indexes()
-            if filled is not None:
-                self.shards = filled
-        return self.shards.num_records is not None
+            self.shards = plan_counts(
+                self.shards, stored_count=self._stored_count(), count_fn=self.count_fn, required=required,
+                why=repr(self), storage_options=self.storage_options,
+            )  # fmt: skip
+        return self.shards.num_records
 
-    def _counts_from_indexes(self) -> ShardList | None:
-        """The shard list with counts from index files, or None (the reader has none, or a shard lacks one)."""
+    def _stored_count(self) -> StoredCountFn | None:
+        """``stored_count(url)``, the count a shard's own metadata or index file holds (None where it
+        has none); None when the reader keeps no such count."""
         return None
 
     def _makes_up(self, balance: Balance) -> bool:
@@ -1336,21 +1328,12 @@ class _FormatDataset(ShardedDataset):
         read = getattr(fmt, "read_marked", None) or fmt.read
         super().__init__(shards, read, count_fn=fmt.count, **options)
 
-    def _counts_from_indexes(self) -> ShardList | None:
-        from shardkit.counting import counts_from_indexes  # here, not at the top: keeps the import block as is
-
-        stored = getattr(self.format, "stored_count", None)  # a count the file's own metadata holds
-        offsets_fn = getattr(self.format, "index_offsets", None)
-        if stored is None and offsets_fn is None:
-            return None
-
-        def stored_count(url: str) -> int | None:
-            if stored is not None:
-                return stored(url)
-            offsets = offsets_fn(url)  # pyright: ignore[reportOptionalCall]  (one of the two is set)
-            return None if offsets is None else len(offsets)
-
-        return counts_from_indexes(self.shards, stored_count, storage_options=self.storage_options)
+    def _stored_count(self) -> StoredCountFn | None:
+        stored = getattr(self.format, "stored_count", None)  # a count the file itself holds (Parquet footer)
+        if stored is not None:
+            return stored
+        offsets_fn = getattr(self.format, "index_offsets", None)  # an index file beside the shard
+        return None if offsets_fn is None else functools.partial(_index_count, offsets_fn)
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
         hint = getattr(self.format, "prefetch", None)
@@ -1359,6 +1342,12 @@ class _FormatDataset(ShardedDataset):
         else:  # open the shard ahead; fetch its first blocks only when the range starts there
             remote = getattr(self.format, "remote", None)
             prefetch(self.shards[shard], self.storage_options, remote, offset=0 if start == 0 else None)
+
+
+def _index_count(index_offsets: Callable[[str], Any], url: str) -> int | None:
+    """Records in ``url`` by its checked index file (``index_offsets``), None without one."""
+    offsets = index_offsets(url)
+    return None if offsets is None else len(offsets)
 
 
 class TFRecordDataset(_FormatDataset):
