@@ -1,22 +1,42 @@
 """Record counts for shard lists that lack them.
 
-Balanced plans (``"pad"``/``"drop"`` over several ranks) need every shard's
-record count. In order of preference the counts come from:
+Sources resolve the counts they plan with in one function, :func:`plan_counts`,
+the same way in every rank and DataLoader worker whichever of ``len()``,
+``state_dict()``, ``count_records()`` or iteration runs first, so that the plan
+is a function of the shards, their counts as the job sees them, the topology,
+the seed and the epoch. In order of preference the counts come from:
 
-1. the :class:`~shardkit.ShardList` itself (a manifest, or ``num_records=``);
-   when every shard has an index file beside it (``shardkit index``), the
-   sources take the counts from those (:func:`counts_from_indexes`) without a
-   call to ``count_records()``: each index is checked against its shard as it
-   is now, and one that does not fit raises
-   :class:`~shardkit.formats.index.IndexFileError` rather than being trusted;
-2. the counts cache of an earlier counting pass, for every shard whose file
-   still has the identity it had when it was counted (:func:`identity`: size
-   plus modification time, inode, ETag, version or generation — whatever the
-   filesystem reports);
-3. ``count_fn(url)`` for the others only — for TFRecord, the index file when
-   there is a valid one, else a fast framing scan. When ``torch.distributed``
-   is initialised the shards are shared out over the ranks and the counts
-   all-gathered.
+1. the :class:`~shardkit.ShardList` itself (a manifest, ``num_records=``, or
+   an earlier ``count_records()``, which every rank calls: it is collective
+   under a process group);
+2. the counts stored with every shard (:func:`counts_from_indexes`): a
+   checked index file beside it (``shardkit index``), a Parquet footer. They
+   are looked up under every balance mode, ``"none"`` included, since they are
+   a function of the files: every reader finds the same ones. An index that
+   does not fit its shard raises :class:`~shardkit.formats.index.IndexFileError`
+   rather than being trusted;
+3. only when the plan cannot go without counts (``"pad"``/``"drop"`` over
+   several ranks, sample-level shuffling; :func:`resolve_counts`): the counts
+   cache of an earlier counting pass, for every shard whose file still has the
+   identity it had when it was counted (:func:`identity`: size plus
+   modification time, inode, ETag, version or generation — whatever the
+   filesystem reports), then ``count_fn(url)`` for the others only — for
+   TFRecord, the index file when there is a valid one, else a fast framing
+   scan. When ``torch.distributed`` is initialised the shards are shared out
+   over the ranks and the counts all-gathered;
+4. else the counts stay unknown, and plans deal whole shards.
+
+The cache never turns unknown counts into known ones: it is per machine and
+fills as ranks count, so a rank on a machine that counted in an earlier run
+would split records while ranks elsewhere dealt whole shards. Its rows say
+whether a count was taken from an index or footer (``stored``); such a row,
+for a file that kept its identity, stands in for reading that index again.
+
+Index files that appear or disappear while a job starts: each reader looks
+them up when it first plans, so a reader that sees every index splits records
+while one that found a shard without its index deals whole shards, and records
+are then read twice or not at all. Write indexes (or a manifest) before the
+job starts; the counts are read again only by a new dataset or process.
 
 Where the cache lives (never beside the data: shardkit writes nothing where
 the user did not ask): one Arrow IPC file per shard list, named by the hash of

@@ -845,7 +845,10 @@ class ShardedDataset(_PlannedSource):
             listing from the group's store; DataLoader workers never list (see
             :mod:`shardkit.listing`). A manifest skips listing altogether.
 
-    When the record counts are unknown, one rank deals whole shards to its
+    Record counts come from the shard list, else from the files' own index
+    files or footers (under every ``balance``), the same way in every rank and
+    worker whatever was called first (see :func:`~shardkit.counting.plan_counts`).
+    When they are still unknown, one rank deals whole shards to its
     workers (and warns if there are fewer shards than workers); several ranks
     with ``balance="none"`` do the same; several ranks with ``"pad"``/``"drop"``
     count the records once (see :mod:`shardkit.counting`).
@@ -910,8 +913,9 @@ class ShardedDataset(_PlannedSource):
     def count_records(self) -> ShardedDataset:
         """Fill in unknown record counts now (in this process), and return self.
 
-        Call it before building the DataLoader so that workers do not each
-        count; the counts are also cached beside the data where writable.
+        Call it on every rank (under a process group it is a collective), before
+        building the DataLoader so that workers do not each count; the counts are
+        also kept in the counts cache (see :mod:`shardkit.counting`).
         """
         self.shards = resolve_counts(self.shards, self.count_fn, why=repr(self), storage_options=self.storage_options)
         return self

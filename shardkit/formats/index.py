@@ -26,6 +26,9 @@ CRC is valid and whose record ends exactly at the end of the file (one
 boundaries fails with :class:`IndexFileError`, naming both files and the fix
 (``shardkit index URL``). An index beside a compressed file cannot be checked
 against it, so it is not used at all (counting scans instead).
+``read_tfrecord(index=path)`` checks the index file it is given the same way
+(:func:`load_given_index`); offsets given as an array are checked against the
+end of the file when a read starts past them (:func:`check_ends_with_file`).
 
 Index files are written atomically on local disks (temporary name, then
 rename); object stores publish a file only when it is complete.

@@ -473,6 +473,10 @@ def read_tfrecord(
         index: offsets of the records (an array, or the path of an index file
             written by :func:`~shardkit.build_index`); on an uncompressed file the
             reader then seeks straight to ``start`` instead of scanning to it.
+            An index file is checked against the file first
+            (:func:`~shardkit.formats.index.load_index`); an array is checked
+            against the file's end when ``start`` is past its last record. One
+            that does not fit raises :class:`~shardkit.formats.index.IndexFileError`.
         storage_options: passed to fsspec.
         remote: how a remote file is read (readahead, retries, local cache):
             a :class:`~shardkit.remote.RemoteOptions`; local files ignore it.
