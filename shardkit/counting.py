@@ -272,12 +272,16 @@ def counts_from_indexes(
     """
     if shards.num_records is not None:
         return shards
+    probed = _probe_first(shards, stored_count, cache_dir)
+    if probed is None:
+        return None
     cached = _Cached.read(shards, storage_options, cache_dir)
     known = shards.known_counts | cached.stored
     counts = np.where(known, cached.counts, 0)
     missing = np.flatnonzero(~known)
     for i in missing:
-        count = stored_count(shards[int(i)])
+        count = probed.get(int(i))
+        count = stored_count(shards[int(i)]) if count is None else count
         if count is None:
             return None
         counts[i] = count
@@ -286,6 +290,18 @@ def counts_from_indexes(
         cached.counts, cached.stored[missing] = counts, True
         cached.write(shards)
     return shards.with_num_records(counts)
+
+
+def _probe_first(shards: ShardList, stored_count: StoredCountFn, cache_dir: str | None) -> dict[int, int] | None:
+    """The stored count of the first shard lacking one when no counts cache exists (None: it has
+    none, so neither have the counts): settles the usual case of shards without indexes with one
+    probe, before the cache's file identities cost a stat per shard or a listing per directory."""
+    path = cache_path(shards, cache_dir)
+    if path is not None and os.path.exists(path):
+        return {}
+    first = int(np.flatnonzero(~shards.known_counts)[0])
+    count = stored_count(shards[first])
+    return None if count is None else {first: count}
 
 
 class _Cached:

@@ -258,3 +258,18 @@ def test_a_counts_cache_written_before_counts_were_marked_stored_is_read_as_scan
     assert counting.resolve_counts(shards, None, why="test").num_records.tolist() == [20, 10]  # no count_fn needed
     assert "ignoring" not in caplog.text
     assert TFRecordDataset(urls, balance="none")._counts(Topology())[0].tolist() == [20, 10]  # from the indexes
+
+
+def test_shards_without_indexes_cost_one_index_probe_and_no_file_identities_under_balance_none(tmp_path, monkeypatch):
+    from shardkit import counting
+    from shardkit.formats.tfrecord import TFRecordFormat
+
+    urls = _write_tfrecords(str(tmp_path), [3] * 8)  # no index files, no counts cache yet
+    probes = []
+    real = TFRecordFormat.index_offsets
+    monkeypatch.setattr(TFRecordFormat, "index_offsets", lambda self, url: probes.append(url) or real(self, url))
+    monkeypatch.setattr(counting, "_identities", lambda *a: pytest.fail("listed or stat'ed every shard"))
+    for rank in range(2):
+        counts, _ = TFRecordDataset(urls, balance="none", rank=rank, world_size=2)._counts(Topology(rank, 2))
+        assert counts.null_count == 8
+    assert probes == [urls[0], urls[0]]  # one probe per reader: a remote store sees one HEAD, not a LIST
