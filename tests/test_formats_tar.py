@@ -431,3 +431,71 @@ def test_a_damaged_run_is_blamed_on_the_sample_its_name_or_neighbours_point_to()
     assert _blame(None, current, ("k003", "txt"), previous) == "current"  # garbage: the open one is short
     assert _blame(None, previous, ("k003", "cls"), previous) == "next"  # garbage: .cls never comes first
     assert _blame(None, previous, ("k003", "txt"), previous) == "own"
+
+
+# --------------------------------------------------------------------------- headers whose fields lie
+
+
+def write_pax_tar(url: str, count: int = 6, pax: int = 3) -> None:
+    """``count`` samples ``k000..`` of two members (.txt, .cls); sample ``pax``'s .txt carries a pax ``path`` record."""
+    with tarfile.open(url, "w", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(count):
+            for ext in ("txt", "cls"):
+                data = f"{i}{ext}".encode() * (i * 70 + 1)
+                info = tarfile.TarInfo(f"k{i:03d}.{ext}")
+                info.size = len(data)
+                if i == pax and ext == "txt":
+                    info.pax_headers = {"path": info.name}
+                tar.addfile(info, io.BytesIO(data))
+
+
+def rewrite_header(url: str, offset: int, **fields: bytes) -> None:
+    """Set fields of the header at ``offset`` (``size=``: bytes 124..136) and fix its checksum, as a writer would."""
+    spans = {"size": (124, 136)}
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        header = bytearray(f.read(512))
+        for name, value in fields.items():
+            begin, end = spans[name]
+            header[begin:end] = value.ljust(end - begin, b"\0")
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        f.seek(offset)
+        f.write(header)
+
+
+def rewrite_pax_records(url: str, offset: int, records: bytes) -> None:
+    """Replace the records of the pax header at ``offset`` (they fit its first data block) and fix its size field."""
+    assert len(records) <= 512
+    rewrite_header(url, offset, size=f"{len(records):011o}".encode())
+    with open(url, "r+b") as f:
+        f.seek(offset + 512)
+        f.write(records.ljust(512, b"\0"))
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize(
+    "records",
+    [
+        b"99999999999999999999999 path=k003.txt\n",  # a length past the header's end: tarfile raises
+        b"99999999999999999999999 mtime=1\n",  # the same in a header that names no path
+        b"17 path=k003.txtX",  # the record does not end with a newline
+        b"3 a=\n",  # shorter than its own length field
+        b"12 path k003\n",  # no '='
+        b"19 path=k003.txt\n",  # a length past the end of the records
+    ],
+)
+def test_a_pax_record_whose_length_lies_is_a_located_error_that_costs_exactly_its_sample(tmp_path, records):
+    url = str(tmp_path / "part-000.tar")
+    write_pax_tar(url)
+    intact = list(TarFormat().read(url))
+    offset = header_offsets(url)[6]  # sample 3's .txt: its pax header
+    rewrite_pax_records(url, offset, records)
+    with pytest.raises(CorruptRecordError, match=r"malformed pax header") as info:
+        list(TarFormat().read(url))
+    error = info.value
+    assert (error.url, error.record_index, error.offset, error.framing_intact) == (url, 3, offset, True)
+    assert TarFormat().count(url) == 6
+    lenient = TarDataset([url], balance="none", on_error="skip")
+    assert list(lenient) == intact[:3] + intact[4:]  # every other sample byte-exact
+    assert lenient.stats().skipped.tolist() == [1]

@@ -128,22 +128,31 @@ def _name_of(header: bytes) -> str:
 
 
 def _pax_path(data: bytes) -> str | None:
-    """The ``path`` record of a pax extended header, if any (records are ``"<len> key=value\\n"``)."""
-    if b" path=" not in data:  # most pax headers carry only times (webdataset's TarWriter: mtime)
-        return None
-    pos = 0
+    """The ``path`` record of a pax extended header, if any. Raises ValueError naming a malformed record.
+
+    Records are ``"<length> key=value\\n"``, ``length`` counting the whole
+    record. Each is checked as ``tarfile`` checks it (digits, at least 5, the
+    record inside the header, a key and ``=``, the newline last), so a length
+    that lies cannot stretch a value over the next record or past the header.
+    A NUL byte ends the records, as in ``tarfile``.
+    """
     found = None
-    while pos < len(data):
+    pos, end = 0, len(data)
+    while pos < end and data[pos]:
         space = data.find(b" ", pos)
-        if space < 0:
-            break
-        length = int(data[pos:space])
-        if length <= 0:
-            break
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        digits = data[pos:space] if space > pos else b""
+        if not digits.isdigit():
+            raise ValueError(f"a record at byte {pos} has no length field")
+        length = int(digits)
+        last = pos + length - 1
+        if length < 5 or last >= end or data[last] != 0x0A:
+            raise ValueError(f"the record at byte {pos} says it is {length} bytes long, in {end} bytes of records")
+        key, equals, value = data[space + 1 : last].partition(b"=")
+        if not key or not equals:
+            raise ValueError(f"the record at byte {pos} has no 'key='")
         if key == b"path":
             found = value.decode("utf-8", "surrogateescape")
-        pos += length
+        pos = last + 1
     return found
 
 
@@ -273,8 +282,9 @@ class _Parser:
             if kind == b"x" or kind == b"L":
                 try:
                     long_name = _long_name(kind, data)
-                except ValueError:
-                    self.damage = f"malformed {'pax' if kind == b'x' else 'GNU long name'} header {data[:40]!r}"
+                except ValueError as problem:
+                    what = "pax" if kind == b"x" else "GNU long name"
+                    self.damage = f"malformed {what} header {data[:40]!r}: {problem}"
                     if not resync:
                         raise self.error(at, self.damage) from None
                     yield None, at, header  # the run is this extended header: it belongs to the next member
