@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gzip
 import io
 import os
@@ -211,7 +212,9 @@ def test_a_size_field_that_lies_costs_no_memory_and_is_a_located_error(tmp_path)
         header[148:156] = f"{sum(header):06o}\0 ".encode()
         f.seek(offset)
         f.write(header)
-    with pytest.raises(CorruptRecordError, match=rf"record 0 at byte offset {offset}: the file ends inside the member"):
+    with pytest.raises(
+        CorruptRecordError, match=rf"record 0 at byte offset {offset}: tar header size field .* past the end"
+    ):
         list(TarFormat().read(url))
 
 
@@ -498,4 +501,56 @@ def test_a_pax_record_whose_length_lies_is_a_located_error_that_costs_exactly_it
     assert TarFormat().count(url) == 6
     lenient = TarDataset([url], balance="none", on_error="skip")
     assert list(lenient) == intact[:3] + intact[4:]  # every other sample byte-exact
+    assert lenient.stats().skipped.tolist() == [1]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize("lost", [10, 19])  # 19: the last sample, before the end-of-archive marker
+@pytest.mark.parametrize("member", [0, 2])
+@pytest.mark.parametrize("index", [False, True])
+def test_a_size_field_past_the_end_of_the_file_costs_exactly_its_sample(tmp_path, lost, member, index):
+    (url,) = write_shards(str(tmp_path), [20])
+    intact = list(TarFormat().read(url))
+    if index:
+        TarFormat().build_index(url)  # an index from before the damage
+    with tarfile.open(url) as tar:
+        at = tar.getmembers()[3 * lost + member].offset_data - 512  # the member's own ustar header
+    rewrite_header(url, at, size=b"77777777777")  # 8 GiB: far past the end of the file
+    with pytest.raises(CorruptRecordError, match=rf"record {lost} at byte offset {at}: .*past the end") as info:
+        list(TarFormat(index=index).read(url))
+    assert (info.value.url, info.value.framing_intact) == (url, True)
+    assert TarFormat(index=index).count(url) == 20  # the lost sample counts, as the reader numbers it
+    lenient = TarDataset([url], balance="none", on_error="skip", index=index)
+    assert list(lenient) == intact[:lost] + intact[lost + 1 :]  # every later sample read, byte-exact
+    assert (lenient.stats().skipped.tolist(), lenient.stats().errors.tolist()) == ([1], [1])
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_size_field_past_the_end_of_the_file_leaves_counts_resolvable_and_ranks_equal(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 7])
+    with tarfile.open(urls[0]) as tar:
+        rewrite_header(urls[0], tar.getmembers()[3 * 10].offset_data - 512, size=b"77777777777")
+    counted = TarDataset(urls, on_error="skip", index=False).count_records()
+    assert counted.shards.num_records.tolist() == [20, 7]
+    ranks = ids_per_rank(make_dataset(urls, balance="pad", on_error="skip", index=False), world_size=2, num_workers=0)
+    per_rank = [sum(len(b) for b in batches) for batches in ranks]
+    seen = collections.Counter(s for batches in ranks for batch in batches for s in batch)
+    good = set(all_keys([27])) - {"s00010"}
+    assert per_rank == [14, 14] and set(seen) == good  # every good sample, the lost one never
+    assert sum(seen.values()) - len(seen) == 28 - 26  # repeats stand in for the lost sample and the pad, no more
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_size_field_past_the_end_of_a_gzip_tar_costs_exactly_its_sample(tmp_path):
+    (url,) = write_shards(str(tmp_path), [20])
+    intact = [s["bin"] for s in TarFormat().read(url)]
+    with tarfile.open(url) as tar:
+        rewrite_header(url, tar.getmembers()[3 * 10].offset_data - 512, size=b"77777777777")
+    with open(url, "rb") as f, gzip.open(url + ".gz", "wb") as g:
+        g.write(f.read())
+    with pytest.raises(CorruptRecordError, match=r"record 10 at byte offset \d+: .*past the end"):
+        list(TarFormat().read(url + ".gz"))
+    assert TarFormat().count(url + ".gz") == 20
+    lenient = TarDataset([url + ".gz"], balance="none", on_error="skip")
+    assert [s["bin"] for s in lenient] == intact[:10] + intact[11:]
     assert lenient.stats().skipped.tolist() == [1]
