@@ -3,6 +3,8 @@ ranges by row group, column batches, splits, faults, resume, S3."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import warnings
 
 import numpy as np
@@ -291,3 +293,116 @@ def test_len_resume_and_balanced_ranks_take_counts_from_the_footers_without_coun
     if batch_size is None:
         ranks = [[s["id"] for s in make(rank=r, world_size=2, balance="drop")] for r in range(2)]
         assert len(ranks[0]) == len(ranks[1]) == sum(SIZES) // 2
+
+
+# --------------------------------------------------------------------------- a footer whose counts lie
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        value, shift, pos = value | (byte & 0x7F) << shift, shift + 7, pos + 1
+        if byte < 0x80:
+            return value, pos
+
+
+def _skip_thrift(buf: bytes, pos: int, kind: int, element: bool = False) -> int:
+    """The position after a Thrift compact-protocol value of type ``kind`` at ``pos``."""
+    if kind in (1, 2):  # a bool: in the field header, or one byte as a list element
+        return pos + 1 if element else pos
+    if kind in (3, 7):
+        return pos + (1 if kind == 3 else 8)
+    if kind in (4, 5, 6):
+        return _varint(buf, pos)[1]
+    if kind == 8:
+        size, pos = _varint(buf, pos)
+        return pos + size
+    if kind in (9, 10):  # list, set: size and element type in one byte (size 15: a varint follows)
+        size, inner, pos = buf[pos] >> 4, buf[pos] & 0x0F, pos + 1
+        if size == 15:
+            size, pos = _varint(buf, pos)
+        for _ in range(size):
+            pos = _skip_thrift(buf, pos, inner, element=True)
+        return pos
+    if kind == 11:  # map
+        size, pos = _varint(buf, pos)
+        if size:
+            key, value, pos = buf[pos] >> 4, buf[pos] & 0x0F, pos + 1
+            for _ in range(size):
+                pos = _skip_thrift(buf, _skip_thrift(buf, pos, key, True), value, True)
+        return pos
+    assert kind == 12, kind  # a struct: fields up to the stop byte
+    last = 0
+    while buf[pos]:
+        delta, inner, pos = buf[pos] >> 4, buf[pos] & 0x0F, pos + 1
+        if not delta:
+            _, pos = _varint(buf, pos)  # a long-form field id
+        pos = _skip_thrift(buf, pos, inner)
+        last += delta
+    return pos + 1
+
+
+def rewrite_footer_num_rows(url: str, num_rows: int) -> None:
+    """Set ``FileMetaData.num_rows`` (Thrift field 3, an i64 zigzag varint) in the footer, the row groups untouched."""
+    with open(url, "rb") as f:
+        data = f.read()
+    assert data.endswith(b"PAR1")
+    length = int.from_bytes(data[-8:-4], "little")
+    meta = data[-8 - length : -8]
+    pos, field = 0, 0
+    while True:
+        delta, kind, pos = meta[pos] >> 4, meta[pos] & 0x0F, pos + 1
+        assert delta, "a long-form field id in FileMetaData"
+        field += delta
+        if field == 3:
+            break
+        pos = _skip_thrift(meta, pos, kind)
+    assert kind == 6
+    end = _varint(meta, pos)[1]
+    zigzag, encoded = (num_rows << 1) ^ (num_rows >> 63), bytearray()
+    while True:
+        encoded.append(zigzag & 0x7F | (0x80 if zigzag > 0x7F else 0))
+        zigzag >>= 7
+        if not zigzag:
+            break
+    meta = meta[:pos] + bytes(encoded) + meta[end:]
+    with open(url, "wb") as f:
+        f.write(data[: -8 - length] + meta + len(meta).to_bytes(4, "little") + b"PAR1")
+    assert pq.ParquetFile(url).metadata.num_rows == num_rows  # pyarrow reports the lie
+
+
+@pytest.mark.parametrize("num_rows", [2**62, -5, 31, 0])
+def test_a_footer_whose_row_count_disagrees_with_its_row_groups_is_a_located_error(tmp_path, num_rows):
+    urls = write_shards(str(tmp_path), [30, 20], row_group_size=4)
+    rewrite_footer_num_rows(urls[0], num_rows)
+    footer_at = os.path.getsize(urls[0]) - 8 - pq.ParquetFile(urls[0]).metadata.serialized_size
+    with pytest.raises(CorruptRecordError, match=rf"footer says it holds {num_rows} rows, its 8 row groups 30") as info:
+        list(ParquetDataset(urls, balance="none"))
+    error = info.value
+    assert (error.url, error.record_index, error.offset, error.framing_intact) == (urls[0], 0, footer_at, False)
+    with pytest.raises(CorruptRecordError, match="footer says"):
+        ParquetFormat().build_index(urls[0])  # `shardkit index` checks the footer
+
+
+@pytest.mark.filterwarnings("ignore:skipping")
+@pytest.mark.parametrize("num_rows", [2**62, -5])
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_a_footer_whose_row_count_lies_is_skipped_and_counted_and_the_padded_epoch_ends(
+    tmp_path, monkeypatch, num_rows, batch_size
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no counts cached from another test
+    urls = write_shards(str(tmp_path), [30, 20], row_group_size=4)
+    rewrite_footer_num_rows(urls[0], num_rows)
+    records = [30, 20] if batch_size is None else [8, 5]
+    per_rank = sum(records) // 2 + sum(records) % 2
+    good = all_ids([50])[30:]
+    seen: list[str] = []
+    for rank in range(2):
+        dataset = ParquetDataset(urls, balance="pad", on_error="skip", rank=rank, world_size=2, batch_size=batch_size)
+        assert len(dataset) == per_rank
+        got = list(itertools.islice(dataset, 10 * per_rank))  # ends long before the cap
+        assert len(got) == per_rank
+        seen += [i for sample in got for i in (batch_ids(sample) if batch_size else [sample["id"]])]
+        assert dataset.stats().skipped.tolist()[0] > 0
+    assert set(seen) == set(good)  # every row of the sound shard, none from the one whose footer lies

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gzip
 import io
 import os
@@ -211,7 +212,9 @@ def test_a_size_field_that_lies_costs_no_memory_and_is_a_located_error(tmp_path)
         header[148:156] = f"{sum(header):06o}\0 ".encode()
         f.seek(offset)
         f.write(header)
-    with pytest.raises(CorruptRecordError, match=rf"record 0 at byte offset {offset}: the file ends inside the member"):
+    with pytest.raises(
+        CorruptRecordError, match=rf"record 0 at byte offset {offset}: tar header size field .* past the end"
+    ):
         list(TarFormat().read(url))
 
 
@@ -431,3 +434,123 @@ def test_a_damaged_run_is_blamed_on_the_sample_its_name_or_neighbours_point_to()
     assert _blame(None, current, ("k003", "txt"), previous) == "current"  # garbage: the open one is short
     assert _blame(None, previous, ("k003", "cls"), previous) == "next"  # garbage: .cls never comes first
     assert _blame(None, previous, ("k003", "txt"), previous) == "own"
+
+
+# --------------------------------------------------------------------------- headers whose fields lie
+
+
+def write_pax_tar(url: str, count: int = 6, pax: int = 3) -> None:
+    """``count`` samples ``k000..`` of two members (.txt, .cls); sample ``pax``'s .txt carries a pax ``path`` record."""
+    with tarfile.open(url, "w", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(count):
+            for ext in ("txt", "cls"):
+                data = f"{i}{ext}".encode() * (i * 70 + 1)
+                info = tarfile.TarInfo(f"k{i:03d}.{ext}")
+                info.size = len(data)
+                if i == pax and ext == "txt":
+                    info.pax_headers = {"path": info.name}
+                tar.addfile(info, io.BytesIO(data))
+
+
+def rewrite_header(url: str, offset: int, **fields: bytes) -> None:
+    """Set fields of the header at ``offset`` (``size=``: bytes 124..136) and fix its checksum, as a writer would."""
+    spans = {"size": (124, 136)}
+    with open(url, "r+b") as f:
+        f.seek(offset)
+        header = bytearray(f.read(512))
+        for name, value in fields.items():
+            begin, end = spans[name]
+            header[begin:end] = value.ljust(end - begin, b"\0")
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        f.seek(offset)
+        f.write(header)
+
+
+def rewrite_pax_records(url: str, offset: int, records: bytes) -> None:
+    """Replace the records of the pax header at ``offset`` (they fit its first data block) and fix its size field."""
+    assert len(records) <= 512
+    rewrite_header(url, offset, size=f"{len(records):011o}".encode())
+    with open(url, "r+b") as f:
+        f.seek(offset + 512)
+        f.write(records.ljust(512, b"\0"))
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize(
+    "records",
+    [
+        b"99999999999999999999999 path=k003.txt\n",  # a length past the header's end: tarfile raises
+        b"99999999999999999999999 mtime=1\n",  # the same in a header that names no path
+        b"17 path=k003.txtX",  # the record does not end with a newline
+        b"3 a=\n",  # shorter than its own length field
+        b"12 path k003\n",  # no '='
+        b"19 path=k003.txt\n",  # a length past the end of the records
+    ],
+)
+def test_a_pax_record_whose_length_lies_is_a_located_error_that_costs_exactly_its_sample(tmp_path, records):
+    url = str(tmp_path / "part-000.tar")
+    write_pax_tar(url)
+    intact = list(TarFormat().read(url))
+    offset = header_offsets(url)[6]  # sample 3's .txt: its pax header
+    rewrite_pax_records(url, offset, records)
+    with pytest.raises(CorruptRecordError, match=r"malformed pax header") as info:
+        list(TarFormat().read(url))
+    error = info.value
+    assert (error.url, error.record_index, error.offset, error.framing_intact) == (url, 3, offset, True)
+    assert TarFormat().count(url) == 6
+    lenient = TarDataset([url], balance="none", on_error="skip")
+    assert list(lenient) == intact[:3] + intact[4:]  # every other sample byte-exact
+    assert lenient.stats().skipped.tolist() == [1]
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+@pytest.mark.parametrize("lost", [10, 19])  # 19: the last sample, before the end-of-archive marker
+@pytest.mark.parametrize("member", [0, 2])
+@pytest.mark.parametrize("index", [False, True])
+def test_a_size_field_past_the_end_of_the_file_costs_exactly_its_sample(tmp_path, lost, member, index):
+    (url,) = write_shards(str(tmp_path), [20])
+    intact = list(TarFormat().read(url))
+    if index:
+        TarFormat().build_index(url)  # an index from before the damage
+    with tarfile.open(url) as tar:
+        at = tar.getmembers()[3 * lost + member].offset_data - 512  # the member's own ustar header
+    rewrite_header(url, at, size=b"77777777777")  # 8 GiB: far past the end of the file
+    with pytest.raises(CorruptRecordError, match=rf"record {lost} at byte offset {at}: .*past the end") as info:
+        list(TarFormat(index=index).read(url))
+    assert (info.value.url, info.value.framing_intact) == (url, True)
+    assert TarFormat(index=index).count(url) == 20  # the lost sample counts, as the reader numbers it
+    lenient = TarDataset([url], balance="none", on_error="skip", index=index)
+    assert list(lenient) == intact[:lost] + intact[lost + 1 :]  # every later sample read, byte-exact
+    assert (lenient.stats().skipped.tolist(), lenient.stats().errors.tolist()) == ([1], [1])
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_size_field_past_the_end_of_the_file_leaves_counts_resolvable_and_ranks_equal(tmp_path):
+    urls = write_shards(str(tmp_path), [20, 7])
+    with tarfile.open(urls[0]) as tar:
+        rewrite_header(urls[0], tar.getmembers()[3 * 10].offset_data - 512, size=b"77777777777")
+    counted = TarDataset(urls, on_error="skip", index=False).count_records()
+    assert counted.shards.num_records.tolist() == [20, 7]
+    ranks = ids_per_rank(make_dataset(urls, balance="pad", on_error="skip", index=False), world_size=2, num_workers=0)
+    per_rank = [sum(len(b) for b in batches) for batches in ranks]
+    seen = collections.Counter(s for batches in ranks for batch in batches for s in batch)
+    good = set(all_keys([27])) - {"s00010"}
+    assert per_rank == [14, 14] and set(seen) == good  # every good sample, the lost one never
+    assert sum(seen.values()) - len(seen) == 28 - 26  # repeats stand in for the lost sample and the pad, no more
+
+
+@pytest.mark.filterwarnings("ignore:skipping record")
+def test_a_size_field_past_the_end_of_a_gzip_tar_costs_exactly_its_sample(tmp_path):
+    (url,) = write_shards(str(tmp_path), [20])
+    intact = [s["bin"] for s in TarFormat().read(url)]
+    with tarfile.open(url) as tar:
+        rewrite_header(url, tar.getmembers()[3 * 10].offset_data - 512, size=b"77777777777")
+    with open(url, "rb") as f, gzip.open(url + ".gz", "wb") as g:
+        g.write(f.read())
+    with pytest.raises(CorruptRecordError, match=r"record 10 at byte offset \d+: .*past the end"):
+        list(TarFormat().read(url + ".gz"))
+    assert TarFormat().count(url + ".gz") == 20
+    lenient = TarDataset([url + ".gz"], balance="none", on_error="skip")
+    assert [s["bin"] for s in lenient] == intact[:10] + intact[11:]
+    assert lenient.stats().skipped.tolist() == [1]

@@ -16,7 +16,12 @@ writes them; many writers do not, and then a flipped value byte goes
 unseen: Parquet has no other checksum). A footer that cannot be read raises
 :class:`~shardkit.CorruptRecordError` at record 0 with ``framing_intact``
 false: nothing in the file can be located, so under ``on_error="skip"`` the
-rest of the range is skipped and counted.
+rest of the range is skipped and counted. So does a footer whose total row
+count is not the sum of its row groups' (a negative or absurd ``num_rows``):
+it lies about one or the other. Its file is counted by its row groups (a
+count never comes from a total the file contradicts, so ``len()`` and the
+planned, padded counts stay what the row groups hold) and its reads raise
+at their first record, with the footer's byte offset.
 
 A row group that does not decode (a bad page CRC, a bad length, a truncated
 page, fewer rows than its footer entry) costs exactly its own rows: the
@@ -113,16 +118,24 @@ class ParquetFormat:
         return self.count_rows(url)
 
     def count_rows(self, url: str) -> int:
-        """Rows in ``url``, from its footer."""
+        """Rows in ``url``, from its footer: the sum of its row groups' counts, which locate every row.
+
+        A footer whose total disagrees with them is counted by its row groups,
+        as the reader numbers its rows, and reported when the file is read.
+        """
         raw, pf = self._open(url)
         try:
-            return int(pf.metadata.num_rows)
+            return sum(_group_rows(url, raw, pf.metadata))
         finally:
             raw.close()
 
     def build_index(self, url: str) -> str | None:
         """Parquet needs no index file (the footer is its index): check the footer, return None."""
-        self.count_rows(url)
+        raw, pf = self._open(url)
+        try:
+            _check_footer(url, raw, pf.metadata, 0)
+        finally:
+            raw.close()
         return None
 
     def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
@@ -141,7 +154,7 @@ class ParquetFormat:
         raw, pf = self._open(url)
         try:
             meta = pf.metadata
-            sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            sizes = _check_footer(url, raw, meta, self._record_of(lo))
             starts = list(itertools.accumulate(sizes, initial=0))
             hi = starts[-1] if hi is None else min(hi, starts[-1])
             if self.columns is not None:
@@ -207,6 +220,39 @@ class ParquetFormat:
     def writer(self, url: str, *, name: str | None = None) -> ParquetWriter:
         """A writer of rows to ``url`` (``name``: the name it will be renamed to; unused)."""
         return ParquetWriter(url, storage_options=self.storage_options)
+
+
+def _group_rows(url: str, raw: Any, meta: Any) -> list[int]:
+    """The row count of each row group in the footer ``meta``; a negative one is a located error."""
+    sizes = [int(meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
+    bad = next((g for g, n in enumerate(sizes) if n < 0), None)
+    if bad is not None:
+        reason = f"the Parquet footer says row group {bad} holds {sizes[bad]} rows: its rows cannot be located"
+        raise CorruptRecordError(url, 0, _footer_offset(raw, meta), reason)
+    return sizes
+
+
+def _check_footer(url: str, raw: Any, meta: Any, record: int) -> list[int]:
+    """The row groups' row counts, checked against the footer's total (``num_rows``).
+
+    A total that disagrees (negative, absurd, or one row off) means the footer
+    lies about one or the other, so no row of the file can be trusted: a
+    located error at ``record`` (the range's first), ``framing_intact`` false,
+    which under ``on_error="skip"`` skips and counts the rest of the range.
+    """
+    sizes = _group_rows(url, raw, meta)
+    if int(meta.num_rows) != sum(sizes):
+        reason = (
+            f"the Parquet footer says it holds {meta.num_rows} rows, its {len(sizes)} row groups {sum(sizes)}: "
+            "the footer is damaged or its writer broken (rewrite the file)"
+        )
+        raise CorruptRecordError(url, record, _footer_offset(raw, meta), reason)
+    return sizes
+
+
+def _footer_offset(raw: Any, meta: Any) -> int:
+    """The byte offset of the footer's metadata: the file ends ``<metadata><its length: 4 bytes>PAR1``."""
+    return int(raw.seek(0, 2)) - 8 - int(meta.serialized_size)
 
 
 def _shape(pf: Any, group: int) -> tuple[int, int, int]:

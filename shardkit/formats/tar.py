@@ -43,7 +43,10 @@ against the planned count (missing or extra records): never silently. The
 retry after a damaged sample seeks to the next one (a :class:`ResumeHint`);
 gzip-compressed tars are streamed, so their counts and ranges come from a
 scan and a retry reads the stream again from its start. A file cut short
-loses the rest of the range (``framing_intact`` false): nothing follows.
+loses the rest of the range (``framing_intact`` false): nothing follows. A
+member whose size runs past the end of the file is told apart from a cut by
+what follows its header: sound headers, or the end-of-archive marker, mean
+the size field lies, and it costs its sample like any bad header.
 """
 
 from __future__ import annotations
@@ -128,22 +131,31 @@ def _name_of(header: bytes) -> str:
 
 
 def _pax_path(data: bytes) -> str | None:
-    """The ``path`` record of a pax extended header, if any (records are ``"<len> key=value\\n"``)."""
-    if b" path=" not in data:  # most pax headers carry only times (webdataset's TarWriter: mtime)
-        return None
-    pos = 0
+    """The ``path`` record of a pax extended header, if any. Raises ValueError naming a malformed record.
+
+    Records are ``"<length> key=value\\n"``, ``length`` counting the whole
+    record. Each is checked as ``tarfile`` checks it (digits, at least 5, the
+    record inside the header, a key and ``=``, the newline last), so a length
+    that lies cannot stretch a value over the next record or past the header.
+    A NUL byte ends the records, as in ``tarfile``.
+    """
     found = None
-    while pos < len(data):
+    pos, end = 0, len(data)
+    while pos < end and data[pos]:
         space = data.find(b" ", pos)
-        if space < 0:
-            break
-        length = int(data[pos:space])
-        if length <= 0:
-            break
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        digits = data[pos:space] if space > pos else b""
+        if not digits.isdigit():
+            raise ValueError(f"a record at byte {pos} has no length field")
+        length = int(digits)
+        last = pos + length - 1
+        if length < 5 or last >= end or data[last] != 0x0A:
+            raise ValueError(f"the record at byte {pos} says it is {length} bytes long, in {end} bytes of records")
+        key, equals, value = data[space + 1 : last].partition(b"=")
+        if not key or not equals:
+            raise ValueError(f"the record at byte {pos} has no 'key='")
         if key == b"path":
             found = value.decode("utf-8", "surrogateescape")
-        pos += length
+        pos = last + 1
     return found
 
 
@@ -263,7 +275,15 @@ class _Parser:
                 continue
             padded = _BLOCK + -(-size // _BLOCK) * _BLOCK
             if len(buf) - pos < padded:
-                self._need(padded, at, f"the file ends inside the member {_name_of(header)!r} of {size} bytes")
+                if not self._fits(padded, at):  # the size field runs past the end of the file
+                    self.damage, ended = self._past_end(pos, at, header, size)
+                    if not resync:
+                        raise self.error(at, self.damage)
+                    yield None, at, header
+                    long_name, start = None, -1
+                    if ended:
+                        return
+                    continue
                 pos, buf = blocks.pos, blocks.buf
             data = buf[pos + _BLOCK : pos + _BLOCK + size]
             blocks.pos = pos + padded
@@ -273,8 +293,9 @@ class _Parser:
             if kind == b"x" or kind == b"L":
                 try:
                     long_name = _long_name(kind, data)
-                except ValueError:
-                    self.damage = f"malformed {'pax' if kind == b'x' else 'GNU long name'} header {data[:40]!r}"
+                except ValueError as problem:
+                    what = "pax" if kind == b"x" else "GNU long name"
+                    self.damage = f"malformed {what} header {data[:40]!r}: {problem}"
                     if not resync:
                         raise self.error(at, self.damage) from None
                     yield None, at, header  # the run is this extended header: it belongs to the next member
@@ -290,13 +311,36 @@ class _Parser:
 
     def _need(self, n: int, at: int, reason: str) -> None:
         """Make ``n`` bytes available at the window's position, or raise the located error ``reason``."""
+        if not self._fits(n, at):
+            raise self._truncated(at, reason)
+
+    def _fits(self, n: int, at: int) -> bool:
+        """Whether ``n`` bytes are available at the window's position (reading more as needed).
+
+        A damaged compressed stream raises the located error for the header at ``at``.
+        """
         try:
-            if not self.blocks.need(n):
-                raise self._truncated(at, reason)
+            return self.blocks.need(n)
         except CompressedStreamError as error:
             failure = self.error(at, error.reason)
             failure.compressed_offset = error.compressed_offset if error.compressed_offset >= 0 else None
             raise failure from None
+
+    def _past_end(self, pos: int, at: int, header: bytes, size: int) -> tuple[str, bool]:
+        """The member at ``pos`` (header at byte ``at``) says it is ``size`` bytes, more than the file holds.
+
+        Either its size field lies, and then the headers after it are sound:
+        the window resyncs at the next one, or the archive ends (its zero
+        blocks are there) and only this member's sample is lost. Or the file
+        was cut inside the member: that raises, as nothing after it can be read.
+        Returns (what is wrong, whether the archive ends at the damage).
+        """
+        name, buf = _name_of(header), self.blocks.buf  # the window holds the rest of the file
+        marker = len(buf) - pos >= 3 * _BLOCK and buf[-2 * _BLOCK :] == _ZEROS * 2
+        ended = self._resync(pos)
+        if ended and not marker:
+            raise self._truncated(at, f"the file ends inside the member {name!r} of {size} bytes")
+        return f"tar header size field says the member {name!r} has {size} bytes, past the end of the file", ended
 
     def _resync(self, pos: int) -> bool:
         """Move the window from the bad header at ``pos`` to the next 512-byte block that is a sound header.
@@ -304,18 +348,26 @@ class _Parser:
         Returns True when none is left: the damage runs to the end of the file
         (through an end-of-archive marker, or a file cut short). Zero blocks are
         passed over: a member's data may hold them, and the marker is only the
-        end when no header follows.
+        end when no header follows. At the end the window sits on the zero
+        blocks that end the file, if any, so that a read from there finds the
+        marker (the retry after the damaged sample), not a file without one.
         """
         blocks = self.blocks
         blocks.pos = pos + _BLOCK
+        zeros = -1  # the stream offset where the run of zero blocks being passed over began
         try:
             while True:
                 if len(blocks.buf) - blocks.pos < _BLOCK and not blocks.need(_BLOCK):
-                    blocks.pos = len(blocks.buf)
+                    end = zeros if zeros >= 0 else blocks.base + len(blocks.buf)
+                    blocks.buf, blocks.base, blocks.pos = b"", end, 0  # nothing more is read: the window is empty
                     return True
                 header = blocks.buf[blocks.pos : blocks.pos + _BLOCK]
-                if header != _ZEROS and _header_size(header) >= 0 and header[156:157] in _KNOWN:
+                if header == _ZEROS:
+                    zeros = blocks.offset if zeros < 0 else zeros
+                elif _header_size(header) >= 0 and header[156:157] in _KNOWN:
                     return False
+                else:
+                    zeros = -1
                 blocks.pos += _BLOCK
         except CompressedStreamError as error:
             raise self.error(blocks.offset, error.reason) from None
@@ -547,13 +599,16 @@ def _first_extension(sample: dict[str, Any]) -> str | None:
 
 
 def _located_by_index(error: CorruptRecordError, offsets: np.ndarray | None) -> CorruptRecordError:
-    """``error``, marked ``framing_intact`` when the index holds the bad sample and the next one's offset."""
+    """``error``, marked ``framing_intact`` when the index holds the bad sample and the next one's offset,
+    or says it is the last (the index was checked against the file's size, so the file is not cut short)."""
     i = error.record_index
-    if error.framing_intact or offsets is None or not 0 <= i < len(offsets) - 1:
+    if error.framing_intact or offsets is None or not 0 <= i < len(offsets):
         return error
-    if not offsets[i] <= error.offset < offsets[i + 1]:
+    end = int(offsets[i + 1]) if i + 1 < len(offsets) else None
+    if error.offset < offsets[i] or end is not None and error.offset >= end:
         return error
-    reason = f"{error.reason}; the index locates the next sample at byte {int(offsets[i + 1])}"
+    where = "says it is the last sample" if end is None else f"locates the next sample at byte {end}"
+    reason = f"{error.reason}; the index {where}"
     return CorruptRecordError(error.url, i, error.offset, reason, framing_intact=True)
 
 
