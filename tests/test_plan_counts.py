@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
@@ -211,6 +211,7 @@ CALLS = {
     calls=st.lists(st.sampled_from(sorted(CALLS)), min_size=3, max_size=3),
 )
 def test_every_reader_plans_with_the_stored_counts_whatever_was_called_first(counts, world, workers, balance, calls):
+    assume(balance != "drop" or not 0 < sum(counts) < world)  # a PlanError on every reader alike
     plans = set()
     for rank in range(world):
         for worker in range(workers):
