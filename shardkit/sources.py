@@ -161,6 +161,16 @@ class BalanceError(ShardkitError, RuntimeError):
     """Records were skipped under ``on_error="skip"`` and nothing readable is left to stand in for them."""
 
 
+MADE_UP_MISSING: Final = 4096
+"""Records a range may lack, beyond the ones it read, and still be made up under ``"pad"``/``"drop"``.
+
+A shard that ends cleanly short of its planned count is a sound file its count does not describe. A few
+records short is damage or a stale count, and repeats keep the ranks in step; a count far above the
+records there (``num_records=10**12`` on 5) would have the readers repeat stand-ins practically without
+end, so past this allowance the count is taken as wrong (:class:`BalanceError`). Made-up samples are then
+bounded by ``max(MADE_UP_MISSING, records read)`` per range, whatever the count says."""
+
+
 class _Skipped(NamedTuple):
     """Yielded by ``_read`` in place of ``records`` records it could not read (on_error='skip')."""
 
@@ -878,6 +888,10 @@ class ShardedDataset(_PlannedSource):
       yields exactly its planned number of samples, so DDP ranks stay in
       step. If no record at all is readable, :class:`BalanceError` is raised. With
       ``balance="none"`` nothing is made up: ranks may yield different counts.
+    * a shard that ends cleanly more than :data:`MADE_UP_MISSING` records (and
+      more than it read) short of its range raises :class:`BalanceError` under
+      ``"pad"``/``"drop"``: a count that far off is wrong, and making it up would
+      repeat stand-ins practically without end.
     * resuming stays exact: a made-up sample takes the position of the
       record it replaces.
     """
@@ -1082,6 +1096,8 @@ class ShardedDataset(_PlannedSource):
             self._stats.add(shard, missing=missing, errors=1)
             if self.on_error == "raise":
                 raise error
+            if self._makes_up(self.balance) and missing > max(MADE_UP_MISSING, cursor.read):
+                raise _count_taken_as_wrong(error, missing, cursor.read)
             warnings.warn(f"{_plain_message(error)}; counted as missing (on_error='skip')", stacklevel=3)
             cursor.position = stop
             yield _Skipped(missing)
@@ -1115,6 +1131,16 @@ class ShardedDataset(_PlannedSource):
         return (
             f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle_shards}, balance={self.balance!r})"
         )
+
+
+def _count_taken_as_wrong(error: CorruptRecordError, missing: int, read: int) -> BalanceError:
+    """The error that stops ``"pad"``/``"drop"`` from making up ``missing`` records a count lies about."""
+    return BalanceError(
+        f"{_plain_message(error)}. Making up {missing} records in their place (on_error='skip') would repeat "
+        f"stand-ins far past the {read} records this range read (the allowance is {MADE_UP_MISSING}), so the "
+        "count is taken as wrong: fix the manifest or num_records=, or recount (count_records(), "
+        "shardkit index URL)"
+    )
 
 
 def _plain_message(error: Exception) -> str:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 
 import pytest
 from hypothesis import assume, given, settings
@@ -15,7 +16,7 @@ import shardkit
 from shardkit import JsonlDataset, ParquetDataset, ShardList, TFRecordDataset, Topology
 from shardkit.formats.base import format_for
 from shardkit.planning import plan_whole_shards
-from shardkit.sources import ShardedDataset
+from shardkit.sources import BalanceError, ShardedDataset
 from tests.helpers import (
     format_ids,
     sample_id,
@@ -274,3 +275,54 @@ def test_shards_without_indexes_cost_one_index_probe_and_no_file_identities_unde
         counts, _ = TFRecordDataset(urls, balance="none", rank=rank, world_size=2)._counts(Topology(rank, 2))
         assert counts.null_count == 8
     assert probes == [urls[0], urls[0]]  # one probe per reader: a remote store sees one HEAD, not a LIST
+
+
+# -- a count that lies: no padded epoch is endless ------------------------------------------------------------
+
+LIE = 10**12
+
+
+def _lying_tfrecords(tmp_path, first_count: int) -> ShardList:
+    """Two real 5-record TFRecord shards; the first one's explicit count says ``first_count``."""
+    return ShardList(_write_tfrecords(str(tmp_path), [5, 5]), num_records=[first_count, 5])
+
+
+@pytest.mark.filterwarnings("ignore:.*counted as missing:UserWarning")
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_count_of_a_trillion_on_a_5_record_shard_raises_under_pad_instead_of_padding_without_end(
+    tmp_path, world_size
+):
+    shards = _lying_tfrecords(tmp_path, LIE)
+    for rank in range(world_size):
+        dataset = TFRecordDataset(shards, decode="raw", on_error="skip", rank=rank, world_size=world_size)
+        with pytest.raises(BalanceError, match=rf"part-000.tfrecord.*its record count says {LIE}.*count_records"):
+            for _ in itertools.islice(dataset, 100_000):  # before: 100,000 stand-ins, and ~10**12 more to come
+                pass
+        stats = dataset.stats()
+        assert stats.padded.tolist() == [0, 0] and stats.read.tolist()[0] == (5 if rank == 0 else 0)
+
+
+@pytest.mark.filterwarnings("ignore:.*counted as missing:UserWarning")
+def test_a_lying_count_raises_in_every_dataloader_worker_that_reads_the_shard(tmp_path):
+    dataset = TFRecordDataset(_lying_tfrecords(tmp_path, LIE), decode="raw", on_error="skip")
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    with pytest.raises(BalanceError, match="is taken as wrong"):
+        for _ in itertools.islice(loader, 100_000):
+            pass
+
+
+@pytest.mark.filterwarnings("ignore:.*counted as missing:UserWarning")
+def test_a_shard_short_by_up_to_the_allowance_is_still_padded_and_one_more_raises(tmp_path):
+    from shardkit.sources import MADE_UP_MISSING
+
+    shards = _lying_tfrecords(tmp_path, 5 + MADE_UP_MISSING)
+    dataset = TFRecordDataset(shards, decode="raw", on_error="skip")
+    samples = list(dataset)
+    assert len(samples) == 10 + MADE_UP_MISSING  # every planned sample, the missing ones made up
+    assert samples[5 : 5 + MADE_UP_MISSING] == [b"r00004"] * MADE_UP_MISSING
+    assert dataset.stats().padded.tolist() == [MADE_UP_MISSING, 0]
+    one_more = TFRecordDataset(_lying_tfrecords(tmp_path, 6 + MADE_UP_MISSING), decode="raw", on_error="skip")
+    with pytest.raises(BalanceError, match=f"ends after 5 records.*says {6 + MADE_UP_MISSING}"):
+        list(one_more)
+    unbalanced = TFRecordDataset(shards, decode="raw", on_error="skip", balance="none")
+    assert len(list(unbalanced)) == 10  # nothing is made up under balance="none": the lie costs no samples
