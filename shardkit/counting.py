@@ -1,22 +1,42 @@
 """Record counts for shard lists that lack them.
 
-Balanced plans (``"pad"``/``"drop"`` over several ranks) need every shard's
-record count. In order of preference the counts come from:
+Sources resolve the counts they plan with in one function, :func:`plan_counts`,
+the same way in every rank and DataLoader worker whichever of ``len()``,
+``state_dict()``, ``count_records()`` or iteration runs first, so that the plan
+is a function of the shards, their counts as the job sees them, the topology,
+the seed and the epoch. In order of preference the counts come from:
 
-1. the :class:`~shardkit.ShardList` itself (a manifest, or ``num_records=``);
-   when every shard has an index file beside it (``shardkit index``), the
-   sources take the counts from those (:func:`counts_from_indexes`) without a
-   call to ``count_records()``: each index is checked against its shard as it
-   is now, and one that does not fit raises
-   :class:`~shardkit.formats.index.IndexFileError` rather than being trusted;
-2. the counts cache of an earlier counting pass, for every shard whose file
-   still has the identity it had when it was counted (:func:`identity`: size
-   plus modification time, inode, ETag, version or generation — whatever the
-   filesystem reports);
-3. ``count_fn(url)`` for the others only — for TFRecord, the index file when
-   there is a valid one, else a fast framing scan. When ``torch.distributed``
-   is initialised the shards are shared out over the ranks and the counts
-   all-gathered.
+1. the :class:`~shardkit.ShardList` itself (a manifest, ``num_records=``, or
+   an earlier ``count_records()``, which every rank calls: it is collective
+   under a process group);
+2. the counts stored with every shard (:func:`counts_from_indexes`): a
+   checked index file beside it (``shardkit index``), a Parquet footer. They
+   are looked up under every balance mode, ``"none"`` included, since they are
+   a function of the files: every reader finds the same ones. An index that
+   does not fit its shard raises :class:`~shardkit.formats.index.IndexFileError`
+   rather than being trusted;
+3. only when the plan cannot go without counts (``"pad"``/``"drop"`` over
+   several ranks, sample-level shuffling; :func:`resolve_counts`): the counts
+   cache of an earlier counting pass, for every shard whose file still has the
+   identity it had when it was counted (:func:`identity`: size plus
+   modification time, inode, ETag, version or generation — whatever the
+   filesystem reports), then ``count_fn(url)`` for the others only — for
+   TFRecord, the index file when there is a valid one, else a fast framing
+   scan. When ``torch.distributed`` is initialised the shards are shared out
+   over the ranks and the counts all-gathered;
+4. else the counts stay unknown, and plans deal whole shards.
+
+The cache never turns unknown counts into known ones: it is per machine and
+fills as ranks count, so a rank on a machine that counted in an earlier run
+would split records while ranks elsewhere dealt whole shards. Its rows say
+whether a count was taken from an index or footer (``stored``); such a row,
+for a file that kept its identity, stands in for reading that index again.
+
+Index files that appear or disappear while a job starts: each reader looks
+them up when it first plans, so a reader that sees every index splits records
+while one that found a shard without its index deals whole shards, and records
+are then read twice or not at all. Write indexes (or a manifest) before the
+job starts; the counts are read again only by a new dataset or process.
 
 Where the cache lives (never beside the data: shardkit writes nothing where
 the user did not ask): one Arrow IPC file per shard list, named by the hash of
@@ -40,7 +60,7 @@ import posixpath
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 import numpy as np
@@ -64,7 +84,10 @@ _IDENTITY_KEYS = (
     "mtime", "ino", "created", "ETag", "etag", "VersionId", "version_id",
     "generation", "md5Hash", "LastModified", "last_modified", "updated",
 )  # fmt: skip
-_SCHEMA = pa.schema([("url", pa.large_string()), ("num_records", pa.int64()), ("identity", pa.large_string())])
+_SCHEMA_V1 = pa.schema([("url", pa.large_string()), ("num_records", pa.int64()), ("identity", pa.large_string())])
+#: ``stored``: the count came from the file's metadata or index file, not from a scan; only those
+#: stand in for that metadata when the plan would not count (see :func:`plan_counts`).
+_SCHEMA = _SCHEMA_V1.append(pa.field("stored", pa.bool_()))
 
 
 class CountsUnavailableError(ShardkitError, ValueError):
@@ -182,6 +205,50 @@ def resolve_counts(
     return shards.with_num_records(counts)
 
 
+def plan_counts(
+    shards: ShardList,
+    *,
+    stored_count: StoredCountFn | None,
+    count_fn: CountFn | None,
+    required: bool,
+    why: str,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
+) -> ShardList:
+    """The record counts a plan uses: the one place sources resolve them, the same way in every
+    rank and DataLoader worker, whichever of ``len()``, ``state_dict()`` or iteration came first.
+
+    Precedence, per shard list:
+
+    1. the counts the list has (a manifest, ``num_records=``, ``count_records()``);
+    2. the counts stored beside or in every file (``stored_count``: a checked index file, a
+       Parquet footer), looked up under every balance mode: they are a function of the files,
+       so every reader finds the same ones;
+    3. only when the plan cannot go without counts (``required``: ``"pad"``/``"drop"`` over
+       several ranks, sample-level shuffling): the counts cache, then ``count_fn``
+       (:func:`resolve_counts`), which give every reader the same counts too;
+    4. else unknown: the plan deals whole shards.
+
+    The counts cache does not turn unknown counts into known ones (step 3 only): it is per
+    machine and fills as ranks count, so a rank on a machine that counted before would split
+    records while the others deal whole shards. Only its entries that were themselves taken from
+    stored counts, for files that kept their identity since, stand in for reading those again.
+
+    Raises:
+        IndexFileError: an index does not fit its shard; see :func:`counts_from_indexes`.
+        CountsUnavailableError: see :func:`resolve_counts`.
+    """
+    if shards.num_records is not None:
+        return shards
+    if stored_count is not None:
+        stored = counts_from_indexes(shards, stored_count, storage_options=storage_options, cache_dir=cache_dir)
+        if stored is not None:
+            return stored
+    if not required:
+        return shards
+    return resolve_counts(shards, count_fn, why=why, storage_options=storage_options, cache_dir=cache_dir)
+
+
 def counts_from_indexes(
     shards: ShardList,
     stored_count: StoredCountFn,
@@ -189,14 +256,15 @@ def counts_from_indexes(
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
 ) -> ShardList | None:
-    """``shards`` with every count filled in from the counts cache or the index files beside the
-    shards; None as soon as a shard has neither. Nothing is counted by a scan, nothing collective.
+    """``shards`` with every count filled in from the counts stored with the shards; None as soon
+    as a shard has none. Nothing is counted by a scan, nothing collective.
 
     ``stored_count(url)`` is the count a shard's metadata holds (an index
     file's length, checked against the file as it is now; a Parquet footer),
-    or None where there is none. Counts
-    taken from indexes go to the counts cache, bound to each file's identity,
-    so the next epoch's workers (and the next run) need not read the indexes again.
+    or None where there is none. A counts cache entry that was taken from such
+    a count, for a file with the identity it had then, stands in for reading it
+    again; an entry from a scan does not (the shard may have no index). Counts
+    taken from the shards go to the cache, marked as stored.
 
     Raises:
         IndexFileError: an index does not fit its shard (stale, damaged); its
@@ -204,26 +272,46 @@ def counts_from_indexes(
     """
     if shards.num_records is not None:
         return shards
+    probed = _probe_first(shards, stored_count, cache_dir)
+    if probed is None:
+        return None
     cached = _Cached.read(shards, storage_options, cache_dir)
-    counts, missing = cached.counts, cached.missing
+    known = shards.known_counts | cached.stored
+    counts = np.where(known, cached.counts, 0)
+    missing = np.flatnonzero(~known)
     for i in missing:
-        count = stored_count(shards[int(i)])
+        count = probed.get(int(i))
+        count = stored_count(shards[int(i)]) if count is None else count
         if count is None:
             return None
         counts[i] = count
     if missing.size:
-        logger.info("shardkit: record counts of %d shards from their index files", missing.size)
+        logger.info("shardkit: record counts of %d shards from their index files or footers", missing.size)
+        cached.counts, cached.stored[missing] = counts, True
         cached.write(shards)
     return shards.with_num_records(counts)
 
 
+def _probe_first(shards: ShardList, stored_count: StoredCountFn, cache_dir: str | None) -> dict[int, int] | None:
+    """The stored count of the first shard lacking one when no counts cache exists (None: it has
+    none, so neither have the counts): settles the usual case of shards without indexes with one
+    probe, before the cache's file identities cost a stat per shard or a listing per directory."""
+    path = cache_path(shards, cache_dir)
+    if path is not None and os.path.exists(path):
+        return {}
+    first = int(np.flatnonzero(~shards.known_counts)[0])
+    count = stored_count(shards[first])
+    return None if count is None else {first: count}
+
+
 class _Cached:
     """The counts a shard list has or the counts cache holds for its files as they are now
-    (``counts``; ``missing`` the shards with neither), and where more go once known."""
+    (``counts``; ``missing`` the shards with neither; ``stored`` the cached ones taken from the
+    files' metadata, not from a scan), and where more go once known."""
 
-    def __init__(self, path: str | None, identities: list[str | None], counts: np.ndarray, known: np.ndarray) -> None:
-        self.path, self.identities, self.counts = path, identities, counts
-        self.missing = np.flatnonzero(~known)
+    def __init__(self, path: str | None, identities: list[str | None], found: _Found) -> None:
+        self.path, self.identities, self.counts, self.stored = path, identities, found.counts, found.stored
+        self.missing = np.flatnonzero(~found.known)
 
     @classmethod
     def read(cls, shards: ShardList, storage_options: dict[str, Any] | None, cache_dir: str | None) -> _Cached:
@@ -231,18 +319,28 @@ class _Cached:
         identities: list[str | None] = (
             _identities(shards, storage_options) if path is not None else [None] * len(shards)
         )
-        return cls(path, identities, *_known_counts(shards, path, identities))
+        return cls(path, identities, _known_counts(shards, path, identities))
 
     def write(self, shards: ShardList) -> None:
         """Keep ``counts`` in the cache, bound to each file's identity (where one is known)."""
         if self.path is not None and any(found is not None for found in self.identities):
-            _write_cache(self.path, shards, self.counts, self.identities)
+            _write_cache(self.path, shards, self.counts, self.identities, self.stored)
 
 
-def _known_counts(shards: ShardList, path: str | None, identities: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
+class _Found(NamedTuple):
+    """Counts known from a shard list or its counts cache: ``known`` which, ``stored`` which of those the cache
+    took from the files' metadata."""
+
+    counts: np.ndarray
+    known: np.ndarray
+    stored: np.ndarray
+
+
+def _known_counts(shards: ShardList, path: str | None, identities: list[str | None]) -> _Found:
     """Counts known from the list or from a cache entry whose identity still matches, and which those are."""
     counts = shards.table.column("num_records").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
     known = shards.known_counts.copy()
+    stored = np.zeros(len(shards), dtype=bool)
     cached = _read_cache(path, shards) if path is not None else None
     if cached is not None:
         current = pa.array(identities, pa.large_string())
@@ -250,10 +348,11 @@ def _known_counts(shards: ShardList, path: str | None, identities: list[str | No
         fresh = pc.fill_null(same, False).to_numpy(zero_copy_only=False)
         use = fresh & ~known
         counts[use] = cached.column("num_records").to_numpy(zero_copy_only=False)[use]
+        stored = use & cached.column("stored").to_numpy(zero_copy_only=False)
         known |= fresh
         if use.any():
             logger.info("shardkit: record counts of %d shards from %s", int(use.sum()), path)
-    return counts, known
+    return _Found(counts, known, stored)
 
 
 def _distributed() -> bool:
@@ -345,6 +444,8 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
     except (OSError, pa.ArrowException) as error:
         logger.warning("shardkit: ignoring the unreadable counts cache %s (%s); it will be rewritten", path, error)
         return None
+    if table.schema.equals(_SCHEMA_V1):  # written before counts were marked stored: all taken as scanned
+        table = table.append_column("stored", pa.array(np.zeros(table.num_rows, dtype=bool)))
     urls = shards.table.column("url")
     usable = (
         table.schema.equals(_SCHEMA)
@@ -359,13 +460,16 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
     return table
 
 
-def _write_cache(path: str, shards: ShardList, counts: np.ndarray, identities: list[str | None]) -> None:
+def _write_cache(
+    path: str, shards: ShardList, counts: np.ndarray, identities: list[str | None], stored: np.ndarray
+) -> None:
     """Write the cache atomically (temporary name, then rename); a failure only costs a recount later."""
     table = pa.table(
         [
             shards.table.column("url").cast(pa.large_string()),
             pa.array(counts, pa.int64()),
             pa.array(identities, pa.large_string()),
+            pa.array(stored, pa.bool_()),
         ],
         schema=_SCHEMA,
     )

@@ -39,7 +39,7 @@ from typing import Any, Final, Literal, NamedTuple
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
-from shardkit.counting import CountFn, resolve_counts
+from shardkit.counting import CountFn, StoredCountFn, plan_counts, resolve_counts
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.base import BadRecord
@@ -159,6 +159,16 @@ class _Source(Pipeline):
 
 class BalanceError(ShardkitError, RuntimeError):
     """Records were skipped under ``on_error="skip"`` and nothing readable is left to stand in for them."""
+
+
+MADE_UP_MISSING: Final = 4096
+"""Records a range may lack, beyond the ones it read, and still be made up under ``"pad"``/``"drop"``.
+
+A shard that ends cleanly short of its planned count is a sound file its count does not describe. A few
+records short is damage or a stale count, and repeats keep the ranks in step; a count far above the
+records there (``num_records=10**12`` on 5) would have the readers repeat stand-ins practically without
+end, so past this allowance the count is taken as wrong (:class:`BalanceError`). Made-up samples are then
+bounded by ``max(MADE_UP_MISSING, records read)`` per range, whatever the count says."""
 
 
 class _Skipped(NamedTuple):
@@ -845,7 +855,10 @@ class ShardedDataset(_PlannedSource):
             listing from the group's store; DataLoader workers never list (see
             :mod:`shardkit.listing`). A manifest skips listing altogether.
 
-    When the record counts are unknown, one rank deals whole shards to its
+    Record counts come from the shard list, else from the files' own index
+    files or footers (under every ``balance``), the same way in every rank and
+    worker whatever was called first (see :func:`~shardkit.counting.plan_counts`).
+    When they are still unknown, one rank deals whole shards to its
     workers (and warns if there are fewer shards than workers); several ranks
     with ``balance="none"`` do the same; several ranks with ``"pad"``/``"drop"``
     count the records once (see :mod:`shardkit.counting`).
@@ -875,6 +888,10 @@ class ShardedDataset(_PlannedSource):
       yields exactly its planned number of samples, so DDP ranks stay in
       step. If no record at all is readable, :class:`BalanceError` is raised. With
       ``balance="none"`` nothing is made up: ranks may yield different counts.
+    * a shard that ends cleanly more than :data:`MADE_UP_MISSING` records (and
+      more than it read) short of its range raises :class:`BalanceError` under
+      ``"pad"``/``"drop"``: a count that far off is wrong, and making it up would
+      repeat stand-ins practically without end.
     * resuming stays exact: a made-up sample takes the position of the
       record it replaces.
     """
@@ -910,8 +927,9 @@ class ShardedDataset(_PlannedSource):
     def count_records(self) -> ShardedDataset:
         """Fill in unknown record counts now (in this process), and return self.
 
-        Call it before building the DataLoader so that workers do not each
-        count; the counts are also cached beside the data where writable.
+        Call it on every rank (under a process group it is a collective), before
+        building the DataLoader so that workers do not each count; the counts are
+        also kept in the counts cache (see :mod:`shardkit.counting`).
         """
         self.shards = resolve_counts(self.shards, self.count_fn, why=repr(self), storage_options=self.storage_options)
         return self
@@ -923,12 +941,9 @@ class ShardedDataset(_PlannedSource):
         return self._stats.snapshot()
 
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
-        if self.shards.num_records is not None:
-            return self.shards.num_records
-        if required:
-            if not self._fill_counts():  # no index beside some shard: count them (index files where present)
-                self.count_records()
-            return self.shards.num_records
+        counts = self._resolve_counts(required)
+        if counts is not None:
+            return counts
         if len(self.shards) < topology.num_workers and topology.worker_id == 0:
             warnings.warn(
                 f"{len(self.shards)} shards for {topology.num_workers} DataLoader workers and unknown "
@@ -938,29 +953,24 @@ class ShardedDataset(_PlannedSource):
             )
         return self.shards.table.column("num_records")
 
-    def __len__(self) -> int:
-        self._fill_counts()
-        return super().__len__()
-
-    def load_state_dict(self, state: State) -> None:
-        self._fill_counts()
-        super().load_state_dict(state)
-
-    def _fill_counts(self) -> bool:
-        """Where the shard list has no counts, take them from index files beside every shard
-        (or the counts cache), without a counting pass; whether the counts are known now.
+    def _resolve_counts(self, required: bool) -> np.ndarray | None:
+        """The record counts every plan, ``len()`` and state of this source use (None: unknown, whole
+        shards are dealt), by :func:`~shardkit.counting.plan_counts`: the same precedence in every
+        rank and worker, whichever method runs first. Counts once known are kept in ``shards``.
 
         Raises:
             IndexFileError: an index does not fit its shard: it is refused, not trusted.
         """
         if self.shards.num_records is None:
-            filled = self._counts_from_indexes()
-            if filled is not None:
-                self.shards = filled
-        return self.shards.num_records is not None
+            self.shards = plan_counts(
+                self.shards, stored_count=self._stored_count(), count_fn=self.count_fn, required=required,
+                why=repr(self), storage_options=self.storage_options,
+            )  # fmt: skip
+        return self.shards.num_records
 
-    def _counts_from_indexes(self) -> ShardList | None:
-        """The shard list with counts from index files, or None (the reader has none, or a shard lacks one)."""
+    def _stored_count(self) -> StoredCountFn | None:
+        """``stored_count(url)``, the count a shard's own metadata or index file holds (None where it
+        has none); None when the reader keeps no such count."""
         return None
 
     def _makes_up(self, balance: Balance) -> bool:
@@ -1086,6 +1096,8 @@ class ShardedDataset(_PlannedSource):
             self._stats.add(shard, missing=missing, errors=1)
             if self.on_error == "raise":
                 raise error
+            if self._makes_up(self.balance) and missing > max(MADE_UP_MISSING, cursor.read):
+                raise _count_taken_as_wrong(error, missing, cursor.read)
             warnings.warn(f"{_plain_message(error)}; counted as missing (on_error='skip')", stacklevel=3)
             cursor.position = stop
             yield _Skipped(missing)
@@ -1119,6 +1131,16 @@ class ShardedDataset(_PlannedSource):
         return (
             f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle_shards}, balance={self.balance!r})"
         )
+
+
+def _count_taken_as_wrong(error: CorruptRecordError, missing: int, read: int) -> BalanceError:
+    """The error that stops ``"pad"``/``"drop"`` from making up ``missing`` records a count lies about."""
+    return BalanceError(
+        f"{_plain_message(error)}. Making up {missing} records in their place (on_error='skip') would repeat "
+        f"stand-ins far past the {read} records this range read (the allowance is {MADE_UP_MISSING}), so the "
+        "count is taken as wrong: fix the manifest or num_records=, or recount (count_records(), "
+        "shardkit index URL)"
+    )
 
 
 def _plain_message(error: Exception) -> str:
@@ -1336,21 +1358,12 @@ class _FormatDataset(ShardedDataset):
         read = getattr(fmt, "read_marked", None) or fmt.read
         super().__init__(shards, read, count_fn=fmt.count, **options)
 
-    def _counts_from_indexes(self) -> ShardList | None:
-        from shardkit.counting import counts_from_indexes  # here, not at the top: keeps the import block as is
-
-        stored = getattr(self.format, "stored_count", None)  # a count the file's own metadata holds
-        offsets_fn = getattr(self.format, "index_offsets", None)
-        if stored is None and offsets_fn is None:
-            return None
-
-        def stored_count(url: str) -> int | None:
-            if stored is not None:
-                return stored(url)
-            offsets = offsets_fn(url)  # pyright: ignore[reportOptionalCall]  (one of the two is set)
-            return None if offsets is None else len(offsets)
-
-        return counts_from_indexes(self.shards, stored_count, storage_options=self.storage_options)
+    def _stored_count(self) -> StoredCountFn | None:
+        stored = getattr(self.format, "stored_count", None)  # a count the file itself holds (Parquet footer)
+        if stored is not None:
+            return stored
+        offsets_fn = getattr(self.format, "index_offsets", None)  # an index file beside the shard
+        return None if offsets_fn is None else functools.partial(_index_count, offsets_fn)
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
         hint = getattr(self.format, "prefetch", None)
@@ -1359,6 +1372,12 @@ class _FormatDataset(ShardedDataset):
         else:  # open the shard ahead; fetch its first blocks only when the range starts there
             remote = getattr(self.format, "remote", None)
             prefetch(self.shards[shard], self.storage_options, remote, offset=0 if start == 0 else None)
+
+
+def _index_count(index_offsets: Callable[[str], Any], url: str) -> int | None:
+    """Records in ``url`` by its checked index file (``index_offsets``), None without one."""
+    offsets = index_offsets(url)
+    return None if offsets is None else len(offsets)
 
 
 class TFRecordDataset(_FormatDataset):

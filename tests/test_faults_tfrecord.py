@@ -29,7 +29,7 @@ from shardkit import CorruptRecordError
 from shardkit.formats import io as skio
 from shardkit.formats import tfrecord as tfr
 from shardkit.formats.crc import masked_crc32c
-from shardkit.formats.index import read_index, write_index
+from shardkit.formats.index import IndexFileError, read_index, write_index
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
 from tests.helpers import read_all
 
@@ -246,12 +246,14 @@ def test_index_pointing_past_the_end_of_a_shortened_file_is_an_error(place: str)
     offsets = scan_offsets(url)
     write_index(url + ".idx", offsets, 6 * 46)
     put(url, b"".join(map(framed, records[:3])))  # the shard was rewritten shorter; the index is stale
-    for start in (3, 4):
-        got, error = read_until_error(url, start=start, index=url + ".idx")
+    for start in (3, 4):  # offsets given as an array: where they lead, the file ends
+        got, error = read_until_error(url, start=start, index=read_index(url + ".idx"))
         assert got == []
         assert (error.record_index, error.offset) == (start, offsets[start])
         assert "file ends where this record should start (as the index says)" in error.reason
     assert list(read_tfrecord(url, start=1, index=read_index(url + ".idx"))) == records[1:3]
+    with pytest.raises(IndexFileError, match="describes 276 bytes but the file has 138 .it shrank"):
+        list(read_tfrecord(url, start=1, index=url + ".idx"))  # an index file is checked against the file first
 
 
 CHILD = textwrap.dedent(
@@ -405,3 +407,55 @@ def test_fuzzed_files_only_ever_raise_located_corrupt_record_errors(
                 put(url, mutate(COMPRESS[compression](data), [0, 1], rng))
                 fuzz_once(url, compression, True, 0, None)
                 fuzz_once(url, "auto", False, 3, offsets)
+
+
+# -- a stale index and a start past its count ------------------------------------------------------------------
+
+
+def _rewritten_after_indexing(tmp_path) -> tuple[str, str, list[bytes]]:
+    """A file indexed with 10 records, then rewritten with 20 (the first 10 the same): (url, index, records)."""
+    from shardkit import build_index
+
+    url = str(tmp_path / "data.tfrecord")
+    records = [f"record {i:02d}".encode() for i in range(20)]
+    with TFRecordWriter(url) as out:
+        for record in records[:10]:
+            out.write(record)
+    index = build_index(url)
+    with TFRecordWriter(url) as out:  # the file rewritten, the index left as it was
+        for record in records:
+            out.write(record)
+    return url, index, records
+
+
+def test_a_start_past_a_stale_index_file_raises_naming_both_files_and_the_fix(tmp_path) -> None:
+    url, index, records = _rewritten_after_indexing(tmp_path)
+    for start in (12, 10, 3):  # past its count, at it, and inside it
+        with pytest.raises(IndexFileError, match=f"index file {index} does not fit {url}: .*grew.*shardkit index"):
+            list(read_tfrecord(url, start=start, index=index))
+    assert list(read_tfrecord(url, start=12)) == records[12:]  # without the index: the 8 records
+
+
+def test_a_start_past_stale_index_offsets_raises_instead_of_returning_nothing(tmp_path) -> None:
+    url, index, records = _rewritten_after_indexing(tmp_path)
+    offsets = read_index(index)  # the stale offsets passed as an array: the file is the only check
+    for start in (12, 10):
+        with pytest.raises(IndexFileError, match=f"does not fit {url}: .*last offset {offsets[-1]}.*shardkit index"):
+            list(read_tfrecord(url, start=start, index=offsets))
+    assert list(read_tfrecord(url, start=3, stop=6, index=offsets)) == records[3:6]  # its records are still there
+
+
+def test_a_start_past_a_fitting_index_reads_nothing_and_raises_nothing(tmp_path) -> None:
+    from shardkit import build_index
+
+    url = str(tmp_path / "data.tfrecord")
+    with TFRecordWriter(url) as out:
+        for i in range(10):
+            out.write(b"x" * i)
+    index = build_index(url)
+    for start in (10, 12):
+        assert list(read_tfrecord(url, start=start, index=index)) == []
+        assert list(read_tfrecord(url, start=start, index=read_index(index))) == []
+    empty = str(tmp_path / "empty.tfrecord")
+    TFRecordWriter(empty).close()
+    assert list(read_tfrecord(empty, start=1, index=[])) == []

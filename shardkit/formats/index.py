@@ -26,6 +26,9 @@ CRC is valid and whose record ends exactly at the end of the file (one
 boundaries fails with :class:`IndexFileError`, naming both files and the fix
 (``shardkit index URL``). An index beside a compressed file cannot be checked
 against it, so it is not used at all (counting scans instead).
+``read_tfrecord(index=path)`` checks the index file it is given the same way
+(:func:`load_given_index`); offsets given as an array are checked against the
+end of the file when a read starts past them (:func:`check_ends_with_file`).
 
 Index files are written atomically on local disks (temporary name, then
 rename); object stores publish a file only when it is complete.
@@ -64,6 +67,8 @@ __all__ = [
     "IndexFileError",
     "build_index",
     "index_path_for",
+    "check_ends_with_file",
+    "load_given_index",
     "load_index",
     "read_index",
     "write_index",
@@ -182,6 +187,40 @@ def load_index(
         offsets.flags.writeable = False  # shared by every caller of this process
         _CACHE.put(key, identity, offsets)
     return offsets
+
+
+def load_given_index(url: str, index_url: str, storage_options: dict[str, Any] | None = None) -> np.ndarray | None:
+    """:func:`load_index` of an index file the caller named (``read_tfrecord(index=path)``): checked
+    against ``url`` the same way; None when ``url`` is compressed (its index cannot seek).
+
+    Raises:
+        FileNotFoundError: there is no file at ``index_url``.
+        IndexFileError: the index does not describe the file as it is now.
+    """
+    offsets = load_index(url, index_url, storage_options=storage_options)
+    if offsets is None:
+        read_index(index_url, storage_options)  # raises FileNotFoundError when it is missing, not compressed
+    return offsets
+
+
+def check_ends_with_file(
+    url: str, offsets: np.ndarray, storage_options: dict[str, Any] | None = None, index_url: str = ""
+) -> bool:
+    """Check that ``url`` holds no record past the last of ``offsets``, as a read from a start past them
+    trusts (one 12-byte read); False when the file is compressed (the offsets cannot be checked).
+
+    Raises:
+        IndexFileError: the file goes on past the record at the last offset (it grew or was rewritten).
+    """
+    index_url = index_url or f"<the {len(offsets)} offsets passed as index=>"
+    with open_raw(url, "rb", storage_options) as f:
+        if detect_compression(f.read(12)) is not None:
+            return False
+        size = f.seek(0, os.SEEK_END)
+        if not len(offsets) and size:
+            raise IndexFileError(url, index_url, f"it lists no records, but the file has {size} bytes")
+        _check_last_record(f, offsets, size, url, index_url)
+    return True
 
 
 def _load_checked(url: str, index_url: str, storage_options: dict[str, Any] | None) -> np.ndarray | None:

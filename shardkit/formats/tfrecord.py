@@ -473,6 +473,10 @@ def read_tfrecord(
         index: offsets of the records (an array, or the path of an index file
             written by :func:`~shardkit.build_index`); on an uncompressed file the
             reader then seeks straight to ``start`` instead of scanning to it.
+            An index file is checked against the file first
+            (:func:`~shardkit.formats.index.load_index`); an array is checked
+            against the file's end when ``start`` is past its last record. One
+            that does not fit raises :class:`~shardkit.formats.index.IndexFileError`.
         storage_options: passed to fsspec.
         remote: how a remote file is read (readahead, retries, local cache):
             a :class:`~shardkit.remote.RemoteOptions`; local files ignore it.
@@ -507,9 +511,9 @@ def _read(
     """The batches of records ``start:stop``; ``read_tfrecord`` chains them."""
     first = offset = 0
     end = None
-    if index is not None and start and compression in (None, "auto"):
-        offsets = _offsets_from(index, storage_options)
-        if start >= len(offsets):
+    offsets = _seek_offsets(url, index, start, storage_options) if start and compression in (None, "auto") else None
+    if offsets is not None:
+        if start >= len(offsets):  # checked: the file has no record past them
             return
         first, offset = start, int(offsets[start])
         end = int(offsets[stop]) if stop is not None and stop < len(offsets) else None
@@ -534,12 +538,29 @@ def _read(
         source.close()
 
 
-def _offsets_from(index: IndexLike, storage_options: dict[str, Any] | None) -> np.ndarray:
-    if isinstance(index, (str, os.PathLike)):
-        from shardkit.formats.index import read_index
+def _seek_offsets(
+    url: str, index: IndexLike | None, start: int, storage_options: dict[str, Any] | None
+) -> np.ndarray | None:
+    """The record offsets to seek to ``start`` by, or None to scan from the file's start.
 
-        return read_index(os.fspath(index), storage_options)
-    return np.asarray(index, dtype=np.int64)
+    An index file is checked against the file as :func:`~shardkit.formats.index.load_index` checks
+    it. Offsets given as an array are trusted where they lead to a record (its CRCs are checked as
+    it is read), and checked against the file's end when ``start`` is past them: a file that grew
+    or was rewritten since would otherwise read as if it had nothing left.
+
+    Raises:
+        IndexFileError: the index does not fit the file; its message names both and the fix.
+    """
+    from shardkit.formats import index as index_files  # imports this module
+
+    if index is None:
+        return None
+    if isinstance(index, (str, os.PathLike)):
+        return index_files.load_given_index(url, os.fspath(index), storage_options)
+    offsets = np.asarray(index, dtype=np.int64)
+    if start >= len(offsets) and not index_files.check_ends_with_file(url, offsets, storage_options):
+        return None  # compressed: these offsets cannot seek, and the stream is read from its start
+    return offsets
 
 
 def _scan(
