@@ -250,8 +250,7 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
             sizes = [r.stop - r.start for r in ranges if r.stop is not None]
             rank_total += sum(sizes)
             shown = ", ".join(
-                f"{shards[r.shard].rsplit('/', 1)[-1]}[{r.start}:{'' if r.stop is None else r.stop}]"
-                for r in ranges[:show]
+                f"{_shown_path(shards[r.shard])}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
             )
             more = f" ... (+{len(ranges) - show})" if len(ranges) > show else ""
             records = str(sum(sizes)) if len(sizes) == len(ranges) else "?"
@@ -260,6 +259,15 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
     if known:
         lines.append("records per rank: " + ", ".join(str(t) for t in rank_totals))
     return "\n".join(lines)
+
+
+def _shown_path(url: str) -> str:
+    """``url`` as the plan prints it: a local file relative to the working directory when under it, so
+    that a wrong directory shows (``data/data/t-00000.tfrecord``); anything else in full."""
+    if "://" in url or not os.path.isabs(url):
+        return url
+    relative = os.path.relpath(url)
+    return url if relative.startswith("..") else relative
 
 
 # --------------------------------------------------------------------------- progress
