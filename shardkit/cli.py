@@ -122,10 +122,30 @@ def _run_each(args: argparse.Namespace, job: Callable[[str], Any], urls: Sequenc
     status = EXIT_OK
     for url in urls:
         try:
-            job(url)
+            if not _skipped(url):
+                job(url)
         except Exception as error:  # noqa: BLE001 - one line per bad file, then the next
             status = max(status, _fail(args, error, url))
     return status
+
+
+def _skipped(url: str) -> bool:
+    """Whether ``url`` is an index or manifest file, not shard data (say so): a glob such as
+    ``data/*`` picks them up beside the shards, and they are not corrupt shards."""
+    from shardkit.formats.io import open_raw
+    from shardkit.formats.sniff import SNIFF_BYTES, not_a_shard
+
+    head = b""
+    if "://" not in url or url.startswith("file://"):  # a remote file is not opened twice: its suffix decides
+        try:
+            with open_raw(url, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+        except OSError:
+            return False  # the command's own reading reports it
+    what = not_a_shard(url, head)
+    if what is not None:
+        print(f"skipped {url}: {what}")
+    return what is not None
 
 
 # --------------------------------------------------------------------------- demo
