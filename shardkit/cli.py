@@ -176,14 +176,35 @@ def _load_shards(source: str) -> tuple[Any, str]:
     """The ShardList ``source`` names (a glob, else a manifest) and where its counts came from."""
     from shardkit.shardlist import ShardList
 
-    if not _GLOB_CHARS.search(source):
+    if not _GLOB_CHARS.search(source) and not _is_shard_file(source):
         return ShardList.from_manifest(source), "from the manifest"
     shards = ShardList.from_glob(source)
     counts = _index_counts(shards.urls())
     found = sum(count is not None for count in counts)
     if found == 0:
         return shards, "unknown (no index files; write them with `shardkit index`)"
-    return shards.with_num_records(counts), f"from index files ({found} of {len(counts)} shards)"
+    return shards.with_num_records(counts), f"from index files ({found} of {_plural(len(counts), 'shard')})"
+
+
+def _is_shard_file(source: str) -> bool:
+    """Whether ``source`` is a TFRecord or tar shard (planned as a list of one) rather than a manifest.
+
+    Parquet and JSON lines files stay manifests: both formats hold manifests too.
+    """
+    from shardkit.formats.base import FormatError, format_for
+    from shardkit.formats.io import open_raw
+    from shardkit.formats.sniff import SNIFF_BYTES
+
+    try:
+        with open_raw(source, "rb") as f:
+            fmt = format_for(source, f.read(SNIFF_BYTES))
+    except (OSError, FormatError):
+        return False  # reading it as a manifest reports what is wrong
+    return fmt.name in ("tfrecord", "tar")
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _index_counts(urls: list[str]) -> list[int | None]:
@@ -258,7 +279,7 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
     counts = shards.table.column("num_records")
     known = counts.null_count == 0
     lines = [
-        f"{len(shards)} shards, {shards.total_records if known else 'unknown'} records; "
+        f"{_plural(len(shards), 'shard')}, {shards.total_records if known else 'unknown'} records; "
         f"world_size={world_size}, num_workers={num_workers}, " + ", ".join(f"{k}={v}" for k, v in options.items()),
         f"{'rank':>4} {'worker':>6} {'records':>10} {'ranges':>7}  first ranges",
     ]

@@ -155,6 +155,11 @@ class ShardList:
         if identities and not isinstance(fs, LocalFileSystem):  # the counts cache checks these, not a new listing
             remember([fs.unstrip_protocol(name) for name in identities], list(identities.values()))
         missing = _stat_literal(fs, literal, sizes)
+        directory = next((m for m in missing if fs.isdir(m)), None)
+        if directory is not None:
+            raise ShardListError(
+                f"{directory!r} is a directory; give files, or a glob such as '{directory.rstrip('/')}/*.tfrecord'"
+            )
         if missing:
             shown = ", ".join(repr(m) for m in missing[:3])
             raise ShardListError(
