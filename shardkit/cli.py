@@ -28,6 +28,7 @@ from typing import Any
 from shardkit.errors import CorruptRecordError, ShardkitError
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool its reader stopped reading (`... | head`)
 
 EXIT_CODES = f"""\
 exit codes:
@@ -38,6 +39,7 @@ exit codes:
        directory, a glob matching nothing, an unreadable or malformed manifest
        or index; 2 wins over 1 when both happen
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+  {EXIT_PIPE}  the output pipe closed early (`shardkit verify ... | head`): stops quietly
 errors are single lines on stderr: "shardkit <command>: error: <message>"
 """
 
@@ -125,6 +127,8 @@ def _run_each(args: argparse.Namespace, job: Callable[[str], Any], urls: Sequenc
             if not _skipped(url):
                 job(url)
         except Exception as error:  # noqa: BLE001 - one line per bad file, then the next
+            if isinstance(error, BrokenPipeError) and _stdout_closed():
+                raise  # nobody reads on: main ends quietly
             status = max(status, _fail(args, error, url))
     return status
 
@@ -858,7 +862,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardkit {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as error:  # noqa: BLE001 - one line, never a traceback (unless --traceback)
+        if isinstance(error, BrokenPipeError) and _stdout_closed():
+            return _closed_pipe()
         return _fail(args, error)
+
+
+def _stdout_closed() -> bool:
+    """Whether a BrokenPipeError came from stdout (its reader, ``head`` say, has exited) rather than from
+    a socket: the write end of a pipe without a reader polls as an error (POLLERR)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is no file
+        return False
+
+
+def _closed_pipe() -> int:
+    """End quietly after stdout's reader went away, as command-line tools do on SIGPIPE: point stdout
+    at /dev/null so that flushing it at exit does not print "Exception ignored ... BrokenPipeError"."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover
