@@ -81,3 +81,15 @@ def test_verify_over_a_directory_skips_index_and_manifest_files_by_name(tmp_path
     assert f"skipped {tmp_path}/train-00000.tfrecord.idx: a shardkit index file" in out
     assert f"skipped {tmp_path}/train.manifest.arrow: an Arrow IPC file (a shard manifest?)" in out
     assert out.count("ok ") == 2
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "index"])
+def test_a_manifest_given_as_data_is_skipped_by_name_not_called_corrupt(tmp_path, capsys, command):
+    manifest = write_files(tmp_path)["m.arrow"]
+    assert main([command, manifest]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        err == ""
+        and out
+        == f"skipped {manifest}: an Arrow IPC file (a shard manifest?); plan and verify --manifest read manifests\n"
+    )
