@@ -600,11 +600,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     except Exception as error:  # noqa: BLE001 - one line, exit 2
         return _fail(args, error, args.source)
     target = formats()[args.format]
+    try:
+        convert = _record_converter(args.decode, readers, target.name)
+    except Exception as error:  # noqa: BLE001 - one line, exit 2
+        return _fail(args, error, args.source)
     count = 0
     with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=False, disable=None) as bar, writer:
         for url, fmt in readers:
             for record in fmt.read(url):
-                writer.write(_converted(record, count, url, target.name))
+                writer.write(convert(record, count, url, fmt.name))
                 count += 1
                 bar.update()
     shards = writer.shards
@@ -615,6 +619,48 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 class ConvertError(ShardkitError):
     """A record has no faithful form in the target format."""
+
+
+_PEEK = 100  # records of the first TFRecord file that decide --decode and the Parquet columns
+
+
+def _record_converter(decode: str | None, readers: list[tuple[str, Any]], target: str) -> Callable[..., Any]:
+    """``convert(record, n, url, source_format)``: with ``decode`` "example" (the default when the first
+    TFRecord records decode as tf.Examples, or when writing TFRecord from another format), tf.Example
+    features become fields and back (:mod:`shardkit.formats.example_rows`); otherwise records stay opaque."""
+    import itertools
+
+    from shardkit.formats import example_rows as rows
+
+    first = next((url for url, fmt in readers if fmt.name == "tfrecord"), None)
+    if target == "tfrecord":
+        examples = decode != "raw"
+    elif first is None or decode == "raw":
+        examples = False
+    else:
+        from shardkit.formats.tfrecord import read_tfrecord
+
+        peek = list(itertools.islice(read_tfrecord(first), _PEEK))
+        examples = decode == "example" or rows.looks_like_examples(peek[:10])
+        if examples and not rows.looks_like_examples(peek):
+            raise ConvertError(f"{first}: the first records are not all tf.Examples; use --decode raw")
+    scalars = rows.scalar_features(peek) if examples and target in ("parquet", "jsonl") else frozenset()
+
+    def convert(record: Any, n: int, url: str, source: str) -> Any:
+        if not examples or (source == "tfrecord") == (target == "tfrecord"):
+            return _converted(record, n, url, target)
+        try:
+            if target == "tar":
+                return rows.sample_from_example(record, f"{n:09d}")
+            if target != "tfrecord":
+                return rows.row_from_example(record, scalars, json_lines=target == "jsonl")
+            if source == "tar":
+                return rows.example_from_sample(record)
+            return rows.example_from_row(record if isinstance(record, dict) else {"value": record})
+        except ShardkitError as error:
+            raise ConvertError(f"{url}: record {n}: {error}") from None
+
+    return convert
 
 
 def _converted(record: Any, n: int, url: str, target: str) -> Any:
@@ -834,6 +880,14 @@ def build_parser() -> argparse.ArgumentParser:
         "pattern", metavar="DST_PATTERN", help="output shards, with an integer field: 'out/train-%%05d.tar'"
     )
     convert_cmd.add_argument("--format", required=True, choices=("tfrecord", "tar", "parquet", "jsonl"))
+    convert_cmd.add_argument(
+        "--decode",
+        choices=("example", "raw"),
+        default=None,
+        help="example: tf.Example features become Parquet columns, JSON fields or tar members, and are "
+        "encoded back into tf.Examples when writing TFRecord; raw: TFRecord records stay opaque bytes "
+        "(a 'record' column or member). Default: example when the first TFRecord records are tf.Examples",
+    )
     convert_cmd.add_argument("--max-records", type=_int_at_least(1), default=None, help="records per shard at most")
     convert_cmd.add_argument("--max-bytes", type=_int_at_least(1), default=None, help="bytes per shard, about")
     convert_cmd.set_defaults(func=_cmd_convert)
