@@ -773,7 +773,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="shardkit",
-        description="shardkit: plan, inspect, verify and index the shard files of a PyTorch pipeline.",
+        description="shardkit: plan, inspect, verify, index and convert the shard files of a PyTorch pipeline "
+        "(TFRecord, WebDataset tar, Parquet, JSON lines). Also runs as `python -m shardkit`.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -817,7 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_cmd = _sub(
         sub,
         "inspect",
-        "record count, sizes, compression and message schema of TFRecord files",
+        "record count, sizes and schema of shard files (tar, Parquet, JSON lines, TFRecord)",
         "Read every record (checking CRCs unless --no-verify); print the count, sizes and compression, and "
         "whether the first records are tf.Example or tf.SequenceExample messages, with their features.",
         "0 every file was read; 1 corrupt data found (url, record index, byte offset on stderr); "
@@ -834,7 +835,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cmd = _sub(
         sub,
         "verify",
-        "check every CRC of TFRecord files; exit 1 on corruption",
+        "check every record of shard files (tar, Parquet, JSON lines, TFRecord); exit 1 on corruption",
         "Check every length and data CRC of every file, and that each holds the record count its "
         "manifest (--manifest) or index file gives. Each bad file is reported on its own line with "
         "the record index and byte offset of the damage, and the remaining files are still checked.",
@@ -853,7 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
     index_cmd = _sub(
         sub,
         "index",
-        "write an index file (record byte offsets) beside each TFRecord file",
+        "write an index file (record byte offsets) beside each shard file (tar, JSON lines, TFRecord)",
         "Write <file>.idx beside each file: the byte offset of every record (length CRCs checked), "
         "written under a temporary name and renamed into place.",
         "0 every index was written; 1 a file is corrupt (no index written for it); 2 bad arguments or "
@@ -871,7 +872,7 @@ def build_parser() -> argparse.ArgumentParser:
         "by extension and magic bytes), in order, and write them into shards DST_PATTERN % 0, % 1, ... "
         "of --format, rolled over by --max-records / --max-bytes, each published by rename, then the "
         "manifest with the record counts. Tar samples keep their keys; rows and lines get their running "
-        "number as key; JSON lines take text, not bytes.",
+        "number as key. tf.Example features become columns, fields or members (see --decode), and back.",
         "0 converted; 1 a source file is corrupt (url, record index, byte offset on stderr; no manifest "
         "is written); 2 bad arguments, an unreadable source, or a record the target format cannot hold.",
     )
