@@ -186,7 +186,7 @@ def test_the_cli_help_does_not_say_tfrecord_only_for_commands_that_read_every_fo
 
 
 def test_code_comments_and_docstrings_carry_no_process_notes():
-    """"issue 7" means nothing to a reader of the code: say what the target is, not which ticket asked."""
+    """ "issue 7" means nothing to a reader of the code: say what the target is, not which ticket asked."""
     notes = re.compile(r"\(issue \d+|\bissue \d+:")
     found = [
         f"{path.relative_to(ROOT)}:{n}"
