@@ -327,7 +327,7 @@ def _progress_bar(url: str, compression: str | None, storage_options: dict | Non
         compression = _detect_compression(url)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     total = fs.size(path) if compression is None else None
-    return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=False, disable=None)
+    return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=True, disable=None)
 
 
 def _detect_compression(url: str) -> str | None:
@@ -605,7 +605,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     except Exception as error:  # noqa: BLE001 - one line, exit 2
         return _fail(args, error, args.source)
     count = 0
-    with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=False, disable=None) as bar, writer:
+    with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=True, disable=None) as bar, writer:
         for url, fmt in readers:
             for record in fmt.read(url):
                 writer.write(convert(record, count, url, fmt.name))
