@@ -44,3 +44,16 @@ def test_the_readme_command_list_names_every_subcommand_and_no_other() -> None:
 
 def test_the_readme_does_not_promise_a_one_minute_suite() -> None:
     assert "about a minute" not in README.read_text()  # measured 3:52 for -m "not slow" on 2 cores
+
+
+def test_the_readme_quotes_lightnings_len_warning_as_lightning_words_it() -> None:
+    import inspect
+
+    import pytest
+
+    data = pytest.importorskip("pytorch_lightning.utilities.data")
+    quoted = re.search(r'warns that "`__len__` (.*?)" for any loader', README.read_text(), re.DOTALL)
+    assert quoted, "the README's Lightning note is gone"
+    words = " ".join(quoted.group(1).split())
+    source = " ".join(re.sub(r'"\s*"', "", inspect.getsource(data.has_len_all_ranks)).split())
+    assert words in source
