@@ -93,3 +93,9 @@ def test_a_manifest_given_as_data_is_skipped_by_name_not_called_corrupt(tmp_path
         and out
         == f"skipped {manifest}: an Arrow IPC file (a shard manifest?); plan and verify --manifest read manifests\n"
     )
+
+
+def test_a_tfrecord_dataset_over_a_parquet_file_says_to_use_parquet_dataset(tmp_path):
+    url = write_files(tmp_path)["p.parquet"]
+    with pytest.raises(CorruptRecordError, match="this is a Parquet file; use ParquetDataset"):
+        list(shardkit.TFRecordDataset(url))
