@@ -752,11 +752,13 @@ def _sub(sub: Any, name: str, summary: str, description: str, exits: str) -> arg
 
 
 _MANIFEST_HELP = """\
-SOURCE is a manifest or a quoted glob of shard files.
+SOURCE is a manifest, a quoted glob of shard files, or one TFRecord or tar file.
 
 A manifest lists the shards and their record counts: an Arrow IPC, Parquet or
 JSON-lines file with a "url" column and optional "num_records" and "size"
-columns (relative urls resolve against the manifest's directory). ShardWriter
+columns (relative urls resolve against the manifest's directory; ShardWriter and
+to_manifest store local shards that way, so a manifest reads the same from any
+working directory). ShardWriter
 writes one beside the shards it writes (train-%05d.tfrecord ->
 train.manifest.arrow); ShardList(urls, num_records=...).to_manifest(path) writes
 one for shards you already have.
@@ -803,7 +805,9 @@ def build_parser() -> argparse.ArgumentParser:
         "malformed, a glob matching nothing), or a balanced plan lacks record counts. "
         "plan reads no shard data, so it never exits 1.",
     )
-    plan_cmd.add_argument("source", metavar="SOURCE", help="a shard manifest, or a quoted glob of shard files")
+    plan_cmd.add_argument(
+        "source", metavar="SOURCE", help="a shard manifest, a quoted glob of shard files, or one shard file"
+    )
     plan_cmd.add_argument("--world-size", type=_int_at_least(1), default=1, help="number of DDP ranks (default 1)")
     plan_cmd.add_argument(
         "--num-workers", type=_int_at_least(1), default=1, help="DataLoader workers per rank (default 1)"
