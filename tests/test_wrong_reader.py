@@ -99,3 +99,8 @@ def test_a_tfrecord_dataset_over_a_parquet_file_says_to_use_parquet_dataset(tmp_
     url = write_files(tmp_path)["p.parquet"]
     with pytest.raises(CorruptRecordError, match="this is a Parquet file; use ParquetDataset"):
         list(shardkit.TFRecordDataset(url))
+
+
+def test_a_corrupt_tfrecord_whose_length_starts_with_a_brace_is_not_called_json():
+    header = (123).to_bytes(8, "little") + b"\xde\xad\xbe\xef"  # a length of 123 is "{" then NULs
+    assert describe_head(header + b"x" * 123 + b"\n") is None

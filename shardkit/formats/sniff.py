@@ -31,9 +31,21 @@ def kind_of(head: bytes) -> tuple[str, str] | None:
         return "a shardkit index file", _INDEX_ADVICE
     if head[257:262] == b"ustar":
         return "a tar file", "use TarDataset"
-    if head.lstrip()[:1] in (b"{", b"[") and b"\n" in head:
+    if head.lstrip()[:1] in (b"{", b"[") and b"\n" in head and _text(head):
         return "a JSON lines file", "use JsonlDataset"
     return None
+
+
+def _text(head: bytes) -> bool:
+    """Whether ``head`` is UTF-8 text (perhaps cut inside a character): a TFRecord whose first length
+    byte happens to be ``{`` has NULs in the rest of its length field."""
+    if b"\x00" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return error.start >= len(head) - 3  # only the last character was cut
+    return True
 
 
 def describe_head(head: bytes) -> str | None:
