@@ -1,4 +1,4 @@
-"""End-to-end comparison of shardkit with the loaders users pick instead (issue 7).
+"""End-to-end comparison of shardkit with the loaders users pick instead.
 
 One run generates one content and reads it with every loader:
 
@@ -21,7 +21,7 @@ One run generates one content and reads it with every loader:
   batches from them in the main process through its reusable shared-memory
   slabs (:mod:`shardkit.columns`): payloads come as an Arrow binary array,
   labels as a tensor; its ratio to the fastest alternative is held to
-  ``COLUMN_TARGET`` (issue 14).
+  ``COLUMN_TARGET``.
   Loaders run round-robin ``--repeat`` times; the best epoch of each is kept,
   so load from other processes on the machine hurts every loader alike.
   A second figure collates the labels to a Python list instead of a tensor:

@@ -1,6 +1,6 @@
 """What shardkit.even_batches adds per batch, with 2 gloo ranks on this machine.
 
-Target (issue 11): at most 100 us per batch, and no added latency on the first
+Target: at most 100 us per batch, and no added latency on the first
 batch beyond one round trip of the agreement.
 
 Each of 2 ranks (processes, gloo over localhost) iterates a list of ready

@@ -1,4 +1,4 @@
-"""The shard formats against the loaders their users have today (issue 12).
+"""The shard formats against the loaders their users have today.
 
 One run writes one content per format and reads it with each pair of loaders,
 through a DataLoader with ``--workers`` workers (batch ``--batch``, a plain

@@ -9,7 +9,7 @@ is the Python objects' size for a list (``sys.getsizeof`` of the list and of
 each str) and the url column's size for a ShardList (UTF-8 bytes plus int32
 offsets; the workers do not touch its null count and size columns). A plain Python list is
 the positive control: its workers' refcount writes copy it under fork, and
-spawn / forkserver unpickle a copy in every worker. Target (issue 2):
+spawn / forkserver unpickle a copy in every worker. Target:
 ShardList <= 1.1x under all three start methods. Linux only.
 
 Each figure is the median of ``--repeat`` runs, each in a fresh interpreter.

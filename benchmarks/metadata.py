@@ -1,4 +1,4 @@
-"""What checking metadata costs (issue 10, "Trust nothing"), for a large shard list.
+"""What checking metadata costs ("Trust nothing"), for a large shard list.
 
 Medians of interleaved rounds, in seconds:
 

@@ -1,6 +1,6 @@
 """How long one reader takes to plan its part of a large dataset.
 
-Target (issue 2): 10M shards for 64 ranks x 8 workers, well under a second per
+Target: 10M shards for 64 ranks x 8 workers, well under a second per
 reader. Prints seconds per reader for a few readers, with and without shuffle,
 and for comparison the time numpy needs just to permute the shard indices
 (the floor of any shuffled plan). With unknown counts (whole shards dealt

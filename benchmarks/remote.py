@@ -1,4 +1,4 @@
-"""Remote shards against local ones, and against other loaders reading the same remote content (issue 13).
+"""Remote shards against local ones, and against other loaders reading the same remote content.
 
 One run writes one content (``--shards`` x ``--records`` samples of about 1 KB,
 as in ``benchmarks/compare.py``: TFRecord for shardkit, tar for WebDataset,

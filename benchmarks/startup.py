@@ -1,4 +1,4 @@
-"""Start-up at a million shards: from a manifest to the first sample (issue 13).
+"""Start-up at a million shards: from a manifest to the first sample.
 
 Writes a manifest of ``--shards`` shards of ``--records`` records each with
 :meth:`ShardList.to_manifest` into a temporary directory. Only the first few

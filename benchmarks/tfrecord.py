@@ -1,10 +1,9 @@
 """TFRecord read throughput: shardkit vs the ``tfrecord`` package vs reading the bytes.
 
-Targets (issue 3), on 100k records of about 1 KB (about 105 MB):
+Targets, on 100k records of about 1 KB (about 105 MB):
 - shardkit raw with CRC checks >= 2x the tfrecord package's raw iteration
   (which skips CRCs) and >= 0.7x the throughput of reading the file's bytes;
-- shardkit decoding to numpy >= 3x the tfrecord package's parsed loader
-  (issue 14: >= 5x).
+- shardkit decoding to numpy >= 5x the tfrecord package's parsed loader.
 
 Decoding runs with the decoder ``shardkit.formats.example.BACKEND`` picked
 (the compiled one where built), with the pure-Python one beside it, and as

@@ -65,7 +65,8 @@ def evaluate(root: str) -> torch.Tensor:
     net = model()
     sums = torch.zeros(5, dtype=torch.float64)
     with torch.no_grad():
-        for ids, x, label in DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=2):
+        workers = max(1, min(2, (os.cpu_count() or 1) // dist.get_world_size()))  # the ranks share the cores
+        for ids, x, label in DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=workers):
             logits = net(x.double()).squeeze(1)
             target = label.squeeze(1).double()
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="sum")

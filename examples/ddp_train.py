@@ -11,7 +11,7 @@ same number of records, even though 1,003 records do not split evenly. A
 each rank, so the ranks would yield different numbers of batches and the
 gradient all-reduce would hang at the end of an epoch: ``shardkit.even_batches``
 has the ranks agree as they go and stop together when the first runs out
-(the few batches dropped on the others are counted).
+(the batches the others had fetched ahead but not used are printed).
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     shards = shardkit.ShardList.from_manifest(f"{root}/train.manifest.arrow")
     dataset = shardkit.TFRecordDataset(shards, shuffle=True, balance="pad").map(to_pair).filter(in_range)
-    loader = DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=2, persistent_workers=True)
+    # Two workers per rank at most, and no more than the cores allow: the ranks share the machine.
+    workers = max(1, min(2, (os.cpu_count() or 1) // world))
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=workers, persistent_workers=True)
     batches = shardkit.even_batches(loader)  # at_end="stop": every rank stops when the first runs out
     for epoch in range(EPOCHS):
         batches.set_epoch(epoch)  # passes on to the dataset
@@ -80,10 +82,12 @@ def main() -> None:
         counts = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(counts, torch.tensor([steps, batches.stats().dropped]))
         if rank == 0:
-            per_rank, dropped = [int(c[0]) for c in counts], [int(c[1]) for c in counts]
+            per_rank, unread = [int(c[0]) for c in counts], [int(c[1]) for c in counts]
+            # The filtered stream has no len(), so a rank knows only the batches its workers had
+            # fetched ahead when the ranks stopped together, not how many more its shards held.
             print(
-                f"epoch {epoch}: batches per rank {per_rank}, dropped per rank {dropped} (at least), "
-                f"mean loss {total_loss / steps:.4f}"
+                f"epoch {epoch}: batches per rank {per_rank}, mean loss {total_loss / steps:.4f}; "
+                f"the ranks stopped together; batches fetched but unused, per rank: {unread}"
             )
     weight, bias = (p.detach().item() for p in model.module.parameters())
     if rank == 0:

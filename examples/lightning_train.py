@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,11 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardkit
+
+# Lightning warns that an IterableDataset's `__len__` "could be inaccurate ... duplicate data" for every
+# loader over one that has a length. Here each worker reads its own ranges of the plan (no duplicates)
+# and MixedLoader's len() is its exact batch count, so the warning does not apply.
+warnings.filterwarnings("ignore", message=r".*`__len__` could be inaccurate")
 
 RECORDS, SHARDS, BATCH_SIZE = 302, 4, 8
 

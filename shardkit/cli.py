@@ -28,6 +28,7 @@ from typing import Any
 from shardkit.errors import CorruptRecordError, ShardkitError
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool its reader stopped reading (`... | head`)
 
 EXIT_CODES = f"""\
 exit codes:
@@ -38,6 +39,7 @@ exit codes:
        directory, a glob matching nothing, an unreadable or malformed manifest
        or index; 2 wins over 1 when both happen
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+  {EXIT_PIPE}  the output pipe closed early (`shardkit verify ... | head`): stops quietly
 errors are single lines on stderr: "shardkit <command>: error: <message>"
 """
 
@@ -122,10 +124,32 @@ def _run_each(args: argparse.Namespace, job: Callable[[str], Any], urls: Sequenc
     status = EXIT_OK
     for url in urls:
         try:
-            job(url)
+            if not _skipped(url):
+                job(url)
         except Exception as error:  # noqa: BLE001 - one line per bad file, then the next
+            if isinstance(error, BrokenPipeError) and _stdout_closed():
+                raise  # nobody reads on: main ends quietly
             status = max(status, _fail(args, error, url))
     return status
+
+
+def _skipped(url: str) -> bool:
+    """Whether ``url`` is an index or manifest file, not shard data (say so): a glob such as
+    ``data/*`` picks them up beside the shards, and they are not corrupt shards."""
+    from shardkit.formats.io import open_raw
+    from shardkit.formats.sniff import SNIFF_BYTES, not_a_shard
+
+    head = b""
+    if "://" not in url or url.startswith("file://"):  # a remote file is not opened twice: its suffix decides
+        try:
+            with open_raw(url, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+        except OSError:
+            return False  # the command's own reading reports it
+    what = not_a_shard(url, head)
+    if what is not None:
+        print(f"skipped {url}: {what}")
+    return what is not None
 
 
 # --------------------------------------------------------------------------- demo
@@ -156,14 +180,35 @@ def _load_shards(source: str) -> tuple[Any, str]:
     """The ShardList ``source`` names (a glob, else a manifest) and where its counts came from."""
     from shardkit.shardlist import ShardList
 
-    if not _GLOB_CHARS.search(source):
+    if not _GLOB_CHARS.search(source) and not _is_shard_file(source):
         return ShardList.from_manifest(source), "from the manifest"
     shards = ShardList.from_glob(source)
     counts = _index_counts(shards.urls())
     found = sum(count is not None for count in counts)
     if found == 0:
         return shards, "unknown (no index files; write them with `shardkit index`)"
-    return shards.with_num_records(counts), f"from index files ({found} of {len(counts)} shards)"
+    return shards.with_num_records(counts), f"from index files ({found} of {_plural(len(counts), 'shard')})"
+
+
+def _is_shard_file(source: str) -> bool:
+    """Whether ``source`` is a TFRecord or tar shard (planned as a list of one) rather than a manifest.
+
+    Parquet and JSON lines files stay manifests: both formats hold manifests too.
+    """
+    from shardkit.formats.base import FormatError, format_for
+    from shardkit.formats.io import open_raw
+    from shardkit.formats.sniff import SNIFF_BYTES
+
+    try:
+        with open_raw(source, "rb") as f:
+            fmt = format_for(source, f.read(SNIFF_BYTES))
+    except (OSError, FormatError):
+        return False  # reading it as a manifest reports what is wrong
+    return fmt.name in ("tfrecord", "tar")
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _index_counts(urls: list[str]) -> list[int | None]:
@@ -238,7 +283,7 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
     counts = shards.table.column("num_records")
     known = counts.null_count == 0
     lines = [
-        f"{len(shards)} shards, {shards.total_records if known else 'unknown'} records; "
+        f"{_plural(len(shards), 'shard')}, {shards.total_records if known else 'unknown'} records; "
         f"world_size={world_size}, num_workers={num_workers}, " + ", ".join(f"{k}={v}" for k, v in options.items()),
         f"{'rank':>4} {'worker':>6} {'records':>10} {'ranges':>7}  first ranges",
     ]
@@ -250,8 +295,7 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
             sizes = [r.stop - r.start for r in ranges if r.stop is not None]
             rank_total += sum(sizes)
             shown = ", ".join(
-                f"{shards[r.shard].rsplit('/', 1)[-1]}[{r.start}:{'' if r.stop is None else r.stop}]"
-                for r in ranges[:show]
+                f"{_shown_path(shards[r.shard])}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
             )
             more = f" ... (+{len(ranges) - show})" if len(ranges) > show else ""
             records = str(sum(sizes)) if len(sizes) == len(ranges) else "?"
@@ -260,6 +304,15 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
     if known:
         lines.append("records per rank: " + ", ".join(str(t) for t in rank_totals))
     return "\n".join(lines)
+
+
+def _shown_path(url: str) -> str:
+    """``url`` as the plan prints it: a local file relative to the working directory when under it, so
+    that a wrong directory shows (``data/data/t-00000.tfrecord``); anything else in full."""
+    if "://" in url or not os.path.isabs(url):
+        return url
+    relative = os.path.relpath(url)
+    return url if relative.startswith("..") else relative
 
 
 # --------------------------------------------------------------------------- progress
@@ -274,7 +327,7 @@ def _progress_bar(url: str, compression: str | None, storage_options: dict | Non
         compression = _detect_compression(url)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     total = fs.size(path) if compression is None else None
-    return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=False, disable=None)
+    return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=True, disable=None)
 
 
 def _detect_compression(url: str) -> str | None:
@@ -547,11 +600,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     except Exception as error:  # noqa: BLE001 - one line, exit 2
         return _fail(args, error, args.source)
     target = formats()[args.format]
+    try:
+        convert = _record_converter(args.decode, readers, target.name)
+    except Exception as error:  # noqa: BLE001 - one line, exit 2
+        return _fail(args, error, args.source)
     count = 0
-    with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=False, disable=None) as bar, writer:
+    with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=True, disable=None) as bar, writer:
         for url, fmt in readers:
             for record in fmt.read(url):
-                writer.write(_converted(record, count, url, target.name))
+                writer.write(convert(record, count, url, fmt.name))
                 count += 1
                 bar.update()
     shards = writer.shards
@@ -562,6 +619,48 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 class ConvertError(ShardkitError):
     """A record has no faithful form in the target format."""
+
+
+_PEEK = 100  # records of the first TFRecord file that decide --decode and the Parquet columns
+
+
+def _record_converter(decode: str | None, readers: list[tuple[str, Any]], target: str) -> Callable[..., Any]:
+    """``convert(record, n, url, source_format)``: with ``decode`` "example" (the default when the first
+    TFRecord records decode as tf.Examples, or when writing TFRecord from another format), tf.Example
+    features become fields and back (:mod:`shardkit.formats.example_rows`); otherwise records stay opaque."""
+    import itertools
+
+    from shardkit.formats import example_rows as rows
+
+    first = next((url for url, fmt in readers if fmt.name == "tfrecord"), None)
+    if target == "tfrecord":
+        examples = decode != "raw"
+    elif first is None or decode == "raw":
+        examples = False
+    else:
+        from shardkit.formats.tfrecord import read_tfrecord
+
+        peek = list(itertools.islice(read_tfrecord(first), _PEEK))
+        examples = decode == "example" or rows.looks_like_examples(peek[:10])
+        if examples and not rows.looks_like_examples(peek):
+            raise ConvertError(f"{first}: the first records are not all tf.Examples; use --decode raw")
+    scalars = rows.scalar_features(peek) if examples and target in ("parquet", "jsonl") else frozenset()
+
+    def convert(record: Any, n: int, url: str, source: str) -> Any:
+        if not examples or (source == "tfrecord") == (target == "tfrecord"):
+            return _converted(record, n, url, target)
+        try:
+            if target == "tar":
+                return rows.sample_from_example(record, f"{n:09d}")
+            if target != "tfrecord":
+                return rows.row_from_example(record, scalars, json_lines=target == "jsonl")
+            if source == "tar":
+                return rows.example_from_sample(record)
+            return rows.example_from_row(record if isinstance(record, dict) else {"value": record})
+        except ShardkitError as error:
+            raise ConvertError(f"{url}: record {n}: {error}") from None
+
+    return convert
 
 
 def _converted(record: Any, n: int, url: str, target: str) -> Any:
@@ -653,11 +752,13 @@ def _sub(sub: Any, name: str, summary: str, description: str, exits: str) -> arg
 
 
 _MANIFEST_HELP = """\
-SOURCE is a manifest or a quoted glob of shard files.
+SOURCE is a manifest, a quoted glob of shard files, or one TFRecord or tar file.
 
 A manifest lists the shards and their record counts: an Arrow IPC, Parquet or
 JSON-lines file with a "url" column and optional "num_records" and "size"
-columns (relative urls resolve against the manifest's directory). ShardWriter
+columns (relative urls resolve against the manifest's directory; ShardWriter and
+to_manifest store local shards that way, so a manifest reads the same from any
+working directory). ShardWriter
 writes one beside the shards it writes (train-%05d.tfrecord ->
 train.manifest.arrow); ShardList(urls, num_records=...).to_manifest(path) writes
 one for shards you already have.
@@ -674,7 +775,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="shardkit",
-        description="shardkit: plan, inspect, verify and index the shard files of a PyTorch pipeline.",
+        description="shardkit: plan, inspect, verify, index and convert the shard files of a PyTorch pipeline "
+        "(TFRecord, WebDataset tar, Parquet, JSON lines). Also runs as `python -m shardkit`.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -703,7 +805,9 @@ def build_parser() -> argparse.ArgumentParser:
         "malformed, a glob matching nothing), or a balanced plan lacks record counts. "
         "plan reads no shard data, so it never exits 1.",
     )
-    plan_cmd.add_argument("source", metavar="SOURCE", help="a shard manifest, or a quoted glob of shard files")
+    plan_cmd.add_argument(
+        "source", metavar="SOURCE", help="a shard manifest, a quoted glob of shard files, or one shard file"
+    )
     plan_cmd.add_argument("--world-size", type=_int_at_least(1), default=1, help="number of DDP ranks (default 1)")
     plan_cmd.add_argument(
         "--num-workers", type=_int_at_least(1), default=1, help="DataLoader workers per rank (default 1)"
@@ -718,7 +822,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_cmd = _sub(
         sub,
         "inspect",
-        "record count, sizes, compression and message schema of TFRecord files",
+        "record count, sizes and schema of shard files (tar, Parquet, JSON lines, TFRecord)",
         "Read every record (checking CRCs unless --no-verify); print the count, sizes and compression, and "
         "whether the first records are tf.Example or tf.SequenceExample messages, with their features.",
         "0 every file was read; 1 corrupt data found (url, record index, byte offset on stderr); "
@@ -735,7 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cmd = _sub(
         sub,
         "verify",
-        "check every CRC of TFRecord files; exit 1 on corruption",
+        "check every record of shard files (tar, Parquet, JSON lines, TFRecord); exit 1 on corruption",
         "Check every length and data CRC of every file, and that each holds the record count its "
         "manifest (--manifest) or index file gives. Each bad file is reported on its own line with "
         "the record index and byte offset of the damage, and the remaining files are still checked.",
@@ -754,7 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
     index_cmd = _sub(
         sub,
         "index",
-        "write an index file (record byte offsets) beside each TFRecord file",
+        "write an index file (record byte offsets) beside each shard file (tar, JSON lines, TFRecord)",
         "Write <file>.idx beside each file: the byte offset of every record (length CRCs checked), "
         "written under a temporary name and renamed into place.",
         "0 every index was written; 1 a file is corrupt (no index written for it); 2 bad arguments or "
@@ -772,7 +876,7 @@ def build_parser() -> argparse.ArgumentParser:
         "by extension and magic bytes), in order, and write them into shards DST_PATTERN % 0, % 1, ... "
         "of --format, rolled over by --max-records / --max-bytes, each published by rename, then the "
         "manifest with the record counts. Tar samples keep their keys; rows and lines get their running "
-        "number as key; JSON lines take text, not bytes.",
+        "number as key. tf.Example features become columns, fields or members (see --decode), and back.",
         "0 converted; 1 a source file is corrupt (url, record index, byte offset on stderr; no manifest "
         "is written); 2 bad arguments, an unreadable source, or a record the target format cannot hold.",
     )
@@ -781,6 +885,14 @@ def build_parser() -> argparse.ArgumentParser:
         "pattern", metavar="DST_PATTERN", help="output shards, with an integer field: 'out/train-%%05d.tar'"
     )
     convert_cmd.add_argument("--format", required=True, choices=("tfrecord", "tar", "parquet", "jsonl"))
+    convert_cmd.add_argument(
+        "--decode",
+        choices=("example", "raw"),
+        default=None,
+        help="example: tf.Example features become Parquet columns, JSON fields or tar members, and are "
+        "encoded back into tf.Examples when writing TFRecord; raw: TFRecord records stay opaque bytes "
+        "(a 'record' column or member). Default: example when the first TFRecord records are tf.Examples",
+    )
     convert_cmd.add_argument("--max-records", type=_int_at_least(1), default=None, help="records per shard at most")
     convert_cmd.add_argument("--max-bytes", type=_int_at_least(1), default=None, help="bytes per shard, about")
     convert_cmd.set_defaults(func=_cmd_convert)
@@ -809,7 +921,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardkit {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as error:  # noqa: BLE001 - one line, never a traceback (unless --traceback)
+        if isinstance(error, BrokenPipeError) and _stdout_closed():
+            return _closed_pipe()
         return _fail(args, error)
+
+
+def _stdout_closed() -> bool:
+    """Whether a BrokenPipeError came from stdout (its reader, ``head`` say, has exited) rather than from
+    a socket: the write end of a pipe without a reader polls as an error (POLLERR)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is no file
+        return False
+
+
+def _closed_pipe() -> int:
+    """End quietly after stdout's reader went away, as command-line tools do on SIGPIPE: point stdout
+    at /dev/null so that flushing it at exit does not print "Exception ignored ... BrokenPipeError"."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -70,6 +70,10 @@ _PARQUET_MAGIC = b"PAR1"
 _GLOB_MAGIC = re.compile(r"[*?\[]")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
+#: Schema metadata of a manifest saying how its relative urls resolve (the only value: against its folder).
+PATHS_KEY = b"paths"
+PATHS_RELATIVE = b"relative-to-manifest"
+
 #: What counts and sizes may be given as: ints and Nones, or an integer array.
 IntColumn = Sequence["int | None"] | np.ndarray | pa.Array | pa.ChunkedArray
 
@@ -151,6 +155,11 @@ class ShardList:
         if identities and not isinstance(fs, LocalFileSystem):  # the counts cache checks these, not a new listing
             remember([fs.unstrip_protocol(name) for name in identities], list(identities.values()))
         missing = _stat_literal(fs, literal, sizes)
+        directory = next((m for m in missing if fs.isdir(m)), None)
+        if directory is not None:
+            raise ShardListError(
+                f"{directory!r} is a directory; give files, or a glob such as '{directory.rstrip('/')}/*.tfrecord'"
+            )
         if missing:
             shown = ", ".join(repr(m) for m in missing[:3])
             raise ShardListError(
@@ -170,7 +179,9 @@ class ShardList:
         The format is recognised from the file's first bytes. A JSON-lines
         manifest holds one ``{"url": ..., "num_records": ..., "size": ...}``
         object per line (only ``url`` is required). Relative urls resolve
-        against the manifest's directory. A local, uncompressed IPC file with
+        against the manifest's directory (the only meaning a manifest may give
+        them: schema metadata ``paths`` other than ``relative-to-manifest`` is
+        refused). A local, uncompressed IPC file with
         absolute urls and the :meth:`to_manifest` schema is copied byte for
         byte to a private temporary file and memory-mapped from there (no
         parsing); any other manifest is converted into one. Either way the list
@@ -214,17 +225,25 @@ class ShardList:
 
         Local paths are written to a temporary file next to ``path`` and renamed
         over it, so readers never see half a manifest. Any fsspec url works.
-        :meth:`from_manifest` memory-maps the result without copying.
+
+        A local manifest stores each local shard path relative to its own
+        folder when the shard lies under it, else absolute (a path relative
+        to the working directory means nothing once the manifest is read from
+        elsewhere); the schema metadata says so (``paths:
+        relative-to-manifest``), and :meth:`from_manifest` resolves by it.
+        Urls with a scheme (``s3://``...) are stored as they are.
         """
         fs, fs_path = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
-        if not isinstance(fs, LocalFileSystem):
+        local = isinstance(fs, LocalFileSystem)
+        table = _manifest_table(self.table, posixpath.dirname(fs_path) if local else None)
+        if not local:
             with fs.open(fs_path, "wb") as f:
-                _write_ipc(self.table, f)
+                _write_ipc(table, f)
             return
         partial = f"{fs_path}.{uuid.uuid4().hex}.partial"
         try:
             with pa.OSFile(partial, "wb") as f:
-                _write_ipc(self.table, f)
+                _write_ipc(table, f)
             os.replace(partial, fs_path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -634,6 +653,12 @@ def _normalize_manifest(table: pa.Table, path: str, join: Callable[[str], str]) 
     if not (pa.types.is_string(urls.type) or pa.types.is_large_string(urls.type)):
         raise ShardListError(f"manifest {path!r}: column {URL!r} must be strings, got {urls.type}")
     _check_urls(urls, f"manifest {path!r}: {URL}")
+    paths = (table.schema.metadata or {}).get(PATHS_KEY, PATHS_RELATIVE)
+    if paths != PATHS_RELATIVE:  # a convention this version does not know: guessing would read the wrong files
+        raise ShardListError(
+            f"manifest {path!r}: schema metadata paths={paths.decode(errors='replace')!r} is not "
+            f"{PATHS_RELATIVE.decode()!r}; it was written by a newer shardkit or another tool"
+        )
     resolved = _resolve_relative(urls, join)
     counts, sizes = (
         _int_column(table.column(name) if name in names else None, len(urls), f"manifest {path!r}: {name}")
@@ -650,6 +675,28 @@ def _normalize_manifest(table: pa.Table, path: str, join: Callable[[str], str]) 
     return pa.table({URL: resolved, NUM_RECORDS: counts, SIZE: sizes})
 
 
+def _manifest_table(table: pa.Table, folder: str | None) -> pa.Table:
+    """``table`` as a manifest in ``folder`` (None: not local) stores it: local paths relative
+    to ``folder`` when under it, else absolute; the convention named in the schema metadata."""
+    urls = table.column(URL)
+    local = pc.invert(pc.match_substring(urls, "://"))
+    if folder is not None and pc.any(local).as_py():
+        cwd, prefix = os.getcwd(), folder.rstrip("/") + "/"
+        batches = []
+        for begin in range(0, len(urls), 65536):
+            batch = urls.slice(begin, 65536).to_pylist()
+            flags = local.slice(begin, 65536).to_pylist()
+            batches.append(pa.array([_stored(u, cwd, prefix) if f else u for u, f in zip(batch, flags)], urls.type))
+        table = table.set_column(0, URL, pa.chunked_array(batches, type=urls.type))
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), PATHS_KEY: PATHS_RELATIVE})
+
+
+def _stored(url: str, cwd: str, prefix: str) -> str:
+    """A local ``url`` as a manifest in the folder ``prefix`` stores it."""
+    absolute = posixpath.normpath(posixpath.join(cwd, url))
+    return absolute[len(prefix) :] if absolute.startswith(prefix) else absolute
+
+
 def _manifest_joiner(fs: fsspec.AbstractFileSystem, manifest_path: str) -> Callable[[str], str]:
     """A function resolving a relative url against the manifest's directory."""
     base = posixpath.dirname(manifest_path)
@@ -664,6 +711,10 @@ def _resolve_relative(urls: pa.ChunkedArray, join: Callable[[str], str]) -> pa.C
     absolute = pc.or_(pc.starts_with(urls, "/"), pc.match_substring(urls, "://"))
     if pc.all(absolute).as_py() is not False:
         return urls
+    dotted = pc.match_substring_regex(urls, r"(^|/)\.\.?(/|$)|//")
+    if not pc.any(pc.and_(dotted, pc.invert(absolute))).as_py():  # what to_manifest writes: joined in Arrow
+        prefix = join(".").rstrip("/") + "/"
+        return pc.if_else(absolute, urls, pc.binary_join_element_wise(prefix, urls, ""))
     batches = []
     for begin in range(0, len(urls), 65536):
         batch = urls.slice(begin, 65536).to_pylist()

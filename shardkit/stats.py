@@ -33,6 +33,7 @@ import fcntl
 import os
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -129,6 +130,8 @@ class SharedStats:
         # reaches it before a reader's last update), fileno() raises instead of
         # naming whatever file reuses the number.
         self._file = os.fdopen(fd, "r+b", buffering=0)
+        # Closed with this object, explicitly: a file left to its own finaliser warns (ResourceWarning).
+        weakref.finalize(self, self._file.close)
         self._thread_lock = threading.Lock()
         # The process's remote counters already swept (or there before this object): (pid, values).
         self._swept = (os.getpid(), _remote_counts())

@@ -84,7 +84,9 @@ class ShardWriter:
     than ``max_bytes`` gets a shard of its own. On
     :meth:`close` the manifest (see :meth:`shardkit.ShardList.to_manifest`) is
     written with every shard's url, record count and byte size, at ``manifest`` or
-    :func:`default_manifest_path` ``(pattern)``::
+    :func:`default_manifest_path` ``(pattern)``; a local shard is listed relative to
+    the manifest's folder (absolute when outside it), so a relative ``pattern``
+    reads back from any working directory::
 
         with ShardWriter("s3://bucket/train-%05d.tfrecord", max_records=10_000) as writer:
             for example in examples:

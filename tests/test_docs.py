@@ -158,3 +158,41 @@ def test_the_scripts_shown_in_the_guides_run(name, code, tmp_path):
     command = [sys.executable, str(script)]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_cli_page_lists_every_subcommand_in_its_summary_and_has_a_section_for_each():
+    from tests.test_readme import subcommands
+
+    text = (DOCS / "cli.md").read_text()
+    summary = text.split("```text", 1)[1].split("```", 1)[0]
+    assert set(re.findall(r"^shardkit (\w+)", summary, re.MULTILINE)) == subcommands()
+    assert set(re.findall(r"^## shardkit (\w+)", text, re.MULTILINE)) == subcommands()
+
+
+def test_the_cli_page_shows_output_the_cli_prints_and_every_exit_code():
+    from shardkit.cli import EXIT_CODES
+
+    text = (DOCS / "cli.md").read_text()
+    assert "CORRUPT " not in text and "framing only" not in text  # verify prints "error:" lines; inspect checks CRCs
+    for code in re.findall(r"^  (\d+) ", EXIT_CODES, re.MULTILINE):
+        assert f"| {code} |" in text, code
+
+
+def test_the_cli_help_does_not_say_tfrecord_only_for_commands_that_read_every_format():
+    from shardkit.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "TFRecord files" not in text and "tar, Parquet" in text
+
+
+def test_code_comments_and_docstrings_carry_no_process_notes():
+    """ "issue 7" means nothing to a reader of the code: say what the target is, not which ticket asked."""
+    notes = re.compile(r"\(issue \d+|\bissue \d+:")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for folder in ("shardkit", "benchmarks")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if notes.search(line)
+    ]
+    assert found == []

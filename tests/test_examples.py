@@ -33,5 +33,6 @@ def test_ddp_train_with_torchrun():
     ).stdout
     counts = re.findall(r"batches per rank \[(\d+), (\d+)\]", out)
     assert len(counts) == 3 and all(a == b for a, b in counts), out
+    assert "(at least)" not in out and out.count("batches fetched but unused, per rank: [") == 3, out
     weight, bias = map(float, re.search(r"learned y = ([-\d.]+) x ([-+\d.]+)", out).groups())
     assert abs(weight - 3) < 0.05 and abs(bias + 1) < 0.05, out

@@ -104,6 +104,8 @@ def test_convert_of_a_corrupt_source_exits_1_and_writes_no_manifest(tmp_path, ca
     assert "part-001.jsonl: record 5" in one_error_line(capsys.readouterr().err, "convert")
     assert not (out / "p.manifest.arrow").exists() and not list(out.glob("*.partial"))
     assert main(["convert", urls[0], str(out / "t-%02d.tfrecord"), "--format", "tfrecord"]) == 2
+    assert "a tf.Example feature holds bytes, ints or floats" in one_error_line(capsys.readouterr().err, "convert")
+    assert main(["convert", urls[0], str(out / "t-%02d.tfrecord"), "--format", "tfrecord", "--decode", "raw"]) == 2
     assert "TFRecord shards are written from TFRecord" in one_error_line(capsys.readouterr().err, "convert")
 
 

@@ -25,3 +25,35 @@ def test_every_shardkit_name_in_the_readme_is_exported() -> None:
 def test_every_exported_name_resolves() -> None:
     for name in shardkit.__all__:
         assert getattr(shardkit, name) is not None, name
+
+
+def subcommands() -> set[str]:
+    import argparse
+
+    from shardkit.cli import build_parser
+
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return set(action.choices)
+
+
+def test_the_readme_command_list_names_every_subcommand_and_no_other() -> None:
+    block = README.read_text().split("## Command line", 1)[1].split("```", 2)[1]
+    listed = set(re.findall(r"^shardkit (\w+)", block, re.MULTILINE))
+    assert listed == subcommands()
+
+
+def test_the_readme_does_not_promise_a_one_minute_suite() -> None:
+    assert "about a minute" not in README.read_text()  # measured 3:52 for -m "not slow" on 2 cores
+
+
+def test_the_readme_quotes_lightnings_len_warning_as_lightning_words_it() -> None:
+    import inspect
+
+    import pytest
+
+    data = pytest.importorskip("pytorch_lightning.utilities.data")
+    quoted = re.search(r'warns that "`__len__` (.*?)" for any loader', README.read_text(), re.DOTALL)
+    assert quoted, "the README's Lightning note is gone"
+    words = " ".join(quoted.group(1).split())
+    source = " ".join(re.sub(r'"\s*"', "", inspect.getsource(data.has_len_all_ranks)).split())
+    assert words in source

@@ -88,7 +88,11 @@ def open_raw(
         make_parent_dirs(url, storage_options)
         return fs.open(path, mode)
     if isinstance(fs, LocalFileSystem) or mode != "rb":
-        return cast("IO[bytes]", fs.open(path, mode))
+        try:
+            return cast("IO[bytes]", fs.open(path, mode))
+        except IsADirectoryError as error:  # the plain "[Errno 21]" does not say what to give instead
+            fix = f"is a directory; give files, or a glob such as '{url.rstrip('/')}/*.tfrecord'"
+            raise IsADirectoryError(error.errno, f"{url} {fix}", url) from None
     return open_remote(fs, path, url, remote)  # type: ignore[no-any-return]
 
 

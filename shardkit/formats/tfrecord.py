@@ -60,6 +60,7 @@ from shardkit.formats.io import (
     open_raw,
     sniff_compression,
 )
+from shardkit.formats.sniff import describe_file
 from shardkit.remote import RemoteOptions
 
 __all__ = [
@@ -107,6 +108,8 @@ class _Origin(NamedTuple):
     ) -> CorruptRecordError:
         if self.compression is not None:
             reason += f" (offset in the uncompressed {self.compression} stream)"
+        elif offset == 0 and (hint := describe_file(self.url)):  # the first record: perhaps not TFRecord at all
+            reason += f"; {hint}"
         return CorruptRecordError(
             self.url, index, offset, reason, framing_intact=framing_intact, compressed_offset=compressed_offset
         )

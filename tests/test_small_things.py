@@ -1,0 +1,75 @@
+"""Small things a new user meets in the first hour: warnings, wording, progress bars, examples."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import shardkit
+from shardkit.stats import SharedStats
+
+
+def resource_warnings(make) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made = make()
+        del made
+        gc.collect()
+    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+def test_shared_stats_close_their_lock_file_without_a_resource_warning():
+    assert resource_warnings(lambda: SharedStats(3)) == []
+
+
+def test_a_dataset_leaves_no_unclosed_file_behind(tmp_path):
+    with shardkit.TFRecordWriter(str(tmp_path / "a.tfrecord")) as w:
+        w.write(shardkit.encode_example({"x": 1}))
+    url = str(tmp_path / "a.tfrecord")
+    assert resource_warnings(lambda: list(shardkit.TFRecordDataset(url))) == []
+    assert resource_warnings(lambda: shardkit.TFRecordDataset(url)) == []
+
+
+def run_in_a_terminal(*argv: str) -> str:
+    """``python -m shardkit *argv`` with its stderr on a pseudo-terminal (where progress bars show); the
+    terminal's output."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    main_fd, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "shardkit", *argv], stdout=subprocess.PIPE, stderr=terminal, timeout=120
+        )
+        assert done.returncode == 0
+        os.close(terminal)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main_fd, 65536)
+            except OSError:  # EIO: the terminal is closed and drained
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(main_fd)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_long_commands_leave_a_progress_bar_with_throughput_on_a_terminal(tmp_path):
+    url = str(tmp_path / "a.tfrecord")
+    with shardkit.TFRecordWriter(url) as w:
+        for n in range(100):
+            w.write(shardkit.encode_example({"x": n}))
+    for argv in (["verify", url], ["index", url]):
+        shown = run_in_a_terminal(*argv)
+        assert "100%" in shown and "B/s" in shown, (argv, shown)
+    shown = run_in_a_terminal("convert", url, str(tmp_path / "o-%02d.jsonl"), "--format", "jsonl")
+    assert "100 records" in shown and "records/s" in shown, shown
