@@ -516,6 +516,11 @@ def _check_loader_state(state: State, loader: MixedLoader) -> list[Any]:
         elif not isinstance(worker_state, dict):
             raise StateError(f"{where}: state['workers'][{index}] must be a dict, got {type(worker_state).__name__}")
     carry = field(state, "carry", where, list, tuple)
+    if state["finished"] and carry:
+        raise StateError(
+            f"{where}: state['finished'] is true, but state['carry'] holds {len(carry)} tail(s) of undelivered "
+            "samples; a finished epoch has delivered everything. The state was edited or is corrupt"
+        )
     tails = [_check_tail(tail, index, num_workers, loader) for index, tail in enumerate(carry)]
     owners = [tail["worker"] for tail in carry if tail["worker"] is not None]
     if len(owners) != len(set(owners)):
@@ -621,15 +626,16 @@ class _Mixer(Iterator[Any]):
         self._final: list[Any] = [None] * workers
         self.batch_index = 0
         self._finished = False
+        self._unconfirmed = False  # a restored finished state, not yet read to its end
         if resume is not None:
             self._restore(resume, tails)
 
     def _restore(self, state: State, tails: Sequence[Any]) -> None:
         """Resume the position of ``state``, whose carried samples ``tails`` holds decoded."""
         self.batch_index = state["batch_index"]
-        self._finished = state["finished"]
-        if self._finished:
-            self._source = None
+        # A finished state's workers resume past their last sample: they are read
+        # to their end markers to prove it (_confirm_finished) rather than trusted.
+        self._unconfirmed = state["finished"]
         same = state["num_workers"] == self.num_workers
         for saved, samples in zip(state["carry"], tails):
             worker = saved["worker"] if same and saved["worker"] is not None else None
@@ -642,8 +648,25 @@ class _Mixer(Iterator[Any]):
             self._pending[worker].appendleft(_Pending(samples, saved["count"], dataset_state, carried=True))
             self._available[worker] += saved["count"]
 
+    def _confirm_finished(self) -> None:
+        """Read a restored finished state's workers to their end; any sample is a :class:`StateError`."""
+        self._unconfirmed = False
+        while self._source is not None and not all(self._done[: self._workers]):
+            self._pull()
+            holding = [worker for worker, left in enumerate(self._available) if left]
+            if holding:
+                self._stop_workers()
+                raise StateError(
+                    f"MixedLoader.load_state_dict(): state['finished'] is true, but worker {holding[0]} still "
+                    "holds samples: its dataset state resumes before the end of the epoch. The state was edited "
+                    "or is corrupt; load a state saved by state_dict()"
+                )
+        self._finish()
+
     def state_dict(self) -> State:
         """The loader's state: see :meth:`MixedLoader.state_dict`."""
+        if self._unconfirmed:
+            self._confirm_finished()
         while self._source is not None and any(base is None for base in self._base):
             self._pull()  # every worker's starting state, for those that delivered nothing yet
         workers: list[Any] = []
@@ -672,6 +695,8 @@ class _Mixer(Iterator[Any]):
         return {"worker": worker, "count": entry.count - entry.start, "payload": encode(rest)}
 
     def __next__(self) -> Any:
+        if self._unconfirmed:
+            self._confirm_finished()
         if self._finished:
             raise StopIteration
         shares = self._allocate()
