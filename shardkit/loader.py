@@ -31,12 +31,15 @@ How a batch is made:
   ``collate_fn`` is called once per output batch, in the main process,
   exactly as DataLoader would call it.
 * Over a dataset that yields column batches (its ``column_batches`` is true:
-  ``TFRecordDataset(features=..., batch_size=...)``), each of the dataset's
+  ``TFRecordDataset(features=..., batch_size=...)``,
+  ``ParquetDataset(batch_size=...)``), each of the dataset's
   batches is one micro-batch: the worker writes its columns into a slab
   (bytes as a values buffer and offsets) and the main process cuts every
   batch from row ranges of them (:mod:`shardkit.columns`), with no work per
   sample anywhere. Batches are dicts of a tensor per numeric column and a
-  ``pyarrow.LargeBinaryArray`` per bytes column; the dataset's batch_size
+  ``pyarrow.LargeBinaryArray`` per bytes column (a Parquet column of strings,
+  bytes or lists comes as the numpy array the dataset made, sent with the
+  message rather than through the slab); the dataset's batch_size
   sets the micro-batch (1024 records is a good start for small records).
   Without workers the same assembly runs in the main process.
 
@@ -222,6 +225,11 @@ class MixedLoader:
         count = getattr(self.dataset, "num_samples", None) if self._columns else None
         if callable(count):
             samples: int = count()  # pyright: ignore[reportAssignmentType]  (TFRecordDataset.num_samples)
+        elif self._columns:  # its len() counts column batches, not samples
+            raise TypeError(
+                f"MixedLoader has no len(): {type(self.dataset).__name__} yields column batches and has no "
+                "num_samples() (the number of samples this rank reads); drive training by a number of steps"
+            )
         elif not hasattr(self.dataset, "__len__"):
             raise TypeError(
                 f"MixedLoader has no len(): {type(self.dataset).__name__} does not define "
