@@ -157,6 +157,20 @@ def _rebuild_corrupt_record_error(
     )
 
 
+class WorkerDiedError(ShardkitError, RuntimeError):
+    """A DataLoader worker of :class:`~shardkit.MixedLoader` died while the main process
+    was receiving its micro-batches: the message names the worker, its pid, how it
+    ended, and the dataset it was reading. What it had not delivered is lost from this
+    iteration; a state saved before (``state_dict()``) resumes it."""
+
+
+class EvenBatchesError(ShardkitError, RuntimeError):
+    """The ranks of :func:`~shardkit.even_batches` cannot go on together: an argument that
+    cannot work, a rank with nothing to repeat under ``at_end="pad"``, another rank's
+    failure, or a rank that stalled or died (named) while the ranks agreed whether all
+    of them still have a batch."""
+
+
 def check_int(
     name: str,
     value: object,

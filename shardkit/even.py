@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardkit.errors import ShardkitError, check_int
+from shardkit.errors import EvenBatchesError, check_int
 from shardkit.state import State, StateError, applies, check, decode, encode, field, node, whole_number
 
 __all__ = ["EvenBatches", "EvenBatchesError", "EvenStats", "even_batches"]
@@ -71,11 +71,6 @@ AT_END = ("stop", "pad")
 
 #: Padded or dropped batches per epoch above which a warning names them.
 WARN_ABOVE = 3
-
-
-class EvenBatchesError(ShardkitError, RuntimeError):
-    """The ranks cannot go on together: an argument that cannot work, a rank
-    with nothing to repeat under ``at_end="pad"``, or another rank's failure."""
 
 
 @dataclass(frozen=True)

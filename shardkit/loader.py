@@ -59,6 +59,9 @@ not yet delivered follow, in another order.
 from __future__ import annotations
 
 import math
+import pickle
+import signal
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -73,7 +76,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from shardkit import columns
 from shardkit.collate import Part, collated_length, join, tail
 from shardkit.epoch import resume_at
-from shardkit.errors import ShardkitError, check_int
+from shardkit.errors import ShardkitError, WorkerDiedError, check_int
 from shardkit.pipeline import Pipeline
 from shardkit.slabs import SPARE_SLOTS, SlabBatch, SlabRing, from_slab, view
 from shardkit.state import State, StateError, applies, check, decode, encode, field, merge, node, validate, whole_number
@@ -612,6 +615,7 @@ class _Mixer(Iterator[Any]):
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
         self._dataloader = loader._loader
+        self._dataset = loader.dataset  # named when a worker dies
         self._collate_fn = loader.collate_fn
         self._columns = loader._columns
         self._drop_last = loader.drop_last
@@ -750,6 +754,33 @@ class _Mixer(Iterator[Any]):
             self._dataloader._iterator = None
         self._finish()  # drops the source too
 
+    def _died_worker(self, error: BaseException) -> WorkerDiedError | None:
+        """The error naming the worker that died, if ``error`` comes from a worker's death.
+
+        A worker killed while its message is read shows as whatever the read met: a
+        stream or connection cut short (``EOFError``, ``ConnectionError``, a truncated
+        pickle), or DataLoader's ``RuntimeError`` naming a pid. The dead process may not
+        be reaped yet, so it is waited for a moment.
+        """
+        if not _may_be_a_death(error):
+            return None
+        processes = list(getattr(self._source, "_workers", None) or ())
+        deadline = time.monotonic() + _DEATH_WAIT
+        while True:
+            dead = [(worker, process) for worker, process in enumerate(processes) if not process.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        if not dead:
+            return None
+        worker, process = dead[0]
+        return WorkerDiedError(
+            f"MixedLoader: DataLoader worker {worker} (pid {process.pid}) died, {_ending(process.exitcode)}, "
+            f"while reading {self._dataset!r} (the main process was receiving its micro-batches and met "
+            f"{type(error).__name__}: {error}). What it had not delivered is lost from this iteration; "
+            "load the last state_dict() to resume. A worker killed by SIGKILL was often killed for memory"
+        )
+
     def _allocate(self) -> dict[int, int]:
         """Shares of the next batch per worker, in placement order, pulling
         messages until every worker's share is known to be available.
@@ -780,8 +811,11 @@ class _Mixer(Iterator[Any]):
             self._done = [True] * len(self._done)
             self._source = None
             return
-        except BaseException:
+        except BaseException as error:
+            died = self._died_worker(error)
             self._stop_workers()
+            if died is not None:
+                raise died from error
             raise
         if count == _START:
             self._base[worker] = state
@@ -826,6 +860,33 @@ class _Mixer(Iterator[Any]):
                 if entry.slot is not None:
                     self._release.append((worker, entry.slot))
         return parts
+
+
+#: Seconds to wait for a worker that broke off a message to be seen dead.
+_DEATH_WAIT = 2.0
+
+
+def _may_be_a_death(error: BaseException) -> bool:
+    """Whether ``error``, met receiving a message, may come from its worker's death; not an
+    error a worker raised (DataLoader raises it again with "Caught ... in DataLoader worker process")."""
+    text = str(error)
+    if "in DataLoader worker process" in text:
+        return False
+    if isinstance(error, (EOFError, OSError, pickle.UnpicklingError)):
+        return True
+    return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text
+
+
+def _ending(exitcode: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal)."""
+    if exitcode is None:
+        return "exit code unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _water_fill(total: int, order: list[int], caps: dict[int, int | None]) -> dict[int, int]:
