@@ -564,7 +564,7 @@ class _Side:
 
         store = dist.distributed_c10d._get_default_store()
         prefix = f"shardkit/even_batches/{'-'.join(map(str, self.ranks))}/{self.posted}/"
-        store.set(prefix + str(self.rank), b"1")
+        store.set(prefix + str(self.rank), "1")
         deadline = time.monotonic() + GRACE
         while True:
             missing = [rank for rank in range(self.size) if not store.check([prefix + str(rank)])]
@@ -596,7 +596,7 @@ def _job_timeout() -> timedelta:
         if isinstance(timeout, timedelta) and timeout > timedelta(0):
             return timeout
     try:
-        timeout = c10d._get_default_store().timeout
+        timeout = getattr(c10d._get_default_store(), "timeout", None)
         if isinstance(timeout, timedelta) and timeout > timedelta(0):
             return timeout
     except Exception:  # noqa: BLE001, S110 - a store without a timeout
