@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from shardkit._version import __version__
-from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.errors import CorruptRecordError, EvenBatchesError, ShardkitError, WorkerDiedError
 
 _EXPORTS: dict[str, str] = {
     "ShardList": "shardkit.shardlist",
@@ -39,7 +39,6 @@ _EXPORTS: dict[str, str] = {
     "shuffle_quality": "shardkit.quality",
     "even_batches": "shardkit.even",
     "EvenBatches": "shardkit.even",
-    "EvenBatchesError": "shardkit.even",
     "EvenStats": "shardkit.even",
     "ShardFormat": "shardkit.formats.base",
     "register_format": "shardkit.formats.base",
@@ -49,7 +48,7 @@ _EXPORTS: dict[str, str] = {
     "TrainerError": "shardkit.trainers",
 }
 
-__all__ = ["__version__", "CorruptRecordError", "ShardkitError", *_EXPORTS]
+__all__ = ["__version__", "CorruptRecordError", "EvenBatchesError", "ShardkitError", "WorkerDiedError", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
@@ -66,7 +65,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
-    from shardkit.even import EvenBatches, EvenBatchesError, EvenStats, even_batches
+    from shardkit.even import EvenBatches, EvenStats, even_batches
     from shardkit.formats.base import ShardFormat, format_for, register_format
     from shardkit.formats.example import decode_columns, decode_example, decode_sequence_example, encode_example
     from shardkit.formats.index import IndexFileError, build_index

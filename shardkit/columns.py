@@ -4,7 +4,11 @@ workers to the main process, cut into batches with no per-sample work.
 A column batch is what ``TFRecordDataset(features=..., batch_size=...)``
 yields (:func:`~shardkit.decode_columns`): a dict of one column per feature,
 a numpy array of ``n`` rows for numbers, a ``pyarrow`` binary array (one
-values buffer and offsets) for bytes. Pickling one and handing it over the
+values buffer and offsets) for bytes. ``ParquetDataset(batch_size=...)``
+yields numpy arrays only, those of strings, bytes and lists of object dtype:
+such a *held* column (:func:`held`) has no flat layout for a slab, so it
+travels pickled with the message, is cut and joined as a numpy array, and
+is saved in a state as the list of its items. Pickling one and handing it over the
 way DataLoader does costs as much per batch as the decoding itself, so:
 
 * in the worker, :meth:`SlabRing.put <shardkit.slabs.SlabRing.put>` writes
@@ -37,7 +41,17 @@ import torch
 
 from shardkit.collate import Part
 
-__all__ = ["Binary", "BinaryInSlab", "as_parts", "columns_length", "from_plain", "join_columns", "plain", "tail"]
+__all__ = [
+    "Binary",
+    "BinaryInSlab",
+    "as_parts",
+    "columns_length",
+    "from_plain",
+    "held",
+    "join_columns",
+    "plain",
+    "tail",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +91,15 @@ def as_parts(batch: Any) -> dict[str, np.ndarray | Binary]:
     return parts
 
 
+def held(column: Any) -> bool:
+    """Whether ``column`` is a numpy column of values other than numbers (strings, bytes, lists,
+    dates: Parquet batches): it travels with the message, pickled, and comes out as a numpy array."""
+    return isinstance(column, np.ndarray) and column.dtype.kind not in "biuf"
+
+
 def _as_part(name: str, column: Any) -> np.ndarray | Binary:
+    if isinstance(column, np.ndarray) and column.ndim == 1 and held(column):
+        return column
     if isinstance(column, np.ndarray) and column.dtype.kind in "biuf" and column.ndim >= 1:
         return column
     if isinstance(column, torch.Tensor) and column.ndim >= 1:
@@ -85,8 +107,9 @@ def _as_part(name: str, column: Any) -> np.ndarray | Binary:
     binary = _binary(column)
     if binary is None:
         raise TypeError(
-            f"column {name!r} is a {type(column).__name__}; a column batch holds numeric numpy arrays or tensors "
-            "of one row per sample, and pyarrow binary arrays without nulls"
+            f"column {name!r} is a {type(column).__name__}; a column batch holds numpy arrays or tensors "
+            "of one row per sample (of values other than numbers: one-dimensional), and pyarrow binary arrays "
+            "without nulls"
         )
     return binary
 
@@ -123,6 +146,8 @@ def from_slab(skeleton: dict[str, Any], view: Any) -> dict[str, np.ndarray | Bin
     for name, place in skeleton.items():
         if isinstance(place, BinaryInSlab):
             out[name] = Binary(view(place.values).numpy(), view(place.offsets).numpy(), place.list_size)
+        elif isinstance(place, np.ndarray):  # a held column came with the message
+            out[name] = place
         else:
             out[name] = view(place).numpy()
     return out
@@ -138,7 +163,8 @@ def _join(parts: list[Part]) -> Any:
     if isinstance(parts[0][0], Binary):
         values, offsets, list_size = _join_binary(parts)
         return _arrow(values, offsets, list_size)
-    return torch.from_numpy(np.concatenate([column[a:b] for column, a, b in parts]))
+    joined = np.concatenate([column[a:b] for column, a, b in parts])
+    return joined if held(joined) else torch.from_numpy(joined)
 
 
 def _join_binary(parts: list[Part]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -177,10 +203,15 @@ def tail(parts: dict[str, Any], start: int, stop: int) -> dict[str, np.ndarray |
 
 def plain(parts: dict[str, np.ndarray | Binary]) -> dict[str, Any]:
     """A column micro-batch as plain data for a saved state."""
-    return {
-        name: {"values": c.values, "offsets": c.offsets, "list_size": c.list_size} if isinstance(c, Binary) else c
-        for name, c in parts.items()
-    }
+    return {name: _plain(column) for name, column in parts.items()}
+
+
+def _plain(column: np.ndarray | Binary) -> Any:
+    if isinstance(column, Binary):
+        return {"values": column.values, "offsets": column.offsets, "list_size": column.list_size}
+    if column.dtype.hasobject:  # a state holds no object arrays: their items, as a list
+        return {"objects": list(column)}
+    return column
 
 
 def from_plain(value: Any) -> dict[str, np.ndarray | Binary] | None:
@@ -192,6 +223,9 @@ def from_plain(value: Any) -> dict[str, np.ndarray | Binary] | None:
         if isinstance(column, np.ndarray):
             out[name] = column
             continue
+        if isinstance(column, dict) and set(column) == {"objects"} and type(column["objects"]) is list:
+            out[name] = _objects(column["objects"])
+            continue
         if not (isinstance(column, dict) and set(column) == {"values", "offsets", "list_size"}):
             return None
         values, offsets, list_size = column["values"], column["offsets"], column["list_size"]
@@ -202,6 +236,14 @@ def from_plain(value: Any) -> dict[str, np.ndarray | Binary] | None:
             return None
         out[name] = Binary(values, offsets, list_size)
     return out
+
+
+def _objects(items: list[Any]) -> np.ndarray:
+    """A one-dimensional object array of ``items`` (items that are arrays stay items, not a new axis)."""
+    array = np.empty(len(items), dtype=object)
+    for index, item in enumerate(items):
+        array[index] = item
+    return array
 
 
 def _array_of(value: Any, dtype: Any) -> bool:

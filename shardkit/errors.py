@@ -157,11 +157,39 @@ def _rebuild_corrupt_record_error(
     )
 
 
-def check_int(name: str, value: object, *, minimum: int, error: type[Exception] = ShardkitError, hint: str = "") -> int:
-    """``value`` if it is an int (a bool is not) of at least ``minimum``; else ``error``
-    naming the argument, the value given and what it must be (then ``hint``, the fix
-    when it is not just "pass such an int")."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+class WorkerDiedError(ShardkitError, RuntimeError):
+    """A DataLoader worker of :class:`~shardkit.MixedLoader` died while the main process
+    was receiving its micro-batches: the message names the worker, its pid, how it
+    ended, and the dataset it was reading. What it had not delivered is lost from this
+    iteration; a state saved before (``state_dict()``) resumes it."""
+
+
+class EvenBatchesError(ShardkitError, RuntimeError):
+    """The ranks of :func:`~shardkit.even_batches` cannot go on together: an argument that
+    cannot work, a rank with nothing to repeat under ``at_end="pad"``, another rank's
+    failure, or a rank that stalled or died (named) while the ranks agreed whether all
+    of them still have a batch."""
+
+
+def check_int(
+    name: str,
+    value: object,
+    *,
+    minimum: int,
+    maximum: int | None = None,
+    error: type[Exception] = ShardkitError,
+    hint: str = "",
+) -> int:
+    """``value`` if it is an int (a bool is not) of at least ``minimum`` (and at most
+    ``maximum``, if given); else ``error`` naming the argument, the value given and
+    what it must be (then ``hint``, the fix when it is not just "pass such an int")."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bounds = f">= {minimum}" if maximum is None else f">= {minimum} and <= {maximum}"
         fix = f"; {hint}" if hint else ""
-        raise error(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__}){fix}")
+        raise error(f"{name} must be an int {bounds}, got {value!r} ({type(value).__name__}){fix}")
     return value

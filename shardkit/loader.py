@@ -31,12 +31,15 @@ How a batch is made:
   ``collate_fn`` is called once per output batch, in the main process,
   exactly as DataLoader would call it.
 * Over a dataset that yields column batches (its ``column_batches`` is true:
-  ``TFRecordDataset(features=..., batch_size=...)``), each of the dataset's
+  ``TFRecordDataset(features=..., batch_size=...)``,
+  ``ParquetDataset(batch_size=...)``), each of the dataset's
   batches is one micro-batch: the worker writes its columns into a slab
   (bytes as a values buffer and offsets) and the main process cuts every
   batch from row ranges of them (:mod:`shardkit.columns`), with no work per
   sample anywhere. Batches are dicts of a tensor per numeric column and a
-  ``pyarrow.LargeBinaryArray`` per bytes column; the dataset's batch_size
+  ``pyarrow.LargeBinaryArray`` per bytes column (a Parquet column of strings,
+  bytes or lists comes as the numpy array the dataset made, sent with the
+  message rather than through the slab); the dataset's batch_size
   sets the micro-batch (1024 records is a good start for small records).
   Without workers the same assembly runs in the main process.
 
@@ -56,6 +59,9 @@ not yet delivered follow, in another order.
 from __future__ import annotations
 
 import math
+import pickle
+import signal
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -70,7 +76,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from shardkit import columns
 from shardkit.collate import Part, collated_length, join, tail
 from shardkit.epoch import resume_at
-from shardkit.errors import ShardkitError, check_int
+from shardkit.errors import ShardkitError, WorkerDiedError, check_int
 from shardkit.pipeline import Pipeline
 from shardkit.slabs import SPARE_SLOTS, SlabBatch, SlabRing, from_slab, view
 from shardkit.state import State, StateError, applies, check, decode, encode, field, merge, node, validate, whole_number
@@ -222,6 +228,11 @@ class MixedLoader:
         count = getattr(self.dataset, "num_samples", None) if self._columns else None
         if callable(count):
             samples: int = count()  # pyright: ignore[reportAssignmentType]  (TFRecordDataset.num_samples)
+        elif self._columns:  # its len() counts column batches, not samples
+            raise TypeError(
+                f"MixedLoader has no len(): {type(self.dataset).__name__} yields column batches and has no "
+                "num_samples() (the number of samples this rank reads); drive training by a number of steps"
+            )
         elif not hasattr(self.dataset, "__len__"):
             raise TypeError(
                 f"MixedLoader has no len(): {type(self.dataset).__name__} does not define "
@@ -516,6 +527,11 @@ def _check_loader_state(state: State, loader: MixedLoader) -> list[Any]:
         elif not isinstance(worker_state, dict):
             raise StateError(f"{where}: state['workers'][{index}] must be a dict, got {type(worker_state).__name__}")
     carry = field(state, "carry", where, list, tuple)
+    if state["finished"] and carry:
+        raise StateError(
+            f"{where}: state['finished'] is true, but state['carry'] holds {len(carry)} tail(s) of undelivered "
+            "samples; a finished epoch has delivered everything. The state was edited or is corrupt"
+        )
     tails = [_check_tail(tail, index, num_workers, loader) for index, tail in enumerate(carry)]
     owners = [tail["worker"] for tail in carry if tail["worker"] is not None]
     if len(owners) != len(set(owners)):
@@ -599,6 +615,7 @@ class _Mixer(Iterator[Any]):
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
         self._dataloader = loader._loader
+        self._dataset = loader.dataset  # named when a worker dies
         self._collate_fn = loader.collate_fn
         self._columns = loader._columns
         self._drop_last = loader.drop_last
@@ -621,15 +638,16 @@ class _Mixer(Iterator[Any]):
         self._final: list[Any] = [None] * workers
         self.batch_index = 0
         self._finished = False
+        self._unconfirmed = False  # a restored finished state, not yet read to its end
         if resume is not None:
             self._restore(resume, tails)
 
     def _restore(self, state: State, tails: Sequence[Any]) -> None:
         """Resume the position of ``state``, whose carried samples ``tails`` holds decoded."""
         self.batch_index = state["batch_index"]
-        self._finished = state["finished"]
-        if self._finished:
-            self._source = None
+        # A finished state's workers resume past their last sample: they are read
+        # to their end markers to prove it (_confirm_finished) rather than trusted.
+        self._unconfirmed = state["finished"]
         same = state["num_workers"] == self.num_workers
         for saved, samples in zip(state["carry"], tails):
             worker = saved["worker"] if same and saved["worker"] is not None else None
@@ -642,8 +660,25 @@ class _Mixer(Iterator[Any]):
             self._pending[worker].appendleft(_Pending(samples, saved["count"], dataset_state, carried=True))
             self._available[worker] += saved["count"]
 
+    def _confirm_finished(self) -> None:
+        """Read a restored finished state's workers to their end; any sample is a :class:`StateError`."""
+        self._unconfirmed = False
+        while self._source is not None and not all(self._done[: self._workers]):
+            self._pull()
+            holding = [worker for worker, left in enumerate(self._available) if left]
+            if holding:
+                self._stop_workers()
+                raise StateError(
+                    f"MixedLoader.load_state_dict(): state['finished'] is true, but worker {holding[0]} still "
+                    "holds samples: its dataset state resumes before the end of the epoch. The state was edited "
+                    "or is corrupt; load a state saved by state_dict()"
+                )
+        self._finish()
+
     def state_dict(self) -> State:
         """The loader's state: see :meth:`MixedLoader.state_dict`."""
+        if self._unconfirmed:
+            self._confirm_finished()
         while self._source is not None and any(base is None for base in self._base):
             self._pull()  # every worker's starting state, for those that delivered nothing yet
         workers: list[Any] = []
@@ -672,6 +707,8 @@ class _Mixer(Iterator[Any]):
         return {"worker": worker, "count": entry.count - entry.start, "payload": encode(rest)}
 
     def __next__(self) -> Any:
+        if self._unconfirmed:
+            self._confirm_finished()
         if self._finished:
             raise StopIteration
         shares = self._allocate()
@@ -717,6 +754,33 @@ class _Mixer(Iterator[Any]):
             self._dataloader._iterator = None
         self._finish()  # drops the source too
 
+    def _died_worker(self, error: BaseException) -> WorkerDiedError | None:
+        """The error naming the worker that died, if ``error`` comes from a worker's death.
+
+        A worker killed while its message is read shows as whatever the read met: a
+        stream or connection cut short (``EOFError``, ``ConnectionError``, a truncated
+        pickle), or DataLoader's ``RuntimeError`` naming a pid. The dead process may not
+        be reaped yet, so it is waited for a moment.
+        """
+        if not _may_be_a_death(error):
+            return None
+        processes = list(getattr(self._source, "_workers", None) or ())
+        deadline = time.monotonic() + _DEATH_WAIT
+        while True:
+            dead = [(worker, process) for worker, process in enumerate(processes) if not process.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        if not dead:
+            return None
+        worker, process = dead[0]
+        return WorkerDiedError(
+            f"MixedLoader: DataLoader worker {worker} (pid {process.pid}) died, {_ending(process.exitcode)}, "
+            f"while reading {self._dataset!r} (the main process was receiving its micro-batches and met "
+            f"{type(error).__name__}: {error}). What it had not delivered is lost from this iteration; "
+            "load the last state_dict() to resume. A worker killed by SIGKILL was often killed for memory"
+        )
+
     def _allocate(self) -> dict[int, int]:
         """Shares of the next batch per worker, in placement order, pulling
         messages until every worker's share is known to be available.
@@ -747,8 +811,11 @@ class _Mixer(Iterator[Any]):
             self._done = [True] * len(self._done)
             self._source = None
             return
-        except BaseException:
+        except BaseException as error:
+            died = self._died_worker(error)
             self._stop_workers()
+            if died is not None:
+                raise died from error
             raise
         if count == _START:
             self._base[worker] = state
@@ -793,6 +860,33 @@ class _Mixer(Iterator[Any]):
                 if entry.slot is not None:
                     self._release.append((worker, entry.slot))
         return parts
+
+
+#: Seconds to wait for a worker that broke off a message to be seen dead.
+_DEATH_WAIT = 2.0
+
+
+def _may_be_a_death(error: BaseException) -> bool:
+    """Whether ``error``, met receiving a message, may come from its worker's death; not an
+    error a worker raised (DataLoader raises it again with "Caught ... in DataLoader worker process")."""
+    text = str(error)
+    if "in DataLoader worker process" in text:
+        return False
+    if isinstance(error, (EOFError, OSError, pickle.UnpicklingError)):
+        return True
+    return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text
+
+
+def _ending(exitcode: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal)."""
+    if exitcode is None:
+        return "exit code unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _water_fill(total: int, order: list[int], caps: dict[int, int | None]) -> dict[int, int]:

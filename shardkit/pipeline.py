@@ -470,6 +470,8 @@ class _ShuffleIterator(StageIterator):
 
     KIND = "shuffle"
     SAMPLES = "samples"  #: state key: the buffered samples, encoded
+    #: state key of a merged node only: how many workers' buffers its samples pool (absent: one)
+    POOLED = "pooled"
     _PICKLED = "buffer"  # state key of shardkit <= 0.x: samples pickled, refused
 
     def __init__(
@@ -537,7 +539,23 @@ class _ShuffleIterator(StageIterator):
         field(state, cls.SAMPLES, where, list)
         check_draws(state, where)
         check_share(state, where)
+        if cls.POOLED in state and whole_number(state, cls.POOLED, where, 1) > 1 and state[SHARE] is not None:
+            raise StateError(f"{where}: state['pooled'] > 1 is a merged state's, whose 'share' is None")
         check_inputs_epoch(state, [field(state, UPSTREAM, where, dict)], where)
+
+    @classmethod
+    def inputs_to_load(cls, stage: Any, state: State) -> list[tuple[Any, State]]:
+        """Also checks that the samples fit the buffers they came from: a worker's
+        buffer holds at most ``buffer_size``, a merge of ``pooled`` of them that many times."""
+        pooled = state.get(cls.POOLED, 1)
+        held, room = len(state[cls.SAMPLES]), stage.buffer_size * pooled
+        if held > room:
+            buffers = "the buffer" if pooled == 1 else f"{pooled} buffers"
+            raise StateError(
+                f"{stage!r}: state['samples'] holds {held} samples, more than {buffers} of {stage!r} hold "
+                f"({room}); the state is of a larger shuffle buffer, or it was edited"
+            )
+        return super().inputs_to_load(stage, state)
 
     @classmethod
     def merge(cls, states: Sequence[State]) -> State:
@@ -548,6 +566,7 @@ class _ShuffleIterator(StageIterator):
             **{
                 EPOCH: same_value(states, EPOCH),
                 cls.SAMPLES: [sample for s in states for sample in s[cls.SAMPLES]],
+                cls.POOLED: sum(s.get(cls.POOLED, 1) for s in states),
                 RNG: None,
                 SHARE: None,
                 UPSTREAM: merge([s[UPSTREAM] for s in states]),

@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from shardkit.collate import same_mapping_type
-from shardkit.columns import Binary, BinaryInSlab
+from shardkit.columns import Binary, BinaryInSlab, held
 
 __all__ = ["SPARE_SLOTS", "InSlab", "SlabBatch", "SlabRing", "from_slab", "view"]
 
@@ -107,8 +107,11 @@ class _Layout:
 
         return in_slab
 
-    def column(self, column: np.ndarray | Binary) -> InSlab | BinaryInSlab:
-        """Place a column of a column batch (:mod:`shardkit.columns`); bytes as values and offsets from 0."""
+    def column(self, column: np.ndarray | Binary) -> InSlab | BinaryInSlab | np.ndarray:
+        """Place a column of a column batch (:mod:`shardkit.columns`); bytes as values and offsets from 0.
+        A column of values other than numbers (:func:`~shardkit.columns.held`) stays in the skeleton."""
+        if held(column):
+            return column  # type: ignore[return-value]  # held() is true only for arrays
         if isinstance(column, Binary):
             low, high = int(column.offsets[0]), int(column.offsets[-1])
             values = self.column(column.values[low:high])

@@ -1607,6 +1607,12 @@ class ParquetDataset(_FormatDataset):
         # batch_size the plan counts batches, ceil(rows / batch_size) per file, worked out here.
         self.count_fn = fmt.count_rows
 
+    @property
+    def column_batches(self) -> bool:
+        """Whether this dataset yields column batches (``batch_size`` given); :class:`~shardkit.MixedLoader`
+        then cuts its batches from them."""
+        return self.format.batch_size is not None
+
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
         counts = super()._record_counts(topology, required=required)
         size = self.format.batch_size

@@ -38,7 +38,9 @@ Kinds (version 1):
 * ``"shuffle"``: the buffered samples (``samples``, each encoded with
   :func:`encode`), the generator position (``rng``) and ``share``. The
   contents are saved rather than re-derived: exact and cheap to restore, at
-  the cost of a state as large as the buffer.
+  the cost of a state as large as the buffer. A merged node also has
+  ``pooled``, the number of workers' buffers its samples pool: a loaded
+  node holds at most ``pooled`` (1 when absent) times ``buffer_size``.
 * ``"repeat"``: the ``pass``, whether it has yielded (``yielded``) and the
   pass's ``upstream`` state (None once every pass is done).
 * ``"interleave"``: per-input states (None for inputs never read), the
@@ -59,7 +61,8 @@ subclass, a namedtuple) is refused when the state is saved, naming the type.
 :func:`decode` builds only those types, so loading a state never runs code.
 Every loaded node is checked (:func:`check`, :func:`validate`) before it is
 used: a missing key, a wrong type, an interval out of order or out of the
-rank's chunk, an unknown kind or version, a negative epoch or a share that
+rank's chunk, an unknown kind or version, a negative epoch, an int that does
+not fit in 64 bits (outside samples and generator states) or a share that
 does not fit is a :class:`StateError` naming the field, never a ``KeyError``
 deep in an iterator or an epoch that silently ends early.
 
@@ -94,7 +97,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, check_int
 
 if TYPE_CHECKING:
     from shardkit.topology import Topology
@@ -357,6 +360,9 @@ def upstream_state(iterator: Iterator[Any]) -> State:
 # truncated state is a StateError naming the field, never a KeyError or
 # TypeError deep in an iterator, nor an epoch that silently ends early.
 
+#: The range of every int in a state outside samples and generator states: a signed 64-bit int.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 #: Uniform floats drawn per generator call; a saved draw position lies in [0, DRAW_BLOCK].
 DRAW_BLOCK = 1024
 
@@ -365,14 +371,25 @@ SEQUENCE = (list, tuple)
 
 
 def field(state: State, key: str, where: str, *types: type) -> Any:
-    """``state[key]``, which must be present and of one of ``types`` (exactly: a bool is not an int)."""
+    """``state[key]``, which must be present and of one of ``types`` (exactly: a bool is not an int);
+    an int must fit in 64 bits (:func:`bounded`)."""
     if key not in state:
         raise StateError(f"{where}: the state has no {key!r}; it is not a state_dict() of this stage, or it was edited")
     value = state[key]
     if type(value) not in types:
         names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
         raise StateError(f"{where}: state[{key!r}] must be {names}, got {type(value).__name__} {_short(value)}")
+    if type(value) is int:
+        bounded(value, f"{where}: state[{key!r}]")
     return value
+
+
+def bounded(value: int, name: str) -> int:
+    """``value`` if it fits in a signed 64-bit int, as every count, position and epoch
+    must (they go through numpy and shared memory); else a :class:`StateError` naming it."""
+    return check_int(
+        name, value, minimum=INT64_MIN, maximum=INT64_MAX, error=StateError, hint="the state was edited or is corrupt"
+    )
 
 
 def whole_number(state: State, key: str, where: str, minimum: int = 0) -> int:
@@ -390,6 +407,7 @@ def check_intervals(intervals: Any, where: str, what: str = "remaining") -> None
         if type(interval) not in SEQUENCE or len(interval) != 2 or any(type(v) is not int for v in interval):
             raise StateError(f"{where}: state[{what!r}] must hold [start, stop] pairs of ints, got {_short(interval)}")
         start, stop = interval
+        bounded(stop, f"{where}: the end of an interval in state[{what!r}]")
         if not previous <= start < stop:
             raise StateError(
                 f"{where}: state[{what!r}] must hold sorted, disjoint, non-empty [start, stop) intervals "
@@ -412,7 +430,7 @@ def check_share(state: State, where: str) -> None:
     share = field(state, SHARE, where, type(None), *SEQUENCE)
     if share is None:
         return
-    if len(share) != 2 or any(type(v) is not int for v in share) or not 0 <= share[0] < share[1]:
+    if len(share) != 2 or any(type(v) is not int for v in share) or not 0 <= share[0] < share[1] <= INT64_MAX:
         raise StateError(
             f"{where}: state['share'] must be None or [worker, num_workers] with 0 <= worker < num_workers, "
             f"got {_short(share)}"
@@ -435,7 +453,7 @@ def check_inputs_epoch(state: State, inputs: Sequence[Any], where: str) -> None:
     older stage state over newer inputs would drop what it held)."""
     for part in inputs:
         epoch = _first_epoch(part)
-        if type(epoch) is int and epoch >= 0 and epoch != state[EPOCH]:  # else its own check names it
+        if type(epoch) is int and 0 <= epoch <= INT64_MAX and epoch != state[EPOCH]:  # else its own check names it
             raise StateError(f"{where}: the state is of epoch {state[EPOCH]} but its inputs' of epoch {epoch}")
 
 

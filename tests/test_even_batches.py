@@ -546,3 +546,39 @@ def test_ddp_eval_example_counts_every_sample_once_and_matches_one_process():
 def test_the_benchmark_runs_and_prints_its_tables():
     done = run_python(str(REPO / "benchmarks" / "even_batches.py"), "--quick", timeout=120)
     assert done.stdout.count("even_batches(every=1)") == 2 and "one side-group round trip" in done.stdout
+
+
+# -- a rank that stalls or dies ---------------------------------------------------------
+
+FAULTS = Path(__file__).with_name("even_faults_check.py")
+JOB_TIMEOUT = 5.0
+MARGIN = 5.0  # gloo noticing, the other ranks' marks in the store, process scheduling on a loaded machine
+
+
+def fault_reports(fault: str, out: Path) -> list[dict[str, Any] | None]:
+    done = run_python(str(FAULTS), "--fault", fault, "--timeout", str(JOB_TIMEOUT), "--out", str(out), timeout=90)
+    return last_json_line(done.stdout)
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_iterating_makes_the_others_raise_naming_it_within_the_jobs_timeout(tmp_path):
+    """Before: the side group had gloo's default timeout (30 min), so the other rank waited that long."""
+    waiting, stalled = fault_reports("stall", tmp_path)
+    # rank 1 had posted the agreement on batch 3 before it handed over batch 2
+    assert waiting is not None and waiting["batches"] == 3, waiting
+    assert waiting["error"].startswith("EvenBatchesError: "), waiting["error"]
+    assert "rank 1 stalled or died" in waiting["error"]
+    assert waiting["seconds"] <= JOB_TIMEOUT + MARGIN
+    assert stalled is not None and stalled["error"].startswith("EvenBatchesError: "), stalled  # when it goes on
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_makes_the_others_raise_naming_it(tmp_path):
+    """Before: a raw gloo RuntimeError ("Connection closed by peer") naming no rank."""
+    waiting, dead = fault_reports("die", tmp_path)
+    assert dead is None
+    # the agreement on batch 3, posted before rank 1 handed over batch 2, may complete before it exits
+    assert waiting is not None and waiting["batches"] in (2, 3), waiting
+    assert waiting["error"].startswith("EvenBatchesError: "), waiting["error"]
+    assert "rank 1 stalled or died" in waiting["error"]
+    assert waiting["seconds"] <= JOB_TIMEOUT + MARGIN

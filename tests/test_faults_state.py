@@ -14,6 +14,7 @@ import copy
 import io
 import json
 import math
+import re
 from collections import Counter, OrderedDict, namedtuple
 from collections.abc import Iterator
 from functools import cache
@@ -625,3 +626,143 @@ def test_fields_checked_against_the_dataset_fail_in_the_workers_as_state_errors(
         with pytest.raises(StateError, match=message):
             loader.load_state_dict(state)
             read_all(loader)
+
+
+# -- ints past int64, a finished state that still holds samples, an overfull shuffle buffer --
+
+HUGE = [2**63, 2**64 + 5, -(2**63) - 1, 10**30]
+
+
+@pytest.mark.parametrize("kind", ["planned", "shuffle"])
+@pytest.mark.parametrize("value", [2**63, 10**30])
+def test_an_epoch_past_int64_is_a_state_error_naming_the_epoch(kind: str, value: int) -> None:
+    def make() -> Pipeline:
+        return Shuffle(source(), 6).map(str.upper)
+
+    state = saved(lambda: StatefulDataLoader(make(), batch_size=None, num_workers=0), 9)
+    for node in nodes(state, "planned") + nodes(state, "shuffle"):
+        node["epoch"] = value  # consistent over the stages: only the size is wrong
+    loader = StatefulDataLoader(make(), batch_size=None, num_workers=0)
+    with pytest.raises(StateError, match=r"state\['epoch'\] must be an int .*<= 9223372036854775807"):
+        loader.load_state_dict(state)
+        list(loader)
+
+
+def test_a_mixed_loader_epoch_past_int64_is_a_state_error_naming_the_epoch() -> None:
+    state = mixed_state()
+    for node in [state, *nodes(state, "planned"), *nodes(state, "shuffle")]:
+        node["epoch"] = 2**63
+    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    with pytest.raises(StateError, match=r"state\['epoch'\] must be an int"):
+        loader.load_state_dict(state)
+
+
+def int_paths(tree: Any) -> list[Path_]:
+    """Paths to the ints of a state outside samples and numpy generator states (which hold any int)."""
+    return [p for p in paths(tree) if type(at(tree, p)) is int and "generator" not in p and not in_sample(p)]
+
+
+def named(path: Path_) -> str:
+    """What the error must name: the field (a key), or the field holding the list item."""
+    key = next(key for key in reversed(path) if isinstance(key, str))
+    return re.escape(key)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_int_of_a_state_set_past_int64_is_a_state_error(data: Any) -> None:
+    run = json.loads(every_kind_run())
+    state = data.draw(st.sampled_from(run["states"]))
+    path = data.draw(st.sampled_from(int_paths(state["dataset_state"])))
+    value = data.draw(st.sampled_from(HUGE))
+    tampered = {**state, "dataset_state": mutate(state["dataset_state"], "shift", path, value)}
+    loader = StatefulDataLoader(every_kind(), batch_size=None, num_workers=0)
+    with pytest.raises(StateError, match=named(path)):
+        loader.load_state_dict(tampered)
+        list(loader)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_int_of_a_mixed_loader_state_set_past_int64_is_refused_when_loaded(data: Any) -> None:
+    state = mixed_state()
+    path = data.draw(st.sampled_from([p for p in int_paths(state) if not deferred(p)]))
+    value = data.draw(st.sampled_from(HUGE))
+    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    with pytest.raises(StateError, match=named(path)):
+        loader.load_state_dict(mutate(state, "shift", path, value))
+
+
+def test_a_finished_mixed_loader_state_that_still_holds_samples_is_a_state_error() -> None:
+    """Before: the loader believed ``finished`` and silently delivered nothing of what was left."""
+    state = mixed_state()
+    state.update(finished=True, carry=[])
+    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    loader.load_state_dict(state)
+    with pytest.raises(StateError, match=r"state\['finished'\] is true, but worker \d still holds samples"):
+        list(loader)
+
+
+def test_a_finished_mixed_loader_state_with_a_carry_is_refused_when_loaded() -> None:
+    state = mixed_state()
+    state["finished"] = True
+    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    with pytest.raises(StateError, match=r"state\['finished'\] is true, but state\['carry'\] holds \d tail"):
+        loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_really_finished_mixed_loader_state_resumes_to_an_empty_epoch_then_the_next(drop_last: bool) -> None:
+    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2, drop_last=drop_last)
+    delivered = sum(len(batch["id"]) for batch in loader)
+    state = roundtrip(loader.state_dict())
+    assert state["finished"] and delivered == (TOTAL // 8 * 8 if drop_last else TOTAL)
+    again = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2, drop_last=drop_last)
+    again.load_state_dict(state)
+    assert list(again) == []
+    assert sum(len(batch["id"]) for batch in again) == delivered  # the next epoch, whole
+
+
+def test_a_shuffle_state_holding_more_samples_than_its_buffer_is_a_state_error() -> None:
+    """Before: 10,000 buffered samples loaded into .shuffle(4) and were all delivered."""
+
+    def make(size: int) -> Pipeline:
+        return Shuffle(source(), size).map(str.upper)
+
+    state = saved(lambda: StatefulDataLoader(make(4), batch_size=None, num_workers=0), 9)
+    nodes(state, "shuffle")[0]["samples"] = ["planted"] * 10_000
+    loader = StatefulDataLoader(make(4), batch_size=None, num_workers=0)
+    loader.load_state_dict(state)
+    with pytest.raises(StateError, match=r"state\['samples'\] holds 10000 samples, more than .*shuffle\(4"):
+        list(loader)
+    state = saved(lambda: StatefulDataLoader(make(6), batch_size=None, num_workers=0), 9)
+    loader = StatefulDataLoader(make(4), batch_size=None, num_workers=0)
+    loader.load_state_dict(state)  # a larger buffer's state into a smaller one
+    with pytest.raises(StateError, match=r"holds 5 samples, more than .*shuffle\(4"):
+        list(loader)
+
+
+def test_merged_worker_buffers_may_hold_more_than_one_buffer_and_resume_exactly_once() -> None:
+    """Two workers' full buffers merged load into one worker (each buffer at most its size)."""
+
+    def make() -> Pipeline:
+        return Shuffle(source(), 6)
+
+    loader = StatefulDataLoader(make(), batch_size=None, num_workers=2)
+    iterator = iter(loader)
+    delivered = [next(iterator) for _ in range(20)]
+    workers = roundtrip(loader.state_dict())["_snapshot"]["_worker_snapshots"]
+    merged = merge([w["dataset_state"] for w in workers.values()])
+    assert len(merged["samples"]) == 10 and merged["pooled"] == 2  # each buffer gave one sample after a refill
+    rest = list(StatefulDataLoader(_loaded(make(), roundtrip(merged)), batch_size=None, num_workers=0))
+    assert Counter(delivered + rest) == Counter(source())
+    merged["samples"] += ["planted"] * 3
+    with pytest.raises(StateError, match=r"holds 13 samples, more than 2 buffers of .*shuffle\(6"):
+        make().load_state_dict(merged)
+    with pytest.raises(StateError, match=r"state\['pooled'\]"):
+        make().load_state_dict({**next(iter(workers.values()))["dataset_state"], "pooled": 2})
+
+
+def _loaded(pipeline: Pipeline, state: Any) -> Pipeline:
+    pipeline.load_state_dict(state)
+    return pipeline

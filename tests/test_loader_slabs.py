@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import signal
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -398,10 +399,12 @@ def assert_a_killed_worker_leaves_nothing(
         KILL_SCRIPT.format(repo=str(REPO), context=context, dataset=dataset, imports=imports, pause=pause)
     )
     report = last_json_line(run_python(str(script), timeout=120, cwd=REPO).stdout)
-    # DataLoader reports the death from its SIGCHLD handler or its next read; or, when the
-    # dead worker's message was passing a file descriptor, the receiving end fails.
+    # DataLoader reports the death from its SIGCHLD handler wherever the main process is;
+    # met while MixedLoader receives a message (a read, or a file descriptor the dead worker
+    # was passing), the error names the worker.
     dead = rf"RuntimeError: DataLoader worker \(pid(\(s\))? {report['pids'][1]}\) (is killed|exited)"
-    assert re.match(dead, report["error"]) or report["error"].startswith("ConnectionResetError"), report["error"]
+    named = rf"WorkerDiedError: MixedLoader: DataLoader worker 1 \(pid {report['pids'][1]}\) died"
+    assert re.match(dead, report["error"]) or re.match(named, report["error"]), report["error"]
     assert report["after"] == report["before"]
     assert shm_files_of([report["pid"], *report["pids"]]) == []
 
@@ -421,3 +424,62 @@ def test_any_prefetch_factor_sizes_the_ring(prefetch_factor: int | None) -> None
     batches, used = collect(loader)
     assert used
     check_batches(batches, [9, 14], 4)
+
+
+class DiesAfterSending(IterableDataset):
+    """Yields 4-element tensors; after its second micro-batch of 4 went to the queue (the main
+    process asks for a third after taking the first), the
+    worker waits for it to be written, touches ``marker`` and SIGKILLs itself."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for index in range(40):
+            if index == 8:  # micro-batch 3 is being made: micro-batch 2 was put in the queue
+                time.sleep(1.0)  # the queue's feeder thread writes it
+                Path(self.marker).touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield torch.full((4,), index)
+
+    def __repr__(self) -> str:
+        return "DiesAfterSending()"
+
+
+DIES_SCRIPT = """
+import json, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from shardkit import MixedLoader
+from tests.test_loader_slabs import DiesAfterSending, worker_pids
+
+# DataLoader's SIGCHLD handler would report the death wherever the main process is; blocked,
+# the death is found as it is when the handler comes late: by reading the dead worker's message.
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+loader = MixedLoader(DiesAfterSending({marker!r}), 4, num_workers=1, timeout=30)
+iterator = iter(loader)
+next(iterator)
+pid = worker_pids(loader)[0]
+deadline = time.monotonic() + 60
+while not os.path.exists({marker!r}) and time.monotonic() < deadline:
+    time.sleep(0.01)
+while open(f"/proc/{{pid}}/stat").read().split()[2] != "Z" and time.monotonic() < deadline:  # dead, not reaped
+    time.sleep(0.01)
+try:
+    for _ in range(2):  # batch 2: the message in the pipe, whose slab the dead worker was to hand over
+        next(iterator)
+    error = "no error"
+except Exception as caught:
+    error = f"{{type(caught).__name__}}: {{caught}}"
+print(json.dumps({{"error": error, "pid": pid}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_its_message_is_read_is_named_with_its_pid_signal_and_dataset(tmp_path: Path) -> None:
+    """Before: DataLoader's RuntimeError naming a pid only (or a bare EOFError when the read lost the race)."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_SCRIPT.format(repo=str(REPO), marker=str(tmp_path / "sent")))
+    report = last_json_line(run_python(str(script), timeout=120, cwd=REPO).stdout)
+    assert report["error"].startswith("WorkerDiedError: "), report["error"]
+    assert f"worker 0 (pid {report['pid']}) died, killed by SIGKILL" in report["error"]
+    assert "reading DiesAfterSending()" in report["error"]
