@@ -633,6 +633,7 @@ def _record_converter(decode: str | None, readers: list[tuple[str, Any]], target
     from shardkit.formats import example_rows as rows
 
     first = next((url for url, fmt in readers if fmt.name == "tfrecord"), None)
+    peek: list[Any] = []
     if target == "tfrecord":
         examples = decode != "raw"
     elif first is None or decode == "raw":
