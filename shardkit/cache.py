@@ -5,7 +5,7 @@ the object's identity (ETag / version / size / modification time, see
 :func:`shardkit.remote.identity_of`): a changed object has a new name, so it
 is fetched again and never read stale. How it stays correct:
 
-- **Atomic entries.** An entry is written to ``<name>.tmp.<pid>`` and renamed
+- **Atomic entries.** An entry is written to ``<name>.tmp.<pid>.<random>`` and renamed
   to ``<name>`` only once all of the object's bytes are in it (and their count
   is the size the store gave). A writer killed half way leaves a temp file and
   a lock, never a ``<name>``; so nothing half written is ever read as whole.
@@ -16,9 +16,9 @@ is fetched again and never read stale. How it stays correct:
 - **Least recently used eviction.** Each use touches the entry's mtime; after
   an entry is added, the oldest entries are deleted until the cache is under
   ``cache_limit_bytes``. An entry still open in another process stays readable
-  after it is deleted (POSIX keeps an unlinked open file). An object bigger than
-  the whole limit is not cached: it is streamed.
-
+  after it is deleted (POSIX keeps an unlinked open file): a read that has
+  opened an entry completes from it, one that finds it gone fetches it
+  again. An object bigger than the whole limit is not cached: it is streamed.
 - **Nothing planted is followed or trusted.** The cache directory is made
   ``0700`` (a ``cache_dir`` others can write to is warned about), temporaries
   are made by ``mkstemp`` (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode ``0600``),
@@ -120,7 +120,9 @@ class Cache:
         if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid() or found.st_size != size:
             opened.close()  # not ours to trust: fetch it again
             return _refuse(entry)
-        os.utime(entry)  # least recently used = oldest mtime
+        # Least recently used = oldest mtime. Touched through the descriptor: another process may evict the
+        # entry right after our open, and the read goes on from the open file (POSIX keeps it) all the same.
+        os.utime(opened.fileno())
         return opened
 
     def _try_lock(self, entry: str) -> bool:

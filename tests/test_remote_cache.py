@@ -228,3 +228,69 @@ def test_a_cache_dir_writable_by_others_is_warned_about(server: FaultServer, tmp
     os.chmod(root, 0o777)
     with pytest.warns(UserWarning, match="writable by other users"):
         assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=cached(root))) == records
+
+
+# --------------------------------------------------------------------------- eviction racing a read
+
+
+def test_an_entry_evicted_between_its_open_and_its_touch_is_still_read_whole(
+    server: FaultServer, tmp_path, monkeypatch
+) -> None:
+    records = write_shard(str(tmp_path / "data" / "a.tfrecord"))
+    url = f"{server.url}/a.tfrecord"
+    root = str(tmp_path / "cache")
+    list(read_tfrecord(url, remote=cached(root)))  # the entry is there
+    real_fstat, removed = os.fstat, []
+
+    def evicted_meanwhile(fd: int) -> os.stat_result:
+        """What another process's eviction does right after this one opened the entry: os.remove it."""
+        result = real_fstat(fd)
+        path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        if path.startswith(root) and ".tmp." not in path and not removed:
+            os.remove(path)
+            removed.append(path)
+        return result
+
+    monkeypatch.setattr(os, "fstat", evicted_meanwhile)
+    assert list(read_tfrecord(url, remote=cached(root))) == records
+    assert removed
+
+
+def _read_all_cached(urls: list[str], cache_dir: str, limit: int, rounds: int, seed: int, out) -> None:  # type: ignore[no-untyped-def]
+    import random
+
+    rng = random.Random(seed)
+    try:
+        for _ in range(rounds):
+            for url in rng.sample(urls, len(urls)):
+                out.put((url, len(list(read_tfrecord(url, remote=cached(cache_dir, limit))))))
+        out.put(("done", 0))
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        out.put(("error", repr(error)))
+
+
+@pytest.mark.slow
+def test_four_processes_evicting_each_others_entries_all_read_every_shard_whole(server: FaultServer, tmp_path) -> None:
+    data = tmp_path / "data"
+    urls = []
+    for i in range(6):
+        write_shard(str(data / f"s{i}.tfrecord"), count=60, seed=i)
+        urls.append(f"{server.url}/s{i}.tfrecord")
+    limit = 2 * os.path.getsize(data / "s0.tfrecord") + 100  # two entries: every fill evicts another's
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    workers = [
+        context.Process(target=_read_all_cached, args=(urls, str(tmp_path / "cache"), limit, 6, seed, out))
+        for seed in range(4)
+    ]
+    for worker in workers:
+        worker.start()
+    results, done = [], 0
+    while done < len(workers):
+        result = out.get(timeout=120)
+        assert result[0] != "error", result[1]
+        done += result[0] == "done"
+        results.append(result)
+    for worker in workers:
+        worker.join(timeout=30)
+    assert sorted(count for url, count in results if url != "done") == [60] * 4 * 6 * 6
