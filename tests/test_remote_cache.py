@@ -276,7 +276,7 @@ def test_four_processes_evicting_each_others_entries_all_read_every_shard_whole(
     for i in range(6):
         write_shard(str(data / f"s{i}.tfrecord"), count=60, seed=i)
         urls.append(f"{server.url}/s{i}.tfrecord")
-    limit = 2 * os.path.getsize(data / "s0.tfrecord") + 100  # two entries: every fill evicts another's
+    limit = os.path.getsize(data / "s0.tfrecord") + 100  # one entry: every fill evicts the others
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     workers = [
