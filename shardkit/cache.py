@@ -48,6 +48,7 @@ from typing import Any, Final
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.remote import RemoteFile, RemoteOptions, _count, identity_of
+from shardkit.tempfiles import removed_if_exiting
 
 __all__ = ["Cache"]
 
@@ -94,11 +95,12 @@ class Cache:
                 return local
             if self._try_lock(entry):
                 try:
-                    if not os.path.lexists(entry):  # a winner may have renamed it since we looked
-                        _count(cache_misses=1)
-                        self._fill(entry, RemoteFile(fs, path, url, info, options), size)
-                        filled = True
-                        self.evict(keep=entry)
+                    with removed_if_exiting(entry + _LOCK):  # also by an orphaned worker's sudden stop
+                        if not os.path.lexists(entry):  # a winner may have renamed it since we looked
+                            _count(cache_misses=1)
+                            self._fill(entry, RemoteFile(fs, path, url, info, options), size)
+                            filled = True
+                            self.evict(keep=entry)
                 finally:
                     _unlink(entry + _LOCK)
                 continue
@@ -144,7 +146,7 @@ class Cache:
         # mkstemp: O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600, so nothing planted at the name is written through
         fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(entry)}{_TMP}{os.getpid()}.", dir=self.root)
         try:
-            with remote, os.fdopen(fd, "wb") as out:
+            with removed_if_exiting(tmp), remote, os.fdopen(fd, "wb") as out:
                 written = 0
                 while chunk := remote.read(remote.options.block_size):
                     out.write(chunk)

@@ -20,6 +20,7 @@ import multiprocessing.util
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 
 _owned: dict[str, int] = {}  # path -> pid of the process that made it (a forked child inherits the parent's)
 _hooked_pid = -1
@@ -28,14 +29,29 @@ _lock = threading.Lock()
 
 def delete_with(owner: object, path: str) -> weakref.finalize:
     """Delete ``path`` when ``owner`` is garbage collected or at exit, in this process only."""
+    _own(path)
+    return weakref.finalize(owner, _remove_owned, path, os.getpid())
+
+
+def _own(path: str) -> None:
+    """Have this process's exit delete ``path`` (if it is still this process's then)."""
     global _hooked_pid
-    pid = os.getpid()
     with _lock:
-        _owned[path] = pid
-        if _hooked_pid != pid:  # a worker's registry starts empty: hook this process once
+        _owned[path] = os.getpid()
+        if _hooked_pid != os.getpid():  # a worker's registry starts empty: hook this process once
             multiprocessing.util.Finalize(None, remove_all_owned, exitpriority=0)
-            _hooked_pid = pid
-    return weakref.finalize(owner, _remove_owned, path, pid)
+            _hooked_pid = os.getpid()
+
+
+@contextlib.contextmanager
+def removed_if_exiting(path: str) -> Iterator[None]:
+    """While the block runs, this process's end (a worker's exit, an orphaned worker's stop) deletes ``path``;
+    after it, ``path`` is the caller's again (left alone)."""
+    _own(path)
+    try:
+        yield
+    finally:
+        _owned.pop(path, None)
 
 
 def remove_all_owned() -> None:

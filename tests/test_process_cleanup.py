@@ -151,3 +151,56 @@ def test_workers_stop_within_a_second_or_two_after_their_main_process_is_killed(
         for name in os.listdir(pids_dir):
             if alive(int(name)):
                 os.kill(int(name), signal.SIGKILL)
+
+
+_FILLING = """
+import sys
+import shardkit
+from torch.utils.data import DataLoader
+
+def main():
+    server, cache_dir = sys.argv[1], sys.argv[2]
+    shards = shardkit.ShardList([f"{server}/s{i}.tfrecord" for i in range(2)], [300, 300])
+    dataset = shardkit.TFRecordDataset(shards, decode="raw", index=False, cache_dir=cache_dir, readahead_bytes=0)
+    for _ in DataLoader(dataset, batch_size=None, num_workers=2):
+        pass
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_orphaned_while_filling_the_cache_leave_no_temporary_file_or_lock(tmp_path) -> None:
+    from tests.fault_server import FaultServer
+    from tests.test_remote_reads import write_shard
+
+    (tmp_path / "data").mkdir()
+    for i in range(2):
+        write_shard(str(tmp_path / "data" / f"s{i}.tfrecord"), seed=i)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    script = tmp_path / "filling.py"
+    script.write_text(_FILLING)
+    with FaultServer(str(tmp_path / "data")) as server:
+        server.latency = 3.0  # each fill waits seconds for its bytes: the main process dies meanwhile
+        main = subprocess.Popen([sys.executable, str(script), server.url, str(cache)], env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(".tmp." in name for name in _names(cache)):
+                time.sleep(0.05)
+            locks = [cache / name for name in _names(cache) if name.endswith(".lock")]
+            fillers = [int(lock.read_text()) for lock in locks]
+            assert fillers and all(alive(pid) for pid in fillers)
+            main.send_signal(signal.SIGKILL)
+            main.wait(timeout=10)
+            time.sleep(2.0)
+            assert not any(alive(pid) for pid in fillers)
+            assert [name for name in _names(cache) if ".tmp." in name or name.endswith(".lock")] == []
+        finally:
+            main.kill()
+
+
+def _names(directory) -> list[str]:  # type: ignore[no-untyped-def]
+    return os.listdir(directory) if os.path.isdir(directory) else []
