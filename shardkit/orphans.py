@@ -1,4 +1,4 @@
-"""DataLoader workers that outlive their main process stop within a second.
+"""DataLoader workers that outlive their main process stop within a second, and clean up when killed.
 
 torch's own watchdog in a worker looks at the parent only between fetches
 (every 5 s when idle, or after a whole batch), so workers whose main process
@@ -13,6 +13,12 @@ Why polling and not ``prctl(PR_SET_PDEATHSIG)``: Linux sends that signal when
 the *thread* that started the worker ends, not its process, so persistent
 workers started from a short-lived thread would be killed while their loader
 lives; and it is Linux only. The watchdog costs a ``getppid`` every 0.2 s.
+
+DataLoader also SIGTERMs workers that do not exit within 5 s of being told to
+(after a worker's error, the iterator left to the garbage collector): a
+SIGTERM skips every exit hook, so those workers left their temporary files. A
+worker with the default SIGTERM action gets a handler that deletes them and
+then dies of the same SIGTERM, so its exit status is what DataLoader expects.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import signal
 import threading
 from typing import Final
 
@@ -38,6 +45,9 @@ def guard_worker() -> None:
     parent = multiprocessing.parent_process()
     if parent is None:
         return
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _clean_up_then_die)
     watchdog = threading.Thread(
         target=_watch, args=(parent, os.getppid()), name="shardkit-orphan-watchdog", daemon=True
     )
@@ -56,9 +66,23 @@ def _watch(parent: multiprocessing.process.BaseProcess, started_under: int) -> N
 def _exit_orphaned() -> None:
     """Delete what this process made, then end it now (its main thread may be busy for seconds more)."""
     try:
-        remove_all_owned()
-        tempdir = multiprocessing.current_process()._config.get("tempdir")  # multiprocessing's pymp-* dir
-        if tempdir:
-            shutil.rmtree(tempdir, ignore_errors=True)
+        _remove_what_this_process_made()
     finally:
         os._exit(1)
+
+
+def _clean_up_then_die(signum: int, frame: object) -> None:
+    try:
+        _remove_what_this_process_made()
+    finally:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _remove_what_this_process_made() -> None:
+    """Its temporary files and cache fills (:mod:`shardkit.tempfiles`) and its ``pymp-*`` dir: what its
+    exit hooks would have deleted."""
+    remove_all_owned()
+    tempdir = multiprocessing.current_process()._config.get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
