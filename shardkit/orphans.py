@@ -28,7 +28,7 @@ import os
 import shutil
 import signal
 import threading
-from typing import Final
+from typing import Any, Final
 
 from shardkit.tempfiles import remove_all_owned
 
@@ -54,7 +54,7 @@ def guard_worker() -> None:
     watchdog.start()
 
 
-def _watch(parent: multiprocessing.process.BaseProcess, started_under: int) -> None:
+def _watch(parent: Any, started_under: int) -> None:
     """Two signs, as either alone can miss: the parent's sentinel pipe closes (any start method; but a
     sibling forked later holds its write end too), and this process is re-parented (under forkserver the
     parent process is the fork server, which exits with the main process)."""
@@ -83,6 +83,6 @@ def _remove_what_this_process_made() -> None:
     """Its temporary files and cache fills (:mod:`shardkit.tempfiles`) and its ``pymp-*`` dir: what its
     exit hooks would have deleted."""
     remove_all_owned()
-    tempdir = multiprocessing.current_process()._config.get("tempdir")
+    tempdir = getattr(multiprocessing.current_process(), "_config", {}).get("tempdir")  # where pymp-* lives
     if tempdir:
         shutil.rmtree(tempdir, ignore_errors=True)
