@@ -45,7 +45,7 @@ import time
 import warnings
 from typing import Any, Final
 
-from fsspec.implementations.local import LocalFileOpener
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 from shardkit.remote import RemoteFile, RemoteOptions, _count, identity_of
 from shardkit.tempfiles import removed_if_exiting
@@ -201,7 +201,7 @@ class _EntryFile(LocalFileOpener):
     ``LocalFileOpener`` as a local file: they ``pread`` its descriptor)."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(path, "rb")
+        super().__init__(path, "rb", fs=LocalFileSystem())
 
     def _open(self) -> None:
         if self.f is None or self.f.closed:

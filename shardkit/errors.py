@@ -26,7 +26,7 @@ import functools
 import json
 import re
 import sys
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 _URL: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 _USERINFO: Final = re.compile(r"^([^:/?#]+://)[^/?#]*@")
@@ -55,6 +55,15 @@ def redact(text: str) -> str:
         return redact_url(url) + found[len(url) :]
 
     return _URL.sub(one, text) if "://" in text else text
+
+
+def reraise_redacted(error: Exception) -> NoReturn:
+    """Re-raise ``error`` (being handled) redacted by :func:`redact_error`; if its own text cannot be cleaned
+    (built from attributes, as aiohttp's is), a :class:`ShardkitError` with the cleaned text instead."""
+    redact_error(error)
+    if _scrub(error):
+        raise  # noqa: PLE0704 - called from an except block: the error keeps its traceback
+    raise ShardkitError(f"{type(error).__name__}: {redact(str(error))}") from None
 
 
 def redact_error(error: BaseException) -> BaseException:

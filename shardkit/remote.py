@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 from shardkit import s3ranges
-from shardkit.errors import ShardkitError, redact_error
+from shardkit.errors import ShardkitError, reraise_redacted
 from shardkit.httpranges import HTTPGetter, PreconditionFailed, Response, Unsupported, client_for
 
 __all__ = [
@@ -386,8 +386,7 @@ class RemoteFile:
             try:
                 data = self._block(block, readahead)
             except Exception as error:
-                redact_error(error)
-                raise
+                reraise_redacted(error)
             lo = self._pos - block * self.options.block_size
             piece = data[lo : lo + end - self._pos]
             parts.append(piece)
@@ -570,8 +569,7 @@ def open_remote(fs: Any, path: str, url: str, options: RemoteOptions | None = No
             return warm.result()
         return _open_now(fs, path, url, options)
     except Exception as error:
-        redact_error(error)  # fsspec's and aiohttp's errors quote the url whole
-        raise
+        reraise_redacted(error)  # fsspec's and aiohttp's errors quote the url whole
 
 
 def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int | None = 0) -> Any:

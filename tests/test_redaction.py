@@ -15,7 +15,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import shardkit
-from shardkit.errors import redact, redact_url
+from shardkit.errors import ShardkitError, redact, redact_url, reraise_redacted
 from shardkit.formats.tfrecord import read_tfrecord
 from tests.fault_server import FaultServer
 from tests.helpers import record_offsets
@@ -64,6 +64,41 @@ def test_redact_url_hides_userinfo_and_every_query_value_and_keeps_the_rest() ->
 def test_redact_finds_urls_inside_text_and_keeps_the_punctuation_after_them() -> None:
     text = "http://u:p@h/a?token=t1: record 3; see 'https://h/b?sig=s2', (gs://b/c?x=1)."
     assert redact(text) == "http://***@h/a?token=***: record 3; see 'https://h/b?sig=***', (gs://b/c?x=***)."
+
+
+LEAKY_URL = "https://h/k?X-Amz-Signature=SIGabc&token=TOKghi"
+MISSING_URL = "http://user:s3cr3tpw@h/k?token=TOKghi"
+
+
+class Leaky(Exception):
+    """An error whose text is built from an attribute, as aiohttp's ClientResponseError's is."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+
+    def __str__(self) -> str:
+        return f"403, message='Forbidden', url={self.url!r}"
+
+
+def test_an_error_whose_text_cannot_be_cleaned_is_replaced_and_a_cause_that_cannot_is_cut_off() -> None:
+    leaky = Leaky(LEAKY_URL)  # names, not literals: a traceback shows the source lines
+    with pytest.raises(ShardkitError) as info:
+        try:
+            raise leaky
+        except Leaky as error:
+            reraise_redacted(error)
+    assert_clean(full_text(info.value))
+    with pytest.raises(FileNotFoundError) as caught:
+        try:
+            try:
+                raise leaky
+            except Leaky as error:
+                raise FileNotFoundError(MISSING_URL) from error
+        except FileNotFoundError as error:
+            reraise_redacted(error)
+    assert_clean(full_text(caught.value))
+    assert str(caught.value) == "http://***@h/k?token=***"
 
 
 def test_a_missing_object_error_names_the_url_without_its_credentials(server, tmp_path) -> None:
