@@ -115,7 +115,8 @@ class Cache:
         except FileNotFoundError:
             return None
         except OSError as error:
-            if error.errno != errno.ELOOP:  # ELOOP: a symlink planted at the entry's name
+            # ELOOP: a symlink planted at the entry's name; EACCES: another user's file we may not read
+            if error.errno not in (errno.ELOOP, errno.EACCES):
                 raise
             return _refuse(entry)
         found = os.fstat(opened.fileno())
