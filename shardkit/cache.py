@@ -5,7 +5,7 @@ the object's identity (ETag / version / size / modification time, see
 :func:`shardkit.remote.identity_of`): a changed object has a new name, so it
 is fetched again and never read stale. How it stays correct:
 
-- **Atomic entries.** An entry is written to ``<name>.tmp.<pid>`` and renamed
+- **Atomic entries.** An entry is written to ``<name>.tmp.<pid>.<random>`` and renamed
   to ``<name>`` only once all of the object's bytes are in it (and their count
   is the size the store gave). A writer killed half way leaves a temp file and
   a lock, never a ``<name>``; so nothing half written is ever read as whole.
@@ -16,8 +16,17 @@ is fetched again and never read stale. How it stays correct:
 - **Least recently used eviction.** Each use touches the entry's mtime; after
   an entry is added, the oldest entries are deleted until the cache is under
   ``cache_limit_bytes``. An entry still open in another process stays readable
-  after it is deleted (POSIX keeps an unlinked open file). An object bigger than
-  the whole limit is not cached: it is streamed.
+  after it is deleted (POSIX keeps an unlinked open file): a read that has
+  opened an entry completes from it, one that finds it gone fetches it
+  again. An object bigger than the whole limit is not cached: it is streamed.
+- **Nothing planted is followed or trusted.** The cache directory is made
+  ``0700`` (a ``cache_dir`` others can write to is warned about), temporaries
+  are made by ``mkstemp`` (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode ``0600``),
+  and an entry is opened with ``O_NOFOLLOW`` and used only if it is a regular
+  file owned by this user of the object's size: anything else at an entry's
+  name is deleted and the object fetched again. So a symlink planted at a
+  temporary's or an entry's name never makes shardkit write through it or read
+  its target as a shard.
 
 Reading an entry is reading a local file (``os.pread`` in the TFRecord reader),
 so a second epoch runs at local-disk speed; it still asks the store for the
@@ -27,18 +36,30 @@ noticed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
+import tempfile
 import time
+import warnings
 from typing import Any, Final
 
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+
 from shardkit.remote import RemoteFile, RemoteOptions, _count, identity_of
+from shardkit.tempfiles import removed_if_exiting
 
 __all__ = ["Cache"]
 
 _LOCK: Final = ".lock"
 _TMP: Final = ".tmp."
 _POLL: Final = 0.02
+_warned_roots: set[str] = set()
+
+
+class _Unusable(Exception):
+    """Something not ours sits at an entry's name and cannot be removed: read the object remotely."""
 
 
 class Cache:
@@ -60,22 +81,26 @@ class Cache:
         size = int(info["size"])
         if self.limit is not None and size > self.limit:
             return None
-        os.makedirs(self.root, exist_ok=True)
+        _make_private_dir(self.root)
         entry = self.entry_path(url, info)
         deadline = time.monotonic() + options.retry.max_seconds + 600
         filled = False
         while True:
-            local = self._open_entry(entry, size)
+            try:
+                local = self._open_entry(entry, size)
+            except _Unusable:
+                return None
             if local is not None:
                 _count(cache_hits=0 if filled else 1)
                 return local
             if self._try_lock(entry):
                 try:
-                    if not os.path.exists(entry):  # a winner may have renamed it since we looked
-                        _count(cache_misses=1)
-                        self._fill(entry, RemoteFile(fs, path, url, info, options), size)
-                        filled = True
-                        self.evict(keep=entry)
+                    with removed_if_exiting(entry + _LOCK):  # also by an orphaned worker's sudden stop
+                        if not os.path.lexists(entry):  # a winner may have renamed it since we looked
+                            _count(cache_misses=1)
+                            self._fill(entry, RemoteFile(fs, path, url, info, options), size)
+                            filled = True
+                            self.evict(keep=entry)
                 finally:
                     _unlink(entry + _LOCK)
                 continue
@@ -84,24 +109,30 @@ class Cache:
             time.sleep(_POLL)
 
     def _open_entry(self, entry: str, size: int) -> Any:
-        from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
-
+        """``entry`` opened for reading, or None when there is none (or what was there is refused and gone)."""
         try:
-            opener = LocalFileOpener(entry, "rb", fs=LocalFileSystem())
+            opened = _EntryFile(entry)
         except FileNotFoundError:
             return None
-        if os.fstat(opener.fileno()).st_size != size:  # not ours to trust: fetch it again
-            opener.close()
-            _unlink(entry)
-            return None
-        os.utime(entry)  # least recently used = oldest mtime
-        return opener
+        except OSError as error:
+            # ELOOP: a symlink planted at the entry's name; EACCES: another user's file we may not read
+            if error.errno not in (errno.ELOOP, errno.EACCES):
+                raise
+            return _refuse(entry)
+        found = os.fstat(opened.fileno())
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid() or found.st_size != size:
+            opened.close()  # not ours to trust: fetch it again
+            return _refuse(entry)
+        # Least recently used = oldest mtime. Touched through the descriptor: another process may evict the
+        # entry right after our open, and the read goes on from the open file (POSIX keeps it) all the same.
+        os.utime(opened.fileno())
+        return opened
 
     def _try_lock(self, entry: str) -> bool:
         """Take the fill lock of ``entry``; break it first if its holder is dead."""
         lock = entry + _LOCK
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
             if _holder_alive(lock):
                 return False
@@ -113,9 +144,10 @@ class Cache:
         return True
 
     def _fill(self, entry: str, remote: RemoteFile, size: int) -> None:
-        tmp = f"{entry}{_TMP}{os.getpid()}"
+        # mkstemp: O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600, so nothing planted at the name is written through
+        fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(entry)}{_TMP}{os.getpid()}.", dir=self.root)
         try:
-            with remote, open(tmp, "wb") as out:
+            with removed_if_exiting(tmp), remote, os.fdopen(fd, "wb") as out:
                 written = 0
                 while chunk := remote.read(remote.options.block_size):
                     out.write(chunk)
@@ -124,7 +156,7 @@ class Cache:
                     raise OSError(f"{remote.url}: fetched {written} bytes of {size}; not caching a partial object")
                 out.flush()
                 os.fsync(out.fileno())
-            os.rename(tmp, entry)
+            os.rename(tmp, entry)  # replaces whatever is at the name, a symlink included, never its target
         except BaseException:
             _unlink(tmp)
             raise
@@ -145,10 +177,10 @@ class Cache:
                 continue
             full = os.path.join(self.root, name)
             try:
-                stat = os.stat(full)
+                found_stat = os.lstat(full)
             except FileNotFoundError:
                 continue
-            found.append((stat.st_mtime, stat.st_size, full))
+            found.append((found_stat.st_mtime, found_stat.st_size, full))
         return sorted(found)
 
     def evict(self, keep: str | None = None) -> None:
@@ -163,6 +195,53 @@ class Cache:
             if full != keep:
                 _unlink(full)
                 total -= size
+
+
+class _EntryFile(LocalFileOpener):
+    """An entry opened read-only without following a symlink at its name (the readers take a
+    ``LocalFileOpener`` as a local file: they ``pread`` its descriptor)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, "rb", fs=LocalFileSystem())
+
+    def _open(self) -> None:
+        if self.f is None or self.f.closed:
+            self.f = open(self.path, "rb", opener=_open_no_follow)  # noqa: SIM115 - closed with the opener
+            self.size = self.f.seek(0, 2)
+            self.f.seek(0)
+
+
+def _open_no_follow(path: str, flags: int) -> int:
+    # O_NONBLOCK: a FIFO planted at the name must not block the open (no effect on a regular file)
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _refuse(entry: str) -> None:
+    """Delete what is at ``entry`` (not a file of ours); raise :class:`_Unusable` if it cannot be deleted."""
+    try:
+        _unlink(entry)
+    except PermissionError as error:
+        raise _Unusable(entry) from error
+
+
+def _make_private_dir(root: str) -> None:
+    """Create ``root`` as ``0700``; warn (once per process) if an existing one is writable by other users."""
+    os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
+    try:
+        os.mkdir(root, 0o700)
+        os.chmod(root, 0o700)  # whatever the umask
+        return
+    except FileExistsError:
+        pass
+    mode = os.stat(root).st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and root not in _warned_roots:
+        _warned_roots.add(root)
+        warnings.warn(
+            f"cache_dir {root!r} is writable by other users (mode {stat.filemode(mode)}): they can plant files "
+            "in it. shardkit refuses entries that are symlinks or not yours, but use a directory only you can "
+            f"write to (chmod 700 {root})",
+            stacklevel=4,
+        )
 
 
 def _holder_alive(lock: str) -> bool:

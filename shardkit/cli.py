@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.errors import CorruptRecordError, ShardkitError, redact
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool its reader stopped reading (`... | head`)
@@ -92,7 +92,7 @@ def _fail(args: argparse.Namespace, error: BaseException, where: str | None = No
     """Report ``error`` as one line on stderr and return its exit code."""
     if getattr(args, "traceback", False):
         traceback.print_exception(type(error), error, error.__traceback__)
-    print(f"shardkit {args.command}: error: {describe_error(error, where)}", file=sys.stderr)
+    print(f"shardkit {args.command}: error: {redact(describe_error(error, where))}", file=sys.stderr)
     return exit_code_of(error)
 
 

@@ -8,17 +8,100 @@ record index, byte offset, reason, framing), and the one-argument
 constructor reads it back: the error in the main process carries the same
 attributes as the one raised in the worker, and its message keeps the
 worker's traceback. Outside workers the message is the plain sentence.
+
+Credentials in urls never reach a message: :func:`redact` replaces the
+userinfo (``user:password@``) and every query value (presigned
+``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
+``Signature``, ``sig``, ``token``...) of each url in a text with ``***``.
+Every :class:`ShardkitError` message is redacted when it is made, and
+:func:`redact_error` scrubs an error from elsewhere (fsspec, aiohttp) and its
+causes before it leaves shardkit's remote layer. Only text is redacted: the
+url itself is still what is read, and a :class:`CorruptRecordError`'s ``url``
+attribute is the url as given (in the process that raised it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import sys
-from typing import Any
+from typing import Any, Final, NoReturn
+
+_URL: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+_USERINFO: Final = re.compile(r"^([^:/?#]+://)[^/?#]*@")
+_QUERY_VALUE: Final = re.compile(r"([?&;][^=&#;?]*=)[^&#;]*")
+_TRAILING: Final = ".,:;!?)]}"
+_HIDDEN: Final = "***"
+
+
+@functools.lru_cache(maxsize=4096)  # called per tar sample: its shard's url, over and over
+def redact_url(url: str) -> str:
+    """``url`` with its userinfo and every query value replaced by ``***`` (keys, host and path kept)."""
+    url = _USERINFO.sub(rf"\1{_HIDDEN}@", url, count=1)
+    base, mark, rest = url.partition("?")
+    if not mark:
+        return url
+    query, hash_mark, fragment = rest.partition("#")
+    return base + _QUERY_VALUE.sub(rf"\1{_HIDDEN}", mark + query) + hash_mark + fragment
+
+
+def redact(text: str) -> str:
+    """``text`` with every url in it redacted by :func:`redact_url` (punctuation right after a url kept)."""
+
+    def one(match: re.Match[str]) -> str:
+        found = match.group()
+        url = found.rstrip(_TRAILING)
+        return redact_url(url) + found[len(url) :]
+
+    return _URL.sub(one, text) if "://" in text else text
+
+
+def reraise_redacted(error: Exception) -> NoReturn:
+    """Re-raise ``error`` (being handled) redacted by :func:`redact_error`; if its own text cannot be cleaned
+    (built from attributes, as aiohttp's is), a :class:`ShardkitError` with the cleaned text instead."""
+    redact_error(error)
+    if _scrub(error):
+        raise  # noqa: PLE0704 - called from an except block: the error keeps its traceback
+    raise ShardkitError(f"{type(error).__name__}: {redact(str(error))}") from None
+
+
+def redact_error(error: BaseException) -> BaseException:
+    """``error`` with the urls in its text redacted, in place, and so its causes and contexts; a link of the
+    chain whose text cannot be cleaned (built from attributes, as aiohttp's are) is cut off. Returns ``error``."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        _scrub(link)
+        nxt = link.__cause__ or link.__context__
+        if nxt is not None and not _scrub(nxt):
+            link.__cause__ = link.__context__ = None
+            link.__suppress_context__ = True
+            break
+        link = nxt
+    return error
+
+
+def _scrub(error: BaseException) -> bool:
+    """Redact ``error``'s args (and an OSError's file names) in place; whether its text is clean now."""
+    error.args = tuple(redact(arg) if isinstance(arg, str) else arg for arg in error.args)
+    for name in ("filename", "filename2"):
+        value = getattr(error, name, None)
+        if isinstance(value, str):
+            setattr(error, name, redact(value))
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - a text that cannot be made cannot leak
+        return True
+    return redact(text) == text
 
 
 class ShardkitError(Exception):
-    """Base class of every error shardkit raises on purpose."""
+    """Base class of every error shardkit raises on purpose (its message is redacted: see :func:`redact`)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 _DETAILS = "[shardkit error details: "
@@ -78,7 +161,7 @@ class CorruptRecordError(ShardkitError):
         if self._rebuilt or not self.reason or not _in_dataloader_worker():
             return text
         facts = {
-            "url": self.url,
+            "url": redact_url(self.url),
             "record_index": self.record_index,
             "offset": self.offset,
             "reason": self.reason,

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 from shardkit import s3ranges
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, reraise_redacted
 from shardkit.httpranges import HTTPGetter, PreconditionFailed, Response, Unsupported, client_for
 
 __all__ = [
@@ -383,7 +383,10 @@ class RemoteFile:
         parts = []
         while self._pos < end:
             block = self._pos // self.options.block_size
-            data = self._block(block, readahead)
+            try:
+                data = self._block(block, readahead)
+            except Exception as error:
+                reraise_redacted(error)
             lo = self._pos - block * self.options.block_size
             piece = data[lo : lo + end - self._pos]
             parts.append(piece)
@@ -560,10 +563,13 @@ def open_remote(fs: Any, path: str, url: str, options: RemoteOptions | None = No
     """Open ``url`` (``path`` in filesystem ``fs``) for reading: a :class:`RemoteFile`, or with a
     ``cache_dir`` a local file in the cache. A shard :func:`prefetch` opened already is handed over."""
     options = options or RemoteOptions()
-    warm = _take_warm(url, options)
-    if warm is not None:
-        return warm.result()
-    return _open_now(fs, path, url, options)
+    try:
+        warm = _take_warm(url, options)
+        if warm is not None:
+            return warm.result()
+        return _open_now(fs, path, url, options)
+    except Exception as error:
+        reraise_redacted(error)  # fsspec's and aiohttp's errors quote the url whole
 
 
 def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int | None = 0) -> Any:

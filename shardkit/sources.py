@@ -41,7 +41,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from shardkit.counting import CountFn, StoredCountFn, plan_counts, resolve_counts
 from shardkit.epoch import SharedEpoch, check_epoch
-from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.errors import CorruptRecordError, ShardkitError, redact, redact_url
 from shardkit.formats.base import BadRecord
 from shardkit.formats.example import ColumnBatches, FeatureCheck, FeatureSpec
 from shardkit.pipeline import Pipeline
@@ -1070,11 +1070,13 @@ class ShardedDataset(_PlannedSource):
             what = (
                 f"record {position}" if lost <= 1 else f"records {position} to {position + lost - 1} ({lost} records)"
             )
-            warnings.warn(f"skipping {what} of {url}: {_plain_message(error)}", stacklevel=3)
+            warnings.warn(f"skipping {what} of {redact_url(url)}: {_plain_message(error)}", stacklevel=3)
         else:
             lost = 0 if stop is None else stop - position
             what = "the rest of the shard (count unknown)" if stop is None else f"{lost} records"
-            warnings.warn(f"skipping {what} of {url} from record {position}: {_plain_message(error)}", stacklevel=3)
+            warnings.warn(
+                f"skipping {what} of {redact_url(url)} from record {position}: {_plain_message(error)}", stacklevel=3
+            )
         self._stats.add(shard, skipped=lost, errors=1)
         return lost
 
@@ -1145,7 +1147,7 @@ def _count_taken_as_wrong(error: CorruptRecordError, missing: int, read: int) ->
 
 def _plain_message(error: Exception) -> str:
     """The error's message without the details line a DataLoader worker adds to a CorruptRecordError."""
-    return str(error.args[0]) if isinstance(error, CorruptRecordError) and error.args else str(error)
+    return redact(str(error.args[0]) if isinstance(error, CorruptRecordError) and error.args else str(error))
 
 
 def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict[str, Any] | None = None) -> ShardList:

@@ -111,7 +111,10 @@ def _detect_rank() -> tuple[int, int]:
 def _detect_worker() -> tuple[int, int]:
     from torch.utils.data import get_worker_info
 
+    from shardkit.orphans import guard_worker
+
     info = get_worker_info()
     if info is None:
         return 0, 1
+    guard_worker()  # iteration starts in a worker: stop it soon if its main process dies
     return info.id, info.num_workers

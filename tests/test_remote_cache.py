@@ -150,3 +150,147 @@ def test_a_killed_writer_leaves_no_entry_that_is_read_as_whole(server: FaultServ
     assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=cached(root))) == records  # lock broken, refilled
     assert len(Cache(root).entries()) == 1
     assert not any(".tmp." in name or name.endswith(".lock") for name in os.listdir(root))
+
+
+# --------------------------------------------------------------------------- planted symlinks and permissions
+
+
+def _entry_of(server: FaultServer, root: str, name: str) -> str:
+    """The path where ``name`` on ``server`` is cached under ``root`` (the object's identity read by a HEAD)."""
+    import fsspec
+
+    url = f"{server.url}/{name}"
+    fs, path = fsspec.core.url_to_fs(url)
+    return Cache(root).entry_path(url, fs.info(path))
+
+
+def test_a_symlink_planted_at_the_temp_path_is_not_followed(server: FaultServer, tmp_path) -> None:
+    records = write_shard(str(tmp_path / "data" / "a.tfrecord"))
+    root = str(tmp_path / "cache")
+    os.makedirs(root, mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    entry = _entry_of(server, root, "a.tfrecord")
+    os.symlink(victim, f"{entry}.tmp.{os.getpid()}")  # the temp name this process's writer used to take
+    assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=cached(root))) == records
+    assert victim.read_bytes() == b"precious"
+    assert os.path.isfile(entry) and not os.path.islink(entry)
+
+
+def test_an_entry_planted_as_a_symlink_is_refused_and_fetched_again(server: FaultServer, tmp_path) -> None:
+    path = str(tmp_path / "data" / "a.tfrecord")
+    records = write_shard(path)
+    root = str(tmp_path / "cache")
+    os.makedirs(root, mode=0o700)
+    fake = tmp_path / "fake"
+    fake.write_bytes(b"\0" * os.path.getsize(path))  # same size: the size check alone would take it
+    entry = _entry_of(server, root, "a.tfrecord")
+    os.symlink(fake, entry)
+    assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=cached(root))) == records
+    assert sum(r.length for r in server.gets()) == os.path.getsize(path)  # fetched again
+    assert not os.path.islink(entry) and fake.read_bytes() == b"\0" * os.path.getsize(path)
+
+
+def test_an_entry_owned_by_another_user_is_refused_and_fetched_again(server: FaultServer, tmp_path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    path = str(tmp_path / "data" / "a.tfrecord")
+    records = write_shard(path)
+    root = str(tmp_path / "cache")
+    os.makedirs(root, mode=0o700)
+    entry = _entry_of(server, root, "a.tfrecord")
+    with open(entry, "wb") as planted:
+        planted.write(b"\0" * os.path.getsize(path))
+    os.chown(entry, 12345, 12345)
+    assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=cached(root))) == records
+    assert os.stat(entry).st_uid == os.getuid()
+
+
+def test_the_cache_dir_is_private_and_its_entries_are_readable_by_their_owner_only(
+    server: FaultServer, tmp_path
+) -> None:
+    write_shard(str(tmp_path / "data" / "a.tfrecord"))
+    root = str(tmp_path / "cache")
+    old = os.umask(0o022)
+    try:
+        list(read_tfrecord(f"{server.url}/a.tfrecord", remote=cached(root)))
+    finally:
+        os.umask(old)
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    ((_, _, entry),) = Cache(root).entries()
+    assert os.stat(entry).st_mode & 0o777 == 0o600
+
+
+def test_a_cache_dir_writable_by_others_is_warned_about(server: FaultServer, tmp_path) -> None:
+    records = write_shard(str(tmp_path / "data" / "a.tfrecord"))
+    root = str(tmp_path / "cache")
+    os.makedirs(root)
+    os.chmod(root, 0o777)
+    with pytest.warns(UserWarning, match="writable by other users"):
+        assert list(read_tfrecord(f"{server.url}/a.tfrecord", remote=cached(root))) == records
+
+
+# --------------------------------------------------------------------------- eviction racing a read
+
+
+def test_an_entry_evicted_between_its_open_and_its_touch_is_still_read_whole(
+    server: FaultServer, tmp_path, monkeypatch
+) -> None:
+    records = write_shard(str(tmp_path / "data" / "a.tfrecord"))
+    url = f"{server.url}/a.tfrecord"
+    root = str(tmp_path / "cache")
+    list(read_tfrecord(url, remote=cached(root)))  # the entry is there
+    real_fstat, removed = os.fstat, []
+
+    def evicted_meanwhile(fd: int) -> os.stat_result:
+        """What another process's eviction does right after this one opened the entry: os.remove it."""
+        result = real_fstat(fd)
+        path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        if path.startswith(root) and ".tmp." not in path and not removed:
+            os.remove(path)
+            removed.append(path)
+        return result
+
+    monkeypatch.setattr(os, "fstat", evicted_meanwhile)
+    assert list(read_tfrecord(url, remote=cached(root))) == records
+    assert removed
+
+
+def _read_all_cached(urls: list[str], cache_dir: str, limit: int, rounds: int, seed: int, out) -> None:  # type: ignore[no-untyped-def]
+    import random
+
+    rng = random.Random(seed)
+    try:
+        for _ in range(rounds):
+            for url in rng.sample(urls, len(urls)):
+                out.put((url, len(list(read_tfrecord(url, remote=cached(cache_dir, limit))))))
+        out.put(("done", 0))
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        out.put(("error", repr(error)))
+
+
+@pytest.mark.slow
+def test_four_processes_evicting_each_others_entries_all_read_every_shard_whole(server: FaultServer, tmp_path) -> None:
+    data = tmp_path / "data"
+    urls = []
+    for i in range(6):
+        write_shard(str(data / f"s{i}.tfrecord"), count=60, seed=i)
+        urls.append(f"{server.url}/s{i}.tfrecord")
+    limit = os.path.getsize(data / "s0.tfrecord") + 100  # one entry: every fill evicts the others
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    workers = [
+        context.Process(target=_read_all_cached, args=(urls, str(tmp_path / "cache"), limit, 6, seed, out))
+        for seed in range(4)
+    ]
+    for worker in workers:
+        worker.start()
+    results, done = [], 0
+    while done < len(workers):
+        result = out.get(timeout=120)
+        assert result[0] != "error", result[1]
+        done += result[0] == "done"
+        results.append(result)
+    for worker in workers:
+        worker.join(timeout=30)
+    assert sorted(count for url, count in results if url != "done") == [60] * 4 * 6 * 6

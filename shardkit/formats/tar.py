@@ -62,7 +62,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
-from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.errors import CorruptRecordError, ShardkitError, redact_url
 from shardkit.formats.base import ResumeHint, load_offsets, write_offsets
 from shardkit.formats.index import IndexFileError, index_path_for
 from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
@@ -453,7 +453,7 @@ class _Parser:
                     raise self.error(
                         at, f"the index file puts a sample boundary inside the sample {key!r} (rebuild it)"
                     )
-                sample, sample_at = {"__key__": key, "__url__": self.url}, at
+                sample, sample_at = {"__key__": key, "__url__": redact_url(self.url)}, at
             if ext in sample:
                 raise self.error(at, f"duplicate member {name!r} in the sample {key!r}")
             sample[ext] = data

@@ -1,0 +1,221 @@
+"""What a process creates it removes: DataLoader workers leave no temporary files or ``pymp-*`` dirs after an
+epoch or a persistent loader's end, and workers whose main process was SIGKILLed stop within a second."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+LEFTOVERS = ("shardkit-", "pymp-")
+
+_EPOCHS = """
+import gc, os, sys, tempfile
+import shardkit
+from torch.utils.data import DataLoader
+from tests.test_remote_reads import write_shard
+
+def leftovers():
+    return sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(("shardkit-", "pymp-")))
+
+def main():
+    data = sys.argv[1]
+    urls = [f"{data}/s{i}.tfrecord" for i in range(4)]
+    for i, url in enumerate(urls):
+        write_shard(url, count=20, seed=i)
+    dataset = shardkit.TFRecordDataset(urls, shuffle=True, seed=0, decode="raw", index=False)
+    if sys.argv[2] == "dataloader":  # not persistent: each epoch's workers count in workers and exit
+        for epoch in range(3):
+            dataset.set_epoch(epoch)
+            assert sum(1 for _ in DataLoader(dataset, batch_size=None, num_workers=2)) == 80
+            print("epoch", epoch, leftovers(), flush=True)
+    elif sys.argv[2] == "error":  # each epoch ends with a worker's error
+        from tests.helpers import record_offsets
+        from tests.test_faults_reading import flip_data_byte
+
+        flip_data_byte(urls[0], record_offsets(urls[0]), [5])
+        for epoch in range(3):
+            dataset.set_epoch(epoch)
+            try:
+                list(DataLoader(dataset, batch_size=None, num_workers=2))
+            except shardkit.CorruptRecordError:
+                pass
+            gc.collect()  # the traceback held the iterator: its workers are joined now
+            print("epoch", epoch, leftovers(), flush=True)
+    else:
+        loader = shardkit.MixedLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True)
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            assert sum(len(batch) for batch in loader) == 80
+        del loader
+        gc.collect()
+        print("deleted", leftovers(), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def run_in_fresh_tmpdir(tmp_path, script: str, *args: str) -> tuple[list[str], list[str]]:
+    """Run ``script`` with TMPDIR a new empty dir; its output lines, and what is left in TMPDIR after it ends."""
+    tmpdir, data = tmp_path / "tmpdir", tmp_path / "data"
+    tmpdir.mkdir()
+    data.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(data), *args], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    left = sorted(name for name in os.listdir(tmpdir) if name.startswith(LEFTOVERS))
+    return done.stdout.splitlines(), left
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["dataloader", "error"])
+def test_epochs_that_count_in_their_workers_leave_no_temporary_files(tmp_path, ending) -> None:
+    lines, left = run_in_fresh_tmpdir(tmp_path, _EPOCHS, ending)
+    during = [line for line in lines if line.startswith("epoch")]
+    assert len(during) == 3
+    counts = [line.count("shardkit-") for line in during]
+    assert counts[0] == counts[2] <= 1, during  # nothing added epoch after epoch (the main process's list, at most)
+    assert left == []
+
+
+@pytest.mark.slow
+def test_a_deleted_persistent_mixed_loader_leaves_no_temporary_files_or_dirs(tmp_path) -> None:
+    lines, left = run_in_fresh_tmpdir(tmp_path, _EPOCHS, "mixed")
+    (deleted,) = [line for line in lines if line.startswith("deleted")]
+    shown = deleted.split(" ", 1)[1]
+    assert "pymp-" not in shown and shown.count("shardkit-") <= 1, deleted  # the dataset's own shard list, at most
+    assert left == []
+
+
+_ORPHANS = """
+import os, sys, time
+import shardkit
+from torch.utils.data import DataLoader
+
+def slow_read(url, start, stop):
+    with open(os.path.join(sys.argv[1], str(os.getpid())), "w"):
+        pass
+    for i in range(start, 10**6 if stop is None else stop):
+        time.sleep(0.05)  # a batch of 200 takes 10 s: an orphan would run on for that long
+        yield i
+
+def main():
+    shards = shardkit.ShardList([f"mem/s{i}" for i in range(4)], [100_000] * 4)
+    dataset = shardkit.ShardedDataset(shards, slow_read)
+    context = sys.argv[3]
+    if sys.argv[2] == "dataloader":
+        loader = DataLoader(dataset, batch_size=200, num_workers=2, multiprocessing_context=context)
+    else:
+        loader = shardkit.MixedLoader(
+            dataset, batch_size=200, num_workers=2, persistent_workers=True, multiprocessing_context=context
+        )
+    print("started", flush=True)
+    for _ in loader:
+        pass
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie nobody reaps has stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(("loader", "context"), [("dataloader", "fork"), ("mixed", "fork"), ("mixed", "forkserver")])
+def test_workers_stop_within_a_second_or_two_after_their_main_process_is_killed(tmp_path, loader, context) -> None:
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    script = tmp_path / "orphans.py"  # a file: forkserver workers import the read function from it
+    script.write_text(_ORPHANS)
+    main = subprocess.Popen(
+        [sys.executable, str(script), str(pids_dir), loader, context], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(os.listdir(pids_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = [int(name) for name in os.listdir(pids_dir)]
+        assert len(workers) == 2 and all(alive(pid) for pid in workers)
+        time.sleep(1.0)  # the workers are well into a batch
+        assert all(alive(pid) for pid in workers)  # the watchdog leaves workers of a live main process alone
+        main.send_signal(signal.SIGKILL)
+        main.wait(timeout=10)
+        killed = time.monotonic()
+        while any(alive(pid) for pid in workers) and time.monotonic() - killed < 5:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in workers), "orphaned workers still running 5 s after"
+        assert time.monotonic() - killed < 2.0
+    finally:
+        main.kill()
+        for name in os.listdir(pids_dir):
+            if alive(int(name)):
+                os.kill(int(name), signal.SIGKILL)
+
+
+_FILLING = """
+import sys
+import shardkit
+from torch.utils.data import DataLoader
+
+def main():
+    server, cache_dir = sys.argv[1], sys.argv[2]
+    shards = shardkit.ShardList([f"{server}/s{i}.tfrecord" for i in range(2)], [300, 300])
+    dataset = shardkit.TFRecordDataset(shards, decode="raw", index=False, cache_dir=cache_dir, readahead_bytes=0)
+    for _ in DataLoader(dataset, batch_size=None, num_workers=2):
+        pass
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_orphaned_while_filling_the_cache_leave_no_temporary_file_or_lock(tmp_path) -> None:
+    from tests.fault_server import FaultServer
+    from tests.test_remote_reads import write_shard
+
+    (tmp_path / "data").mkdir()
+    for i in range(2):
+        write_shard(str(tmp_path / "data" / f"s{i}.tfrecord"), seed=i)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    script = tmp_path / "filling.py"
+    script.write_text(_FILLING)
+    with FaultServer(str(tmp_path / "data")) as server:
+        server.latency = 3.0  # each fill waits seconds for its bytes: the main process dies meanwhile
+        main = subprocess.Popen([sys.executable, str(script), server.url, str(cache)], env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(".tmp." in name for name in _names(cache)):
+                time.sleep(0.05)
+            locks = [cache / name for name in _names(cache) if name.endswith(".lock")]
+            fillers = [int(lock.read_text()) for lock in locks]
+            assert fillers and all(alive(pid) for pid in fillers)
+            main.send_signal(signal.SIGKILL)
+            main.wait(timeout=10)
+            time.sleep(2.0)
+            assert not any(alive(pid) for pid in fillers)
+            assert [name for name in _names(cache) if ".tmp." in name or name.endswith(".lock")] == []
+        finally:
+            main.kill()
+
+
+def _names(directory) -> list[str]:  # type: ignore[no-untyped-def]
+    return os.listdir(directory) if os.path.isdir(directory) else []
