@@ -58,9 +58,13 @@ class EpochError(ShardkitError, ValueError):
     """An epoch that is not a non-negative int, or a worker beyond the counted slots."""
 
 
+#: The epoch lives in an int64 shared-memory tensor: a larger one cannot be stored.
+MAX_EPOCH = 2**63 - 1
+
+
 def check_epoch(epoch: int) -> int:
-    """Return ``epoch`` if it is a non-negative int, else raise :class:`EpochError`."""
-    return check_int("epoch", epoch, minimum=0, error=EpochError)
+    """Return ``epoch`` if it is an int in ``[0, MAX_EPOCH]``, else raise :class:`EpochError`."""
+    return check_int("epoch", epoch, minimum=0, maximum=MAX_EPOCH, error=EpochError)
 
 
 def reader_slot() -> int:

@@ -15,6 +15,7 @@ from shardkit import seeding
 from shardkit.epoch import SharedEpoch, call_with_epoch_offset, epoch_offset
 from shardkit.seeding import SeedError, current_seed, seed_everything, worker_seed
 from shardkit.topology import Topology
+from tests.helpers import synthetic_read, synthetic_shards
 from tests.test_pipeline import EpochTagged, RangeSource
 
 
@@ -52,9 +53,9 @@ def test_shared_epoch_get_set_and_validation():
     shared.set(3)
     assert shared.get() == 3 and repr(shared) == "SharedEpoch(3)"
     assert SharedEpoch(7).get() == 7
-    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -2"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0 and <= 9223372036854775807, got -2"):
         shared.set(-2)
-    with pytest.raises(ValueError, match="epoch must be an int >= 0, got '1' \\(str\\)"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0 and <= 9223372036854775807, got '1' \\(str\\)"):
         SharedEpoch("1")
 
 
@@ -194,3 +195,10 @@ def test_main_process_rng_is_left_to_the_user(monkeypatch):
     assert list(RangeSource(4, rank=1, world_size=2)) == [1, 3]
     assert torch.equal(torch.rand(2), expected[0]) and random.getstate() == expected[1]
     assert current_seed() == worker_seed(0, 0, 1, 0)
+
+
+@pytest.mark.parametrize("epoch", [2**63, 2**64 + 5])
+def test_set_epoch_past_int64_is_an_epoch_error_naming_the_bound(epoch):
+    source = shardkit.ShardedDataset(synthetic_shards([4]), read_fn=synthetic_read)
+    with pytest.raises(shardkit.ShardkitError, match=r"epoch must be an int >= 0 and <= 9223372036854775807"):
+        source.set_epoch(epoch)

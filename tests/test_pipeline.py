@@ -209,9 +209,9 @@ def test_bad_arguments_fail_at_construction(build, message):
 
 def test_set_epoch_rejects_a_negative_or_non_int_epoch():
     pipeline = RangeSource(4).map(double)
-    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0 and <= 9223372036854775807, got -1"):
         pipeline.set_epoch(-1)
-    with pytest.raises(ValueError, match="epoch must be an int >= 0, got 1.5"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0 and <= 9223372036854775807, got 1.5"):
         pipeline.set_epoch(1.5)
 
 
