@@ -292,7 +292,8 @@ def shared_stored_counts(
         except Exception as error:  # every rank must learn of it, or the others wait forever
             store.set(key, _FAILED + f"{type(error).__name__}: {error}".encode())
             raise
-        store.set(key, _NONE if found is None else _STORED + found.num_records.astype("<i8").tobytes())
+        counts = None if found is None else found.num_records
+        store.set(key, _NONE if counts is None else _STORED + counts.astype("<i8").tobytes())
         return shards if found is None else found
     return _shared_answer(shards, key, store)
 
