@@ -399,3 +399,34 @@ def test_an_index_written_after_the_first_rank_built_its_dataset_leaves_every_re
     ranks = [json.load(open(tmp_path / f"{rank}.json")) for rank in range(2)]
     assert sorted(ranks[0] + ranks[1]) == [f"r{k:05d}" for k in range(30)]  # before: records 15 to 19 read twice
     assert [len(rank) for rank in ranks] == [20, 10]  # the first rank found no index: whole shards on both
+
+
+def _build_over_a_stale_index(rank: int, world_size: int, urls: list[str], out_dir: str) -> None:
+    import json
+    import os
+
+    try:
+        TFRecordDataset(urls, decode="raw", balance="none")
+        result = "built"
+    except Exception as error:
+        result = f"{type(error).__name__}: {error}"
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@slow
+def test_a_stale_index_fails_the_rank_that_looked_and_every_rank_that_waits_for_its_answer(tmp_path):
+    import json
+
+    from tests.helpers import gloo_ranks
+
+    urls = _write_tfrecords(str(tmp_path), SIZES)
+    for url in urls:
+        shardkit.build_index(url)
+    with open(urls[1], "ab") as f:  # the shard grew after it was indexed
+        f.write(open(urls[1], "rb").read())
+    gloo_ranks(_build_over_a_stale_index, 2, urls, str(tmp_path))
+    results = sorted(json.load(open(tmp_path / f"{rank}.json")) for rank in range(2))
+    assert results[0].startswith("CountsUnavailableError: another rank looked up the record counts of 2 shards")
+    assert results[1].startswith(f"IndexFileError: index file {urls[1]}.idx does not fit {urls[1]}")
+    assert results[1].split(": ", 1)[1] in results[0]  # the waiting rank names the looker's error, not a hang
