@@ -32,11 +32,18 @@ would split records while ranks elsewhere dealt whole shards. Its rows say
 whether a count was taken from an index or footer (``stored``); such a row,
 for a file that kept its identity, stands in for reading that index again.
 
-Index files that appear or disappear while a job starts: each reader looks
-them up when it first plans, so a reader that sees every index splits records
-while one that found a shard without its index deals whole shards, and records
-are then read twice or not at all. Write indexes (or a manifest) before the
-job starts; the counts are read again only by a new dataset or process.
+Once per job: under an initialised process group, the first rank to build a
+dataset over a shard list looks the stored counts up (step 2) as it builds it
+and puts its answer (the counts, or that there are none) in the group's store;
+the other ranks take that answer (:func:`shared_stored_counts`, no collective,
+as :mod:`shardkit.listing` shares a listing), and DataLoader workers receive it
+with the dataset: they look nothing up. So an index file written (or removed)
+while a job starts cannot give ranks different plans: the first rank's answer
+holds for the whole job. Without a process group (ranks given as ``rank=``,
+``world_size=``) each reader looks the files up when it first plans, and a
+reader that saw every index would split records while one that found a shard
+without its index dealt whole shards: write indexes (or a manifest) before the
+job starts.
 
 Where the cache lives (never beside the data: shardkit writes nothing where
 the user did not ask): one Arrow IPC file per shard list, named by the hash of
@@ -54,9 +61,12 @@ write a manifest (:meth:`ShardList.to_manifest`) instead.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import posixpath
+import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -247,6 +257,74 @@ def plan_counts(
     if not required:
         return shards
     return resolve_counts(shards, count_fn, why=why, storage_options=storage_options, cache_dir=cache_dir)
+
+
+_STORED, _NONE, _FAILED = b"stored:", b"none:", b"error:"
+_shared_builds: defaultdict[str, int] = defaultdict(int)  # datasets this process built per shard list
+_shared_lock = threading.Lock()
+
+
+def shared_stored_counts(
+    shards: ShardList, stored_count: StoredCountFn, *, storage_options: dict[str, Any] | None = None
+) -> ShardList | None:
+    """:func:`counts_from_indexes` once per job under a process group: the first rank to build a dataset
+    over ``shards`` looks the stored counts up and puts its answer in the group's store, the others take
+    it (as :func:`~shardkit.listing.shared_listing` shares a listing; no collective). ``shards``, with
+    the counts or without (no stored counts: every rank deals whole shards), or None when there is no
+    group to share through (each reader then looks the counts up when it first plans).
+
+    The first rank's answer holds for the job: an index written after it looked is not used by any
+    rank, so ranks never plan with different counts.
+
+    Raises:
+        IndexFileError: this rank looked and an index does not fit its shard.
+        CountsUnavailableError: the rank that looked failed; its error is in the message.
+    """
+    from shardkit.listing import _store  # imports this module
+
+    store = _store()
+    key = _shared_key(shards, storage_options) if store is not None else None
+    if store is None or key is None:
+        return None
+    if store.add(f"{key}/claim", 1) == 1:
+        try:
+            found = counts_from_indexes(shards, stored_count, storage_options=storage_options)
+        except Exception as error:  # every rank must learn of it, or the others wait forever
+            store.set(key, _FAILED + f"{type(error).__name__}: {error}".encode())
+            raise
+        counts = None if found is None else found.num_records
+        store.set(key, _NONE if counts is None else _STORED + counts.astype("<i8").tobytes())
+        return shards if found is None else found
+    return _shared_answer(shards, key, store)
+
+
+def _shared_answer(shards: ShardList, key: str, store: Any) -> ShardList:
+    """The stored counts another rank put under ``key`` (see :func:`shared_stored_counts`)."""
+    from shardkit.listing import _WAIT
+
+    store.wait([key], _WAIT)
+    value = bytes(store.get(key))
+    if value.startswith(_FAILED):
+        raise CountsUnavailableError(
+            f"another rank looked up the record counts of {len(shards)} shards ({shards[0]}, ...) for this one "
+            f"and failed: {value[len(_FAILED) :].decode(errors='replace')}"
+        )
+    if value == _NONE:
+        return shards
+    return shards.with_num_records(np.frombuffer(value[len(_STORED) :], dtype="<i8").astype(np.int64))
+
+
+def _shared_key(shards: ShardList, storage_options: Mapping[str, Any] | None) -> str | None:
+    """The store key of this process's next dataset over ``shards``: the same on every rank for its k-th,
+    or None when the options are not plain data (they could differ between ranks unseen)."""
+    try:
+        named = json.dumps([shards.url_digest(), dict(storage_options or {})], sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    digest = hashlib.sha256(named.encode()).hexdigest()[:32]
+    with _shared_lock:
+        _shared_builds[digest] += 1
+        return f"shardkit/counts/{digest}/{_shared_builds[digest]}"
 
 
 def counts_from_indexes(

@@ -39,7 +39,7 @@ from typing import Any, Final, Literal, NamedTuple
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
-from shardkit.counting import CountFn, StoredCountFn, plan_counts, resolve_counts
+from shardkit.counting import CountFn, StoredCountFn, plan_counts, resolve_counts, shared_stored_counts
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError, redact, redact_url
 from shardkit.formats.base import BadRecord
@@ -923,6 +923,8 @@ class ShardedDataset(_PlannedSource):
         self.on_error: OnError = on_error
         self.count_fn = count_fn
         self._stats = SharedStats(len(self.shards))
+        self._stored_shared = False  # the job's stored counts came through the process group: look no more
+        self._share_stored_counts()
 
     def count_records(self) -> ShardedDataset:
         """Fill in unknown record counts now (in this process), and return self.
@@ -962,11 +964,22 @@ class ShardedDataset(_PlannedSource):
             IndexFileError: an index does not fit its shard: it is refused, not trusted.
         """
         if self.shards.num_records is None:
+            stored_count = None if self._stored_shared else self._stored_count()
             self.shards = plan_counts(
-                self.shards, stored_count=self._stored_count(), count_fn=self.count_fn, required=required,
+                self.shards, stored_count=stored_count, count_fn=self.count_fn, required=required,
                 why=repr(self), storage_options=self.storage_options,
             )  # fmt: skip
         return self.shards.num_records
+
+    def _share_stored_counts(self) -> None:
+        """Under a process group, take the stored counts once per job, as the first rank to build a dataset
+        over these shards found them (:func:`~shardkit.counting.shared_stored_counts`), so that every rank
+        and worker plans with the same counts and DataLoader workers look nothing up."""
+        stored_count = self._stored_count() if self.shards.num_records is None else None
+        if stored_count is not None:
+            shared = shared_stored_counts(self.shards, stored_count, storage_options=self.storage_options)
+            if shared is not None:
+                self.shards, self._stored_shared = shared, True
 
     def _stored_count(self) -> StoredCountFn | None:
         """``stored_count(url)``, the count a shard's own metadata or index file holds (None where it

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 
 import pytest
@@ -16,7 +17,7 @@ import shardkit
 from shardkit import JsonlDataset, ParquetDataset, ShardList, TFRecordDataset, Topology
 from shardkit.formats.base import format_for
 from shardkit.planning import plan_whole_shards
-from shardkit.sources import BalanceError, ShardedDataset
+from shardkit.sources import BalanceError, ShardedDataset, _index_count
 from tests.helpers import (
     format_ids,
     sample_id,
@@ -326,3 +327,106 @@ def test_a_shard_short_by_up_to_the_allowance_is_still_padded_and_one_more_raise
         list(one_more)
     unbalanced = TFRecordDataset(shards, decode="raw", on_error="skip", balance="none")
     assert len(list(unbalanced)) == 10  # nothing is made up under balance="none": the lie costs no samples
+
+
+# -- counting once per job: the first rank looks the stored counts up, the others and every worker take its answer
+
+
+def _read_with_spawned_workers(rank: int, world_size: int, pattern: str, out_dir: str) -> None:
+    import json
+    import os
+
+    dataset = TFRecordDataset(pattern, decode="raw", balance="none")
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump([record.decode() for record in loader], f)
+
+
+@slow
+def test_two_ranks_of_two_spawned_workers_probe_each_index_once_per_job_and_list_once(tmp_path, monkeypatch):
+    import json
+
+    from shardkit.counting import counts_from_indexes
+    from shardkit.formats.tfrecord import TFRecordFormat
+    from tests.fault_server import FaultServer
+    from tests.helpers import gloo_ranks
+
+    monkeypatch.setenv("SHARDKIT_CACHE_DIR", "")  # no counts cache standing in for the indexes: only probes count
+    (tmp_path / "data").mkdir()
+    for url in _write_tfrecords(str(tmp_path / "data"), [5, 5, 5, 5]):  # one whole shard per reader: no seeks
+        shardkit.build_index(url)
+    with FaultServer(str(tmp_path)) as server:
+        pattern = f"{server.url}/data/part-*.tfrecord"
+        shards = ShardList.from_glob(pattern)
+        one_listing = [r.method for r in server.log if r.method == "LIST"]
+        server.log.clear()
+        index_count = functools.partial(_index_count, TFRecordFormat().index_offsets)
+        assert counts_from_indexes(shards, index_count, cache_dir="").num_records.tolist() == [5] * 4
+        one_probe = sorted(r.path for r in server.log if r.path.endswith(".idx"))
+        server.log.clear()
+        gloo_ranks(_read_with_spawned_workers, 2, pattern, str(tmp_path))
+        assert sorted(r.path for r in server.log if r.path.endswith(".idx")) == one_probe  # before: once per reader
+        assert [r.method for r in server.log if r.method == "LIST"] == one_listing  # workers list nothing
+    ranks = [json.load(open(tmp_path / f"{rank}.json")) for rank in range(2)]
+    assert sorted(ranks[0] + ranks[1]) == [f"r{k:05d}" for k in range(20)] and len(ranks[0]) == len(ranks[1]) == 10
+
+
+def _index_written_between_ranks(rank: int, world_size: int, urls: list[str], out_dir: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        dist.barrier()  # rank 0 has read its part, planned without an index
+        for url in urls:
+            shardkit.build_index(url)
+    read = [record.decode() for record in TFRecordDataset(urls, decode="raw", balance="none")]
+    if rank == 0:
+        dist.barrier()
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(read, f)
+
+
+@slow
+def test_an_index_written_after_the_first_rank_built_its_dataset_leaves_every_record_read_once(tmp_path):
+    import json
+
+    from tests.helpers import gloo_ranks
+
+    urls = _write_tfrecords(str(tmp_path), SIZES)
+    gloo_ranks(_index_written_between_ranks, 2, urls, str(tmp_path))
+    ranks = [json.load(open(tmp_path / f"{rank}.json")) for rank in range(2)]
+    assert sorted(ranks[0] + ranks[1]) == [f"r{k:05d}" for k in range(30)]  # before: records 15 to 19 read twice
+    assert [len(rank) for rank in ranks] == [20, 10]  # the first rank found no index: whole shards on both
+
+
+def _build_over_a_stale_index(rank: int, world_size: int, urls: list[str], out_dir: str) -> None:
+    import json
+    import os
+
+    try:
+        TFRecordDataset(urls, decode="raw", balance="none")
+        result = "built"
+    except Exception as error:
+        result = f"{type(error).__name__}: {error}"
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@slow
+def test_a_stale_index_fails_the_rank_that_looked_and_every_rank_that_waits_for_its_answer(tmp_path):
+    import json
+
+    from tests.helpers import gloo_ranks
+
+    urls = _write_tfrecords(str(tmp_path), SIZES)
+    for url in urls:
+        shardkit.build_index(url)
+    with open(urls[1], "ab") as f:  # the shard grew after it was indexed
+        f.write(open(urls[1], "rb").read())
+    gloo_ranks(_build_over_a_stale_index, 2, urls, str(tmp_path))
+    results = sorted(json.load(open(tmp_path / f"{rank}.json")) for rank in range(2))
+    assert results[0].startswith("CountsUnavailableError: another rank looked up the record counts of 2 shards")
+    assert results[1].startswith(f"IndexFileError: index file {urls[1]}.idx does not fit {urls[1]}")
+    assert results[1].split(": ", 1)[1] in results[0]  # the waiting rank names the looker's error, not a hang

@@ -100,7 +100,7 @@ class IndexFileError(ShardkitError, ValueError):
             return
         super().__init__(
             f"index file {index_url} does not fit {url}: {problem}. Rebuild it with `shardkit index {url}` "
-            "(or delete it, or pass index=False to read without it)"
+            "(or delete it, or read without it: index=False on a dataset, no index= to read_tfrecord)"
         )
 
     def __reduce__(self) -> tuple[object, ...]:
