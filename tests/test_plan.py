@@ -163,13 +163,14 @@ def test_the_array_plan_of_unknown_counts_equals_the_range_per_shard_plan_it_rep
         assert whole.ranges[a:b] == old[a:b] and list(whole[a:b]) == [(None, r) for r in old[a:b]]
 
 
-def test_a_million_shards_of_unknown_count_plan_as_arrays_in_well_under_a_second():
-    import time
-
+def test_a_million_shards_of_unknown_count_plan_as_two_arrays_not_an_object_per_shard():
+    # How fast that is, is benchmarks/plan.py's to say (a timed test flakes on a loaded machine);
+    # what makes it fast is that the plan is two int64 arrays, which this checks.
     counts = pa.nulls(1_000_000, pa.int64())
-    began = time.perf_counter()
     whole = plan_whole_shards(counts, Topology(0, 1), shuffle=True)
-    assert time.perf_counter() - began < 0.5  # was about 2 s with a Range object per shard
+    assert isinstance(whole.shard, np.ndarray) and whole.shard.dtype == np.int64
+    assert isinstance(whole.counts, np.ndarray) and whole.counts.dtype == np.int64
+    assert sorted(whole.shard.tolist()) == list(range(1_000_000))
     assert len(whole) == 1_000_000 and whole.ranges[-1].stop is None
 
 
