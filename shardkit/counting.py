@@ -67,7 +67,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc  # its functions are generated at import: pyright sees some, not all
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, redact
 from shardkit.shardlist import ShardList
 
 logger = logging.getLogger("shardkit")
@@ -198,7 +198,7 @@ def resolve_counts(
         logger.warning(
             "shardkit: counting the records of %d shards once (index files where present, else a framing scan), for %s",
             missing.size,
-            why,
+            redact(why),
         )
         counts[missing] = _count(shards, missing, count_fn)  # type: ignore[arg-type]
         cached.write(shards)
@@ -351,7 +351,7 @@ def _known_counts(shards: ShardList, path: str | None, identities: list[str | No
         stored = use & cached.column("stored").to_numpy(zero_copy_only=False)
         known |= fresh
         if use.any():
-            logger.info("shardkit: record counts of %d shards from %s", int(use.sum()), path)
+            logger.info("shardkit: record counts of %d shards from %s", int(use.sum()), redact(path))
     return _Found(counts, known, stored)
 
 
@@ -412,7 +412,7 @@ def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> li
             fs, fs_dir = fsspec.core.url_to_fs(directory, **(storage_options or {}))
             listing = {info["name"].rstrip("/"): info for info in fs.ls(fs_dir, detail=True)}
         except Exception as error:  # noqa: BLE001 - unreachable: these shards are counted, not cached
-            logger.debug("shardkit: cannot list %s for the counts cache (%s)", directory, error)
+            logger.debug("shardkit: cannot list %s for the counts cache (%s)", redact(directory), redact(str(error)))
             continue
         for i in positions:
             info = listing.get(fs._strip_protocol(urls[i]).rstrip("/"))
@@ -442,7 +442,11 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
     except FileNotFoundError:
         return None
     except (OSError, pa.ArrowException) as error:
-        logger.warning("shardkit: ignoring the unreadable counts cache %s (%s); it will be rewritten", path, error)
+        logger.warning(
+            "shardkit: ignoring the unreadable counts cache %s (%s); it will be rewritten",
+            redact(path),
+            redact(str(error)),
+        )
         return None
     if table.schema.equals(_SCHEMA_V1):  # written before counts were marked stored: all taken as scanned
         table = table.append_column("stored", pa.array(np.zeros(table.num_rows, dtype=bool)))
@@ -455,7 +459,9 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
         and (pc.min(table.column("num_records")).as_py() or 0) >= 0  # pyright: ignore[reportAttributeAccessIssue]
     )
     if not usable:
-        logger.warning("shardkit: ignoring the counts cache %s: not one of this shard list; it will be rewritten", path)
+        logger.warning(
+            "shardkit: ignoring the counts cache %s: not one of this shard list; it will be rewritten", redact(path)
+        )
         return None
     return table
 
@@ -480,7 +486,7 @@ def _write_cache(
             writer.write_table(table)
         os.replace(partial, path)
     except OSError as error:
-        logger.info("shardkit: could not cache record counts at %s (%s)", path, error)
+        logger.info("shardkit: could not cache record counts at %s (%s)", redact(path), redact(str(error)))
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)

@@ -57,7 +57,7 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, redact
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.io import open_raw
 from shardkit.formats.tfrecord import detect_compression, scan_offsets
@@ -236,7 +236,9 @@ def _load_checked(url: str, index_url: str, storage_options: dict[str, Any] | No
     with open_raw(url, "rb", storage_options) as f:
         if index.end != size:
             if detect_compression(f.read(12)) is not None:
-                logger.info("shardkit: not using the index %s of the compressed file %s", index_url, url)
+                logger.info(
+                    "shardkit: not using the index %s of the compressed file %s", redact(index_url), redact(url)
+                )
                 return None
             change = "grew" if size > index.end else "shrank"
             raise IndexFileError(
