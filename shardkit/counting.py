@@ -382,13 +382,30 @@ def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndar
     distributed = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     mine = missing[rank::world]
-    local = {int(i): int(count_fn(shards[int(i)])) for i in mine}
+    local: dict[int, int] = {}
+    with _counting_bar(len(mine)) as bar:
+        for i in mine:
+            local[int(i)] = int(count_fn(shards[int(i)]))
+            bar.update()
     if distributed:
         gathered: list[dict[int, int] | None] = [None] * world
         dist.all_gather_object(gathered, local)
         for part in gathered:
             local.update(part or {})
     return np.array([local[int(i)] for i in missing], dtype=np.int64)
+
+
+def _counting_bar(total: int) -> Any:
+    """A bar over the shards this process counts, left on screen with its throughput (a pass over many
+    shards takes minutes): only when stderr is a terminal (``disable=None``), never in a DataLoader
+    worker (the workers' bars would overwrite each other and the loader's output)."""
+    from torch.utils.data import get_worker_info
+    from tqdm import tqdm
+
+    in_worker = get_worker_info() is not None
+    return tqdm(
+        total=total, unit=" shards", desc="shardkit: counting records", leave=True, disable=True if in_worker else None
+    )
 
 
 def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> list[str | None]:
