@@ -351,7 +351,7 @@ def _known_counts(shards: ShardList, path: str | None, identities: list[str | No
         stored = use & cached.column("stored").to_numpy(zero_copy_only=False)
         known |= fresh
         if use.any():
-            logger.info("shardkit: record counts of %d shards from %s", int(use.sum()), redact(path))
+            logger.info("shardkit: record counts of %d shards from %s", int(use.sum()), redact(str(path)))
     return _Found(counts, known, stored)
 
 
