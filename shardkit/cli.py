@@ -221,11 +221,12 @@ def _index_counts(urls: list[str]) -> list[int | None]:
 
     import fsspec
 
-    from shardkit.formats.index import index_path_for
+    from shardkit.formats.index import implicit_index_for
 
-    indexes = [(index_path_for(url), *fsspec.core.url_to_fs(index_path_for(url))) for url in urls]
+    located = {url: implicit_index_for(url) for url in urls}  # None: a url with a query string has no index
+    indexes = {url: (index, *fsspec.core.url_to_fs(index)) for url, index in located.items() if index is not None}
     by_directory: dict[Any, set[str]] = {}
-    for _, fs, path in indexes:
+    for _, fs, path in indexes.values():
         by_directory.setdefault((fs, posixpath.dirname(path)), set()).add(path)
     present: set[str] = set()
     for (fs, directory), wanted in by_directory.items():
@@ -233,7 +234,8 @@ def _index_counts(urls: list[str]) -> list[int | None]:
             present.update(wanted.intersection(fs.ls(directory, detail=False)))
         except Exception:  # noqa: BLE001 - a store that cannot list (plain HTTP): ask per file
             present.update(path for path in wanted if fs.isfile(path))
-    return [_indexed_count(url, index, path in present) for url, (index, _, path) in zip(urls, indexes)]
+    none = ("", None, "")
+    return [_indexed_count(url, indexes.get(url, none)[0], indexes.get(url, none)[2] in present) for url in urls]
 
 
 def _indexed_count(url: str, index: str, present: bool) -> int | None:

@@ -77,7 +77,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc  # its functions are generated at import: pyright sees some, not all
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, redact
 from shardkit.shardlist import ShardList
 
 logger = logging.getLogger("shardkit")
@@ -208,7 +208,7 @@ def resolve_counts(
         logger.warning(
             "shardkit: counting the records of %d shards once (index files where present, else a framing scan), for %s",
             missing.size,
-            why,
+            redact(why),
         )
         counts[missing] = _count(shards, missing, count_fn)  # type: ignore[arg-type]
         cached.write(shards)
@@ -429,7 +429,7 @@ def _known_counts(shards: ShardList, path: str | None, identities: list[str | No
         stored = use & cached.column("stored").to_numpy(zero_copy_only=False)
         known |= fresh
         if use.any():
-            logger.info("shardkit: record counts of %d shards from %s", int(use.sum()), path)
+            logger.info("shardkit: record counts of %d shards from %s", int(use.sum()), redact(str(path)))
     return _Found(counts, known, stored)
 
 
@@ -460,13 +460,30 @@ def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndar
     distributed = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     mine = missing[rank::world]
-    local = {int(i): int(count_fn(shards[int(i)])) for i in mine}
+    local: dict[int, int] = {}
+    with _counting_bar(len(mine)) as bar:
+        for i in mine:
+            local[int(i)] = int(count_fn(shards[int(i)]))
+            bar.update()
     if distributed:
         gathered: list[dict[int, int] | None] = [None] * world
         dist.all_gather_object(gathered, local)
         for part in gathered:
             local.update(part or {})
     return np.array([local[int(i)] for i in missing], dtype=np.int64)
+
+
+def _counting_bar(total: int) -> Any:
+    """A bar over the shards this process counts, left on screen with its throughput (a pass over many
+    shards takes minutes): only when stderr is a terminal (``disable=None``), never in a DataLoader
+    worker (the workers' bars would overwrite each other and the loader's output)."""
+    from torch.utils.data import get_worker_info
+    from tqdm import tqdm
+
+    in_worker = get_worker_info() is not None
+    return tqdm(
+        total=total, unit=" shards", desc="shardkit: counting records", leave=True, disable=True if in_worker else None
+    )
 
 
 def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> list[str | None]:
@@ -490,7 +507,7 @@ def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> li
             fs, fs_dir = fsspec.core.url_to_fs(directory, **(storage_options or {}))
             listing = {info["name"].rstrip("/"): info for info in fs.ls(fs_dir, detail=True)}
         except Exception as error:  # noqa: BLE001 - unreachable: these shards are counted, not cached
-            logger.debug("shardkit: cannot list %s for the counts cache (%s)", directory, error)
+            logger.debug("shardkit: cannot list %s for the counts cache (%s)", redact(directory), redact(str(error)))
             continue
         for i in positions:
             info = listing.get(fs._strip_protocol(urls[i]).rstrip("/"))
@@ -520,7 +537,11 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
     except FileNotFoundError:
         return None
     except (OSError, pa.ArrowException) as error:
-        logger.warning("shardkit: ignoring the unreadable counts cache %s (%s); it will be rewritten", path, error)
+        logger.warning(
+            "shardkit: ignoring the unreadable counts cache %s (%s); it will be rewritten",
+            redact(path),
+            redact(str(error)),
+        )
         return None
     if table.schema.equals(_SCHEMA_V1):  # written before counts were marked stored: all taken as scanned
         table = table.append_column("stored", pa.array(np.zeros(table.num_rows, dtype=bool)))
@@ -533,7 +554,9 @@ def _read_cache(path: str, shards: ShardList) -> pa.Table | None:
         and (pc.min(table.column("num_records")).as_py() or 0) >= 0  # pyright: ignore[reportAttributeAccessIssue]
     )
     if not usable:
-        logger.warning("shardkit: ignoring the counts cache %s: not one of this shard list; it will be rewritten", path)
+        logger.warning(
+            "shardkit: ignoring the counts cache %s: not one of this shard list; it will be rewritten", redact(path)
+        )
         return None
     return table
 
@@ -558,7 +581,7 @@ def _write_cache(
             writer.write_table(table)
         os.replace(partial, path)
     except OSError as error:
-        logger.info("shardkit: could not cache record counts at %s (%s)", path, error)
+        logger.info("shardkit: could not cache record counts at %s (%s)", redact(path), redact(str(error)))
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)

@@ -43,6 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardkit.counting import listed_identities, remember
+from shardkit.errors import redact
 from shardkit.shardlist import ShardList, ShardListError
 
 __all__ = ["list_shards", "shared_listing"]
@@ -74,7 +75,7 @@ def list_shards(pattern: str, storage_options: Mapping[str, Any] | None = None) 
         try:
             payload = _to_ipc(ShardList.from_glob(pattern, storage_options).table)
         except Exception as error:  # every rank must learn of it, or the others wait forever
-            _broadcast(_FAILED, f"{type(error).__name__}: {error}".encode())
+            _broadcast(_FAILED, f"{type(error).__name__}: {redact(str(error))}".encode())
             raise
     length, data = _broadcast(len(payload), payload)
     if length == _FAILED:
@@ -129,7 +130,7 @@ def shared_listing(pattern: str, storage_options: Mapping[str, Any] | None = Non
         try:
             shards = ShardList.from_glob(pattern, storage_options)
         except Exception as error:
-            store.set(key, _ERROR + f"{type(error).__name__}: {error}".encode())
+            store.set(key, _ERROR + f"{type(error).__name__}: {redact(str(error))}".encode())
             raise
         store.set(key, _OK + _to_ipc(shards.table, listed_identities(shards.urls())[1]))
         return shards

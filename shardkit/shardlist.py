@@ -51,7 +51,7 @@ import pyarrow as pa
 import pyarrow.compute as _compute
 from fsspec.implementations.local import LocalFileSystem
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, redact_url, reraise_redacted
 from shardkit.tempfiles import delete_with
 
 __all__ = ["DuplicateShardWarning", "ShardList", "ShardListError"]
@@ -137,6 +137,16 @@ class ShardList:
             ShardListError: nothing matches, or files named without wildcards
                 do not exist.
         """
+        try:
+            return cls._from_glob(pattern, storage_options)
+        except ShardkitError:
+            raise
+        except Exception as error:  # a store's own error may name the url, credentials and all
+            reraise_redacted(error)
+
+    @classmethod
+    def _from_glob(cls, pattern: str, storage_options: Mapping[str, Any] | None) -> ShardList:
+        """:meth:`from_glob`, its errors from the filesystem not yet redacted."""
         from shardkit.counting import identity, remember  # (counting imports this module)
 
         fs, path = fsspec.core.url_to_fs(pattern, **dict(storage_options or {}))
@@ -475,7 +485,7 @@ def _warn_duplicates(column: pa.ChunkedArray, label: str) -> None:
     positions = np.flatnonzero(pc.equal(column, first).to_numpy(zero_copy_only=False)).tolist()
     repeated = pc.sum(pc.greater(counts.field("counts"), 1)).as_py()
     warnings.warn(
-        f"{label}: {first!r} is listed {len(positions)} times (at positions {positions[:10]}), and "
+        f"{label}: {redact_url(first)!r} is listed {len(positions)} times (at positions {positions[:10]}), and "
         f"{repeated} url(s) in all are listed more than once; their records are read once per listing "
         "every epoch. Remove the repeats, or repeat a shard on purpose only if you mean to oversample it",
         DuplicateShardWarning,

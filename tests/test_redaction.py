@@ -4,6 +4,7 @@ instead, while reading still uses the real url."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -11,12 +12,16 @@ import traceback
 import warnings
 from collections.abc import Iterator
 
+import fsspec
 import pytest
 from torch.utils.data import DataLoader
 
 import shardkit
+from shardkit.counting import resolve_counts
 from shardkit.errors import ShardkitError, redact, redact_url, reraise_redacted
 from shardkit.formats.tfrecord import read_tfrecord
+from shardkit.listing import shared_listing
+from shardkit.shardlist import ShardList
 from tests.fault_server import FaultServer
 from tests.helpers import record_offsets
 from tests.test_faults_reading import flip_data_byte
@@ -165,3 +170,39 @@ def test_tar_samples_carry_their_url_without_its_credentials(server, tmp_path) -
     assert len(samples) == 3
     for sample in samples:
         assert_clean(sample["__url__"])
+
+
+class LeakyFileSystem(fsspec.AbstractFileSystem):
+    """A store whose errors name the url they failed on, credentials and all (as some clients' do)."""
+
+    protocol = "leaky"
+
+    def glob(self, path, **kwargs):  # type: ignore[no-untyped-def]
+        raise PermissionError(f"403 Forbidden listing leaky://{path}")
+
+    def ls(self, path, detail=True, **kwargs):  # type: ignore[no-untyped-def]
+        raise PermissionError(f"403 Forbidden listing leaky://{path}")
+
+
+def leaky_url(path: str) -> str:
+    """A url of the leaky store, made here so that no traceback line of a test shows its secrets."""
+    fsspec.register_implementation("leaky", LeakyFileSystem, clobber=True)
+    return f"leaky://user:s3cr3tpw@host/{path}{QUERY}"
+
+
+def test_a_listing_that_fails_in_the_store_names_the_url_without_its_credentials() -> None:
+    pattern = leaky_url("d/*.tfrecord")
+    with pytest.raises(PermissionError) as caught:
+        shared_listing(pattern)
+    assert_clean(full_text(caught.value))
+
+
+def test_counting_logs_name_the_url_without_its_credentials(server, tmp_path, caplog) -> None:
+    urls = [secret_url(server, "absent/a.tfrecord"), leaky_url("d/b.tfrecord")]
+    with caplog.at_level(logging.DEBUG, logger="shardkit"):
+        counted = resolve_counts(ShardList(urls), lambda url: 1, why="a test", cache_dir=str(tmp_path / "cache"))
+    assert counted.total_records == 2
+    listed = [record.getMessage() for record in caplog.records if "cannot list" in record.getMessage()]
+    assert len(listed) == 2, [record.getMessage() for record in caplog.records]
+    for message in listed:
+        assert_clean(message)

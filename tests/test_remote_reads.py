@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import shardkit
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
 from shardkit.remote import ObjectChangedError, RemoteOptions, RemoteReadError, RetryPolicy, prefetch, remote_stats
 from tests.fault_server import FaultServer
@@ -468,3 +469,35 @@ def test_an_https_server_with_a_certificate_nobody_trusts_is_refused(tmp_path, m
         with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
             list(read_tfrecord(f"{server.url}/a.tfrecord", remote=SMALL))
         assert not server.gets("a.tfrecord")  # not one byte of the object went to an unverified peer
+
+
+PRESIGNED = "?X-Amz-Signature=SIG&X-Amz-Expires=60"
+
+
+@pytest.mark.parametrize("fmt", ["tfrecord", "tar", "jsonl"])
+def test_a_url_with_a_query_string_is_read_once_without_asking_for_an_index_file(server, tmp_path, fmt) -> None:
+    from tests.helpers import write_jsonl_shards, write_tar_shards
+
+    if fmt == "tfrecord":
+        path = str(tmp_path / "a.tfrecord")
+        written = write_shard(path, count=20)
+        records = list(shardkit.TFRecordDataset([f"{server.url}/a.tfrecord{PRESIGNED}"], decode="raw"))
+        assert records == written
+    else:
+        (path,) = (write_tar_shards if fmt == "tar" else write_jsonl_shards)(str(tmp_path), [20])
+        dataset = shardkit.TarDataset if fmt == "tar" else shardkit.JsonlDataset
+        records = list(dataset([f"{server.url}/{os.path.basename(path)}{PRESIGNED}"]))
+        assert len(records) == 20
+    assert [r.path for r in server.log if ".idx" in r.path] == []
+
+
+def test_a_url_with_a_query_string_has_no_index_file_beside_it() -> None:
+    from shardkit.errors import ShardkitError
+    from shardkit.formats.index import index_path_for, load_index
+
+    url = f"https://h/a.tfrecord{PRESIGNED}"
+    with pytest.raises(ShardkitError, match="query string"):
+        index_path_for(url)
+    assert load_index(url) is None
+    assert index_path_for("https://h/a.tfrecord") == "https://h/a.tfrecord.idx"
+    assert index_path_for("/data/what?.tfrecord") == "/data/what?.tfrecord.idx"  # a local name may hold a "?"

@@ -33,20 +33,24 @@ def test_a_dataset_leaves_no_unclosed_file_behind(tmp_path):
 def run_in_a_terminal(*argv: str) -> str:
     """``python -m shardkit *argv`` with its stderr on a pseudo-terminal (where progress bars show); the
     terminal's output."""
+    import sys
+
+    return terminal_output([sys.executable, "-m", "shardkit", *argv])
+
+
+def terminal_output(command: list[str], env: dict[str, str] | None = None) -> str:
+    """Run ``command`` with its stderr on a pseudo-terminal; the terminal's output."""
     import fcntl
     import os
     import pty
     import struct
     import subprocess
-    import sys
     import termios
 
     main_fd, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "shardkit", *argv], stdout=subprocess.PIPE, stderr=terminal, timeout=120
-        )
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=terminal, env=env, timeout=120)
         assert done.returncode == 0
         os.close(terminal)
         chunks = []
@@ -73,3 +77,19 @@ def test_long_commands_leave_a_progress_bar_with_throughput_on_a_terminal(tmp_pa
         assert "100%" in shown and "B/s" in shown, (argv, shown)
     shown = run_in_a_terminal("convert", url, str(tmp_path / "o-%02d.jsonl"), "--format", "jsonl")
     assert "100 records" in shown and "records/s" in shown, shown
+
+
+def test_counting_records_leaves_a_progress_bar_with_throughput_on_a_terminal(tmp_path):
+    import os
+    import sys
+
+    urls = []
+    for k in range(3):
+        urls.append(str(tmp_path / f"a-{k}.tfrecord"))
+        with shardkit.TFRecordWriter(urls[-1]) as w:
+            for n in range(10):
+                w.write(shardkit.encode_example({"x": n}))
+    script = "import sys, shardkit; shardkit.TFRecordDataset(sys.argv[1:], decode='raw').count_records()"
+    env = {**os.environ, "SHARDKIT_CACHE_DIR": str(tmp_path / "cache")}
+    shown = terminal_output([sys.executable, "-c", script, *urls], env)
+    assert "counting records" in shown and "3/3" in shown and "shards/s" in shown, shown

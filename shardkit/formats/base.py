@@ -45,7 +45,7 @@ import fsspec
 import numpy as np
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.index import IndexFileError, index_path_for, write_offsets_file
+from shardkit.formats.index import IndexFileError, implicit_index_for, write_offsets_file
 from shardkit.formats.io import open_raw
 
 __all__ = [
@@ -208,15 +208,18 @@ def write_offsets(
 
 
 def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None = None) -> np.ndarray | None:
-    """The record offsets in ``url``'s index file (:func:`index_path_for`), checked against ``url``'s size.
+    """The record offsets in ``url``'s index file (:func:`~shardkit.formats.index.index_path_for`), checked against ``url``'s size.
 
-    Returns None when there is no index file. The caller checks that the last
-    offset starts a record of its format.
+    Returns None when there is no index file, and without a request when ``url`` has a query
+    string (:func:`~shardkit.formats.index.implicit_index_for`). The caller checks that the
+    last offset starts a record of its format.
 
     Raises:
         IndexFileError: the index is of another format, corrupt, or does not describe the file as it is now.
     """
-    index_url = index_path_for(url)
+    index_url = implicit_index_for(url)
+    if index_url is None:
+        return None
     try:
         with open_raw(index_url, "rb", storage_options) as f:
             data = f.read()

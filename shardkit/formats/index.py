@@ -52,12 +52,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple
+from urllib.parse import urlsplit
 
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, redact
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.io import open_raw
 from shardkit.formats.tfrecord import detect_compression, scan_offsets
@@ -66,6 +67,7 @@ __all__ = [
     "INDEX_SUFFIX",
     "IndexFileError",
     "build_index",
+    "implicit_index_for",
     "index_path_for",
     "check_ends_with_file",
     "load_given_index",
@@ -114,9 +116,30 @@ class _Index(NamedTuple):
     end: int
 
 
-def index_path_for(url: str) -> str:
-    """Where the index of the data file at ``url`` is kept: ``url + ".idx"``."""
+def implicit_index_for(url: str) -> str | None:
+    """Where the index of the data file at ``url`` is kept, ``url + ".idx"``; None for a url with a query
+    string, which has no index beside it: ``.idx`` would land in a query value (a server that ignores
+    the query answers with the shard itself), and a presigned url's signature covers its path, so no
+    other path can be made up from it. Such a url's index can only be given explicitly."""
+    if "://" in url and urlsplit(url).query:
+        return None
     return url + INDEX_SUFFIX
+
+
+def index_path_for(url: str) -> str:
+    """Where the index of the data file at ``url`` is kept: ``url + ".idx"`` (see :func:`implicit_index_for`).
+
+    Raises:
+        ShardkitError: ``url`` has a query string (a presigned url), so it has no index file beside it.
+    """
+    index_url = implicit_index_for(url)
+    if index_url is None:
+        raise ShardkitError(
+            f"{url} has a query string (a presigned url?), so it has no index file beside it: appending "
+            f"{INDEX_SUFFIX} would change a query value, and its signature covers its path. Index a copy "
+            "of the file at a url without a query string, or give an index's url explicitly (index=...)"
+        )
+    return index_url
 
 
 def write_index(url: str, offsets: np.ndarray, stream_size: int, storage_options: dict[str, Any] | None = None) -> None:
@@ -165,14 +188,17 @@ def load_index(
     """The record offsets of the data file ``url``, from its index, checked against the file.
 
     ``index_url`` defaults to :func:`index_path_for` ``(url)``. Returns None
-    when there is no index file, and when the data file is compressed (its
-    index cannot be checked against it).
+    when there is no index file (without a request when ``url`` has a query
+    string: see :func:`implicit_index_for`), and when the data file is
+    compressed (its index cannot be checked against it).
 
     Raises:
         IndexFileError: the index is corrupt, or does not describe the file as
             it is now (it grew, shrank or was rewritten since).
     """
-    index_url = index_url if index_url is not None else index_path_for(url)
+    index_url = index_url if index_url is not None else implicit_index_for(url)
+    if index_url is None:
+        return None
     try:
         of_index = _identity(index_url, storage_options)
     except FileNotFoundError:
@@ -236,7 +262,9 @@ def _load_checked(url: str, index_url: str, storage_options: dict[str, Any] | No
     with open_raw(url, "rb", storage_options) as f:
         if index.end != size:
             if detect_compression(f.read(12)) is not None:
-                logger.info("shardkit: not using the index %s of the compressed file %s", index_url, url)
+                logger.info(
+                    "shardkit: not using the index %s of the compressed file %s", redact(index_url), redact(url)
+                )
                 return None
             change = "grew" if size > index.end else "shrank"
             raise IndexFileError(
