@@ -61,12 +61,9 @@ write a manifest (:meth:`ShardList.to_manifest`) instead.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import posixpath
-import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +75,7 @@ import pyarrow as pa
 import pyarrow.compute as pc  # its functions are generated at import: pyright sees some, not all
 
 from shardkit.errors import ShardkitError, redact
+from shardkit.jobstore import group_store, job_key, once_per_job
 from shardkit.shardlist import ShardList
 
 logger = logging.getLogger("shardkit")
@@ -259,19 +257,17 @@ def plan_counts(
     return resolve_counts(shards, count_fn, why=why, storage_options=storage_options, cache_dir=cache_dir)
 
 
-_STORED, _NONE, _FAILED = b"stored:", b"none:", b"error:"
-_shared_builds: defaultdict[str, int] = defaultdict(int)  # datasets this process built per shard list
-_shared_lock = threading.Lock()
+_STORED, _NONE = b"stored:", b"none:"  # the answers shared_stored_counts shares
 
 
 def shared_stored_counts(
     shards: ShardList, stored_count: StoredCountFn, *, storage_options: dict[str, Any] | None = None
 ) -> ShardList | None:
-    """:func:`counts_from_indexes` once per job under a process group: the first rank to build a dataset
-    over ``shards`` looks the stored counts up and puts its answer in the group's store, the others take
-    it (as :func:`~shardkit.listing.shared_listing` shares a listing; no collective). ``shards``, with
-    the counts or without (no stored counts: every rank deals whole shards), or None when there is no
-    group to share through (each reader then looks the counts up when it first plans).
+    """:func:`counts_from_indexes` once per job under a process group (:func:`~shardkit.jobstore.once_per_job`):
+    the first rank to build a dataset over ``shards`` looks the stored counts up and shares its answer,
+    the others take it. ``shards``, with the counts or without (no stored counts: every rank deals whole
+    shards), or None when there is no group to share through (each reader then looks the counts up when
+    it first plans).
 
     The first rank's answer holds for the job: an index written after it looked is not used by any
     rank, so ranks never plan with different counts.
@@ -280,51 +276,30 @@ def shared_stored_counts(
         IndexFileError: this rank looked and an index does not fit its shard.
         CountsUnavailableError: the rank that looked failed; its error is in the message.
     """
-    from shardkit.listing import _store  # imports this module
-
-    store = _store()
-    key = _shared_key(shards, storage_options) if store is not None else None
+    store = group_store()
+    key = job_key("counts", [shards.url_digest(), dict(storage_options or {})]) if store is not None else None
     if store is None or key is None:
         return None
-    if store.add(f"{key}/claim", 1) == 1:
-        try:
-            found = counts_from_indexes(shards, stored_count, storage_options=storage_options)
-        except Exception as error:  # every rank must learn of it, or the others wait forever
-            store.set(key, _FAILED + f"{type(error).__name__}: {error}".encode())
-            raise
+
+    def work() -> tuple[ShardList, bytes]:
+        found = counts_from_indexes(shards, stored_count, storage_options=storage_options)
         counts = None if found is None else found.num_records
-        store.set(key, _NONE if counts is None else _STORED + counts.astype("<i8").tobytes())
-        return shards if found is None else found
-    return _shared_answer(shards, key, store)
+        if found is None or counts is None:
+            return shards, _NONE
+        return found, _STORED + counts.astype("<i8").tobytes()
 
+    def taken(answer: bytes) -> ShardList:
+        if answer == _NONE:
+            return shards
+        return shards.with_num_records(np.frombuffer(answer[len(_STORED) :], dtype="<i8").astype(np.int64))
 
-def _shared_answer(shards: ShardList, key: str, store: Any) -> ShardList:
-    """The stored counts another rank put under ``key`` (see :func:`shared_stored_counts`)."""
-    from shardkit.listing import _WAIT
-
-    store.wait([key], _WAIT)
-    value = bytes(store.get(key))
-    if value.startswith(_FAILED):
-        raise CountsUnavailableError(
+    def failed(error: str) -> CountsUnavailableError:
+        return CountsUnavailableError(
             f"another rank looked up the record counts of {len(shards)} shards ({shards[0]}, ...) for this one "
-            f"and failed: {value[len(_FAILED) :].decode(errors='replace')}"
+            f"and failed: {error}"
         )
-    if value == _NONE:
-        return shards
-    return shards.with_num_records(np.frombuffer(value[len(_STORED) :], dtype="<i8").astype(np.int64))
 
-
-def _shared_key(shards: ShardList, storage_options: Mapping[str, Any] | None) -> str | None:
-    """The store key of this process's next dataset over ``shards``: the same on every rank for its k-th,
-    or None when the options are not plain data (they could differ between ranks unseen)."""
-    try:
-        named = json.dumps([shards.url_digest(), dict(storage_options or {})], sort_keys=True)
-    except (TypeError, ValueError):
-        return None
-    digest = hashlib.sha256(named.encode()).hexdigest()[:32]
-    with _shared_lock:
-        _shared_builds[digest] += 1
-        return f"shardkit/counts/{digest}/{_shared_builds[digest]}"
+    return once_per_job(store, key, work, taken, failed)
 
 
 def counts_from_indexes(

@@ -31,12 +31,7 @@ error, instead of hanging.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import threading
-from collections import Counter
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -44,15 +39,12 @@ import pyarrow as pa
 
 from shardkit.counting import listed_identities, remember
 from shardkit.errors import redact
+from shardkit.jobstore import group_store, job_key, once_per_job
 from shardkit.shardlist import ShardList, ShardListError
 
 __all__ = ["list_shards", "shared_listing"]
 
 _FAILED = -1
-_OK, _ERROR = b"ok:", b"error:"
-_WAIT: timedelta = timedelta(minutes=30)  # a listing of millions of objects takes minutes at worst
-_builds: Counter[str] = Counter()  # datasets this process built per (pattern, options): the k-th shares the k-th
-_builds_lock = threading.Lock()
 
 
 def list_shards(pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
@@ -123,47 +115,23 @@ def _broadcast(length: int, payload: bytes) -> tuple[int, bytes]:
 
 def shared_listing(pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
     """``ShardList.from_glob(pattern)``, listed once per job under a process group (see the module doc)."""
-    store, key = _store(), _key(pattern, storage_options)
+    store = group_store()
+    key = job_key("listing", [pattern, dict(storage_options or {})]) if store is not None else None
     if store is None or key is None:
         return ShardList.from_glob(pattern, storage_options)
-    if store.add(f"{key}/claim", 1) == 1:  # the first rank here lists; the others read what it put
-        try:
-            shards = ShardList.from_glob(pattern, storage_options)
-        except Exception as error:
-            store.set(key, _ERROR + f"{type(error).__name__}: {redact(str(error))}".encode())
-            raise
-        store.set(key, _OK + _to_ipc(shards.table, listed_identities(shards.urls())[1]))
-        return shards
-    store.wait([key], _WAIT)
-    value = bytes(store.get(key))
-    if value.startswith(_ERROR):
-        raise ShardListError(
-            f"another rank listed {pattern!r} for this one and failed: {value[len(_ERROR) :].decode(errors='replace')}"
-        )
-    table = pa.ipc.open_stream(value[len(_OK) :]).read_all()
+
+    def work() -> tuple[ShardList, bytes]:
+        shards = ShardList.from_glob(pattern, storage_options)
+        return shards, _to_ipc(shards.table, listed_identities(shards.urls())[1])
+
+    def failed(error: str) -> ShardListError:
+        return ShardListError(f"another rank listed {pattern!r} for this one and failed: {error}")
+
+    return once_per_job(store, key, work, _from_ipc, failed)
+
+
+def _from_ipc(answer: bytes) -> ShardList:
+    """The listing another rank shared (:func:`_to_ipc`), its identities remembered for the counts cache."""
+    table = pa.ipc.open_stream(answer).read_all()
     remember(table.column("url").to_pylist(), table.column("identity").to_pylist())
     return ShardList(table.column("url"), sizes=table.column("size"))
-
-
-def _store() -> Any:
-    """The process group's key-value store, or None (no group, one rank, or a torch without it)."""
-    if _process_group() is None:
-        return None
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-    except ImportError:  # pragma: no cover - a torch without it: each rank lists
-        return None
-    return _get_default_store()
-
-
-def _key(pattern: str, storage_options: Mapping[str, Any] | None) -> str | None:
-    """The store key of this process's next listing of ``pattern``: the same on every rank for its k-th
-    build, or None when the options are not plain data (they could differ between ranks unseen)."""
-    try:
-        named = json.dumps([pattern, dict(storage_options or {})], sort_keys=True)
-    except (TypeError, ValueError):
-        return None
-    digest = hashlib.sha256(named.encode()).hexdigest()[:32]
-    with _builds_lock:
-        _builds[digest] += 1
-        return f"shardkit/listing/{digest}/{_builds[digest]}"
