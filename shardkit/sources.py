@@ -167,8 +167,11 @@ MADE_UP_MISSING: Final = 4096
 A shard that ends cleanly short of its planned count is a sound file its count does not describe. A few
 records short is damage or a stale count, and repeats keep the ranks in step; a count far above the
 records there (``num_records=10**12`` on 5) would have the readers repeat stand-ins practically without
-end, so past this allowance the count is taken as wrong (:class:`BalanceError`). Made-up samples are then
-bounded by ``max(MADE_UP_MISSING, records read)`` per range, whatever the count says."""
+end, so past this allowance the count is taken as wrong (:class:`BalanceError`). So is a count above what
+the file's size can hold (:func:`~shardkit.formats.base.max_records`) when the framing breaks and the rest
+of the range is lost. Made-up samples are then bounded by ``max(MADE_UP_MISSING, records read)`` per
+range whatever the count says, except for an honest count (within its file's bound, or a format with none)
+on a shard whose framing breaks early: that range is made up to its end, as the contract says."""
 
 
 class _Skipped(NamedTuple):
@@ -891,7 +894,10 @@ class ShardedDataset(_PlannedSource):
     * a shard that ends cleanly more than :data:`MADE_UP_MISSING` records (and
       more than it read) short of its range raises :class:`BalanceError` under
       ``"pad"``/``"drop"``: a count that far off is wrong, and making it up would
-      repeat stand-ins practically without end.
+      repeat stand-ins practically without end. So does a range that loses that
+      many to a break in the framing when its shard's count is more than the
+      file's size can hold (a format's ``record_bound``, see
+      :func:`~shardkit.formats.base.max_records`).
     * resuming stays exact: a made-up sample takes the position of the
       record it replaces.
     """

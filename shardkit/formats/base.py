@@ -102,7 +102,9 @@ class ShardFormat(Protocol):
     :class:`~shardkit.formats.index.IndexFileError` for one that does not fit),
     from which record counts are taken without a counting pass;
     ``prefetch(url, start, stop)`` and a ``remote``
-    (:class:`~shardkit.remote.RemoteOptions`) attribute open remote shards ahead.
+    (:class:`~shardkit.remote.RemoteOptions`) attribute open remote shards ahead;
+    ``record_bound(url)`` (:class:`CountBounded`) gives the most records the file's
+    size can hold, so that a count above it is not made up under ``on_error="skip"``.
     """
 
     @property
