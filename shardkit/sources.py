@@ -1047,7 +1047,7 @@ class ShardedDataset(_PlannedSource):
                     exceeded = None if intact or stop is None else self._exceeded_bound(shard, stop, cursor)
                     if exceeded is not None:  # the rest of the range is a lie too large to make up
                         self._stats.add(shard, errors=1)
-                        raise _count_beyond_size(url, exceeded, stop - cursor.position) from error
+                        raise _count_beyond_size(url, exceeded) from error
                     lost = self._lost(shard, url, cursor.position, stop, error, intact=intact)
                     if lost:
                         cursor.position += lost
@@ -1117,7 +1117,7 @@ class ShardedDataset(_PlannedSource):
         if planned is None or not self._makes_up(self.balance) or lost <= max(MADE_UP_MISSING, cursor.read):
             return None
         bound = self._record_bound(shard)
-        return _Exceeded(planned, bound) if bound is not None and planned > bound.most else None
+        return _Exceeded(planned, bound, lost) if bound is not None and planned > bound.most else None
 
     def _check_end(self, shard: int, url: str, cursor: _Cursor, stop: int | None, tail: bool) -> Iterator[Any]:
         """After a clean read: the shard must hold exactly the planned records."""
@@ -1190,10 +1190,12 @@ def _count_taken_as_wrong(
 
 
 class _Exceeded(NamedTuple):
-    """A planned count above the :class:`~shardkit.formats.base.RecordBound` of its file."""
+    """A planned count above the :class:`~shardkit.formats.base.RecordBound` of its file, and the
+    ``lost`` records of a range that were to be made up for it."""
 
     planned: int
     bound: RecordBound
+    lost: int
 
 
 def _beyond_size(exceeded: _Exceeded) -> str:
@@ -1205,11 +1207,11 @@ def _beyond_size(exceeded: _Exceeded) -> str:
     )
 
 
-def _count_beyond_size(url: str, exceeded: _Exceeded, lost: int) -> BalanceError:
-    """The error that stops ``"pad"``/``"drop"`` from making up the ``lost`` rest of a range after the
+def _count_beyond_size(url: str, exceeded: _Exceeded) -> BalanceError:
+    """The error that stops ``"pad"``/``"drop"`` from making up the lost rest of a range after the
     framing broke, when the count is more than the file can hold (see :func:`~shardkit.formats.base.max_records`)."""
     return BalanceError(
-        f"{redact_url(url)}: {_beyond_size(exceeded)}, so the count is taken as wrong. Making up the {lost} "
+        f"{redact_url(url)}: {_beyond_size(exceeded)}, so the count is taken as wrong. Making up the {exceeded.lost} "
         f"records of this range it lost (on_error='skip') would repeat stand-ins far past the allowance "
         f"({MADE_UP_MISSING}): fix the manifest or num_records=, or recount (count_records(), shardkit index URL)"
     )

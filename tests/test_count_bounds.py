@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import os
+import tarfile
 
 import pytest
 from hypothesis import given
@@ -175,7 +176,6 @@ def test_no_valid_jsonl_file_holds_more_records_than_its_bound(values, final_new
 @given(st.lists(st.binary(max_size=1200), max_size=6))
 def test_no_valid_tar_holds_more_samples_than_its_bound(contents):
     import io
-    import tarfile
 
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
@@ -195,3 +195,18 @@ def test_a_gzip_file_inflated_to_its_limit_holds_no_more_records_than_its_bound(
 def test_the_bound_refuses_a_compression_it_does_not_know():
     with pytest.raises(ValueError, match="bz2"):
         max_records(100, 16, "bz2")
+
+
+def test_a_trillion_count_on_a_tar_with_a_header_damaged_mid_file_raises_naming_what_its_size_can_hold(tmp_path):
+    (url,) = write_tar_shards(str(tmp_path), [50])
+    offsets = [info.offset for info in tarfile.open(url).getmembers()]
+    with open(url, "r+b") as f:  # a flipped byte in the checksum of a header halfway through
+        f.seek(offsets[len(offsets) // 2] + 148)
+        f.write(b"9")
+    size = os.path.getsize(url)
+    shards = shardkit.ShardList([url], num_records=[LIE])
+
+    def make(**kwargs):
+        return TarDataset(shards, on_error="skip", **kwargs)
+
+    _assert_every_rank_raises(make, url, size, max_records(size, 512))
