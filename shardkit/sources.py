@@ -42,7 +42,7 @@ from torch.utils.data import Dataset, IterableDataset
 from shardkit.counting import CountFn, StoredCountFn, plan_counts, resolve_counts, shared_stored_counts
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError, redact, redact_url
-from shardkit.formats.base import BadRecord
+from shardkit.formats.base import MAX_EXPANSION, BadRecord, RecordBound, record_bound
 from shardkit.formats.example import ColumnBatches, FeatureCheck, FeatureSpec
 from shardkit.pipeline import Pipeline
 from shardkit.planning import (
@@ -167,8 +167,11 @@ MADE_UP_MISSING: Final = 4096
 A shard that ends cleanly short of its planned count is a sound file its count does not describe. A few
 records short is damage or a stale count, and repeats keep the ranks in step; a count far above the
 records there (``num_records=10**12`` on 5) would have the readers repeat stand-ins practically without
-end, so past this allowance the count is taken as wrong (:class:`BalanceError`). Made-up samples are then
-bounded by ``max(MADE_UP_MISSING, records read)`` per range, whatever the count says."""
+end, so past this allowance the count is taken as wrong (:class:`BalanceError`). So is a count above what
+the file's size can hold (:func:`~shardkit.formats.base.max_records`) when the framing breaks and the rest
+of the range is lost. Made-up samples are then bounded by ``max(MADE_UP_MISSING, records read)`` per
+range whatever the count says, except for an honest count (within its file's bound, or a format with none)
+on a shard whose framing breaks early: that range is made up to its end, as the contract says."""
 
 
 class _Skipped(NamedTuple):
@@ -891,7 +894,10 @@ class ShardedDataset(_PlannedSource):
     * a shard that ends cleanly more than :data:`MADE_UP_MISSING` records (and
       more than it read) short of its range raises :class:`BalanceError` under
       ``"pad"``/``"drop"``: a count that far off is wrong, and making it up would
-      repeat stand-ins practically without end.
+      repeat stand-ins practically without end. So does a range that loses that
+      many to a break in the framing when its shard's count is more than the
+      file's size can hold (a format's ``record_bound``, see
+      :func:`~shardkit.formats.base.max_records`).
     * resuming stays exact: a made-up sample takes the position of the
       record it replaces.
     """
@@ -1038,6 +1044,10 @@ class ShardedDataset(_PlannedSource):
                     break
                 except Exception as error:
                     intact = isinstance(error, CorruptRecordError) and error.framing_intact
+                    exceeded = None if intact or stop is None else self._exceeded_bound(shard, stop, cursor)
+                    if exceeded is not None:  # the rest of the range is a lie too large to make up
+                        self._stats.add(shard, errors=1)
+                        raise _count_beyond_size(url, exceeded) from error
                     lost = self._lost(shard, url, cursor.position, stop, error, intact=intact)
                     if lost:
                         cursor.position += lost
@@ -1093,6 +1103,22 @@ class ShardedDataset(_PlannedSource):
         self._stats.add(shard, skipped=lost, errors=1)
         return lost
 
+    def _record_bound(self, shard: int) -> RecordBound | None:
+        """The most records ``shard``'s file can hold by its size; None: no bound known (a plain
+        ``read_fn`` says nothing of its format)."""
+        return None
+
+    def _exceeded_bound(self, shard: int, stop: int, cursor: _Cursor) -> _Exceeded | None:
+        """Why ``"pad"``/``"drop"`` must not make up records ``[cursor.position, stop)`` of ``shard``:
+        they are more than the allowance (``max(MADE_UP_MISSING, records read)``) and the planned count
+        is more than the file's size can hold (a lie, however the read ended). None otherwise: an
+        honest count on a shard whose framing breaks early is padded to its end."""
+        lost, planned = stop - cursor.position, self._planned_count(shard)
+        if planned is None or not self._makes_up(self.balance) or lost <= max(MADE_UP_MISSING, cursor.read):
+            return None
+        bound = self._record_bound(shard)
+        return _Exceeded(planned, bound, lost) if bound is not None and planned > bound.most else None
+
     def _check_end(self, shard: int, url: str, cursor: _Cursor, stop: int | None, tail: bool) -> Iterator[Any]:
         """After a clean read: the shard must hold exactly the planned records."""
         if stop is None:
@@ -1112,7 +1138,8 @@ class ShardedDataset(_PlannedSource):
             if self.on_error == "raise":
                 raise error
             if self._makes_up(self.balance) and missing > max(MADE_UP_MISSING, cursor.read):
-                raise _count_taken_as_wrong(error, missing, cursor.read)
+                exceeded = self._exceeded_bound(shard, stop, cursor)
+                raise _count_taken_as_wrong(error, missing, cursor.read, exceeded)
             warnings.warn(f"{_plain_message(error)}; counted as missing (on_error='skip')", stacklevel=3)
             cursor.position = stop
             yield _Skipped(missing)
@@ -1148,13 +1175,45 @@ class ShardedDataset(_PlannedSource):
         )
 
 
-def _count_taken_as_wrong(error: CorruptRecordError, missing: int, read: int) -> BalanceError:
-    """The error that stops ``"pad"``/``"drop"`` from making up ``missing`` records a count lies about."""
+def _count_taken_as_wrong(
+    error: CorruptRecordError, missing: int, read: int, exceeded: _Exceeded | None = None
+) -> BalanceError:
+    """The error that stops ``"pad"``/``"drop"`` from making up ``missing`` records a count lies about
+    (``exceeded``: the count is also more than the file's size can hold, which the message adds)."""
+    beyond = "" if exceeded is None else f"; {_beyond_size(exceeded)}"
     return BalanceError(
-        f"{_plain_message(error)}. Making up {missing} records in their place (on_error='skip') would repeat "
+        f"{_plain_message(error)}{beyond}. Making up {missing} records in their place (on_error='skip') would repeat "
         f"stand-ins far past the {read} records this range read (the allowance is {MADE_UP_MISSING}), so the "
         "count is taken as wrong: fix the manifest or num_records=, or recount (count_records(), "
         "shardkit index URL)"
+    )
+
+
+class _Exceeded(NamedTuple):
+    """A planned count above the :class:`~shardkit.formats.base.RecordBound` of its file, and the
+    ``lost`` records of a range that were to be made up for it."""
+
+    planned: int
+    bound: RecordBound
+    lost: int
+
+
+def _beyond_size(exceeded: _Exceeded) -> str:
+    """The count, the file's size and the most records that size can hold, in words."""
+    size, compression, most = exceeded.bound
+    inflated = "" if compression is None else f" ({compression}, inflating up to {MAX_EXPANSION[compression]}:1)"
+    return (
+        f"its record count says {exceeded.planned}, but a file of {size} bytes{inflated} holds at most {most} records"
+    )
+
+
+def _count_beyond_size(url: str, exceeded: _Exceeded) -> BalanceError:
+    """The error that stops ``"pad"``/``"drop"`` from making up the lost rest of a range after the
+    framing broke, when the count is more than the file can hold (see :func:`~shardkit.formats.base.max_records`)."""
+    return BalanceError(
+        f"{redact_url(url)}: {_beyond_size(exceeded)}, so the count is taken as wrong. Making up the {exceeded.lost} "
+        f"records of this range it lost (on_error='skip') would repeat stand-ins far past the allowance "
+        f"({MADE_UP_MISSING}): fix the manifest or num_records=, or recount (count_records(), shardkit index URL)"
     )
 
 
@@ -1379,6 +1438,12 @@ class _FormatDataset(ShardedDataset):
             return stored
         offsets_fn = getattr(self.format, "index_offsets", None)  # an index file beside the shard
         return None if offsets_fn is None else functools.partial(_index_count, offsets_fn)
+
+    def _record_bound(self, shard: int) -> RecordBound | None:
+        try:
+            return record_bound(self.format, self.shards[shard])
+        except Exception:  # the file cannot even be stat'ed (gone, no access): no bound, the usual rules apply
+            return None
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
         hint = getattr(self.format, "prefetch", None)

@@ -46,17 +46,22 @@ import numpy as np
 
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.index import IndexFileError, implicit_index_for, write_offsets_file
-from shardkit.formats.io import open_raw
+from shardkit.formats.io import open_raw, sniff_compression
 
 __all__ = [
+    "MAX_EXPANSION",
     "BadRecord",
+    "CountBounded",
     "FormatError",
+    "RecordBound",
     "RecordWriter",
     "ResumeHint",
     "ShardFormat",
     "format_for",
     "formats",
     "load_offsets",
+    "max_records",
+    "record_bound",
     "register_format",
     "write_offsets",
 ]
@@ -97,7 +102,9 @@ class ShardFormat(Protocol):
     :class:`~shardkit.formats.index.IndexFileError` for one that does not fit),
     from which record counts are taken without a counting pass;
     ``prefetch(url, start, stop)`` and a ``remote``
-    (:class:`~shardkit.remote.RemoteOptions`) attribute open remote shards ahead.
+    (:class:`~shardkit.remote.RemoteOptions`) attribute open remote shards ahead;
+    ``record_bound(url)`` (:class:`CountBounded`) gives the most records the file's
+    size can hold, so that a count above it is not made up under ``on_error="skip"``.
     """
 
     @property
@@ -138,6 +145,74 @@ class BadRecord(NamedTuple):
     and the same iterator goes on with the next one."""
 
     error: CorruptRecordError
+
+
+# --------------------------------------------------------------------------- how many records a file can hold
+
+MAX_EXPANSION: Final[dict[str | None, int]] = {None: 1, "gzip": 1032, "zlib": 1032, "zstd": 1 << 16}
+"""The most bytes one byte of a compressed stream inflates to, per compression. Deflate (gzip, zlib)
+tops out near 1032:1 (a 258-byte match per 2 bits); zstd's densest block is an RLE block, 128 KiB from
+4 bytes (32768:1), taken twice over to be safe. A bound from these is loose but never too low."""
+
+
+def max_records(size: int, min_record_bytes: int, compression: str | None = None) -> int:
+    """The most records a file of ``size`` bytes can hold when each takes at least ``min_record_bytes``
+    of its (decompressed) stream; ``compression`` multiplies the size by :data:`MAX_EXPANSION`.
+
+    Rounded up, so that a last record without its separator (a JSON line with no newline) still fits.
+
+    Raises:
+        ValueError: a compression without a known expansion.
+    """
+    if compression not in MAX_EXPANSION:
+        raise ValueError(
+            f"no known expansion for compression {compression!r}; known: {sorted(map(str, MAX_EXPANSION))}"
+        )
+    return -(-size * MAX_EXPANSION[compression] // min_record_bytes)
+
+
+class RecordBound(NamedTuple):
+    """What a shard's size says about its record count: at most ``most`` records (see :func:`max_records`)."""
+
+    size: int
+    compression: str | None
+    most: int
+
+
+@runtime_checkable
+class CountBounded(Protocol):
+    """An optional capability of a :class:`ShardFormat`: every record takes at least some bytes, so a
+    file's size bounds its record count. A count above the bound is a lie (see :func:`record_bound`)."""
+
+    def record_bound(self, url: str) -> RecordBound | None:
+        """The most records ``url`` can hold, by its size and compression; None: no bound."""
+        ...
+
+
+def record_bound(fmt: object, url: str) -> RecordBound | None:
+    """``fmt.record_bound(url)`` for a :class:`CountBounded` format; None (no bound) for any other,
+    such as Parquet, where a row of nulls takes next to no bytes."""
+    return fmt.record_bound(url) if isinstance(fmt, CountBounded) else None
+
+
+def file_record_bound(
+    url: str, min_record_bytes: int, compression: str | None, storage_options: dict[str, Any] | None
+) -> RecordBound:
+    """The :class:`RecordBound` of the file at ``url``, for a format whose records take ``min_record_bytes``.
+
+    ``compression="auto"`` looks at the file's first bytes: a gzip, zlib or zstd start takes that
+    expansion (a plain file whose first bytes merely look like zlib gets a looser bound, never a tighter one).
+    """
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    size = int(fs.info(path)["size"])
+    if compression == "auto":
+        with open_raw(url, "rb", storage_options) as f:
+            compression = _compression_of(f.read(4))
+    return RecordBound(size, compression, max_records(size, min_record_bytes, compression))
+
+
+def _compression_of(head: bytes) -> str | None:
+    return "zstd" if head == b"\x28\xb5\x2f\xfd" else sniff_compression(head)
 
 
 _REGISTRY: dict[str, ShardFormat] = {}

@@ -39,7 +39,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.base import ResumeHint, load_offsets, write_offsets
+from shardkit.formats.base import RecordBound, ResumeHint, file_record_bound, load_offsets, write_offsets
 from shardkit.formats.index import IndexFileError, index_path_for
 from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
 from shardkit.remote import RemoteOptions
@@ -291,6 +291,14 @@ class JsonlFormat:
         if start >= len(offsets):
             return start + 1, 0
         return start, int(offsets[start])
+
+    min_record_bytes: Final = 2
+    """A record is a non-blank line: one character and the newline that ends it (the last may lack
+    it, which :func:`~shardkit.formats.base.max_records` allows for by rounding up)."""
+
+    def record_bound(self, url: str) -> RecordBound:
+        """The most records ``url`` can hold by its size (see :func:`~shardkit.formats.base.max_records`)."""
+        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options)
 
     def index_offsets(self, url: str) -> np.ndarray | None:
         """The record offsets of ``url`` from its index file, checked against the file; None without one.

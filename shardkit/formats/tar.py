@@ -63,7 +63,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError, redact_url
-from shardkit.formats.base import ResumeHint, load_offsets, write_offsets
+from shardkit.formats.base import RecordBound, ResumeHint, file_record_bound, load_offsets, write_offsets
 from shardkit.formats.index import IndexFileError, index_path_for
 from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
 from shardkit.remote import RemoteOptions
@@ -720,6 +720,13 @@ class TarFormat:
         compressed = raw.read(2) == b"\x1f\x8b"
         raw.seek(0)
         return compressed
+
+    min_record_bytes: Final = _BLOCK
+    """A sample is at least one member, and a member at least its 512-byte header (empty data)."""
+
+    def record_bound(self, url: str) -> RecordBound:
+        """The most samples ``url`` can hold by its size (see :func:`~shardkit.formats.base.max_records`)."""
+        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options)
 
     def index_offsets(self, url: str) -> np.ndarray | None:
         """The record offsets of ``url`` from its index file, checked against the file; None without one.

@@ -42,7 +42,7 @@ import itertools
 import os
 import struct
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 from fsspec.implementations.local import LocalFileOpener
@@ -62,6 +62,9 @@ from shardkit.formats.io import (
 )
 from shardkit.formats.sniff import describe_file
 from shardkit.remote import RemoteOptions
+
+if TYPE_CHECKING:  # base imports this module (through index): the annotation only
+    from shardkit.formats.base import RecordBound
 
 __all__ = [
     "TFRecordFormat",
@@ -877,6 +880,15 @@ class TFRecordFormat:
         after = np.zeros(error.record_index + 2, dtype=np.int64)
         after[-1] = error.offset + _unpack_length(header)[0] + _OVERHEAD
         return _SHARD_ENDS if after[-1] >= size else after
+
+    min_record_bytes: Final = 16
+    """An empty record still takes its 8-byte length and two 4-byte CRCs."""
+
+    def record_bound(self, url: str) -> RecordBound:
+        """The most records ``url`` can hold by its size (see :func:`~shardkit.formats.base.max_records`)."""
+        from shardkit.formats.base import file_record_bound
+
+        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options)
 
     def index_offsets(self, url: str) -> np.ndarray | None:
         """The record offsets from ``url``'s index file, checked against the file; None when there
