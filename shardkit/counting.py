@@ -527,10 +527,12 @@ def readable_count(url: str, read_fn: ReadFn, broke: CorruptRecordError) -> int:
             count += 1
     except Exception as error:  # noqa: BLE001 - where reading breaks is the count
         reason = error
+    where = "" if str(reason) == str(broke) else f" ({redact(str(reason))})"  # the same break: said once
+    named = "" if url in str(broke) else f"{redact_url(url)}: "  # a CorruptRecordError's text starts with its url
     warnings.warn(
-        f"shardkit: the records of {redact_url(url)} cannot be counted ({redact(str(broke))}); it is counted as "
-        f"the {count} records reading yields before it breaks ({redact(str(reason))}), on_error='skip'. "
-        "Restore or rewrite the file to read it whole",
+        f"shardkit: cannot count the records of a shard: {named}{redact(str(broke))}. It is counted as the "
+        f"{count} records reading yields before it breaks{where} (on_error='skip'); reading it counts the break "
+        "in stats(). Restore or rewrite the file to read it whole",
         stacklevel=2,
     )
     return count

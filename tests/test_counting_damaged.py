@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import pyarrow as pa
 import pytest
 
 from shardkit import CorruptRecordError, JsonlDataset, ParquetDataset, TarDataset, TFRecordDataset, TFRecordWriter
+from shardkit.counting import readable_count
 from tests.helpers import (
+    assert_split,
+    ids_per_rank,
+    rank_factory,
     record_offsets,
     sample_id,
     write_jsonl_shards,
@@ -196,3 +202,52 @@ def test_a_damaged_count_is_not_cached_as_sound_and_a_repaired_file_is_recounted
     ranks, stats = read_ranks(case, urls)
     assert sorted(set(s for rank in ranks for s in rank)) == [f"r{n:05d}" for n in range(sum(SIZES))]
     assert sum(s.total_errors for s in stats) == 0
+
+
+def test_a_damaged_count_is_counted_again_next_time_not_taken_from_the_counts_cache(tmp_path, counts_cache_dir):
+    case = CASES["tar cut mid-member"]
+    urls = case.write(str(tmp_path), SIZES)
+    case.damage(urls[DAMAGED])
+    for _ in range(2):  # the second dataset finds the sound shards cached, the damaged one not
+        with pytest.warns(UserWarning, match="part-001.tar"):
+            dataset = case.dataset(urls, rank=0, world_size=2, balance="pad", on_error="skip").count_records()
+        assert dataset.shards.num_records.tolist() == [6, 5, 5]
+    (cache,) = Path(counts_cache_dir).glob("counts-*.arrow")
+    table = pa.ipc.open_file(pa.OSFile(str(cache), "rb")).read_all()
+    assert table.column("identity").null_count == 1 and table.column("identity")[DAMAGED].as_py() is None
+
+
+def test_sample_level_shuffling_over_a_damaged_shard_reads_every_sound_record_once(damaged):
+    case, urls, readable = damaged
+    if not case.count_breaks:
+        pytest.skip("the count does not break: reading makes up what is lost, as test_a_pad_job... shows")
+    with pytest.warns(UserWarning, match="part-001"):
+        dataset = case.dataset(urls, shuffle=True, seed=5, on_error="skip", **case.options)
+        seen = [sample_id(sample) for sample in dataset]
+    assert sorted(seen) == sorted(readable)
+
+
+def test_two_ranks_with_dataloader_workers_each_counting_still_read_every_sound_record(tmp_path):
+    case = CASES["jsonl.gz cut mid-stream"]
+    urls = case.write(str(tmp_path), SIZES)
+    case.damage(urls[DAMAGED])
+    readable = readable_ids(case, urls)
+    make = rank_factory(case.dataset, urls, balance="pad", on_error="skip", shuffle=True, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the workers' warnings stay in the workers
+        ranks = ids_per_rank(make, world_size=2, num_workers=2)
+    assert_split(ranks, readable, "pad")
+
+
+def test_the_counting_warning_names_the_shard_without_its_credentials():
+    url = "https://user:s3cr3tpw@host.example/part-001.tar?X-Amz-Signature=SIGabc"
+
+    def read_two(url: str, start: int, stop: int | None):
+        yield from ("a", "b")
+        raise CorruptRecordError(url, 2, 1024, "the file ends without the end-of-archive marker")
+
+    broke = CorruptRecordError(url, 2, 1024, "the file ends without the end-of-archive marker")
+    with pytest.warns(UserWarning, match=r"part-001.tar.*record 2.*counted as the 2 records reading yields") as got:
+        assert readable_count(url, read_two, broke) == 2
+    text = str(got[0].message)
+    assert "s3cr3tpw" not in text and "SIGabc" not in text and "host.example/part-001.tar" in text
