@@ -23,7 +23,9 @@ the seed and the epoch. In order of preference the counts come from:
    filesystem reports), then ``count_fn(url)`` for the others only — for
    TFRecord, the index file when there is a valid one, else a fast framing
    scan. When ``torch.distributed`` is initialised the shards are shared out
-   over the ranks and the counts all-gathered;
+   over the ranks and the counts all-gathered. Under ``on_error="skip"`` a
+   shard that breaks while counted counts as what reading it yields
+   (:func:`readable_count`), and that count is not cached;
 4. else the counts stay unknown, and plans deal whole shards.
 
 The cache never turns unknown counts into known ones: it is per machine and
