@@ -228,7 +228,7 @@ def resolve_counts(
             "(ShardList.from_manifest, written by ShardWriter or ShardList.to_manifest), "
             "pass count_fn=, or use balance='none' to deal out whole shards"
         )
-    if missing.size:
+    if missing.size and count_fn is not None:  # None with shards missing raised above
         logger.warning(
             "shardkit: counting the records of %d shards once (index files where present, else a framing scan), for %s",
             missing.size,
@@ -385,9 +385,9 @@ def counts_from_indexes(
     for i in missing:
         found = probed.get(int(i))
         found = count_one(shards[int(i)]) if found is None else found
-        if found.count is None:
+        if found.records is None:
             return None
-        counts[i] = found.count
+        counts[i] = found.records
         damaged += [int(i)] if found.damaged else []
     if missing.size:
         logger.info("shardkit: record counts of %d shards from their index files or footers", missing.size)
@@ -408,7 +408,7 @@ def _probe_first(
         return {}
     first = int(np.flatnonzero(~shards.known_counts)[0])
     found = stored_count(shards[first])
-    return None if found.count is None else {first: found}
+    return None if found.records is None else {first: found}
 
 
 class _Cached:
@@ -491,7 +491,7 @@ def _union_over_ranks(missing: np.ndarray) -> np.ndarray:
 class _Counted(NamedTuple):
     """One shard's count (None: it has none stored), and whether it was taken from a damaged file."""
 
-    count: int | None
+    records: int | None
     damaged: bool
 
 
@@ -559,7 +559,7 @@ def _count(shards: ShardList, missing: np.ndarray, count_fn: Callable[[str], _Co
             local.update(part or {})
     found = [local[int(i)] for i in missing]
     return _Counts(
-        np.array([int(f.count or 0) for f in found], dtype=np.int64), np.array([f.damaged for f in found], dtype=bool)
+        np.array([int(f.records or 0) for f in found], dtype=np.int64), np.array([f.damaged for f in found], dtype=bool)
     )
 
 

@@ -220,7 +220,7 @@ def test_a_damaged_count_is_counted_again_next_time_not_taken_from_the_counts_ca
 def test_sample_level_shuffling_over_a_damaged_shard_reads_every_sound_record_once(damaged):
     case, urls, readable = damaged
     if not case.count_breaks:
-        pytest.skip("the count does not break: reading makes up what is lost, as test_a_pad_job... shows")
+        pytest.skip("the count does not break here: reading makes up what is lost (see the pad job test)")
     with pytest.warns(UserWarning, match="part-001"):
         dataset = case.dataset(urls, shuffle=True, seed=5, on_error="skip", **case.options)
         seen = [sample_id(sample) for sample in dataset]
