@@ -23,7 +23,9 @@ the seed and the epoch. In order of preference the counts come from:
    filesystem reports), then ``count_fn(url)`` for the others only — for
    TFRecord, the index file when there is a valid one, else a fast framing
    scan. When ``torch.distributed`` is initialised the shards are shared out
-   over the ranks and the counts all-gathered;
+   over the ranks and the counts all-gathered. Under ``on_error="skip"`` a
+   shard that breaks while counted counts as what reading it yields
+   (:func:`readable_count`), and that count is not cached;
 4. else the counts stay unknown, and plans deal whole shards.
 
 The cache never turns unknown counts into known ones: it is per machine and
@@ -61,20 +63,22 @@ write a manifest (:meth:`ShardList.to_manifest`) instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import posixpath
 import uuid
+import warnings
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc  # its functions are generated at import: pyright sees some, not all
 
-from shardkit.errors import ShardkitError, redact
+from shardkit.errors import CorruptRecordError, ShardkitError, redact, redact_url
 from shardkit.jobstore import group_store, job_key, once_per_job
 from shardkit.shardlist import ShardList
 
@@ -84,6 +88,20 @@ CACHE_ENV = "SHARDKIT_CACHE_DIR"
 
 CountFn = Callable[[str], int]
 StoredCountFn = Callable[[str], "int | None"]
+#: ``read_fn(url, start, stop)``, a source's reader.
+ReadFn = Callable[[str, int, "int | None"], Iterable[Any]]
+OnError = Literal["raise", "skip"]
+
+
+class Salvage(NamedTuple):
+    """How a source counts a shard it finds damaged under ``on_error="skip"``: as the records its reader
+    (``read``, the source's ``read_fn``) yields before the break (:func:`readable_count`). ``damaged(url,
+    count)`` is told of each such shard in the process that counted it: a source counts the error there of
+    one that reads as empty, since no plan then opens it."""
+
+    read: ReadFn
+    damaged: Callable[[str, int], None] | None = None
+
 
 #: Keys of an fsspec ``info`` dict that change when a file's content may have:
 #: local (mtime, inode, ctime), S3 (ETag, VersionId, LastModified), GCS
@@ -173,6 +191,8 @@ def resolve_counts(
     why: str,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
+    on_error: OnError = "raise",
+    salvage: Salvage | None = None,
 ) -> ShardList:
     """``shards`` with every record count filled in.
 
@@ -184,10 +204,16 @@ def resolve_counts(
         storage_options: fsspec options, to read the shards' identities.
         cache_dir: where to cache counts (default: see :func:`cache_dir`;
             ``""`` turns the cache off).
+        on_error: the source's policy. Under ``"skip"`` a shard whose count
+            breaks (a :class:`~shardkit.CorruptRecordError`) counts as the
+            records its reader yields (``salvage``, :func:`readable_count`); that
+            count is not cached, so the file is counted again next time.
+        salvage: how, for ``on_error="skip"`` (without it, damage raises).
 
     Raises:
         CountsUnavailableError: counts are missing, not cached for the files
             as they are now, and ``count_fn`` is None.
+        CorruptRecordError: a shard cannot be counted (under ``"raise"``).
     """
     if shards.num_records is not None:
         return shards
@@ -202,13 +228,15 @@ def resolve_counts(
             "(ShardList.from_manifest, written by ShardWriter or ShardList.to_manifest), "
             "pass count_fn=, or use balance='none' to deal out whole shards"
         )
-    if missing.size:
+    if missing.size and count_fn is not None:  # None with shards missing raised above
         logger.warning(
             "shardkit: counting the records of %d shards once (index files where present, else a framing scan), for %s",
             missing.size,
             redact(why),
         )
-        counts[missing] = _count(shards, missing, count_fn)  # type: ignore[arg-type]
+        counted = _count(shards, missing, functools.partial(_counted, count_fn, on_error=on_error, salvage=salvage))
+        counts[missing] = counted.counts
+        cached.forget(missing[counted.damaged])
         cached.write(shards)
     return shards.with_num_records(counts)
 
@@ -222,6 +250,8 @@ def plan_counts(
     why: str,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
+    on_error: OnError = "raise",
+    salvage: Salvage | None = None,
 ) -> ShardList:
     """The record counts a plan uses: the one place sources resolve them, the same way in every
     rank and DataLoader worker, whichever of ``len()``, ``state_dict()`` or iteration came first.
@@ -245,23 +275,33 @@ def plan_counts(
     Raises:
         IndexFileError: an index does not fit its shard; see :func:`counts_from_indexes`.
         CountsUnavailableError: see :func:`resolve_counts`.
+
+    ``on_error`` and ``salvage``: a shard that cannot be counted, see :func:`resolve_counts`.
     """
     if shards.num_records is not None:
         return shards
+    policy: dict[str, Any] = {"on_error": on_error, "salvage": salvage}
     if stored_count is not None:
-        stored = counts_from_indexes(shards, stored_count, storage_options=storage_options, cache_dir=cache_dir)
+        stored = counts_from_indexes(
+            shards, stored_count, storage_options=storage_options, cache_dir=cache_dir, **policy
+        )
         if stored is not None:
             return stored
     if not required:
         return shards
-    return resolve_counts(shards, count_fn, why=why, storage_options=storage_options, cache_dir=cache_dir)
+    return resolve_counts(shards, count_fn, why=why, storage_options=storage_options, cache_dir=cache_dir, **policy)
 
 
 _STORED, _NONE = b"stored:", b"none:"  # the answers shared_stored_counts shares
 
 
 def shared_stored_counts(
-    shards: ShardList, stored_count: StoredCountFn, *, storage_options: dict[str, Any] | None = None
+    shards: ShardList,
+    stored_count: StoredCountFn,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    on_error: OnError = "raise",
+    salvage: Salvage | None = None,
 ) -> ShardList | None:
     """:func:`counts_from_indexes` once per job under a process group (:func:`~shardkit.jobstore.once_per_job`):
     the first rank to build a dataset over ``shards`` looks the stored counts up and shares its answer,
@@ -282,7 +322,9 @@ def shared_stored_counts(
         return None
 
     def work() -> tuple[ShardList, bytes]:
-        found = counts_from_indexes(shards, stored_count, storage_options=storage_options)
+        found = counts_from_indexes(
+            shards, stored_count, storage_options=storage_options, on_error=on_error, salvage=salvage
+        )
         counts = None if found is None else found.num_records
         if found is None or counts is None:
             return shards, _NONE
@@ -308,6 +350,8 @@ def counts_from_indexes(
     *,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
+    on_error: OnError = "raise",
+    salvage: Salvage | None = None,
 ) -> ShardList | None:
     """``shards`` with every count filled in from the counts stored with the shards; None as soon
     as a shard has none. Nothing is counted by a scan, nothing collective.
@@ -319,33 +363,43 @@ def counts_from_indexes(
     again; an entry from a scan does not (the shard may have no index). Counts
     taken from the shards go to the cache, marked as stored.
 
+    A file whose stored count cannot be read (a Parquet footer destroyed) raises
+    its :class:`~shardkit.CorruptRecordError`, or under ``on_error="skip"``
+    counts as what its reader yields (``salvage``), uncached (see :func:`resolve_counts`).
+
     Raises:
         IndexFileError: an index does not fit its shard (stale, damaged); its
             message names the fix (rebuild it, delete it, or ``index=False``).
     """
     if shards.num_records is not None:
         return shards
-    probed = _probe_first(shards, stored_count, cache_dir)
+    count_one = functools.partial(_counted, stored_count, on_error=on_error, salvage=salvage)
+    probed = _probe_first(shards, count_one, cache_dir)
     if probed is None:
         return None
     cached = _Cached.read(shards, storage_options, cache_dir)
     known = shards.known_counts | cached.stored
     counts = np.where(known, cached.counts, 0)
     missing = np.flatnonzero(~known)
+    damaged = []
     for i in missing:
-        count = probed.get(int(i))
-        count = stored_count(shards[int(i)]) if count is None else count
-        if count is None:
+        found = probed.get(int(i))
+        found = count_one(shards[int(i)]) if found is None else found
+        if found.records is None:
             return None
-        counts[i] = count
+        counts[i] = found.records
+        damaged += [int(i)] if found.damaged else []
     if missing.size:
         logger.info("shardkit: record counts of %d shards from their index files or footers", missing.size)
         cached.counts, cached.stored[missing] = counts, True
+        cached.forget(np.array(damaged, dtype=np.int64))
         cached.write(shards)
     return shards.with_num_records(counts)
 
 
-def _probe_first(shards: ShardList, stored_count: StoredCountFn, cache_dir: str | None) -> dict[int, int] | None:
+def _probe_first(
+    shards: ShardList, stored_count: Callable[[str], _Counted], cache_dir: str | None
+) -> dict[int, _Counted] | None:
     """The stored count of the first shard lacking one when no counts cache exists (None: it has
     none, so neither have the counts): settles the usual case of shards without indexes with one
     probe, before the cache's file identities cost a stat per shard or a listing per directory."""
@@ -353,8 +407,8 @@ def _probe_first(shards: ShardList, stored_count: StoredCountFn, cache_dir: str 
     if path is not None and os.path.exists(path):
         return {}
     first = int(np.flatnonzero(~shards.known_counts)[0])
-    count = stored_count(shards[first])
-    return None if count is None else {first: count}
+    found = stored_count(shards[first])
+    return None if found.records is None else {first: found}
 
 
 class _Cached:
@@ -373,6 +427,12 @@ class _Cached:
             _identities(shards, storage_options) if path is not None else [None] * len(shards)
         )
         return cls(path, identities, _known_counts(shards, path, identities))
+
+    def forget(self, damaged: np.ndarray) -> None:
+        """Cache no count for the ``damaged`` shards (counted as what reading them yields): without an
+        identity their rows never match, so the files are counted again, repaired or not."""
+        for i in damaged.tolist():
+            self.identities[i] = None
 
     def write(self, shards: ShardList) -> None:
         """Keep ``counts`` in the cache, bound to each file's identity (where one is known)."""
@@ -428,24 +488,79 @@ def _union_over_ranks(missing: np.ndarray) -> np.ndarray:
     return np.unique(np.concatenate([part for part in gathered if part is not None]))
 
 
-def _count(shards: ShardList, missing: np.ndarray, count_fn: CountFn) -> np.ndarray:
+class _Counted(NamedTuple):
+    """One shard's count (None: it has none stored), and whether it was taken from a damaged file."""
+
+    records: int | None
+    damaged: bool
+
+
+class _Counts(NamedTuple):
+    """The counts of the shards counted, in order, and a mask of those taken from damaged files."""
+
+    counts: np.ndarray
+    damaged: np.ndarray
+
+
+def _counted(
+    count_fn: Callable[[str], int | None], url: str, *, on_error: OnError, salvage: Salvage | None
+) -> _Counted:
+    """``count_fn(url)``; under ``on_error="skip"`` a file it finds damaged counts as what reading it yields."""
+    try:
+        count = count_fn(url)
+    except CorruptRecordError as error:  # damage to the file: other errors (an index that does not fit) still raise
+        if on_error == "raise" or salvage is None:
+            raise
+        readable = readable_count(url, salvage.read, error)
+        if salvage.damaged is not None:
+            salvage.damaged(url, readable)
+        return _Counted(readable, True)
+    return _Counted(None if count is None else int(count), False)
+
+
+def readable_count(url: str, read_fn: ReadFn, broke: CorruptRecordError) -> int:
+    """The records ``read_fn`` yields from ``url`` before it breaks, for a shard whose count ``broke``
+    (``on_error="skip"``), with a warning naming the shard, where and why. A bad record read past (a
+    :class:`~shardkit.formats.base.BadRecord`) counts: it keeps its place, as when the shard is read. So
+    the plan reads exactly what the shard holds and its ranks stay equal; reading it counts the break."""
+    count, reason = 0, broke
+    try:
+        for _ in read_fn(url, 0, None):
+            count += 1
+    except Exception as error:  # noqa: BLE001 - where reading breaks is the count
+        reason = error
+    where = "" if str(reason) == str(broke) else f" ({redact(str(reason))})"  # the same break: said once
+    named = "" if url in str(broke) else f"{redact_url(url)}: "  # a CorruptRecordError's text starts with its url
+    warnings.warn(
+        f"shardkit: cannot count the records of a shard: {named}{redact(str(broke))}. It is counted as the "
+        f"{count} records reading yields before it breaks{where} (on_error='skip'); reading it counts the break "
+        "in stats(). Restore or rewrite the file to read it whole",
+        stacklevel=2,
+    )
+    return count
+
+
+def _count(shards: ShardList, missing: np.ndarray, count_fn: Callable[[str], _Counted]) -> _Counts:
     """Count the ``missing`` shards, shared out over the ranks when distributed."""
     import torch.distributed as dist
 
     distributed = _distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     mine = missing[rank::world]
-    local: dict[int, int] = {}
+    local: dict[int, _Counted] = {}
     with _counting_bar(len(mine)) as bar:
         for i in mine:
-            local[int(i)] = int(count_fn(shards[int(i)]))
+            local[int(i)] = count_fn(shards[int(i)])
             bar.update()
     if distributed:
-        gathered: list[dict[int, int] | None] = [None] * world
+        gathered: list[dict[int, _Counted] | None] = [None] * world
         dist.all_gather_object(gathered, local)
         for part in gathered:
             local.update(part or {})
-    return np.array([local[int(i)] for i in missing], dtype=np.int64)
+    found = [local[int(i)] for i in missing]
+    return _Counts(
+        np.array([int(f.records or 0) for f in found], dtype=np.int64), np.array([f.damaged for f in found], dtype=bool)
+    )
 
 
 def _counting_bar(total: int) -> Any:

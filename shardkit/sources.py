@@ -34,12 +34,21 @@ import pickle
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
-from shardkit.counting import CountFn, StoredCountFn, plan_counts, resolve_counts, shared_stored_counts
+from shardkit.counting import (
+    CountFn,
+    OnError,
+    ReadFn,
+    Salvage,
+    StoredCountFn,
+    plan_counts,
+    resolve_counts,
+    shared_stored_counts,
+)
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError, redact, redact_url
 from shardkit.formats.base import MAX_EXPANSION, BadRecord, RecordBound, record_bound
@@ -92,8 +101,6 @@ from shardkit.trainers import check_dataloader_len
 
 logger = logging.getLogger("shardkit")
 
-OnError = Literal["raise", "skip"]
-ReadFn = Callable[[str, int, "int | None"], Iterable[Any]]
 _NOTHING = object()
 
 
@@ -939,7 +946,9 @@ class ShardedDataset(_PlannedSource):
         building the DataLoader so that workers do not each count; the counts are
         also kept in the counts cache (see :mod:`shardkit.counting`).
         """
-        self.shards = resolve_counts(self.shards, self.count_fn, why=repr(self), storage_options=self.storage_options)
+        self.shards = resolve_counts(
+            self.shards, self.count_fn, why=repr(self), storage_options=self.storage_options, **self._count_policy()
+        )
         return self
 
     def stats(self) -> ReadStats:
@@ -973,9 +982,21 @@ class ShardedDataset(_PlannedSource):
             stored_count = None if self._stored_shared else self._stored_count()
             self.shards = plan_counts(
                 self.shards, stored_count=stored_count, count_fn=self.count_fn, required=required,
-                why=repr(self), storage_options=self.storage_options,
+                why=repr(self), storage_options=self.storage_options, **self._count_policy(),
             )  # fmt: skip
         return self.shards.num_records
+
+    def _count_policy(self) -> dict[str, Any]:
+        """What counting does with a shard it cannot count: raise, or under ``on_error="skip"`` count what
+        ``read_fn`` yields from it, so that the plan reads exactly that (see :func:`~shardkit.counting.resolve_counts`)."""
+        return {"on_error": self.on_error, "salvage": Salvage(self.read_fn, self._counted_damaged)}
+
+    def _counted_damaged(self, url: str, count: int) -> None:
+        """Count the error of a damaged shard counted as empty: no plan opens it, so reading never will. (One
+        counted as holding records has its break met, and counted, by the range that reads to its end.)"""
+        if count == 0:
+            for shard in np.flatnonzero(self.shards.table.column("url").to_numpy(zero_copy_only=False) == url):
+                self._stats.add(int(shard), errors=1)
 
     def _share_stored_counts(self) -> None:
         """Under a process group, take the stored counts once per job, as the first rank to build a dataset
@@ -983,7 +1004,9 @@ class ShardedDataset(_PlannedSource):
         and worker plans with the same counts and DataLoader workers look nothing up."""
         stored_count = self._stored_count() if self.shards.num_records is None else None
         if stored_count is not None:
-            shared = shared_stored_counts(self.shards, stored_count, storage_options=self.storage_options)
+            shared = shared_stored_counts(
+                self.shards, stored_count, storage_options=self.storage_options, **self._count_policy()
+            )
             if shared is not None:
                 self.shards, self._stored_shared = shared, True
 
