@@ -54,7 +54,9 @@ def main() -> None:
     parser.add_argument("--context", default="fork", choices=("fork", "spawn", "forkserver"))
     parser.add_argument("--balance", default="pad", choices=("none", "pad", "drop"))
     args = parser.parse_args()
-    gloo_ranks(run, args.world_size, args.context, args.balance)
+    # Ranks forked (a spawned rank imports torch again, seconds each); --context is how each
+    # rank's DataLoader starts its workers, the thing checked.
+    gloo_ranks(run, args.world_size, args.context, args.balance, start_method="fork")
 
 
 if __name__ == "__main__":

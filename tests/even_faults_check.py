@@ -58,7 +58,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:
-        gloo_ranks(run, 2, args.fault, args.timeout, args.out, collective_timeout=args.timeout)
+        # forked ranks: a spawned rank imports torch again, seconds each
+        gloo_ranks(run, 2, args.fault, args.timeout, args.out, collective_timeout=args.timeout, start_method="fork")
     except Exception as error:  # noqa: BLE001 - a rank that exits on purpose fails the join
         print(f"join: {type(error).__name__}: {error}", file=sys.stderr)
     reports = []

@@ -234,67 +234,85 @@ SCRIPT = textwrap.dedent(
     import shardkit
     from shardkit.state import gather
     from tests.helpers import positional_read, positional_shards
-    from torchdata.stateful_dataloader import StatefulDataLoader
 
-    mode, balance, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    # One process group runs every balance in turn: a torchrun start (a launcher and a
+    # Python per rank importing torch) costs seconds, a balance's epoch far less.
+    mode, balances, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    source = shardkit.ShardedDataset(positional_shards({counts}), positional_read, shuffle=True, seed=9, balance=balance)
-    source.shuffle_block, source.shuffle_window = 32, 200
     workers = int(os.environ["WORKERS"])
-    if mode == "save":
-        loader = shardkit.MixedLoader(source, 10, num_workers=workers, micro_batch_size=5)
-        delivered = []
-        for count, batch in enumerate(loader, 1):
-            delivered += batch.tolist()
-            if count == 25 + 7 * rank:
-                state = loader.state_dict()
-                break
-        assert not state["carry"], "batches of whole micro-batches leave nothing cut"
-        merged = gather(state)
-        if rank == 0:
-            json.dump(merged, open(out + ".state", "w"))
-    else:
-        source.load_state_dict(json.load(open(out + ".state")))
-        loader = DataLoader(source, batch_size=None, num_workers=workers)
-        delivered = [int(s) for s in loader]
-    json.dump(delivered, open(f"{{out}}.{{mode}}.{{rank}}", "w"))
-    dist.barrier()
+    for balance in balances:
+        source = shardkit.ShardedDataset(
+            positional_shards({counts}), positional_read, shuffle=True, seed=9, balance=balance
+        )
+        source.shuffle_block, source.shuffle_window = 32, 200
+        if mode == "save":
+            loader = shardkit.MixedLoader(source, 10, num_workers=workers, micro_batch_size=5)
+            delivered = []
+            for count, batch in enumerate(loader, 1):
+                delivered += batch.tolist()
+                if count == 25 + 7 * rank:
+                    state = loader.state_dict()
+                    break
+            del loader  # its workers end before the next balance's start
+            assert not state["carry"], "batches of whole micro-batches leave nothing cut"
+            merged = gather(state)
+            if rank == 0:
+                json.dump(merged, open(f"{{out}}.{{balance}}.state", "w"))
+        else:
+            source.load_state_dict(json.load(open(f"{{out}}.{{balance}}.state")))
+            loader = DataLoader(source, batch_size=None, num_workers=workers)
+            delivered = [int(s) for s in loader]
+        json.dump(delivered, open(f"{{out}}.{{balance}}.{{mode}}.{{rank}}", "w"))
+        dist.barrier()
     dist.destroy_process_group()
     """
 )
+BALANCES = ("none", "pad", "drop")
+NEW_WORLDS = [(3, 1), (1, 3)]
 
 
-def _torchrun(tmp_path: Path, mode: str, ranks: int, workers: int, balance: str) -> None:
-    script = tmp_path / "elastic_ddp.py"
+def _torchrun(root: Path, mode: str, ranks: int, workers: int) -> None:
+    script = root / "elastic_ddp.py"
     script.write_text(SCRIPT.format(repo=str(REPO), counts=COUNTS))
     env = {**os.environ, "WORKERS": str(workers), "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     done = subprocess.run(
-        [*command, str(script), mode, balance, str(tmp_path / "run")],
+        [*command, str(script), mode, ",".join(BALANCES), str(root / "run")],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
         env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def _delivered(tmp_path: Path, mode: str, ranks: int) -> list[list[int]]:
-    return [json.loads((tmp_path / f"run.{mode}.{rank}").read_text()) for rank in range(ranks)]
+def _delivered(root: Path, balance: str, mode: str, ranks: int) -> list[list[int]]:
+    return [json.loads((root / f"run.{balance}.{mode}.{rank}").read_text()) for rank in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks of two workers save mid-epoch, then 3 ranks of 1 worker and 1 rank of 3 resume,
+    every balance in each run: 3 torchruns, not 2 per case (the save run is the same for both new worlds)."""
+    root = tmp_path_factory.mktemp("elastic")
+    _torchrun(root, "save", 2, 2)
+    for ranks, workers in NEW_WORLDS:
+        _torchrun(root, f"load{ranks}x{workers}", ranks, workers)
+    return root
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
-@pytest.mark.parametrize("new", [(3, 1), (1, 3)])
-def test_two_ranks_of_two_workers_resume_on_another_world(tmp_path: Path, balance: str, new: tuple[int, int]) -> None:
-    _torchrun(tmp_path, "save", 2, 2, balance)
-    before = [p for part in _delivered(tmp_path, "save", 2) for p in part]
-    state = json.loads((tmp_path / "run.state").read_text())
+@pytest.mark.timeout(900)  # the first case waits for the three torchruns of elastic_runs
+@pytest.mark.parametrize("balance", BALANCES)
+@pytest.mark.parametrize("new", NEW_WORLDS)
+def test_two_ranks_of_two_workers_resume_on_another_world(
+    elastic_runs: Path, balance: str, new: tuple[int, int]
+) -> None:
+    before = [p for part in _delivered(elastic_runs, balance, "save", 2) for p in part]
+    state = json.loads((elastic_runs / f"run.{balance}.state").read_text())
     owed = owed_samples(state)
-    _torchrun(tmp_path, "load", *new, balance)
-    after = _delivered(tmp_path, "load", new[0])
+    after = _delivered(elastic_runs, balance, f"load{new[0]}x{new[1]}", new[0])
     got = Counter(p for part in after for p in part)
     assert balance == "pad" or not owed & set(before)
     if balance == "none":

@@ -367,6 +367,7 @@ def test_what_a_planned_reader_has_left_is_the_union_of_its_unread_ranges(counts
     cut = data.draw(st.integers(0, size))
     intervals = [(cut, size), (0, cut)]  # out of order, as a resumed reader's may be
     planned = plan_intervals(counts, Topology(0, world), intervals, shuffle=shuffle, seed=seed, block_size=5)
+    pieces = list(planned)  # once, not once per index
     for index in range(len(planned) + 1):
         if index < len(planned):
             length = planned.ranges[index].stop - planned.ranges[index].start
@@ -375,6 +376,6 @@ def test_what_a_planned_reader_has_left_is_the_union_of_its_unread_ranges(counts
             done = 0
         left = [
             (position + (done if i == index else 0), position + piece.stop - piece.start)
-            for i, (position, piece) in enumerate(list(planned)[index:], start=index)
+            for i, (position, piece) in enumerate(pieces[index:], start=index)
         ]
         assert planned.remaining(index, done) == union(left)

@@ -35,6 +35,7 @@ def test_the_tree_is_ruff_formatted():
     assert done.returncode == 0, "run `.venv/bin/ruff format .`:\n" + done.stdout + done.stderr
 
 
+@pytest.mark.slow  # 10-25 s of type analysis: the biggest single cost of -m "not slow"; CI runs it
 def test_the_package_has_no_basedpyright_errors():
     # pyright's standard mode over shardkit/ (pyproject.toml); the interpreter is this one, so
     # torch, numpy and pyarrow resolve to what the tests run against.
