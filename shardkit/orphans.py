@@ -15,10 +15,15 @@ workers started from a short-lived thread would be killed while their loader
 lives; and it is Linux only. The watchdog costs a ``getppid`` every 0.2 s.
 
 DataLoader also SIGTERMs workers that do not exit within 5 s of being told to
-(after a worker's error, the iterator left to the garbage collector): a
+(after a worker's error, the iterator left to the garbage collector), and so
+does multiprocessing, at exit, to the workers of loaders still alive: a
 SIGTERM skips every exit hook, so those workers left their temporary files. A
 worker with the default SIGTERM action gets a handler that deletes them and
-then dies of the same SIGTERM, so its exit status is what DataLoader expects.
+then exits with status 0. Not by dying of the signal again: the cleanup makes
+the death a moment late, so the exiting parent's SIGCHLD handler (DataLoader's)
+runs before it reaps the worker, sees "killed by signal: Terminated" and fails
+the parent's exit. A worker that ends with status 0 while its loader still
+waits for it is reported by DataLoader all the same ("exited unexpectedly").
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def guard_worker() -> None:
         return
     on_main_thread = threading.current_thread() is threading.main_thread()
     if on_main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _clean_up_then_die)
+        signal.signal(signal.SIGTERM, _clean_up_then_exit)
     watchdog = threading.Thread(
         target=_watch, args=(parent, os.getppid()), name="shardkit-orphan-watchdog", daemon=True
     )
@@ -71,12 +76,11 @@ def _exit_orphaned() -> None:
         os._exit(1)
 
 
-def _clean_up_then_die(signum: int, frame: object) -> None:
+def _clean_up_then_exit(signum: int, frame: object) -> None:
     try:
         _remove_what_this_process_made()
     finally:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        os._exit(0)
 
 
 def _remove_what_this_process_made() -> None:

@@ -219,3 +219,45 @@ def test_workers_orphaned_while_filling_the_cache_leave_no_temporary_file_or_loc
 
 def _names(directory) -> list[str]:  # type: ignore[no-untyped-def]
     return os.listdir(directory) if os.path.isdir(directory) else []
+
+
+_LEFT_MID_EPOCH = """
+import multiprocessing, sys
+import shardkit
+from torch.utils.data import DataLoader
+from tests.test_remote_reads import write_shard
+
+def rank(urls, kind):
+    dataset = shardkit.TFRecordDataset(urls, decode="raw", index=False)
+    if kind == "dataloader":
+        loader = DataLoader(dataset, batch_size=4, num_workers=2)
+    else:
+        loader = shardkit.MixedLoader(dataset, batch_size=4, num_workers=2)
+    batches = iter(loader)
+    next(batches)
+    globals()["kept"] = batches  # alive until the process exits, as a rank's loader left mid-epoch is
+
+def main():
+    urls = [f"{sys.argv[1]}/s{i}.tfrecord" for i in range(2)]
+    for i, url in enumerate(urls):
+        write_shard(url, count=200, seed=i)
+    codes = []
+    for _ in range(3):
+        process = multiprocessing.get_context("fork").Process(target=rank, args=(urls, sys.argv[2]))
+        process.start()
+        process.join(120)
+        codes.append(process.exitcode)
+    print("exit codes", codes, flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dataloader", "mixed"])
+def test_a_process_that_exits_with_its_loader_mid_epoch_exits_cleanly(tmp_path, kind):
+    # multiprocessing SIGTERMs the still-running workers at exit; a worker that dies of that signal after
+    # cleaning up is seen by DataLoader's SIGCHLD handler in the exiting process, which then fails.
+    lines, _ = run_in_fresh_tmpdir(tmp_path, _LEFT_MID_EPOCH, kind)
+    assert lines == ["exit codes [0, 0, 0]"]
