@@ -96,9 +96,10 @@ def _len_on(rank_calling: int):
     return before
 
 
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=slow)])
 @pytest.mark.parametrize("rank_calling", [None, 0, 1])
 @pytest.mark.parametrize("name", ["tfrecord", "jsonl", "parquet"])
-def test_len_on_one_rank_only_leaves_every_record_read_exactly_once(tmp_path, name, rank_calling):
+def test_len_on_one_rank_only_leaves_every_record_read_exactly_once(tmp_path, name, rank_calling, num_workers):
     urls = _shards_with_cheap_counts(tmp_path, name, SIZES)
     _, dataset, _ = FORMATS[name]
 
@@ -106,27 +107,9 @@ def test_len_on_one_rank_only_leaves_every_record_read_exactly_once(tmp_path, na
         return dataset(ShardList(urls), balance="none", **kwargs)
 
     before = None if rank_calling is None else _len_on(rank_calling)
-    ranks = _read_ranks(make, world_size=2, num_workers=0, before=before)
+    ranks = _read_ranks(make, world_size=2, num_workers=num_workers, before=before)
     assert sorted(s for rank in ranks for s in rank) == format_ids(name, SIZES)
     assert [len(rank) for rank in ranks] == [15, 15]  # records split from the cheap counts, called or not
-
-
-@slow
-@pytest.mark.parametrize("rank_calling", [None, 0, 1])
-@pytest.mark.parametrize("name", ["tfrecord", "jsonl", "parquet"])
-def test_len_on_one_rank_of_two_with_two_workers_each_leaves_every_record_read_exactly_once(
-    tmp_path, name, rank_calling
-):
-    urls = _shards_with_cheap_counts(tmp_path, name, SIZES)
-    _, dataset, _ = FORMATS[name]
-
-    def make(**kwargs):
-        return dataset(ShardList(urls), balance="none", **kwargs)
-
-    before = None if rank_calling is None else _len_on(rank_calling)
-    ranks = _read_ranks(make, world_size=2, num_workers=2, before=before)
-    assert sorted(s for rank in ranks for s in rank) == format_ids(name, SIZES)
-    assert [len(rank) for rank in ranks] == [15, 15]
 
 
 @pytest.mark.parametrize("name", ["tfrecord", "jsonl", "parquet"])
