@@ -1131,13 +1131,18 @@ class ShardedDataset(_PlannedSource):
         ``read_fn`` says nothing of its format)."""
         return None
 
+    def _past_allowance(self, lost: int, cursor: _Cursor) -> bool:
+        """Whether ``lost`` records are more than ``"pad"``/``"drop"`` may make up for a range that read
+        ``cursor.read`` (:data:`MADE_UP_MISSING`); never under ``"none"``, which makes nothing up."""
+        return self._makes_up(self.balance) and lost > max(MADE_UP_MISSING, cursor.read)
+
     def _exceeded_bound(self, shard: int, stop: int, cursor: _Cursor) -> _Exceeded | None:
         """Why ``"pad"``/``"drop"`` must not make up records ``[cursor.position, stop)`` of ``shard``:
         they are more than the allowance (``max(MADE_UP_MISSING, records read)``) and the planned count
         is more than the file's size can hold (a lie, however the read ended). None otherwise: an
         honest count on a shard whose framing breaks early is padded to its end."""
         lost, planned = stop - cursor.position, self._planned_count(shard)
-        if planned is None or not self._makes_up(self.balance) or lost <= max(MADE_UP_MISSING, cursor.read):
+        if planned is None or not self._past_allowance(lost, cursor):
             return None
         bound = self._record_bound(shard)
         return _Exceeded(planned, bound, lost) if bound is not None and planned > bound.most else None
@@ -1160,7 +1165,7 @@ class ShardedDataset(_PlannedSource):
             self._stats.add(shard, missing=missing, errors=1)
             if self.on_error == "raise":
                 raise error
-            if self._makes_up(self.balance) and missing > max(MADE_UP_MISSING, cursor.read):
+            if self._past_allowance(missing, cursor):
                 exceeded = self._exceeded_bound(shard, stop, cursor)
                 raise _count_taken_as_wrong(error, missing, cursor.read, exceeded)
             warnings.warn(f"{_plain_message(error)}; counted as missing (on_error='skip')", stacklevel=3)
