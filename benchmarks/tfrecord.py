@@ -45,7 +45,7 @@ import numpy as np
 from shardkit import TFRecordWriter, decode_columns, decode_example, encode_example, read_tfrecord
 from shardkit.formats import example as example_module
 from shardkit.formats import tfrecord as tfr
-from shardkit.formats.io import BLOCK_SIZE
+from shardkit.io.files import BLOCK_SIZE
 
 # This script's name would shadow the ``tfrecord`` package it compares against.
 sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]

@@ -240,6 +240,10 @@ def _rebuild_corrupt_record_error(
     )
 
 
+class StateError(ShardkitError, ValueError):
+    """A state that cannot be saved, or that does not fit what it is loaded into."""
+
+
 class WorkerDiedError(ShardkitError, RuntimeError):
     """A DataLoader worker of :class:`~shardkit.MixedLoader` died while the main process
     was receiving its micro-batches: the message names the worker, its pid, how it

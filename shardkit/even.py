@@ -70,7 +70,7 @@ from typing import Any, Literal
 import torch
 
 from shardkit.errors import EvenBatchesError, check_int
-from shardkit.state import State, StateError, applies, check, decode, encode, field, node, whole_number
+from shardkit.stateful import State, StateError, applies, check, decode, encode, field, node, whole_number
 
 __all__ = ["EvenBatches", "EvenBatchesError", "EvenStats", "even_batches"]
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from shardkit.pipeline import Pipeline, PipelineError, Uniforms
 from shardkit.seeding import INTERLEAVE_STREAM, check_seed, generator
-from shardkit.state import (
+from shardkit.stateful import (
     EPOCH,
     RNG,
     SEQUENCE,

@@ -43,7 +43,7 @@ from torch.utils.data import IterableDataset, default_collate
 from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset, load_outermost, open_pass
 from shardkit.errors import ShardkitError, check_int
 from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
-from shardkit.state import (
+from shardkit.stateful import (
     DRAW_BLOCK,
     EPOCH,
     RNG,

@@ -51,8 +51,9 @@ from shardkit.counting import (
 )
 from shardkit.epoch import SharedEpoch, check_epoch
 from shardkit.errors import CorruptRecordError, ShardkitError, redact, redact_url
-from shardkit.formats.base import MAX_EXPANSION, BadRecord, RecordBound, record_bound
+from shardkit.formats.base import MAX_EXPANSION, BadRecord, RecordBound, capabilities
 from shardkit.formats.example import ColumnBatches, FeatureCheck, FeatureSpec
+from shardkit.io.remote import RetryPolicy, remote_options
 from shardkit.pipeline import Pipeline
 from shardkit.planning import (
     BALANCES,
@@ -72,10 +73,9 @@ from shardkit.planning import (
     union,
     window_order,
 )
-from shardkit.remote import RetryPolicy, prefetch, remote_options
 from shardkit.seeding import check_seed, seed_iteration
 from shardkit.shardlist import NUM_RECORDS, ShardList
-from shardkit.state import (
+from shardkit.stateful import (
     EPOCH,
     SEQUENCE,
     SHARE,
@@ -1450,42 +1450,28 @@ StreamSource._iterator_type = _StrideIterator  # named here: the source class co
 
 
 class _FormatDataset(ShardedDataset):
-    """A :class:`ShardedDataset` over one :class:`~shardkit.formats.base.ShardFormat`: it reads with the
-    format's ``read_marked`` when it has one (bad records skipped one at a time), else its ``read``,
-    counts with its ``count``, takes record counts from its index files (``index_offsets``) when the
-    shard list has none, and hints the next ranges to remote storage (``prefetch``)."""
+    """A :class:`ShardedDataset` over one :class:`~shardkit.formats.base.ShardFormat`, through its
+    capabilities (:class:`~shardkit.formats.base.FormatBase`, defaults for a format without them):
+    it reads with ``read_marked`` (bad records skipped one at a time where the format can step
+    over them), counts with ``count``, takes record counts the files hold (``stored_count``: index
+    files, footers) when the shard list has none, bounds counts by file size (``record_bound``),
+    and opens the next ranges of remote shards ahead (``prefetch``)."""
 
     def __init__(self, shards: ShardList | str | Sequence[str], fmt: Any, **options: Any) -> None:
-        self.format = fmt
-        read = getattr(fmt, "read_marked", None) or fmt.read
-        super().__init__(shards, read, count_fn=fmt.count, **options)
+        self.format = capabilities(fmt)
+        super().__init__(shards, self.format.read_marked, count_fn=self.format.count, **options)
 
     def _stored_count(self) -> StoredCountFn | None:
-        stored = getattr(self.format, "stored_count", None)  # a count the file itself holds (Parquet footer)
-        if stored is not None:
-            return stored
-        offsets_fn = getattr(self.format, "index_offsets", None)  # an index file beside the shard
-        return None if offsets_fn is None else functools.partial(_index_count, offsets_fn)
+        return self.format.stored_count
 
     def _record_bound(self, shard: int) -> RecordBound | None:
         try:
-            return record_bound(self.format, self.shards[shard])
+            return self.format.record_bound(self.shards[shard])
         except Exception:  # the file cannot even be stat'ed (gone, no access): no bound, the usual rules apply
             return None
 
     def _hint(self, shard: int, start: int, stop: int | None) -> None:
-        hint = getattr(self.format, "prefetch", None)
-        if hint is not None:
-            hint(self.shards[shard], start, stop)
-        else:  # open the shard ahead; fetch its first blocks only when the range starts there
-            remote = getattr(self.format, "remote", None)
-            prefetch(self.shards[shard], self.storage_options, remote, offset=0 if start == 0 else None)
-
-
-def _index_count(index_offsets: Callable[[str], Any], url: str) -> int | None:
-    """Records in ``url`` by its checked index file (``index_offsets``), None without one."""
-    offsets = index_offsets(url)
-    return None if offsets is None else len(offsets)
+        self.format.prefetch(self.shards[shard], start, stop)
 
 
 class TFRecordDataset(_FormatDataset):
@@ -1501,12 +1487,12 @@ class TFRecordDataset(_FormatDataset):
         index: use index files beside the shards (``shardkit index``), when
             present, to seek to a range's first record and to count records.
         readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards
-            are read (see :mod:`shardkit.remote`): ``readahead_bytes`` are fetched ahead of
+            are read (see :mod:`shardkit.io.remote`): ``readahead_bytes`` are fetched ahead of
             the reader, across shard boundaries in the plan's order (default
-            :data:`~shardkit.remote.DEFAULT_READAHEAD_BYTES`, 0 turns it off); transient
-            failures are retried under ``retry`` (a :class:`~shardkit.remote.RetryPolicy`);
+            :data:`~shardkit.io.remote.DEFAULT_READAHEAD_BYTES`, 0 turns it off); transient
+            failures are retried under ``retry`` (a :class:`~shardkit.io.remote.RetryPolicy`);
             ``cache_dir`` keeps fetched shards on local disk, shared by the processes of a
-            machine, under ``cache_limit_bytes`` (see :mod:`shardkit.cache`). Local files ignore all four.
+            machine, under ``cache_limit_bytes`` (see :mod:`shardkit.io.cache`). Local files ignore all four.
 
         features, batch_size: yield column batches instead of samples: each
             batch is :func:`~shardkit.decode_columns` of the next ``batch_size``

@@ -14,13 +14,13 @@ made by plain pickling has its own counters (the tensor is copied), so it
 gets its own lock. A thread lock beside it covers threads of one process,
 which POSIX locks do not tell apart.
 
-Remote retries (:mod:`shardkit.remote`) are counted per process, by the fetch
+Remote retries (:mod:`shardkit.io.remote`) are counted per process, by the fetch
 threads, which do not know which dataset asked. Each time a reader of this
 dataset finishes a range (and when :meth:`SharedStats.snapshot` is taken), the
 process's retries since the last such sweep are added to two more shared
 counters: ``retries`` and ``retry_wait_seconds`` in :class:`ReadStats` are then
 the sums over the main process and every DataLoader worker. A forked worker
-starts its remote counters at zero (:mod:`shardkit.remote` resets them after
+starts its remote counters at zero (:mod:`shardkit.io.remote` resets them after
 fork), so nothing the parent counted is added twice. Two datasets read in the
 same process share that process's retries: each is added to whichever sweeps
 first, so the sum over datasets is exact.
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardkit import remote
+from shardkit.io import remote
 
 READ, SKIPPED, ERRORS, MISSING, PADDED = range(5)
 _COUNTERS = 5  # the order of SharedStats.add's delta
@@ -72,7 +72,7 @@ class ReadStats:
       counted: the plan does not cover them).
     * ``retries``, ``retry_wait_seconds``: remote requests retried after a
       transient failure and the seconds spent waiting before those retries
-      (see :class:`~shardkit.remote.RetryPolicy`), summed over this process
+      (see :class:`~shardkit.io.remote.RetryPolicy`), summed over this process
       and its DataLoader workers; counted as each range is finished.
 
     For every shard whose count is known, ``read + skipped + missing`` is the

@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from shardkit.formats.io import check_compression, make_parent_dirs
 from shardkit.formats.tfrecord import TFRecordWriter
+from shardkit.io.files import check_compression, make_parent_dirs
 
 if TYPE_CHECKING:
     from shardkit.shardlist import ShardList

@@ -42,7 +42,7 @@ def test_plan_reports_bad_arguments_without_a_traceback(tmp_path, capsys):
 
 def test_demo_runs_end_to_end(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", "demo", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "shardkit", "demo", "--workdir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,

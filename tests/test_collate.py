@@ -1,4 +1,4 @@
-"""shardkit.collate: slices of collated micro-batches joined into exactly what
+"""shardkit.loader.collate: slices of collated micro-batches joined into exactly what
 default_collate makes of their samples, and in memory of their own when asked."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import default_collate
 
-from shardkit.collate import collated_length, concat, join, own_memory, same_mapping_type, tail
+from shardkit.loader.collate import collated_length, concat, join, own_memory, same_mapping_type, tail
 from tests.helpers import assert_same
 
 

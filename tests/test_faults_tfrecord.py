@@ -26,11 +26,11 @@ import fsspec
 import pytest
 
 from shardkit import CorruptRecordError
-from shardkit.formats import io as skio
 from shardkit.formats import tfrecord as tfr
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.index import IndexFileError, read_index, write_index
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
+from shardkit.io import files as skio
 from tests.helpers import read_all
 
 COMPRESS = {None: lambda data: data, "gzip": lambda data: gzip.compress(data, mtime=0), "zlib": zlib.compress}

@@ -206,7 +206,7 @@ def test_writer_on_a_remote_filesystem_publishes_by_rename(tmp_path):
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", *argv], capture_output=True, text=True, timeout=120, env=ENV
+        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, timeout=120, env=ENV
     )
 
 

@@ -112,7 +112,7 @@ def test_convert_of_a_corrupt_source_exits_1_and_writes_no_manifest(tmp_path, ca
 def test_the_console_script_converts_with_a_progress_bar_and_documented_help(tmp_path):
     (source,) = write_jsonl(str(tmp_path), [5])
     result = subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", "convert", source, str(tmp_path / "o-%02d.tar"), "--format", "tar"],
+        [sys.executable, "-m", "shardkit", "convert", source, str(tmp_path / "o-%02d.tar"), "--format", "tar"],
         capture_output=True,
         text=True,
         check=False,
@@ -120,7 +120,7 @@ def test_the_console_script_converts_with_a_progress_bar_and_documented_help(tmp
     assert result.returncode == 0, result.stderr
     assert "5 records from 1 files -> 1 tar shards" in result.stdout
     help_text = subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", "convert", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "shardkit", "convert", "--help"], capture_output=True, text=True
     ).stdout
     assert "--max-records" in help_text and "exit codes: 0 converted; 1 a source file is corrupt" in help_text.replace(
         "\n", " "

@@ -26,9 +26,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 import shardkit
 from shardkit import MixedLoader
-from shardkit.columns import as_parts, from_slab, join_columns
-from shardkit.loader import LoaderError
-from shardkit.slabs import SlabBatch, SlabRing, view
+from shardkit.loader.columns import as_parts, from_slab, join_columns
+from shardkit.loader.mixed import LoaderError
+from shardkit.loader.slabs import SlabBatch, SlabRing, view
 from shardkit.state import StateError, encode
 from tests.helpers import (
     COLUMN_FEATURES,

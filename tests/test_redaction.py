@@ -153,7 +153,7 @@ def test_cli_errors_name_the_url_without_its_credentials(server, tmp_path, comma
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     for url in (corrupt_shard(server, tmp_path), secret_url(server, "missing.tfrecord")):
         done = subprocess.run(
-            [sys.executable, "-m", "shardkit.cli", command, url], env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "shardkit", command, url], env=env, capture_output=True, text=True, timeout=60
         )
         assert done.returncode != 0 and "error" in done.stderr, done.stderr
         assert_clean(done.stderr)

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from shardkit.cache import Cache
 from shardkit.formats.tfrecord import read_tfrecord
-from shardkit.remote import RemoteOptions, RetryPolicy, remote_stats
+from shardkit.io.cache import Cache
+from shardkit.io.remote import RemoteOptions, RetryPolicy, remote_stats
 from tests.fault_server import FaultServer
 from tests.test_remote_reads import write_shard
 
@@ -123,7 +123,7 @@ def test_concurrent_workers_filling_one_entry_fetch_it_once_and_agree(server: Fa
 _FILLER = """
 import sys
 from shardkit.formats.tfrecord import read_tfrecord
-from shardkit.remote import RemoteOptions
+from shardkit.io.remote import RemoteOptions
 print("started", flush=True)
 list(read_tfrecord(sys.argv[1], remote=RemoteOptions(block_size=16 << 10, readahead_bytes=0, cache_dir=sys.argv[2])))
 """

@@ -12,7 +12,7 @@ import pytest
 
 import shardkit
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
-from shardkit.remote import ObjectChangedError, RemoteOptions, RemoteReadError, RetryPolicy, prefetch, remote_stats
+from shardkit.io.remote import ObjectChangedError, RemoteOptions, RemoteReadError, RetryPolicy, prefetch, remote_stats
 from tests.fault_server import FaultServer
 
 FAST_RETRY = RetryPolicy(attempts=6, max_seconds=5.0, backoff=0.001, max_backoff=0.01)
@@ -338,7 +338,7 @@ def put_shard(s3_server, tmp_path, records: int, seed: int = 0) -> tuple[str, di
 def test_s3_objects_are_opened_by_their_first_ranged_get_without_a_head(s3_server, tmp_path) -> None:
     import fsspec
 
-    from shardkit.remote import _open_now
+    from shardkit.io.remote import _open_now
 
     url, options, records = put_shard(s3_server, tmp_path, 300)  # about 215 KB: 14 blocks of 16 KiB
     fs, path = fsspec.core.url_to_fs(url, **options)
@@ -438,7 +438,7 @@ def test_each_epoch_starts_on_shards_opened_while_the_last_one_ended(server: Fau
 def test_https_shards_are_opened_by_their_first_ranged_get_without_a_head(tmp_path, monkeypatch) -> None:
     """Over TLS too (a loopback server with a certificate made here, trusted through SSL_CERT_FILE as the
     default context trusts a CA file): one GET per block, no HEAD, the records of a local read."""
-    from shardkit import httpranges
+    from shardkit.io import http as httpranges
     from tests.helpers import self_signed_cert
 
     cert, key = self_signed_cert(tmp_path)
@@ -459,7 +459,7 @@ def test_https_shards_are_opened_by_their_first_ranged_get_without_a_head(tmp_pa
 
 
 def test_an_https_server_with_a_certificate_nobody_trusts_is_refused(tmp_path, monkeypatch) -> None:
-    from shardkit import httpranges
+    from shardkit.io import http as httpranges
     from tests.helpers import self_signed_cert
 
     cert, key = self_signed_cert(tmp_path)

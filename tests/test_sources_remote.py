@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit.remote import RemoteReadError, RetryPolicy, remote_stats
+from shardkit.io.remote import RemoteReadError, RetryPolicy, remote_stats
 from tests.fault_server import FaultServer
 
 pytest.importorskip("aiohttp")  # fsspec's http filesystem

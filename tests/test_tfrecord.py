@@ -13,11 +13,11 @@ import pytest
 import shardkit
 from shardkit import CorruptRecordError, ShardkitError
 from shardkit.cli import main
-from shardkit.formats import io as skio
 from shardkit.formats import tfrecord as tfr
 from shardkit.formats.crc import crc32c, mask, mask_array, masked_crc32c, masked_crc32c_of_lengths
 from shardkit.formats.index import build_index, index_path_for, read_index
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
+from shardkit.io import files as skio
 
 RECORDS = [b"", b"a", b"hello world", os.urandom(300), bytes(range(256)) * 5]
 

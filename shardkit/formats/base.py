@@ -46,12 +46,14 @@ import numpy as np
 
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.index import IndexFileError, implicit_index_for, write_offsets_file
-from shardkit.formats.io import open_raw, sniff_compression
+from shardkit.io.files import open_raw, sniff_compression
+from shardkit.io.remote import RemoteOptions, prefetch
 
 __all__ = [
     "MAX_EXPANSION",
     "BadRecord",
     "CountBounded",
+    "FormatBase",
     "FormatError",
     "RecordBound",
     "RecordWriter",
@@ -60,6 +62,7 @@ __all__ = [
     "format_for",
     "formats",
     "load_offsets",
+    "capabilities",
     "max_records",
     "record_bound",
     "register_format",
@@ -102,7 +105,7 @@ class ShardFormat(Protocol):
     :class:`~shardkit.formats.index.IndexFileError` for one that does not fit),
     from which record counts are taken without a counting pass;
     ``prefetch(url, start, stop)`` and a ``remote``
-    (:class:`~shardkit.remote.RemoteOptions`) attribute open remote shards ahead;
+    (:class:`~shardkit.io.remote.RemoteOptions`) attribute open remote shards ahead;
     ``record_bound(url)`` (:class:`CountBounded`) gives the most records the file's
     size can hold, so that a count above it is not made up under ``on_error="skip"``.
     """
@@ -128,6 +131,101 @@ class ShardFormat(Protocol):
     def build_index(self, url: str) -> str | None:
         """Write ``url``'s index and return its path; None for a format that needs none."""
         ...
+
+
+class FormatBase:
+    """A :class:`ShardFormat` with every optional capability at its default. The built-in
+    formats subclass it and override what they can do better; so may a format of your own.
+    A registered format that does not subclass it gets these defaults through
+    :func:`capabilities`, so sources reach every format the same way.
+
+    Attributes:
+        storage_options: fsspec options for the files (None: the defaults).
+        remote: how remote files are read (:class:`~shardkit.io.remote.RemoteOptions`; None: defaults).
+    """
+
+    storage_options: dict[str, Any] | None = None
+    remote: RemoteOptions | None = None
+
+    def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+        raise NotImplementedError(f"{type(self).__name__} must define read(url, start, stop)")
+
+    def read_marked(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+        """Records ``[start, stop)`` with a :class:`BadRecord` in place of each bad record the reader
+        can step over. By default :meth:`read`: a bad record ends the read with its
+        :class:`~shardkit.CorruptRecordError`, and the source reads again from the record after it."""
+        return self.read(url, start, stop)
+
+    def index_offsets(self, url: str) -> np.ndarray | None:
+        """The checked record offsets of ``url`` from its index file; None (the default): no index.
+
+        Raises:
+            IndexFileError: the index does not fit the file (stale, damaged, of another format).
+        """
+        return None
+
+    def stored_count(self, url: str) -> int | None:
+        """Records in ``url`` that the format can tell without a counting pass (an index file, a
+        footer), None when it cannot. By default the length of :meth:`index_offsets`."""
+        offsets = self.index_offsets(url)
+        return None if offsets is None else len(offsets)
+
+    def record_bound(self, url: str) -> RecordBound | None:
+        """The most records ``url`` can hold by its size (see :func:`max_records`); None (the
+        default): no bound, as for Parquet, where a row of nulls takes next to no bytes."""
+        return None
+
+    def prefetch(self, url: str, start: int, stop: int | None) -> None:
+        """Start opening remote ``url`` for a later read of ``[start, stop)``: its first blocks when
+        the range starts at the file's start, else just the open. Local files: nothing."""
+        prefetch(url, self.storage_options, self.remote, offset=0 if start == 0 else None)
+
+
+class _Adapted(FormatBase):
+    """A registered format that does not subclass :class:`FormatBase`, with the defaults
+    for what it lacks; picklable, as the format itself must be."""
+
+    def __init__(self, fmt: ShardFormat) -> None:
+        self.format = fmt
+        self.name, self.suffixes = fmt.name, fmt.suffixes
+        self.storage_options = _plain_attribute(fmt, "storage_options")
+        self.remote = _plain_attribute(fmt, "remote")
+
+    def sniff(self, head: bytes) -> bool:
+        return self.format.sniff(head)
+
+    def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+        return self.format.read(url, start, stop)
+
+    def count(self, url: str) -> int:
+        return self.format.count(url)
+
+    def build_index(self, url: str) -> str | None:
+        return self.format.build_index(url)
+
+    def __repr__(self) -> str:
+        return repr(self.format)
+
+
+def _plain_attribute(fmt: object, name: str) -> Any:
+    # Options a user's format may carry as plain attributes; methods of the same name are not options.
+    value = vars(fmt).get(name) if hasattr(fmt, "__dict__") else None
+    return None if callable(value) else value
+
+
+def capabilities(fmt: ShardFormat) -> FormatBase:
+    """``fmt`` itself when it is a :class:`FormatBase`, else ``fmt`` with the default capabilities.
+
+    Raises:
+        FormatError: ``fmt`` lacks part of the :class:`ShardFormat` interface.
+    """
+    if isinstance(fmt, FormatBase):
+        return fmt
+    if not isinstance(fmt, ShardFormat):
+        raise FormatError(
+            f"{fmt!r} lacks part of the ShardFormat interface (name, suffixes, sniff, read, count, build_index)"
+        )
+    return _Adapted(fmt)
 
 
 class ResumeHint(NamedTuple):

@@ -60,8 +60,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError, redact
 from shardkit.formats.crc import masked_crc32c
-from shardkit.formats.io import open_raw
-from shardkit.formats.tfrecord import detect_compression, scan_offsets
+from shardkit.io.files import open_raw
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -238,6 +237,8 @@ def check_ends_with_file(
     Raises:
         IndexFileError: the file goes on past the record at the last offset (it grew or was rewritten).
     """
+    from shardkit.formats.tfrecord import detect_compression  # tfrecord imports this module
+
     index_url = index_url or f"<the {len(offsets)} offsets passed as index=>"
     with open_raw(url, "rb", storage_options) as f:
         if detect_compression(f.read(12)) is not None:
@@ -251,6 +252,8 @@ def check_ends_with_file(
 
 def _load_checked(url: str, index_url: str, storage_options: dict[str, Any] | None) -> np.ndarray | None:
     """Read ``index_url`` and check it against ``url`` as it is now (see :func:`load_index`)."""
+    from shardkit.formats.tfrecord import detect_compression  # tfrecord imports this module
+
     try:
         with open_raw(index_url, "rb", storage_options) as f:
             data = f.read()
@@ -284,7 +287,7 @@ def _identity(url: str, storage_options: dict[str, Any] | None) -> Any:
     if "://" not in url or url.startswith("file://"):
         st = os.stat(url.removeprefix("file://"))
         return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-    from shardkit.remote import identity_of
+    from shardkit.io.remote import identity_of
 
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     found = identity_of(fs.info(path))
@@ -420,6 +423,8 @@ def build_index(
     Length CRCs are checked during the scan so a corrupt file cannot yield a
     wrong index; ``progress(nbytes)`` is called with the bytes scanned so far.
     """
+    from shardkit.formats.tfrecord import scan_offsets  # tfrecord imports this module
+
     size = 0
 
     def track(nbytes: int) -> None:

@@ -4,7 +4,7 @@ A line is the bytes up to a ``\\n``; the last line may lack it. Lines holding
 only whitespace are not records (editors leave them), so record ``i`` is the
 ``i``-th non-blank line; errors name both the record index and the line number.
 
-Reading cuts a block (:data:`~shardkit.formats.io.BLOCK_SIZE`) at its newlines
+Reading cuts a block (:data:`~shardkit.io.files.BLOCK_SIZE`) at its newlines
 with ``bytes.split`` and parses each line with ``json.loads``; local plain
 files are read with ``os.pread``. ``.gz`` files are inflated on the fly;
 ``.zst`` files need the ``zstandard`` package (the ``zstd`` extra).
@@ -39,10 +39,10 @@ import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.base import RecordBound, ResumeHint, file_record_bound, load_offsets, write_offsets
+from shardkit.formats.base import FormatBase, RecordBound, ResumeHint, file_record_bound, load_offsets, write_offsets
 from shardkit.formats.index import IndexFileError, index_path_for
-from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
-from shardkit.remote import RemoteOptions
+from shardkit.io.files import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
+from shardkit.io.remote import RemoteOptions
 
 __all__ = ["JsonlFormat", "JsonlWriter"]
 
@@ -140,14 +140,14 @@ class _Position:
             self.line += len(lines)
 
 
-class JsonlFormat:
+class JsonlFormat(FormatBase):
     """JSON lines shards (``.jsonl``, ``.ndjson``, with ``.gz`` or ``.zst``): a record is a non-blank line.
 
     Args:
         compression: ``"auto"`` (from the first bytes), ``None``, ``"gzip"`` or ``"zstd"``.
         index: use a newline index beside the shard (``shardkit index``) to count and seek.
         storage_options: fsspec options.
-        remote: how remote shards are read (:class:`~shardkit.remote.RemoteOptions`: readahead,
+        remote: how remote shards are read (:class:`~shardkit.io.remote.RemoteOptions`: readahead,
             retries, the local cache); local files ignore it.
     """
 
@@ -374,7 +374,7 @@ class JsonlWriter:
     def __init__(
         self, url: str, *, compression: str | None = "auto", storage_options: dict[str, Any] | None = None
     ) -> None:
-        from shardkit.formats.io import open_output
+        from shardkit.io.files import open_output
 
         self.url = url
         self.num_records = 0

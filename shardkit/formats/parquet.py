@@ -48,15 +48,16 @@ from typing import Any, Final
 import numpy as np
 
 from shardkit.errors import CorruptRecordError, ShardkitError, check_int
-from shardkit.formats.io import open_raw
-from shardkit.remote import RemoteOptions
+from shardkit.formats.base import FormatBase
+from shardkit.io.files import open_raw
+from shardkit.io.remote import RemoteOptions
 
 __all__ = ["ParquetFormat", "ParquetWriter"]
 
 _MAGIC: Final = b"PAR1"
 
 
-class ParquetFormat:
+class ParquetFormat(FormatBase):
     """Parquet shards (``.parquet``, ``.pq``).
 
     Args:
@@ -64,7 +65,7 @@ class ParquetFormat:
         batch_size: None (a record is a row, as a dict) or ``b`` (a record is
             up to ``b`` rows, as a dict of column to numpy array).
         storage_options: fsspec options.
-        remote: how remote shards are read (:class:`~shardkit.remote.RemoteOptions`: readahead,
+        remote: how remote shards are read (:class:`~shardkit.io.remote.RemoteOptions`: readahead,
             retries, the local cache); local files ignore it.
     """
 

@@ -5,7 +5,7 @@ record's length CRC, which on its own reads as corrupt data. The TFRecord
 reader calls :func:`describe_file` only on that failure path (a good file
 costs nothing), and the CLI calls :func:`not_a_shard` to skip index and
 manifest files that a glob such as ``data/*`` picks up. Compressed streams
-are recognised by :func:`shardkit.formats.io.sniff_compression`, whose hint
+are recognised by :func:`shardkit.io.files.sniff_compression`, whose hint
 (``compression='gzip'``) the reader already gives.
 """
 
@@ -61,7 +61,7 @@ def describe_head(head: bytes) -> str | None:
 def describe_file(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
     """:func:`describe_head` of ``url``'s first bytes; None when they cannot be read (a failure path
     must not fail differently)."""
-    from shardkit.formats.io import open_raw
+    from shardkit.io.files import open_raw
 
     try:
         with open_raw(url, "rb", storage_options) as f:

@@ -63,10 +63,10 @@ import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError, redact_url
-from shardkit.formats.base import RecordBound, ResumeHint, file_record_bound, load_offsets, write_offsets
+from shardkit.formats.base import FormatBase, RecordBound, ResumeHint, file_record_bound, load_offsets, write_offsets
 from shardkit.formats.index import IndexFileError, index_path_for
-from shardkit.formats.io import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
-from shardkit.remote import RemoteOptions
+from shardkit.io.files import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
+from shardkit.io.remote import RemoteOptions
 
 __all__ = ["TarFormat", "TarWriter"]
 
@@ -612,7 +612,7 @@ def _located_by_index(error: CorruptRecordError, offsets: np.ndarray | None) -> 
     return CorruptRecordError(error.url, i, error.offset, reason, framing_intact=True)
 
 
-class TarFormat:
+class TarFormat(FormatBase):
     """WebDataset tar shards (``.tar``, ``.tar.gz``/``.tgz``): a record is a sample.
 
     Args:
@@ -621,7 +621,7 @@ class TarFormat:
         index: use a tar index beside the shard (``shardkit index``) to count
             and to seek to a range's first sample.
         storage_options: fsspec options.
-        remote: how remote shards are read (:class:`~shardkit.remote.RemoteOptions`: readahead,
+        remote: how remote shards are read (:class:`~shardkit.io.remote.RemoteOptions`: readahead,
             retries, the local cache); local files ignore it.
     """
 

@@ -6,7 +6,7 @@ file stream. See :mod:`shardkit.formats.crc` for the mask.
 
 How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
 
-- It works a block of :data:`~shardkit.formats.io.BLOCK_SIZE` bytes at a time:
+- It works a block of :data:`~shardkit.io.files.BLOCK_SIZE` bytes at a time:
   one tight loop finds the record boundaries of the whole block, then the
   length CRCs of the block are checked at once with numpy.
 - Records are cut and their data CRCs computed and compared in batches of
@@ -21,7 +21,7 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   fresh ``bytes`` per block, which slices into records without a memoryview.
 - Remote and compressed files are streamed: one ranged read per block. Remote
   blocks are fetched ahead of the reader, retried, and pinned to the version
-  opened by :mod:`shardkit.remote` (or read from its local cache).
+  opened by :mod:`shardkit.io.remote` (or read from its local cache).
 
 What the reader does with bad input (each case has a fault-injection test in
 ``tests/test_faults_tfrecord.py``): every malformed byte sequence ends in a
@@ -42,14 +42,16 @@ import itertools
 import os
 import struct
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.base import BadRecord, FormatBase, FormatError, RecordBound, file_record_bound
 from shardkit.formats.crc import crc32c, mask, masked_crc32c, masked_crc32c_of_lengths, unmask_array
-from shardkit.formats.io import (
+from shardkit.formats.sniff import describe_file
+from shardkit.io.files import (
     BLOCK_SIZE,
     CompressedStreamError,
     Sink,
@@ -60,11 +62,7 @@ from shardkit.formats.io import (
     open_raw,
     sniff_compression,
 )
-from shardkit.formats.sniff import describe_file
-from shardkit.remote import RemoteOptions
-
-if TYPE_CHECKING:  # base imports this module (through index): the annotation only
-    from shardkit.formats.base import RecordBound
+from shardkit.io.remote import RemoteOptions
 
 __all__ = [
     "TFRecordFormat",
@@ -485,11 +483,11 @@ def read_tfrecord(
             that does not fit raises :class:`~shardkit.formats.index.IndexFileError`.
         storage_options: passed to fsspec.
         remote: how a remote file is read (readahead, retries, local cache):
-            a :class:`~shardkit.remote.RemoteOptions`; local files ignore it.
+            a :class:`~shardkit.io.remote.RemoteOptions`; local files ignore it.
 
     The file is opened on the first ``next()`` and closed when the iterator is
     exhausted or garbage collected. Records are read a block at a time, so
-    memory stays at a few blocks (:data:`~shardkit.formats.io.BLOCK_SIZE`)
+    memory stays at a few blocks (:data:`~shardkit.io.files.BLOCK_SIZE`)
     plus any record longer than a block.
 
     Malformed input of any kind (bad CRCs, impossible lengths, a file ending
@@ -704,7 +702,7 @@ DECODERS: Final = ("example", "sequence_example", "raw")
 _SHARD_ENDS: Final = object()
 
 
-class TFRecordFormat:
+class TFRecordFormat(FormatBase):
     """TFRecord as a :class:`~shardkit.formats.base.ShardFormat`; picklable (the ``read_fn`` of ``TFRecordDataset``).
 
     Args:
@@ -716,7 +714,7 @@ class TFRecordFormat:
             :func:`~shardkit.formats.index.load_index`) to seek to a range's
             first record and to count; without one, a framing scan counts.
         storage_options: fsspec options.
-        remote: how remote shards are read (:class:`~shardkit.remote.RemoteOptions`:
+        remote: how remote shards are read (:class:`~shardkit.io.remote.RemoteOptions`:
             readahead across shard boundaries, retries, the local cache); local files ignore it.
 
     :meth:`read` raises at the first bad record; :meth:`read_marked`, what
@@ -739,7 +737,6 @@ class TFRecordFormat:
         storage_options: dict[str, Any] | None = None,
         remote: RemoteOptions | None = None,
     ) -> None:
-        from shardkit.formats.base import FormatError
 
         check_compression(compression, allow_auto=True)
         if not callable(decode) and decode not in DECODERS:
@@ -793,7 +790,6 @@ class TFRecordFormat:
         return self.index_offsets(url) if start > 0 and self.compression in (None, "auto") else None
 
     def _records(self, url: str, start: int, stop: int | None, offsets: np.ndarray | None) -> Iterator[Any]:
-        from shardkit.formats.base import BadRecord
 
         decode = self._decoder()
         position, index = start, offsets
@@ -821,7 +817,6 @@ class TFRecordFormat:
                     return
 
     def _decoded(self, decode: Callable[[bytes], Any], url: str, start: int, records: Iterator[bytes]) -> Iterator[Any]:
-        from shardkit.formats.base import BadRecord
 
         for position, record in enumerate(records, start):
             try:
@@ -886,7 +881,6 @@ class TFRecordFormat:
 
     def record_bound(self, url: str) -> RecordBound:
         """The most records ``url`` can hold by its size (see :func:`~shardkit.formats.base.max_records`)."""
-        from shardkit.formats.base import file_record_bound
 
         return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options)
 
@@ -922,13 +916,6 @@ class TFRecordFormat:
             return len(offsets)
         return scan_count(url, compression=self.compression, storage_options=self.storage_options, remote=self.remote)
 
-    def prefetch(self, url: str, start: int, stop: int | None) -> None:
-        """Start opening remote ``url`` for a later read of ``[start, stop)``: its first blocks when
-        reading from its start, else just the open (the offset needs the index)."""
-        from shardkit.remote import prefetch
-
-        prefetch(url, self.storage_options, self.remote, offset=0 if start == 0 else None)
-
     def build_index(self, url: str) -> str | None:
         from shardkit.formats.index import build_index
 
@@ -958,7 +945,6 @@ def _check_range(start: int, stop: int | None) -> None:
 
 def _raising(records: Iterator[Any]) -> Iterator[Any]:
     """``records`` with the first :class:`~shardkit.formats.base.BadRecord` raised as its error."""
-    from shardkit.formats.base import BadRecord
 
     for record in records:
         if record.__class__ is BadRecord:

@@ -136,8 +136,8 @@ def _run_each(args: argparse.Namespace, job: Callable[[str], Any], urls: Sequenc
 def _skipped(url: str) -> bool:
     """Whether ``url`` is an index or manifest file, not shard data (say so): a glob such as
     ``data/*`` picks them up beside the shards, and they are not corrupt shards."""
-    from shardkit.formats.io import open_raw
     from shardkit.formats.sniff import SNIFF_BYTES, not_a_shard
+    from shardkit.io.files import open_raw
 
     head = b""
     if "://" not in url or url.startswith("file://"):  # a remote file is not opened twice: its suffix decides
@@ -156,7 +156,7 @@ def _skipped(url: str) -> bool:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from shardkit.demo import run_demo
+    from shardkit.cli.demo import run_demo
 
     return run_demo(workdir=args.workdir)
 
@@ -196,8 +196,8 @@ def _is_shard_file(source: str) -> bool:
     Parquet and JSON lines files stay manifests: both formats hold manifests too.
     """
     from shardkit.formats.base import FormatError, format_for
-    from shardkit.formats.io import open_raw
     from shardkit.formats.sniff import SNIFF_BYTES
+    from shardkit.io.files import open_raw
 
     try:
         with open_raw(source, "rb") as f:
@@ -333,8 +333,8 @@ def _progress_bar(url: str, compression: str | None, storage_options: dict | Non
 
 
 def _detect_compression(url: str) -> str | None:
-    from shardkit.formats.io import open_raw
     from shardkit.formats.tfrecord import detect_compression
+    from shardkit.io.files import open_raw
 
     with open_raw(url, "rb") as raw:
         return detect_compression(raw.read(12))

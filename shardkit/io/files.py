@@ -3,10 +3,10 @@
 Readers get a :class:`Stream` (anything with ``read(n)`` and ``close()``) that
 fetches the file in blocks of :data:`BLOCK_SIZE` bytes, so remote files are
 never downloaded whole. A remote file (any filesystem but the local disk) is a
-:class:`shardkit.remote.RemoteFile`: blocks fetched ahead of the reader,
+:class:`shardkit.io.remote.RemoteFile`: blocks fetched ahead of the reader,
 transient failures retried without losing or repeating a byte, the object
 pinned to the version opened, and optionally a local disk cache; how is set by
-a :class:`~shardkit.remote.RemoteOptions` passed as ``remote=``. Every format
+a :class:`~shardkit.io.remote.RemoteOptions` passed as ``remote=``. Every format
 reader that opens its files here gets all of that. Compressed files are inflated on the fly; byte offsets
 past this layer refer to the uncompressed stream. A compressed stream that is
 damaged, truncated or not compressed at all raises
@@ -25,7 +25,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError
-from shardkit.remote import RemoteOptions, open_remote
+from shardkit.io.remote import RemoteOptions, open_remote
 
 __all__ = [
     "BLOCK_SIZE",
@@ -79,8 +79,8 @@ def open_raw(
     """Open ``url`` with fsspec in binary ``mode`` ("rb" or "wb").
 
     Local files are opened as they are; a remote file for reading is a
-    :class:`~shardkit.remote.RemoteFile` (readahead, retries, version pinning;
-    ``remote`` says how, default :class:`~shardkit.remote.RemoteOptions`), or
+    :class:`~shardkit.io.remote.RemoteFile` (readahead, retries, version pinning;
+    ``remote`` says how, default :class:`~shardkit.io.remote.RemoteOptions`), or
     its copy in the local cache when ``remote.cache_dir`` is set.
     """
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))

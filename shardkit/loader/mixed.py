@@ -22,9 +22,9 @@ How a batch is made:
   so the same seed and data give the same batches.
 * Without ``collate_fn``, workers apply ``default_collate`` to each
   micro-batch and the main process re-collates by slicing the micro-batches
-  along the batch dimension and concatenating (:mod:`shardkit.collate`: one
+  along the batch dimension and concatenating (:mod:`shardkit.loader.collate`: one
   copy per batch, none per sample). The micro-batches travel through a ring
-  of reusable shared-memory slabs per worker (:mod:`shardkit.slabs`) instead
+  of reusable shared-memory slabs per worker (:mod:`shardkit.loader.slabs`) instead
   of DataLoader's new segment per tensor per batch. A custom ``collate_fn``
   may depend on the whole batch (padding to the longest sample, custom batch
   classes), so micro-batches then travel as lists of samples and
@@ -35,7 +35,7 @@ How a batch is made:
   ``ParquetDataset(batch_size=...)``), each of the dataset's
   batches is one micro-batch: the worker writes its columns into a slab
   (bytes as a values buffer and offsets) and the main process cuts every
-  batch from row ranges of them (:mod:`shardkit.columns`), with no work per
+  batch from row ranges of them (:mod:`shardkit.loader.columns`), with no work per
   sample anywhere. Batches are dicts of a tensor per numeric column and a
   ``pyarrow.LargeBinaryArray`` per bytes column (a Parquet column of strings,
   bytes or lists comes as the numpy array the dataset made, sent with the
@@ -73,13 +73,25 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from shardkit import columns
-from shardkit.collate import Part, collated_length, join, tail
 from shardkit.epoch import resume_at
 from shardkit.errors import ShardkitError, WorkerDiedError, check_int
+from shardkit.loader import columns
+from shardkit.loader.collate import Part, collated_length, join, tail
+from shardkit.loader.slabs import SPARE_SLOTS, SlabBatch, SlabRing, from_slab, view
 from shardkit.pipeline import Pipeline
-from shardkit.slabs import SPARE_SLOTS, SlabBatch, SlabRing, from_slab, view
-from shardkit.state import State, StateError, applies, check, decode, encode, field, merge, node, validate, whole_number
+from shardkit.stateful import (
+    State,
+    StateError,
+    applies,
+    check,
+    decode,
+    encode,
+    field,
+    merge,
+    node,
+    validate,
+    whole_number,
+)
 
 __all__ = ["LoaderError", "MixedLoader"]
 
@@ -359,10 +371,10 @@ class _MicroBatches(IterableDataset):
     state after the message (None if it has none; a string saying why if it
     cannot save one). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once. With ``slots``, collated
-    micro-batches travel in a new :class:`~shardkit.slabs.SlabRing` per
+    micro-batches travel in a new :class:`~shardkit.loader.slabs.SlabRing` per
     iteration, whose flag array goes with the first message. With ``columns``
     each of the dataset's column batches is one micro-batch
-    (:mod:`shardkit.columns`); without workers (columns only) it runs in the
+    (:mod:`shardkit.loader.columns`); without workers (columns only) it runs in the
     main process as worker 0."""
 
     def __init__(

@@ -67,7 +67,7 @@ class Unsupported(Exception):
 
 
 class HTTPStatusError(OSError):
-    """An HTTP error status; ``status`` is read by :func:`shardkit.remote.is_transient`."""
+    """An HTTP error status; ``status`` is read by :func:`shardkit.io.remote.is_transient`."""
 
     def __init__(self, url: str, status: int, reason: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(f"{url}: HTTP {status} {reason}")

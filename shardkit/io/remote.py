@@ -2,7 +2,7 @@
 
 :func:`open_remote` returns a :class:`RemoteFile`, a seekable binary stream
 over one object in any fsspec filesystem that is not the local disk. Any
-format reader can use it (:func:`shardkit.formats.io.open_raw` hands it out
+format reader can use it (:func:`shardkit.io.files.open_raw` hands it out
 for every non-local url), so the design lives here, not in a format:
 
 - **Blocks and readahead.** The object is fetched in aligned blocks of
@@ -34,12 +34,12 @@ for every non-local url), so the design lives here, not in a format:
   reader raises :class:`ObjectChangedError` naming it and both identities,
   never a silent mix of two versions.
 - **HTTP(S) without fsspec.** A ranged GET over ``http://`` or ``https://``
-  is sent by :mod:`shardkit.httpranges` on a kept-alive connection per
+  is sent by :mod:`shardkit.io.http` on a kept-alive connection per
   thread and (plain HTTP) its body read in one blocking call that holds no
   GIL, instead of through aiohttp's event loop (a GIL hand-off per loop turn,
   each one a wait beside a decoding worker). Filesystems built with options
   and other stores go through fsspec; S3 blocks go through s3fs's client
-  (:mod:`shardkit.s3ranges`), which returns the answer's version with them.
+  (:mod:`shardkit.io.s3`), which returns the answer's version with them.
   ``gs://`` goes through fsspec (gcsfs) with a HEAD per shard: no ranged-GET
   getter for it yet.
 - **Across epochs.** A reader hints its next epoch's first ranges (its own
@@ -51,7 +51,7 @@ for every non-local url), so the design lives here, not in a format:
   dataset's ``stats()`` sums the retries over its DataLoader workers
   (:mod:`shardkit.stats`).
 
-The opt-in local cache (``cache_dir=``) is :mod:`shardkit.cache`.
+The opt-in local cache (``cache_dir=``) is :mod:`shardkit.io.cache`.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
-from shardkit import s3ranges
 from shardkit.errors import ShardkitError, reraise_redacted
-from shardkit.httpranges import HTTPGetter, PreconditionFailed, Response, Unsupported, client_for
+from shardkit.io import s3
+from shardkit.io.http import HTTPGetter, PreconditionFailed, Response, Unsupported, client_for
 
 __all__ = [
     "DEFAULT_READAHEAD_BYTES",
@@ -184,7 +184,7 @@ class RemoteOptions:
 
     ``readahead_bytes``: how far ahead of the reader blocks are fetched (0: no
     readahead, one request at a time). ``cache_dir``/``cache_limit_bytes``: the
-    opt-in local cache (:mod:`shardkit.cache`); ``cache_limit_bytes=None`` means
+    opt-in local cache (:mod:`shardkit.io.cache`); ``cache_limit_bytes=None`` means
     no limit. ``block_size``: bytes per ranged request.
     """
 
@@ -581,7 +581,7 @@ def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int 
             pass  # an answer the getter does not read: a HEAD and fsspec, as below
     info = with_retries(lambda: _info(fs, path), options.retry, url)
     if options.cache_dir is not None:
-        from shardkit.cache import Cache
+        from shardkit.io.cache import Cache
 
         local = Cache(options.cache_dir, options.cache_limit_bytes).open(fs, path, url, info, options)
         if local is not None:
@@ -636,8 +636,8 @@ def getter_for(fs: Any, path: str) -> Getter | None:
     client = client_for(fs, path)
     if client is not None:
         return HTTPGetter(client, path)
-    if s3ranges.usable(fs):
-        return s3ranges.S3Getter(fs, path)
+    if s3.usable(fs):
+        return s3.S3Getter(fs, path)
     return None
 
 

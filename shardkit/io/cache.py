@@ -2,7 +2,7 @@
 
 Whole objects are cached, one file each, named by a hash of the url AND of
 the object's identity (ETag / version / size / modification time, see
-:func:`shardkit.remote.identity_of`): a changed object has a new name, so it
+:func:`shardkit.io.remote.identity_of`): a changed object has a new name, so it
 is fetched again and never read stale. How it stays correct:
 
 - **Atomic entries.** An entry is written to ``<name>.tmp.<pid>.<random>`` and renamed
@@ -47,7 +47,7 @@ from typing import Any, Final
 
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
-from shardkit.remote import RemoteFile, RemoteOptions, _count, identity_of
+from shardkit.io.remote import RemoteFile, RemoteOptions, _count, identity_of
 from shardkit.tempfiles import removed_if_exiting
 
 __all__ = ["Cache"]

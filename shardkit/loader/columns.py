@@ -11,7 +11,7 @@ travels pickled with the message, is cut and joined as a numpy array, and
 is saved in a state as the list of its items. Pickling one and handing it over the
 way DataLoader does costs as much per batch as the decoding itself, so:
 
-* in the worker, :meth:`SlabRing.put <shardkit.slabs.SlabRing.put>` writes
+* in the worker, :meth:`SlabRing.put <shardkit.loader.slabs.SlabRing.put>` writes
   each numeric column as is and each bytes column as a ``uint8`` values
   buffer plus ``int64`` offsets (rebased to 0) into a free slab; only the
   layout (:class:`InSlab` / :class:`BinaryInSlab` per column) is pickled;
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardkit.collate import Part
+from shardkit.loader.collate import Part
 
 __all__ = [
     "Binary",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.httpranges import PreconditionFailed, Response, Unsupported
+from shardkit.io.http import PreconditionFailed, Response, Unsupported
 
 __all__ = ["S3Getter", "usable"]
 
