@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 
 import pytest
@@ -17,7 +16,7 @@ import shardkit
 from shardkit import JsonlDataset, ParquetDataset, ShardList, TFRecordDataset, Topology
 from shardkit.formats.base import format_for
 from shardkit.planning import plan_whole_shards
-from shardkit.sources import BalanceError, ShardedDataset, _index_count
+from shardkit.sources import BalanceError, ShardedDataset
 from tests.helpers import (
     format_ids,
     sample_id,
@@ -343,8 +342,7 @@ def test_two_ranks_of_two_spawned_workers_probe_each_index_once_per_job_and_list
         shards = ShardList.from_glob(pattern)
         one_listing = [r.method for r in server.log if r.method == "LIST"]
         server.log.clear()
-        index_count = functools.partial(_index_count, TFRecordFormat().index_offsets)
-        assert counts_from_indexes(shards, index_count, cache_dir="").num_records.tolist() == [5] * 4
+        assert counts_from_indexes(shards, TFRecordFormat().stored_count, cache_dir="").num_records.tolist() == [5] * 4
         one_probe = sorted(r.path for r in server.log if r.path.endswith(".idx"))
         server.log.clear()
         gloo_ranks(_read_with_spawned_workers, 2, pattern, str(tmp_path))
