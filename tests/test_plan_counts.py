@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import JsonlDataset, ParquetDataset, ShardList, TFRecordDataset, Topology
-from shardkit.formats.base import format_for
+from shardkit.formats.base import FormatBase, format_for
 from shardkit.planning import plan_whole_shards
 from shardkit.sources import BalanceError, ShardedDataset
 from tests.helpers import (
@@ -154,7 +154,7 @@ def test_one_parquet_shard_of_600_rows_splits_by_rows_over_six_readers_without_a
 # -- planning level: the counts every reader plans with ------------------------------------------------------
 
 
-class _Stored:
+class _Stored(FormatBase):
     """A format over ``mem/<shard>`` urls whose counts live in the files' metadata (an index, a footer)."""
 
     def __init__(self, counts: list[int]) -> None:
