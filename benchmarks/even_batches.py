@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from _common import free_port
 
 import shardkit
-from shardkit import even as even_module
+from shardkit.even import group as even_module
 
 
 def epoch_time(loader: Iterable[Any], step: Callable[[], None]) -> tuple[float, float]:

@@ -32,7 +32,7 @@ _EXPORTS: dict[str, str] = {
     "ParquetDataset": "shardkit.sources",
     "JsonlDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
-    "interleave": "shardkit.interleaving",
+    "interleave": "shardkit.pipeline",
     "Pipeline": "shardkit.pipeline",
     "MixedLoader": "shardkit.loader",
     "worker_seed": "shardkit.seeding",

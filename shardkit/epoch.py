@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from shardkit.errors import ShardkitError, check_int
+from shardkit.trainers import check_not_in_accelerate
 
 _T = TypeVar("_T")
 
@@ -176,8 +177,6 @@ def open_pass(pipeline: Any, open_fn: Callable[..., Iterator[Any]], *args: objec
     """
     if _IN_PASS.get():
         return open_fn(*args)
-    from shardkit.trainers import check_not_in_accelerate
-
     check_not_in_accelerate(pipeline)  # Accelerate's wrappers would lose data: fail at once
     for shared in shared_epochs(pipeline):
         shared.begin_pass()

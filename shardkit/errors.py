@@ -251,6 +251,14 @@ class WorkerDiedError(ShardkitError, RuntimeError):
     iteration; a state saved before (``state_dict()``) resumes it."""
 
 
+class UnknownLengthError(ShardkitError, TypeError):
+    """``len()`` of a stream whose length is unbounded or not known in advance.
+
+    A :class:`TypeError`, as Python expects from ``__len__``, so ``list(ds)``
+    and ``operator.length_hint`` still work.
+    """
+
+
 class EvenBatchesError(ShardkitError, RuntimeError):
     """The ranks of :func:`~shardkit.even_batches` cannot go on together: an argument that
     cannot work, a rank with nothing to repeat under ``at_end="pad"``, another rank's

@@ -8,11 +8,17 @@ alike augment alike; shardkit reseeds at the start of every pass instead.
 
 User code (a ``.map`` augmentation, say) reads the seed of the running
 iteration with :func:`current_seed`.
+
+Stages that draw (``.shuffle()``, ``interleave``) take uniform floats from
+such a generator through :class:`Uniforms`, a block at a time, so that a
+position in the draws is small plain data (a generator state and an index)
+that a saved state can hold.
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +34,9 @@ _MAX_SEED = 2**64
 WORKER_STREAM = 0
 SHUFFLE_STREAM = 1
 INTERLEAVE_STREAM = 2
+
+#: Uniform floats drawn per generator call (a scalar call costs ~1 us); a saved draw position lies in [0, DRAW_BLOCK].
+DRAW_BLOCK = 1024
 
 _current_seed: int | None = None
 
@@ -71,6 +80,58 @@ def generator(seed: int, epoch: int, topology: Topology, stream: int) -> np.rand
     :func:`worker_seed` and of other ``stream`` values."""
     sequence = _sequence(seed, epoch, topology.rank, topology.worker_id, stream)
     return np.random.default_rng(sequence)
+
+
+def generator_state(rng: np.random.Generator) -> dict[str, Any]:
+    """The position of a numpy generator, as plain data."""
+    return dict(rng.bit_generator.state)
+
+
+class Uniforms:
+    """Uniform floats in [0, 1) from ``rng``, drawn :data:`DRAW_BLOCK` at a time.
+
+    The sequence is fixed by the generator's state, so a position in it is
+    (generator state at the block's start, index in the block): that is
+    :meth:`state_dict`, and :meth:`seek` continues there. Checking a saved
+    position and rebuilding its generator is the state's job
+    (:func:`shardkit.stateful.check_draws`, :meth:`shardkit.stateful.Resume.continue_draws`).
+    """
+
+    GENERATOR = "generator"  #: state key: the generator's state at the start of the current block
+    NEXT = "next"  #: state key: the index of the next draw in the block
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+        self._block: list[float] = []
+        self._next = 0
+        self._block_start: dict[str, Any] | None = None
+
+    def _draw_block(self) -> None:
+        self._block_start = generator_state(self._rng)
+        self._block = self._rng.random(DRAW_BLOCK).tolist()
+        self._next = 0
+
+    def draw(self) -> float:
+        if self._next == len(self._block):
+            self._draw_block()
+        value = self._block[self._next]
+        self._next += 1
+        return value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the sequence: generator state at the block's start and index in it."""
+        if self._block_start is None:
+            return {self.GENERATOR: generator_state(self._rng), self.NEXT: 0}
+        return {self.GENERATOR: self._block_start, self.NEXT: self._next}
+
+    def seek(self, rng: np.random.Generator, next_draw: int) -> None:
+        """Continue at draw ``next_draw`` of the block that starts where ``rng`` stands
+        (the position :meth:`state_dict` saved, its generator rebuilt)."""
+        self._rng = rng
+        self._block, self._next, self._block_start = [], 0, None
+        if next_draw:
+            self._draw_block()
+            self._next = next_draw
 
 
 def seed_everything(seed: int) -> None:

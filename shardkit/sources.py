@@ -97,7 +97,7 @@ from shardkit.stateful import (
 )
 from shardkit.stats import ReadStats, SharedStats
 from shardkit.topology import Topology
-from shardkit.trainers import check_dataloader_len
+from shardkit.trainers import check_dataloader_len, worker_lengths
 
 logger = logging.getLogger("shardkit")
 
@@ -270,6 +270,10 @@ class _PlannedSource(_Source):
         if not isinstance(counts, np.ndarray):
             raise self._unknown_length("the record counts of its shards are unknown (call count_records() first)")
         return rank_span(int(counts.sum()), topology.world_size, topology.rank, self.balance)[1]
+
+    def reader_lengths(self, num_workers: int) -> list[int] | None:
+        """Samples each of ``num_workers`` DataLoader workers yields per pass: this rank's, split as planned."""
+        return worker_lengths(len(self), num_workers)
 
     #: Records a reader permutes at once under ``shuffle=True`` (memory: this many
     #: samples per reader); 0 keeps shuffling at the level of shards and blocks.

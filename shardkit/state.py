@@ -7,44 +7,21 @@ hold. Every node has ``"version"`` (:data:`VERSION`) and ``"kind"``; nodes
 with inputs hold their state under ``"upstream"``.
 
 Each kind belongs to one stage's iterator class (a :class:`StageIterator`;
-``"planned"`` and ``"stream"`` in :mod:`shardkit.sources`, ``"interleave"``
-in :mod:`shardkit.interleaving`, the others in :mod:`shardkit.pipeline`),
-which holds its keys as constants and, beside ``__next__``, how the node is
-saved, restored, checked and merged; defining the class registers the kind.
-This module holds what all stages share: the node envelope, the checks
-common to several kinds, the sample encoding, and :func:`merge` /
-:func:`merge_ranks`, which hand each node to its kind's class.
+``"planned"`` and ``"stream"`` in :mod:`shardkit.sources`, the others in the
+modules of :mod:`shardkit.pipeline`), which holds its keys as constants and,
+beside ``__next__``, how the node is saved, restored, checked and merged;
+defining the class registers the kind. The class's docstring is the node's
+schema: every key and what it holds, written once, there. This module holds
+what all stages share: the node envelope, the checks common to several
+kinds, the sample encoding, and :func:`merge` / :func:`merge_ranks`, which
+hand each node to its kind's class; it imports every built-in stage, so a
+state merged or checked here knows every kind.
 
-Kinds (version 1):
-
-* ``"planned"`` (shard files, map-style datasets): ``epoch``, ``world_size``,
-  ``rank``, a ``fingerprint`` of the dataset (shard count, record count, seed,
-  shuffle, balance; no file names), ``remaining``: the ``[start, stop)``
-  intervals of positions of this rank's chunk still to read (see
-  :func:`shardkit.planning.plan_intervals`), and ``share``: ``[worker,
-  num_workers]`` when ``remaining`` is one DataLoader worker's own part, or
-  None when it is the whole rank's. Under sample-level shuffling a reader's
-  state also has ``window``: ``{"from": positions from the start of the
-  window it is yielding, "yielded": samples of that window yielded}`` (the
-  window is read again on resume); ``remaining`` then lists the window's
-  unyielded positions one by one. A merge keeps ``remaining`` only.
-  Positions count records, not samples: a record skipped under
-  ``on_error="skip"`` counts as read.
-* ``"stream"`` (``wrap`` of a plain iterable): ``items`` the reader has
-  stepped past, whether it is ``done``, and its ``reader`` slot; resuming
-  iterates the iterable again and skips them (it must repeat itself).
-* ``"map"``, ``"filter"``, ``"batch"``: only ``upstream`` (a batch is built
-  in one step, so there is never a partial one to save).
-* ``"shuffle"``: the buffered samples (``samples``, each encoded with
-  :func:`encode`), the generator position (``rng``) and ``share``. The
-  contents are saved rather than re-derived: exact and cheap to restore, at
-  the cost of a state as large as the buffer. A merged node also has
-  ``pooled``, the number of workers' buffers its samples pool: a loaded
-  node holds at most ``pooled`` (1 when absent) times ``buffer_size``.
-* ``"repeat"``: the ``pass``, whether it has yielded (``yielded``) and the
-  pass's ``upstream`` state (None once every pass is done).
-* ``"interleave"``: per-input states (None for inputs never read), the
-  ``live`` inputs, the generator position, ``stopped`` and ``share``.
+Keys several kinds share mean the same in each: ``epoch`` (below),
+``upstream`` (the inputs' nodes), ``share`` (``[worker, num_workers]`` when
+the node is one DataLoader worker's own part, None when it is the whole
+rank's) and ``rng`` (a draw position: a numpy generator state and an index
+in its block, None after a merge).
 
 Every stage that draws or reads also records the ``epoch`` its iteration
 reads (inside ``repeat``, including the pass). A loaded state resumes an
@@ -88,8 +65,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-
-import shardkit.interleaving  # noqa: F401
 
 # The built-in stages register their state kinds when their modules are imported;
 # importing them here means any state merged or checked through this module knows

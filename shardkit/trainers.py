@@ -28,6 +28,11 @@ shardkit does about them:
   ``TypeError``) naming the fix; trainers then run the loader to exhaustion.
   ``.batch(n)`` with ``DataLoader(batch_size=None)`` and
   :class:`~shardkit.MixedLoader` report exact lengths.
+
+This module is a leaf below every stage: it knows nothing of pipelines or
+sources. What each DataLoader worker yields from a pipeline is the
+pipeline's to say (its ``reader_lengths(num_workers)`` method); the guards
+here only ask.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from contextvars import ContextVar
 from types import FrameType
 from typing import Any
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, UnknownLengthError
+from shardkit.planning import worker_span
 
 __all__ = ["TrainerError", "batch_len", "check_dataloader_len", "check_not_in_accelerate", "reader_lengths"]
 
@@ -121,8 +127,6 @@ def check_not_in_accelerate(dataset: object) -> None:
 
 def worker_lengths(total: int, num_workers: int) -> list[int]:
     """How :func:`shardkit.planning.share` splits ``total`` samples over ``num_workers`` workers."""
-    from shardkit.planning import worker_span
-
     return [worker_span(total, num_workers, w)[1] for w in range(num_workers)]
 
 
@@ -148,35 +152,17 @@ _CHECKING: ContextVar[bool] = ContextVar("shardkit_checking_loader_len", default
 
 def reader_lengths(pipeline: Any, num_workers: int) -> list[int] | None:
     """Samples each of ``num_workers`` DataLoader workers yields from ``pipeline``
-    per pass, or None for a stage whose split is not known here.
+    per pass, or None where the split is not known here.
 
-    Sources split their rank's samples as :func:`shardkit.planning.share` does;
-    ``.map``/``.shuffle`` keep each worker's count, ``.batch`` batches it,
-    ``.repeat(count)`` multiplies it and ``interleave(stop="all_exhausted")``
-    adds its inputs'.
+    Each shardkit stage answers for itself (``Pipeline.reader_lengths``):
+    sources split their rank's samples as :func:`shardkit.planning.share`
+    does; ``.map``/``.shuffle`` keep each worker's count, ``.batch`` batches
+    it, ``.repeat(count)`` multiplies it and ``interleave(stop="all_exhausted")``
+    adds its inputs'. A dataset that is not a shardkit pipeline (a DataLoader's
+    dataset can be anything) has no known split.
     """
-    from shardkit.pipeline import Batch, Interleave, Map, Repeat, Shuffle
-    from shardkit.sources import _PlannedSource
-
-    if isinstance(pipeline, _PlannedSource):
-        return worker_lengths(len(pipeline), num_workers)
-    if isinstance(pipeline, (Map, Shuffle)):
-        return reader_lengths(pipeline.source, num_workers)
-    if isinstance(pipeline, Batch):
-        inner = reader_lengths(pipeline.source, num_workers)
-        if inner is None:
-            return None
-        size, drop = pipeline.batch_size, pipeline.drop_last
-        return [n // size if drop else math.ceil(n / size) for n in inner]
-    if isinstance(pipeline, Repeat) and pipeline.count is not None:
-        inner = reader_lengths(pipeline.source, num_workers)
-        return None if inner is None else [pipeline.count * n for n in inner]
-    if isinstance(pipeline, Interleave) and pipeline.stop == "all_exhausted":
-        parts = [reader_lengths(d, num_workers) for d, w in zip(pipeline.upstream, pipeline.weights) if w > 0]
-        if any(p is None for p in parts):
-            return None
-        return [sum(column) for column in zip(*parts)]  # type: ignore[misc]
-    return None
+    lengths = getattr(pipeline, "reader_lengths", None)
+    return None if lengths is None else lengths(num_workers)
 
 
 def _loader_workers() -> int:
@@ -216,8 +202,6 @@ def check_dataloader_len(source: Any) -> None:
         if reported == loader_batches(lengths, size, drop):
             return
     yielded = "an unknown number of" if lengths is None else str(loader_batches(lengths, size, drop))
-    from shardkit.pipeline import UnknownLengthError
-
     raise UnknownLengthError(
         f"len(DataLoader(batch_size={size}, num_workers={loader.num_workers})) over {source!r} would be "
         f"ceil(samples / batch_size), but its workers yield {yielded} batches (each worker batches its own "

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import shardkit
 from shardkit import EvenBatchesError, even_batches
-from shardkit import even as even_module
+from shardkit.even import wrapper as even_module
 from shardkit.state import StateError
 from tests.helpers import EXAMPLES, REPO, free_port, last_json_line, run_python
 from tests.test_tfrecord_dataset import corrupt_data_byte, write_shards

@@ -8,7 +8,9 @@ every stage: whether a loaded state applies to the iteration it opens.
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -74,12 +76,15 @@ def test_every_key_of_every_saved_node_is_a_constant_of_its_stage_or_a_shared_on
         assert set(node) - shared - constants == set(), node["kind"]
 
 
-def test_every_kind_and_its_keys_are_in_the_format_doc() -> None:
-    doc = shardkit.state.__doc__ or ""
+def test_every_kind_and_its_keys_are_described_by_the_class_that_owns_the_kind() -> None:
     for node in nodes(saved_state()):
-        assert f'``"{node["kind"]}"``' in doc
+        stage = stage_of(node["kind"])
+        doc = stage.__doc__ or ""
+        source = inspect.getsource(stage)  # a key constant's own doc comment describes it too
+        assert f'``"{node["kind"]}"``' in doc, stage.__qualname__
         for key in set(node) - {"version", "kind"}:
-            assert f"``{key}``" in doc, f"{node['kind']}: key {key!r} is not described in shardkit.state"
+            described = f"``{key}``" in doc or re.search(rf'= "{key}"  #: state key: \S', source)
+            assert described, f"{node['kind']}: key {key!r} is not described by {stage.__qualname__}"
 
 
 def test_a_second_stage_claiming_a_kind_is_refused() -> None:
@@ -188,10 +193,10 @@ def test_merge_hands_each_node_to_its_stage_and_refuses_an_unknown_kind() -> Non
 def test_shardkit_interleave_is_the_function_whichever_module_was_imported_first() -> None:
     script = textwrap.dedent(
         """
-        import shardkit.interleaving  # the submodule first: it must not shadow the function
+        import shardkit.pipeline.interleaving  # the submodule first: it must not shadow the function
         import shardkit
         from shardkit.pipeline import interleave as from_pipeline
-        from shardkit.interleaving import interleave as from_module
+        from shardkit.pipeline.mixing import interleave as from_module
         assert from_pipeline is from_module is shardkit.interleave
         mixed = shardkit.interleave([shardkit.wrap([1, 2]), shardkit.wrap([3])], stop="all_exhausted")
         print(sorted(mixed))
@@ -206,7 +211,7 @@ def test_shardkit_interleave_is_the_function_whichever_module_was_imported_first
 def test_the_interleave_docstring_example_runs_as_shown() -> None:
     import doctest
 
-    import shardkit.interleaving as module
+    import shardkit.pipeline.mixing as module
 
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

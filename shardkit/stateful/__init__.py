@@ -3,7 +3,8 @@ the sample codec (:mod:`.codec`). The state format itself is described in
 :mod:`shardkit.state`, the public module that also merges states over ranks."""
 
 from shardkit.errors import StateError
-from shardkit.stateful.codec import decode, encode, generator_state, restore_generator, same_data, short
+from shardkit.seeding import generator_state
+from shardkit.stateful.codec import decode, encode, restore_generator, same_data, short
 from shardkit.stateful.protocol import *  # noqa: F403  (the protocol, re-exported whole)
 from shardkit.stateful.protocol import __all__ as _node_names
 

@@ -3,7 +3,8 @@
 :func:`encode` turns a sample into data that ``json`` and
 ``torch.load(weights_only=True)`` can hold; :func:`decode` builds only the
 types listed there, so loading a state never runs code. Numpy generator
-positions are saved and checked here too.
+positions (saved by :func:`shardkit.seeding.generator_state`) are checked
+and rebuilt here too.
 """
 
 from __future__ import annotations
@@ -291,13 +292,8 @@ _DECODERS: dict[str, Callable[[list[Any]], Any]] = {
 }
 
 
-def generator_state(rng: np.random.Generator) -> dict[str, Any]:
-    """The position of a numpy generator, as plain data."""
-    return dict(rng.bit_generator.state)
-
-
 def restore_generator(state: dict[str, Any], where: str = "state") -> np.random.Generator:
-    """A numpy generator at the position :func:`generator_state` saved.
+    """A numpy generator at the position :func:`shardkit.seeding.generator_state` saved.
 
     Raises:
         StateError: ``state`` is not the state of a numpy bit generator.

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from shardkit.errors import StateError, check_int
+from shardkit.seeding import DRAW_BLOCK, Uniforms
 from shardkit.stateful.codec import restore_generator, same_data, short
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ State = dict[str, Any]
 # Keys that several stages' nodes share; each stage names its own as constants on its iterator.
 EPOCH = "epoch"  #: the epoch the iteration reads (inside ``repeat``, including the pass)
 SHARE = "share"  #: ``[worker, num_workers]``: the DataLoader worker whose part the node is; None: the whole rank's
-RNG = "rng"  #: the draw position (``pipeline.Uniforms``), None after a merge
+RNG = "rng"  #: the draw position (``seeding.Uniforms``), None after a merge
 UPSTREAM = "upstream"  #: the inputs' nodes
 
 
@@ -124,6 +125,12 @@ class Resume:
         if self.own or (self.topology.num_workers == 1 and draws is not None):
             return draws
         return None
+
+    def continue_draws(self, uniforms: Uniforms) -> None:
+        """Move ``uniforms`` to the saved draw position if it continues this reader's draws (:meth:`draws`)."""
+        draws = self.draws()
+        if draws is not None:
+            uniforms.seek(restore_generator(draws[Uniforms.GENERATOR]), draws[Uniforms.NEXT])
 
 
 # -- the stages that own a kind of state ------------------------------------------------
@@ -251,9 +258,6 @@ def upstream_state(iterator: Iterator[Any]) -> State:
 #: The range of every int in a state outside samples and generator states: a signed 64-bit int.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-#: Uniform floats drawn per generator call; a saved draw position lies in [0, DRAW_BLOCK].
-DRAW_BLOCK = 1024
-
 SEQUENCE = (list, tuple)
 
 
@@ -329,10 +333,10 @@ def check_draws(state: State, where: str) -> None:
     draws = field(state, RNG, where, type(None), dict)
     if draws is None:
         return
-    position = whole_number(draws, "next", f"{where} (rng)")
+    position = whole_number(draws, Uniforms.NEXT, f"{where} (rng)")
     if position > DRAW_BLOCK:
         raise StateError(f"{where}: state['rng']['next'] must be <= {DRAW_BLOCK}, got {position}")
-    restore_generator(field(draws, "generator", f"{where} (rng)", dict), where)
+    restore_generator(field(draws, Uniforms.GENERATOR, f"{where} (rng)", dict), where)
 
 
 def check_inputs_epoch(state: State, inputs: Sequence[Any], where: str) -> None:

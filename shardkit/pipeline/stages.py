@@ -1,4 +1,4 @@
-"""Chainable wrappers: every shardkit dataset is a :class:`Pipeline`.
+"""Chainable wrappers: every shardkit dataset is a :class:`Pipeline`, and the stages it chains.
 
 ``source.shuffle(1000).map(decode).batch(32)`` builds a chain of pipelines,
 each an :class:`~torch.utils.data.IterableDataset` holding its inputs in
@@ -20,89 +20,49 @@ process stands) and ``load_state_dict(state)`` (resume there at the next
 ``__iter__``), the Stateful protocol of torchdata's ``StatefulDataLoader``.
 
 A stage is two classes: the pipeline (an ``IterableDataset`` that only holds
-its settings) and its iterator, a :class:`~shardkit.state.StageIterator` that
-keeps beside ``__next__`` everything about the stage's state: the keys (as
-constants), ``state_dict``, ``load_state_dict``, the schema of a loaded node
-and how the nodes of all workers (and ranks) merge. :meth:`Pipeline.__iter__`
+and checks its settings, here) and its iterator, a
+:class:`~shardkit.state.StageIterator` in a module of its own below this one
+(:mod:`.mapping`, :mod:`.shuffling`, :mod:`.batching`, :mod:`.repeating`)
+that keeps beside ``__next__`` everything about the stage's state: the keys
+(as constants), ``state_dict``, ``restore``, the schema of a loaded node and
+how the nodes of all workers (and ranks) merge. :meth:`Pipeline.__iter__`
 checks once whether a loaded state applies to the iteration it opens. The
-format is described in :mod:`shardkit.state`; :func:`interleave` lives in
-:mod:`shardkit.interleaving`.
+format is described in :mod:`shardkit.state`.
+
+The base and the single-input stages share this module because the fluent
+methods (``.map`` ...) build the stages and the stages subclass the base.
+:func:`~shardkit.pipeline.interleave`, the stage with several inputs, sits
+above it in :mod:`.mixing`.
+
+Each stage also says how many samples every DataLoader worker yields from
+it per pass (:meth:`Pipeline.reader_lengths`), which the length guards of
+:mod:`shardkit.trainers` ask for.
 """
 
 from __future__ import annotations
 
-import importlib
-import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import numpy as np
 from torch.utils.data import IterableDataset, default_collate
 
-from shardkit.epoch import call_with_epoch_offset, check_epoch, epoch_offset, load_outermost, open_pass
-from shardkit.errors import ShardkitError, check_int
+from shardkit.epoch import check_epoch, load_outermost, open_pass
+from shardkit.errors import ShardkitError, UnknownLengthError, check_int
+from shardkit.pipeline.batching import _BatchIterator
+from shardkit.pipeline.mapping import _FilterIterator, _MapIterator
+from shardkit.pipeline.repeating import _RepeatIterator
+from shardkit.pipeline.shuffling import _ShuffleIterator
 from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
-from shardkit.stateful import (
-    DRAW_BLOCK,
-    EPOCH,
-    RNG,
-    SHARE,
-    UPSTREAM,
-    PassThroughIterator,
-    Resume,
-    StageIterator,
-    State,
-    StateError,
-    applies,
-    check,
-    check_all_shares,
-    check_draws,
-    check_inputs_epoch,
-    check_share,
-    decode,
-    encode,
-    field,
-    generator_state,
-    merge,
-    node,
-    restore_generator,
-    same_value,
-    share_field,
-    upstream_state,
-    whole_number,
-)
+from shardkit.stateful import EPOCH, Resume, StageIterator, State, StateError, applies, check
 from shardkit.topology import Topology
+from shardkit.trainers import batch_len, check_not_in_accelerate
 
-if TYPE_CHECKING:  # at run time, module __getattr__ below: shardkit.interleaving builds on this module
-    from shardkit.interleaving import Interleave, interleave
-
-__all__ = [
-    "Batch",
-    "Filter",
-    "Interleave",
-    "Map",
-    "Pipeline",
-    "PipelineError",
-    "Repeat",
-    "Shuffle",
-    "UnknownLengthError",
-    "interleave",
-]
-
-_UNIFORM_BLOCK = DRAW_BLOCK  # one Generator call per this many draws: a scalar call costs ~1 us
+__all__ = ["Batch", "Filter", "Map", "Pipeline", "PipelineError", "Repeat", "Shuffle", "UnknownLengthError"]
 
 
 class PipelineError(ShardkitError, ValueError):
     """An argument to a pipeline wrapper that cannot work."""
-
-
-class UnknownLengthError(ShardkitError, TypeError):
-    """``len()`` of a stream whose length is unbounded or not known in advance.
-
-    A :class:`TypeError`, as Python expects from ``__len__``, so ``list(ds)``
-    and ``operator.length_hint`` still work.
-    """
 
 
 def _check_callable(name: str, value: object) -> None:
@@ -112,49 +72,6 @@ def _check_callable(name: str, value: object) -> None:
 
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-class Uniforms:
-    """Uniform floats in [0, 1) from ``rng``, drawn a block at a time.
-
-    The sequence is fixed by the generator's state, so a position in it is
-    (generator state at the block's start, index in the block).
-    """
-
-    GENERATOR = "generator"  #: state key: the generator's state at the start of the current block
-    NEXT = "next"  #: state key: the index of the next draw in the block
-
-    def __init__(self, rng: np.random.Generator) -> None:
-        self._rng = rng
-        self._block: list[float] = []
-        self._next = 0
-        self._block_start: dict[str, Any] | None = None
-
-    def _draw_block(self) -> None:
-        self._block_start = generator_state(self._rng)
-        self._block = self._rng.random(_UNIFORM_BLOCK).tolist()
-        self._next = 0
-
-    def draw(self) -> float:
-        if self._next == len(self._block):
-            self._draw_block()
-        value = self._block[self._next]
-        self._next += 1
-        return value
-
-    def state_dict(self) -> State:
-        """The position in the sequence: generator state at the block's start and index in it."""
-        if self._block_start is None:
-            return {self.GENERATOR: generator_state(self._rng), self.NEXT: 0}
-        return {self.GENERATOR: self._block_start, self.NEXT: self._next}
-
-    def load_state_dict(self, state: State) -> None:
-        """Continue the sequence at the position :meth:`state_dict` saved (checked by ``check_draws``)."""
-        self._rng = restore_generator(state[self.GENERATOR])
-        self._block, self._next, self._block_start = [], 0, None
-        if state[self.NEXT]:
-            self._draw_block()
-            self._next = state[self.NEXT]
 
 
 def _discard_pending(pipeline: Pipeline) -> None:
@@ -277,6 +194,12 @@ class Pipeline(IterableDataset):
     def __len__(self) -> int:
         raise self._unknown_length(f"{type(self).__name__} is an unbounded or unknown-length stream")
 
+    def reader_lengths(self, num_workers: int) -> list[int] | None:
+        """Samples each of ``num_workers`` DataLoader workers yields from this
+        pipeline per pass on this rank, or None where the split is not known
+        (by default: a stage says so by overriding this)."""
+        return None
+
     def __iter__(self) -> Iterator[Any]:
         """Start an iteration, resuming a state given to :meth:`load_state_dict`."""
         loaded, self._pending = self._pending, None
@@ -356,8 +279,6 @@ class Pipeline(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the live iterator (DataLoader workers make their own)."""
-        from shardkit.trainers import check_not_in_accelerate
-
         check_not_in_accelerate(self)  # pickled for a spawned worker of Accelerate's loader
         state = self.__dict__.copy()
         state.pop("_iterator", None)
@@ -381,22 +302,6 @@ class _Wrapper(Pipeline):
         return self.upstream[0]
 
 
-# -- map ----------------------------------------------------------------------
-
-
-class _MapIterator(PassThroughIterator):
-    """Its node is only ``upstream``: a sample is mapped in the step that reads it."""
-
-    KIND = "map"
-
-    def __init__(self, source: Iterator[Any], fn: Callable[[Any], Any]) -> None:
-        super().__init__(source)
-        self._fn = fn
-
-    def __next__(self) -> Any:
-        return self._fn(next(self._source))
-
-
 class Map(_Wrapper):
     """``fn(sample)`` for every sample; see :meth:`Pipeline.map`."""
 
@@ -410,30 +315,15 @@ class Map(_Wrapper):
     def __len__(self) -> int:
         return len(self.source)
 
+    def reader_lengths(self, num_workers: int) -> list[int] | None:
+        """Each worker maps as many samples as it reads."""
+        return self.source.reader_lengths(num_workers)
+
     def _open(self, resume: Resume | None) -> Iterator[Any]:
         return _MapIterator(iter(self.source), self.fn)
 
     def __repr__(self) -> str:
         return f"{self.source!r}.map({_name(self.fn)})"
-
-
-# -- filter -------------------------------------------------------------------
-
-
-class _FilterIterator(PassThroughIterator):
-    """Its node is only ``upstream``: a step reads until a sample is accepted."""
-
-    KIND = "filter"
-
-    def __init__(self, source: Iterator[Any], predicate: Callable[[Any], object]) -> None:
-        super().__init__(source)
-        self._predicate = predicate
-
-    def __next__(self) -> Any:
-        while True:
-            sample = next(self._source)
-            if self._predicate(sample):
-                return sample
 
 
 class Filter(_Wrapper):
@@ -456,124 +346,6 @@ class Filter(_Wrapper):
         return f"{self.source!r}.filter({_name(self.predicate)})"
 
 
-# -- shuffle ------------------------------------------------------------------
-
-
-class _ShuffleIterator(StageIterator):
-    """Keeps ``buffer_size`` samples; each step pulls one in and hands a random one out.
-
-    Its node: ``epoch``, the buffered ``samples`` (each encoded with
-    :func:`~shardkit.state.encode`), the draw position ``rng``, ``share`` and
-    ``upstream``. The contents are saved rather than re-derived: exact and
-    cheap to restore, at the cost of a state as large as the buffer.
-    """
-
-    KIND = "shuffle"
-    SAMPLES = "samples"  #: state key: the buffered samples, encoded
-    #: state key of a merged node only: how many workers' buffers its samples pool (absent: one)
-    POOLED = "pooled"
-    _PICKLED = "buffer"  # state key of shardkit <= 0.x: samples pickled, refused
-
-    def __init__(
-        self, source: Iterator[Any], buffer_size: int, rng: np.random.Generator, epoch: int, topology: Topology
-    ) -> None:
-        self._source = source
-        self._buffer_size = buffer_size
-        self._uniforms = Uniforms(rng)
-        self._buffer: list[Any] = []
-        self._exhausted = False
-        self._epoch = epoch
-        self._topology = topology
-
-    def __next__(self) -> Any:
-        buffer = self._buffer
-        while not self._exhausted and len(buffer) < self._buffer_size:
-            try:
-                buffer.append(next(self._source))
-            except StopIteration:
-                self._exhausted = True
-        if not buffer:
-            raise StopIteration
-        pick = int(self._uniforms.draw() * len(buffer))
-        sample = buffer[pick]
-        buffer[pick] = buffer[-1]
-        buffer.pop()
-        return sample
-
-    def state_dict(self) -> State:
-        """The buffered samples are saved (encoded as plain data), so a restore is exact without re-reading.
-
-        Raises:
-            StateError: a buffered sample is of a type a state cannot hold (see :func:`shardkit.state.encode`).
-        """
-        return node(
-            self.KIND,
-            **{
-                EPOCH: self._epoch,
-                self.SAMPLES: [encode(sample) for sample in self._buffer],
-                RNG: self._uniforms.state_dict(),
-                SHARE: share_field(self._topology),
-                UPSTREAM: upstream_state(self._source),
-            },
-        )
-
-    def restore(self, resume: Resume) -> None:
-        """Refill the buffer (and, for this worker's own state, the draws) from the state.
-
-        A whole-rank state's buffered samples are dealt out: worker ``w`` of
-        ``n`` takes every ``n``-th one from the ``w``-th on.
-        """
-        self._buffer = resume.part([decode(sample) for sample in resume.state[self.SAMPLES]])
-        draws = resume.draws()
-        if draws is not None:
-            self._uniforms.load_state_dict(draws)
-
-    @classmethod
-    def check_state(cls, state: State, where: str) -> None:
-        if cls._PICKLED in state and cls.SAMPLES not in state:
-            raise StateError(
-                f"{where}: this shuffle state keeps its samples pickled ('buffer', written by an earlier "
-                "shardkit); it is refused because unpickling can run code. Start the epoch afresh"
-            )
-        whole_number(state, EPOCH, where)
-        field(state, cls.SAMPLES, where, list)
-        check_draws(state, where)
-        check_share(state, where)
-        if cls.POOLED in state and whole_number(state, cls.POOLED, where, 1) > 1 and state[SHARE] is not None:
-            raise StateError(f"{where}: state['pooled'] > 1 is a merged state's, whose 'share' is None")
-        check_inputs_epoch(state, [field(state, UPSTREAM, where, dict)], where)
-
-    @classmethod
-    def inputs_to_load(cls, stage: Any, state: State) -> list[tuple[Any, State]]:
-        """Also checks that the samples fit the buffers they came from: a worker's
-        buffer holds at most ``buffer_size``, a merge of ``pooled`` of them that many times."""
-        pooled = state.get(cls.POOLED, 1)
-        held, room = len(state[cls.SAMPLES]), stage.buffer_size * pooled
-        if held > room:
-            buffers = "the buffer" if pooled == 1 else f"{pooled} buffers"
-            raise StateError(
-                f"{stage!r}: state['samples'] holds {held} samples, more than {buffers} of {stage!r} hold "
-                f"({room}); the state is of a larger shuffle buffer, or it was edited"
-            )
-        return super().inputs_to_load(stage, state)
-
-    @classmethod
-    def merge(cls, states: Sequence[State]) -> State:
-        """The workers' buffers pooled; the draws start afresh."""
-        check_all_shares(states)
-        return node(
-            cls.KIND,
-            **{
-                EPOCH: same_value(states, EPOCH),
-                cls.SAMPLES: [sample for s in states for sample in s[cls.SAMPLES]],
-                cls.POOLED: sum(s.get(cls.POOLED, 1) for s in states),
-                RNG: None,
-                SHARE: None,
-                UPSTREAM: merge([s[UPSTREAM] for s in states]),
-            },
-        )
-
-
 class Shuffle(_Wrapper):
     """A seeded shuffle buffer; see :meth:`Pipeline.shuffle`."""
 
@@ -587,6 +359,10 @@ class Shuffle(_Wrapper):
     def __len__(self) -> int:
         return len(self.source)
 
+    def reader_lengths(self, num_workers: int) -> list[int] | None:
+        """Each worker shuffles its own samples: as many as it reads."""
+        return self.source.reader_lengths(num_workers)
+
     def _open(self, resume: Resume | None) -> Iterator[Any]:
         seed = self.seed if self.shuffle_seed is None else self.shuffle_seed
         epoch, topology = self.epoch, self.topology()
@@ -598,33 +374,6 @@ class Shuffle(_Wrapper):
 
     def __repr__(self) -> str:
         return f"{self.source!r}.shuffle({self.buffer_size}, seed={self.shuffle_seed})"
-
-
-# -- batch --------------------------------------------------------------------
-
-
-class _BatchIterator(PassThroughIterator):
-    """Its node is only ``upstream``: a batch is made in one step, so no partial batch is ever pending."""
-
-    KIND = "batch"
-
-    def __init__(
-        self,
-        source: Iterator[Any],
-        batch_size: int,
-        collate_fn: Callable[[list[Any]], Any],
-        drop_last: bool,
-    ) -> None:
-        super().__init__(source)
-        self._batch_size = batch_size
-        self._collate_fn = collate_fn
-        self._drop_last = drop_last
-
-    def __next__(self) -> Any:
-        samples = list(itertools.islice(self._source, self._batch_size))
-        if not samples or (self._drop_last and len(samples) < self._batch_size):
-            raise StopIteration
-        return self._collate_fn(samples)
 
 
 class Batch(_Wrapper):
@@ -652,10 +401,8 @@ class Batch(_Wrapper):
         """Batches per pass on this rank: each DataLoader worker batches its own
         share, so this sums every worker's batches (the workers of the
         DataLoader asking, one outside a DataLoader). Upstream stages whose
-        split is not known (see :func:`shardkit.trainers.reader_lengths`) fall
+        split is not known (see :meth:`Pipeline.reader_lengths`) fall
         back to ``len(upstream)`` batched once, exact with one reader only."""
-        from shardkit.trainers import batch_len
-
         exact = batch_len(self)  # per DataLoader worker, each with its own last batch
         if exact is not None:
             return exact
@@ -664,119 +411,19 @@ class Batch(_Wrapper):
             return samples // self.batch_size
         return math.ceil(samples / self.batch_size)
 
+    def reader_lengths(self, num_workers: int) -> list[int] | None:
+        """Each worker batches its own samples, ending with its own partial batch."""
+        inner = self.source.reader_lengths(num_workers)
+        if inner is None:
+            return None
+        size, drop = self.batch_size, self.drop_last
+        return [n // size if drop else math.ceil(n / size) for n in inner]
+
     def _open(self, resume: Resume | None) -> Iterator[Any]:
         return _BatchIterator(iter(self.source), self.batch_size, self.collate_fn, self.drop_last)
 
     def __repr__(self) -> str:
         return f"{self.source!r}.batch({self.batch_size}, drop_last={self.drop_last})"
-
-
-# -- repeat -------------------------------------------------------------------
-
-
-class _RepeatIterator(StageIterator):
-    """Runs the passes; its node: ``epoch``, the ``pass``, whether the pass has
-    ``yielded`` yet, and the pass's ``upstream`` node (None once every pass is done)."""
-
-    KIND = "repeat"
-    PASS = "pass"  #: state key: passes finished before the current one
-    YIELDED = "yielded"  #: state key: whether the current pass has yielded (an empty pass ends an endless repeat)
-
-    def __init__(self, upstream: Pipeline, count: int | None, epoch: int, resume: Resume | None = None) -> None:
-        self._upstream = upstream
-        self._count = count
-        self._epoch = epoch
-        outer = epoch_offset()
-        self._first_offset = outer if count is None else outer * count
-        self._pass = 0
-        self._yielded_this_pass = 0
-        self._source: Iterator[Any] | None = None
-        if resume is not None:  # before the pass is opened: the loaded upstream state resumes that pass
-            self.restore(resume)
-        if resume is None or resume.state[UPSTREAM] is not None:
-            self._source = self._start_pass()
-
-    def _start_pass(self) -> Iterator[Any]:
-        return call_with_epoch_offset(self._first_offset + self._pass, iter, self._upstream)
-
-    def __next__(self) -> Any:
-        while self._source is not None:
-            try:
-                sample = call_with_epoch_offset(self._first_offset + self._pass, next, self._source)
-            except StopIteration:
-                empty_pass = self._yielded_this_pass == 0
-                self._pass += 1
-                self._yielded_this_pass = 0
-                done = self._count is not None and self._pass >= self._count
-                self._source = None if empty_pass or done else self._start_pass()
-                continue
-            self._yielded_this_pass += 1
-            return sample
-        raise StopIteration
-
-    def state_dict(self) -> State:
-        """The pass, whether it has yielded yet, and the pass's upstream state (None when done)."""
-        upstream = None if self._source is None else upstream_state(self._source)
-        return node(
-            self.KIND,
-            **{
-                EPOCH: self._epoch,
-                self.PASS: self._pass,
-                self.YIELDED: self._yielded_this_pass > 0,
-                UPSTREAM: upstream,
-            },
-        )
-
-    def restore(self, resume: Resume) -> None:
-        """Go to the saved pass; called by ``__init__`` before the pass's upstream iterator is opened."""
-        self._pass = resume.state[self.PASS]
-        self._yielded_this_pass = int(resume.state[self.YIELDED])
-
-    @classmethod
-    def inputs_to_load(cls, stage: Any, state: State) -> list[tuple[Any, State]]:
-        passes, upstream = state[cls.PASS], state[UPSTREAM]  # upstream None: every pass is done
-        count = stage.count
-        if count is not None and (passes > count or (passes == count and upstream is not None)):
-            raise StateError(
-                f"{stage!r}: the state is in pass {passes}, but this repeat() makes {count} passes; "
-                "load the state into the same pipeline that saved it"
-            )
-        return [] if upstream is None else [(stage.source, upstream)]
-
-    @classmethod
-    def check_state(cls, state: State, where: str) -> None:
-        whole_number(state, EPOCH, where)
-        passes = whole_number(state, cls.PASS, where)
-        yielded = field(state, cls.YIELDED, where, bool)
-        upstream = field(state, UPSTREAM, where, dict, type(None))
-        # No upstream means every pass is done, which happens only right after a pass ends.
-        if upstream is None and (yielded or passes == 0):
-            raise StateError(
-                f"{where}: a repeat() state without an upstream state must be past a finished pass "
-                f"(pass >= 1, yielded False), got pass {passes}, yielded {yielded}"
-            )
-
-    @classmethod
-    def merge(cls, states: Sequence[State]) -> State:
-        """Workers in the same pass merge; in different passes they cannot be split anew."""
-        passes = [s[cls.PASS] for s in states]
-        if any(p != passes[0] for p in passes):
-            raise StateError(
-                f"workers are in different repeat() passes {passes}; such a state resumes only with the "
-                "same number of workers"
-            )
-        upstreams = [s[UPSTREAM] for s in states]
-        if any(u is None for u in upstreams) != all(u is None for u in upstreams):
-            raise StateError("cannot merge repeat() states where some workers have finished and others not")
-        return node(
-            cls.KIND,
-            **{
-                EPOCH: same_value(states, EPOCH),
-                cls.PASS: passes[0],
-                cls.YIELDED: any(s[cls.YIELDED] for s in states),
-                UPSTREAM: None if upstreams[0] is None else merge(upstreams),
-            },
-        )
 
 
 class Repeat(_Wrapper):
@@ -800,17 +447,15 @@ class Repeat(_Wrapper):
             raise self._unknown_length("repeat() without a count never ends; pass repeat(count) for a finite length")
         return self.count * len(self.source)
 
+    def reader_lengths(self, num_workers: int) -> list[int] | None:
+        """``count`` passes of each worker's samples; None for an endless repeat."""
+        if self.count is None:
+            return None
+        inner = self.source.reader_lengths(num_workers)
+        return None if inner is None else [self.count * n for n in inner]
+
     def _open(self, resume: Resume | None) -> Iterator[Any]:
         return _RepeatIterator(self.source, self.count, self.epoch, resume)
 
     def __repr__(self) -> str:
         return f"{self.source!r}.repeat({self.count})"
-
-
-def __getattr__(name: str) -> Any:
-    """``interleave``, ``Interleave`` and ``STOP_RULES`` live in :mod:`shardkit.interleaving`
-    (imported when first asked for: it builds on this module)."""
-    if name in ("interleave", "Interleave", "STOP_RULES"):
-        module = importlib.import_module("shardkit.interleaving")
-        return getattr(module, name)
-    raise AttributeError(f"module 'shardkit.pipeline' has no attribute {name!r}")

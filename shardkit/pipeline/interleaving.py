@@ -1,34 +1,23 @@
-"""Weighted random mixing of several pipelines: :func:`interleave`.
+"""The iterator of ``interleave``: weighted random draws of which input to read next.
 
-``interleave([a, b], weights=[3, 1])`` draws, for every sample, which input
-to read next, from the cumulative weights of the inputs still live. The
-draws come from a generator seeded by (seed, epoch, rank, worker) and are
-drawn a block at a time (:class:`~shardkit.pipeline.Uniforms`), so a
-position in them is small plain data and the mix repeats across runs.
-
-Like every stage it is two classes: :class:`Interleave` holds the settings,
-:class:`_InterleaveIterator` the cursor and everything about its state node
-(``epoch``, one node per input, None for an input of weight 0, the ``live``
-inputs, the draw position ``rng``, ``stopped`` and ``share``), including how
-the nodes of all workers merge.
-
-The module is named ``interleaving`` so that it never shadows the package's
-``shardkit.interleave`` function (importing a submodule binds its name on the
-package).
+For every sample it draws from the cumulative weights of the inputs still
+live. The draws come from :class:`~shardkit.seeding.Uniforms` over a
+generator seeded by (seed, epoch, rank, worker), so a position in them is
+small plain data and the mix repeats across runs. The module is named
+``interleaving`` so that it never shadows the package's ``interleave``
+function (importing a submodule binds its name on the package).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from shardkit.pipeline import Pipeline, PipelineError, Uniforms
-from shardkit.seeding import INTERLEAVE_STREAM, check_seed, generator
+from shardkit.seeding import Uniforms
 from shardkit.stateful import (
     EPOCH,
     RNG,
@@ -53,77 +42,19 @@ from shardkit.stateful import (
 )
 from shardkit.topology import Topology
 
-__all__ = ["STOP_RULES", "Interleave", "interleave"]
-
+#: How an interleave ends: when a drawn input runs out, or when every input has.
 STOP_RULES = ("first_exhausted", "all_exhausted")
 
 
-def interleave(
-    datasets: Sequence[Pipeline],
-    weights: Sequence[float] | None = None,
-    *,
-    seed: int = 0,
-    stop: str = "first_exhausted",
-) -> Pipeline:
-    """Mix several pipelines, drawing the next source at random by ``weights``.
-
-    Draws are seeded from (``seed``, epoch, rank, worker): deterministic for a
-    given topology and epoch, different per epoch. ``weights=None`` mixes
-    evenly; weights need not sum to 1. A source with weight 0 is never read.
-    ``stop="first_exhausted"`` ends when a drawn source runs out, so the mix
-    follows the weights to the end; ``"all_exhausted"`` keeps drawing from the
-    others, reweighted, until every source is spent. ``set_epoch`` reaches
-    every source.
-
-    Example:
-        >>> import shardkit
-        >>> text, code = shardkit.wrap(["t1", "t2", "t3"]), shardkit.wrap(["c1"])
-        >>> mixed = shardkit.interleave([text, code], weights=[3, 1], seed=0, stop="all_exhausted")
-        >>> sorted(mixed)  # every sample of both, in an order drawn by the weights
-        ['c1', 't1', 't2', 't3']
-    """
-    return Interleave(datasets, weights, seed=seed, stop=stop)
-
-
-def _check_datasets(datasets: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
-    if isinstance(datasets, Pipeline) or not isinstance(datasets, Sequence):
-        raise PipelineError(
-            f"interleave(datasets) takes a list of pipelines, got {type(datasets).__name__}; "
-            "write interleave([a, b], ...)"
-        )
-    if not datasets:
-        raise PipelineError("interleave(datasets) needs at least one dataset, got an empty list")
-    for position, dataset in enumerate(datasets):
-        if not isinstance(dataset, Pipeline):
-            raise PipelineError(
-                f"interleave(datasets[{position}]) is a {type(dataset).__name__}, not a shardkit Pipeline; "
-                "turn it into one with shardkit.wrap(...)"
-            )
-    return tuple(datasets)
-
-
-def _check_weights(weights: Sequence[float] | None, count: int) -> tuple[float, ...]:
-    if weights is None:
-        return (1.0,) * count
-    try:
-        values = [float(w) for w in weights]
-    except (TypeError, ValueError):
-        raise PipelineError(f"interleave(weights) must be a sequence of numbers, got {weights!r}") from None
-    if len(values) != count:
-        raise PipelineError(
-            f"interleave got {count} datasets but {len(values)} weights; "
-            "pass one weight per dataset, or weights=None to mix evenly"
-        )
-    for position, value in enumerate(values):
-        if not math.isfinite(value) or value < 0:
-            raise PipelineError(f"interleave(weights[{position}]) must be finite and >= 0, got {value}")
-    if sum(values) == 0:
-        raise PipelineError("interleave(weights) are all zero; give at least one dataset a positive weight")
-    return tuple(values)
-
-
 class _InterleaveIterator(StageIterator):
-    """Draws an input for every sample from the cumulative weights of the live ones."""
+    """Draws an input for every sample from the cumulative weights of the live ones.
+
+    State node (kind ``"interleave"``): ``epoch``, ``upstream``: one node per
+    input (None for an input of weight 0, never read), the ``live`` inputs
+    (increasing indices of those not yet exhausted), the draw position ``rng``
+    (:class:`~shardkit.seeding.Uniforms`), whether a ``first_exhausted`` mix
+    has ``stopped``, and ``share``.
+    """
 
     KIND = "interleave"
     LIVE = "live"  #: state key: increasing indices of the inputs not yet exhausted
@@ -131,7 +62,7 @@ class _InterleaveIterator(StageIterator):
 
     def __init__(
         self,
-        datasets: tuple[Pipeline, ...],
+        datasets: Sequence[Iterable[Any]],
         weights: tuple[float, ...],
         rng: np.random.Generator,
         stop_on_first: bool,
@@ -188,9 +119,7 @@ class _InterleaveIterator(StageIterator):
         state = resume.state
         self._stopped = bool(state[self.STOPPED])
         self._set_live([] if self._stopped else [i for i in state[self.LIVE] if self._sources[i] is not None])
-        draws = resume.draws()
-        if draws is not None:
-            self._uniforms.load_state_dict(draws)
+        resume.continue_draws(self._uniforms)
 
     @classmethod
     def inputs_to_load(cls, stage: Any, state: State) -> list[tuple[Any, State]]:
@@ -252,55 +181,3 @@ class _InterleaveIterator(StageIterator):
                 SHARE: None,
             },
         )
-
-
-class Interleave(Pipeline):
-    """Weighted random mixing of several pipelines; see :func:`interleave`.
-
-    ``epoch`` and ``topology()`` come from the first dataset; ``seed`` is the
-    mixing seed, which a ``.shuffle()`` chained after it also uses by default.
-    """
-
-    _iterator_type = _InterleaveIterator
-
-    def __init__(
-        self,
-        datasets: Sequence[Pipeline],
-        weights: Sequence[float] | None = None,
-        *,
-        seed: int = 0,
-        stop: str = "first_exhausted",
-    ) -> None:
-        self.upstream = _check_datasets(datasets)
-        self.weights = _check_weights(weights, len(self.upstream))
-        self.mix_seed = check_seed(seed, "interleave(seed)")
-        if stop not in STOP_RULES:
-            raise PipelineError(f"interleave(stop) must be one of {STOP_RULES}, got {stop!r}")
-        self.stop = stop
-
-    @property
-    def seed(self) -> int:
-        """The mixing seed given to :func:`interleave`."""
-        return self.mix_seed
-
-    def __len__(self) -> int:
-        if self.stop == "first_exhausted":
-            raise self._unknown_length(
-                "with stop='first_exhausted' it ends when a randomly drawn source runs out; "
-                "stop='all_exhausted' has a length"
-            )
-        return sum(len(d) for d, w in zip(self.upstream, self.weights) if w > 0)
-
-    def _open(self, resume: Resume | None) -> _InterleaveIterator:
-        epoch, topology = self.epoch, self.topology()
-        rng = generator(self.mix_seed, epoch, topology, INTERLEAVE_STREAM)
-        iterator = _InterleaveIterator(
-            self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology
-        )
-        if resume is not None:
-            iterator.restore(resume)
-        return iterator
-
-    def __repr__(self) -> str:
-        inputs = ", ".join(repr(d) for d in self.upstream)
-        return f"interleave([{inputs}], weights={list(self.weights)}, seed={self.mix_seed}, stop={self.stop!r})"
