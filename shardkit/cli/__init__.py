@@ -1,5 +1,5 @@
 """The ``shardkit`` command line."""
 
-from shardkit.cli.main import main
+from shardkit.cli.main import EXIT_CODES, EXIT_PIPE, build_parser, main
 
-__all__ = ["main"]
+__all__ = ["EXIT_CODES", "EXIT_PIPE", "build_parser", "main"]

@@ -33,7 +33,7 @@ def run_demo(workdir: str | None = None) -> int:
 
 def _demo(root: Path) -> int:
     import shardkit
-    from shardkit.cli.main import format_plan
+    from shardkit.cli.render import format_plan
 
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
