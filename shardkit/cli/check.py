@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardkit.cli.errors import MismatchError, fail
+from shardkit.cli.exits import MismatchError, fail
 from shardkit.cli.files import detect_compression, each_file, format_of, index_counts, with_progress
 from shardkit.errors import ShardkitError
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from shardkit.cli.errors import EXIT_OK, fail
+from shardkit.cli.exits import EXIT_OK, fail
 from shardkit.cli.files import expand
 from shardkit.errors import ShardkitError
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shardkit.cli.errors import EXIT_OK, fail, stdout_closed
+from shardkit.cli.exits import EXIT_OK, fail, stdout_closed
 
 GLOB_CHARS = re.compile(r"[*?\[{]")
 

@@ -5,7 +5,7 @@ The modules below this one: :mod:`~shardkit.cli.parser` (the sub-commands and
 their options), the commands (:mod:`~shardkit.cli.check`: inspect, verify,
 index; :mod:`~shardkit.cli.plan`; :mod:`~shardkit.cli.convert`;
 :mod:`~shardkit.cli.demo`), what they share (:mod:`~shardkit.cli.files`,
-:mod:`~shardkit.cli.render`), and at the bottom :mod:`~shardkit.cli.errors`
+:mod:`~shardkit.cli.render`), and at the bottom :mod:`~shardkit.cli.exits`
 (exit codes and the one-line format). Commands that take several files check
 every one even after a failure, report each bad one on its own line, and exit
 with the worst outcome.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from shardkit.cli.errors import EXIT_CODES, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIPE, closed_pipe, fail, stdout_closed
+from shardkit.cli.exits import EXIT_CODES, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIPE, closed_pipe, fail, stdout_closed
 from shardkit.cli.parser import build_parser, parse
 
 __all__ = ["EXIT_CODES", "EXIT_PIPE", "build_parser", "main"]

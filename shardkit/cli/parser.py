@@ -17,7 +17,7 @@ from typing import Any
 
 from shardkit.cli.check import cmd_index, cmd_inspect, cmd_verify
 from shardkit.cli.convert import cmd_convert
-from shardkit.cli.errors import EXIT_CODES, EXIT_USAGE, one_line
+from shardkit.cli.exits import EXIT_CODES, EXIT_USAGE, one_line
 from shardkit.cli.plan import cmd_plan
 
 

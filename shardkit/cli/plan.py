@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardkit.cli.errors import EXIT_OK, fail
+from shardkit.cli.exits import EXIT_OK, fail
 from shardkit.cli.files import GLOB_CHARS, index_counts
 from shardkit.cli.render import format_plan, plural
 

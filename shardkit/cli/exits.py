@@ -1,4 +1,4 @@
-"""Exit codes and one-line errors: what every ``shardkit`` command reports, and how.
+"""Exit codes and one-line errors: how every ``shardkit`` command ends, and what it says when it fails.
 
 Errors are for people and scripts alike: each is one line on stderr,
 ``shardkit <command>: error: <what, where>``, never a traceback (the global
