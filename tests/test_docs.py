@@ -26,7 +26,9 @@ DOCS = ROOT / "docs"
 
 # Modules whose docstring examples are doctests (the others show fragments).
 DOCTESTED = [
-    "shardkit.planning",
+    "shardkit.planning.plans",
+    "shardkit.planning.ranges",
+    "shardkit.planning.intervals",
     "shardkit.topology",
     "shardkit.seeding",
     "shardkit.epoch",
