@@ -116,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     parser.add_argument("--traceback", action="store_true", help="also print the traceback of errors (bug reports)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_plan, _add_inspect, _add_verify, _add_index, _add_convert):  # --help's order
+        add(sub)
+    return parser
 
+
+def _add_demo(sub: Any) -> None:
     demo = _sub(
         sub,
         "demo",
@@ -129,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="where to write the data (default: a temp dir)")
     demo.set_defaults(func=_cmd_demo)
 
+
+def _add_plan(sub: Any) -> None:
     plan_cmd = _sub(
         sub,
         "plan",
@@ -152,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--show", type=_int_at_least(0), default=3, help="ranges to print per reader (default 3)")
     plan_cmd.set_defaults(func=cmd_plan)
 
+
+def _add_inspect(sub: Any) -> None:
     inspect_cmd = _sub(
         sub,
         "inspect",
@@ -169,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compression_option(inspect_cmd)
     inspect_cmd.set_defaults(func=cmd_inspect)
 
+
+def _add_verify(sub: Any) -> None:
     verify_cmd = _sub(
         sub,
         "verify",
@@ -188,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compression_option(verify_cmd)
     verify_cmd.set_defaults(func=cmd_verify)
 
+
+def _add_index(sub: Any) -> None:
     index_cmd = _sub(
         sub,
         "index",
@@ -201,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compression_option(index_cmd)
     index_cmd.set_defaults(func=cmd_index)
 
+
+def _add_convert(sub: Any) -> None:
     convert_cmd = _sub(
         sub,
         "convert",
@@ -229,7 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     convert_cmd.add_argument("--max-records", type=_int_at_least(1), default=None, help="records per shard at most")
     convert_cmd.add_argument("--max-bytes", type=_int_at_least(1), default=None, help="bytes per shard, about")
     convert_cmd.set_defaults(func=cmd_convert)
-    return parser
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
