@@ -46,17 +46,7 @@ def _demo(root: Path) -> int:
     print(format_plan(shards, WORLD_SIZE, NUM_WORKERS, shuffle=True, balance="pad") + "\n")
 
     print(f"== 3. each rank through DataLoader(num_workers={NUM_WORKERS}, batch_size={BATCH_SIZE})")
-    seen: collections.Counter[int] = collections.Counter()
-    batch_counts = []
-    for rank in range(WORLD_SIZE):
-        dataset = shardkit.TFRecordDataset(shards, shuffle=True, rank=rank, world_size=WORLD_SIZE).map(_sample_id)
-        started = time.perf_counter()
-        batches = list(DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=NUM_WORKERS))
-        elapsed = time.perf_counter() - started
-        ids = torch.cat(batches).tolist()
-        seen.update(ids)
-        batch_counts.append(len(batches))
-        print(f"   rank {rank}: {len(batches)} batches, {len(ids)} samples, {elapsed:.2f} s")
+    seen, batch_counts = _read_every_rank(shards)
     missing = total - len(seen)
     repeated = sum(seen.values()) - len(seen)
     equal = len(set(batch_counts)) == 1
@@ -75,6 +65,25 @@ def _demo(root: Path) -> int:
     ok = equal and missing == 0
     print(f"\nshardkit demo: {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
+
+
+def _read_every_rank(shards: Any) -> tuple[collections.Counter[int], list[int]]:
+    """Read each simulated rank's part through a DataLoader: how often each sample id came, and
+    each rank's batch count."""
+    import shardkit
+
+    seen: collections.Counter[int] = collections.Counter()
+    batch_counts = []
+    for rank in range(WORLD_SIZE):
+        dataset = shardkit.TFRecordDataset(shards, shuffle=True, rank=rank, world_size=WORLD_SIZE).map(_sample_id)
+        started = time.perf_counter()
+        batches = list(DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=NUM_WORKERS))
+        elapsed = time.perf_counter() - started
+        ids = torch.cat(batches).tolist()
+        seen.update(ids)
+        batch_counts.append(len(batches))
+        print(f"   rank {rank}: {len(batches)} batches, {len(ids)} samples, {elapsed:.2f} s")
+    return seen, batch_counts
 
 
 def _write_dataset(root: Path) -> Any:
