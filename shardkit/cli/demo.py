@@ -19,6 +19,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+import shardkit
+from shardkit.cli.render import format_plan
+from shardkit.writer import partial_name, publish, remove_if_present, write_manifest
+
 SHARD_SIZES = (700, 450, 900, 300, 820, 530)
 WORLD_SIZE, NUM_WORKERS, BATCH_SIZE = 2, 2, 32
 
@@ -32,9 +36,6 @@ def run_demo(workdir: str | None = None) -> int:
 
 
 def _demo(root: Path) -> int:
-    import shardkit
-    from shardkit.cli.render import format_plan
-
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     shards = _write_dataset(root)
@@ -70,8 +71,6 @@ def _demo(root: Path) -> int:
 def _read_every_rank(shards: Any) -> tuple[collections.Counter[int], list[int]]:
     """Read each simulated rank's part through a DataLoader: how often each sample id came, and
     each rank's batch count."""
-    import shardkit
-
     seen: collections.Counter[int] = collections.Counter()
     batch_counts = []
     for rank in range(WORLD_SIZE):
@@ -89,9 +88,6 @@ def _read_every_rank(shards: Any) -> tuple[collections.Counter[int], list[int]]:
 def _write_dataset(root: Path) -> Any:
     """Write the uneven shards as ShardWriter would (it cuts shards at a fixed size): the old
     manifest goes first, each shard appears by rename when complete, the manifest last."""
-    import shardkit
-    from shardkit.writer import partial_name, publish, remove_if_present, write_manifest
-
     manifest = str(root / "train.manifest.arrow")
     remove_if_present(manifest, None)
     urls, counts = [], []
