@@ -19,7 +19,7 @@ One run generates one content and reads it with every loader:
   ``shardkit MixedLoader, columns`` reads the same column batches, of
   ``COLUMN_MICRO_BATCH`` records each in the workers, and cuts ``--batch``
   batches from them in the main process through its reusable shared-memory
-  slabs (:mod:`shardkit.loader.columns`): payloads come as an Arrow binary array,
+  slabs (:mod:`shardkit.loader.slab_columns`): payloads come as an Arrow binary array,
   labels as a tensor; its ratio to the fastest alternative is held to
   ``COLUMN_TARGET``.
   Loaders run round-robin ``--repeat`` times; the best epoch of each is kept,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import shardkit
-from shardkit.cli.main import EXIT_PIPE
+from shardkit.cli import EXIT_PIPE
 from tests.helpers import run_python
 
 

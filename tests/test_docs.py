@@ -26,7 +26,9 @@ DOCS = ROOT / "docs"
 
 # Modules whose docstring examples are doctests (the others show fragments).
 DOCTESTED = [
-    "shardkit.planning",
+    "shardkit.planning.plans",
+    "shardkit.planning.ranges",
+    "shardkit.planning.intervals",
     "shardkit.topology",
     "shardkit.seeding",
     "shardkit.epoch",
@@ -170,7 +172,7 @@ def test_the_cli_page_lists_every_subcommand_in_its_summary_and_has_a_section_fo
 
 
 def test_the_cli_page_shows_output_the_cli_prints_and_every_exit_code():
-    from shardkit.cli.main import EXIT_CODES
+    from shardkit.cli import EXIT_CODES
 
     text = (DOCS / "cli.md").read_text()
     assert "CORRUPT " not in text and "framing only" not in text  # verify prints "error:" lines; inspect checks CRCs
@@ -179,7 +181,7 @@ def test_the_cli_page_shows_output_the_cli_prints_and_every_exit_code():
 
 
 def test_the_cli_help_does_not_say_tfrecord_only_for_commands_that_read_every_format():
-    from shardkit.cli.main import build_parser
+    from shardkit.cli import build_parser
 
     text = build_parser().format_help()
     assert "TFRecord files" not in text and "tar, Parquet" in text

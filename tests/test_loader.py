@@ -19,7 +19,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from shardkit import MixedLoader, wrap
 from shardkit.errors import ShardkitError
-from shardkit.loader.mixed import LoaderError, _accelerator_available, _Mixer
+from shardkit.loader.mixed import LoaderError, _accelerator_available
+from shardkit.loader.mixer import Mixer as _Mixer
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

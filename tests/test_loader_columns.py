@@ -26,8 +26,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 import shardkit
 from shardkit import MixedLoader
-from shardkit.loader.columns import as_parts, from_slab, join_columns
 from shardkit.loader.mixed import LoaderError
+from shardkit.loader.slab_columns import as_parts, from_slab, join_columns
 from shardkit.loader.slabs import SlabBatch, SlabRing, view
 from shardkit.state import StateError, encode
 from tests.helpers import (

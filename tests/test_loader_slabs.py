@@ -28,7 +28,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from shardkit import MixedLoader, ShardedDataset
-from shardkit.loader.mixed import _accelerator_available, _Mixer
+from shardkit.loader.mixed import _accelerator_available
+from shardkit.loader.mixer import Mixer as _Mixer
 from shardkit.loader.slabs import SlabBatch, SlabRing, from_slab
 from tests.helpers import REPO, all_ids, assert_same, last_json_line, run_python, synthetic_read, synthetic_shards
 

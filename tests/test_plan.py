@@ -293,7 +293,8 @@ def test_plan_intervals_rejects_unknown_counts_and_foreign_positions():
 
 def per_range_plan_intervals(counts, topology, intervals, **kwargs):
     """The former form of plan_intervals: a (position, Range) tuple per piece, built in Python."""
-    from shardkit.planning import _Stream, rank_span, through
+    from shardkit.planning import rank_span, through
+    from shardkit.planning.stream import Stream as _Stream
 
     total = sum(counts)
     rank_start, rank_size = rank_span(total, topology.world_size, topology.rank, kwargs["balance"])

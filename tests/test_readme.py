@@ -30,7 +30,7 @@ def test_every_exported_name_resolves() -> None:
 def subcommands() -> set[str]:
     import argparse
 
-    from shardkit.cli.main import build_parser
+    from shardkit.cli import build_parser
 
     action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return set(action.choices)

@@ -19,6 +19,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+import shardkit
+from shardkit.cli.render import format_plan
+from shardkit.writer import partial_name, publish, remove_if_present, write_manifest
+
 SHARD_SIZES = (700, 450, 900, 300, 820, 530)
 WORLD_SIZE, NUM_WORKERS, BATCH_SIZE = 2, 2, 32
 
@@ -32,9 +36,6 @@ def run_demo(workdir: str | None = None) -> int:
 
 
 def _demo(root: Path) -> int:
-    import shardkit
-    from shardkit.cli.main import format_plan
-
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     shards = _write_dataset(root)
@@ -46,17 +47,7 @@ def _demo(root: Path) -> int:
     print(format_plan(shards, WORLD_SIZE, NUM_WORKERS, shuffle=True, balance="pad") + "\n")
 
     print(f"== 3. each rank through DataLoader(num_workers={NUM_WORKERS}, batch_size={BATCH_SIZE})")
-    seen: collections.Counter[int] = collections.Counter()
-    batch_counts = []
-    for rank in range(WORLD_SIZE):
-        dataset = shardkit.TFRecordDataset(shards, shuffle=True, rank=rank, world_size=WORLD_SIZE).map(_sample_id)
-        started = time.perf_counter()
-        batches = list(DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=NUM_WORKERS))
-        elapsed = time.perf_counter() - started
-        ids = torch.cat(batches).tolist()
-        seen.update(ids)
-        batch_counts.append(len(batches))
-        print(f"   rank {rank}: {len(batches)} batches, {len(ids)} samples, {elapsed:.2f} s")
+    seen, batch_counts = _read_every_rank(shards)
     missing = total - len(seen)
     repeated = sum(seen.values()) - len(seen)
     equal = len(set(batch_counts)) == 1
@@ -77,12 +68,26 @@ def _demo(root: Path) -> int:
     return 0 if ok else 1
 
 
+def _read_every_rank(shards: Any) -> tuple[collections.Counter[int], list[int]]:
+    """Read each simulated rank's part through a DataLoader: how often each sample id came, and
+    each rank's batch count."""
+    seen: collections.Counter[int] = collections.Counter()
+    batch_counts = []
+    for rank in range(WORLD_SIZE):
+        dataset = shardkit.TFRecordDataset(shards, shuffle=True, rank=rank, world_size=WORLD_SIZE).map(_sample_id)
+        started = time.perf_counter()
+        batches = list(DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=NUM_WORKERS))
+        elapsed = time.perf_counter() - started
+        ids = torch.cat(batches).tolist()
+        seen.update(ids)
+        batch_counts.append(len(batches))
+        print(f"   rank {rank}: {len(batches)} batches, {len(ids)} samples, {elapsed:.2f} s")
+    return seen, batch_counts
+
+
 def _write_dataset(root: Path) -> Any:
     """Write the uneven shards as ShardWriter would (it cuts shards at a fixed size): the old
     manifest goes first, each shard appears by rename when complete, the manifest last."""
-    import shardkit
-    from shardkit.writer import partial_name, publish, remove_if_present, write_manifest
-
     manifest = str(root / "train.manifest.arrow")
     remove_if_present(manifest, None)
     urls, counts = [], []

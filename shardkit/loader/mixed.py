@@ -35,7 +35,7 @@ How a batch is made:
   ``ParquetDataset(batch_size=...)``), each of the dataset's
   batches is one micro-batch: the worker writes its columns into a slab
   (bytes as a values buffer and offsets) and the main process cuts every
-  batch from row ranges of them (:mod:`shardkit.loader.columns`), with no work per
+  batch from row ranges of them (:mod:`shardkit.loader.slab_columns`), with no work per
   sample anywhere. Batches are dicts of a tensor per numeric column and a
   ``pyarrow.LargeBinaryArray`` per bytes column (a Parquet column of strings,
   bytes or lists comes as the numpy array the dataset made, sent with the
@@ -54,44 +54,30 @@ workers, each worker resumes its own state and the batches are the ones the
 uninterrupted run would have made. With another number, the worker states
 are merged (:func:`shardkit.state.merge`) and split anew: exactly the samples
 not yet delivered follow, in another order.
+
+The modules below this one: :mod:`shardkit.loader.mixer` (one epoch of
+assembly in the main process), :mod:`shardkit.loader.micro_batches` (what runs
+in each worker), :mod:`shardkit.loader.loader_state` (the saved state and its
+checks), then the slabs and collation they share.
 """
 
 from __future__ import annotations
 
 import math
-import pickle
-import signal
-import time
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from itertools import islice
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
-from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
+from torch.utils.data import DataLoader, IterableDataset
 
 from shardkit.epoch import resume_at
-from shardkit.errors import ShardkitError, WorkerDiedError, check_int
-from shardkit.loader import columns
-from shardkit.loader.collate import Part, collated_length, join, tail
-from shardkit.loader.slabs import SPARE_SLOTS, SlabBatch, SlabRing, from_slab, view
-from shardkit.pipeline import Pipeline
-from shardkit.stateful import (
-    State,
-    StateError,
-    applies,
-    check,
-    decode,
-    encode,
-    field,
-    merge,
-    node,
-    validate,
-    whole_number,
-)
+from shardkit.errors import ShardkitError, check_int
+from shardkit.loader.loader_state import check_loader_state, loader_state
+from shardkit.loader.micro_batches import MicroBatches, dataset_state
+from shardkit.loader.mixer import Mixer
+from shardkit.loader.slabs import SPARE_SLOTS
+from shardkit.stateful import State, StateError, applies, check, merge
 
 __all__ = ["LoaderError", "MixedLoader"]
 
@@ -190,7 +176,7 @@ class MixedLoader:
         self.resumable = resumable
         self.epoch = 0
         self._pin = False
-        self._micro_batches: _MicroBatches | None = None
+        self._micro_batches: MicroBatches | None = None
         if num_workers == 0 and not self._columns:
             self._loader = DataLoader(
                 dataset, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn, **dataloader_kwargs
@@ -212,7 +198,7 @@ class MixedLoader:
             )
         collate = self.collate_fn is None
         slots = SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate and self.num_workers else 0
-        self._micro_batches = _MicroBatches(
+        self._micro_batches = MicroBatches(
             self.dataset,
             self.micro_batch_size,
             collate=collate,
@@ -258,7 +244,7 @@ class MixedLoader:
 
     _resume: State | None = None
     _tails: tuple[Any, ...] = ()  # the loaded state's carried tails, decoded
-    _mixer: _Mixer | None = None
+    _mixer: Mixer | None = None
     _iterated = False
     _epoch_set = False  # until set_epoch, iteration k is epoch k, like the dataset's passes (shardkit.epoch)
     _passes = 0
@@ -284,7 +270,7 @@ class MixedLoader:
             source = iter(self._loader)  # starts the workers, each with its copy of the states
         finally:
             micro_batches.states = None
-        self._mixer = _Mixer(self, source, resume, self._tails if resume is not None else ())
+        self._mixer = Mixer(self, source, resume, self._tails if resume is not None else ())
         return self._mixer
 
     def state_dict(self) -> State:
@@ -307,8 +293,8 @@ class MixedLoader:
         if not self.resumable:
             raise StateError("MixedLoader cannot save its position: it was built with resumable=False")
         if self._micro_batches is None:
-            workers = [_dataset_state(self.dataset)]
-            return _loader_state(self, batch_index=-1, finished=False, workers=workers, carry=[])
+            workers = [dataset_state(self.dataset)]
+            return loader_state(self, batch_index=-1, finished=False, workers=workers, carry=[])
         assert self._mixer is not None
         return self._mixer.state_dict()
 
@@ -330,7 +316,7 @@ class MixedLoader:
                 or given after persistent workers started.
         """
         check(state, "mixed_loader", self)
-        tails = _check_loader_state(state, self)
+        tails = check_loader_state(state, self)
         if self.num_workers and getattr(self._loader, "_iterator", None) is not None:
             raise StateError(
                 "MixedLoader.load_state_dict() after persistent workers have started; "
@@ -355,101 +341,6 @@ class MixedLoader:
         if load is None:
             raise StateError(f"{type(self.dataset).__name__} has no load_state_dict(); it cannot resume")
         load(saved[0] if len(saved) == 1 else merge(saved))
-
-
-#: ``count`` of the message a worker sends first, with its dataset's starting state.
-_START = -1
-
-Message = tuple[int, int, Any, Any]
-
-
-class _MicroBatches(IterableDataset):
-    """Runs in each worker: sends ``(worker_id, -1, None, state)`` first, then
-    the dataset's stream cut into micro-batches ``(worker_id, count, payload,
-    state)``, and ends with ``(worker_id, 0, None, state)``, so the main
-    process knows when a worker has no more data. ``state`` is the dataset's
-    state after the message (None if it has none; a string saying why if it
-    cannot save one). ``states``, when set, are loaded into each worker's
-    dataset before its next iteration, once. With ``slots``, collated
-    micro-batches travel in a new :class:`~shardkit.loader.slabs.SlabRing` per
-    iteration, whose flag array goes with the first message. With ``columns``
-    each of the dataset's column batches is one micro-batch
-    (:mod:`shardkit.loader.columns`); without workers (columns only) it runs in the
-    main process as worker 0."""
-
-    def __init__(
-        self,
-        dataset: IterableDataset,
-        size: int,
-        *,
-        collate: bool,
-        resumable: bool,
-        slots: int = 0,
-        columns: bool = False,
-    ) -> None:
-        self.dataset = dataset
-        self.size = size
-        self.collate = collate
-        self.resumable = resumable
-        self.slots = slots
-        self.columns = columns
-        self.states: list[State] | None = None
-
-    def __iter__(self) -> Iterator[Message]:
-        info = get_worker_info()
-        assert info is not None or self.columns, "_MicroBatches of samples runs only in DataLoader workers"
-        states, self.states = self.states, None  # now: in the main process, the caller clears them next
-        return self._messages(0 if info is None else info.id, states)
-
-    def _messages(self, worker: int, states: list[State] | None) -> Iterator[Message]:
-        if states is not None:
-            self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
-        samples = iter(self.dataset)
-        saver = _StateSaver(self.dataset, self.resumable)
-        ring = SlabRing(self.slots) if self.collate and self.slots else None
-        yield worker, _START, None if ring is None else ring.flags, saver()
-        chunks = self._column_chunks(samples, ring) if self.columns else self._chunks(samples, ring)
-        for count, payload in chunks:
-            yield worker, count, payload, saver()
-        yield worker, 0, None, saver()
-
-    def _chunks(self, samples: Iterator[Any], ring: SlabRing | None) -> Iterator[tuple[int, Any]]:
-        while chunk := list(islice(samples, self.size)):
-            if not self.collate:
-                yield len(chunk), chunk
-            else:
-                yield len(chunk), default_collate(chunk) if ring is None else ring.collate(chunk)
-
-    @staticmethod
-    def _column_chunks(batches: Iterator[Any], ring: SlabRing | None) -> Iterator[tuple[int, Any]]:
-        for batch in batches:
-            parts = columns.as_parts(batch)
-            count = columns.columns_length(parts)
-            if count:  # 0 would read as the end marker
-                yield count, parts if ring is None else ring.put(parts)
-
-
-class _StateSaver:
-    """Calls ``dataset.state_dict()``; after a failure, returns its message instead of retrying."""
-
-    def __init__(self, dataset: IterableDataset, resumable: bool = True) -> None:
-        stateful = callable(getattr(dataset, "state_dict", None)) and callable(
-            getattr(dataset, "load_state_dict", None)
-        )
-        self._dataset = dataset
-        self._failure: str | None = None
-        if not stateful:
-            self._failure = f"{type(dataset).__name__} has no state_dict()/load_state_dict()"
-        elif not resumable:
-            self._failure = "it was built with resumable=False"
-
-    def __call__(self) -> State | str:
-        if self._failure is None:
-            try:
-                return self._dataset.state_dict()  # type: ignore[attr-defined]
-            except StateError as error:
-                self._failure = str(error)
-        return self._failure
 
 
 def _check_arguments(
@@ -498,90 +389,6 @@ def _column_batches(dataset: Any, collate_fn: Any, micro_batch_size: Any) -> boo
     return True
 
 
-def _loader_state(loader: MixedLoader | _Mixer, **fields: Any) -> State:
-    return node(
-        "mixed_loader",
-        epoch=loader.epoch,
-        num_workers=loader.num_workers,
-        batch_size=loader.batch_size,
-        **fields,
-    )
-
-
-def _dataset_state(dataset: IterableDataset) -> State:
-    state = _StateSaver(dataset)()
-    if isinstance(state, str):
-        raise StateError(f"MixedLoader cannot save its position: {state}")
-    return state
-
-
-def _check_loader_state(state: State, loader: MixedLoader) -> list[Any]:
-    """Check every field of a loaded MixedLoader state; returns its carried tails, decoded.
-
-    The workers' dataset states are checked as whole trees when the dataset is
-    a shardkit pipeline (the dataset checks what depends on its files when a
-    worker loads them); a carried tail must decode to ``count`` samples of
-    the form this loader makes (collated, or a list for a ``collate_fn``).
-    """
-    where = "MixedLoader.load_state_dict()"
-    whole_number(state, "epoch", where)
-    num_workers = whole_number(state, "num_workers", where)
-    whole_number(state, "batch_size", where, 1)
-    whole_number(state, "batch_index", where, -1)
-    field(state, "finished", where, bool)
-    workers = field(state, "workers", where, list, tuple)
-    if len(workers) != max(num_workers, 1):
-        raise StateError(f"{where}: the state has {len(workers)} worker states for num_workers={num_workers}")
-    for index, worker_state in enumerate(workers):
-        if isinstance(loader.dataset, Pipeline):
-            validate(worker_state, f"{where}: state['workers'][{index}]")
-            check(worker_state, loader.dataset._state_kind, loader.dataset)
-        elif not isinstance(worker_state, dict):
-            raise StateError(f"{where}: state['workers'][{index}] must be a dict, got {type(worker_state).__name__}")
-    carry = field(state, "carry", where, list, tuple)
-    if state["finished"] and carry:
-        raise StateError(
-            f"{where}: state['finished'] is true, but state['carry'] holds {len(carry)} tail(s) of undelivered "
-            "samples; a finished epoch has delivered everything. The state was edited or is corrupt"
-        )
-    tails = [_check_tail(tail, index, num_workers, loader) for index, tail in enumerate(carry)]
-    owners = [tail["worker"] for tail in carry if tail["worker"] is not None]
-    if len(owners) != len(set(owners)):
-        raise StateError(
-            f"{where}: state['carry'] holds more than one tail of worker(s) {owners}; a worker has at most one"
-        )
-    return tails
-
-
-def _check_tail(tail: Any, index: int, num_workers: int, loader: MixedLoader) -> Any:
-    where = f"MixedLoader.load_state_dict(): state['carry'][{index}]"
-    if not isinstance(tail, dict):
-        raise StateError(f"{where} must be a dict, got {type(tail).__name__}")
-    worker = field(tail, "worker", where, int, type(None))
-    if worker is not None and not 0 <= worker < max(num_workers, 1):
-        raise StateError(f"{where}: worker {worker} is not one of the saving loader's {num_workers} workers")
-    count = whole_number(tail, "count", where, 1)
-    if "payload" not in tail:
-        raise StateError(f"{where} has no 'payload'")
-    samples = decode(tail["payload"])
-    if loader._columns:
-        samples = columns.from_plain(samples)
-        length, form = columns.columns_length(samples), "a column batch"
-    elif loader.collate_fn is not None:
-        length, form = (len(samples) if type(samples) is list else None), "a list of samples (for collate_fn)"
-    else:
-        length, form = collated_length(samples), "a collated micro-batch"
-    if length != count:
-        raise StateError(
-            f"{where}: the carried samples must be {form} of {count} samples; got {_describe(samples, length)}"
-        )
-    return samples
-
-
-def _describe(samples: Any, length: int | None) -> str:
-    return f"a {type(samples).__name__}" + ("" if length is None else f" of {length}")
-
-
 def _accelerator_available() -> bool:
     """Whether pinned memory can be used, as DataLoader decides it."""
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
@@ -593,341 +400,3 @@ def _accelerator_available() -> bool:
 def _as_is(message: Any) -> Any:
     """DataLoader collate_fn for ready-made messages (module level so spawn can pickle it)."""
     return message
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A micro-batch in a queue of the main process, of which ``start:count`` is left."""
-
-    payload: Any  # collated, or a list of samples (with a collate_fn)
-    count: int
-    state: Any  # the worker's dataset state after this micro-batch
-    start: int = 0
-    carried: bool = False  # a restored tail: saved again even when nothing of it was taken
-    slot: int | None = None  # the slab slot it lies in, freed once the batch holds copies of it
-
-
-class _Mixer(Iterator[Any]):
-    """One epoch of assembly. All state lives here (pending micro-batches per
-    worker, which workers are done, the batch index, each worker's dataset
-    state past what was delivered) so that it can be saved and restored.
-
-    A restored state's undelivered tails go first: into their worker's queue
-    when the worker count is the same, else into extra queues of their own
-    (one per tail, already done) that the water-filling drains like workers.
-    """
-
-    def __init__(
-        self,
-        loader: MixedLoader,
-        source: Iterator[Message],
-        resume: State | None = None,
-        tails: Sequence[Any] = (),
-    ) -> None:
-        self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
-        self._source: Iterator[Message] | None = source
-        self._dataloader = loader._loader
-        self._dataset = loader.dataset  # named when a worker dies
-        self._collate_fn = loader.collate_fn
-        self._columns = loader._columns
-        self._drop_last = loader.drop_last
-        self._pin = loader._pin
-        self._epoch_key = _mix64(_mix64(loader.seed) ^ loader.epoch)
-        self._workers = workers = max(loader.num_workers, 1)  # without workers, columns come from worker 0
-        # Per queue: its micro-batches and the samples left in them. Queues past
-        # the workers' hold restored tails.
-        self._pending: list[deque[_Pending]] = [deque() for _ in range(workers)]
-        self._available = [0] * workers
-        self._done = [False] * workers
-        # Per worker: its slab ring's busy flags and buffers by slot; slots to free
-        # once the batch being made is copied out of them.
-        self._flags: list[Any] = [None] * workers
-        self._slabs: list[dict[int, torch.Tensor]] = [{} for _ in range(workers)]
-        self._release: list[tuple[int, int]] = []
-        # Per worker: its dataset state past the entries that left its queue
-        # (None until its first message), and after its last message.
-        self._base: list[Any] = [None] * workers
-        self._final: list[Any] = [None] * workers
-        self.batch_index = 0
-        self._finished = False
-        self._unconfirmed = False  # a restored finished state, not yet read to its end
-        if resume is not None:
-            self._restore(resume, tails)
-
-    def _restore(self, state: State, tails: Sequence[Any]) -> None:
-        """Resume the position of ``state``, whose carried samples ``tails`` holds decoded."""
-        self.batch_index = state["batch_index"]
-        # A finished state's workers resume past their last sample: they are read
-        # to their end markers to prove it (_confirm_finished) rather than trusted.
-        self._unconfirmed = state["finished"]
-        same = state["num_workers"] == self.num_workers
-        for saved, samples in zip(state["carry"], tails):
-            worker = saved["worker"] if same and saved["worker"] is not None else None
-            if worker is None:
-                worker = len(self._pending)
-                self._pending.append(deque())
-                self._available.append(0)
-                self._done.append(True)
-            dataset_state = state["workers"][worker] if worker < self._workers else None
-            self._pending[worker].appendleft(_Pending(samples, saved["count"], dataset_state, carried=True))
-            self._available[worker] += saved["count"]
-
-    def _confirm_finished(self) -> None:
-        """Read a restored finished state's workers to their end; any sample is a :class:`StateError`."""
-        self._unconfirmed = False
-        while self._source is not None and not all(self._done[: self._workers]):
-            self._pull()
-            holding = [worker for worker, left in enumerate(self._available) if left]
-            if holding:
-                self._stop_workers()
-                raise StateError(
-                    f"MixedLoader.load_state_dict(): state['finished'] is true, but worker {holding[0]} still "
-                    "holds samples: its dataset state resumes before the end of the epoch. The state was edited "
-                    "or is corrupt; load a state saved by state_dict()"
-                )
-        self._finish()
-
-    def state_dict(self) -> State:
-        """The loader's state: see :meth:`MixedLoader.state_dict`."""
-        if self._unconfirmed:
-            self._confirm_finished()
-        while self._source is not None and any(base is None for base in self._base):
-            self._pull()  # every worker's starting state, for those that delivered nothing yet
-        workers: list[Any] = []
-        carry: list[dict[str, Any]] = []
-        for worker, queue in enumerate(self._pending):
-            real = worker < self._workers
-            state = self._base[worker] if real else None
-            if real and not queue and self._done[worker]:
-                state = self._final[worker]
-            if queue and (queue[0].start > 0 or queue[0].carried):  # cut part-way, or a restored tail
-                carry.append(self._carried(queue[0], worker if real else None))
-                state = queue[0].state
-            if real:
-                if not isinstance(state, dict):
-                    reason = state if isinstance(state, str) else "a worker sent no state"
-                    raise StateError(f"MixedLoader cannot save its position: {reason}")
-                workers.append(state)
-        return _loader_state(self, batch_index=self.batch_index, finished=self._finished, workers=workers, carry=carry)
-
-    def _carried(self, entry: _Pending, worker: int | None) -> dict[str, Any]:
-        """The saved form of the undelivered rest of a micro-batch."""
-        if self._columns:
-            rest: Any = columns.plain(columns.tail(entry.payload, entry.start, entry.count))
-        else:
-            rest = tail(entry.payload, entry.start, entry.count, collated=self._collate_fn is None)
-        return {"worker": worker, "count": entry.count - entry.start, "payload": encode(rest)}
-
-    def __next__(self) -> Any:
-        if self._unconfirmed:
-            self._confirm_finished()
-        if self._finished:
-            raise StopIteration
-        shares = self._allocate()
-        size = sum(shares.values())
-        if size == 0 or (self._drop_last and size < self.batch_size):
-            self._finish()
-            raise StopIteration
-        parts = [part for worker, share in shares.items() for part in self._take(worker, share)]
-        if self._columns:
-            batch = columns.join_columns(parts)  # copies: the slabs are released below
-        elif self._collate_fn is None:
-            batch = join(parts, copy=any(flags is not None for flags in self._flags))
-        else:
-            batch = self._collate_fn([s for payload, a, b in parts for s in payload[a:b]])
-        for worker, slot in self._release:  # the batch holds copies now
-            self._flags[worker][slot] = 0
-        self._release.clear()
-        self.batch_index += 1
-        return _pin_memory(batch) if self._pin else batch
-
-    def _finish(self) -> None:
-        self._finished = True
-        self._source = None  # lets the DataLoader shut its workers down
-        for queue in self._pending:  # a dropped last batch
-            queue.clear()
-        self._slabs = [{} for _ in self._slabs]  # unmaps the workers' rings now, not with the loader
-        self._flags = [None] * len(self._flags)
-
-    def _stop_workers(self) -> None:
-        """Shut the workers down now: one of them raised.
-
-        The error's traceback holds the DataLoader iterator. Left to the cycle
-        collector (a caught error kept in a variable, a test's ``raises``), the
-        iterator's queues are finalized before the iterator itself, so its
-        workers never receive their exit message and DataLoader waits 5 s per
-        worker before terminating them. Persistent workers are started anew
-        next epoch.
-        """
-        shutdown = getattr(self._source, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        if getattr(self._dataloader, "_iterator", None) is self._source:
-            self._dataloader._iterator = None
-        self._finish()  # drops the source too
-
-    def _died_worker(self, error: BaseException) -> WorkerDiedError | None:
-        """The error naming the worker that died, if ``error`` comes from a worker's death.
-
-        A worker killed while its message is read shows as whatever the read met: a
-        stream or connection cut short (``EOFError``, ``ConnectionError``, a truncated
-        pickle), or DataLoader's ``RuntimeError`` naming a pid. The dead process may not
-        be reaped yet, so it is waited for a moment.
-        """
-        if not _may_be_a_death(error):
-            return None
-        processes = list(getattr(self._source, "_workers", None) or ())
-        deadline = time.monotonic() + _DEATH_WAIT
-        while True:
-            dead = [(worker, process) for worker, process in enumerate(processes) if not process.is_alive()]
-            if dead or time.monotonic() >= deadline:
-                break
-            time.sleep(0.01)
-        if not dead:
-            return None
-        worker, process = dead[0]
-        return WorkerDiedError(
-            f"MixedLoader: DataLoader worker {worker} (pid {process.pid}) died, {_ending(process.exitcode)}, "
-            f"while reading {self._dataset!r} (the main process was receiving its micro-batches and met "
-            f"{type(error).__name__}: {error}). What it had not delivered is lost from this iteration; "
-            "load the last state_dict() to resume. A worker killed by SIGKILL was often killed for memory"
-        )
-
-    def _allocate(self) -> dict[int, int]:
-        """Shares of the next batch per worker, in placement order, pulling
-        messages until every worker's share is known to be available.
-
-        A worker that may still send data counts as unlimited, so shares only
-        change when a worker is known to run dry. Workers are ordered by a
-        per-worker key, which leaves the relative order of the others alone
-        whether or not a finished worker's end marker has arrived yet: the
-        result depends on what each worker yields, not on arrival order.
-        """
-        while True:
-            key = _mix64(self._epoch_key ^ self.batch_index)
-            active = [w for w, left in enumerate(self._available) if left or not self._done[w]]
-            active.sort(key=lambda w: _mix64(key ^ w))
-            caps = {w: self._available[w] if self._done[w] else None for w in active}
-            shares = _water_fill(self.batch_size, active, caps)
-            if all(shares[w] <= self._available[w] for w in active):
-                return shares
-            self._pull()
-
-    def _pull(self) -> None:
-        """Receive one message from the workers."""
-        assert self._source is not None, "a finished epoch pulls no messages"
-        try:
-            worker, count, payload, state = next(self._source)
-        except StopIteration:
-            # Every worker ends with an end marker; this only guards against a hang.
-            self._done = [True] * len(self._done)
-            self._source = None
-            return
-        except BaseException as error:
-            died = self._died_worker(error)
-            self._stop_workers()
-            if died is not None:
-                raise died from error
-            raise
-        if count == _START:
-            self._base[worker] = state
-            if payload is not None:  # the busy flags of the worker's slab ring
-                self._flags[worker] = payload.numpy()
-        elif count == 0:
-            self._done[worker] = True
-            self._final[worker] = state
-        else:
-            self._queue(worker, count, payload, state)
-
-    def _queue(self, worker: int, count: int, payload: Any, state: Any) -> None:
-        """Queue a micro-batch; one in a slab becomes views of the slab, mapped once per slot."""
-        slot = None
-        if isinstance(payload, SlabBatch):
-            slot = payload.slot
-            if payload.slab is not None:
-                self._slabs[worker][slot] = payload.slab
-            slab = self._slabs[worker][slot]
-            if self._columns:
-                payload = columns.from_slab(payload.skeleton, lambda place: view(slab, place))
-            else:
-                payload = from_slab(payload.skeleton, slab)
-        self._pending[worker].append(_Pending(payload, count, state, slot=slot))
-        self._available[worker] += count
-
-    def _take(self, worker: int, share: int) -> list[Part]:
-        """Remove ``share`` samples from a worker's queue as (payload, start, stop) slices."""
-        parts: list[Part] = []
-        queue = self._pending[worker]
-        self._available[worker] -= share
-        while share:
-            entry = queue[0]
-            stop = min(entry.count, entry.start + share)
-            parts.append((entry.payload, entry.start, stop))
-            share -= stop - entry.start
-            entry.start = stop
-            if stop == entry.count:
-                queue.popleft()
-                if worker < self._workers:
-                    self._base[worker] = entry.state
-                if entry.slot is not None:
-                    self._release.append((worker, entry.slot))
-        return parts
-
-
-#: Seconds to wait for a worker that broke off a message to be seen dead.
-_DEATH_WAIT = 2.0
-
-
-def _may_be_a_death(error: BaseException) -> bool:
-    """Whether ``error``, met receiving a message, may come from its worker's death; not an
-    error a worker raised (DataLoader raises it again with "Caught ... in DataLoader worker process")."""
-    text = str(error)
-    if "in DataLoader worker process" in text:
-        return False
-    if isinstance(error, (EOFError, OSError, pickle.UnpicklingError)):
-        return True
-    return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text
-
-
-def _ending(exitcode: int | None) -> str:
-    """How a process ended, from its exit code (negative: the signal)."""
-    if exitcode is None:
-        return "exit code unknown"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-def _water_fill(total: int, order: list[int], caps: dict[int, int | None]) -> dict[int, int]:
-    """Split ``total`` over ``order`` as evenly as possible without exceeding a
-    worker's cap (``None``: unlimited); the first workers in ``order`` get the
-    larger shares. Returns shares keyed in ``order``."""
-    shares = dict.fromkeys(order, 0)
-    open_workers = list(order)
-    remaining = total
-    while open_workers:
-        low, extra = divmod(remaining, len(open_workers))
-        capped = [w for w in open_workers if (cap := caps[w]) is not None and cap <= low]
-        if not capped:
-            for rank, w in enumerate(open_workers):
-                shares[w] = low + (rank < extra)
-            break
-        for w in capped:
-            shares[w] = caps[w]  # type: ignore[assignment]
-            remaining -= shares[w]
-        open_workers = [w for w in open_workers if w not in capped]
-    return shares
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(value: int) -> int:
-    """SplitMix64 finaliser: a fast, well-spread 64-bit hash of an integer."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)

@@ -12,7 +12,7 @@ first time its slot is used), views the batch with :func:`from_slab`,
 copies it out and clears the slot's flag in a shared flag array. Each side
 writes one transition of a flag only: the worker sets it when it fills the
 slot, the main process clears it when the rows are copied out.
-Column batches (:mod:`shardkit.loader.columns`) go into the same rings with
+Column batches (:mod:`shardkit.loader.slab_columns`) go into the same rings with
 :meth:`SlabRing.put`: one place per column, bytes as values and offsets.
 
 A worker that finds no free slot, or a tensor a slab cannot hold (sparse,
@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from shardkit.loader.collate import same_mapping_type
-from shardkit.loader.columns import Binary, BinaryInSlab, held
+from shardkit.loader.slab_columns import Binary, BinaryInSlab, held
 
 __all__ = ["SPARE_SLOTS", "InSlab", "SlabBatch", "SlabRing", "from_slab", "view"]
 
@@ -108,8 +108,8 @@ class _Layout:
         return in_slab
 
     def column(self, column: np.ndarray | Binary) -> InSlab | BinaryInSlab | np.ndarray:
-        """Place a column of a column batch (:mod:`shardkit.loader.columns`); bytes as values and offsets from 0.
-        A column of values other than numbers (:func:`~shardkit.loader.columns.held`) stays in the skeleton."""
+        """Place a column of a column batch (:mod:`shardkit.loader.slab_columns`); bytes as values and offsets from 0.
+        A column of values other than numbers (:func:`~shardkit.loader.slab_columns.held`) stays in the skeleton."""
         if held(column):
             return column  # type: ignore[return-value]  # held() is true only for arrays
         if isinstance(column, Binary):
@@ -164,7 +164,7 @@ class SlabRing:
         return self._fill(int(free[0]), layout, skeleton)
 
     def put(self, parts: dict[str, np.ndarray | Binary]) -> Any:
-        """A column batch (:func:`shardkit.loader.columns.as_parts` form) in a free slot, or
+        """A column batch (:func:`shardkit.loader.slab_columns.as_parts` form) in a free slot, or
         as it is when no slot is free."""
         free = np.flatnonzero(self._busy == 0)
         if not len(free):

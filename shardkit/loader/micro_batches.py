@@ -1,0 +1,123 @@
+"""What runs in each DataLoader worker of a :class:`~shardkit.MixedLoader`: the dataset's
+stream cut into micro-batches, each message tagged with its worker id and the
+dataset's state after it.
+
+The main process (:mod:`shardkit.loader.mixer`) learns from the first message
+where a worker starts and from an empty one that it has no more data; in
+between, collated micro-batches travel through the worker's
+:class:`~shardkit.loader.slabs.SlabRing` rather than a new shared-memory
+segment per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
+
+from shardkit.loader import slab_columns
+from shardkit.loader.slabs import SlabRing
+from shardkit.stateful import State, StateError
+
+#: ``count`` of the message a worker sends first, with its dataset's starting state.
+START = -1
+
+Message = tuple[int, int, Any, Any]
+
+
+class MicroBatches(IterableDataset):
+    """Runs in each worker: sends ``(worker_id, -1, None, state)`` first, then
+    the dataset's stream cut into micro-batches ``(worker_id, count, payload,
+    state)``, and ends with ``(worker_id, 0, None, state)``, so the main
+    process knows when a worker has no more data. ``state`` is the dataset's
+    state after the message (None if it has none; a string saying why if it
+    cannot save one). ``states``, when set, are loaded into each worker's
+    dataset before its next iteration, once. With ``slots``, collated
+    micro-batches travel in a new :class:`~shardkit.loader.slabs.SlabRing` per
+    iteration, whose flag array goes with the first message. With ``columns``
+    each of the dataset's column batches is one micro-batch
+    (:mod:`shardkit.loader.slab_columns`); without workers (columns only) it runs in the
+    main process as worker 0."""
+
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        size: int,
+        *,
+        collate: bool,
+        resumable: bool,
+        slots: int = 0,
+        columns: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.size = size
+        self.collate = collate
+        self.resumable = resumable
+        self.slots = slots
+        self.columns = columns
+        self.states: list[State] | None = None
+
+    def __iter__(self) -> Iterator[Message]:
+        info = get_worker_info()
+        assert info is not None or self.columns, "MicroBatches of samples runs only in DataLoader workers"
+        states, self.states = self.states, None  # now: in the main process, the caller clears them next
+        return self._messages(0 if info is None else info.id, states)
+
+    def _messages(self, worker: int, states: list[State] | None) -> Iterator[Message]:
+        if states is not None:
+            self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
+        samples = iter(self.dataset)
+        saver = StateSaver(self.dataset, self.resumable)
+        ring = SlabRing(self.slots) if self.collate and self.slots else None
+        yield worker, START, None if ring is None else ring.flags, saver()
+        chunks = self._column_chunks(samples, ring) if self.columns else self._chunks(samples, ring)
+        for count, payload in chunks:
+            yield worker, count, payload, saver()
+        yield worker, 0, None, saver()
+
+    def _chunks(self, samples: Iterator[Any], ring: SlabRing | None) -> Iterator[tuple[int, Any]]:
+        while chunk := list(islice(samples, self.size)):
+            if not self.collate:
+                yield len(chunk), chunk
+            else:
+                yield len(chunk), default_collate(chunk) if ring is None else ring.collate(chunk)
+
+    @staticmethod
+    def _column_chunks(batches: Iterator[Any], ring: SlabRing | None) -> Iterator[tuple[int, Any]]:
+        for batch in batches:
+            parts = slab_columns.as_parts(batch)
+            count = slab_columns.columns_length(parts)
+            if count:  # 0 would read as the end marker
+                yield count, parts if ring is None else ring.put(parts)
+
+
+class StateSaver:
+    """Calls ``dataset.state_dict()``; after a failure, returns its message instead of retrying."""
+
+    def __init__(self, dataset: IterableDataset, resumable: bool = True) -> None:
+        stateful = callable(getattr(dataset, "state_dict", None)) and callable(
+            getattr(dataset, "load_state_dict", None)
+        )
+        self._dataset = dataset
+        self._failure: str | None = None
+        if not stateful:
+            self._failure = f"{type(dataset).__name__} has no state_dict()/load_state_dict()"
+        elif not resumable:
+            self._failure = "it was built with resumable=False"
+
+    def __call__(self) -> State | str:
+        if self._failure is None:
+            try:
+                return self._dataset.state_dict()  # type: ignore[attr-defined]
+            except StateError as error:
+                self._failure = str(error)
+        return self._failure
+
+
+def dataset_state(dataset: IterableDataset) -> State:
+    state = StateSaver(dataset)()
+    if isinstance(state, str):
+        raise StateError(f"MixedLoader cannot save its position: {state}")
+    return state
