@@ -44,7 +44,7 @@ import numpy as np
 
 from shardkit import TFRecordWriter, decode_columns, decode_example, encode_example, read_tfrecord
 from shardkit.formats import example as example_module
-from shardkit.formats import tfrecord as tfr
+from shardkit.formats.tfrecord import framing as tfr
 from shardkit.io.files import BLOCK_SIZE
 
 # This script's name would shadow the ``tfrecord`` package it compares against.

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import shardkit
 from shardkit import CorruptRecordError, TarDataset
-from shardkit.formats.base import format_for
-from shardkit.formats.index import IndexFileError
+from shardkit.formats.offsets import IndexFileError
+from shardkit.formats.registry import format_for
 from shardkit.formats.tar import TarFormat, TarWriter, _blame, _split_key
 from tests.helpers import assert_split, format_ids, ids_per_rank, rank_factory, tar_sample, write_tar_shards
 
@@ -263,7 +263,7 @@ def test_an_index_whose_boundaries_cut_a_sample_is_refused(tmp_path):
     members = header_offsets(url)
     moved = offsets.copy()
     moved[4] = members[3 * 3 + 1]  # sample 3's second member: the index no longer fits the samples
-    from shardkit.formats.base import write_offsets
+    from shardkit.formats.offsets import write_offsets
     from shardkit.formats.tar import INDEX_MAGIC
 
     write_offsets(url + ".idx", INDEX_MAGIC, moved, os.path.getsize(url))

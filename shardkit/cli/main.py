@@ -195,7 +195,8 @@ def _is_shard_file(source: str) -> bool:
 
     Parquet and JSON lines files stay manifests: both formats hold manifests too.
     """
-    from shardkit.formats.base import FormatError, format_for
+    from shardkit.formats.base import FormatError
+    from shardkit.formats.registry import format_for
     from shardkit.formats.sniff import SNIFF_BYTES
     from shardkit.io.files import open_raw
 
@@ -221,7 +222,7 @@ def _index_counts(urls: list[str]) -> list[int | None]:
 
     import fsspec
 
-    from shardkit.formats.index import implicit_index_for
+    from shardkit.formats.offsets import implicit_index_for
 
     located = {url: implicit_index_for(url) for url in urls}  # None: a url with a query string has no index
     indexes = {url: (index, *fsspec.core.url_to_fs(index)) for url, index in located.items() if index is not None}
@@ -241,7 +242,7 @@ def _index_counts(urls: list[str]) -> list[int | None]:
 def _indexed_count(url: str, index: str, present: bool) -> int | None:
     """``url``'s record count without reading its records: its index file (checked against the file), or a
     Parquet footer."""
-    from shardkit.formats.index import load_index
+    from shardkit.formats.tfrecord.index import load_index
 
     fmt = _named_format(url)
     if fmt is not None and fmt.name == "parquet":
@@ -257,7 +258,8 @@ def _indexed_count(url: str, index: str, present: bool) -> int | None:
 
 def _named_format(url: str) -> Any:
     """The format ``url``'s suffix names, other than TFRecord (which this module reads itself); None otherwise."""
-    from shardkit.formats.base import FormatError, format_for
+    from shardkit.formats.base import FormatError
+    from shardkit.formats.registry import format_for
 
     try:
         fmt = format_for(url, head=b"")
@@ -268,7 +270,8 @@ def _named_format(url: str) -> Any:
 
 def _format_of(url: str) -> Any:
     """The format of the file at ``url`` (suffix, then first bytes), None for TFRecord or unknown."""
-    from shardkit.formats.base import FormatError, format_for
+    from shardkit.formats.base import FormatError
+    from shardkit.formats.registry import format_for
 
     try:
         fmt = format_for(url)
@@ -568,7 +571,8 @@ def _index_one(url: str, args: argparse.Namespace) -> None:
 def _write_index(url: str, compression: str | None) -> str:
     """Build ``url``'s index under a temporary name and rename it into place: a reader
     never finds a partial index, and a corrupt file leaves the old index (if any) alone."""
-    from shardkit.formats.index import build_index, index_path_for
+    from shardkit.formats.offsets import index_path_for
+    from shardkit.formats.tfrecord.index import build_index
     from shardkit.writer import partial_name, publish, remove_if_present
 
     target = index_path_for(url)
@@ -590,7 +594,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     """Read every record of SRC's files in order and write them as DST shards, with a manifest."""
     from tqdm import tqdm
 
-    from shardkit.formats.base import format_for, formats
+    from shardkit.formats.registry import format_for, formats
     from shardkit.writer import ShardWriter
 
     # A local pattern is made absolute so that the manifest's urls do not depend on where it is read from.

@@ -59,12 +59,13 @@ import time
 from collections.abc import Iterator
 from typing import Any, Final, NamedTuple
 
+import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError, redact_url
-from shardkit.formats.base import FormatBase, RecordBound, ResumeHint, file_record_bound, load_offsets, write_offsets
-from shardkit.formats.index import IndexFileError, index_path_for
+from shardkit.formats.base import FormatBase, RecordBound, ResumeHint, file_record_bound
+from shardkit.formats.offsets import IndexFileError, index_path_for, load_offsets, write_offsets
 from shardkit.io.files import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
 from shardkit.io.remote import RemoteOptions
 
@@ -786,12 +787,10 @@ class TarFormat(FormatBase):
                     f"{url}: a gzip-compressed tar cannot seek, so it gets no index; its samples are counted by a scan"
                 )
         offsets = self.scan(url, strict=True)  # an index never records damage: it would seek into it
-        import fsspec
-
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
-        return write_offsets(
-            index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options
-        )
+        index_url = index_path_for(url)
+        write_offsets(index_url, INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
+        return index_url
 
     def writer(self, url: str, *, name: str | None = None) -> TarWriter:
         """A writer of samples to ``url`` (``name``: the name it will be renamed to; unused)."""

@@ -1,8 +1,14 @@
-"""TFRecord framing: read and write byte-compatibly with TensorFlow, without it.
+"""TFRecord framing: find, check and cut the records of a TFRecord stream, byte-compatibly with TensorFlow.
 
 Each record is ``uint64 length (LE) | uint32 masked_crc32c(length bytes) |
 data[length] | uint32 masked_crc32c(data)``; GZIP and ZLIB compress the whole
 file stream. See :mod:`shardkit.formats.crc` for the mask.
+
+This module reads records from a known position (record index and byte
+offset) and scans whole files (counts, offsets, verification); it knows
+nothing of index files. :mod:`~shardkit.formats.tfrecord.index` builds and
+checks those with the scans here, and :func:`~shardkit.formats.tfrecord.reader.read_tfrecord`
+turns an index into the position to read from.
 
 How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
 
@@ -38,52 +44,49 @@ descriptor keeps the old inode.
 
 from __future__ import annotations
 
-import itertools
 import os
 import struct
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Final, NamedTuple
 
 import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
-from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.base import BadRecord, FormatBase, FormatError, RecordBound, file_record_bound
+from shardkit.errors import CorruptRecordError
 from shardkit.formats.crc import crc32c, mask, masked_crc32c, masked_crc32c_of_lengths, unmask_array
 from shardkit.formats.sniff import describe_file
 from shardkit.io.files import (
     BLOCK_SIZE,
     CompressedStreamError,
-    Sink,
     Stream,
     check_compression,
     open_input,
-    open_output,
     open_raw,
     sniff_compression,
 )
 from shardkit.io.remote import RemoteOptions
 
 __all__ = [
-    "TFRecordFormat",
-    "TFRecordWriter",
+    "HEADER_BYTES",
+    "OVERHEAD_BYTES",
     "count_records",
     "detect_compression",
-    "read_tfrecord",
+    "read_batches",
     "scan_count",
     "scan_offsets",
+    "unpack_header",
+    "unpack_length",
     "verify_tfrecord",
 ]
 
-IndexLike = str | os.PathLike[str] | Sequence[int] | np.ndarray
 Progress = Callable[[int], object]
 
-_HEADER: Final = 12
-_OVERHEAD: Final = 16
-_unpack_length = struct.Struct("<Q").unpack_from
-_unpack_header = struct.Struct("<QI").unpack_from
-_pack_u32 = struct.Struct("<I").pack
-_pack_u64 = struct.Struct("<Q").pack
+HEADER_BYTES: Final = 12
+"""A record's header: its ``uint64`` length and the masked CRC of those 8 bytes."""
+OVERHEAD_BYTES: Final = 16
+"""Bytes of framing around each record's data: its header and the ``uint32`` CRC of the data."""
+unpack_length = struct.Struct("<Q").unpack_from
+unpack_header = struct.Struct("<QI").unpack_from
 _U32_BYTES: Final = np.arange(4)
 _BATCH: Final = 128  # records cut and checked together; 32..1024 all measured about the same
 
@@ -117,7 +120,7 @@ class _Origin(NamedTuple):
 
     def length_error(self, index: int, offset: int, header: bytes) -> CorruptRecordError:
         """A bad length CRC; at the very start of a plain read, say if the file looks compressed."""
-        length, stored = _unpack_header(header)
+        length, stored = unpack_header(header)
         reason = (
             f"length CRC mismatch: expected 0x{masked_crc32c(header[:8]):08x}, found 0x{stored:08x} "
             f"(length field reads {length})"
@@ -131,13 +134,13 @@ class _Origin(NamedTuple):
         self, index: int, offset: int, header: bytes, available: int, check_header: bool
     ) -> CorruptRecordError:
         """The stream ends ``available`` bytes into the record that starts with ``header``."""
-        if len(header) < _HEADER:
+        if len(header) < HEADER_BYTES:
             return self.error(
-                index, offset, f"file ends inside record header: expected {_HEADER - available} more bytes"
+                index, offset, f"file ends inside record header: expected {HEADER_BYTES - available} more bytes"
             )
-        if check_header and masked_crc32c(header[:8]) != _unpack_header(header)[1]:
+        if check_header and masked_crc32c(header[:8]) != unpack_header(header)[1]:
             return self.length_error(index, offset, header)
-        missing = _unpack_length(header)[0] + _OVERHEAD - available
+        missing = unpack_length(header)[0] + OVERHEAD_BYTES - available
         return self.error(index, offset, f"file ends inside record: expected {missing} more bytes")
 
 
@@ -158,10 +161,10 @@ def _frame(buf: bytes, pos: int, end: int, last_start: int) -> list[int]:
     """
     ends: list[int] = []
     add = ends.append
-    unpack = _unpack_length
-    last = min(end - 12, last_start)  # 12 = _HEADER
+    unpack = unpack_length
+    last = min(end - 12, last_start)  # 12 = HEADER_BYTES
     while pos <= last:
-        nxt = pos + unpack(buf, pos)[0] + 16  # 16 = _OVERHEAD
+        nxt = pos + unpack(buf, pos)[0] + 16  # 16 = OVERHEAD_BYTES
         if nxt > end:
             break
         add(nxt)
@@ -178,7 +181,7 @@ def _checked(block: _Block, src: _Origin, check_headers: bool) -> Iterator[_Bloc
                 yield block._replace(ends=block.ends[:bad])
             start = block.ends[bad - 1] if bad else block.first
             raise src.length_error(
-                block.first_index + bad, block.offset + start, bytes(block.buf[start : start + _HEADER])
+                block.first_index + bad, block.offset + start, bytes(block.buf[start : start + HEADER_BYTES])
             )
     yield block
 
@@ -217,7 +220,7 @@ def _stream_blocks(
         size = BLOCK_SIZE
         if not chunk:
             if rest:
-                raise src.truncated(index, offset, rest[:_HEADER], len(rest), check_headers)
+                raise src.truncated(index, offset, rest[:HEADER_BYTES], len(rest), check_headers)
             if offset == started and index > 0:
                 raise src.error(index, offset, "file ends where this record should start (as the index says)")
             return
@@ -228,13 +231,13 @@ def _stream_blocks(
             index += len(ends)
             offset += ends[-1]
         rest = buf[ends[-1] :] if ends else buf
-        if len(rest) >= _HEADER:  # a record continues in the next read: check its length before trusting it
-            if check_headers and masked_crc32c(rest[:8]) != _unpack_header(rest)[1]:
-                raise src.length_error(index, offset, rest[:_HEADER])
-            need = _unpack_length(rest)[0] + _OVERHEAD
+        if len(rest) >= HEADER_BYTES:  # a record continues in the next read: check its length before trusting it
+            if check_headers and masked_crc32c(rest[:8]) != unpack_header(rest)[1]:
+                raise src.length_error(index, offset, rest[:HEADER_BYTES])
+            need = unpack_length(rest)[0] + OVERHEAD_BYTES
             if need > len(rest) + BLOCK_SIZE:  # the next read would not finish it: gather it whole
                 if src.size is not None and offset + need > src.size:
-                    raise src.truncated(index, offset, rest[:_HEADER], src.size - offset, False)
+                    raise src.truncated(index, offset, rest[:HEADER_BYTES], src.size - offset, False)
                 record = _gather(stream, src, index, offset, rest, need)
                 yield _Block(record, 0, [need], index, offset)
                 index += 1
@@ -249,7 +252,7 @@ def _gather(stream: Stream, src: _Origin, index: int, offset: int, head: bytes, 
     while have < need:
         chunk = _read_some(stream, src, index, offset, min(need - have, BLOCK_SIZE))
         if not chunk:
-            raise src.truncated(index, offset, head[:_HEADER], have, False)
+            raise src.truncated(index, offset, head[:HEADER_BYTES], have, False)
         parts.append(chunk)
         have += len(chunk)
     return b"".join(parts)
@@ -296,15 +299,15 @@ def _file_blocks(
             _check_file_end(fd, src, index, pos, buf, opened_size, first_index > 0 and pos == offset, check_headers)
             return
         # A full block without one whole record: the first record is longer than a block.
-        if len(buf) < _HEADER:  # (only with tiny test block sizes)
-            size = _HEADER
+        if len(buf) < HEADER_BYTES:  # (only with tiny test block sizes)
+            size = HEADER_BYTES
             continue
-        if check_headers and masked_crc32c(buf[:8]) != _unpack_header(buf)[1]:
-            raise src.length_error(index, pos, buf[:_HEADER])
-        need = _unpack_length(buf)[0] + _OVERHEAD
+        if check_headers and masked_crc32c(buf[:8]) != unpack_header(buf)[1]:
+            raise src.length_error(index, pos, buf[:HEADER_BYTES])
+        need = unpack_length(buf)[0] + OVERHEAD_BYTES
         available = os.fstat(fd).st_size - pos
         if need > available:
-            raise src.truncated(index, pos, buf[:_HEADER], available, False)
+            raise src.truncated(index, pos, buf[:HEADER_BYTES], available, False)
         size = need
 
 
@@ -318,7 +321,7 @@ def _check_file_end(
     record boundary. ``unstarted``: nothing was read from the offset an index gave.
     """
     if tail:
-        raise src.truncated(index, pos, tail[:_HEADER], len(tail), check_headers)
+        raise src.truncated(index, pos, tail[:HEADER_BYTES], len(tail), check_headers)
     file_size = os.fstat(fd).st_size
     if file_size < opened_size:
         reason = f"file shrank from {opened_size} to {file_size} bytes while being read (truncated under the reader)"
@@ -366,7 +369,7 @@ def _first_bad_header(block: _Block) -> int | None:
     """Index (within the block) of the first record whose length CRC is wrong."""
     starts, ends = _spans(block)
     stored = _u32_at(np.frombuffer(block.buf, np.uint8), starts + 8)
-    bad = np.flatnonzero(masked_crc32c_of_lengths(ends - starts - _OVERHEAD) != stored)
+    bad = np.flatnonzero(masked_crc32c_of_lengths(ends - starts - OVERHEAD_BYTES) != stored)
     return int(bad[0]) if bad.size else None
 
 
@@ -414,7 +417,7 @@ def detect_compression(head: bytes) -> str | None:
     check with odds of 2**-32); otherwise the gzip magic or a zlib header; an
     unrecognised start is treated as plain, so reading it reports the bad header.
     """
-    if len(head) >= _HEADER and masked_crc32c(head[:8]) == _unpack_header(head)[1]:
+    if len(head) >= HEADER_BYTES and masked_crc32c(head[:8]) == unpack_header(head)[1]:
         return None
     return sniff_compression(head)
 
@@ -438,7 +441,7 @@ def _open(
         local = isinstance(raw, LocalFileOpener)
         head = b""
         if compression == "auto":  # read the first block itself, unless seeking or reading locally
-            head = raw.read(_HEADER if seek_to or local else max(BLOCK_SIZE, _HEADER))
+            head = raw.read(HEADER_BYTES if seek_to or local else max(BLOCK_SIZE, HEADER_BYTES))
             compression = detect_compression(head)
         if compression is None and local:
             return raw, _Origin(url, None)
@@ -453,76 +456,24 @@ def _open(
         raise
 
 
-def read_tfrecord(
-    url: str,
-    *,
-    compression: str | None = "auto",
-    verify: bool = True,
-    start: int = 0,
-    stop: int | None = None,
-    index: IndexLike | None = None,
-    storage_options: dict[str, Any] | None = None,
-    remote: RemoteOptions | None = None,
-) -> Iterator[bytes]:
-    """Iterate over the records of a TFRecord file as ``bytes``.
-
-    Args:
-        url: a path or any fsspec URL (file://, memory://, s3://, gs://, http(s)://).
-        compression: ``None``, ``"gzip"``, ``"zlib"`` or ``"auto"`` (decide from
-            the first bytes: valid TFRecord header, gzip magic, zlib header).
-        verify: check the length and data CRC of every record returned; a
-            mismatch or a file ending inside a record raises
-            :class:`~shardkit.CorruptRecordError` after the good records before it.
-        start, stop: record indices, like ``records[start:stop]``.
-        index: offsets of the records (an array, or the path of an index file
-            written by :func:`~shardkit.build_index`); on an uncompressed file the
-            reader then seeks straight to ``start`` instead of scanning to it.
-            An index file is checked against the file first
-            (:func:`~shardkit.formats.index.load_index`); an array is checked
-            against the file's end when ``start`` is past its last record. One
-            that does not fit raises :class:`~shardkit.formats.index.IndexFileError`.
-        storage_options: passed to fsspec.
-        remote: how a remote file is read (readahead, retries, local cache):
-            a :class:`~shardkit.io.remote.RemoteOptions`; local files ignore it.
-
-    The file is opened on the first ``next()`` and closed when the iterator is
-    exhausted or garbage collected. Records are read a block at a time, so
-    memory stays at a few blocks (:data:`~shardkit.io.files.BLOCK_SIZE`)
-    plus any record longer than a block.
-
-    Malformed input of any kind (bad CRCs, impossible lengths, a file ending
-    inside a record, a damaged GZIP/ZLIB stream) raises
-    :class:`~shardkit.CorruptRecordError` with the url, record index and byte
-    offset, after the good records before it. A local file truncated while it
-    is read raises one too; a file replaced by a rename while it is read is
-    read to its end as it was when opened (the open file keeps the old data).
-    """
-    if start < 0 or (stop is not None and stop < start):
-        raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
-    return itertools.chain.from_iterable(_read(url, compression, verify, start, stop, index, storage_options, remote))
-
-
-def _read(
+def read_batches(
     url: str,
     compression: str | None,
     verify: bool,
+    storage_options: dict[str, Any] | None,
+    remote: RemoteOptions | None,
+    *,
     start: int,
     stop: int | None,
-    index: IndexLike | None,
-    storage_options: dict[str, Any] | None,
-    remote: RemoteOptions | None = None,
+    first: int = 0,
+    offset: int = 0,
+    end: int | None = None,
 ) -> Iterator[list[bytes]]:
-    """The batches of records ``start:stop``; ``read_tfrecord`` chains them."""
-    first = offset = 0
-    end = None
-    offsets = _seek_offsets(url, index, start, storage_options) if start and compression in (None, "auto") else None
-    if offsets is not None:
-        if start >= len(offsets):  # checked: the file has no record past them
-            return
-        first, offset = start, int(offsets[start])
-        end = int(offsets[stop]) if stop is not None and stop < len(offsets) else None
-        if offset < 0:
-            raise ShardkitError(f"{url}: the index gives offset {offset} for record {start}; rebuild the index")
+    """The records ``start:stop`` of ``url`` in batches, framing from record ``first`` at byte ``offset``
+    (a record boundary an index gave; ``end``: where the records wanted end, when it says so).
+
+    A compressed stream cannot seek: it is read from its start, whatever the position.
+    """
     source, src = _open(url, compression, storage_options, seek_to=offset, remote=remote)
     if src.compression is not None:
         first = offset = 0  # compressed streams cannot seek by record
@@ -540,31 +491,6 @@ def _read(
     finally:
         blocks.close()
         source.close()
-
-
-def _seek_offsets(
-    url: str, index: IndexLike | None, start: int, storage_options: dict[str, Any] | None
-) -> np.ndarray | None:
-    """The record offsets to seek to ``start`` by, or None to scan from the file's start.
-
-    An index file is checked against the file as :func:`~shardkit.formats.index.load_index` checks
-    it. Offsets given as an array are trusted where they lead to a record (its CRCs are checked as
-    it is read), and checked against the file's end when ``start`` is past them: a file that grew
-    or was rewritten since would otherwise read as if it had nothing left.
-
-    Raises:
-        IndexFileError: the index does not fit the file; its message names both and the fix.
-    """
-    from shardkit.formats import index as index_files  # imports this module
-
-    if index is None:
-        return None
-    if isinstance(index, (str, os.PathLike)):
-        return index_files.load_given_index(url, os.fspath(index), storage_options)
-    offsets = np.asarray(index, dtype=np.int64)
-    if start >= len(offsets) and not index_files.check_ends_with_file(url, offsets, storage_options):
-        return None  # compressed: these offsets cannot seek, and the stream is read from its start
-    return offsets
 
 
 def _scan(
@@ -645,308 +571,3 @@ def verify_tfrecord(
         for batch in _batches(block, 0, len(block.ends), src, True):
             count += len(batch)
     return count
-
-
-# --------------------------------------------------------------------------- writing
-
-
-class TFRecordWriter:
-    """Write records to a TFRecord file at any fsspec URL.
-
-    Use as a context manager::
-
-        with TFRecordWriter("s3://bucket/train-0.tfrecord") as writer:
-            writer.write(record)
-
-    ``compression`` is ``None``, ``"gzip"`` or ``"zlib"`` (whole-stream, as TensorFlow).
-    """
-
-    def __init__(self, url: str, compression: str | None = None, storage_options: dict[str, Any] | None = None) -> None:
-        self.url = url
-        self.compression = compression
-        self.num_records = 0
-        self.num_bytes = 0  # framed, uncompressed bytes written so far
-        self._sink: Sink | None = open_output(url, compression, storage_options)
-
-    def write(self, record: bytes | bytearray | memoryview) -> None:
-        """Append one record."""
-        if self._sink is None:
-            raise ShardkitError(f"{self.url}: write() on a closed TFRecordWriter")
-        length = len(record)
-        length_bytes = _pack_u64(length)
-        self._sink.write(length_bytes + _pack_u32(masked_crc32c(length_bytes)))
-        self._sink.write(record)
-        self._sink.write(_pack_u32(masked_crc32c(record)))
-        self.num_records += 1
-        self.num_bytes += length + _OVERHEAD
-
-    def close(self) -> None:
-        """Flush and close the file; calling it again does nothing."""
-        if self._sink is not None:
-            sink, self._sink = self._sink, None
-            sink.close()
-
-    def __enter__(self) -> TFRecordWriter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-# --------------------------------------------------------------------------- the format object
-
-
-DECODERS: Final = ("example", "sequence_example", "raw")
-
-#: Returned by ``TFRecordFormat._index_past`` when the bad record was the last of its file.
-_SHARD_ENDS: Final = object()
-
-
-class TFRecordFormat(FormatBase):
-    """TFRecord as a :class:`~shardkit.formats.base.ShardFormat`; picklable (the ``read_fn`` of ``TFRecordDataset``).
-
-    Args:
-        decode: ``"raw"`` (the record bytes, the default), ``"example"``,
-            ``"sequence_example"`` or a callable on the record bytes.
-        compression: ``None``, ``"gzip"``, ``"zlib"`` or ``"auto"``.
-        verify: check every record's CRCs (see :func:`read_tfrecord`).
-        index: use index files beside the shards (checked with
-            :func:`~shardkit.formats.index.load_index`) to seek to a range's
-            first record and to count; without one, a framing scan counts.
-        storage_options: fsspec options.
-        remote: how remote shards are read (:class:`~shardkit.io.remote.RemoteOptions`:
-            readahead across shard boundaries, retries, the local cache); local files ignore it.
-
-    :meth:`read` raises at the first bad record; :meth:`read_marked`, what
-    sources read with, yields a :class:`~shardkit.formats.base.BadRecord` in
-    place of a record whose data CRC is wrong or that does not decode, and
-    reads on (seeking past it by the index, or by the bad record's own checked
-    header), so that ``on_error="skip"`` costs that record alone.
-    """
-
-    name = "tfrecord"
-    suffixes = (".tfrecord.gz", ".tfrecords.gz", ".tfrecord", ".tfrecords", ".tfrec")
-
-    def __init__(
-        self,
-        *,
-        decode: str | Callable[[bytes], Any] = "raw",
-        compression: str | None = "auto",
-        verify: bool = True,
-        index: bool = True,
-        storage_options: dict[str, Any] | None = None,
-        remote: RemoteOptions | None = None,
-    ) -> None:
-
-        check_compression(compression, allow_auto=True)
-        if not callable(decode) and decode not in DECODERS:
-            raise FormatError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
-        self.decode = decode
-        self.compression = compression
-        self.verify = verify
-        self.index = index
-        self.storage_options = storage_options
-        self.remote = remote
-        # The last shard scanned for a bad record's offset: one scan per shard, not one per
-        # bad record (a shard of many undecodable records would otherwise be read again for each).
-        self._scanned: tuple[str, np.ndarray | None] | None = None
-
-    def __repr__(self) -> str:
-        return (
-            f"TFRecordFormat(decode={self._decoder_name()}, compression={self.compression!r}, "
-            f"verify={self.verify}, index={self.index})"
-        )
-
-    def sniff(self, head: bytes) -> bool:
-        return len(head) >= _HEADER and masked_crc32c(head[:8]) == _unpack_header(head)[1]
-
-    def read(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
-        """Records ``[start, stop)`` of ``url``, decoded; a bad record raises its
-        :class:`~shardkit.CorruptRecordError` after the records before it."""
-        _check_range(start, stop)
-        if self._decoder() is None:
-            return read_tfrecord(
-                url,
-                compression=self.compression,
-                verify=self.verify,
-                start=start,
-                stop=stop,
-                index=self._seek_index(url, start),
-                storage_options=self.storage_options,
-                remote=self.remote,
-            )
-        return _raising(self.read_marked(url, start, stop))
-
-    def read_marked(self, url: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
-        """Records ``[start, stop)`` of ``url``, decoded, with a :class:`~shardkit.formats.base.BadRecord`
-        in place of each record that is bad while the framing around it is fine (a data CRC
-        mismatch, bytes that do not decode); reading goes on with the next record. Other errors
-        (a bad length, a truncated file, a stale index) are raised."""
-        _check_range(start, stop)
-        return self._records(url, start, stop, self._seek_index(url, start))
-
-    def _seek_index(self, url: str, start: int) -> np.ndarray | None:
-        """The checked offsets when reading from ``start`` can seek with them (raises IndexFileError)."""
-        return self.index_offsets(url) if start > 0 and self.compression in (None, "auto") else None
-
-    def _records(self, url: str, start: int, stop: int | None, offsets: np.ndarray | None) -> Iterator[Any]:
-
-        decode = self._decoder()
-        position, index = start, offsets
-        while True:  # one pass per run of good records; a bad data CRC ends read_tfrecord's iterator
-            records = read_tfrecord(
-                url,
-                compression=self.compression,
-                verify=self.verify,
-                start=position,
-                stop=stop,
-                index=index,
-                storage_options=self.storage_options,
-                remote=self.remote,
-            )
-            try:
-                yield from records if decode is None else self._decoded(decode, url, position, records)
-                return
-            except CorruptRecordError as error:
-                if not error.framing_intact or error.record_index < position:
-                    raise
-                yield BadRecord(error)
-                position = error.record_index + 1
-                index = self._index_past(url, error, offsets)
-                if index is _SHARD_ENDS:  # the bad record was the file's last
-                    return
-
-    def _decoded(self, decode: Callable[[bytes], Any], url: str, start: int, records: Iterator[bytes]) -> Iterator[Any]:
-
-        for position, record in enumerate(records, start):
-            try:
-                sample = decode(record)
-            except Exception as error:  # the CRCs were fine: only this record is bad
-                sample = BadRecord(self._decode_error(url, position, error))
-            yield sample
-
-    def _decode_error(self, url: str, position: int, error: Exception) -> CorruptRecordError:
-        """The error for record ``position``, whose CRCs are fine but whose bytes do not decode."""
-        try:
-            offsets = self.index_offsets(url) if self.compression in (None, "auto") else None
-        except ShardkitError:  # a stale index only costs the offset in the message
-            offsets = None
-        if offsets is None:
-            offsets = self._scanned_offsets(url)
-        offset = int(offsets[position]) if offsets is not None and position < len(offsets) else -1
-        reason = (
-            f"the record's CRCs are fine but it does not decode with {self._decoder_name()}: "
-            f"{type(error).__name__}: {error}"
-        )
-        return CorruptRecordError(url, position, offset, reason, framing_intact=True)
-
-    def _scanned_offsets(self, url: str) -> np.ndarray | None:
-        """Record offsets of ``url`` from a framing scan (no index file), on the bad-record path only;
-        None when a later bad frame stops the scan (it only costs the offset in the message)."""
-        if self._scanned is None or self._scanned[0] != url:
-            try:
-                offsets = scan_offsets(url, compression=self.compression, storage_options=self.storage_options)
-            except ShardkitError:
-                offsets = None
-            self._scanned = (url, offsets)
-        return self._scanned[1]
-
-    def _index_past(self, url: str, error: CorruptRecordError, offsets: np.ndarray | None) -> Any:
-        """Offsets that let ``read_tfrecord`` seek to the record after the bad one at ``error.offset``.
-
-        With an index file (``offsets``), that index. Else, in an uncompressed file, the bad
-        record's header (its length CRC was checked) gives the next offset: an
-        array holding just that offset at its index saves rescanning the file
-        from its start after each bad record; ``_SHARD_ENDS`` when that offset
-        is the end of the file (the bad record was the last, and no record is
-        claimed past it). A compressed stream cannot seek: None, and the next
-        pass decompresses from the start again.
-        """
-        if offsets is not None:
-            return _SHARD_ENDS if error.record_index + 1 >= len(offsets) else offsets
-        if self.compression not in (None, "auto"):
-            return None
-        with open_raw(url, "rb", self.storage_options) as file:
-            size = file.seek(0, os.SEEK_END)
-            file.seek(error.offset)
-            header = file.read(_HEADER)
-        if len(header) < _HEADER or masked_crc32c(header[:8]) != _unpack_header(header)[1]:
-            return None  # not a plain file at that offset (compressed, "auto" resolved so)
-        after = np.zeros(error.record_index + 2, dtype=np.int64)
-        after[-1] = error.offset + _unpack_length(header)[0] + _OVERHEAD
-        return _SHARD_ENDS if after[-1] >= size else after
-
-    min_record_bytes: Final = 16
-    """An empty record still takes its 8-byte length and two 4-byte CRCs."""
-
-    def record_bound(self, url: str) -> RecordBound:
-        """The most records ``url`` can hold by its size (see :func:`~shardkit.formats.base.max_records`)."""
-
-        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options)
-
-    def index_offsets(self, url: str) -> np.ndarray | None:
-        """The record offsets from ``url``'s index file, checked against the file; None when there
-        is none, the file is compressed, or ``index=False``.
-
-        Raises:
-            IndexFileError: the index does not fit the file; seeking never uses such an index.
-        """
-        if not self.index or self.compression in ("gzip", "zlib"):
-            return None
-        from shardkit.formats.index import load_index
-
-        return load_index(url, storage_options=self.storage_options)
-
-    def count(self, url: str) -> int:
-        """Records in ``url``: from its index file if there is a valid one, else a framing scan.
-
-        An index that does not fit the file (see :func:`~shardkit.formats.index.load_index`)
-        is not used: a warning names it and the fix, and the file is scanned.
-        """
-        import warnings
-
-        from shardkit.formats.index import IndexFileError
-
-        try:
-            offsets = self.index_offsets(url)
-        except IndexFileError as error:
-            warnings.warn(f"{error}; counting its records by a framing scan instead", stacklevel=2)
-            offsets = None
-        if offsets is not None:
-            return len(offsets)
-        return scan_count(url, compression=self.compression, storage_options=self.storage_options, remote=self.remote)
-
-    def build_index(self, url: str) -> str | None:
-        from shardkit.formats.index import build_index
-
-        return build_index(url, compression=self.compression, storage_options=self.storage_options)
-
-    def writer(self, url: str, *, name: str | None = None) -> TFRecordWriter:
-        compression = self.compression if self.compression in ("gzip", "zlib") else None
-        return TFRecordWriter(url, compression, self.storage_options)
-
-    def _decoder(self) -> Callable[[bytes], Any] | None:
-        if callable(self.decode):
-            return self.decode
-        if self.decode == "raw":
-            return None
-        from shardkit.formats import example
-
-        return example.decode_example if self.decode == "example" else example.decode_sequence_example
-
-    def _decoder_name(self) -> str:
-        return getattr(self.decode, "__name__", repr(self.decode)) if callable(self.decode) else repr(self.decode)
-
-
-def _check_range(start: int, stop: int | None) -> None:
-    if start < 0 or (stop is not None and stop < start):
-        raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
-
-
-def _raising(records: Iterator[Any]) -> Iterator[Any]:
-    """``records`` with the first :class:`~shardkit.formats.base.BadRecord` raised as its error."""
-
-    for record in records:
-        if record.__class__ is BadRecord:
-            raise record.error
-        yield record
