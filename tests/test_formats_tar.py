@@ -20,7 +20,9 @@ import shardkit
 from shardkit import CorruptRecordError, TarDataset
 from shardkit.formats.offsets import IndexFileError
 from shardkit.formats.registry import format_for
-from shardkit.formats.tar import TarFormat, TarWriter, _blame, _split_key
+from shardkit.formats.tar import TarFormat, TarWriter
+from shardkit.formats.tar.headers import _split_key
+from shardkit.formats.tar.parser import _blame
 from tests.helpers import assert_split, format_ids, ids_per_rank, rank_factory, tar_sample, write_tar_shards
 
 SIZES = [17, 3, 0, 25, 9, 11]  # 65 samples, an empty shard among them
