@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -42,7 +43,7 @@ from fsspec.implementations.local import LocalFileOpener
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.base import FormatBase, RecordBound, ResumeHint, file_record_bound
 from shardkit.formats.offsets import IndexFileError, index_path_for, load_offsets, write_offsets
-from shardkit.io.files import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
+from shardkit.io.files import BLOCK_SIZE, CompressedStreamError, open_input, open_output, open_raw
 from shardkit.io.remote import RemoteOptions
 
 __all__ = ["JsonlFormat", "JsonlWriter"]
@@ -323,8 +324,6 @@ class JsonlFormat(FormatBase):
         try:
             offsets = self.index_offsets(url)
         except IndexFileError as error:
-            import warnings
-
             warnings.warn(f"{error}; counting its lines by a scan instead", stacklevel=2)
             offsets = None
         return len(offsets) if offsets is not None else len(self.scan(url))
@@ -373,8 +372,6 @@ class JsonlWriter:
     def __init__(
         self, url: str, *, compression: str | None = "auto", storage_options: dict[str, Any] | None = None
     ) -> None:
-        from shardkit.io.files import open_output
-
         self.url = url
         self.num_records = 0
         self.num_bytes = 0
