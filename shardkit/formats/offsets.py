@@ -192,7 +192,7 @@ def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None 
 # --------------------------------------------------------------------------- the per-process cache
 
 
-Loader = Callable[[str, str, "dict[str, Any] | None"], "np.ndarray | None"]
+Loader = Callable[[str, str, dict[str, Any] | None], np.ndarray | None]
 """``load(url, index_url, storage_options)``: read ``index_url`` and check it against ``url``."""
 
 
