@@ -16,7 +16,7 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   one tight loop finds the record boundaries of the whole block, then the
   length CRCs of the block are checked at once with numpy.
 - Records are cut and their data CRCs computed and compared in batches of
-  :data:`_BATCH`, and handed out through ``itertools.chain``: no Python frame
+  :data:`_BATCH`, and handed out (by ``read_tfrecord``) through ``itertools.chain``: no Python frame
   per record beyond the slicing loop.
 - Local uncompressed files are read with one ``os.pread`` per block, at a
   record boundary. Not memory-mapped: a mapped file truncated under the reader
