@@ -23,9 +23,9 @@ from collections.abc import Callable
 import fsspec
 
 import shardkit
-from shardkit.formats import tfrecord
-from shardkit.formats.index import load_index
 from shardkit.formats.tfrecord import TFRecordFormat
+from shardkit.formats.tfrecord import framing as tfrecord
+from shardkit.formats.tfrecord.index import load_index
 
 
 def write_shard(url: str, records: int) -> str:

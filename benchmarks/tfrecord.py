@@ -44,7 +44,9 @@ import numpy as np
 
 from shardkit import TFRecordWriter, decode_columns, decode_example, encode_example, read_tfrecord
 from shardkit.formats import example as example_module
-from shardkit.formats import tfrecord as tfr
+from shardkit.formats.example.backend import COMPILED
+from shardkit.formats.example.columns import _decode_columns
+from shardkit.formats.tfrecord import framing as tfr
 from shardkit.io.files import BLOCK_SIZE
 
 # This script's name would shadow the ``tfrecord`` package it compares against.
@@ -235,9 +237,9 @@ def main() -> None:
 
     def columns(compiled: object) -> Callable[[], None]:
         blocks = [records[i : i + args.block] for i in range(0, len(records), args.block)]
-        return lambda: [example_module._decode_columns(b, FEATURES, compiled) for b in blocks]
+        return lambda: [_decode_columns(b, FEATURES, compiled) for b in blocks]
 
-    compiled = example_module._C
+    compiled = COMPILED
     per_record = 1e6 / len(records)
     choices = {
         f"decode with shardkit ({example_module.BACKEND})": decoder(decode_example),

@@ -20,7 +20,7 @@ _EXPORTS: dict[str, str] = {
     "Range": "shardkit.planning",
     "read_tfrecord": "shardkit.formats.tfrecord",
     "TFRecordWriter": "shardkit.formats.tfrecord",
-    "build_index": "shardkit.formats.index",
+    "build_index": "shardkit.formats.tfrecord.index",
     "ShardWriter": "shardkit.writer",
     "decode_columns": "shardkit.formats.example",
     "decode_example": "shardkit.formats.example",
@@ -41,9 +41,9 @@ _EXPORTS: dict[str, str] = {
     "EvenBatches": "shardkit.even",
     "EvenStats": "shardkit.even",
     "ShardFormat": "shardkit.formats.base",
-    "register_format": "shardkit.formats.base",
-    "format_for": "shardkit.formats.base",
-    "IndexFileError": "shardkit.formats.index",
+    "register_format": "shardkit.formats.registry",
+    "format_for": "shardkit.formats.registry",
+    "IndexFileError": "shardkit.formats.offsets",
     "DuplicateShardWarning": "shardkit.shardlist",
     "TrainerError": "shardkit.trainers",
 }
@@ -66,10 +66,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401
     from shardkit.even import EvenBatches, EvenStats, even_batches
-    from shardkit.formats.base import ShardFormat, format_for, register_format
+    from shardkit.formats.base import ShardFormat
     from shardkit.formats.example import decode_columns, decode_example, decode_sequence_example, encode_example
-    from shardkit.formats.index import IndexFileError, build_index
+    from shardkit.formats.offsets import IndexFileError
+    from shardkit.formats.registry import format_for, register_format
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
+    from shardkit.formats.tfrecord.index import build_index
     from shardkit.loader import MixedLoader
     from shardkit.pipeline import Pipeline, interleave
     from shardkit.planning import Range, plan

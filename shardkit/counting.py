@@ -13,7 +13,7 @@ the seed and the epoch. In order of preference the counts come from:
    checked index file beside it (``shardkit index``), a Parquet footer. They
    are looked up under every balance mode, ``"none"`` included, since they are
    a function of the files: every reader finds the same ones. An index that
-   does not fit its shard raises :class:`~shardkit.formats.index.IndexFileError`
+   does not fit its shard raises :class:`~shardkit.formats.offsets.IndexFileError`
    rather than being trusted;
 3. only when the plan cannot go without counts (``"pad"``/``"drop"`` over
    several ranks, sample-level shuffling; :func:`resolve_counts`): the counts

@@ -230,7 +230,8 @@ class ShardWriter:
 
 def _writable_format(format: Any, pattern: str, compression: str | None, storage_options: dict[str, Any] | None) -> Any:  # noqa: A002
     """The format object whose writer writes the shards; None for TFRecord (written here directly)."""
-    from shardkit.formats.base import FormatError, ShardFormat, format_for, formats
+    from shardkit.formats.base import FormatError, ShardFormat
+    from shardkit.formats.registry import format_for, formats
 
     if format is None:
         try:

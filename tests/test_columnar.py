@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import CorruptRecordError, ShardkitError
-from shardkit.formats import example as example_module
+from shardkit.formats.example import columns as example_module
 from shardkit.formats.example import decode_example_python, encode_example
 from tests.helpers import COLUMN_FEATURES as FEATURES
 from tests.helpers import column_rows as rows

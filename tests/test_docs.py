@@ -32,7 +32,9 @@ DOCTESTED = [
     "shardkit.topology",
     "shardkit.seeding",
     "shardkit.epoch",
-    "shardkit.formats.example",
+    "shardkit.formats.example.backend",
+    "shardkit.formats.example.columns",
+    "shardkit.formats.example.encode",
     "shardkit.quality",
 ]
 

@@ -223,7 +223,7 @@ def map_entry_with_other_fields(record: bytes) -> bool:
     drops the rest, upb (Python) turns the whole entry into an unknown field.
     shardkit does as C++; the comparison with upb skips these records.
     """
-    from shardkit.formats.example import _fields
+    from shardkit.formats.example.wire import _fields
 
     try:
         return any(
@@ -438,7 +438,7 @@ def test_ci_runs_with_the_c_decoder_built() -> None:
 
 
 def test_shardkit_pure_python_forces_the_fallback() -> None:
-    code = "import shardkit.formats.example as e; print(e.BACKEND, e._decode_example.__name__)"
+    code = "import shardkit.formats.example.backend as e; print(e.BACKEND, e._decode_example.__name__)"
     for value, expected in (("1", "python decode_example_python"), ("0", "c decode_example"), ("", "c decode_example")):
         env = {**os.environ, "SHARDKIT_PURE_PYTHON": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

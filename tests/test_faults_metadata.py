@@ -26,8 +26,9 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit import ShardedDataset, ShardList, TFRecordDataset
 from shardkit.counting import identity, resolve_counts
-from shardkit.formats.index import IndexFileError, load_index
+from shardkit.formats.offsets import IndexFileError
 from shardkit.formats.tfrecord import TFRecordFormat
+from shardkit.formats.tfrecord.index import load_index
 from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError
 from tests.helpers import all_ids, read_all, synthetic_read
@@ -586,7 +587,7 @@ def test_a_stale_index_is_refused_not_trusted_for_counts(indexed, tmp_path):
 
 
 def test_a_checked_index_is_read_once_per_process_for_many_ranges(tmp_path, monkeypatch):
-    import shardkit.formats.index as index_module
+    import shardkit.formats.tfrecord.index as index_module
 
     url = write_tfrecord(str(tmp_path / "data.tfrecord"), RECORDS)
     shardkit.build_index(url)

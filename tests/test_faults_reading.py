@@ -469,7 +469,7 @@ def test_a_damaged_gzip_tar_or_jsonl_names_the_compressed_byte(tmp_path, kind):
 
 
 def test_many_undecodable_records_without_an_index_scan_their_shard_once(tmp_path, monkeypatch):
-    from shardkit.formats import tfrecord as tfr
+    from shardkit.formats.tfrecord import format as tfr
 
     records = [shardkit.encode_example({"id": [i]}) if i % 2 else b"\x0a\xff\xff\xff\xff\x0f" for i in range(40)]
     url = write_records(tmp_path / "part.tfrecord", records)

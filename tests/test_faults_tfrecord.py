@@ -26,10 +26,11 @@ import fsspec
 import pytest
 
 from shardkit import CorruptRecordError
-from shardkit.formats import tfrecord as tfr
 from shardkit.formats.crc import masked_crc32c
-from shardkit.formats.index import IndexFileError, read_index, write_index
+from shardkit.formats.offsets import IndexFileError, write_offsets
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
+from shardkit.formats.tfrecord import framing as tfr
+from shardkit.formats.tfrecord.index import INDEX_MAGIC, read_index
 from shardkit.io import files as skio
 from tests.helpers import read_all
 
@@ -244,7 +245,7 @@ def test_index_pointing_past_the_end_of_a_shortened_file_is_an_error(place: str)
     records = [os.urandom(30) for _ in range(6)]
     url = put(f"{place}/a.tfrecord", b"".join(map(framed, records)))
     offsets = scan_offsets(url)
-    write_index(url + ".idx", offsets, 6 * 46)
+    write_offsets(url + ".idx", INDEX_MAGIC, offsets, 6 * 46)
     put(url, b"".join(map(framed, records[:3])))  # the shard was rewritten shorter; the index is stale
     for start in (3, 4):  # offsets given as an array: where they lead, the file ends
         got, error = read_until_error(url, start=start, index=read_index(url + ".idx"))

@@ -391,7 +391,7 @@ def test_verify_reports_gzip_damage_on_one_line_with_what_the_error_carries(tmp_
 
 @pytest.mark.slow
 def test_index_is_written_by_rename_and_a_corrupt_file_keeps_its_old_index(tmp_path):
-    from shardkit.formats.index import read_index
+    from shardkit.formats.tfrecord.index import read_index
 
     good = write_records(tmp_path / "good.tfrecord", 4)
     bad = write_records(tmp_path / "bad.tfrecord", 6)
@@ -461,7 +461,7 @@ def test_inspect_tells_examples_from_other_records_and_says_when_crcs_were_skipp
 
 def test_plan_takes_a_glob_with_counts_from_index_files(tmp_path, capsys):
     from shardkit.cli import main
-    from shardkit.formats.index import build_index
+    from shardkit.formats.tfrecord.index import build_index
 
     paths = [write_records(tmp_path / f"train-{i}.tfrecord", n) for i, n in enumerate((3, 8, 5))]
     glob_arg = str(tmp_path / "train-*.tfrecord")

@@ -7,9 +7,10 @@ import pickle
 import pytest
 
 import shardkit
-from shardkit.formats.base import FormatError, ShardFormat, format_for, formats, register_format
+from shardkit.formats.base import FormatError, ShardFormat
 from shardkit.formats.jsonl import JsonlFormat
 from shardkit.formats.parquet import ParquetFormat
+from shardkit.formats.registry import format_for, formats, register_format
 from shardkit.formats.tar import TarFormat
 from shardkit.formats.tfrecord import TFRecordFormat, read_tfrecord
 from tests.helpers import record_offsets

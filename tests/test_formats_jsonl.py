@@ -9,9 +9,9 @@ import pytest
 
 import shardkit
 from shardkit import CorruptRecordError, JsonlDataset
-from shardkit.formats.base import format_for
-from shardkit.formats.index import IndexFileError
 from shardkit.formats.jsonl import JsonlFormat, JsonlWriter
+from shardkit.formats.offsets import IndexFileError
+from shardkit.formats.registry import format_for
 from tests.helpers import format_ids, jsonl_row, rank_factory, write_jsonl_shards
 
 SIZES = [17, 3, 0, 25, 9, 11]

@@ -10,7 +10,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from shardkit import JsonlDataset, ParquetDataset, TarDataset
-from shardkit.formats.base import format_for
+from shardkit.formats.registry import format_for
 from tests.helpers import (
     assert_split,
     format_ids,

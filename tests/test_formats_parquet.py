@@ -13,8 +13,8 @@ import pytest
 
 import shardkit
 from shardkit import CorruptRecordError, ParquetDataset
-from shardkit.formats.base import format_for
 from shardkit.formats.parquet import ParquetFormat, ParquetWriter
+from shardkit.formats.registry import format_for
 from tests.helpers import (
     format_ids,
     ids_per_rank,

@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 import shardkit
 from shardkit import CorruptRecordError, TarDataset
-from shardkit.formats.base import format_for
-from shardkit.formats.index import IndexFileError
-from shardkit.formats.tar import TarFormat, TarWriter, _blame, _split_key
+from shardkit.formats.offsets import IndexFileError
+from shardkit.formats.registry import format_for
+from shardkit.formats.tar import TarFormat, TarWriter
+from shardkit.formats.tar.headers import _split_key
+from shardkit.formats.tar.parser import _blame
 from tests.helpers import assert_split, format_ids, ids_per_rank, rank_factory, tar_sample, write_tar_shards
 
 SIZES = [17, 3, 0, 25, 9, 11]  # 65 samples, an empty shard among them
@@ -263,7 +265,7 @@ def test_an_index_whose_boundaries_cut_a_sample_is_refused(tmp_path):
     members = header_offsets(url)
     moved = offsets.copy()
     moved[4] = members[3 * 3 + 1]  # sample 3's second member: the index no longer fits the samples
-    from shardkit.formats.base import write_offsets
+    from shardkit.formats.offsets import write_offsets
     from shardkit.formats.tar import INDEX_MAGIC
 
     write_offsets(url + ".idx", INDEX_MAGIC, moved, os.path.getsize(url))

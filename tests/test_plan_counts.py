@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import JsonlDataset, ParquetDataset, ShardList, TFRecordDataset, Topology
-from shardkit.formats.base import FormatBase, format_for
+from shardkit.formats.base import FormatBase
+from shardkit.formats.registry import format_for
 from shardkit.planning import plan_whole_shards
 from shardkit.sources import BalanceError, ShardedDataset
 from tests.helpers import (
@@ -219,7 +220,7 @@ def test_a_balanced_plan_counts_once_and_a_manifest_wins_over_index_files(tmp_pa
     urls = _shards_with_cheap_counts(tmp_path, "tfrecord", SIZES)
     manifest = ShardList(urls, num_records=[20, 10])
     monkeypatch.setattr(ShardedDataset, "count_records", lambda self: pytest.fail("counted with a manifest"))
-    monkeypatch.setattr("shardkit.formats.index.load_index", lambda *a, **k: pytest.fail("read an index"))
+    monkeypatch.setattr("shardkit.formats.tfrecord.index.load_index", lambda *a, **k: pytest.fail("read an index"))
     counts, _ = TFRecordDataset(manifest, rank=0, world_size=2)._counts(Topology(0, 2))
     assert counts.tolist() == [20, 10]
 

@@ -493,7 +493,8 @@ def test_a_url_with_a_query_string_is_read_once_without_asking_for_an_index_file
 
 def test_a_url_with_a_query_string_has_no_index_file_beside_it() -> None:
     from shardkit.errors import ShardkitError
-    from shardkit.formats.index import index_path_for, load_index
+    from shardkit.formats.offsets import index_path_for
+    from shardkit.formats.tfrecord.index import load_index
 
     url = f"https://h/a.tfrecord{PRESIGNED}"
     with pytest.raises(ShardkitError, match="query string"):

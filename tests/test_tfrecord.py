@@ -13,10 +13,12 @@ import pytest
 import shardkit
 from shardkit import CorruptRecordError, ShardkitError
 from shardkit.cli import main
-from shardkit.formats import tfrecord as tfr
 from shardkit.formats.crc import crc32c, mask, mask_array, masked_crc32c, masked_crc32c_of_lengths
-from shardkit.formats.index import build_index, index_path_for, read_index
+from shardkit.formats.offsets import index_path_for
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
+from shardkit.formats.tfrecord import framing as tfr
+from shardkit.formats.tfrecord.format import TFRecordFormat
+from shardkit.formats.tfrecord.index import build_index, read_index
 from shardkit.io import files as skio
 
 RECORDS = [b"", b"a", b"hello world", os.urandom(300), bytes(range(256)) * 5]
@@ -173,7 +175,7 @@ def test_a_small_indexed_range_frames_only_its_own_bytes_and_reads_them_byte_exa
         assert list(read_tfrecord(path, start=start, stop=stop, index=offsets)) == records[start:stop]
         assert sum(framed) == ends[stop] - ends[start]  # the range's bytes, not the block after its start
     framed.clear()  # the format's own reads (what the sources call) go through the index file the same way
-    assert list(tfr.TFRecordFormat().read_marked(path, 1000, 1001)) == records[1000:1001]
+    assert list(TFRecordFormat().read_marked(path, 1000, 1001)) == records[1000:1001]
     assert sum(framed) == len(records[1000]) + 16
 
 

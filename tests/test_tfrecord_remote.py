@@ -14,8 +14,9 @@ import pytest
 
 import shardkit
 from shardkit.cli import main as cli_main
-from shardkit.formats.index import build_index, index_path_for, read_index
+from shardkit.formats.offsets import index_path_for
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count
+from shardkit.formats.tfrecord.index import build_index, read_index
 from shardkit.io.files import BLOCK_SIZE
 
 pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them

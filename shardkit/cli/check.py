@@ -232,7 +232,8 @@ def _index_one(url: str, args: argparse.Namespace) -> None:
 def _write_index(url: str, compression: str | None) -> str:
     """Build ``url``'s index under a temporary name and rename it into place: a reader
     never finds a partial index, and a corrupt file leaves the old index (if any) alone."""
-    from shardkit.formats.index import build_index, index_path_for
+    from shardkit.formats.offsets import index_path_for
+    from shardkit.formats.tfrecord.index import build_index
     from shardkit.writer import partial_name, publish, remove_if_present
 
     target = index_path_for(url)

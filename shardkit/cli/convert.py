@@ -22,7 +22,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Read every record of SRC's files in order and write them as DST shards, with a manifest."""
     from tqdm import tqdm
 
-    from shardkit.formats.base import format_for, formats
+    from shardkit.formats.registry import format_for, formats
     from shardkit.writer import ShardWriter
 
     # A local pattern is made absolute so that the manifest's urls do not depend on where it is read from.

@@ -76,14 +76,14 @@ def _skipped(url: str) -> bool:
 def index_counts(urls: list[str]) -> list[int | None]:
     """Each file's record count from the index file beside it, None where there is none.
 
-    Each index is checked against its file (:func:`~shardkit.formats.index.load_index`):
+    Each index is checked against its file (:func:`~shardkit.formats.tfrecord.index.load_index`):
     a stale or corrupt one is an error naming both files, never a wrong count.
     """
     import posixpath
 
     import fsspec
 
-    from shardkit.formats.index import implicit_index_for
+    from shardkit.formats.offsets import implicit_index_for
 
     located = {url: implicit_index_for(url) for url in urls}  # None: a url with a query string has no index
     indexes = {url: (index, *fsspec.core.url_to_fs(index)) for url, index in located.items() if index is not None}
@@ -103,7 +103,7 @@ def index_counts(urls: list[str]) -> list[int | None]:
 def _indexed_count(url: str, index: str, present: bool) -> int | None:
     """``url``'s record count without reading its records: its index file (checked against the file), or a
     Parquet footer."""
-    from shardkit.formats.index import load_index
+    from shardkit.formats.tfrecord.index import load_index
 
     fmt = _named_format(url)
     if fmt is not None and fmt.name == "parquet":
@@ -119,7 +119,8 @@ def _indexed_count(url: str, index: str, present: bool) -> int | None:
 
 def _named_format(url: str) -> Any:
     """The format ``url``'s suffix names, other than TFRecord (which this module reads itself); None otherwise."""
-    from shardkit.formats.base import FormatError, format_for
+    from shardkit.formats.base import FormatError
+    from shardkit.formats.registry import format_for
 
     try:
         fmt = format_for(url, head=b"")
@@ -130,7 +131,8 @@ def _named_format(url: str) -> Any:
 
 def format_of(url: str) -> Any:
     """The format of the file at ``url`` (suffix, then first bytes), None for TFRecord or unknown."""
-    from shardkit.formats.base import FormatError, format_for
+    from shardkit.formats.base import FormatError
+    from shardkit.formats.registry import format_for
 
     try:
         fmt = format_for(url)

@@ -45,7 +45,8 @@ def _is_shard_file(source: str) -> bool:
 
     Parquet and JSON lines files stay manifests: both formats hold manifests too.
     """
-    from shardkit.formats.base import FormatError, format_for
+    from shardkit.formats.base import FormatError
+    from shardkit.formats.registry import format_for
     from shardkit.formats.sniff import SNIFF_BYTES
     from shardkit.io.files import open_raw
 

@@ -1,4 +1,4 @@
-"""The shard format interface: one object per format, and a registry to find it by file.
+"""The shard format interface: one object per format, with defaults for its optional capabilities.
 
 A :class:`ShardFormat` is everything a source, the CLI and the writer need to
 know about one kind of shard file: how to count its records, read a record
@@ -20,24 +20,14 @@ file may also have ``read_marked(url, start, stop)``, which yields a
 instead of ``read`` when it exists (TFRecord does, for data CRC mismatches and
 records that do not decode).
 
-Index files of the formats that have one share one container, in the style of
-:mod:`shardkit.formats.index` (all integers little-endian ``uint64``)::
-
-    bytes 0..7     magic, one per format (b"SKTARIX1", b"SKJSLIX1")
-    bytes 8..15    N, the number of records
-    bytes 16..23   size in bytes of the data file it describes
-    then N values  byte offset where record i starts, ascending
-
-An index is bound to its data file by that size and checked when it is used
-(:func:`load_offsets`): a file that grew or shrank, or offsets that are not
-ascending or point past the end, raise :class:`~shardkit.formats.index.IndexFileError`;
-each format also checks that its last offset starts a record. Index files are
-written by rename on local disks (object stores publish whole objects).
+This module names no concrete format: the formats build on it, and
+:mod:`shardkit.formats.registry`, above them all, finds the format of a file.
+Index files of the formats that have one share one container
+(:mod:`shardkit.formats.offsets`).
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
 from typing import Any, Final, NamedTuple, Protocol, runtime_checkable
 
@@ -45,7 +35,6 @@ import fsspec
 import numpy as np
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.index import IndexFileError, implicit_index_for, write_offsets_file
 from shardkit.io.files import open_raw, sniff_compression
 from shardkit.io.remote import RemoteOptions, prefetch
 
@@ -59,17 +48,11 @@ __all__ = [
     "RecordWriter",
     "ResumeHint",
     "ShardFormat",
-    "format_for",
-    "formats",
-    "load_offsets",
     "capabilities",
     "max_records",
     "record_bound",
-    "register_format",
-    "write_offsets",
 ]
 
-_HEAD: Final = struct.Struct("<8sQQ")
 HEAD_BYTES: Final = 512
 """Bytes of a file's start handed to :meth:`ShardFormat.sniff`."""
 
@@ -102,7 +85,7 @@ class ShardFormat(Protocol):
     ``read_marked(url, start, stop)`` yields a :class:`BadRecord` in place of a
     bad record and reads on; ``index_offsets(url)`` gives the checked record
     offsets from an index file (None without one; raises
-    :class:`~shardkit.formats.index.IndexFileError` for one that does not fit),
+    :class:`~shardkit.formats.offsets.IndexFileError` for one that does not fit),
     from which record counts are taken without a counting pass;
     ``prefetch(url, start, stop)`` and a ``remote``
     (:class:`~shardkit.io.remote.RemoteOptions`) attribute open remote shards ahead;
@@ -311,105 +294,3 @@ def file_record_bound(
 
 def _compression_of(head: bytes) -> str | None:
     return "zstd" if head == b"\x28\xb5\x2f\xfd" else sniff_compression(head)
-
-
-_REGISTRY: dict[str, ShardFormat] = {}
-
-
-def register_format(fmt: ShardFormat) -> ShardFormat:
-    """Make ``fmt`` known to :func:`format_for` (and the CLI) under ``fmt.name``; return it."""
-    if not isinstance(fmt, ShardFormat):
-        raise FormatError(
-            f"{fmt!r} lacks part of the ShardFormat interface (name, suffixes, sniff, read, count, build_index)"
-        )
-    _REGISTRY[fmt.name] = fmt
-    return fmt
-
-
-def formats() -> dict[str, ShardFormat]:
-    """The registered formats by name (the built-in ones are registered on first use)."""
-    _builtins()
-    return dict(_REGISTRY)
-
-
-def format_for(url: str, head: bytes | None = None, *, storage_options: dict[str, Any] | None = None) -> ShardFormat:
-    """The format of the file at ``url``: by its suffix, else by its first bytes.
-
-    ``head`` is the file's first bytes when the caller has them; otherwise
-    they are read only when no suffix matches.
-
-    Raises:
-        FormatError: no registered format matches.
-    """
-    registered = formats()
-    name = url.lower()
-    by_suffix = [(len(s), fmt) for fmt in registered.values() for s in fmt.suffixes if name.endswith(s)]
-    if by_suffix:
-        return max(by_suffix, key=lambda pair: pair[0])[1]
-    if head is None:
-        with open_raw(url, "rb", storage_options) as f:
-            head = f.read(HEAD_BYTES)
-    for fmt in registered.values():
-        if fmt.sniff(head):
-            return fmt
-    known = ", ".join(f"{fmt.name} ({' '.join(fmt.suffixes)})" for fmt in registered.values())
-    raise FormatError(f"{url}: neither its name nor its first bytes match a known shard format: {known}")
-
-
-def _builtins() -> None:
-    if {"tar", "parquet", "jsonl", "tfrecord"} <= _REGISTRY.keys():
-        return
-    from shardkit.formats.jsonl import JsonlFormat
-    from shardkit.formats.parquet import ParquetFormat
-    from shardkit.formats.tar import TarFormat
-    from shardkit.formats.tfrecord import TFRecordFormat
-
-    # Sniffed in this order: checksummed magic first, JSON's weak "starts with { or [" last.
-    for fmt in (TFRecordFormat(), ParquetFormat(), TarFormat(), JsonlFormat()):
-        _REGISTRY.setdefault(fmt.name, fmt)
-
-
-# --------------------------------------------------------------------------- offset index files
-
-
-def write_offsets(
-    index_url: str, magic: bytes, offsets: np.ndarray, size: int, storage_options: dict[str, Any] | None = None
-) -> str:
-    """Write record ``offsets`` of a data file of ``size`` bytes to ``index_url`` (by rename on local disks)."""
-    write_offsets_file(index_url, magic, offsets, size, storage_options)
-    return index_url
-
-
-def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None = None) -> np.ndarray | None:
-    """The record offsets in ``url``'s index file (:func:`~shardkit.formats.index.index_path_for`), checked against ``url``'s size.
-
-    Returns None when there is no index file, and without a request when ``url`` has a query
-    string (:func:`~shardkit.formats.index.implicit_index_for`). The caller checks that the
-    last offset starts a record of its format.
-
-    Raises:
-        IndexFileError: the index is of another format, corrupt, or does not describe the file as it is now.
-    """
-    index_url = implicit_index_for(url)
-    if index_url is None:
-        return None
-    try:
-        with open_raw(index_url, "rb", storage_options) as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    if len(data) < _HEAD.size or data[:8] != magic:
-        raise IndexFileError(url, index_url, f"it does not start with {magic!r} (another format's index, or damaged)")
-    _, count, size = _HEAD.unpack_from(data)
-    if len(data) != _HEAD.size + 8 * count:
-        raise IndexFileError(
-            url, index_url, f"it should hold {count} offsets but has {len(data) - _HEAD.size} bytes of them"
-        )
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    actual = int(fs.info(path)["size"])
-    if actual != size:
-        raise IndexFileError(url, index_url, f"it describes {size} bytes but the file has {actual} (rewritten since)")
-    offsets = np.frombuffer(data, dtype="<u8", count=count, offset=_HEAD.size)
-    if count and (int(offsets[-1]) >= size or np.any(np.diff(offsets.astype(np.int64)) <= 0)):
-        raise IndexFileError(url, index_url, "its offsets are not ascending inside the file")
-    return offsets.astype(np.int64)

@@ -32,16 +32,18 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any, Final
 
+import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.base import FormatBase, RecordBound, ResumeHint, file_record_bound, load_offsets, write_offsets
-from shardkit.formats.index import IndexFileError, index_path_for
-from shardkit.io.files import BLOCK_SIZE, CompressedStreamError, open_input, open_raw
+from shardkit.formats.base import FormatBase, RecordBound, ResumeHint, file_record_bound
+from shardkit.formats.offsets import IndexFileError, index_path_for, load_offsets, write_offsets
+from shardkit.io.files import BLOCK_SIZE, CompressedStreamError, open_input, open_output, open_raw
 from shardkit.io.remote import RemoteOptions
 
 __all__ = ["JsonlFormat", "JsonlWriter"]
@@ -322,8 +324,6 @@ class JsonlFormat(FormatBase):
         try:
             offsets = self.index_offsets(url)
         except IndexFileError as error:
-            import warnings
-
             warnings.warn(f"{error}; counting its lines by a scan instead", stacklevel=2)
             offsets = None
         return len(offsets) if offsets is not None else len(self.scan(url))
@@ -355,12 +355,10 @@ class JsonlFormat(FormatBase):
                     f"{url}: a compressed JSON lines file cannot seek, so it gets no index; its lines are counted by a scan"
                 )
         offsets = self.scan(url)
-        import fsspec
-
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
-        return write_offsets(
-            index_path_for(url), INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options
-        )
+        index_url = index_path_for(url)
+        write_offsets(index_url, INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
+        return index_url
 
     def writer(self, url: str, *, name: str | None = None) -> JsonlWriter:
         """A writer of JSON values to ``url``, gzip-compressed when ``name`` (default ``url``) ends with ``.gz``."""
@@ -374,8 +372,6 @@ class JsonlWriter:
     def __init__(
         self, url: str, *, compression: str | None = "auto", storage_options: dict[str, Any] | None = None
     ) -> None:
-        from shardkit.io.files import open_output
-
         self.url = url
         self.num_records = 0
         self.num_bytes = 0

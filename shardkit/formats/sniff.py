@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from shardkit.io.files import open_raw
+
 __all__ = ["SNIFF_BYTES", "describe_file", "describe_head", "kind_of", "not_a_shard"]
 
 SNIFF_BYTES: Final = 512  # a tar header block: its "ustar" magic sits at byte 257
@@ -61,8 +63,6 @@ def describe_head(head: bytes) -> str | None:
 def describe_file(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
     """:func:`describe_head` of ``url``'s first bytes; None when they cannot be read (a failure path
     must not fail differently)."""
-    from shardkit.io.files import open_raw
-
     try:
         with open_raw(url, "rb", storage_options) as f:
             return describe_head(f.read(SNIFF_BYTES))

@@ -1,4 +1,4 @@
-"""tf.Example and tf.SequenceExample, decoded and encoded without TensorFlow.
+"""The protobuf wire format of tf.Example and tf.SequenceExample, decoded in pure Python.
 
 A hand-written protobuf wire-format decoder; it beat protobuf's C runtime (upb,
 with descriptors built at runtime) on the benchmark's records because the
@@ -10,14 +10,13 @@ values come out as numpy arrays straight from the bytes (see
   install). Every read is bounded by the end of its message, lengths are
   compared by subtraction (no overflow), and unknown groups are skipped with a
   fixed stack bounded by the depth limit below: no recursion on the input.
-* the pure-Python decoder below (``decode_example_python``...), used when the
+* the pure-Python decoder here (:func:`decode_example_python`...), used when the
   extension is not built or ``SHARDKIT_PURE_PYTHON=1`` is set at import.
 
-:data:`BACKEND` says which one is in use. The tests run both against protobuf,
-and the C one under a subprocess so that a crash fails a test.
-:func:`decode_columns` decodes a block of records into one column per
-fixed-shape feature, the way ``tf.io.parse_example`` does, without a dict per
-record. Messages involved::
+:data:`~shardkit.formats.example.backend.BACKEND` says which one is in use
+(:mod:`~shardkit.formats.example.backend` picks it). The tests run both
+against protobuf, and the C one under a subprocess so that a crash fails a
+test. Messages involved::
 
     Example         { Features features = 1; }
     SequenceExample { Features context = 1; FeatureLists feature_lists = 2; }
@@ -67,24 +66,24 @@ stands. Both accept and reject exactly the same bytes.
 
 from __future__ import annotations
 
-import itertools
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Optional, Union
+from typing import Final, Optional, Union
 
 import numpy as np
 
 from shardkit.errors import ShardkitError
 
 __all__ = [
-    "BACKEND",
-    "FeatureCheck",
+    "F1_LEN",
+    "F2_LEN",
+    "KIND_BYTES",
+    "KIND_FLOAT",
+    "KIND_INT64",
+    "SMALL_PACKED",
+    "U64",
+    "BytesLike",
     "Value",
-    "decode_columns",
-    "decode_example",
-    "decode_sequence_example",
-    "encode_example",
+    "decode_example_python",
+    "decode_sequence_example_python",
 ]
 
 Value = Union[np.ndarray, list]
@@ -93,16 +92,16 @@ Value = Union[np.ndarray, list]
 BytesLike = Union[bytes, bytearray, memoryview]
 
 # Tags (field number << 3 | wire type) used here.
-_F1_LEN: Final = 0x0A
-_F2_LEN: Final = 0x12
+F1_LEN: Final = 0x0A
+F2_LEN: Final = 0x12
 _F3_LEN: Final = 0x1A
 _F1_VARINT: Final = 0x08
 _F1_FIXED32: Final = 0x0D
-_U64: Final = (1 << 64) - 1
+U64: Final = (1 << 64) - 1
 _MAX_TAG: Final = (1 << 32) - 1  # field numbers go up to 2**29 - 1
 _MAX_DEPTH: Final = 100  # protobuf's default recursion limit: messages and groups nested in a message
-_SMALL_PACKED: Final = 24  # below this many bytes, decode varints in Python
-_BYTES, _FLOAT, _INT64 = _F1_LEN, _F2_LEN, _F3_LEN  # Feature's oneof members, by tag
+SMALL_PACKED: Final = 24  # below this many bytes, decode varints in Python
+KIND_BYTES, KIND_FLOAT, KIND_INT64 = F1_LEN, F2_LEN, _F3_LEN  # Feature's oneof members, by tag
 
 
 class _Malformed(ShardkitError):
@@ -126,7 +125,7 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
         byte = buf[pos]
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return value & _U64, pos + 1
+            return value & U64, pos + 1
         shift += 7
         if shift >= 70:
             raise _Malformed(f"varint longer than 10 bytes at byte {pos}")
@@ -243,14 +242,14 @@ def _map_entries(buf: bytes, spans: list[tuple[int, int]], depth: int) -> list[t
     entries = []
     for start, stop in spans:
         for tag, a, b in _fields(buf, start, stop, depth):
-            if tag != _F1_LEN:
+            if tag != F1_LEN:
                 continue
             key = ""
             value: list[tuple[int, int]] = []
             for etag, ea, eb in _fields(buf, a, b, depth + 1):
-                if etag == _F1_LEN:
+                if etag == F1_LEN:
                     key = buf[ea:eb].decode("utf-8")
-                elif etag == _F2_LEN:
+                elif etag == F2_LEN:
                     value.append((ea, eb))
             entries.append((key, value))
     return entries
@@ -267,16 +266,16 @@ def _feature(buf: bytes, spans: list[tuple[int, int]], depth: int) -> Value:
         for tag, a, b in _fields(buf, start, stop, depth):
             if members and tag == members[-1][0]:
                 members[-1][1].append((a, b))  # the same member again: merged
-            elif tag in (_BYTES, _FLOAT, _INT64):
+            elif tag in (KIND_BYTES, KIND_FLOAT, KIND_INT64):
                 members.append((tag, [(a, b)]))
     value: Value = []
     for kind, parts in members:
-        if kind == _INT64:
+        if kind == KIND_INT64:
             value = _int64_list(buf, parts, depth + 1)
-        elif kind == _FLOAT:
+        elif kind == KIND_FLOAT:
             value = _float_list(buf, parts, depth + 1)
         else:
-            value = [buf[va:vb] for a, b in parts for tag, va, vb in _fields(buf, a, b, depth + 1) if tag == _F1_LEN]
+            value = [buf[va:vb] for a, b in parts for tag, va, vb in _fields(buf, a, b, depth + 1) if tag == F1_LEN]
     return value
 
 
@@ -285,7 +284,7 @@ def _int64_list(buf: bytes, parts: list[tuple[int, int]], depth: int) -> np.ndar
         _packed_varints(buf, start, stop)  # an unpacked value is a packed run of one
         for a, b in parts
         for tag, start, stop in _fields(buf, a, b, depth)
-        if tag in (_F1_LEN, _F1_VARINT)
+        if tag in (F1_LEN, _F1_VARINT)
     ]
     return np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
 
@@ -300,10 +299,10 @@ def _packed_varints(buf: bytes, start: int, stop: int) -> np.ndarray:
             return np.array(((buf[start] & 0x7F) | buf[start + 1] << 7,), dtype=np.int64)
     chunk = buf[start:stop]
     if chunk.isascii():  # every value below 128: one byte each
-        if len(chunk) <= _SMALL_PACKED:
+        if len(chunk) <= SMALL_PACKED:
             return np.array(list(chunk), dtype=np.int64)  # cheaper than numpy views when short
         return np.frombuffer(chunk, dtype=np.uint8).astype(np.int64)
-    if stop - start < _SMALL_PACKED:
+    if stop - start < SMALL_PACKED:
         values = []
         pos = start
         while pos < stop:
@@ -330,7 +329,7 @@ def _float_list(buf: bytes, parts: list[tuple[int, int]], depth: int) -> np.ndar
     values = []
     for a, b in parts:
         for tag, start, stop in _fields(buf, a, b, depth):
-            if tag in (_F1_LEN, _F1_FIXED32):  # packed run, or one unpacked value
+            if tag in (F1_LEN, _F1_FIXED32):  # packed run, or one unpacked value
                 if (stop - start) % 4:
                     raise _Malformed(f"packed floats of {stop - start} bytes at byte {start}")
                 values.append(np.frombuffer(buf, dtype="<f4", count=(stop - start) // 4, offset=start))
@@ -349,7 +348,7 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
     out: dict[str, Value] = {}
     varint = _varint32
     while pos < end:
-        if buf[pos] != _F1_LEN:
+        if buf[pos] != F1_LEN:
             return None
         length = buf[pos + 1]
         if length < 0x80:
@@ -361,11 +360,11 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
             length, pos = varint(buf, pos + 1)
         stop = pos + length
         key_length = buf[pos + 1]
-        if buf[pos] != _F1_LEN or key_length >= 0x80:
+        if buf[pos] != F1_LEN or key_length >= 0x80:
             return None
         pos += 2 + key_length
         key = buf[pos - key_length : pos].decode("utf-8")
-        if pos == stop or buf[pos] != _F2_LEN:
+        if pos == stop or buf[pos] != F2_LEN:
             return None
         length = buf[pos + 1]
         if length < 0x80:
@@ -391,10 +390,10 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
             length, pos = varint(buf, pos + 1)
         if pos + length != stop:
             return None
-        if kind == _BYTES:
+        if kind == KIND_BYTES:
             items = []
             while pos < stop:
-                if buf[pos] != _F1_LEN:
+                if buf[pos] != F1_LEN:
                     return None
                 length = buf[pos + 1]
                 if length < 0x80:
@@ -411,11 +410,11 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
             out[key] = items
             continue
         if pos == stop:
-            if kind != _INT64 and kind != _FLOAT:  # an unknown field, not a oneof member
+            if kind != KIND_INT64 and kind != KIND_FLOAT:  # an unknown field, not a oneof member
                 return None
-            out[key] = np.zeros(0, dtype=np.int64 if kind == _INT64 else np.float32)
+            out[key] = np.zeros(0, dtype=np.int64 if kind == KIND_INT64 else np.float32)
             continue
-        if buf[pos] != _F1_LEN:
+        if buf[pos] != F1_LEN:
             return None
         length = buf[pos + 1]
         if length < 0x80:
@@ -427,9 +426,9 @@ def _canonical_features(buf: bytes, pos: int, end: int) -> Optional[dict[str, Va
             length, pos = varint(buf, pos + 1)
         if pos + length != stop:
             return None
-        if kind == _INT64:
+        if kind == KIND_INT64:
             out[key] = _packed_varints(buf, pos, stop)
-        elif kind == _FLOAT and not length % 4:
+        elif kind == KIND_FLOAT and not length % 4:
             out[key] = np.frombuffer(buf, dtype="<f4", count=length // 4, offset=pos).copy()  # writable
         else:
             return None
@@ -450,7 +449,7 @@ def decode_example_python(record: BytesLike) -> dict[str, Value]:
     """The pure-Python :func:`decode_example`: the fallback, and the reference for the C backend."""
     buf = _as_bytes(record)
     try:
-        if buf and buf[0] == _F1_LEN:
+        if buf and buf[0] == F1_LEN:
             length, pos = _varint32(buf, 1)
             if pos + length == len(buf):
                 fast = _canonical_features(buf, pos, len(buf))
@@ -459,7 +458,7 @@ def decode_example_python(record: BytesLike) -> dict[str, Value]:
     except _ERRORS:
         pass  # not canonical after all: the general decoder below decides, and names the fault
     try:
-        spans = [(a, b) for tag, a, b in _fields(buf, 0, len(buf), 0) if tag == _F1_LEN]
+        spans = [(a, b) for tag, a, b in _fields(buf, 0, len(buf), 0) if tag == F1_LEN]
         return _features(buf, spans, 1)
     except _ERRORS as exc:
         raise ShardkitError(f"malformed tf.Example ({len(buf)} bytes): {exc}") from None
@@ -470,356 +469,17 @@ def decode_sequence_example_python(record: BytesLike) -> tuple[dict[str, Value],
     buf = _as_bytes(record)
     try:
         fields = _fields(buf, 0, len(buf), 0)
-        context = _features(buf, [(a, b) for tag, a, b in fields if tag == _F1_LEN], 1)
-        lists = _map_entries(buf, [(a, b) for tag, a, b in fields if tag == _F2_LEN], 1)
+        context = _features(buf, [(a, b) for tag, a, b in fields if tag == F1_LEN], 1)
+        lists = _map_entries(buf, [(a, b) for tag, a, b in fields if tag == F2_LEN], 1)
         feature_lists = {
             key: [
                 _feature(buf, [(a, b)], 4)  # in SequenceExample > FeatureLists > entry > FeatureList
                 for start, stop in spans
                 for tag, a, b in _fields(buf, start, stop, 3)
-                if tag == _F1_LEN
+                if tag == F1_LEN
             ]
             for key, spans in lists
         }
         return context, feature_lists
     except _ERRORS as exc:
         raise ShardkitError(f"malformed tf.SequenceExample ({len(buf)} bytes): {exc}") from None
-
-
-# --------------------------------------------------------------------------- the backend
-
-
-def _load_c_backend() -> Any:
-    """The compiled decoder (``_example.c``), or ``None`` when it is not built or ``SHARDKIT_PURE_PYTHON`` is set."""
-    if os.environ.get("SHARDKIT_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from shardkit.formats import _example  # pyright: ignore[reportAttributeAccessIssue]
-    except ImportError:  # not built (no compiler at install time): the pure-Python decoder serves
-        return None
-    return _example
-
-
-_C: Final = _load_c_backend()
-
-BACKEND: Final = "c" if _C is not None else "python"
-"""Which decoder :func:`decode_example`, :func:`decode_sequence_example` and
-:func:`decode_columns` use: ``"c"`` (the compiled extension) or ``"python"``
-(it is not built, or the environment sets ``SHARDKIT_PURE_PYTHON=1``)."""
-
-_decode_example = _C.decode_example if _C is not None else decode_example_python
-_decode_sequence_example = _C.decode_sequence_example if _C is not None else decode_sequence_example_python
-
-
-def decode_example(record: BytesLike) -> dict[str, Value]:
-    """Decode a serialized ``tf.train.Example``.
-
-    ``int64_list`` becomes an int64 numpy array, ``float_list`` a float32 numpy
-    array, ``bytes_list`` a ``list[bytes]``, and a Feature with no kind set ``[]``.
-    Arrays are fresh and writable. Raises :class:`~shardkit.ShardkitError` on
-    bytes that are not a valid Example. Both backends (see :data:`BACKEND`)
-    give the same values and reject the same bytes.
-
-    Example:
-        >>> import shardkit
-        >>> record = shardkit.encode_example({"label": [3], "score": [0.5], "text": "hi"})
-        >>> shardkit.decode_example(record)
-        {'label': array([3]), 'score': array([0.5], dtype=float32), 'text': [b'hi']}
-    """
-    return _decode_example(record)
-
-
-def decode_sequence_example(record: BytesLike) -> tuple[dict[str, Value], dict[str, list[Value]]]:
-    """Decode a serialized ``tf.train.SequenceExample`` into ``(context, feature_lists)``.
-
-    ``feature_lists`` maps each name to the list of its decoded Features, with
-    values as in :func:`decode_example`. Raises :class:`~shardkit.ShardkitError`
-    on bytes that are not a valid SequenceExample.
-    """
-    return _decode_sequence_example(record)
-
-
-# --------------------------------------------------------------------------- columns
-
-FeatureSpec = tuple[str, tuple[int, ...]]
-"""A fixed-shape feature for :func:`decode_columns`: ``(dtype, shape)``, dtype ``"int64"``, ``"float32"`` or ``"bytes"``."""
-
-_KINDS: Final = {"int64": _INT64, "float32": _FLOAT, "bytes": _BYTES}
-_KIND_NAMES: Final = {kind: name for name, kind in _KINDS.items()}
-_DTYPES: Final = {_INT64: np.int64, _FLOAT: np.float32, _BYTES: np.int64}  # bytes: their int64 offsets
-
-
-@dataclass(frozen=True)
-class _Column:
-    """One requested feature: its name, kind (Feature member tag), shape and values per record."""
-
-    name: str
-    kind: int
-    shape: tuple[int, ...]
-    size: int
-
-
-def _columns(features: Mapping[str, FeatureSpec]) -> list[_Column]:
-    """Check a ``features`` mapping of :func:`decode_columns` and normalise it."""
-    out = []
-    for name, spec in features.items():
-        dtype, shape = spec if isinstance(spec, tuple) and len(spec) == 2 else (spec, None)
-        if not isinstance(name, str):
-            raise ValueError(f"feature names are str, as decode_example's keys are: got {name!r}")
-        if dtype not in _KINDS or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(
-                f"feature {name!r}: expected (dtype, shape) with dtype one of {sorted(_KINDS)} and shape a tuple of"
-                f' sizes, e.g. ("int64", ()) or ("float32", (3,)); got {spec!r}'
-            )
-        if dtype == "bytes" and (len(shape) > 1 or shape == (0,)):
-            raise ValueError(f"feature {name!r}: bytes take shape () or (k,) with k >= 1, not {shape!r}")
-        out.append(_Column(name, _KINDS[dtype], shape, int(np.prod(shape, dtype=np.int64))))
-    return out
-
-
-def decode_columns(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec]) -> dict[str, Any]:
-    """Decode fixed-shape features of many serialized ``tf.train.Example`` s into columns, as ``tf.io.parse_example`` does.
-
-    ``features`` maps names to ``(dtype, shape)``: an ``"int64"`` or ``"float32"``
-    feature becomes a numpy array of shape ``(len(records), *shape)``; a
-    ``"bytes"`` feature of shape ``()`` a ``pyarrow.LargeBinaryArray`` of one
-    value per record (one buffer and offsets, no per-record objects), of shape
-    ``(k,)`` a ``pyarrow.FixedSizeListArray`` of ``k`` values per record. Values
-    are exactly those of :func:`decode_example`; a Feature with no values fits
-    a shape of size 0 whatever its kind. Other features are validated and skipped.
-
-    Raises :class:`~shardkit.ShardkitError` naming the record (its index in
-    ``records``) and the feature when a record is malformed, lacks a feature,
-    or holds another kind or number of values.
-
-    Example:
-        >>> import shardkit
-        >>> records = [shardkit.encode_example({"label": i, "xy": [i / 2, -i / 2], "id": b"r%d" % i}) for i in range(3)]
-        >>> columns = shardkit.decode_columns(records, {"label": ("int64", ()), "xy": ("float32", (2,)), "id": ("bytes", ())})
-        >>> columns["label"], columns["xy"][2], columns["id"].to_pylist()
-        (array([0, 1, 2]), array([ 1., -1.], dtype=float32), [b'r0', b'r1', b'r2'])
-    """
-    return _decode_columns(records, features, _C)
-
-
-def decode_columns_python(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec]) -> dict[str, Any]:
-    """The pure-Python :func:`decode_columns`: the fallback, and the reference for the C backend."""
-    return _decode_columns(records, features, None)
-
-
-def _decode_columns(records: Sequence[BytesLike], features: Mapping[str, FeatureSpec], compiled: Any) -> dict[str, Any]:
-    """:func:`decode_columns` with the compiled module ``compiled``, or in Python if it is ``None``."""
-    columns = _columns(features)
-    n = len(records)
-    outs = tuple(
-        np.empty((n * c.size + 1,) if c.kind == _BYTES else (n, *c.shape), dtype=_DTYPES[c.kind]) for c in columns
-    )
-    if compiled is not None:
-        names, kinds, sizes, shapes = (tuple(getattr(c, k) for c in columns) for k in ("name", "kind", "size", "shape"))
-        datas = compiled.decode_columns(records, names, kinds, sizes, shapes, outs)
-    else:
-        datas = _decode_columns_python(records, columns, outs)
-    return {c.name: _column_value(c, out, data) for c, out, data in zip(columns, outs, datas)}
-
-
-class ColumnBatches:
-    """An iterator of :func:`decode_columns` batches of ``batch_size`` records drawn from ``records``.
-
-    The last batch is shorter if the records run out. A batch is drawn and
-    decoded in one step, so no partial batch is ever pending: where the
-    records' iterator has a ``state_dict()`` (a shardkit source's), this one's
-    is the same, and resuming from it starts at the next batch's first record.
-    """
-
-    def __init__(self, records: Iterator[BytesLike], features: Mapping[str, FeatureSpec], batch_size: int) -> None:
-        _columns(features)  # a bad spec fails here, not at the first batch
-        self._records = records
-        self._features = dict(features)
-        self._batch_size = batch_size
-
-    def __iter__(self) -> ColumnBatches:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        block = list(itertools.islice(self._records, self._batch_size))
-        if not block:
-            raise StopIteration
-        return decode_columns(block, self._features)
-
-    def state_dict(self) -> Any:
-        return self._records.state_dict()  # pyright: ignore[reportAttributeAccessIssue]
-
-
-class FeatureCheck:
-    """A record reader's ``decode`` that returns each record as it is after checking that it
-    fits ``features`` (:func:`decode_columns` of the record alone; raises like it).
-
-    ``TFRecordDataset(features=..., on_error="skip")`` reads with it, so that a record that
-    does not fit is a bad record of its own, located and skipped like one with a bad CRC,
-    instead of failing the whole batch it would land in. It decodes every record once more
-    (about a microsecond for small records with the compiled decoder).
-    """
-
-    def __init__(self, features: Mapping[str, FeatureSpec]) -> None:
-        self._columns = _columns(features)
-        self._args = tuple(tuple(getattr(c, k) for c in self._columns) for k in ("name", "kind", "size", "shape"))
-        # One record's outputs, written and thrown away by every check.
-        self._outs = tuple(
-            np.empty((c.size + 1,) if c.kind == _BYTES else (1, *c.shape), dtype=_DTYPES[c.kind]) for c in self._columns
-        )
-
-    def __call__(self, record: BytesLike) -> BytesLike:
-        outs = self._outs
-        try:
-            if _C is not None:
-                _C.decode_columns((record,), *self._args, outs)
-            else:
-                _decode_columns_python((record,), self._columns, outs)
-        except ShardkitError as error:  # the batch place ("record 0") means nothing here
-            message = str(error).replace(" of record 0", "").replace("record 0: ", "")
-            raise ShardkitError(message.replace("record 0 ", "the record ")) from None
-        return record
-
-    def __repr__(self) -> str:
-        wanted = ", ".join(f"{c.name}: {_KIND_NAMES[c.kind]}{list(c.shape)}" for c in self._columns)
-        return f"the features {{{wanted}}}"
-
-
-def _column_value(column: _Column, out: np.ndarray, data: Optional[bytes]) -> Any:
-    if column.kind != _BYTES:
-        return out
-    import pyarrow as pa  # a dependency already; imported here, as decoding single records does not need it
-
-    values = pa.Array.from_buffers(pa.large_binary(), len(out) - 1, [None, pa.py_buffer(out), pa.py_buffer(data)])
-    return pa.FixedSizeListArray.from_arrays(values, column.shape[0]) if column.shape else values
-
-
-def _decode_columns_python(
-    records: Sequence[BytesLike], columns: list[_Column], outs: tuple[np.ndarray, ...]
-) -> list[Optional[bytes]]:
-    datas = [bytearray() if c.kind == _BYTES else None for c in columns]
-    for out, c in zip(outs, columns):
-        if c.kind == _BYTES:
-            out[0] = 0
-    for i, record in enumerate(records):
-        try:
-            decoded = decode_example_python(record)
-        except ShardkitError as exc:
-            raise ShardkitError(f"record {i}: {exc}") from None
-        for c, out, data in zip(columns, outs, datas):
-            values = _column_values(decoded, c, i)
-            if data is not None:
-                for j, value in enumerate(values):
-                    data += value
-                    out[i * c.size + j + 1] = len(data)
-            elif c.size:
-                out[i] = np.asarray(values).reshape(c.shape)
-    return [bytes(data) if data is not None else None for data in datas]
-
-
-def _column_values(decoded: dict[str, Value], column: _Column, i: int) -> Value:
-    """Record ``i``'s value of ``column``, checked to be of its kind and size."""
-    name, want = column.name, _KIND_NAMES[column.kind]
-    if name not in decoded:
-        raise ShardkitError(f"record {i} has no feature {name!r} (wanted: {want} of shape {column.shape!r})")
-    value = decoded[name]
-    kind = "bytes" if isinstance(value, list) else "int64" if value.dtype == np.int64 else "float32"
-    if len(value) and kind != want:
-        raise ShardkitError(
-            f"feature {name!r} of record {i} holds {kind} values, expected {want} of shape {column.shape!r}"
-        )
-    if len(value) != column.size:
-        raise ShardkitError(
-            f"feature {name!r} of record {i} has {len(value)} values, expected {column.size} for {want} of shape {column.shape!r}"
-        )
-    return value
-
-
-# --------------------------------------------------------------------------- encoding
-
-
-def _encode_varint(value: int) -> bytes:
-    value &= _U64
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _delimited(tag: int, payload: bytes) -> bytes:
-    return bytes((tag,)) + _encode_varint(len(payload)) + payload
-
-
-def _encode_varints(values: np.ndarray) -> bytes:
-    """Packed varint encoding of an int64 array (negatives as 10-byte varints)."""
-    if len(values) < _SMALL_PACKED:
-        return b"".join(_encode_varint(int(v)) for v in values)
-    u = values.astype(np.int64).view(np.uint64)
-    shifts = np.arange(10, dtype=np.uint64) * np.uint64(7)
-    groups = (u[:, None] >> shifts) & np.uint64(0x7F)
-    more = (u[:, None] >> (shifts + np.uint64(7))) != 0
-    more[:, -1] = False
-    nbytes = more.sum(axis=1) + 1
-    keep = np.arange(10) < nbytes[:, None]
-    return (groups.astype(np.uint8) | (more.astype(np.uint8) << 7))[keep].tobytes()
-
-
-def _kind_of(key: str, value: Any) -> tuple[int, Any]:
-    """Which Feature kind a Python/numpy value encodes as, and its values."""
-    if isinstance(value, np.ndarray):
-        kind = value.dtype.kind
-        if kind in "iub":
-            return _INT64, value.ravel().astype(np.int64)
-        if kind == "f":
-            return _FLOAT, value.ravel().astype("<f4")
-        if kind in "SUO":
-            return _BYTES, value.ravel().tolist()
-        raise TypeError(f"feature {key!r}: cannot encode an array of dtype {value.dtype}")
-    if isinstance(value, (bytes, bytearray, str, int, float, np.generic)):
-        value = [value]
-    if not isinstance(value, Sequence):
-        raise TypeError(
-            f"feature {key!r}: expected bytes, str, int, float, a sequence or an array, not {type(value).__name__}"
-        )
-    if not value:
-        return 0, value
-    first = value[0]
-    if isinstance(first, (bytes, bytearray, str, np.bytes_, np.str_)):
-        return _BYTES, value
-    if all(isinstance(v, (int, np.integer)) for v in value):  # bool is an int
-        return _INT64, np.array(value, dtype=np.int64)
-    return _FLOAT, np.array(value, dtype="<f4")
-
-
-def _encode_feature(key: str, value: Any) -> bytes:
-    kind, values = _kind_of(key, value)
-    if kind == _BYTES:
-        items = (v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values)
-        body = _delimited(_BYTES, b"".join(_delimited(_F1_LEN, item) for item in items))
-    elif kind == _INT64:
-        body = _delimited(_INT64, _delimited(_F1_LEN, _encode_varints(values)) if len(values) else b"")
-    elif kind == _FLOAT:
-        body = _delimited(_FLOAT, _delimited(_F1_LEN, values.tobytes()) if len(values) else b"")
-    else:
-        body = b""  # an empty list: a Feature with no kind set
-    entry = _delimited(_F1_LEN, key.encode("utf-8")) + _delimited(_F2_LEN, body)
-    return _delimited(_F1_LEN, entry)
-
-
-def encode_example(features: Mapping[str, Any]) -> bytes:
-    """Serialize a mapping as a ``tf.train.Example``.
-
-    Values: ``bytes``/``str`` or sequences of them -> ``bytes_list``; ints, bools
-    or integer arrays -> ``int64_list``; floats or float arrays -> ``float_list``
-    (float32); an empty list -> a Feature with no kind set (decodes to ``[]``).
-
-    Example:
-        >>> import numpy as np
-        >>> import shardkit
-        >>> record = shardkit.encode_example({"image": [b"<png bytes>"], "box": np.zeros(4), "id": 7})
-        >>> sorted(shardkit.decode_example(record).items())
-        [('box', array([0., 0., 0., 0.], dtype=float32)), ('id', array([7])), ('image', [b'<png bytes>'])]
-    """
-    return _delimited(_F1_LEN, b"".join(_encode_feature(key, value) for key, value in features.items()))

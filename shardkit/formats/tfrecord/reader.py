@@ -1,0 +1,123 @@
+"""Reading a TFRecord file's records: :func:`read_tfrecord`, the public reader.
+
+It resolves where to start (from an index file or offsets the caller gives,
+checked against the file: :mod:`shardkit.formats.tfrecord.index`) and leaves
+the framing, the checks and the speed to :mod:`shardkit.formats.tfrecord.framing`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from shardkit.errors import ShardkitError
+from shardkit.formats.tfrecord import index as index_files
+from shardkit.formats.tfrecord.framing import read_batches
+from shardkit.io.remote import RemoteOptions
+
+__all__ = ["IndexLike", "read_tfrecord"]
+
+IndexLike = str | os.PathLike[str] | Sequence[int] | np.ndarray
+"""Where ``read_tfrecord(index=...)`` takes record offsets from: an index file's path, or the offsets."""
+
+
+def read_tfrecord(
+    url: str,
+    *,
+    compression: str | None = "auto",
+    verify: bool = True,
+    start: int = 0,
+    stop: int | None = None,
+    index: IndexLike | None = None,
+    storage_options: dict[str, Any] | None = None,
+    remote: RemoteOptions | None = None,
+) -> Iterator[bytes]:
+    """Iterate over the records of a TFRecord file as ``bytes``.
+
+    Args:
+        url: a path or any fsspec URL (file://, memory://, s3://, gs://, http(s)://).
+        compression: ``None``, ``"gzip"``, ``"zlib"`` or ``"auto"`` (decide from
+            the first bytes: valid TFRecord header, gzip magic, zlib header).
+        verify: check the length and data CRC of every record returned; a
+            mismatch or a file ending inside a record raises
+            :class:`~shardkit.CorruptRecordError` after the good records before it.
+        start, stop: record indices, like ``records[start:stop]``.
+        index: offsets of the records (an array, or the path of an index file
+            written by :func:`~shardkit.build_index`); on an uncompressed file the
+            reader then seeks straight to ``start`` instead of scanning to it.
+            An index file is checked against the file first
+            (:func:`~shardkit.formats.tfrecord.index.load_index`); an array is checked
+            against the file's end when ``start`` is past its last record. One
+            that does not fit raises :class:`~shardkit.formats.offsets.IndexFileError`.
+        storage_options: passed to fsspec.
+        remote: how a remote file is read (readahead, retries, local cache):
+            a :class:`~shardkit.io.remote.RemoteOptions`; local files ignore it.
+
+    The file is opened on the first ``next()`` and closed when the iterator is
+    exhausted or garbage collected. Records are read a block at a time, so
+    memory stays at a few blocks (:data:`~shardkit.io.files.BLOCK_SIZE`)
+    plus any record longer than a block.
+
+    Malformed input of any kind (bad CRCs, impossible lengths, a file ending
+    inside a record, a damaged GZIP/ZLIB stream) raises
+    :class:`~shardkit.CorruptRecordError` with the url, record index and byte
+    offset, after the good records before it. A local file truncated while it
+    is read raises one too; a file replaced by a rename while it is read is
+    read to its end as it was when opened (the open file keeps the old data).
+    """
+    if start < 0 or (stop is not None and stop < start):
+        raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
+    return itertools.chain.from_iterable(_read(url, compression, verify, start, stop, index, storage_options, remote))
+
+
+def _read(
+    url: str,
+    compression: str | None,
+    verify: bool,
+    start: int,
+    stop: int | None,
+    index: IndexLike | None,
+    storage_options: dict[str, Any] | None,
+    remote: RemoteOptions | None = None,
+) -> Iterator[list[bytes]]:
+    """The batches of records ``start:stop``; ``read_tfrecord`` chains them."""
+    first = offset = 0
+    end = None
+    offsets = _seek_offsets(url, index, start, storage_options) if start and compression in (None, "auto") else None
+    if offsets is not None:
+        if start >= len(offsets):  # checked: the file has no record past them
+            return
+        first, offset = start, int(offsets[start])
+        end = int(offsets[stop]) if stop is not None and stop < len(offsets) else None
+        if offset < 0:
+            raise ShardkitError(f"{url}: the index gives offset {offset} for record {start}; rebuild the index")
+    yield from read_batches(
+        url, compression, verify, storage_options, remote, start=start, stop=stop, first=first, offset=offset, end=end
+    )
+
+
+def _seek_offsets(
+    url: str, index: IndexLike | None, start: int, storage_options: dict[str, Any] | None
+) -> np.ndarray | None:
+    """The record offsets to seek to ``start`` by, or None to scan from the file's start.
+
+    An index file is checked against the file as :func:`~shardkit.formats.tfrecord.index.load_index` checks
+    it. Offsets given as an array are trusted where they lead to a record (its CRCs are checked as
+    it is read), and checked against the file's end when ``start`` is past them: a file that grew
+    or was rewritten since would otherwise read as if it had nothing left.
+
+    Raises:
+        IndexFileError: the index does not fit the file; its message names both and the fix.
+    """
+    if index is None:
+        return None
+    if isinstance(index, (str, os.PathLike)):
+        return index_files.load_given_index(url, os.fspath(index), storage_options)
+    offsets = np.asarray(index, dtype=np.int64)
+    if start >= len(offsets) and not index_files.check_ends_with_file(url, offsets, storage_options):
+        return None  # compressed: these offsets cannot seek, and the stream is read from its start
+    return offsets
