@@ -35,14 +35,12 @@ import hashlib
 import operator
 import os
 import posixpath
-import re
 import shutil
 import tempfile
 import uuid
 import warnings
 import weakref
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import fsspec
@@ -52,6 +50,7 @@ import pyarrow.compute as _compute
 from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError, redact_url, reraise_redacted
+from shardkit.io.glob import glob_files
 from shardkit.tempfiles import delete_with
 
 __all__ = ["DuplicateShardWarning", "ShardList", "ShardListError"]
@@ -67,8 +66,6 @@ _BATCH = 4096
 _TEMP_PREFIX = "shardkit-"
 _IPC_MAGIC = b"ARROW1"
 _PARQUET_MAGIC = b"PAR1"
-_GLOB_MAGIC = re.compile(r"[*?\[]")
-_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 #: Schema metadata of a manifest saying how its relative urls resolve (the only value: against its folder).
 PATHS_KEY = b"paths"
@@ -147,40 +144,21 @@ class ShardList:
     @classmethod
     def _from_glob(cls, pattern: str, storage_options: Mapping[str, Any] | None) -> ShardList:
         """:meth:`from_glob`, its errors from the filesystem not yet redacted."""
-        from shardkit.counting import identity, remember  # (counting imports this module)
-
-        fs, path = fsspec.core.url_to_fs(pattern, **dict(storage_options or {}))
-        sizes: dict[str, int | None] = {}
-        identities: dict[str, str | None] = {}
-        literal: list[str] = []
-        for part in _expand_braces(path):
-            if _GLOB_MAGIC.search(part):
-                listed: dict[str, dict[str, Any]] = fs.glob(part, detail=True)  # pyright: ignore[reportAssignmentType]
-                found = {name: info for name, info in listed.items() if info.get("type") != "directory"}
-                for name, info in found.items():
-                    sizes[name] = info.get("size")
-                    identities[name] = identity(info)
-            else:
-                literal.append(part)
-        if identities and not isinstance(fs, LocalFileSystem):  # the counts cache checks these, not a new listing
-            remember([fs.unstrip_protocol(name) for name in identities], list(identities.values()))
-        missing = _stat_literal(fs, literal, sizes)
-        directory = next((m for m in missing if fs.isdir(m)), None)
-        if directory is not None:
+        found = glob_files(pattern, storage_options)
+        if found.directory is not None:
             raise ShardListError(
-                f"{directory!r} is a directory; give files, or a glob such as '{directory.rstrip('/')}/*.tfrecord'"
+                f"{found.directory!r} is a directory; give files, or a glob such as "
+                f"'{found.directory.rstrip('/')}/*.tfrecord'"
             )
-        if missing:
-            shown = ", ".join(repr(m) for m in missing[:3])
+        if found.missing:
+            shown = ", ".join(repr(m) for m in found.missing[:3])
             raise ShardListError(
-                f"{len(missing)} file(s) named by {pattern!r} do not exist, e.g. {shown}; "
+                f"{len(found.missing)} file(s) named by {pattern!r} do not exist, e.g. {shown}; "
                 "use a wildcard if some may be absent"
             )
-        if not sizes:
+        if not found.files:
             raise ShardListError(f"no files match {pattern!r}; check the path and the storage_options")
-        local = isinstance(fs, LocalFileSystem)
-        by_url = sorted((name if local else fs.unstrip_protocol(name), size) for name, size in sizes.items())
-        return cls([url for url, _ in by_url], sizes=[size for _, size in by_url])
+        return cls([url for url, _ in found.files], sizes=[size for _, size in found.files])
 
     @classmethod
     def from_manifest(cls, path: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
@@ -731,70 +709,3 @@ def _resolve_relative(urls: pa.ChunkedArray, join: Callable[[str], str]) -> pa.C
         flags = absolute.slice(begin, 65536).to_pylist()
         batches.append(pa.array([u if a else join(u) for u, a in zip(batch, flags)], type=urls.type))
     return pa.chunked_array(batches, type=urls.type)
-
-
-# -- globbing ----------------------------------------------------------------------
-
-
-def _stat_literal(fs: fsspec.AbstractFileSystem, paths: Iterable[str], sizes: dict[str, int | None]) -> list[str]:
-    """Record the sizes of existing files among ``paths`` with one listing per
-    directory; return the paths that are not files."""
-    by_dir: dict[str, list[str]] = defaultdict(list)
-    for path in paths:
-        by_dir[posixpath.dirname(path.rstrip("/"))].append(path.rstrip("/"))
-    missing = []
-    for directory, wanted in by_dir.items():
-        try:
-            listing = {info["name"].rstrip("/"): info for info in fs.ls(directory, detail=True)}
-        except FileNotFoundError:
-            listing = {}
-        for path in wanted:
-            info = listing.get(path)
-            if info is None or info.get("type") == "directory":
-                missing.append(path)
-            else:
-                sizes[path] = info.get("size")
-    return missing
-
-
-def _expand_braces(pattern: str) -> list[str]:
-    """Expand ``{a,b}`` lists and ``{00..12}`` ranges (zero padding kept),
-    left to right and nested; braces that are neither stay literal."""
-    open_at = pattern.find("{")
-    while open_at != -1:
-        close_at, options = _brace_group(pattern, open_at)
-        if options is not None:
-            head, tails = pattern[:open_at], _expand_braces(pattern[close_at + 1 :])
-            return [head + option + tail for part in options for option in _expand_braces(part) for tail in tails]
-        open_at = pattern.find("{", open_at + 1)
-    return [pattern]
-
-
-def _brace_group(pattern: str, open_at: int) -> tuple[int, list[str] | None]:
-    """The index of the brace closing ``pattern[open_at]`` and the group's
-    alternatives, or None when the group is not an expansion."""
-    depth, parts, start = 0, [], open_at + 1
-    for i in range(open_at + 1, len(pattern)):
-        char = pattern[i]
-        if char == "{":
-            depth += 1
-        elif char == "}" and depth:
-            depth -= 1
-        elif char == "}":
-            parts.append(pattern[start:i])
-            if len(parts) > 1:
-                return i, parts
-            bounds = _RANGE.match(parts[0])
-            return i, (_number_range(*bounds.groups()) if bounds else None)
-        elif char == "," and not depth:
-            parts.append(pattern[start:i])
-            start = i + 1
-    return -1, None
-
-
-def _number_range(first: str, last: str) -> list[str]:
-    low, high = int(first), int(last)
-    padded = any(len(b.lstrip("-")) > 1 and b.lstrip("-").startswith("0") for b in (first, last))
-    width = max(len(first), len(last)) if padded else 0
-    step = 1 if high >= low else -1
-    return [f"{value:0{width}d}" for value in range(low, high + step, step)]

@@ -287,7 +287,7 @@ def _identity(url: str, storage_options: dict[str, Any] | None) -> Any:
     if "://" not in url or url.startswith("file://"):
         st = os.stat(url.removeprefix("file://"))
         return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-    from shardkit.io.remote import identity_of
+    from shardkit.io.identity import describe as identity_of
 
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     found = identity_of(fs.info(path))
