@@ -27,7 +27,8 @@ from collections.abc import Callable
 import numpy as np
 
 from shardkit import ShardList
-from shardkit.counting import _identities, resolve_counts
+from shardkit.counting import resolve_counts
+from shardkit.counting.cache import _identities
 from shardkit.shardlist import _map_ipc, _normalize_manifest, _warn_duplicates
 
 
