@@ -31,12 +31,9 @@ and resume states are bound to.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import operator
 import os
 import posixpath
-import shutil
-import tempfile
 import uuid
 import warnings
 import weakref
@@ -51,32 +48,28 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError, redact_url, reraise_redacted
 from shardkit.io.glob import glob_files
+from shardkit.shardlist.arrowfile import map_ipc, map_ipc_checked, persist, private_copy, release_heap, write_ipc
+from shardkit.shardlist.columns import (
+    NUM_RECORDS,
+    SIZE,
+    URL,
+    IntColumn,
+    ShardListError,
+    build_table,
+    int64_array,
+    int_column,
+    same_values,
+    string_digest,
+)
+from shardkit.shardlist.manifest import IPC_MAGIC, manifest_joiner, manifest_table, normalize_manifest, read_manifest
 from shardkit.tempfiles import delete_with
 
-__all__ = ["DuplicateShardWarning", "ShardList", "ShardListError"]
-
-URL = "url"
-NUM_RECORDS = "num_records"
-SIZE = "size"
+__all__ = ["NUM_RECORDS", "SIZE", "URL", "DuplicateShardWarning", "IntColumn", "ShardList", "ShardListError"]
 
 #: pyarrow.compute's functions are generated at import time: a type checker sees none of them.
 pc: Any = _compute
 
 _BATCH = 4096
-_TEMP_PREFIX = "shardkit-"
-_IPC_MAGIC = b"ARROW1"
-_PARQUET_MAGIC = b"PAR1"
-
-#: Schema metadata of a manifest saying how its relative urls resolve (the only value: against its folder).
-PATHS_KEY = b"paths"
-PATHS_RELATIVE = b"relative-to-manifest"
-
-#: What counts and sizes may be given as: ints and Nones, or an integer array.
-IntColumn = Sequence["int | None"] | np.ndarray | pa.Array | pa.ChunkedArray
-
-
-class ShardListError(ShardkitError, ValueError):
-    """Urls, counts, a pattern or a manifest that cannot make a ShardList."""
 
 
 class DuplicateShardWarning(UserWarning):
@@ -114,7 +107,7 @@ class ShardList:
         num_records: IntColumn | None = None,
         sizes: IntColumn | None = None,
     ) -> None:
-        self._own(_persist(lambda: _build_table(urls, num_records, sizes)))
+        self._own(persist(lambda: build_table(urls, num_records, sizes)))
         _warn_duplicates(self.table.column(URL), "urls")
 
     # -- other constructors -------------------------------------------------
@@ -185,12 +178,12 @@ class ShardList:
         fs, fs_path = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
         local = isinstance(fs, LocalFileSystem)
         with fs.open(fs_path, "rb") as f:
-            magic = f.read(len(_IPC_MAGIC))
-        join = _manifest_joiner(fs, fs_path)
-        if magic == _IPC_MAGIC and local:
+            magic = f.read(len(IPC_MAGIC))
+        join = manifest_joiner(fs, fs_path)
+        if magic == IPC_MAGIC and local:
             shards = cls._from_local_ipc(fs_path, path, join)
         else:
-            shards = cls._build(lambda: _normalize_manifest(_read_manifest(fs, fs_path, magic, path), path, join))
+            shards = cls._build(lambda: normalize_manifest(read_manifest(fs, fs_path, magic, path), path, join))
         _warn_duplicates(shards.table.column(URL), f"manifest {path!r}")
         return shards
 
@@ -199,14 +192,14 @@ class ShardList:
         """A local IPC manifest: map a private copy, kept as is when it already
         has the ShardList layout, else converted."""
         snapshot = cls.__new__(cls)
-        snapshot._own(_snapshot(fs_path))  # deleted with this object, whatever happens below
-        table, zero_copy = _map_ipc_checked(snapshot.backing_file, path)
-        if zero_copy and _normalize_manifest(table, path, join) is table:
-            _release_heap()  # what validating the urls allocated
+        snapshot._own(private_copy(fs_path))  # deleted with this object, whatever happens below
+        table, zero_copy = map_ipc_checked(snapshot.backing_file, path)
+        if zero_copy and normalize_manifest(table, path, join) is table:
+            release_heap()  # what validating the urls allocated
             snapshot._table = table
             return snapshot
         del table
-        return cls._build(lambda: _normalize_manifest(_map_ipc_checked(snapshot.backing_file, path)[0], path, join))
+        return cls._build(lambda: normalize_manifest(map_ipc_checked(snapshot.backing_file, path)[0], path, join))
 
     def to_manifest(self, path: str, storage_options: Mapping[str, Any] | None = None) -> None:
         """Write this list as an uncompressed Arrow IPC file at ``path``.
@@ -223,15 +216,15 @@ class ShardList:
         """
         fs, fs_path = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
         local = isinstance(fs, LocalFileSystem)
-        table = _manifest_table(self.table, posixpath.dirname(fs_path) if local else None)
+        table = manifest_table(self.table, posixpath.dirname(fs_path) if local else None)
         if not local:
             with fs.open(fs_path, "wb") as f:
-                _write_ipc(table, f)
+                write_ipc(table, f)
             return
         partial = f"{fs_path}.{uuid.uuid4().hex}.partial"
         try:
             with pa.OSFile(partial, "wb") as f:
-                _write_ipc(table, f)
+                write_ipc(table, f)
             os.replace(partial, fs_path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -244,7 +237,7 @@ class ShardList:
         store the result of a counting pass.
         """
         return ShardList._build(
-            lambda: self.table.set_column(1, NUM_RECORDS, _int_column(num_records, len(self), NUM_RECORDS))
+            lambda: self.table.set_column(1, NUM_RECORDS, int_column(num_records, len(self), NUM_RECORDS))
         )
 
     def select(self, indices: Sequence[int] | np.ndarray) -> ShardList:
@@ -275,7 +268,7 @@ class ShardList:
         ShardList instead.
         """
         if self._table is None:
-            self._table, _ = _map_ipc(self._path)
+            self._table, _ = map_ipc(self._path)
         return self._table
 
     @property
@@ -319,7 +312,7 @@ class ShardList:
     def num_records(self) -> np.ndarray | None:
         """Records per shard as a read-only ``int64`` array, or ``None`` if ANY
         count is unknown (see :attr:`known_counts` for which ones are)."""
-        return _int64_array(self.table.column(NUM_RECORDS))
+        return int64_array(self.table.column(NUM_RECORDS))
 
     @property
     def known_counts(self) -> np.ndarray:
@@ -338,7 +331,7 @@ class ShardList:
     def sizes(self) -> np.ndarray | None:
         """Byte size per shard as a read-only ``int64`` array, or ``None`` if
         any size is unknown."""
-        return _int64_array(self.table.column(SIZE))
+        return int64_array(self.table.column(SIZE))
 
     def url_digest(self) -> str:
         """A SHA-256 hex digest of the urls in order, the same in every process.
@@ -349,7 +342,7 @@ class ShardList:
         """
         digest = getattr(self, "_url_digest", None)
         if digest is None:
-            digest = self._url_digest = _string_digest(self.table.column(URL))
+            digest = self._url_digest = string_digest(self.table.column(URL))
         return digest
 
     def __eq__(self, other: object) -> bool:
@@ -360,7 +353,7 @@ class ShardList:
         mine, theirs = self.table, other.table
         if mine.num_rows != theirs.num_rows:
             return False
-        return all(_same_values(mine.column(name), theirs.column(name)) for name in (URL, NUM_RECORDS, SIZE))
+        return all(same_values(mine.column(name), theirs.column(name)) for name in (URL, NUM_RECORDS, SIZE))
 
     def __repr__(self) -> str:
         n = len(self)
@@ -392,63 +385,13 @@ class ShardList:
     @classmethod
     def _build(cls, make_table: Callable[[], pa.Table]) -> ShardList:
         shards = cls.__new__(cls)
-        shards._own(_persist(make_table))
+        shards._own(persist(make_table))
         return shards
 
     def _own(self, path: str) -> None:
         self._path = path
         self._table = None
         self._finalizer: weakref.finalize | None = delete_with(self, path)
-
-
-# -- columns and validation ----------------------------------------------------
-
-
-def _build_table(urls: Any, num_records: IntColumn | None, sizes: IntColumn | None) -> pa.Table:
-    url_column = _url_column(urls)
-    n = len(url_column)
-    return pa.table(
-        {
-            URL: url_column,
-            NUM_RECORDS: _int_column(num_records, n, NUM_RECORDS),
-            SIZE: _int_column(sizes, n, "sizes"),
-        }
-    )
-
-
-def _url_column(urls: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
-    if isinstance(urls, (pa.Array, pa.ChunkedArray)):
-        column: Any = urls
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            raise ShardListError(f"urls must be a string array, got type {column.type}")
-    elif isinstance(urls, (str, bytes)):
-        raise ShardListError("urls must be a sequence of urls, got a single string; wrap it in a list")
-    else:
-        column = _python_urls(urls if isinstance(urls, Sequence) else list(urls))
-    _check_urls(column, "urls")
-    return column
-
-
-def _python_urls(urls: Sequence[Any]) -> pa.Array:
-    try:
-        column = pa.array(urls, type=pa.string())
-        if isinstance(column, pa.ChunkedArray):  # more than 2 GiB of url bytes
-            column = pa.array(urls, type=pa.large_string())
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-        for i, url in enumerate(urls):
-            if url is not None and not isinstance(url, str):
-                raise ShardListError(f"urls[{i}] is {type(url).__name__}, expected str") from err
-        raise ShardListError(f"urls cannot be stored as UTF-8 text: {err}") from err
-    return column
-
-
-def _check_urls(column: pa.Array | pa.ChunkedArray, label: str) -> None:
-    missing = pc.index(column.is_null(), True).as_py()
-    if missing != -1:
-        raise ShardListError(f"{label}[{missing}] is missing (None); every shard needs a url")
-    empty = pc.index(pc.equal(pc.binary_length(column), 0), True).as_py()
-    if empty != -1:
-        raise ShardListError(f"{label}[{empty}] is an empty string; every shard needs a url")
 
 
 def _warn_duplicates(column: pa.ChunkedArray, label: str) -> None:
@@ -469,243 +412,3 @@ def _warn_duplicates(column: pa.ChunkedArray, label: str) -> None:
         DuplicateShardWarning,
         stacklevel=3,
     )
-
-
-def _string_digest(column: pa.ChunkedArray) -> str:
-    """SHA-256 over every string's length (int64) then all the bytes, independent
-    of the chunking and of the offsets' width."""
-    lengths, data = hashlib.sha256(), hashlib.sha256()
-    for chunk in column.chunks:
-        if len(chunk) == 0:
-            continue
-        _, offsets_buffer, values = chunk.buffers()
-        width = 8 if pa.types.is_large_string(chunk.type) else 4
-        offsets = np.frombuffer(offsets_buffer, f"<i{width}", count=len(chunk) + 1, offset=chunk.offset * width)
-        lengths.update(np.diff(offsets).astype("<i8").tobytes())
-        if values is not None:
-            data.update(memoryview(values)[int(offsets[0]) : int(offsets[-1])])
-    return hashlib.sha256(lengths.digest() + data.digest()).hexdigest()
-
-
-def _int_column(values: IntColumn | None, n: int, label: str) -> pa.Array | pa.ChunkedArray:
-    """An int64 column of ``n`` non-negative values or nulls."""
-    if values is None:
-        return pa.nulls(n, pa.int64())
-    if isinstance(values, (pa.Array, pa.ChunkedArray, np.ndarray)):
-        if isinstance(values, np.ndarray) and values.dtype.kind not in "iu":
-            raise ShardListError(f"{label} must hold integers, got dtype {values.dtype}")
-        try:
-            array: Any = pa.array(values) if isinstance(values, np.ndarray) else values
-            column = array.cast(pa.int64())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
-            raise ShardListError(f"{label} must hold integers that fit in int64: {err}") from err
-    else:
-        values = values if isinstance(values, Sequence) else list(values)
-        try:
-            column = pa.array(values, type=pa.int64())
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as err:
-            for i, value in enumerate(values):
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-                    raise ShardListError(f"{label}[{i}] is {value!r}, expected an int or None") from err
-            raise ShardListError(f"{label} must hold integers that fit in int64: {err}") from err
-    if len(column) != n:
-        raise ShardListError(f"{label} has {len(column)} entries but there are {n} urls")
-    negative = pc.index(pc.less(column, 0), True).as_py()
-    if negative != -1:
-        raise ShardListError(f"{label}[{negative}] is {column[negative].as_py()}; it must be >= 0 or None")
-    return column
-
-
-def _int64_array(column: pa.ChunkedArray) -> np.ndarray | None:
-    """The column as numpy (a view of the mapped file when it has one chunk),
-    or None if any value is null."""
-    if column.null_count:
-        return None
-    if column.num_chunks == 0:
-        return np.empty(0, np.int64)
-    return column.to_numpy()
-
-
-def _same_values(a: pa.ChunkedArray, b: pa.ChunkedArray) -> bool:
-    if a.type != b.type:  # string vs large_string urls
-        a, b = a.cast(pa.large_string()), b.cast(pa.large_string())
-    return a.equals(b)
-
-
-# -- files -----------------------------------------------------------------------
-
-
-def _write_ipc(table: pa.Table, sink: Any) -> None:
-    options = pa.ipc.IpcWriteOptions(compression=None)
-    with pa.ipc.new_file(sink, table.schema, options=options) as writer:
-        writer.write_table(table)
-
-
-def _write_temp(table: pa.Table) -> str:
-    """Write ``table`` to a new ``shardkit-*.arrow`` file in the temp dir."""
-    fd, path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".arrow", dir=tempfile.gettempdir())
-    os.close(fd)
-    try:
-        with pa.OSFile(path, "wb") as f:
-            _write_ipc(table, f)
-    except BaseException:
-        os.unlink(path)
-        raise
-    return path
-
-
-def _persist(make_table: Callable[[], pa.Table]) -> str:
-    """Write the table ``make_table`` builds to a temporary file, then hand
-    the heap it used back to the OS (the table must have no other reference)."""
-    path = _write_temp(make_table())
-    _release_heap()
-    return path
-
-
-def _release_heap() -> None:
-    """Return freed Arrow memory to the OS. Arrow's allocator (mimalloc) keeps
-    freed pages resident, and every forked worker would inherit them (measured
-    on 2M urls: 1.8x the data size in PSS instead of 1.0x)."""
-    pa.default_memory_pool().release_unused()
-
-
-def _snapshot(path: str) -> str:
-    """Copy the file at ``path`` to a new ``shardkit-*.arrow`` file in the temp dir."""
-    fd, copy = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".arrow", dir=tempfile.gettempdir())
-    os.close(fd)
-    try:
-        shutil.copyfile(path, copy)
-    except BaseException:
-        os.unlink(copy)
-        raise
-    return copy
-
-
-def _map_ipc_checked(path: str, manifest: str) -> tuple[pa.Table, bool]:
-    """:func:`_map_ipc` of a copy of ``manifest``, with unreadable bytes named as the manifest's."""
-    try:
-        return _map_ipc(path)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as err:
-        raise ShardListError(f"cannot read manifest {manifest!r} as Arrow IPC (truncated or corrupt?): {err}") from err
-
-
-def _map_ipc(path: str) -> tuple[pa.Table, bool]:
-    """Memory-map an IPC file; also say whether every buffer points into the
-    map (False when the file is compressed and was decoded onto the heap)."""
-    try:
-        source = pa.memory_map(path, "r")
-    except FileNotFoundError as err:
-        raise ShardListError(
-            f"the Arrow IPC file {path} behind this ShardList is gone. A temporary file "
-            "is deleted when the ShardList that wrote it is garbage-collected or its "
-            "process exits: keep that ShardList alive while workers run"
-        ) from err
-    whole = source.read_buffer()
-    start, end = whole.address, whole.address + whole.size
-    table = pa.ipc.open_file(source).read_all()
-    zero_copy = all(
-        buf is None or buf.size == 0 or start <= buf.address < end
-        for column in table.columns
-        for chunk in column.chunks
-        for buf in chunk.buffers()
-    )
-    return table, zero_copy
-
-
-def _read_manifest(fs: fsspec.AbstractFileSystem, fs_path: str, magic: bytes, path: str) -> pa.Table:
-    """Read a manifest into memory (remote IPC, Parquet, or JSON lines)."""
-    try:
-        with fs.open(fs_path, "rb") as f:
-            if magic == _IPC_MAGIC:
-                return pa.ipc.open_file(f).read_all()
-            if magic.startswith(_PARQUET_MAGIC):
-                import pyarrow.parquet as pq
-
-                return pq.read_table(f)
-            import pyarrow.json as pj
-
-            schema = pa.schema([(URL, pa.string()), (NUM_RECORDS, pa.int64()), (SIZE, pa.int64())])
-            options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-            return pj.read_json(f, parse_options=options)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-        raise ShardListError(f"cannot read manifest {path!r} as Arrow IPC, Parquet or JSON lines: {err}") from err
-
-
-def _normalize_manifest(table: pa.Table, path: str, join: Callable[[str], str]) -> pa.Table:
-    """The manifest as (url, num_records, size) with absolute urls; the same
-    object when nothing had to change. ``join`` resolves a relative url."""
-    names = table.column_names
-    if URL not in names:
-        raise ShardListError(f"manifest {path!r} has no {URL!r} column (it has {names})")
-    urls = table.column(URL)
-    if not (pa.types.is_string(urls.type) or pa.types.is_large_string(urls.type)):
-        raise ShardListError(f"manifest {path!r}: column {URL!r} must be strings, got {urls.type}")
-    _check_urls(urls, f"manifest {path!r}: {URL}")
-    paths = (table.schema.metadata or {}).get(PATHS_KEY, PATHS_RELATIVE)
-    if paths != PATHS_RELATIVE:  # a convention this version does not know: guessing would read the wrong files
-        raise ShardListError(
-            f"manifest {path!r}: schema metadata paths={paths.decode(errors='replace')!r} is not "
-            f"{PATHS_RELATIVE.decode()!r}; it was written by a newer shardkit or another tool"
-        )
-    resolved = _resolve_relative(urls, join)
-    counts, sizes = (
-        _int_column(table.column(name) if name in names else None, len(urls), f"manifest {path!r}: {name}")
-        for name in (NUM_RECORDS, SIZE)
-    )
-    unchanged = (
-        names == [URL, NUM_RECORDS, SIZE]
-        and resolved is urls
-        and table.schema.field(NUM_RECORDS).type == pa.int64()
-        and table.schema.field(SIZE).type == pa.int64()
-    )
-    if unchanged:
-        return table
-    return pa.table({URL: resolved, NUM_RECORDS: counts, SIZE: sizes})
-
-
-def _manifest_table(table: pa.Table, folder: str | None) -> pa.Table:
-    """``table`` as a manifest in ``folder`` (None: not local) stores it: local paths relative
-    to ``folder`` when under it, else absolute; the convention named in the schema metadata."""
-    urls = table.column(URL)
-    local = pc.invert(pc.match_substring(urls, "://"))
-    if folder is not None and pc.any(local).as_py():
-        cwd, prefix = os.getcwd(), folder.rstrip("/") + "/"
-        batches = []
-        for begin in range(0, len(urls), 65536):
-            batch = urls.slice(begin, 65536).to_pylist()
-            flags = local.slice(begin, 65536).to_pylist()
-            batches.append(pa.array([_stored(u, cwd, prefix) if f else u for u, f in zip(batch, flags)], urls.type))
-        table = table.set_column(0, URL, pa.chunked_array(batches, type=urls.type))
-    return table.replace_schema_metadata({**(table.schema.metadata or {}), PATHS_KEY: PATHS_RELATIVE})
-
-
-def _stored(url: str, cwd: str, prefix: str) -> str:
-    """A local ``url`` as a manifest in the folder ``prefix`` stores it."""
-    absolute = posixpath.normpath(posixpath.join(cwd, url))
-    return absolute[len(prefix) :] if absolute.startswith(prefix) else absolute
-
-
-def _manifest_joiner(fs: fsspec.AbstractFileSystem, manifest_path: str) -> Callable[[str], str]:
-    """A function resolving a relative url against the manifest's directory."""
-    base = posixpath.dirname(manifest_path)
-    if isinstance(fs, LocalFileSystem):
-        return lambda url: posixpath.normpath(posixpath.join(base, url))
-    return lambda url: fs.unstrip_protocol(posixpath.normpath(posixpath.join(base, url)))
-
-
-def _resolve_relative(urls: pa.ChunkedArray, join: Callable[[str], str]) -> pa.ChunkedArray:
-    """``urls`` with relative entries (no ``/`` start, no ``://``) joined;
-    the same object when all are absolute."""
-    absolute = pc.or_(pc.starts_with(urls, "/"), pc.match_substring(urls, "://"))
-    if pc.all(absolute).as_py() is not False:
-        return urls
-    dotted = pc.match_substring_regex(urls, r"(^|/)\.\.?(/|$)|//")
-    if not pc.any(pc.and_(dotted, pc.invert(absolute))).as_py():  # what to_manifest writes: joined in Arrow
-        prefix = join(".").rstrip("/") + "/"
-        return pc.if_else(absolute, urls, pc.binary_join_element_wise(prefix, urls, ""))
-    batches = []
-    for begin in range(0, len(urls), 65536):
-        batch = urls.slice(begin, 65536).to_pylist()
-        flags = absolute.slice(begin, 65536).to_pylist()
-        batches.append(pa.array([u if a else join(u) for u, a in zip(batch, flags)], type=urls.type))
-    return pa.chunked_array(batches, type=urls.type)
