@@ -2,7 +2,7 @@
 
 Whole objects are cached, one file each, named by a hash of the url AND of
 the object's identity (ETag / version / size / modification time, see
-:func:`shardkit.io.identity.version`): a changed object has a new name, so it
+:func:`shardkit.io.identity.describe`): a changed object has a new name, so it
 is fetched again and never read stale. How it stays correct:
 
 - **Atomic entries.** An entry is written to ``<name>.tmp.<pid>.<random>`` and renamed
@@ -48,7 +48,7 @@ from typing import Any, Final
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 from shardkit.io.counters import count
-from shardkit.io.identity import version
+from shardkit.io.identity import describe
 from shardkit.io.options import RemoteOptions
 from shardkit.io.reader import RemoteFile
 from shardkit.tempfiles import removed_if_exiting
@@ -75,7 +75,8 @@ class Cache:
     def entry_path(self, url: str, info: dict[str, Any]) -> str:
         """Where the object ``url`` with metadata ``info`` is cached."""
         key = hashlib.sha256(url.encode()).hexdigest()[:32]
-        pinned = hashlib.sha256(version(info).encode()).hexdigest()[:16]
+        # named by describe(), not identity(): entries cached by earlier versions keep their names
+        pinned = hashlib.sha256(describe(info).encode()).hexdigest()[:16]
         return os.path.join(self.root, f"{key}-{pinned}")
 
     def open(self, fs: Any, path: str, url: str, info: dict[str, Any], options: RemoteOptions) -> Any:

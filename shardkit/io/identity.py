@@ -13,7 +13,9 @@ A size alone cannot tell a rewritten file from the one counted, so
 :func:`identity` is None then: nothing is bound to such a file. A reader that
 holds an object open still compares what it has (:func:`version`: the size,
 when that is all the store reports). An error names a version to a person in
-its own, shorter spelling (:func:`describe`), which binds nothing.
+its own, shorter spelling (:func:`describe`), which decides nothing; the
+remote cache hashes that spelling into its entries' names only because the
+entries already on disk are named so.
 
 Listings see many files' identities at once; :func:`remember` keeps the last
 few, so the counts cache checks its rows against them instead of listing every
@@ -64,7 +66,9 @@ def describe(info: Mapping[str, Any]) -> str:
     """How a version of an object is named to a person (in :class:`~shardkit.io.retry.ObjectChangedError`):
     its ETag, version, size and modification time as the store gives them, comma-separated.
 
-    Only for reading: what binds anything to a file is :func:`identity`.
+    What binds metadata to a file is :func:`identity`. The remote cache names its entries by a hash of
+    this spelling (:meth:`shardkit.io.cache.Cache.entry_path`), as it did before :func:`identity` was
+    shared, so that objects already cached keep their entries.
     """
     keys = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "size")
     keys += ("LastModified", "Last-Modified", "mtime", "updated")
