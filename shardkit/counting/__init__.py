@@ -58,6 +58,11 @@ during the count is counted again next time. The file is written to a
 temporary name and renamed; one that cannot be read (truncated, corrupt, of
 another list) is ignored and rewritten. To share counts between machines,
 write a manifest (:meth:`ShardList.to_manifest`) instead.
+
+The package, bottom up: :mod:`~shardkit.counting.scan` (counting by a scan,
+shared over ranks), :mod:`~shardkit.counting.cache` (the counts cache),
+:mod:`~shardkit.counting.resolve` (which counts a plan uses); the names sources
+use are importable from here.
 """
 
 from shardkit.counting.cache import CACHE_ENV, cache_dir, cache_path

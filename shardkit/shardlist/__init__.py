@@ -26,6 +26,12 @@ listed twice would be read twice per epoch: :class:`DuplicateShardWarning`
 names it and its positions. :meth:`ShardList.url_digest` is a stable hash of
 the urls (from the Arrow buffers, 0.03 s for 1M urls) that the counts cache
 and resume states are bound to.
+
+The container is here; below it, each its own job: the columns and their
+checks (:mod:`~shardkit.shardlist.columns`), the mapped Arrow files
+(:mod:`~shardkit.shardlist.arrowfile`), and manifests
+(:mod:`~shardkit.shardlist.manifest`). Globbing is I/O, so
+:meth:`ShardList.from_glob` calls :mod:`shardkit.io.glob` for it.
 """
 
 from __future__ import annotations
