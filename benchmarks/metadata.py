@@ -27,8 +27,11 @@ from collections.abc import Callable
 import numpy as np
 
 from shardkit import ShardList
-from shardkit.counting import _identities, resolve_counts
-from shardkit.shardlist import _map_ipc, _normalize_manifest, _warn_duplicates
+from shardkit.counting import resolve_counts
+from shardkit.counting.cache import _identities
+from shardkit.shardlist import _warn_duplicates
+from shardkit.shardlist.arrowfile import map_ipc as _map_ipc
+from shardkit.shardlist.manifest import normalize_manifest as _normalize_manifest
 
 
 def timed(fn: Callable[[], object]) -> float:

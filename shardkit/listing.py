@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from shardkit.counting import listed_identities, remember
 from shardkit.errors import redact
+from shardkit.io.identity import listed_identities, remember
 from shardkit.jobstore import group_store, job_key, once_per_job
 from shardkit.shardlist import ShardList, ShardListError
 

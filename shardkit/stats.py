@@ -14,13 +14,13 @@ made by plain pickling has its own counters (the tensor is copied), so it
 gets its own lock. A thread lock beside it covers threads of one process,
 which POSIX locks do not tell apart.
 
-Remote retries (:mod:`shardkit.io.remote`) are counted per process, by the fetch
+Remote retries (:mod:`shardkit.io.counters`) are counted per process, by the fetch
 threads, which do not know which dataset asked. Each time a reader of this
 dataset finishes a range (and when :meth:`SharedStats.snapshot` is taken), the
 process's retries since the last such sweep are added to two more shared
 counters: ``retries`` and ``retry_wait_seconds`` in :class:`ReadStats` are then
 the sums over the main process and every DataLoader worker. A forked worker
-starts its remote counters at zero (:mod:`shardkit.io.remote` resets them after
+starts its remote counters at zero (:mod:`shardkit.io.counters` resets them after
 fork), so nothing the parent counted is added twice. Two datasets read in the
 same process share that process's retries: each is added to whichever sweeps
 first, so the sum over datasets is exact.
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardkit.io import remote
+from shardkit.io.counters import remote_stats
 
 READ, SKIPPED, ERRORS, MISSING, PADDED = range(5)
 _COUNTERS = 5  # the order of SharedStats.add's delta
@@ -209,5 +209,5 @@ class SharedStats:
 
 
 def _remote_counts() -> tuple[float, ...]:
-    counts = remote.remote_stats()
+    counts = remote_stats()
     return tuple(float(counts[name]) for name in REMOTE_COUNTERS)

@@ -25,10 +25,11 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import ShardedDataset, ShardList, TFRecordDataset
-from shardkit.counting import identity, resolve_counts
+from shardkit.counting import resolve_counts
 from shardkit.formats.offsets import IndexFileError
 from shardkit.formats.tfrecord import TFRecordFormat
 from shardkit.formats.tfrecord.index import load_index
+from shardkit.io.identity import identity
 from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError
 from tests.helpers import all_ids, read_all, synthetic_read
@@ -550,7 +551,7 @@ def indexed(request, tmp_path, monkeypatch):
         raise AssertionError("counted by count_fn / count_records(), not from the index files")
 
     monkeypatch.setattr(ShardedDataset, "count_records", no_counting)
-    monkeypatch.setattr("shardkit.counting.resolve_counts", no_counting)
+    monkeypatch.setattr("shardkit.counting.resolve.resolve_counts", no_counting)
     return urls, make, ids, everything
 
 

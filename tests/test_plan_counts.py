@@ -232,11 +232,11 @@ def test_a_counts_cache_written_before_counts_were_marked_stored_is_read_as_scan
 
     urls = _shards_with_cheap_counts(tmp_path, "tfrecord", SIZES)
     shards = ShardList(urls)
-    identities = counting._identities(shards, None)
+    identities = counting.cache._identities(shards, None)
     path = counting.cache_path(shards)
     old = pa.table(
         [pa.array(urls, pa.large_string()), pa.array([20, 10], pa.int64()), pa.array(identities, pa.large_string())],
-        schema=counting._SCHEMA_V1,
+        schema=counting.cache._SCHEMA_V1,
     )
     with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, old.schema) as writer:
         writer.write_table(old)
@@ -254,7 +254,7 @@ def test_shards_without_indexes_cost_one_index_probe_and_no_file_identities_unde
     probes = []
     real = TFRecordFormat.index_offsets
     monkeypatch.setattr(TFRecordFormat, "index_offsets", lambda self, url: probes.append(url) or real(self, url))
-    monkeypatch.setattr(counting, "_identities", lambda *a: pytest.fail("listed or stat'ed every shard"))
+    monkeypatch.setattr(counting.cache, "_identities", lambda *a: pytest.fail("listed or stat'ed every shard"))
     for rank in range(2):
         counts, _ = TFRecordDataset(urls, balance="none", rank=rank, world_size=2)._counts(Topology(rank, 2))
         assert counts.null_count == 8

@@ -185,16 +185,16 @@ def test_the_identities_a_glob_remembers_are_those_a_directory_listing_gives() -
     would have found the same identities."""
     import fsspec
 
-    from shardkit import counting
+    from shardkit.io.identity import identity, listed_identities
     from shardkit.shardlist import ShardList
 
     fs = fsspec.filesystem("memory")
     for i in range(3):
         fs.pipe(f"/remembered/part-{i}.tfrecord", b"x" * (i + 1))
     shards = ShardList.from_glob("memory://remembered/part-*.tfrecord")
-    seen, remembered = counting.listed_identities([*shards.urls(), "memory:///remembered/never-listed"])
+    seen, remembered = listed_identities([*shards.urls(), "memory:///remembered/never-listed"])
     assert seen.tolist() == [True, True, True, False]
     remembered = remembered[:3]
-    listing = {fs.unstrip_protocol(info["name"]): counting.identity(info) for info in fs.ls("/remembered", detail=True)}
+    listing = {fs.unstrip_protocol(info["name"]): identity(info) for info in fs.ls("/remembered", detail=True)}
     assert remembered == [listing[url] for url in shards.urls()]
     assert all(remembered)  # memory:// reports a creation time: these identities can key the cache

@@ -22,7 +22,8 @@ import pytest
 import torch.utils.data
 
 from shardkit import ShardkitError
-from shardkit.shardlist import ShardList, ShardListError, _expand_braces
+from shardkit.io.glob import expand_braces as _expand_braces
+from shardkit.shardlist import ShardList, ShardListError
 
 URLS = ["s3://bucket/a.tfrecord", "/data/b.tfrecord", "gs://c/d/e.tfrecord"]
 

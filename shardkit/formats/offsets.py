@@ -51,7 +51,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError
 from shardkit.io.files import open_raw
-from shardkit.io.remote import identity_of
+from shardkit.io.identity import identity
 
 __all__ = [
     "CACHE_BYTES",
@@ -230,8 +230,7 @@ def _identity(url: str, storage_options: dict[str, Any] | None) -> Any:
         st = os.stat(url.removeprefix("file://"))
         return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    found = identity_of(fs.info(path))
-    return found if any(not part.startswith("size=") for part in found.split(",") if part) else None
+    return identity(fs.info(path))
 
 
 class _IndexCache:

@@ -2,7 +2,7 @@
 
 Whole objects are cached, one file each, named by a hash of the url AND of
 the object's identity (ETag / version / size / modification time, see
-:func:`shardkit.io.remote.identity_of`): a changed object has a new name, so it
+:func:`shardkit.io.identity.describe`): a changed object has a new name, so it
 is fetched again and never read stale. How it stays correct:
 
 - **Atomic entries.** An entry is written to ``<name>.tmp.<pid>.<random>`` and renamed
@@ -47,7 +47,10 @@ from typing import Any, Final
 
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
-from shardkit.io.remote import RemoteFile, RemoteOptions, _count, identity_of
+from shardkit.io.counters import count
+from shardkit.io.identity import describe
+from shardkit.io.options import RemoteOptions
+from shardkit.io.reader import RemoteFile
 from shardkit.tempfiles import removed_if_exiting
 
 __all__ = ["Cache"]
@@ -72,8 +75,9 @@ class Cache:
     def entry_path(self, url: str, info: dict[str, Any]) -> str:
         """Where the object ``url`` with metadata ``info`` is cached."""
         key = hashlib.sha256(url.encode()).hexdigest()[:32]
-        version = hashlib.sha256(identity_of(info).encode()).hexdigest()[:16]
-        return os.path.join(self.root, f"{key}-{version}")
+        # named by describe(), not identity(): entries cached by earlier versions keep their names
+        pinned = hashlib.sha256(describe(info).encode()).hexdigest()[:16]
+        return os.path.join(self.root, f"{key}-{pinned}")
 
     def open(self, fs: Any, path: str, url: str, info: dict[str, Any], options: RemoteOptions) -> Any:
         """The cached copy of ``url`` opened for reading (fetched into the cache first if missing),
@@ -91,13 +95,13 @@ class Cache:
             except _Unusable:
                 return None
             if local is not None:
-                _count(cache_hits=0 if filled else 1)
+                count(cache_hits=0 if filled else 1)
                 return local
             if self._try_lock(entry):
                 try:
                     with removed_if_exiting(entry + _LOCK):  # also by an orphaned worker's sudden stop
                         if not os.path.lexists(entry):  # a winner may have renamed it since we looked
-                            _count(cache_misses=1)
+                            count(cache_misses=1)
                             self._fill(entry, RemoteFile(fs, path, url, info, options), size)
                             filled = True
                             self.evict(keep=entry)

@@ -1,0 +1,189 @@
+"""When a remote request is tried again, and the errors a remote read ends with.
+
+A transient failure (connection reset or refused, timeout, an incomplete body,
+HTTP 408/429/500/502/503/504, S3 SlowDown / throttling / internal errors) is
+retried with exponential backoff and full jitter, bounded by
+:attr:`RetryPolicy.attempts` and :attr:`RetryPolicy.max_seconds`; anything
+else fails at once. Whether an error is transient is read from the error and
+every error it wraps (s3fs and aiohttp wrap the one that says), by status,
+S3 error code, errno or type name, so no store's client library is imported
+here. A read that ends raises :class:`RemoteReadError`, or
+:class:`ObjectChangedError` when the object changed under the reader: that is
+never retried, since reading on would mix two versions.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+from shardkit.errors import ShardkitError
+from shardkit.io.counters import count
+
+__all__ = [
+    "ObjectChangedError",
+    "RemoteReadError",
+    "RetryPolicy",
+    "code_of",
+    "is_transient",
+    "status_of",
+    "with_retries",
+]
+
+_TRANSIENT_STATUS: Final = frozenset({408, 429, 500, 502, 503, 504})
+_TRANSIENT_CODES: Final = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+    }
+)
+_TRANSIENT_ERRNOS: Final = frozenset(
+    {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT}
+)
+_TRANSIENT_NAMES: Final = frozenset(
+    {
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ClientConnectionError",
+        "ClientOSError",
+        "ServerTimeoutError",
+        "ConnectionTimeoutError",
+        "SocketTimeoutError",
+        "ContentLengthError",
+        "IncompleteRead",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "EndpointConnectionError",
+        "ResponseStreamingError",
+        "_ShortRead",
+        "SSLEOFError",  # a TLS stream cut without its close_notify
+    }
+)
+T = TypeVar("T")
+
+
+class RemoteReadError(ShardkitError):
+    """A remote read failed for good: not transient, or still failing after the retry budget."""
+
+
+class ObjectChangedError(ShardkitError):
+    """An object changed while it was being read (its ETag, version or size differs from when it was opened).
+
+    Reading on would mix two versions of the shard; restart the epoch (or pin
+    versions) instead.
+    """
+
+    def __init__(self, url: str, opened: str, now: str) -> None:
+        super().__init__(
+            f"{url}: the object changed while it was being read (opened as {opened}, now {now}); "
+            "its records would mix two versions, so the read stops here: restart the epoch, or do not "
+            "overwrite shards while a job reads them"
+        )
+        self.url = url
+        self.opened = opened
+        self.now = now
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.url, self.opened, self.now))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient failures are retried: at most ``attempts`` tries and ``max_seconds`` of waiting per request.
+
+    The wait before try *n* (n >= 2) is uniform in ``[0, min(max_backoff, backoff * 2**(n-2))]``
+    ("full jitter"), so many workers throttled at once do not retry in step.
+    """
+
+    attempts: int = 8
+    max_seconds: float = 60.0
+    backoff: float = 0.1
+    max_backoff: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.max_seconds < 0 or self.backoff < 0 or self.max_backoff < 0:
+            raise ValueError(f"RetryPolicy needs attempts >= 1 and non-negative times, got {self}")
+
+    def wait(self, attempt: int) -> float:
+        """Seconds to wait before try ``attempt + 1`` (``attempt`` >= 1 tries made)."""
+        return random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+
+
+def status_of(error: BaseException) -> int | None:
+    """The HTTP status ``error`` carries (aiohttp's ``status``, botocore's response metadata), if any."""
+    status = getattr(error, "status", None)
+    if isinstance(status, int):
+        return status
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code if isinstance(code, int) else None
+    return None
+
+
+def code_of(error: BaseException) -> str | None:
+    """The S3 error code ``error`` carries (``SlowDown``, ``PreconditionFailed``...), if any."""
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        return code if isinstance(code, str) else None
+    return None
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` is worth retrying: a dropped connection, a timeout, throttling or a server error."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:  # look through the causes s3fs and aiohttp wrap
+        seen.add(id(error))
+        if status_of(error) in _TRANSIENT_STATUS or code_of(error) in _TRANSIENT_CODES:
+            return True
+        if isinstance(error, (TimeoutError, ConnectionError)) or type(error).__name__ in _TRANSIENT_NAMES:
+            return True
+        if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+            return True
+        if any(code in str(error) for code in ("SlowDown", "Please reduce your request rate")):
+            return True
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return False
+
+
+def with_retries(
+    call: Callable[[], T], policy: RetryPolicy, what: str, on_retry: Callable[[], None] | None = None
+) -> T:
+    """``call()``, retried on transient errors under ``policy``; waits and retries are counted.
+
+    ``on_retry`` runs before each retry (to check the object did not change).
+    Raises :class:`RemoteReadError` naming ``what``, the tries and the last error.
+    """
+    deadline = time.monotonic() + policy.max_seconds
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return call()
+        except (ObjectChangedError, FileNotFoundError):
+            raise
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            wait = policy.wait(attempt)
+            if attempt >= policy.attempts or time.monotonic() + wait > deadline:
+                raise RemoteReadError(
+                    f"{what}: still failing after {attempt} tries over {policy.max_seconds:g} s at most "
+                    f"({type(error).__name__}: {error}); raise RetryPolicy(attempts=, max_seconds=) if the "
+                    "store is just slow"
+                ) from error
+            count(retries=1, retry_wait_seconds=wait)
+            time.sleep(wait)
+            if on_retry is not None:
+                on_retry()
