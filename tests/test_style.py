@@ -1,5 +1,7 @@
 """The house habits are checked, not hoped for: ruff lint and format over the tree, pyright over the package."""
 
+import ast
+import os
 import re
 import shutil
 import subprocess
@@ -41,3 +43,38 @@ def test_the_package_has_no_basedpyright_errors():
     # torch, numpy and pyarrow resolve to what the tests run against.
     done = _run(_tool("basedpyright"), "--pythonpath", sys.executable)
     assert done.returncode == 0 and re.search(r"^0 errors", done.stdout, re.M), done.stdout[-4000:] + done.stderr
+
+
+def test_the_package_keeps_its_import_layers():
+    # The contracts in pyproject.toml: every module imports only from layers below it (no cycles).
+    done = _run(_tool("lint-imports"), "--no-cache")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr
+
+
+def test_an_upward_import_breaks_the_layers_contract(tmp_path: Path):
+    # The check above can fail: a copy of the package whose lowest layer imports the CLI is refused.
+    shutil.copytree(ROOT / "shardkit", tmp_path / "shardkit", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    errors = tmp_path / "shardkit" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _upward() -> None:\n    import shardkit.cli  # noqa: F401\n")
+    done = subprocess.run(
+        [_tool("lint-imports"), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "shardkit.errors is not allowed to import shardkit.cli" in done.stdout, done.stdout[-2000:]
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_600_lines_unless_its_docstring_says_why():
+    # A longer module must say in its docstring why it is one module ("... lines: one module because ...").
+    too_long = []
+    for path in sorted((ROOT / "shardkit").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES and "one module because" not in (
+            ast.get_docstring(ast.parse(text)) or ""
+        ):
+            too_long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert not too_long, too_long
