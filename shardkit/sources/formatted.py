@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from shardkit.sources.errors import DatasetError
 from shardkit.sources.options import SourceOptions
 from shardkit.sources.sharded import ShardedDataset
 from shardkit.topology import Topology
+
+if TYPE_CHECKING:
+    from shardkit.formats.parquet import ParquetFormat
 
 
 class FormatDataset(ShardedDataset):
@@ -83,10 +86,12 @@ class FormatDataset(ShardedDataset):
         )  # fmt: skip
         self._build(shards, _with_options(capabilities(fmt), options), options)
 
-    def _build(self, shards: ShardList | str | Sequence[str], fmt: ShardFormat, options: SourceOptions) -> None:
+    def _build(self, shards: ShardList | str | Sequence[str], fmt: FormatBase, options: SourceOptions) -> None:
         """The constructor every format dataset shares: read ``shards`` with ``fmt`` under ``options``."""
-        self.format = capabilities(fmt)
-        super().__init__(shards, self.format.read_marked, count_fn=self.format.count, **options.source())
+        self.format = fmt
+        # Every ShardFormat has count; FormatBase, the optional capabilities only, leaves it to the format.
+        count = fmt.count  # pyright: ignore[reportAttributeAccessIssue]
+        super().__init__(shards, fmt.read_marked, count_fn=count, **options.source())
 
     @property
     def storage_options(self) -> dict[str, Any] | None:
@@ -358,14 +363,19 @@ class ParquetDataset(FormatDataset):
         self.count_fn = fmt.count_rows
 
     @property
+    def _batch_size(self) -> int | None:
+        """Rows per record (None: a record is a row); the format is the ParquetFormat built above."""
+        return cast("ParquetFormat", self.format).batch_size
+
+    @property
     def column_batches(self) -> bool:
         """Whether this dataset yields column batches (``batch_size`` given); :class:`~shardkit.MixedLoader`
         then cuts its batches from them."""
-        return self.format.batch_size is not None
+        return self._batch_size is not None
 
     def _record_counts(self, topology: Topology, *, required: bool) -> Any:
         counts = super()._record_counts(topology, required=required)
-        size = self.format.batch_size
+        size = self._batch_size
         if size is None:
             return counts
         if isinstance(counts, np.ndarray):
@@ -376,7 +386,7 @@ class ParquetDataset(FormatDataset):
 
     def _planned_count(self, shard: int) -> int | None:
         rows = super()._planned_count(shard)
-        size = self.format.batch_size
+        size = self._batch_size
         return rows if rows is None or size is None else -(-rows // size)
 
 

@@ -149,7 +149,7 @@ class _PlannedSource(_Source):
             if resume is not None:
                 self._fingerprint(counts)  # raises, naming the fix
             pieces = plan_whole_shards(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffle_shards)
-            return self._hinting_next_epoch(
+            return self._set_next_epoch_hints(
                 _RangeIterator(self._calls(), pieces, epoch, topology, None), counts, topology, kwargs
             )
         if self._windowed():
@@ -195,12 +195,12 @@ class _PlannedSource(_Source):
             stand_in = functools.partial(self._stand_in, counts, topology, kwargs)
         ranges = _RangeIterator(self._calls(), pieces, epoch, topology, fingerprint, stand_in)
         ranges.base = base
-        self._hinting_next_epoch(ranges, counts, topology, kwargs)
+        self._set_next_epoch_hints(ranges, counts, topology, kwargs)
         if not self._windowed():
             return ranges
         return _WindowIterator(ranges, start.intervals, self.shuffle_window, seed=self.seed, skip=start.yielded)
 
-    def _hinting_next_epoch(
+    def _set_next_epoch_hints(
         self, ranges: _RangeIterator, counts: Any, topology: Topology, kwargs: dict[str, Any]
     ) -> _RangeIterator:
         """``ranges``, set to hint the next epoch's first ranges as it ends when the shards are remote."""
