@@ -25,7 +25,6 @@ Importing this package registers the ``"planned"`` and ``"stream"`` stage kinds
 
 from shardkit.sources.errors import MADE_UP_MISSING, BalanceError, DatasetError
 from shardkit.sources.formatted import FormatDataset, JsonlDataset, ParquetDataset, TarDataset, TFRecordDataset
-from shardkit.sources.options import SourceOptions
 from shardkit.sources.sharded import ShardedDataset
 from shardkit.sources.wrap import MapSource, StreamSource, wrap
 
@@ -38,7 +37,6 @@ __all__ = [
     "MapSource",
     "ParquetDataset",
     "ShardedDataset",
-    "SourceOptions",
     "StreamSource",
     "TFRecordDataset",
     "TarDataset",
