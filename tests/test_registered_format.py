@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import CorruptRecordError, FormatDataset
-from shardkit.formats.base import FormatBase, format_for, register_format
+from shardkit.formats.base import FormatBase
+from shardkit.formats.registry import format_for, register_format
 from shardkit.io.files import open_raw
 from shardkit.io.remote import RetryPolicy, remote_stats
 from tests.fault_server import FaultServer
