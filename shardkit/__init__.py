@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "TarDataset": "shardkit.sources",
     "ParquetDataset": "shardkit.sources",
     "JsonlDataset": "shardkit.sources",
+    "FormatDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
     "interleave": "shardkit.pipeline",
     "Pipeline": "shardkit.pipeline",
@@ -78,7 +79,15 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.quality import shuffle_quality
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import DuplicateShardWarning, ShardList
-    from shardkit.sources import JsonlDataset, ParquetDataset, ShardedDataset, TarDataset, TFRecordDataset, wrap
+    from shardkit.sources import (
+        FormatDataset,
+        JsonlDataset,
+        ParquetDataset,
+        ShardedDataset,
+        TarDataset,
+        TFRecordDataset,
+        wrap,
+    )
     from shardkit.topology import Topology
     from shardkit.trainers import TrainerError
     from shardkit.writer import ShardWriter

@@ -173,10 +173,10 @@ class _Stored(FormatBase):
 
 
 def _stored_dataset(counts: list[int], rank: int, world: int, balance: str):
-    from shardkit.sources import _FormatDataset
+    from shardkit.sources import FormatDataset
 
     urls = [f"mem/{i}" for i in range(len(counts))]
-    return _FormatDataset(ShardList(urls), _Stored(counts), balance=balance, rank=rank, world_size=world)
+    return FormatDataset(ShardList(urls), _Stored(counts), balance=balance, rank=rank, world_size=world)
 
 
 CALLS = {

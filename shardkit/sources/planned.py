@@ -1,0 +1,234 @@
+"""Planned sources: records are ranges of numbered shards, split by :func:`~shardkit.plan`.
+
+A planned source knows (or counts) the records of its shards, plans its reader's part of
+its rank's chunk when iteration starts, and reads it with a :class:`_RangeIterator`
+(windowed by :class:`_WindowIterator` under sample-level shuffling).
+
+Resuming (``state_dict`` / ``load_state_dict``, see :mod:`shardkit.state`): a planned
+source saves the positions of its rank's chunk it has not read yet. The chunk does not
+depend on the number of workers, so a state merged from all workers resumes with any
+number of them, each reading an even part of what is left. The states of all ranks
+combine (:func:`shardkit.state.gather`, :func:`shardkit.state.merge_ranks`) into one
+global state of stream positions that loads on any world size: each new rank takes its
+part of what is left (:func:`~shardkit.planning.split_remaining`). A state must agree
+with the dataset it is loaded into on a fingerprint of its shards, counts and options.
+
+Hints: while a range is opened, the next ones (and, at an epoch's end, the next epoch's
+first ones) are hinted to the source, which may start opening remote shards for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from shardkit.planning import (
+    SHUFFLE_BLOCK,
+    SHUFFLE_WINDOW,
+    Balance,
+    Range,
+    plan_intervals,
+    plan_whole_shards,
+    rank_span,
+    split_remaining,
+)
+from shardkit.sources.base import _Source
+from shardkit.sources.errors import _unknown_counts
+from shardkit.sources.ranges import _HINTED, _RangeIterator, _SourceCalls, _Start
+from shardkit.sources.window import _WindowIterator
+from shardkit.stateful import Resume, State, check, expect_equal
+from shardkit.topology import Topology
+from shardkit.trainers import check_dataloader_len, worker_lengths
+
+
+class _PlannedSource(_Source):
+    """A source whose records are ranges of numbered shards, split by :func:`plan`."""
+
+    _iterator_type = _RangeIterator
+
+    def _record_counts(self, topology: Topology, *, required: bool) -> Any:
+        """Per-shard record counts for the plan: an int64 array, or, where some
+        are unknown and ``required`` is false, a pyarrow array with nulls."""
+        raise NotImplementedError
+
+    def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def _hint(self, shard: int, start: int, stop: int | None) -> None:
+        """One of the next three ranges after the one being opened is ``[start, stop)`` of ``shard``: a source
+        over remote shards may start opening it (readahead across shards). By default nothing is opened."""
+
+    def _reads_remote(self) -> bool:
+        """Whether hints can start anything (the shards are remote); by default no hint is made."""
+        return False
+
+    def _can_count(self) -> bool:
+        """Whether this source can count records it does not know (a ``count_fn``); by default not."""
+        return False
+
+    def _url_digest(self) -> str | None:
+        """A digest of the shard urls in order, for the fingerprint; None for a source without files."""
+        return None
+
+    def _counts(self, topology: Topology) -> tuple[Any, Balance]:
+        """Record counts for the plan and the balance to plan with."""
+        required = topology.world_size > 1 and self.balance != "none"
+        # Sample-level shuffling plans by position: count (once, cached) where the format can.
+        required = required or (self._windowed() and self._can_count())
+        counts = self._record_counts(topology, required=required)
+        # Unknown counts on one rank: whole shards to the workers, nothing to equalise.
+        balance = self.balance if isinstance(counts, np.ndarray) else "none"
+        return counts, balance
+
+    def _fingerprint(self, counts: Any) -> dict[str, Any]:
+        """What a state must agree on with the dataset it is loaded into.
+
+        Besides the totals, SHA-256 digests (16 hex digits shown) of the shard
+        urls in order and of every count: a state of other files with the same
+        counts, or of the same files in another order, is refused. Hashing 1M
+        urls from their Arrow buffers takes 0.03 s, once per ShardList.
+        """
+        if not isinstance(counts, np.ndarray):
+            raise _unknown_counts(self)
+        return {
+            "shards": len(counts),
+            "records": int(counts.sum()),
+            "urls": self._url_digest(),
+            "counts": hashlib.sha256(np.ascontiguousarray(counts, dtype="<i8").tobytes()).hexdigest()[:16],
+            "seed": self.seed,
+            "shuffle": self.shuffle_shards,
+            "balance": self.balance,
+            **({"window": [self.shuffle_block, self.shuffle_window]} if self._windowed() else {}),
+        }
+
+    def load_state_dict(self, state: State) -> None:
+        """Resume from ``state`` at the next ``__iter__``; see :meth:`Pipeline.load_state_dict`.
+
+        Raises:
+            StateError: the state is of another dataset (shard count, record
+                count, seed, shuffle, balance) or another format version.
+        """
+        check(state, self._state_kind, self)
+        counts, _ = self._counts(self.topology())
+        expect_equal(self, "dataset", state[_RangeIterator.FINGERPRINT], self._fingerprint(counts))
+        super().load_state_dict(state)
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (all of its workers together)."""
+        check_dataloader_len(self)  # refuses a DataLoader len that would cut the epoch short
+        topology = self.topology()
+        counts = self._record_counts(topology, required=False)
+        if not isinstance(counts, np.ndarray):
+            raise self._unknown_length("the record counts of its shards are unknown (call count_records() first)")
+        return rank_span(int(counts.sum()), topology.world_size, topology.rank, self.balance)[1]
+
+    def reader_lengths(self, num_workers: int) -> list[int] | None:
+        """Samples each of ``num_workers`` DataLoader workers yields per pass: this rank's, split as planned."""
+        return worker_lengths(len(self), num_workers)
+
+    #: Records a reader permutes at once under ``shuffle=True`` (memory: this many
+    #: samples per reader); 0 keeps shuffling at the level of shards and blocks.
+    shuffle_window: int = SHUFFLE_WINDOW
+
+    #: Largest block of the shuffled stream under sample-level shuffling.
+    shuffle_block: int = SHUFFLE_BLOCK
+
+    def _windowed(self) -> bool:
+        """Whether ``shuffle=True`` shuffles samples here (needs known record counts)."""
+        return self.shuffle_shards and self.shuffle_window > 0
+
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
+        topology, epoch = self._start()
+        counts, balance = self._counts(topology)
+        kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle_shards, "balance": balance}
+        if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
+            if resume is not None:
+                self._fingerprint(counts)  # raises, naming the fix
+            pieces = plan_whole_shards(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffle_shards)
+            return self._set_next_epoch_hints(
+                _RangeIterator(self._calls(), pieces, epoch, topology, None), counts, topology, kwargs
+            )
+        if self._windowed():
+            kwargs["block_size"] = self.shuffle_block
+        fingerprint = self._fingerprint(counts)
+        base = None if resume is None else _RangeIterator.base_of(resume, fingerprint)
+        size = self._chunk_size(counts, topology, base, kwargs)
+        start = _RangeIterator.start_of(resume, size, self._windowed(), topology)
+        iterator = self._new_iterator(counts, topology, epoch, fingerprint, start, kwargs, base)
+        if start.exact and resume is not None:  # the window read again must leave what the state says is left
+            saved = resume.state[_RangeIterator.REMAINING]
+            expect_equal(self, "remaining positions (for its window)", saved, iterator.remaining())
+        return iterator
+
+    def _calls(self) -> _SourceCalls:
+        """What a :class:`_RangeIterator` calls back: this source's reads, hints and padding counts."""
+        return _SourceCalls(self, self._read, self._hint, self._count_padded)
+
+    def _chunk_size(self, counts: np.ndarray, topology: Topology, base: State | None, kwargs: dict[str, Any]) -> int:
+        """Positions in this rank's chunk. After a global state (``base``) the chunk
+        is this rank's part of what that state left, which ``kwargs`` then carry."""
+        total, balance = int(counts.sum()), kwargs["balance"]
+        if base is None:
+            return rank_span(total, topology.world_size, topology.rank, balance)[1]
+        chunk = split_remaining(base["remaining"], total, topology.world_size, topology.rank, balance)
+        kwargs.update(chunk=chunk, stream_world_size=base["world_size"])
+        return sum(b - a for a, b in chunk)
+
+    def _new_iterator(
+        self,
+        counts: np.ndarray,
+        topology: Topology,
+        epoch: int,
+        fingerprint: dict[str, Any],
+        start: _Start,
+        kwargs: dict[str, Any],
+        base: State | None,
+    ) -> _RangeIterator | _WindowIterator:
+        """The iterator over ``start``'s positions: their ranges, windowed under sample-level shuffling."""
+        pieces = plan_intervals(counts, topology, start.intervals, **kwargs)
+        stand_in = None
+        if self._makes_up(kwargs["balance"]):
+            stand_in = functools.partial(self._stand_in, counts, topology, kwargs)
+        ranges = _RangeIterator(self._calls(), pieces, epoch, topology, fingerprint, stand_in)
+        ranges.base = base
+        self._set_next_epoch_hints(ranges, counts, topology, kwargs)
+        if not self._windowed():
+            return ranges
+        return _WindowIterator(ranges, start.intervals, self.shuffle_window, seed=self.seed, skip=start.yielded)
+
+    def _set_next_epoch_hints(
+        self, ranges: _RangeIterator, counts: Any, topology: Topology, kwargs: dict[str, Any]
+    ) -> _RangeIterator:
+        """``ranges``, set to hint the next epoch's first ranges as it ends when the shards are remote."""
+        if self._reads_remote():
+            ranges.next_epoch_hints = functools.partial(self._next_epoch_hints, counts, topology, kwargs)
+        return ranges
+
+    def _next_epoch_hints(self, counts: Any, topology: Topology, kwargs: dict[str, Any]) -> list[Range]:
+        """The first ranges this reader reads in the next epoch when that epoch is ``epoch + 1`` from its
+        start (the usual next pass). A guess, only used to open shards ahead: a wrong one costs the
+        requests of a few blocks, never a record."""
+        fresh = {k: v for k, v in kwargs.items() if k not in ("chunk", "stream_world_size")}
+        fresh["epoch"] += 1
+        if not isinstance(counts, np.ndarray):
+            whole = plan_whole_shards(counts, topology, seed=self.seed, epoch=fresh["epoch"], shuffle=fresh["shuffle"])
+            return [whole[i][1] for i in range(min(_HINTED, len(whole)))]
+        size = rank_span(int(counts.sum()), topology.world_size, topology.rank, fresh["balance"])[1]
+        start = _RangeIterator.start_of(None, size, self._windowed(), topology)
+        pieces = plan_intervals(counts, topology, start.intervals, **fresh)
+        return [pieces[i][1] for i in range(min(_HINTED, len(pieces)))]
+
+    def _makes_up(self, balance: Balance) -> bool:
+        """Whether records this source skips are replaced by repeats, to keep ranks balanced."""
+        return False
+
+    def _stand_in(self, counts: np.ndarray, topology: Topology, kwargs: dict[str, Any]) -> Any:
+        """A sample to repeat in place of skipped records when the reader has yielded none yet."""
+        raise NotImplementedError
+
+    def _count_padded(self, shard: int) -> None:
+        """Count one sample yielded in place of a skipped or missing record of ``shard``."""
