@@ -34,7 +34,7 @@ class _Source(Pipeline):
             )
         if rank is not None:
             Topology(rank=rank, world_size=world_size)  # type: ignore[arg-type]  # validates
-        self.shuffle_shards = bool(shuffle)
+        self.shuffled = bool(shuffle)  # the plan shuffles: the shards, and samples within a window of blocks
         self.balance: Balance = balance
         self.rank = rank
         self.world_size = world_size

@@ -100,7 +100,7 @@ class _PlannedSource(_Source):
             "urls": self._url_digest(),
             "counts": hashlib.sha256(np.ascontiguousarray(counts, dtype="<i8").tobytes()).hexdigest()[:16],
             "seed": self.seed,
-            "shuffle": self.shuffle_shards,
+            "shuffle": self.shuffled,
             "balance": self.balance,
             **({"window": [self.shuffle_block, self.shuffle_window]} if self._windowed() else {}),
         }
@@ -139,16 +139,16 @@ class _PlannedSource(_Source):
 
     def _windowed(self) -> bool:
         """Whether ``shuffle=True`` shuffles samples here (needs known record counts)."""
-        return self.shuffle_shards and self.shuffle_window > 0
+        return self.shuffled and self.shuffle_window > 0
 
     def _open(self, resume: Resume | None) -> Iterator[Any]:
         topology, epoch = self._start()
         counts, balance = self._counts(topology)
-        kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffle_shards, "balance": balance}
+        kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffled, "balance": balance}
         if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
             if resume is not None:
                 self._fingerprint(counts)  # raises, naming the fix
-            pieces = plan_whole_shards(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffle_shards)
+            pieces = plan_whole_shards(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffled)
             return self._set_next_epoch_hints(
                 _RangeIterator(self._calls(), pieces, epoch, topology, None), counts, topology, kwargs
             )

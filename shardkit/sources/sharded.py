@@ -446,5 +446,5 @@ class ShardedDataset(_PlannedSource):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffle_shards}, balance={self.balance!r})"
+            f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffled}, balance={self.balance!r})"
         )

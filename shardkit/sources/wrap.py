@@ -93,15 +93,15 @@ class MapSource(_PlannedSource):
         # Shuffled: every index is a shard of one record, so the plan permutes
         # them all; otherwise one shard of len(dataset) records.
         size = len(self.dataset)
-        return np.ones(size, dtype=np.int64) if self.shuffle_shards else np.array([size], dtype=np.int64)
+        return np.ones(size, dtype=np.int64) if self.shuffled else np.array([size], dtype=np.int64)
 
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator[Any]:
-        if self.shuffle_shards:
+        if self.shuffled:
             start, stop = shard, shard + 1
         return map(self.dataset.__getitem__, range(start, len(self.dataset) if stop is None else stop))
 
     def __repr__(self) -> str:
-        return f"wrap({type(self.dataset).__name__} of {len(self.dataset)}, shuffle={self.shuffle_shards}, balance={self.balance!r})"
+        return f"wrap({type(self.dataset).__name__} of {len(self.dataset)}, shuffle={self.shuffled}, balance={self.balance!r})"
 
 
 class _StrideIterator(StageIterator):
