@@ -445,6 +445,4 @@ class ShardedDataset(_PlannedSource):
         return state
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffled}, balance={self.balance!r})"
-        )
+        return f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffled}, balance={self.balance!r})"
