@@ -3,7 +3,7 @@
 One run writes one content (``--shards`` x ``--records`` samples of about 1 KB,
 as in ``benchmarks/compare.py``: TFRecord for shardkit, tar for WebDataset,
 Parquet for Hugging Face ``datasets``) and serves it over HTTP from a separate
-process on 127.0.0.1 (``tests/fault_server.py``, HTTP/1.1 keep-alive as object
+process on 127.0.0.1 (``tests/helpers/fault_server.py``, HTTP/1.1 keep-alive as object
 stores serve), which sleeps ``latency`` ms before answering each request: an
 object store's first-byte time. (Until the server kept connections alive,
 every request of every loader paid a new TCP connection and server thread,

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.ddp_check import COUNTS
-from tests.helpers import all_ids, assert_split, last_json_line, run_python, synthetic_shards
+from tests.helpers.processes import last_json_line, run_python
+from tests.helpers.reading import assert_split
+from tests.helpers.shards import all_ids, synthetic_shards
+from tests.scripts.ddp_check import COUNTS
 
 pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
 
-SCRIPT = Path(__file__).with_name("ddp_check.py")
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_check.py"
 
 
 def run_ddp(world_size: int, context: str, balance: str) -> dict:

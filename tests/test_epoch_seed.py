@@ -15,8 +15,8 @@ from shardkit import seeding
 from shardkit.epoch import SharedEpoch, call_with_epoch_offset, epoch_offset
 from shardkit.seeding import SeedError, current_seed, seed_everything, worker_seed
 from shardkit.topology import Topology
-from tests.helpers import synthetic_read, synthetic_shards
-from tests.test_pipeline import EpochTagged, RangeSource
+from tests.helpers.shards import synthetic_read, synthetic_shards
+from tests.pipeline.test_pipeline import EpochTagged, RangeSource
 
 
 def probe(item: tuple[int, int]) -> dict[str, float]:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.helpers import EXAMPLES, free_port, run_python
+from tests.helpers.processes import EXAMPLES, free_port, run_python
 
 pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
 

@@ -17,7 +17,7 @@ _EPOCHS = """
 import gc, os, sys, tempfile
 import shardkit
 from torch.utils.data import DataLoader
-from tests.test_remote_reads import write_shard
+from tests.io.test_remote_reads import write_shard
 
 def leftovers():
     return sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(("shardkit-", "pymp-")))
@@ -34,8 +34,8 @@ def main():
             assert sum(1 for _ in DataLoader(dataset, batch_size=None, num_workers=2)) == 80
             print("epoch", epoch, leftovers(), flush=True)
     elif sys.argv[2] == "error":  # each epoch ends with a worker's error
-        from tests.helpers import record_offsets
-        from tests.test_faults_reading import flip_data_byte
+        from tests.helpers.shards import record_offsets
+        from tests.sources.test_faults_reading import flip_data_byte
 
         flip_data_byte(urls[0], record_offsets(urls[0]), [5])
         for epoch in range(3):
@@ -188,8 +188,8 @@ if __name__ == "__main__":
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_orphaned_while_filling_the_cache_leave_no_temporary_file_or_lock(tmp_path) -> None:
-    from tests.fault_server import FaultServer
-    from tests.test_remote_reads import write_shard
+    from tests.helpers.fault_server import FaultServer
+    from tests.io.test_remote_reads import write_shard
 
     (tmp_path / "data").mkdir()
     for i in range(2):
@@ -225,7 +225,7 @@ _LEFT_MID_EPOCH = """
 import multiprocessing, sys
 import shardkit
 from torch.utils.data import DataLoader
-from tests.test_remote_reads import write_shard
+from tests.io.test_remote_reads import write_shard
 
 def rank(urls, kind):
     dataset = shardkit.TFRecordDataset(urls, decode="raw", index=False)

@@ -28,7 +28,8 @@ from shardkit.pipeline import UnknownLengthError
 from shardkit.planning import plan
 from shardkit.topology import Topology
 from shardkit.trainers import TrainerError, reader_lengths
-from tests.helpers import all_ids, free_port, synthetic_read, synthetic_shards
+from tests.helpers.processes import free_port
+from tests.helpers.shards import all_ids, synthetic_read, synthetic_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -319,7 +320,7 @@ def test_hf_trainer_example_trains_on_every_sample_each_epoch_in_a_new_order(tmp
     ],
 )
 def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, expected):
-    done = launch([str(ROOT / "tests" / "trainer_paths.py"), *mode], torchrun=True)
+    done = launch([str(ROOT / "tests" / "scripts" / "trainer_paths.py"), *mode], torchrun=True)
     assert done.returncode != 0 and "READ" not in done.stdout, done.stdout[-2000:]
     assert "SHARDKIT_ERROR" in done.stdout and expected in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
     fix = "get_train_dataloader()" if mode[0] == "hf-trainer" else "pass only the model and optimizer"

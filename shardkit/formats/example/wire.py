@@ -31,7 +31,7 @@ test. Messages involved::
 Decoding follows protobuf's rules exactly: packed and unpacked repeated
 values, negative int64 as 10-byte varints, repeated map keys (last wins),
 repeated sub-messages merged, the last oneof member wins, unknown fields skipped,
-and bytes that protobuf rejects are rejected. ``tests/test_example_fuzz.py``
+and bytes that protobuf rejects are rejected. ``tests/formats/test_example_fuzz.py``
 checks this against protobuf's upb runtime on tens of thousands of mutated
 records, on both backends. Bytes are rejected with :class:`~shardkit.ShardkitError` ("malformed
 tf.Example (N bytes): <what, at which byte>", or tf.SequenceExample), never

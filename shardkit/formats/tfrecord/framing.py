@@ -30,7 +30,7 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   opened by :mod:`shardkit.io.remote` (or read from its local cache).
 
 What the reader does with bad input (each case has a fault-injection test in
-``tests/test_faults_tfrecord.py``): every malformed byte sequence ends in a
+``tests/formats/test_faults_tfrecord.py``): every malformed byte sequence ends in a
 :class:`~shardkit.CorruptRecordError` naming the url, record index and byte
 offset, after the good records before it. A length field is never trusted for
 an allocation: it is checked against its CRC (when verifying) and against the

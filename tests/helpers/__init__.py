@@ -1,0 +1,1 @@
+"""Shared test helpers, by domain: shards, reading, processes, servers (and fault_server, the loopback HTTP range server)."""

@@ -1,0 +1,76 @@
+"""Processes for tests: Python subprocesses, gloo ranks, free ports, the repository's paths.
+
+Module level, so that DataLoader workers and ranks started with spawn can unpickle them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+EXAMPLES = REPO / "examples"
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``python *args`` in a new process, its output captured as text; with ``check``, it must exit 0
+    (the end of its stderr is the failure message). The timeout bounds any hang."""
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def last_json_line(stdout: str) -> Any:
+    """The JSON a check script prints as its last line."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def gloo_ranks(
+    fn: Callable[..., None],
+    world_size: int,
+    *args: Any,
+    start_method: str = "spawn",
+    collective_timeout: float | None = None,
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in a gloo
+    process group over localhost (destroyed when ``fn`` returns or raises); waits for all,
+    and raises if one fails.
+
+    The ranks meet through a file store in a fresh folder, not a TCP port picked in
+    advance: a port found free can be taken by another process before rank 0 binds it.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="shardkit-gloo-") as folder:
+        setup = (fn, world_size, os.path.join(folder, "store"), collective_timeout, args)
+        mp.start_processes(_gloo_rank, args=setup, nprocs=world_size, join=True, start_method=start_method)
+
+
+def _gloo_rank(
+    rank: int, fn: Callable[..., None], world_size: int, store: str, timeout: float | None, args: tuple
+) -> None:
+    import torch.distributed as dist
+
+    options = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, **options)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,121 @@
+"""Reading a dataset the way the tests check it: samples per rank and worker, and comparisons.
+
+Module level, so that DataLoader workers and ranks started with spawn can unpickle them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import get_worker_info
+
+
+def tag_worker(sample: object) -> tuple[int, object]:
+    info = get_worker_info()
+    return (-1 if info is None else info.id), sample
+
+
+class CountingStream(torch.utils.data.IterableDataset):
+    """A plain IterableDataset yielding 0..n-1 (no __len__, no __getitem__)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+def assert_same(got: Any, expected: Any, where: str = "batch") -> None:
+    """Equal types, dtypes, shapes and bytes, all the way down."""
+    assert type(got) is type(expected), f"{where}: {type(got).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and got.shape == expected.shape, where
+        assert got.view(-1).view(torch.uint8).tolist() == expected.view(-1).view(torch.uint8).tolist(), where
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected), where
+        for key in expected:
+            assert_same(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(g, e, f"{where}[{i}]")
+    else:
+        assert got == expected, where
+
+
+def sample_id(sample: object) -> str:
+    """The identity of a sample of any built-in format: a tar sample's key, a row's or line's ``id``."""
+    if isinstance(sample, dict) and "__key__" in sample:
+        return str(sample["__key__"])
+    if isinstance(sample, dict):
+        return str(sample["id"])
+    raise TypeError(f"no id in {sample!r}")
+
+
+def ids_per_rank(make, *, world_size: int, num_workers: int, batch_size: int = 4, env: bool = False, monkeypatch=None):
+    """Sample ids each rank's DataLoader yields, as lists of batches; ``make(rank, world)`` builds a rank's dataset
+    (``rank``/``world`` are None with ``env``: then RANK/WORLD_SIZE are set for each rank)."""
+    from torch.utils.data import DataLoader
+
+    ranks = []
+    for rank in range(world_size):
+        if env:
+            monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("WORLD_SIZE", str(world_size))
+            dataset = make(None, None)
+        else:
+            dataset = make(rank, world_size)
+        kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
+        loader = DataLoader(dataset.map(sample_id), batch_size=batch_size, num_workers=num_workers, **kwargs)
+        ranks.append([list(batch) for batch in loader])
+    return ranks
+
+
+def assert_split(ranks: list, everything: list[str], balance: str) -> None:
+    """Exactly once over the ranks with ``"none"``; equal batch and sample counts with ``"pad"``/``"drop"``
+    (``"pad"`` repeats, ``"drop"`` leaves out, fewer samples than there are ranks)."""
+    import collections
+
+    seen = collections.Counter(s for batches in ranks for batch in batches for s in batch)
+    total, world = len(everything), len(ranks)
+    assert set(seen) <= set(everything)
+    if balance == "none":
+        assert sorted(seen.elements()) == sorted(everything)
+        return
+    assert len({len(batches) for batches in ranks}) == 1, "ranks yield different numbers of batches"
+    per_rank = -(-total // world) if balance == "pad" else total // world
+    assert {sum(len(b) for b in batches) for batches in ranks} == {per_rank}
+    if balance == "pad":
+        assert set(seen) == set(everything)
+        assert sum(seen.values()) == per_rank * world
+    else:
+        assert max(seen.values()) == 1 and len(set(everything) - set(seen)) == total % world
+
+
+def rank_factory(dataset_class, urls, **kwargs):
+    """``make(rank, world_size)`` building ``dataset_class(urls, rank=..., world_size=..., **kwargs)`` (for ids_per_rank)."""
+
+    def make(rank, world):
+        return dataset_class(urls, rank=rank, world_size=world, **kwargs)
+
+    return make
+
+
+def read_all(loader: Iterable[Any]) -> list[Any]:
+    """``list(loader)``, but a DataLoader worker's error shuts the workers down before it propagates.
+
+    DataLoader re-raises a worker's error with a traceback that holds its
+    iterator. Kept by ``pytest.raises``, the iterator is freed by the cycle
+    collector, which finalizes its queues first: the workers never get their
+    exit message and DataLoader waits 5 s per worker before terminating them.
+    (MixedLoader shuts its own workers down; a plain DataLoader needs this.)
+    """
+    iterator = iter(loader)
+    try:
+        return list(iterator)
+    except BaseException:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        raise

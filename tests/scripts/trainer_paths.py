@@ -1,0 +1,102 @@
+"""The ways of handing a shardkit dataset to Accelerate and the Hugging Face
+Trainer that would lose data; run under torchrun by tests/test_trainers.py.
+
+    torchrun --nproc_per_node=2 tests/scripts/trainer_paths.py MODE [--workers N] [--context fork|spawn]
+
+Each mode writes the examples' 302 records, hands the dataset over as the
+trainer's documentation shows, and reads one epoch. Prints ``SHARDKIT_ERROR:
+<message>`` and exits 3 when shardkit refuses (the expected outcome), or
+``READ <n> samples`` and exits 0 if the epoch ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from accelerate_train import to_sample, write_dataset  # noqa: E402
+
+import shardkit  # noqa: E402
+
+MODES = ("accelerate-dispatch", "accelerate-shard", "hf-trainer")
+
+
+def shared_dataset(rank: int) -> shardkit.Pipeline:
+    root = [tempfile.mkdtemp(prefix="shardkit-paths-") if rank == 0 else None]
+    dist.broadcast_object_list(root)
+    if rank == 0:
+        write_dataset(root[0])
+    dist.barrier()
+    shards = shardkit.ShardList.from_manifest(f"{root[0]}/train.manifest.arrow")
+    return shardkit.TFRecordDataset(shards, shuffle=True, balance="pad").map(to_sample)
+
+
+def through_accelerate(mode: str, workers: int, context: str | None) -> int:
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(dispatch_batches=mode == "accelerate-dispatch")
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    dataset = shared_dataset(accelerator.process_index)
+    loader = DataLoader(dataset, batch_size=8, num_workers=workers, multiprocessing_context=context)
+    return sum(len(batch["id"]) for batch in accelerator.prepare(loader))
+
+
+class Regression(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, id: Any = None) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x), labels)}
+
+
+def through_hf_trainer(workers: int) -> int:
+    from transformers import Trainer, TrainingArguments
+
+    work = tempfile.mkdtemp(prefix="shardkit-paths-hf-")
+    training = TrainingArguments(
+        output_dir=work,
+        max_steps=40,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=workers,
+    )
+    dataset = shared_dataset(training.process_index)
+    trainer = Trainer(model=Regression(), args=training, train_dataset=dataset)
+    return trainer.train().global_step * 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--context", choices=("fork", "spawn"))
+    args = parser.parse_args()
+    try:
+        if args.mode == "hf-trainer":
+            read = through_hf_trainer(args.workers)
+        else:
+            read = through_accelerate(args.mode, args.workers, args.context if args.workers else None)
+    except shardkit.ShardkitError as error:
+        print(f"SHARDKIT_ERROR: {error}", flush=True)
+        sys.exit(3)
+    print(f"READ {read} samples", flush=True)
+
+
+if __name__ == "__main__":
+    main()
