@@ -250,7 +250,16 @@ class MixedLoader:
     _passes = 0
 
     def __iter__(self) -> Iterator[Any]:
-        """Iterate one epoch of batches, resuming a state given to :meth:`load_state_dict`."""
+        """Iterate one epoch of batches, resuming a state given to :meth:`load_state_dict`.
+
+        The epoch starts at its first batch: ``iter()`` alone starts no worker and counts no
+        pass, so a trainer that calls ``iter()`` to check the loader before it loads a state
+        (Lightning does) neither moves the epoch on nor locks persistent workers out of the state.
+        """
+        return _Epoch(self)
+
+    def _start_epoch(self) -> Iterator[Any]:
+        """Begin the epoch :meth:`__iter__` stands for: count the pass, start the workers, resume."""
         resume, self._resume = self._resume, None
         if not self._epoch_set:
             self.epoch, self._passes = self._passes, self._passes + 1
@@ -400,3 +409,19 @@ def _accelerator_available() -> bool:
 def _as_is(message: Any) -> Any:
     """DataLoader collate_fn for ready-made messages (module level so spawn can pickle it)."""
     return message
+
+
+class _Epoch:
+    """One epoch of a :class:`MixedLoader`, begun at its first ``next()`` (see ``MixedLoader.__iter__``)."""
+
+    def __init__(self, loader: MixedLoader) -> None:
+        self._loader = loader
+        self._batches: Iterator[Any] | None = None
+
+    def __iter__(self) -> _Epoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._batches is None:
+            self._batches = self._loader._start_epoch()
+        return next(self._batches)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -380,3 +381,22 @@ def test_a_worker_error_stops_the_workers_at_once_and_the_next_epoch_starts_anew
     del error  # its traceback would keep this test's frame, and with it the next epoch's persistent workers
     marker.unlink()
     assert sorted(int(sample) for batch in loader for sample in batch) == list(range(40))
+
+
+def test_iter_alone_starts_no_worker_and_counts_no_pass() -> None:
+    # Trainers call iter() on a loader to check it before they load its state (Lightning's
+    # _check_dataloader_iterable): that call must neither start workers nor move the epoch on.
+    def batches(loader: MixedLoader) -> list[list[int]]:
+        return [batch.tolist() for batch in loader]
+
+    def build() -> MixedLoader:
+        return MixedLoader(wrap(list(range(48)), shuffle=True, seed=3), 6, num_workers=2, persistent_workers=True)
+
+    reference = build()
+    epoch0, epoch1 = batches(reference), batches(reference)
+    assert epoch0 != epoch1  # each pass reshuffles, so a pass counted by iter() would show
+    checked = build()
+    running = set(multiprocessing.active_children())
+    iter(checked)
+    assert set(multiprocessing.active_children()) == running
+    assert batches(checked) == epoch0 and batches(checked) == epoch1

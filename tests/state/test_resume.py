@@ -480,3 +480,17 @@ def test_random_worker_states_merge_into_exactly_the_rest(trial: int) -> None:
     merged = merge(states)
     rest = [s for w in range(after) for s in _as_worker(w, after, lambda: list(_loaded(make(), merged)))]
     assert sorted(delivered + rest) == full
+
+
+@pytest.mark.slow
+def test_a_state_loaded_after_a_trainer_calls_iter_resumes_exactly_with_persistent_workers() -> None:
+    # Lightning calls iter() on the loader before it loads the checkpoint's state: with persistent
+    # workers the state must still load, and resume the epoch exactly.
+    run = Run("mixed", shuffled, 2, persistent_workers=True)
+    epochs, states = run.uninterrupted()
+    state, delivered = states[0, len(epochs[0]) // 2]
+    loader, _ = run.loader()
+    iter(loader)
+    loader.load_state_dict(state)
+    rest = [sample for batch in loader for sample in batch]
+    assert delivered + rest == [sample for batch in epochs[0] for sample in batch]
