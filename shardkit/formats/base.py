@@ -49,6 +49,7 @@ __all__ = [
     "ResumeHint",
     "ShardFormat",
     "capabilities",
+    "check_interface",
     "max_records",
     "record_bound",
 ]
@@ -204,11 +205,20 @@ def capabilities(fmt: ShardFormat) -> FormatBase:
     """
     if isinstance(fmt, FormatBase):
         return fmt
+    return _Adapted(check_interface(fmt))
+
+
+def check_interface(fmt: object) -> ShardFormat:
+    """``fmt``, if it has the whole :class:`ShardFormat` interface.
+
+    Raises:
+        FormatError: naming what the interface is, when ``fmt`` lacks part of it.
+    """
     if not isinstance(fmt, ShardFormat):
         raise FormatError(
             f"{fmt!r} lacks part of the ShardFormat interface (name, suffixes, sniff, read, count, build_index)"
         )
-    return _Adapted(fmt)
+    return fmt
 
 
 class ResumeHint(NamedTuple):

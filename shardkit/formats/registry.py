@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.formats.base import HEAD_BYTES, FormatError, ShardFormat
+from shardkit.formats.base import HEAD_BYTES, FormatError, ShardFormat, check_interface
 from shardkit.formats.jsonl import JsonlFormat
 from shardkit.formats.parquet import ParquetFormat
 from shardkit.formats.tar import TarFormat
@@ -25,11 +25,7 @@ _REGISTRY: dict[str, ShardFormat] = {}
 
 def register_format(fmt: ShardFormat) -> ShardFormat:
     """Make ``fmt`` known to :func:`format_for` (and the CLI) under ``fmt.name``; return it."""
-    if not isinstance(fmt, ShardFormat):
-        raise FormatError(
-            f"{fmt!r} lacks part of the ShardFormat interface (name, suffixes, sniff, read, count, build_index)"
-        )
-    _REGISTRY[fmt.name] = fmt
+    _REGISTRY[fmt.name] = check_interface(fmt)
     return fmt
 
 
