@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "FormatDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
     "interleave": "shardkit.pipeline",
+    "Schedule": "shardkit.planning",
+    "mixture_shares": "shardkit.pipeline",
     "Pipeline": "shardkit.pipeline",
     "MixedLoader": "shardkit.loader",
     "worker_seed": "shardkit.seeding",
@@ -74,8 +76,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
     from shardkit.formats.tfrecord.index import build_index
     from shardkit.loader import MixedLoader
-    from shardkit.pipeline import Pipeline, interleave
-    from shardkit.planning import Range, plan
+    from shardkit.pipeline import Pipeline, interleave, mixture_shares
+    from shardkit.planning import Range, Schedule, plan
     from shardkit.quality import shuffle_quality
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import DuplicateShardWarning, ShardList

@@ -34,6 +34,7 @@ _MAX_SEED = 2**64
 WORKER_STREAM = 0
 SHUFFLE_STREAM = 1
 INTERLEAVE_STREAM = 2
+SCHEDULE_STREAM = 3  # the start of a scheduled interleave's low-discrepancy draws
 
 #: Uniform floats drawn per generator call (a scalar call costs ~1 us); a saved draw position lies in [0, DRAW_BLOCK].
 DRAW_BLOCK = 1024

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit.pipeline.scheduling import SCHEDULE, ScheduleCursor
 from shardkit.seeding import Uniforms
 from shardkit.stateful import (
     EPOCH,
@@ -53,7 +54,9 @@ class _InterleaveIterator(StageIterator):
     input (None for an input of weight 0, never read), the ``live`` inputs
     (increasing indices of those not yet exhausted), the draw position ``rng``
     (:class:`~shardkit.seeding.Uniforms`), whether a ``first_exhausted`` mix
-    has ``stopped``, and ``share``.
+    has ``stopped``, and ``share``; under a :class:`~shardkit.planning.Schedule`
+    also ``schedule``, the :class:`~shardkit.pipeline.scheduling.ScheduleCursor`'s
+    node (which then draws the sources instead of ``rng``).
     """
 
     KIND = "interleave"
@@ -68,7 +71,9 @@ class _InterleaveIterator(StageIterator):
         stop_on_first: bool,
         epoch: int,
         topology: Topology,
+        cursor: ScheduleCursor | None = None,
     ) -> None:
+        self._cursor = cursor
         self._weights = weights
         self._uniforms = Uniforms(rng)
         self._stop_on_first = stop_on_first
@@ -85,25 +90,35 @@ class _InterleaveIterator(StageIterator):
 
     def __next__(self) -> Any:
         while self._live:
-            point = self._uniforms.draw() * self._cumulative[-1]
-            slot = min(bisect_right(self._cumulative, point), len(self._live) - 1)
+            slot = self._draw() if self._cursor is None else self._cursor.draw(self._live)
             index = self._live[slot]
             source = self._sources[index]
             assert source is not None
             try:
-                return next(source)
+                sample = next(source)
             except StopIteration:
                 if self._stop_on_first:
                     self._live = []
                     self._stopped = True
                 else:
                     self._set_live([i for i in self._live if i != index])
+                continue
+            if self._cursor is not None:
+                self._cursor.count(index, sample)
+            return sample
         raise StopIteration
+
+    def _draw(self) -> int:
+        """The slot in the live inputs to read next, drawn from the fixed weights."""
+        point = self._uniforms.draw() * self._cumulative[-1]
+        return min(bisect_right(self._cumulative, point), len(self._live) - 1)
 
     def state_dict(self) -> State:
         """Every input's state (None for weight 0), the live inputs and the draws."""
+        scheduled = {} if self._cursor is None else {SCHEDULE: self._cursor.state_dict()}
         return node(
             self.KIND,
+            **scheduled,
             **{
                 EPOCH: self._epoch,
                 UPSTREAM: [None if s is None else upstream_state(s) for s in self._sources],
@@ -120,6 +135,8 @@ class _InterleaveIterator(StageIterator):
         self._stopped = bool(state[self.STOPPED])
         self._set_live([] if self._stopped else [i for i in state[self.LIVE] if self._sources[i] is not None])
         resume.continue_draws(self._uniforms)
+        if self._cursor is not None:
+            self._cursor.restore(state[SCHEDULE], own=resume.draws() is not None)
 
     @classmethod
     def inputs_to_load(cls, stage: Any, state: State) -> list[tuple[Any, State]]:
@@ -131,6 +148,7 @@ class _InterleaveIterator(StageIterator):
             if (part is None) != (weight == 0):  # every input that is read has a position
                 saved = "no state" if part is None else "a state"
                 raise StateError(f"{stage!r}: the state has {saved} for input {index} of weight {weight}")
+        ScheduleCursor.check_state(state.get(SCHEDULE), stage.schedule, repr(stage))
         return [(dataset, part) for dataset, part in zip(stage.upstream, inputs) if part is not None]
 
     @classmethod
@@ -170,8 +188,10 @@ class _InterleaveIterator(StageIterator):
         for index in range(len(states[0][UPSTREAM])):
             parts = [s[UPSTREAM][index] for s in states if s[UPSTREAM][index] is not None]
             inputs.append(merge(parts) if parts else None)
+        cursor = ScheduleCursor.merge([s.get(SCHEDULE) for s in states])
         return node(
             cls.KIND,
+            **({} if cursor is None else {SCHEDULE: cursor}),
             **{
                 EPOCH: same_value(states, EPOCH),
                 UPSTREAM: inputs,

@@ -17,8 +17,10 @@ import math
 from collections.abc import Sequence
 
 from shardkit.pipeline.interleaving import STOP_RULES, _InterleaveIterator
+from shardkit.pipeline.scheduling import ScheduleCursor
 from shardkit.pipeline.stages import Pipeline, PipelineError
-from shardkit.seeding import INTERLEAVE_STREAM, check_seed, generator
+from shardkit.planning.schedule import Schedule
+from shardkit.seeding import INTERLEAVE_STREAM, SCHEDULE_STREAM, check_seed, generator
 from shardkit.stateful import Resume
 
 __all__ = ["Interleave", "interleave"]
@@ -26,7 +28,7 @@ __all__ = ["Interleave", "interleave"]
 
 def interleave(
     datasets: Sequence[Pipeline],
-    weights: Sequence[float] | None = None,
+    weights: Sequence[float] | Schedule | None = None,
     *,
     seed: int = 0,
     stop: str = "first_exhausted",
@@ -40,6 +42,15 @@ def interleave(
     follows the weights to the end; ``"all_exhausted"`` keeps drawing from the
     others, reweighted, until every source is spent. ``set_epoch`` reaches
     every source.
+
+    ``weights`` may be a :class:`~shardkit.Schedule`: weights that change
+    with the mixture's global position (samples, or tokens of a key, yielded
+    by all ranks and workers together), e.g. ``Schedule([(0, [0.9, 0.1]),
+    (10_000, [0.5, 0.5])])``. Sources are then drawn with a low-discrepancy
+    sequence, so every window of the mix follows the schedule closely;
+    resuming, also on another world size, continues the schedule where the
+    mixture had got to. :func:`~shardkit.pipeline.mixture_shares` of a saved
+    state gives the realised and the scheduled share of each source.
 
     Example:
         >>> import shardkit
@@ -68,9 +79,17 @@ def _check_datasets(datasets: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
     return tuple(datasets)
 
 
-def _check_weights(weights: Sequence[float] | None, count: int) -> tuple[float, ...]:
+def _check_weights(weights: Sequence[float] | Schedule | None, count: int) -> tuple[float, ...]:
+    """One weight per dataset; under a schedule, each dataset's largest (0: never read)."""
     if weights is None:
         return (1.0,) * count
+    if isinstance(weights, Schedule):
+        if weights.sources != count:
+            raise PipelineError(
+                f"interleave got {count} datasets but the Schedule weighs {weights.sources}; "
+                "give every point one weight per dataset"
+            )
+        return tuple(float(w) for w in weights.weights.max(axis=0))
     try:
         values = [float(w) for w in weights]
     except (TypeError, ValueError):
@@ -100,12 +119,13 @@ class Interleave(Pipeline):
     def __init__(
         self,
         datasets: Sequence[Pipeline],
-        weights: Sequence[float] | None = None,
+        weights: Sequence[float] | Schedule | None = None,
         *,
         seed: int = 0,
         stop: str = "first_exhausted",
     ) -> None:
         self.upstream = _check_datasets(datasets)
+        self.schedule = weights if isinstance(weights, Schedule) else None
         self.weights = _check_weights(weights, len(self.upstream))
         self.mix_seed = check_seed(seed, "interleave(seed)")
         if stop not in STOP_RULES:
@@ -138,8 +158,12 @@ class Interleave(Pipeline):
     def _open(self, resume: Resume | None) -> _InterleaveIterator:
         epoch, topology = self.epoch, self.topology()
         rng = generator(self.mix_seed, epoch, topology, INTERLEAVE_STREAM)
+        cursor = None
+        if self.schedule is not None:
+            start = float(generator(self.mix_seed, epoch, topology, SCHEDULE_STREAM).random())
+            cursor = ScheduleCursor(self.schedule, start, topology.num_readers)
         iterator = _InterleaveIterator(
-            self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology
+            self.upstream, self.weights, rng, self.stop == "first_exhausted", epoch, topology, cursor
         )
         if resume is not None:
             iterator.restore(resume)
@@ -147,4 +171,5 @@ class Interleave(Pipeline):
 
     def __repr__(self) -> str:
         inputs = ", ".join(repr(d) for d in self.upstream)
-        return f"interleave([{inputs}], weights={list(self.weights)}, seed={self.mix_seed}, stop={self.stop!r})"
+        weights = self.schedule if self.schedule is not None else list(self.weights)
+        return f"interleave([{inputs}], weights={weights!r}, seed={self.mix_seed}, stop={self.stop!r})"

@@ -68,6 +68,7 @@ from shardkit.planning.intervals import (
 )
 from shardkit.planning.plans import plan, plan_intervals, plan_whole_shards
 from shardkit.planning.ranges import PlannedRanges, Range, WholeShards
+from shardkit.planning.schedule import Schedule, ScheduleError
 from shardkit.planning.stream import SHUFFLE_BLOCK, SHUFFLE_WINDOW, window_order
 
 __all__ = [
@@ -78,6 +79,8 @@ __all__ = [
     "PlanError",
     "PlannedRanges",
     "Range",
+    "Schedule",
+    "ScheduleError",
     "WholeShards",
     "plan",
     "plan_intervals",

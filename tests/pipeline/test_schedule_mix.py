@@ -1,0 +1,158 @@
+"""interleave(weights=Schedule(...)): the realised mix follows the schedule over
+the global position, exactly on resume and on another number of readers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+import shardkit
+from shardkit import Schedule
+from shardkit.pipeline import PipelineError, mixture_shares
+from shardkit.state import StateError, merge
+
+SIZE = 40_000  # per source: far more than any test reads, so no source runs out
+
+
+class Items:
+    """A map-style dataset of ``{"src": s, "i": i, "input_ids": [s] * length(i)}``."""
+
+    def __init__(self, source: int, size: int = SIZE, tokens: bool = False) -> None:
+        self.source, self.size, self.tokens = source, size, tokens
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict:
+        length = 1 + (i * 7 + self.source * 3) % 9 if self.tokens else 1
+        return {"src": self.source, "i": i, "input_ids": [self.source] * length}
+
+
+def mix(schedule, *, rank=None, world_size=None, seed=5, tokens=False, sizes=(SIZE, SIZE)):
+    sources = [shardkit.wrap(Items(s, n, tokens), rank=rank, world_size=world_size) for s, n in enumerate(sizes)]
+    return shardkit.interleave(sources, weights=schedule, seed=seed)
+
+
+def take(iterator, count):
+    return [next(iterator) for _ in range(count)]
+
+
+def window_errors(sources, schedule, window=2000, units=None, start=0):
+    """Largest gap between the realised share of source 1 and the schedule's,
+    over consecutive windows of ``window`` positions of the global stream."""
+    units = np.ones(len(sources)) if units is None else np.asarray(units, dtype=float)
+    positions = start + np.concatenate([[0], np.cumsum(units)[:-1]])
+    errors = []
+    for begin in range(0, int(positions[-1]) - window + 1, window):
+        inside = (positions >= start + begin) & (positions < start + begin + window)
+        realised = units[inside][np.asarray(sources)[inside] == 1].sum() / units[inside].sum()
+        middle = start + begin + window / 2
+        errors.append(abs(realised - schedule.weights_at(middle)[1]))
+    return max(errors)
+
+
+SCHEDULE = Schedule([(0, [0.9, 0.1]), (10_000, [0.5, 0.5]), (16_000, [0.2, 0.8])])
+
+
+def iter_take(pipeline, count):
+    return take(iter(pipeline), count)
+
+
+def test_every_window_of_2000_samples_is_within_three_hundredths_of_the_schedule():
+    samples = iter_take(mix(SCHEDULE), 20_000)
+    assert window_errors([s["src"] for s in samples], SCHEDULE) <= 0.03
+
+
+def test_the_schedule_follows_the_global_position_over_ranks_and_workers():
+    """Two ranks of two workers: each reader counts its own samples times four,
+    so the stream all four yield together follows the schedule."""
+    loaders = [iter(DataLoader(mix(SCHEDULE, rank=r, world_size=2), batch_size=None, num_workers=2)) for r in (0, 1)]
+    merged = []
+    for _ in range(5_000):  # workers alternate within a rank; the ranks step together
+        merged.extend(next(loader)["src"] for loader in loaders)
+    assert window_errors(merged, SCHEDULE) <= 0.03
+
+
+def test_a_token_schedule_counts_the_tokens_of_its_key():
+    schedule = Schedule([(0, [0.9, 0.1]), (30_000, [0.3, 0.7])], unit="tokens")
+    samples = iter_take(mix(schedule, tokens=True), 12_000)
+    units = [len(s["input_ids"]) for s in samples]
+    assert sum(units) > 40_000
+    assert window_errors([s["src"] for s in samples], schedule, window=4000, units=units) <= 0.03
+    by_sample = window_errors([s["src"] for s in samples], schedule, window=2000)
+    assert by_sample > 0.03  # counted per sample it would not follow: long samples of source 1 weigh more
+
+
+def test_a_resumed_mix_continues_exactly_where_the_saved_one_stopped():
+    pipeline = mix(SCHEDULE)
+    iterator = iter(pipeline)
+    take(iterator, 3_000)
+    state = json.loads(json.dumps(iterator.state_dict()))
+    rest = take(iterator, 4_000)
+    again = mix(SCHEDULE)
+    again.load_state_dict(state)
+    assert take(iter(again), 4_000) == rest
+
+
+def test_a_mix_resumed_on_more_readers_continues_the_schedule_from_the_global_position():
+    """Saved by one reader after 9,000 samples (weight of source 1 about 0.46 there),
+    resumed by two workers: the first window after the resume follows the schedule
+    at 9,000 on, not at 0 (0.1) again, and no sample is read twice."""
+    pipeline = mix(SCHEDULE)
+    iterator = iter(pipeline)
+    before = take(iterator, 9_000)
+    state = merge([iterator.state_dict()])
+    resumed = mix(SCHEDULE)
+    resumed.load_state_dict(state)
+    after = take(iter(DataLoader(resumed, batch_size=None, num_workers=2)), 6_000)
+    assert window_errors([s["src"] for s in after], SCHEDULE, start=9_000) <= 0.03
+    seen = [(s["src"], s["i"]) for s in before + after]
+    assert len(seen) == len(set(seen))
+
+
+def test_mixture_shares_report_the_realised_and_the_scheduled_share_of_each_source():
+    pipeline = mix(SCHEDULE)
+    iterator = iter(pipeline)
+    samples = take(iterator, 12_000)
+    report = mixture_shares(iterator.state_dict())
+    realised = np.mean([s["src"] for s in samples])
+    assert report["units"] == 12_000
+    assert report["realised"][1] == pytest.approx(realised)
+    assert report["scheduled"][1] == pytest.approx(realised, abs=0.005)
+    plain = iter(shardkit.wrap([1, 2]))
+    next(plain)
+    assert mixture_shares(plain.state_dict()) is None
+
+
+def test_a_schedule_for_another_number_of_sources_is_refused():
+    with pytest.raises(PipelineError, match="2 datasets but the Schedule weighs 3"):
+        shardkit.interleave([shardkit.wrap([1]), shardkit.wrap([2])], weights=Schedule([(0, [1, 1, 1])]))
+
+
+def test_a_state_saved_under_another_schedule_is_refused_naming_it():
+    iterator = iter(mix(SCHEDULE))
+    take(iterator, 10)
+    other = mix(Schedule([(0, [0.5, 0.5])]))
+    with pytest.raises(StateError, match="saved under another schedule"):
+        other.load_state_dict(iterator.state_dict())
+    plain = shardkit.interleave([shardkit.wrap(Items(0)), shardkit.wrap(Items(1))], seed=5)
+    with pytest.raises(StateError, match="with a Schedule, this one has none"):
+        plain.load_state_dict(iterator.state_dict())
+
+
+def test_a_tampered_schedule_position_is_a_state_error_naming_the_field():
+    iterator = iter(mix(SCHEDULE))
+    take(iterator, 10)
+    state = iterator.state_dict()
+    state["schedule"]["realised"] = [1, -4]
+    with pytest.raises(StateError, match=r"state\['schedule'\]\['realised'\] must be 2 numbers >= 0"):
+        mix(SCHEDULE).load_state_dict(state)
+
+
+def test_a_token_schedule_over_samples_without_the_key_names_the_key():
+    schedule = Schedule([(0, [1, 1])], unit="tokens", key="tokens")
+    with pytest.raises(Exception, match="counts the tokens of 'tokens'"):
+        iter_take(mix(schedule), 1)
