@@ -151,8 +151,7 @@ class ScheduleCursor:
             values = field(saved, key, f"{where} (schedule)", *SEQUENCE)
             if len(values) != schedule.sources or any(type(v) not in kinds or v < 0 for v in values):
                 raise StateError(
-                    f"{where}: state['schedule'][{key!r}] must be {schedule.sources} numbers >= 0, "
-                    f"got {values!r:.80}"
+                    f"{where}: state['schedule'][{key!r}] must be {schedule.sources} numbers >= 0, got {values!r:.80}"
                 )
 
     @classmethod
@@ -198,7 +197,11 @@ def mixture_shares(state: Any) -> dict[str, Any] | None:
     realised = [a + b for a, b in zip(merged[ScheduleCursor.REALISED_BEFORE], merged[ScheduleCursor.REALISED])]
     scheduled = [a + b for a, b in zip(merged[ScheduleCursor.SCHEDULED_BEFORE], merged[ScheduleCursor.SCHEDULED])]
     total = sum(realised) or 1
-    return {"realised": [r / total for r in realised], "scheduled": [s / total for s in scheduled], "units": sum(realised)}
+    return {
+        "realised": [r / total for r in realised],
+        "scheduled": [s / total for s in scheduled],
+        "units": sum(realised),
+    }
 
 
 def _collect(value: Any, nodes: list[State]) -> None:

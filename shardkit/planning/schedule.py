@@ -147,9 +147,7 @@ def _check_weights(weights: Any, index: int, count: int | None) -> list[float]:
     if count is not None and len(row) != count:
         raise ScheduleError(f"Schedule point {index} has {len(row)} weights, point 0 has {count}; give one per source")
     if not row or any(not math.isfinite(w) or w < 0 for w in row) or sum(row) == 0:
-        raise ScheduleError(
-            f"Schedule point {index}: weights must be finite, >= 0 and not all 0, got {row!r:.80}"
-        )
+        raise ScheduleError(f"Schedule point {index}: weights must be finite, >= 0 and not all 0, got {row!r:.80}")
     return row
 
 
