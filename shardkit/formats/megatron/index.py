@@ -250,12 +250,15 @@ def _first_misplaced(indices: np.ndarray, seqs: int, indices_at: int) -> tuple[i
     if not found.size:
         return None
     i = int(found[0])
+    # Out of range: index i is wrong, so document i - 1 is. Lower than the one before: either may be
+    # wrong, and if the one before is, so is the document that ends there (i - 2).
+    first = max(i - (1 if i == 0 or not 0 <= indices[i] <= seqs else 2), 0)
     before = f"after {int(indices[i - 1])}" if i else "first (it must be 0)"
     reason = (
         f"document index {i} is {int(indices[i])}, {before}, of {seqs} sequences: the documents from "
-        f"{max(i - 1, 0)} on cannot be located"
+        f"{first} on cannot be located"
     )
-    return max(i - 1, 0), indices_at + 8 * i, reason
+    return first, indices_at + 8 * i, reason
 
 
 def _bad_documents(
