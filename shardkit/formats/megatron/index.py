@@ -38,8 +38,8 @@ byte where it starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import numpy as np
 
@@ -90,13 +90,13 @@ def idx_url(url: str) -> str:
     return prefix_of(url) + ".idx"
 
 
-def dtype_code(dtype: object) -> int:
+def dtype_code(dtype: Any) -> int:
     """The code of ``dtype`` in :data:`DTYPES`.
 
     Raises:
         ValueError: a dtype Megatron cannot store, naming those it can.
     """
-    wanted = np.dtype(dtype)  # pyright: ignore[reportArgumentType]
+    wanted = np.dtype(dtype)
     for code, known in DTYPES.items():
         if known == wanted.newbyteorder("<"):
             return code
@@ -170,6 +170,7 @@ class TokenIndex:
     broken: tuple[int, int, str] | None
     orphans: int
     described: int
+    _past: dict[int, int] = field(default_factory=dict, repr=False)  # .bin size -> past_end, per open otherwise O(docs)
 
     @property
     def documents(self) -> int:
@@ -195,10 +196,13 @@ class TokenIndex:
 
     def past_end(self, size: int) -> int:
         """The first document (not a bad one) that does not fit a ``.bin`` of ``size`` bytes; ``documents`` if all do."""
-        over = self.ends > size
-        over[self.bad] = False
-        first = np.flatnonzero(over)
-        return int(first[0]) if first.size else self.documents
+        if size not in self._past:
+            over = self.ends > size
+            over[self.bad] = False
+            first = np.flatnonzero(over)
+            self._past.clear()  # one size at a time: the .bin's
+            self._past[size] = int(first[0]) if first.size else self.documents
+        return self._past[size]
 
 
 def parse_index(data: bytes | memoryview, idx_url: str) -> TokenIndex:
