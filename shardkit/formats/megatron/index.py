@@ -223,7 +223,7 @@ def parse_index(data: bytes | memoryview, idx_url: str) -> TokenIndex:
     with np.errstate(over="ignore"):  # garbage pointers wrap; they then mismatch, which is what is checked
         expected = np.concatenate(([0], pointers[:-1] + lengths[:-1] * size)) if seqs else pointers
         described = int(pointers[-1] + lengths[-1] * size) if seqs else 0
-    bad, bad_sequence, reasons = _bad_documents(indices, lengths, pointers, expected, seqs)
+    bad, bad_sequence, reasons = _bad_documents(indices, lengths, pointers, expected, size)
     ends_at = np.concatenate((pointers, [described]))
     cumulative = np.concatenate(([0], np.cumsum(lengths)))
     starts = np.zeros(docs, dtype=np.int64)
@@ -238,8 +238,16 @@ def parse_index(data: bytes | memoryview, idx_url: str) -> TokenIndex:
 
 
 _MISMATCH: Final = (
-    "sequence {sequence}'s pointer is not where the sequence before it ends, by the lengths in {idx}: "
-    "that sequence's length or this pointer is wrong, so neither document is read"
+    "sequence {sequence}'s pointer is not where the sequence before it ends, by the lengths in {idx}, and "
+    "neither that length nor this pointer agrees with the others: neither document is read"
+)
+_MOVED: Final = (
+    "sequence {sequence}'s pointer in {idx} is not where the sequence before it ends, while the next "
+    "sequence's is: this pointer is wrong"
+)
+_LENGTH: Final = (
+    "sequence {sequence}'s length in {idx} does not reach the next sequence's pointer, while every pointer "
+    "agrees with the one before: this length is wrong"
 )
 _NEGATIVE: Final = "sequence {sequence} has a negative length in {idx}"
 _BEFORE_START: Final = "sequence {sequence}'s pointer in {idx} is before the start of the .bin"
@@ -266,20 +274,40 @@ def _first_misplaced(indices: np.ndarray, seqs: int, indices_at: int) -> tuple[i
 
 
 def _bad_documents(
-    indices: np.ndarray, lengths: np.ndarray, pointers: np.ndarray, expected: np.ndarray, seqs: int
+    indices: np.ndarray, lengths: np.ndarray, pointers: np.ndarray, expected: np.ndarray, itemsize: int
 ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
-    """The documents a wrong pointer or a negative length condemns: (sorted documents, the sequence
-    to blame for each, their reasons). Only sequences inside located documents count."""
-    inside = int(indices[-1])
-    negative = np.flatnonzero(lengths[:inside] < 0)
-    moved = np.flatnonzero(pointers[:inside] != expected[:inside])
+    """The documents a wrong pointer or length condemns: (sorted documents, the sequence to blame for
+    each, their reasons). Only sequences inside located documents count.
+
+    A sequence whose pointer is not where the one before it ends is told apart by its neighbours:
+    one wrong pointer moves itself and the next sequence, which starts where it would after a right
+    one (``_MOVED``: that document alone); one wrong length moves only the next sequence
+    (``_LENGTH``: the document holding the length). Anything else, the last sequence included,
+    condemns both documents around the break.
+    """
+    n = int(indices[-1])
+    pointers, lengths, expected = pointers[:n], lengths[:n], expected[:n]
+    moved = np.append(pointers != expected, False)  # moved[n]: no sequence after the last
+    with np.errstate(over="ignore"):
+        follows = np.append(pointers[1:] == expected[:-1] + lengths[:-1] * itemsize, False) if n else moved[:0]
+    pointer = moved[:-1] & moved[1:] & follows
+    rest = moved[:-1] & ~pointer & ~np.concatenate(([False], pointer[:-1]))
+    inner = (np.arange(n) > 0) & (np.arange(n) < n - 1)
+    length = rest & ~moved[1:] & inner
+    both = rest & ~length
     doc_of = lambda s: np.searchsorted(indices, s, side="right") - 1  # noqa: E731 - sequence -> its document
     empty = np.zeros(0, dtype=np.int64)
-    bad, blame, reasons = empty, empty, ()
-    bad, blame, reasons = _with(bad, blame, reasons, doc_of(negative), negative, _NEGATIVE)
-    bad, blame, reasons = _with(bad, blame, reasons, doc_of(moved), moved, _MISMATCH)
-    previous = moved[moved > 0] - 1
-    return _with(bad, blame, reasons, doc_of(previous), previous + 1, _MISMATCH)
+    found: tuple[np.ndarray, np.ndarray, tuple[str, ...]] = (empty, empty, ())
+    breaks = np.flatnonzero(both)
+    for seqs, blame, reason in (
+        (np.flatnonzero(lengths < 0), None, _NEGATIVE),
+        (np.flatnonzero(pointer), None, _MOVED),
+        (np.flatnonzero(length) - 1, None, _LENGTH),
+        (breaks, None, _MISMATCH),
+        (breaks[breaks > 0] - 1, breaks[breaks > 0], _MISMATCH),  # the document before each break
+    ):
+        found = _with(*found, doc_of(seqs), seqs if blame is None else blame, reason)
+    return found
 
 
 def _with(
