@@ -85,6 +85,12 @@ def test_a_range_reads_exactly_its_documents_whichever_file_names_the_pair(tmp_p
     assert read_tokens(MegatronFormat().read(prefix + spelling, len(DOCS) - 1, 10**9))[0].tolist() == DOCS[-1].tolist()
 
 
+def test_an_idx_is_known_by_its_magic_whatever_its_name(tmp_path) -> None:
+    prefix = write_pair(tmp_path)
+    os.rename(prefix + ".idx", tmp_path / "renamed")
+    assert shardkit.format_for(str(tmp_path / "renamed")).name == "megatron"
+
+
 def test_counts_come_from_the_idx_header_without_the_bin(tmp_path) -> None:
     prefix = write_pair(tmp_path)
     os.truncate(prefix + ".bin", 0)  # nothing to scan
