@@ -42,6 +42,38 @@ def test_every_document_exactly_once_over_two_ranks_of_two_workers(tmp_path, bal
         assert set(seen.values()) == {1}
 
 
+def _gloo_rank_reads(rank: int, world_size: int, prefixes: list[str], out: str) -> None:
+    """One gloo rank: TokenDataset (rank from the process group) through 2 spawned workers, a
+    collective per batch as DDP's all-reduce; rank 0 writes every rank's (batches, ids) to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    dataset = shardkit.TokenDataset(prefixes, shuffle=True, seed=9, balance="pad").map(first_token)
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context="spawn")
+    ids, batches = [], 0
+    for batch in loader:
+        ids += batch.tolist()
+        batches += 1
+        dist.all_reduce(torch.ones(1))  # unequal batch counts would hang here
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (batches, ids))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+
+
+@pytest.mark.slow
+def test_gloo_ranks_with_spawned_workers_read_every_document_in_equal_batches(tmp_path) -> None:
+    from tests.helpers.processes import gloo_ranks
+
+    prefixes = _pairs(tmp_path)
+    out = str(tmp_path / "seen.json")
+    gloo_ranks(_gloo_rank_reads, 2, prefixes, out, start_method="fork")
+    with open(out) as f:
+        (batches0, ids0), (batches1, ids1) = json.load(f)
+    assert batches0 == batches1 and sorted(ids0 + ids1) == list(range(len(DOCS)))
+
+
 def test_paths_are_taken_as_megatron_takes_them(tmp_path) -> None:
     prefixes = _pairs(tmp_path)
     every = list(range(len(DOCS)))
