@@ -219,7 +219,7 @@ def parse_index(data: bytes | memoryview, idx_url: str) -> TokenIndex:
     indices = np.frombuffer(data, "<i8", docs + 1, indices_at)
     broken = _first_misplaced(indices, seqs, indices_at)
     located = docs if broken is None else broken[0]
-    indices = indices[: located + 1]
+    indices = indices[: located + 1] if located else np.zeros(1, dtype=np.int64)  # [0]: no document located
     with np.errstate(over="ignore"):  # garbage pointers wrap; they then mismatch, which is what is checked
         expected = np.concatenate(([0], pointers[:-1] + lengths[:-1] * size)) if seqs else pointers
         described = int(pointers[-1] + lengths[-1] * size) if seqs else 0
