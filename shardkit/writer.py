@@ -77,10 +77,12 @@ class ShardWriter:
     """Write records into shards ``pattern % 0``, ``pattern % 1``, ... and a manifest.
 
     ``format`` is a format name (``"tfrecord"``, ``"tar"``, ``"parquet"``,
-    ``"jsonl"``) or a format object; by default the pattern's suffix decides,
-    and a pattern no format claims is TFRecord. A record is what the format's
-    reader yields: ``bytes`` for TFRecord, a sample dict (``"__key__"`` and
-    extensions) for tar, a row dict for Parquet, a JSON value for JSON lines.
+    ``"jsonl"``, ``"megatron"``) or a format object; by default the pattern's suffix
+    decides (``.bin``: Megatron pairs, int32 tokens unless the format object says
+    otherwise), and a pattern no format claims is TFRecord. A record is what the
+    format's reader yields: ``bytes`` for TFRecord, a sample dict (``"__key__"`` and
+    extensions) for tar, a row dict for Parquet, a JSON value for JSON lines, a
+    document ``{"input_ids": tokens}`` for Megatron.
 
     A new shard starts when the current one holds ``max_records`` records, or
     when the next record would take it past ``max_bytes`` framed (uncompressed)
