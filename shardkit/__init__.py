@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "TarDataset": "shardkit.sources",
     "ParquetDataset": "shardkit.sources",
     "JsonlDataset": "shardkit.sources",
+    "TokenDataset": "shardkit.sources",
+    "TokenWriter": "shardkit.writer",
     "FormatDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
     "interleave": "shardkit.pipeline",
@@ -88,8 +90,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
         ShardedDataset,
         TarDataset,
         TFRecordDataset,
+        TokenDataset,
         wrap,
     )
     from shardkit.topology import Topology
     from shardkit.trainers import TrainerError
-    from shardkit.writer import ShardWriter
+    from shardkit.writer import ShardWriter, TokenWriter

@@ -23,6 +23,11 @@ copy then a delete, which still never shows a partial object under a final
 name, but a process killed between the two leaves the ``.partial`` object
 behind.
 
+A format whose shard is two files (Megatron's ``.bin`` and ``.idx``) lists the
+second as a ``companion`` of the first: it is written under a temporary name
+too and renamed into place just before the first, so a glob for the first
+never finds it without the second (:class:`TokenWriter` writes one such pair).
+
 If the ``with`` block raises, the shard being written is deleted and no
 manifest is written; the shards completed before the error are kept under
 their final names (each is whole and valid, and they may already have replaced
@@ -52,7 +57,7 @@ from shardkit.io.files import check_compression, make_parent_dirs
 if TYPE_CHECKING:
     from shardkit.shardlist import ShardList
 
-__all__ = ["PARTIAL_SUFFIX", "ShardWriter", "default_manifest_path"]
+__all__ = ["PARTIAL_SUFFIX", "ShardWriter", "TokenWriter", "default_manifest_path"]
 
 PARTIAL_SUFFIX = ".partial"
 """Suffix of the temporary names files are written under before their rename."""
@@ -72,10 +77,12 @@ class ShardWriter:
     """Write records into shards ``pattern % 0``, ``pattern % 1``, ... and a manifest.
 
     ``format`` is a format name (``"tfrecord"``, ``"tar"``, ``"parquet"``,
-    ``"jsonl"``) or a format object; by default the pattern's suffix decides,
-    and a pattern no format claims is TFRecord. A record is what the format's
-    reader yields: ``bytes`` for TFRecord, a sample dict (``"__key__"`` and
-    extensions) for tar, a row dict for Parquet, a JSON value for JSON lines.
+    ``"jsonl"``, ``"megatron"``) or a format object; by default the pattern's suffix
+    decides (``.bin``: Megatron pairs, int32 tokens unless the format object says
+    otherwise), and a pattern no format claims is TFRecord. A record is what the
+    format's reader yields: ``bytes`` for TFRecord, a sample dict (``"__key__"`` and
+    extensions) for tar, a row dict for Parquet, a JSON value for JSON lines, a
+    document ``{"input_ids": tokens}`` for Megatron.
 
     A new shard starts when the current one holds ``max_records`` records, or
     when the next record would take it past ``max_bytes`` framed (uncompressed)
@@ -179,6 +186,8 @@ class ShardWriter:
         if self._current is not None:
             current = self._current
             current.close()
+            for partial, final in getattr(current, "companions", ()):  # a Megatron .idx: in place before its .bin
+                publish(partial, final, self.storage_options)
             publish(current.url, self._current_url, self.storage_options)
             self._current = None
             fs, path = fsspec.core.url_to_fs(self._current_url, **(self.storage_options or {}))
@@ -194,6 +203,8 @@ class ShardWriter:
             try:
                 current.close()
             finally:
+                for partial, _ in getattr(current, "companions", ()):
+                    remove_if_present(partial, self.storage_options)
                 remove_if_present(current.url, self.storage_options)
 
     def close(self) -> ShardList:
@@ -226,6 +237,75 @@ class ShardWriter:
             self.close()
         else:  # do not publish the shard in progress, nor a manifest of a partial run
             self._abort()
+
+
+class TokenWriter:
+    """Write one Megatron-LM indexed dataset, ``prefix.bin`` + ``prefix.idx``, that megatron-core reads back.
+
+    ``prefix`` is as Megatron's ``--data-path`` takes it (``data/corpus``; a ``.bin`` or ``.idx``
+    path names the same pair). A document is ``{"input_ids": tokens}`` (optionally with
+    ``"sequence_lengths"`` adding up to its length) or the tokens alone; ``dtype`` is what the
+    ``.bin`` holds (``np.uint16`` fits vocabularies under 65,536 tokens), and a token it cannot hold
+    exactly is an error naming the document. Both files are written under temporary names and
+    renamed into place on :meth:`close`, the ``.idx`` first; if the ``with`` block raises, neither
+    appears. For many pairs with a manifest, use ``ShardWriter("out/part-%05d.bin")``.
+    """
+
+    def __init__(self, prefix: str, *, dtype: Any = None, storage_options: dict[str, Any] | None = None) -> None:
+        import numpy as np
+
+        from shardkit.formats.megatron import PairWriter, bin_url
+
+        self.url = bin_url(prefix)
+        self.storage_options = storage_options
+        self._writer = PairWriter(
+            partial_name(self.url), name=self.url, dtype=np.int32 if dtype is None else dtype,
+            storage_options=storage_options,
+        )  # fmt: skip
+        self._done = False
+
+    @property
+    def num_records(self) -> int:
+        """Documents written so far."""
+        return self._writer.num_records
+
+    def write(self, document: Any) -> None:
+        """Append one document."""
+        if self._done:
+            raise ValueError(f"{self.url}: write() on a closed TokenWriter")
+        self._writer.write(document)
+
+    def close(self) -> None:
+        """Write the ``.idx`` and rename both files into place, the ``.idx`` first."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._writer.close()
+            for partial, final in self._writer.companions:
+                publish(partial, final, self.storage_options)
+            publish(self._writer.url, self.url, self.storage_options)
+            _sync_parent(self.url, self.storage_options)
+        finally:
+            self._remove_partials()
+
+    def _remove_partials(self) -> None:
+        for partial, _ in self._writer.companions:
+            remove_if_present(partial, self.storage_options)
+        remove_if_present(self._writer.url, self.storage_options)
+
+    def __enter__(self) -> TokenWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        self._done = True
+        try:
+            self._writer.close()
+        finally:
+            self._remove_partials()
 
 
 def _writable_format(format: Any, pattern: str, compression: str | None, storage_options: dict[str, Any] | None) -> Any:  # noqa: A002

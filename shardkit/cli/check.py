@@ -114,6 +114,14 @@ def _inspect_format(url: str, fmt: Any, args: argparse.Namespace) -> None:
         count += 1
         if first is None:
             first = record
+    if fmt.name == "megatron":
+        from shardkit.formats.megatron import bin_url, describe
+
+        print(f"{bin_url(url)}: {describe(fmt, url)}; format: megatron; every document checked and read")
+        if first is not None:
+            tokens = first["input_ids"]
+            print(f"first document: {len(tokens)} tokens {tokens[:8].tolist()}{' ...' if len(tokens) > 8 else ''}")
+        return
     checks = {"tar": "every header checksum", "parquet": "every row group decoded", "jsonl": "every line parsed"}
     print(f"{url}: {count} records; format: {fmt.name}; {checks.get(fmt.name, 'every record read')}")
     if first is not None:

@@ -18,12 +18,15 @@ GLOB_CHARS = re.compile(r"[*?\[{]")
 
 
 def expand(pattern: str) -> list[str]:
-    """The files ``pattern`` names: itself, or the sorted matches of a glob (``*?[`` or ``{a,b}``)."""
+    """The files ``pattern`` names: itself, or the sorted matches of a glob (``*?[`` or ``{a,b}``), where a
+    Megatron ``X.bin`` and ``X.idx`` are one pair, named once by its ``.bin``."""
     if not GLOB_CHARS.search(pattern):
         return [pattern]
     from shardkit.shardlist import ShardList
 
-    return ShardList.from_glob(pattern).urls()
+    urls = ShardList.from_glob(pattern).urls()
+    pairs = {url[:-4] for url in urls if url.endswith(".bin")}
+    return [url for url in urls if not (url.endswith(".idx") and url[:-4] in pairs)]  # a Megatron pair once
 
 
 def each_file(args: argparse.Namespace, job: Callable[[str], Any], listed: Sequence[str] = ()) -> int:

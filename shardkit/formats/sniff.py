@@ -20,6 +20,7 @@ __all__ = ["SNIFF_BYTES", "describe_file", "describe_head", "kind_of", "not_a_sh
 SNIFF_BYTES: Final = 512  # a tar header block: its "ustar" magic sits at byte 257
 
 _INDEX_MAGICS: Final = (b"SKTFIDX1", b"SKTARIX1", b"SKJSLIX1")  # formats/index.py, tar.py, jsonl.py
+_MEGATRON_MAGIC: Final = b"MMIDIDX\x00\x00"  # formats/megatron/index.py: half of a shard, not an index of one
 _INDEX_ADVICE: Final = "read the data file it indexes (the same name without .idx)"
 
 
@@ -31,6 +32,8 @@ def kind_of(head: bytes) -> tuple[str, str] | None:
         return "an Arrow IPC file (a shard manifest?)", "use ShardList.from_manifest"
     if head[:8] in _INDEX_MAGICS:
         return "a shardkit index file", _INDEX_ADVICE
+    if head[:9] == _MEGATRON_MAGIC:
+        return "a Megatron-LM index (.idx)", "use TokenDataset on the pair's prefix or .bin"
     if head[257:262] == b"ustar":
         return "a tar file", "use TarDataset"
     if head.lstrip()[:1] in (b"{", b"[") and b"\n" in head and _text(head):
@@ -73,6 +76,8 @@ def describe_file(url: str, storage_options: dict[str, Any] | None = None) -> st
 def not_a_shard(url: str, head: bytes) -> str | None:
     """What ``url`` is when it is an index or manifest file rather than shard data, else None."""
     kind = kind_of(head)
+    if head[:9] == _MEGATRON_MAGIC:
+        return None  # the .idx names its Megatron pair, which the commands read
     if url.endswith(".idx") or (kind is not None and kind[0] == "a shardkit index file"):
         return f"a shardkit index file; {_INDEX_ADVICE}"
     if kind is not None and kind[0].startswith("an Arrow IPC"):

@@ -2,8 +2,8 @@
 
 ``ShardedDataset`` reads shard files with any ``read_fn(url, start, stop)``;
 ``FormatDataset`` reads shards of any :class:`~shardkit.formats.base.ShardFormat`,
-and ``TFRecordDataset``, ``TarDataset``, ``ParquetDataset`` and ``JsonlDataset``
-are it for the built-in formats; ``wrap`` turns a map-style dataset (one with
+and ``TFRecordDataset``, ``TarDataset``, ``ParquetDataset``, ``JsonlDataset`` and
+``TokenDataset`` (Megatron ``.bin``/``.idx``) are it for the built-in formats; ``wrap`` turns a map-style dataset (one with
 ``__len__`` and ``__getitem__``) or a plain iterable into a source.
 
 The modules are layered, each importing only those below it (the import-linter
@@ -24,7 +24,14 @@ Importing this package registers the ``"planned"`` and ``"stream"`` stage kinds
 """
 
 from shardkit.sources.errors import MADE_UP_MISSING, BalanceError, DatasetError
-from shardkit.sources.formatted import FormatDataset, JsonlDataset, ParquetDataset, TarDataset, TFRecordDataset
+from shardkit.sources.formatted import (
+    FormatDataset,
+    JsonlDataset,
+    ParquetDataset,
+    TarDataset,
+    TFRecordDataset,
+    TokenDataset,
+)
 from shardkit.sources.sharded import ShardedDataset
 from shardkit.sources.wrap import MapSource, StreamSource, wrap
 
@@ -40,5 +47,6 @@ __all__ = [
     "StreamSource",
     "TFRecordDataset",
     "TarDataset",
+    "TokenDataset",
     "wrap",
 ]

@@ -438,3 +438,57 @@ class JsonlDataset(FormatDataset):
             compression=compression, index=index, storage_options=options.storage_options, remote=options.remote
         )
         self._build(shards, fmt, options)
+
+
+class TokenDataset(FormatDataset):
+    """An IterableDataset over Megatron-LM indexed datasets (``X.bin`` + ``X.idx``), read in place.
+
+    A record is a whole document, ``{"input_ids": np.ndarray}`` in the file's
+    dtype (a read-only view: no copy per document); a document of several
+    sequences is one record. Counts come from the ``.idx`` headers, so
+    documents are split over ranks and workers, shuffled, padded or dropped
+    and resumed exactly as any other dataset's records, with no scan. See
+    :mod:`shardkit.formats.megatron` for what is checked and how faults are
+    reported (a located :class:`~shardkit.CorruptRecordError`, or under
+    ``on_error="skip"`` a counted skip).
+
+    Args:
+        paths: Megatron prefixes as ``--data-path`` takes them (``"data/X_text_document"``),
+            ``.bin`` (or ``.idx``) paths, a glob of them (``"data/*.bin"``; a glob without
+            the suffix gets it: ``"data/*"`` is ``"data/*.bin"``), a list of any of these,
+            or a :class:`~shardkit.ShardList` of ``.bin`` urls (``ShardWriter`` manifests).
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote ``.bin`` files
+            are read, as for :class:`TFRecordDataset`; each ``.idx`` is fetched whole, once per process.
+
+    The other arguments are those of :class:`ShardedDataset`.
+    """
+
+    def __init__(
+        self,
+        paths: ShardList | str | Sequence[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        from shardkit.formats.megatron import MegatronFormat, bin_url
+
+        options = SourceOptions.of(
+            shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size, on_error=on_error,
+            storage_options=storage_options, readahead_bytes=readahead_bytes, retry=retry, cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )  # fmt: skip
+        fmt = MegatronFormat(storage_options=options.storage_options, remote=options.remote)
+        if isinstance(paths, str):
+            paths = bin_url(paths)
+        elif not isinstance(paths, ShardList):
+            paths = [bin_url(str(p)) for p in paths]
+        self._build(paths, fmt, options)

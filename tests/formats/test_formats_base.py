@@ -35,6 +35,7 @@ def test_the_builtin_formats_are_registered_and_satisfy_the_protocol():
         ("lines.ndjson", "jsonl"),
         ("data.tfrecord.gz", "tfrecord"),
         ("data.tfrecords", "tfrecord"),
+        ("data/corpus_text_document.bin", "megatron"),
     ],
 )
 def test_suffixes_name_the_format(name, expected):

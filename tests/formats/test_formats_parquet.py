@@ -64,7 +64,7 @@ def test_counts_come_from_the_footer_and_ranges_read_only_their_row_groups(tmp_p
         assert list(fmt.read(url, start, stop)) == [row(n) for n in range(50)][start:stop]
     assert read_groups == [0, 0, 1, 1, 2, 3, 4, 6, 5, 6]
     assert format_for(url).name == "parquet"
-    assert format_for(url.replace(".parquet", ".bin"), head=open(url, "rb").read(512)).name == "parquet"
+    assert format_for(url.replace(".parquet", ".dat"), head=open(url, "rb").read(512)).name == "parquet"
 
 
 def test_columns_are_projected_and_batches_are_column_arrays(tmp_path):
