@@ -164,8 +164,8 @@ def _wait(store: Any, keys: list[str], rank: int, where: str, timeout: timedelta
         try:
             store.wait(keys, timedelta(seconds=max(min(left, WARN_EVERY), 0.001)))
             return
-        except Exception:  # noqa: BLE001 - a timed-out wait: which exception depends on the store
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        except Exception as error:  # noqa: BLE001 - a timed-out wait: which exception depends on the store
+            missing = _missing(store, keys, rank, where, error)
         if not missing:
             return
         names = ", ".join(map(str, missing))
@@ -182,6 +182,18 @@ def _wait(store: Any, keys: list[str], rank: int, where: str, timeout: timedelta
             f"{where} on rank {rank}: waiting for the state of rank(s) {names}; call state_dict() on every rank",
             stacklevel=4,
         )
+
+
+def _missing(store: Any, keys: list[str], rank: int, where: str, error: Exception) -> list[int]:
+    """The ranks whose keys are not in the store yet; a store that cannot answer is a StateError."""
+    try:
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+    except Exception as broken:  # noqa: BLE001 - the store lives on a rank or agent that may be gone
+        raise StateError(
+            f"{where} on rank {rank}: the job's store, through which the ranks' states are gathered, failed "
+            f"({type(error).__name__}: {error}; then {type(broken).__name__}: {broken}); a rank or the launcher "
+            "may have died"
+        ) from None
 
 
 def _withdraw(store: Any, key: str) -> None:
