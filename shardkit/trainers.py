@@ -106,11 +106,22 @@ def _frames(frame: FrameType | None) -> list[FrameType]:
     return out
 
 
-def _accelerate_frame(frames: list[FrameType]) -> FrameType | None:
-    """The innermost frame of Accelerate's ``data_loader.py`` on the stack, if any."""
+def _accelerate_frames(frames: list[FrameType]) -> list[FrameType]:
+    """The frames of Accelerate's ``data_loader.py`` on the stack, innermost first. A forked
+    DataLoader worker's stack goes on below its worker loop with its parent's frames up to the fork."""
+    found = []
     for frame in frames:
         parts = frame.f_code.co_filename.replace("\\", "/").split("/")
         if tuple(parts[-2:]) == _ACCELERATE_MODULE:
+            found.append(frame)
+    return found
+
+
+def _stateful_init(frames: list[FrameType]) -> FrameType | None:
+    """The frame of a ``DataLoaderAdapter.__init__`` building a ``StatefulDataLoader``
+    (``use_stateful_dataloader=True``), which calls its ``state_dict()`` and so starts its workers."""
+    for frame in frames:
+        if frame.f_code.co_name == "__init__" and _owner_attribute(frame, "use_stateful_dataloader") is True:
             return frame
     return None
 
@@ -150,23 +161,24 @@ def check_not_in_accelerate(dataset: object) -> None:
     if "accelerate" not in sys.modules:  # cheap exit: nothing to look for
         return
     frames = _frames(sys._getframe(1))
-    frame = _accelerate_frame(frames)
-    if frame is None:
+    wrappers = _accelerate_frames(frames)
+    if not wrappers:
         return
     hf_trainer = _called_by_hf_trainer(frames)
-    skip = _owner_attribute(frame, "skip_batches")
+    skip = _owner_attribute(wrappers[0], "skip_batches")
     if isinstance(skip, int) and skip > 0:  # re-reads on any number of ranks
-        raise _skip_error(dataset, _wrapper_name(frame), skip, hf_trainer)
+        raise _skip_error(dataset, _wrapper_name(wrappers[0]), skip, hf_trainer)
     if _single_rank(dataset):
         return  # one rank: the wrappers pass every sample on
-    if frame.f_code.co_name == "__init__" and _owner_attribute(frame, "use_stateful_dataloader"):
+    stateful = _stateful_init(wrappers)
+    if stateful is not None:
         raise TrainerError(
-            f"accelerator.prepare(...) with DataLoaderConfiguration(use_stateful_dataloader=True) wraps the "
-            f"DataLoader over {dataset!r} in Accelerate's {_wrapper_name(frame)} and calls its state_dict() inside "
-            f"prepare(), which opens a pass over the data there; that wrapper would also lose data on several "
-            f"ranks. Fix: {HF_TRAINER_FIX if hf_trainer else STATEFUL_FIX}"
+            f"accelerator.prepare(DataLoader(...)) under DataLoaderConfiguration(use_stateful_dataloader=True) "
+            f"wraps {dataset!r} in Accelerate's {_wrapper_name(stateful)}, whose StatefulDataLoader is asked for "
+            f"its state_dict() inside prepare(), starting its workers there; the wrapper would lose data on "
+            f"several ranks and its state would be rank 0's alone. Fix: {HF_TRAINER_FIX if hf_trainer else STATEFUL_FIX}"
         )
-    raise _wrapper_error(dataset, _wrapper_name(frame), hf_trainer)
+    raise _wrapper_error(dataset, _wrapper_name(wrappers[0]), hf_trainer)
 
 
 def _skip_error(dataset: object, wrapper: str, skip: int, hf_trainer: bool) -> TrainerError:
