@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "interleave": "shardkit.pipeline",
     "Pipeline": "shardkit.pipeline",
     "MixedLoader": "shardkit.loader",
+    "StatefulDataLoader": "shardkit.loader.stateful_loader",
     "worker_seed": "shardkit.seeding",
     "shuffle_quality": "shardkit.quality",
     "even_batches": "shardkit.even",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
     from shardkit.formats.tfrecord.index import build_index
     from shardkit.loader import MixedLoader
+    from shardkit.loader.stateful_loader import StatefulDataLoader
     from shardkit.pipeline import Pipeline, interleave
     from shardkit.planning import Range, plan
     from shardkit.quality import shuffle_quality

@@ -72,7 +72,7 @@ from typing import Any
 import shardkit.pipeline  # noqa: F401
 import shardkit.sources  # noqa: F401
 from shardkit.stateful import *  # noqa: F403  (the node protocol and the codec, for stages written by users)
-from shardkit.stateful import State, StateError, combine_ranks, merge
+from shardkit.stateful import State, StateError, check, combine_ranks, field, merge, whole_number
 from shardkit.stateful import __all__ as _stateful_names
 
 # -- combining the states of all ranks -----------------------------------------
@@ -123,17 +123,33 @@ def gather(state: State | Sequence[State], group: Any = None) -> State:
     ``state`` is this rank's pipeline state (or the list of its DataLoader
     workers' states, or a :class:`~shardkit.MixedLoader` state); the states travel as JSON-able objects with
     ``all_gather_object``. Without an initialised process group, the state
-    of this one rank is made global. Save the result (one file suffices, any
-    rank) and load it with ``load_state_dict`` on any world size; see
-    :func:`merge_ranks` for what it holds and raises.
+    of this one rank is made global. A state that already holds every
+    rank's (a loader's ``state_dict()`` under a process group, see
+    :mod:`shardkit.loader.ranks`) is merged as it is, with no collective.
+    Save the result (one file suffices, any rank) and load it with
+    ``load_state_dict`` on any world size; see :func:`merge_ranks` for what
+    it holds and raises.
     """
     import torch.distributed as dist
 
+    if isinstance(state, dict) and state.get("kind") == "ranks":
+        return merge_ranks(_rank_entries(state))
     if not (dist.is_available() and dist.is_initialized()):
         return merge_ranks([state])
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, state, group=group)
     return merge_ranks(gathered)
+
+
+def _rank_entries(state: State) -> list[State]:
+    """The entries of a ``"ranks"`` node (every rank's state), checked: the node's layout
+    is :mod:`shardkit.loader.ranks`'s, which sits above this module."""
+    where = "gather()"
+    world_size = whole_number(check(state, "ranks", where), "world_size", where, 1)
+    entries = field(state, "states", where, list, tuple)
+    if len(entries) != world_size:
+        raise StateError(f"{where}: state['states'] holds {len(entries)} states for world_size={world_size}")
+    return list(entries)
 
 
 __all__ = [*_stateful_names, "gather", "merge_ranks"]

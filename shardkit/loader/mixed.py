@@ -53,7 +53,9 @@ whole micro-batches are read again instead). Restored with the same number of
 workers, each worker resumes its own state and the batches are the ones the
 uninterrupted run would have made. With another number, the worker states
 are merged (:func:`shardkit.state.merge`) and split anew: exactly the samples
-not yet delivered follow, in another order.
+not yet delivered follow, in another order. Under a process group of more
+than one rank the state holds every rank's (:mod:`shardkit.loader.ranks`), so
+the one copy a trainer writes from rank 0 resumes every rank.
 
 The modules below this one: :mod:`shardkit.loader.mixer` (one epoch of
 assembly in the main process), :mod:`shardkit.loader.micro_batches` (what runs
@@ -76,7 +78,10 @@ from shardkit.errors import ShardkitError, check_int
 from shardkit.loader.loader_state import check_loader_state, loader_state
 from shardkit.loader.micro_batches import MicroBatches, dataset_state
 from shardkit.loader.mixer import Mixer
+from shardkit.loader.ranks import gather as gather_ranks
+from shardkit.loader.ranks import is_ranks, own_or_global
 from shardkit.loader.slabs import SPARE_SLOTS
+from shardkit.state import merge_ranks
 from shardkit.stateful import State, StateError, applies, check, merge
 
 __all__ = ["LoaderError", "MixedLoader"]
@@ -134,6 +139,10 @@ class MixedLoader:
             :func:`shardkit.state.encode` for the types a state holds);
             ``state_dict()`` raises :class:`~shardkit.state.StateError` for
             samples of other types.
+        gather_states: under a process group of more than one rank,
+            ``state_dict()`` returns every rank's state (and must then be
+            called on every rank, as trainers do); False returns this
+            rank's alone. See :meth:`state_dict`.
         **dataloader_kwargs: passed to the underlying DataLoader; any of
             ``pin_memory``, ``pin_memory_device``, ``persistent_workers``,
             ``prefetch_factor`` (counted in micro-batches),
@@ -155,9 +164,12 @@ class MixedLoader:
         seed: int = 0,
         micro_batch_size: int | None = None,
         resumable: bool = True,
+        gather_states: bool = True,
         **dataloader_kwargs: Any,
     ) -> None:
         _check_arguments(dataset, batch_size, num_workers, collate_fn, drop_last, seed, micro_batch_size, resumable)
+        if not isinstance(gather_states, bool):
+            raise LoaderError(f"gather_states must be a bool (True or False), got {gather_states!r}")
         self._columns = _column_batches(dataset, collate_fn, micro_batch_size)
         unknown = sorted(set(dataloader_kwargs) - PASSTHROUGH_KWARGS)
         if unknown:
@@ -174,6 +186,7 @@ class MixedLoader:
         self.seed = seed
         self.micro_batch_size = batch_size if micro_batch_size is None else micro_batch_size
         self.resumable = resumable
+        self.gather_states = gather_states
         self.epoch = 0
         self._pin = False
         self._micro_batches: MicroBatches | None = None
@@ -282,7 +295,7 @@ class MixedLoader:
         self._mixer = Mixer(self, source, resume, self._tails if resume is not None else ())
         return self._mixer
 
-    def state_dict(self) -> State:
+    def state_dict(self, gather: bool | None = None) -> State:
         """What the batches returned so far have delivered, as plain data.
 
         Call it between batches (in the training loop, with the model's
@@ -291,10 +304,24 @@ class MixedLoader:
         micro-batch per worker; see the module docstring. The dataset must
         be Stateful (every shardkit pipeline is).
 
+        Under an initialised process group of more than one rank it returns
+        every rank's state, the same on every rank (a ``"ranks"`` node, see
+        :mod:`shardkit.loader.ranks`), so a trainer that writes rank 0's
+        copy saves them all; every rank must then call it, as trainers do.
+        ``gather=False`` (or ``gather_states=False`` when building the
+        loader) returns this rank's state alone.
+
         Raises:
-            StateError: before any iteration (and no state loaded), or when
-                the dataset cannot save its position.
+            StateError: before any iteration (and no state loaded), when
+                the dataset cannot save its position, or when another rank
+                did not call ``state_dict()`` within the job's timeout.
         """
+        if self.gather_states if gather is None else gather:
+            return gather_ranks(self._rank_state, "MixedLoader.state_dict()")
+        return self._rank_state()
+
+    def _rank_state(self) -> State:
+        """This rank's state (see :meth:`state_dict`)."""
         if not self._iterated:
             if self._resume is not None:
                 return self._resume
@@ -319,11 +346,18 @@ class MixedLoader:
         Call it before the first iteration: persistent workers that are
         already running cannot be given a state.
 
+        A state of every rank (from :meth:`state_dict` under a process
+        group) resumes each rank from its own entry when the world size is
+        the same; on another world size, or without a process group, from
+        the global state of all entries (:func:`shardkit.state.merge_ranks`).
+
         Raises:
             StateError: a state of another kind or version, of a dataset it
                 does not fit (see :meth:`shardkit.pipeline.Pipeline.load_state_dict`),
                 or given after persistent workers started.
         """
+        if is_ranks(state):
+            state = own_or_global(state, "MixedLoader.load_state_dict()", merge_ranks)
         check(state, "mixed_loader", self)
         tails = check_loader_state(state, self)
         if self.num_workers and getattr(self._loader, "_iterator", None) is not None:

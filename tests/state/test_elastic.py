@@ -252,10 +252,11 @@ SCRIPT = textwrap.dedent(
             for count, batch in enumerate(loader, 1):
                 delivered += batch.tolist()
                 if count == 25 + 7 * rank:
-                    state = loader.state_dict()
+                    state = loader.state_dict()  # every rank's (a "ranks" node), as a trainer saves it
                     break
             del loader  # its workers end before the next balance's start
-            assert not state["carry"], "batches of whole micro-batches leave nothing cut"
+            own = state["states"][rank]
+            assert not own["carry"], "batches of whole micro-batches leave nothing cut"
             merged = gather(state)
             if rank == 0:
                 json.dump(merged, open(f"{{out}}.{{balance}}.state", "w"))
