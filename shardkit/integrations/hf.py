@@ -26,8 +26,14 @@ returns the shardkit loader, makes the checkpoint hold the loader's position:
   ``resume_from_checkpoint`` given to the running ``train()`` (read from the
   call stack, as :mod:`shardkit.trainers` reads Accelerate's frames), else
   ``output_dir/checkpoint-{global_step}``. A missing file, or one of another
-  step, rank or world size, is a :class:`~shardkit.state.StateError` naming
-  the file: never a silent restart of the epoch.
+  step or rank, is a :class:`~shardkit.state.StateError` naming the file:
+  never a silent restart of the epoch. On another number of ranks every
+  rank reads all the saved files and loads them as one ``"ranks"`` node
+  (:mod:`shardkit.loader.ranks`), which the loader merges and splits anew
+  where its pipeline allows.
+
+Each rank saves its own state (``state_dict(gather=False)`` for a shardkit
+loader, which would otherwise gather every rank's into each file).
 
 The Trainer then calls ``set_epoch`` with the checkpoint's epoch and iterates
 the loader, which yields exactly the batches an uninterrupted run would have
@@ -38,6 +44,7 @@ shardkit`` does not import this module.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -48,6 +55,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from shardkit.errors import StateError
+from shardkit.loader.ranks import ranks_node
 from shardkit.tempfiles import removed_if_exiting
 from shardkit.trainers import TrainerError
 
@@ -92,8 +100,7 @@ class ResumeCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        loader_state = self.loader.state_dict()  # every rank: the state may be gathered over the ranks
-        write_loader_state(folder, loader_state, state.global_step, args.process_index, args.world_size)
+        write_loader_state(folder, _own_state(self.loader), state.global_step, args.process_index, args.world_size)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -110,6 +117,15 @@ class ResumeCallback(TrainerCallback):
             )
         folder = _resumed_folder(args, state)
         self.loader.load_state_dict(read_loader_state(folder, state.global_step, args.process_index, args.world_size))
+
+
+def _own_state(loader: Any) -> Any:
+    """This rank's state alone: each rank writes its own file, so a shardkit loader need not gather."""
+    try:
+        own = "gather" in inspect.signature(loader.state_dict).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        own = False
+    return loader.state_dict(gather=False) if own else loader.state_dict()
 
 
 def _resumed_folder(args: TrainingArguments, state: TrainerState) -> str:
@@ -162,13 +178,29 @@ def write_loader_state(folder: str, state: Any, global_step: int, rank: int, wor
 
 
 def read_loader_state(folder: str, global_step: int, rank: int, world_size: int) -> Any:
-    """Rank ``rank``'s loader state in the checkpoint ``folder`` of ``global_step``, checked
-    to belong to that step, rank and world size.
+    """Rank ``rank``'s loader state in the checkpoint ``folder`` of ``global_step``, checked to
+    belong to that step and rank. Saved by another number of ranks, every rank's file is read
+    and checked, and the states come as one ``"ranks"`` node for the loader to merge.
 
     Raises:
-        StateError: the file is missing, not this format, or of another checkpoint, rank or world size.
+        StateError: a file is missing, not this format, or of another checkpoint or rank.
     """
-    path = os.path.join(folder, STATE_FILE.format(rank=rank))
+    record = _read_record(folder, global_step, rank)
+    saved_world = record[WORLD_KEY]
+    if saved_world == world_size:
+        return record[STATE_KEY]
+    if not isinstance(saved_world, int) or saved_world < 1:
+        raise StateError(f"{_path(folder, rank)} gives world size {saved_world!r}, not a number of ranks")
+    records = [_read_record(folder, global_step, r, saved_world) for r in range(saved_world)]
+    return ranks_node([r[STATE_KEY] for r in records])
+
+
+def _path(folder: str, rank: int) -> str:
+    return os.path.join(folder, STATE_FILE.format(rank=rank))
+
+
+def _read_record(folder: str, global_step: int, rank: int, world_size: int | None = None) -> dict[str, Any]:
+    path = _path(folder, rank)
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
@@ -182,20 +214,25 @@ def read_loader_state(folder: str, global_step: int, rank: int, world_size: int)
     except ValueError as error:
         raise StateError(f"{path} is not a loader state written by ResumeCallback: {error}") from error
     _check_record(path, record, global_step, rank, world_size)
-    return record[STATE_KEY]
+    return record
 
 
-def _check_record(path: str, record: Any, global_step: int, rank: int, world_size: int) -> None:
+def _check_record(path: str, record: Any, global_step: int, rank: int, world_size: int | None) -> None:
+    """``record`` is a ResumeCallback file of ``global_step`` and ``rank`` (and ``world_size``, if given)."""
     if not isinstance(record, dict) or record.get(FORMAT_KEY) != FORMAT or STATE_KEY not in record:
         raise StateError(f"{path} is not a loader state written by ResumeCallback (no {FORMAT!r} record)")
     if record.get(VERSION_KEY) != VERSION:
         raise StateError(f"{path} has version {record.get(VERSION_KEY)!r}; this shardkit reads version {VERSION}")
-    expected = {STEP_KEY: global_step, RANK_KEY: rank, WORLD_KEY: world_size}
+    expected = {
+        STEP_KEY: global_step,
+        RANK_KEY: rank,
+        WORLD_KEY: record.get(WORLD_KEY) if world_size is None else world_size,
+    }
     found = {key: record.get(key) for key in expected}
     if found != expected:
         raise StateError(
             f"{path} is the loader state of global step {found[STEP_KEY]}, rank {found[RANK_KEY]} of "
-            f"{found[WORLD_KEY]}, but the Trainer resumes global step {global_step} on rank {rank} of {world_size}: "
-            "the file was copied from another checkpoint or run. Fix: resume from the checkpoint folder as it was "
-            "saved, on the same number of ranks"
+            f"{found[WORLD_KEY]}, but the Trainer resumes global step {global_step} and this file must be rank "
+            f"{rank}'s of {expected[WORLD_KEY]}: it was copied from another checkpoint or run. Fix: resume from "
+            "the checkpoint folder as it was saved"
         )
