@@ -249,6 +249,17 @@ def test_accelerate_iterable_dataset_shard_over_a_split_dataset_is_refused():
         next(iter(wrapped))
 
 
+def test_accelerate_skip_first_batches_on_a_shardkit_loader_is_refused_even_on_one_rank_naming_the_fix():
+    from accelerate import Accelerator
+
+    loader = shardkit.MixedLoader(source().map(str.upper), batch_size=8, num_workers=2, collate_fn=list)
+    skipped = Accelerator(cpu=True).skip_first_batches(loader, 3)
+    with pytest.raises(TrainerError, match=r"skip_first_batches\(loader, 3\).*reads the first 3 batches again.*"
+                       r"register_for_checkpointing\(loader\)"):  # fmt: skip
+        next(iter(skipped))
+    assert len(list(loader)) == 19, "the loader itself still reads its epoch"
+
+
 def test_accelerate_wrapper_on_one_rank_passes_every_sample():
     from accelerate.data_loader import IterableDatasetShard
 
@@ -330,6 +341,7 @@ def test_hf_trainer_example_trains_on_every_sample_each_epoch_in_a_new_order(tmp
         ),
         (["hf-trainer", "--workers", "2"], "the Hugging Face Trainer drives", "get_train_dataloader()"),
     ],
+    ids=["dispatch", "dispatch-spawn", "shard", "skip-first-batches", "use-stateful-dataloader", "hf-trainer"],
 )
 def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, expected, fix):
     done = launch([str(ROOT / "tests" / "scripts" / "trainer_paths.py"), *mode], torchrun=True)
