@@ -99,7 +99,7 @@ class ResumeCallback(TrainerCallback):
         args.ignore_data_skip = True
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        folder = _checkpoint_folder(args, state.global_step)
         write_loader_state(folder, _own_state(self.loader), state.global_step, args.process_index, args.world_size)
 
     def on_train_begin(
@@ -140,7 +140,12 @@ def _resumed_folder(args: TrainingArguments, state: TrainerState) -> str:
         if isinstance(resumed, (str, os.PathLike)):
             return os.fspath(resumed)
         frame = frame.f_back
-    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+    return _checkpoint_folder(args, state.global_step)
+
+
+def _checkpoint_folder(args: TrainingArguments, global_step: int) -> str:
+    """Where the Trainer saves the checkpoint of ``global_step`` (``output_dir`` None: its default)."""
+    return os.path.join(args.output_dir or "trainer_output", f"checkpoint-{global_step}")
 
 
 def write_loader_state(folder: str, state: Any, global_step: int, rank: int, world_size: int) -> str:
