@@ -18,6 +18,21 @@ shardkit does about them:
   spawned one does not, so the dataset is also checked when it is pickled for
   a worker (``__getstate__``), which happens inside the same frames.
 
+* **Accelerate resumes by skipping, or by a StatefulDataLoader of its own.**
+  ``accelerator.skip_first_batches(loader, n)`` (and the Hugging Face
+  ``Trainer`` on ``train(resume_from_checkpoint=...)`` unless
+  ``ignore_data_skip=True``) builds a new DataLoader over the loader's dataset
+  that reads the first ``n`` batches again and throws them away: the samples
+  are read twice, and a :class:`~shardkit.MixedLoader`'s batches are not even
+  the ones it would have made. ``DataLoaderConfiguration(use_stateful_dataloader=True)``
+  makes ``prepare()`` wrap a DataLoader in a ``StatefulDataLoader`` and call
+  its ``state_dict()`` at once, which opens a pass (and starts its workers)
+  inside ``prepare()``. A shardkit loader resumes by position instead, so
+  both fail with :class:`TrainerError` naming the call and the fix:
+  ``accelerator.register_for_checkpointing(loader)``, or for the Trainer
+  ``shardkit.integrations.hf.ResumeCallback``. Skipping is refused on one rank too: it re-reads
+  there as well.
+
 * **``len(DataLoader)`` of an IterableDataset is ``ceil(len(dataset) / batch_size)``**,
   which is wrong once several workers each yield their own last, partial
   batch. Lightning and the Hugging Face ``Trainer`` stop after ``len(loader)``
@@ -56,6 +71,22 @@ ACCELERATE_FIX = (
     "(a DataLoader, or shardkit.MixedLoader, which prepare() also returns unchanged), moving each batch with "
     "accelerate.utils.send_to_device(batch, accelerator.device); see examples/accelerate_train.py"
 )
+SKIP_FIX = (
+    "a shardkit loader resumes by position, not by re-reading and dropping batches: register it with "
+    "accelerator.register_for_checkpointing(loader) before accelerator.load_state(...) (every rank's position is "
+    "saved with save_state) and iterate the loader itself instead of accelerator.skip_first_batches(loader, n); "
+    "see examples/accelerate_train.py --resume"
+)
+STATEFUL_FIX = (
+    "leave use_stateful_dataloader for map-style data and keep the shardkit loader out of accelerator.prepare: "
+    "build shardkit.MixedLoader(...) and register it with accelerator.register_for_checkpointing(loader), so "
+    "save_state/load_state resume every rank exactly; see examples/accelerate_train.py --resume"
+)
+HF_RESUME_FIX = (
+    "pass callbacks=[shardkit.integrations.hf.ResumeCallback(loader)] to the Trainer: it saves every rank's loader "
+    "position into checkpoint-N/, loads it on train(resume_from_checkpoint=...) and sets ignore_data_skip=True so "
+    "the Trainer skips nothing; see examples/hf_trainer.py --resume"
+)
 HF_TRAINER_FIX = (
     "subclass transformers.Trainer and override get_train_dataloader() to return the shardkit loader "
     "(shardkit.MixedLoader or a DataLoader) without accelerator.prepare; Trainer still moves batches to the "
@@ -75,15 +106,39 @@ def _frames(frame: FrameType | None) -> list[FrameType]:
     return out
 
 
-def _accelerate_wrapper(frames: list[FrameType]) -> str | None:
-    """The Accelerate class whose method is on the stack, if any (innermost first)."""
+def _accelerate_frames(frames: list[FrameType]) -> list[FrameType]:
+    """The frames of Accelerate's ``data_loader.py`` on the stack, innermost first. A forked
+    DataLoader worker's stack goes on below its worker loop with its parent's frames up to the fork."""
+    found = []
     for frame in frames:
-        code = frame.f_code
-        parts = code.co_filename.replace("\\", "/").split("/")
+        parts = frame.f_code.co_filename.replace("\\", "/").split("/")
         if tuple(parts[-2:]) == _ACCELERATE_MODULE:
-            owner = frame.f_locals.get("self")
-            return type(owner).__name__ if owner is not None else code.co_name
+            found.append(frame)
+    return found
+
+
+def _stateful_init(frames: list[FrameType]) -> FrameType | None:
+    """The frame of a ``DataLoaderAdapter.__init__`` building a ``StatefulDataLoader``
+    (``use_stateful_dataloader=True``), which calls its ``state_dict()`` and so starts its workers."""
+    for frame in frames:
+        if frame.f_code.co_name == "__init__" and _owner_attribute(frame, "use_stateful_dataloader") is True:
+            return frame
     return None
+
+
+def _wrapper_name(frame: FrameType) -> str:
+    """The Accelerate class whose method ``frame`` runs (the function's name outside a class)."""
+    owner = frame.f_locals.get("self")
+    return type(owner).__name__ if owner is not None else frame.f_code.co_name
+
+
+def _owner_attribute(frame: FrameType, name: str) -> Any:
+    """``getattr(self, name)`` of the frame's Accelerate object, None if it has none yet
+    (its ``__getattr__`` delegates to a loader that ``__init__`` may not have made)."""
+    try:
+        return getattr(frame.f_locals.get("self"), name, None)
+    except Exception:  # noqa: BLE001  (a half-built wrapper: treat as unset)
+        return None
 
 
 def _called_by_hf_trainer(frames: list[FrameType]) -> bool:
@@ -106,20 +161,53 @@ def check_not_in_accelerate(dataset: object) -> None:
     if "accelerate" not in sys.modules:  # cheap exit: nothing to look for
         return
     frames = _frames(sys._getframe(1))
-    wrapper = _accelerate_wrapper(frames)
-    if wrapper is None or _single_rank(dataset):
+    wrappers = _accelerate_frames(frames)
+    if not wrappers:
+        return
+    hf_trainer = _called_by_hf_trainer(frames)
+    skip = _owner_attribute(wrappers[0], "skip_batches")
+    if isinstance(skip, int) and skip > 0:  # re-reads on any number of ranks
+        raise _skip_error(dataset, _wrapper_name(wrappers[0]), skip, hf_trainer)
+    if _single_rank(dataset):
         return  # one rank: the wrappers pass every sample on
+    stateful = _stateful_init(wrappers)
+    if stateful is not None:
+        raise TrainerError(
+            f"accelerator.prepare(DataLoader(...)) under DataLoaderConfiguration(use_stateful_dataloader=True) "
+            f"wraps {dataset!r} in Accelerate's {_wrapper_name(stateful)}, whose StatefulDataLoader is asked for "
+            f"its state_dict() inside prepare(), starting its workers there; the wrapper would lose data on "
+            f"several ranks and its state would be rank 0's alone. Fix: {HF_TRAINER_FIX if hf_trainer else STATEFUL_FIX}"
+        )
+    raise _wrapper_error(dataset, _wrapper_name(wrappers[0]), hf_trainer)
+
+
+def _skip_error(dataset: object, wrapper: str, skip: int, hf_trainer: bool) -> TrainerError:
+    if hf_trainer:
+        return TrainerError(
+            f"the Hugging Face Trainer resumes {dataset!r} with Accelerate's skip_first_batches "
+            f"({wrapper}, skip_batches={skip}): it reads the first {skip} batches again and drops them, which "
+            f"re-reads every sample trained before the checkpoint and does not restore the loader's position. "
+            f"Fix: {HF_RESUME_FIX}"
+        )
+    return TrainerError(
+        f"accelerator.skip_first_batches(loader, {skip}) over {dataset!r} ({wrapper}) builds a new DataLoader "
+        f"that reads the first {skip} batches again and drops them: every sample trained before the checkpoint "
+        f"is read twice, and a shardkit.MixedLoader's batches would not be the ones it makes. Fix: {SKIP_FIX}"
+    )
+
+
+def _wrapper_error(dataset: object, wrapper: str, hf_trainer: bool) -> TrainerError:
     why = (
         "rank 0 alone iterates the loader, which reads rank 0's share only, and hands slices of it to every rank"
         if "Dispatcher" in wrapper
         else "its IterableDatasetShard splits shardkit's already split stream again"
     )
-    if _called_by_hf_trainer(frames):
-        raise TrainerError(
+    if hf_trainer:
+        return TrainerError(
             f"the Hugging Face Trainer drives {dataset!r} through Accelerate's {wrapper}: {why}, so data would be "
             f"lost silently. Fix: {HF_TRAINER_FIX}"
         )
-    raise TrainerError(
+    return TrainerError(
         f"Accelerate's {wrapper} drives {dataset!r} (accelerator.prepare(DataLoader(...))): {why}, so data would "
         f"be lost silently. Fix: {ACCELERATE_FIX}"
     )

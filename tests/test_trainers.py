@@ -12,8 +12,6 @@ naming the trainer and the fix.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -28,8 +26,8 @@ from shardkit.pipeline import UnknownLengthError
 from shardkit.planning import plan
 from shardkit.topology import Topology
 from shardkit.trainers import TrainerError, reader_lengths
-from tests.helpers.processes import free_port
 from tests.helpers.shards import all_ids, synthetic_read, synthetic_shards
+from tests.helpers.trainer_runs import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -251,6 +249,17 @@ def test_accelerate_iterable_dataset_shard_over_a_split_dataset_is_refused():
         next(iter(wrapped))
 
 
+def test_accelerate_skip_first_batches_on_a_shardkit_loader_is_refused_even_on_one_rank_naming_the_fix():
+    from accelerate import Accelerator
+
+    loader = shardkit.MixedLoader(source().map(str.upper), batch_size=8, num_workers=2, collate_fn=list)
+    skipped = Accelerator(cpu=True).skip_first_batches(loader, 3)
+    with pytest.raises(TrainerError, match=r"skip_first_batches\(loader, 3\).*reads the first 3 batches again.*"
+                       r"register_for_checkpointing\(loader\)"):  # fmt: skip
+        next(iter(skipped))
+    assert len(list(loader)) == 19, "the loader itself still reads its epoch"
+
+
 def test_accelerate_wrapper_on_one_rank_passes_every_sample():
     from accelerate.data_loader import IterableDatasetShard
 
@@ -259,14 +268,6 @@ def test_accelerate_wrapper_on_one_rank_passes_every_sample():
 
 
 # -- 2 ranks through each trainer ------------------------------------------------------
-
-
-def launch(args: list[str], *, torchrun: bool, timeout: int = 180) -> subprocess.CompletedProcess[str]:
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port())}
-    env.pop("SHARDKIT_EXAMPLE_DATA", None)
-    prefix = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={env['MASTER_PORT']}"]
-    command = [sys.executable, *(prefix if torchrun else []), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def check_records(record: Path, records: int = 302, epochs: int = 2) -> None:
@@ -311,17 +312,41 @@ def test_hf_trainer_example_trains_on_every_sample_each_epoch_in_a_new_order(tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mode, expected",
+    "mode, expected, fix",
     [
-        (["accelerate-dispatch", "--workers", "2"], "Accelerate's DataLoaderDispatcher drives"),
-        (["accelerate-dispatch", "--workers", "2", "--context", "spawn"], "Accelerate's DataLoaderDispatcher drives"),
-        (["accelerate-shard"], "its IterableDatasetShard splits shardkit's already split stream again"),
-        (["hf-trainer", "--workers", "2"], "the Hugging Face Trainer drives"),
+        (
+            ["accelerate-dispatch", "--workers", "2"],
+            "Accelerate's DataLoaderDispatcher drives",
+            "pass only the model and optimizer",
+        ),
+        (
+            ["accelerate-dispatch", "--workers", "2", "--context", "spawn"],
+            "Accelerate's DataLoaderDispatcher drives",
+            "pass only the model and optimizer",
+        ),
+        (
+            ["accelerate-shard"],
+            "its IterableDatasetShard splits shardkit's already split stream again",
+            "pass only the model and optimizer",
+        ),
+        (
+            ["accelerate-skip", "--workers", "2"],
+            "accelerator.skip_first_batches(loader, 8) over",
+            "accelerator.register_for_checkpointing(loader) before accelerator.load_state",
+        ),
+        (
+            ["accelerate-stateful", "--workers", "2"],
+            "under DataLoaderConfiguration(use_stateful_dataloader=True)",
+            "register it with accelerator.register_for_checkpointing(loader)",
+        ),
+        (["hf-trainer", "--workers", "2"], "the Hugging Face Trainer drives", "get_train_dataloader()"),
     ],
+    ids=["dispatch", "dispatch-spawn", "shard", "skip-first-batches", "use-stateful-dataloader", "hf-trainer"],
 )
-def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, expected):
+def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, expected, fix):
     done = launch([str(ROOT / "tests" / "scripts" / "trainer_paths.py"), *mode], torchrun=True)
     assert done.returncode != 0 and "READ" not in done.stdout, done.stdout[-2000:]
     assert "SHARDKIT_ERROR" in done.stdout and expected in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
-    fix = "get_train_dataloader()" if mode[0] == "hf-trainer" else "pass only the model and optimizer"
     assert fix in done.stdout
+    if mode[0] == "accelerate-stateful":  # a MixedLoader is not a DataLoader: prepare() gives it back as it is
+        assert done.stdout.count("MIXED UNCHANGED") == 2

@@ -6,7 +6,11 @@ Trainer that would lose data; run under torchrun by tests/test_trainers.py.
 Each mode writes the examples' 302 records, hands the dataset over as the
 trainer's documentation shows, and reads one epoch. Prints ``SHARDKIT_ERROR:
 <message>`` and exits 3 when shardkit refuses (the expected outcome), or
-``READ <n> samples`` and exits 0 if the epoch ran.
+``READ <n> samples`` and exits 0 if the epoch ran. ``accelerate-skip`` resumes
+a MixedLoader with ``accelerator.skip_first_batches(loader, 8)``;
+``accelerate-stateful`` prepares under ``use_stateful_dataloader=True``: a
+MixedLoader (printing ``MIXED UNCHANGED`` when it comes back as it went in),
+then a DataLoader (printing ``PREPARED`` if ``prepare()`` returns).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from accelerate_train import to_sample, write_dataset  # noqa: E402
 
 import shardkit  # noqa: E402
 
-MODES = ("accelerate-dispatch", "accelerate-shard", "hf-trainer")
+MODES = ("accelerate-dispatch", "accelerate-shard", "accelerate-skip", "accelerate-stateful", "hf-trainer")
 
 
 def shared_dataset(rank: int) -> shardkit.Pipeline:
@@ -44,11 +48,21 @@ def through_accelerate(mode: str, workers: int, context: str | None) -> int:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
-    config = DataLoaderConfiguration(dispatch_batches=mode == "accelerate-dispatch")
+    stateful = mode == "accelerate-stateful"
+    config = DataLoaderConfiguration(dispatch_batches=mode == "accelerate-dispatch", use_stateful_dataloader=stateful)
     accelerator = Accelerator(cpu=True, dataloader_config=config)
     dataset = shared_dataset(accelerator.process_index)
+    if mode == "accelerate-skip":
+        mixed = shardkit.MixedLoader(dataset, batch_size=8, num_workers=workers, persistent_workers=True)
+        return sum(len(batch["id"]) for batch in accelerator.skip_first_batches(mixed, 8))
+    if stateful:
+        mixed = shardkit.MixedLoader(dataset, batch_size=8, num_workers=workers)
+        if accelerator.prepare(mixed) is mixed:
+            print("MIXED UNCHANGED", flush=True)
     loader = DataLoader(dataset, batch_size=8, num_workers=workers, multiprocessing_context=context)
-    return sum(len(batch["id"]) for batch in accelerator.prepare(loader))
+    prepared = accelerator.prepare(loader)
+    print("PREPARED", flush=True)
+    return sum(len(batch["id"]) for batch in prepared)
 
 
 class Regression(torch.nn.Module):
