@@ -105,6 +105,24 @@ def test_concat_pads_with_pad_id_and_takes_lists_tensors_and_any_integer_dtype()
     assert as_numpy[2]["position_ids"].tolist() == [5, 0, 1, 2, 3, 4, 5, 6]  # the padding counts from 0
 
 
+def test_read_only_memory_mapped_documents_pack_and_their_unpacked_rest_saves_in_the_state(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(300, dtype=np.uint16).tofile(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    docs = [{"input_ids": tokens[a:b]} for a, b in [(0, 70), (70, 75), (75, 300)]]  # as a token file's reader yields
+    for strategy in STRATEGY_ARGS:
+        full = list(shardkit.wrap(docs).pack(64, **STRATEGY_ARGS[strategy]))
+        assert np.array_equal(np.sort(real_tokens(full)), np.arange(300))
+        pipeline = shardkit.wrap(docs).pack(64, **STRATEGY_ARGS[strategy])
+        iterator = iter(pipeline)
+        next(iterator)
+        state = json.loads(json.dumps(pipeline.state_dict()))
+        assert state["pieces"] and state["pieces"][0][0][1] == "<u2", "saved in the dtype it was read in"
+        fresh = shardkit.wrap(docs).pack(64, **STRATEGY_ARGS[strategy])
+        fresh.load_state_dict(state)
+        assert same_blocks(list(fresh), full[1:]), strategy
+
+
 # -- best_fit --------------------------------------------------------------------------
 
 
