@@ -16,10 +16,11 @@ Two strategies:
   next; only a reader's last block is padded.
 * ``"best_fit"`` keeps every document whole (one longer than ``seq_len`` is
   cut into ``seq_len`` pieces and a shorter rest). It holds up to
-  ``buffer_size`` documents; when the buffer is full, a block opens with the
-  oldest document (so none waits more than ``buffer_size`` blocks) and is
-  filled with, again and again, the longest document that still fits. With
-  a buffer of hundreds of documents, blocks are above 99% full.
+  ``buffer_size`` documents; when the buffer is full, a block opens with
+  the oldest piece (one with ``k`` older pieces is in one of the next
+  ``k + 1`` blocks) and is filled with, again and again, the longest piece
+  that still fits. With a buffer of hundreds of documents, blocks are above
+  99% full.
 
 The work per document is a few list operations (``bisect`` over the
 buffer's lengths); tokens are only sliced and copied by numpy, never touched

@@ -123,6 +123,21 @@ def test_read_only_memory_mapped_documents_pack_and_their_unpacked_rest_saves_in
         assert same_blocks(list(fresh), full[1:]), strategy
 
 
+def test_token_list_columns_of_jsonl_and_parquet_files_pack_to_the_same_blocks(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"input_ids": d["input_ids"].tolist()} for d in documents([40, 7, 90, 3, 55])]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "docs.parquet")
+    expected = list(shardkit.wrap(rows).pack(32))
+    for dataset in (
+        shardkit.JsonlDataset(str(tmp_path / "docs.jsonl")),
+        shardkit.ParquetDataset(str(tmp_path / "docs.parquet")),
+    ):
+        assert same_blocks(list(dataset.pack(32)), expected), dataset
+
+
 # -- best_fit --------------------------------------------------------------------------
 
 
