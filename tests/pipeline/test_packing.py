@@ -222,6 +222,13 @@ def shuffled_documents(strategy: str, seq_len: int = 64) -> Pipeline:
     return shardkit.wrap(docs, shuffle=True, seed=3).shuffle(5).pack(seq_len, **STRATEGY_ARGS[strategy])
 
 
+def ranked_documents(strategy: str, rank: int | None = None, world_size: int | None = None) -> Pipeline:
+    """120 documents of 1 to 150 tokens over ``world_size`` ranks (None: the process group's), packed."""
+    docs = documents(np.random.default_rng(2).integers(1, 150, 120))
+    source = shardkit.wrap(docs, shuffle=True, seed=2, rank=rank, world_size=world_size)
+    return source.pack(64, **STRATEGY_ARGS[strategy])
+
+
 def same_blocks(got: list[dict[str, torch.Tensor]], expected: list[dict[str, torch.Tensor]]) -> bool:
     return len(got) == len(expected) and all(
         a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(got, expected)
@@ -292,15 +299,9 @@ def test_stateful_dataloader_with_two_workers_resumes_packed_blocks_exactly():
 
 @pytest.mark.parametrize("strategy", ["concat", "best_fit"])
 def test_the_states_of_two_ranks_gather_into_one_that_resumes_on_one_or_three_ranks_every_token_once(strategy):
-    def make(rank: int, world_size: int) -> Pipeline:
-        docs = documents(np.random.default_rng(2).integers(1, 150, 120))
-        return shardkit.wrap(docs, shuffle=True, seed=2, rank=rank, world_size=world_size).pack(
-            64, **STRATEGY_ARGS[strategy]
-        )
-
     delivered, states = [], []
     for rank in range(2):
-        pipeline = make(rank, 2)
+        pipeline = ranked_documents(strategy, rank, 2)
         iterator = iter(pipeline)
         delivered += [next(iterator) for _ in range(9)]
         states.append(json.loads(json.dumps(pipeline.state_dict())))
@@ -310,12 +311,46 @@ def test_the_states_of_two_ranks_gather_into_one_that_resumes_on_one_or_three_ra
     for world_size in (1, 3):
         rest = []
         for rank in range(world_size):
-            pipeline = make(rank, world_size)
+            pipeline = ranked_documents(strategy, rank, world_size)
             pipeline.load_state_dict(merged)
             rest += list(pipeline)
         got = real_tokens(delivered + rest)
         assert np.array_equal(np.unique(got), np.arange(total)), f"nothing lost resuming on {world_size} ranks"
         # "pad" makes the new ranks' document counts equal with fewer than world_size repeated documents
+        assert len(got) - total < world_size * 150, f"only pad repeats resuming on {world_size} ranks"
+
+
+def _save_after_three_batches_and_gather(rank: int, world_size: int, strategy: str, out_dir: str) -> None:
+    loader = MixedLoader(ranked_documents(strategy), 4, num_workers=2, micro_batch_size=2)
+    delivered = []
+    for count, batch in enumerate(loader, 1):
+        delivered += real_tokens([batch]).tolist()
+        if count == 3:
+            break
+    gathered = shardkit.state.gather(loader.state_dict())
+    with open(Path(out_dir) / f"{rank}.json", "w") as file:
+        json.dump({"delivered": delivered, "state": gathered}, file)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_two_gloo_ranks_of_two_workers_gather_a_state_that_resumes_on_one_and_three_ranks(strategy, tmp_path):
+    from tests.helpers.processes import gloo_ranks
+
+    gloo_ranks(_save_after_three_batches_and_gather, 2, strategy, str(tmp_path))
+    saved = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert saved[0]["state"] == saved[1]["state"], "every rank gathers the same global state"
+    assert saved[0]["state"]["ranks"] == 2 and saved[0]["state"]["pieces"]
+    delivered = np.array(saved[0]["delivered"] + saved[1]["delivered"], np.int64)
+    total = int(np.random.default_rng(2).integers(1, 150, 120).sum())
+    for world_size in (1, 3):
+        rest = []
+        for rank in range(world_size):
+            pipeline = ranked_documents(strategy, rank, world_size)
+            pipeline.load_state_dict(saved[0]["state"])
+            rest += list(pipeline)
+        got = np.concatenate([delivered, real_tokens(rest)])
+        assert np.array_equal(np.unique(got), np.arange(total)), f"nothing lost resuming on {world_size} ranks"
         assert len(got) - total < world_size * 150, f"only pad repeats resuming on {world_size} ranks"
 
 
