@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -412,7 +414,12 @@ def test_the_mask_recipe_of_the_docs_keeps_attention_within_documents():
     page = (ROOT / "docs" / "pretraining.md").read_text()
     scripts = re.findall(r'^```python title="packed_attention.py"\n(.*?)^```$', page, flags=re.MULTILINE | re.DOTALL)
     assert len(scripts) == 1
-    exec(compile(scripts[0], "docs/pretraining.md:packed_attention.py", "exec"), {"__name__": "__main__"})
+    module = types.ModuleType("packed_attention")  # a real module: torch.compile (in FlexAttention) looks it up
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(scripts[0], "docs/pretraining.md:packed_attention.py", "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
 
 
 def test_pack_is_a_pipeline_stage_that_shows_its_settings():
