@@ -59,6 +59,7 @@ from shardkit.stateful import (
     field,
     merge,
     node,
+    same_data,
     same_value,
     share_field,
     short,
@@ -336,8 +337,19 @@ class _PackIterator(StageIterator):
 
     @classmethod
     def merge(cls, states: Sequence[State]) -> State:
-        """The workers' pieces pooled (worker by worker), to be dealt out anew."""
+        """The workers' pieces pooled (worker by worker), to be dealt out anew.
+
+        A global node not yet iterated (loaded, then saved again) stays what it is: pooling
+        copies of it would deal its pieces to every rank instead of once.
+        """
         check_all_shares(states)
+        if any(s[cls.RANKS] is not None for s in states):
+            if all(same_data(s, states[0]) for s in states):
+                return states[0]
+            raise StateError(
+                "cannot merge a global pack state (from merge_ranks) with other workers' states; "
+                "save again after every worker has iterated, or load the global state itself"
+            )
         return cls._pooled(states, merge([s[UPSTREAM] for s in states]))
 
     @classmethod

@@ -25,7 +25,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import shardkit
 from shardkit import MixedLoader
 from shardkit.pipeline import Pack, PackError, Pipeline, PipelineError, UnknownLengthError
-from shardkit.state import StateError, merge_ranks
+from shardkit.state import StateError, merge, merge_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -309,6 +309,11 @@ def test_the_states_of_two_ranks_gather_into_one_that_resumes_on_one_or_three_ra
         states.append(json.loads(json.dumps(pipeline.state_dict())))
     merged = merge_ranks(states)
     assert merged["ranks"] == 2 and merged["pieces"], "the ranks' unpacked tokens travel in the global state"
+    assert merge([merged]) == merged, "a global state saved again before iterating stays global"
+    with pytest.raises(StateError, match=r"cannot merge a global pack state \(from merge_ranks\) with other workers"):
+        merge([{**merged, "share": None}, {**states[0], "share": None}])
+    with pytest.raises(StateError, match="already global"):
+        merge_ranks([merged, merged])
     total = sum(len(d["input_ids"]) for d in documents(np.random.default_rng(2).integers(1, 150, 120)))
     for world_size in (1, 3):
         rest = []
