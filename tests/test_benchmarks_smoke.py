@@ -68,3 +68,20 @@ def test_formats_benchmark_quick_runs_and_loses_nothing(tmp_path: Path) -> None:
     assert len(rows) == 10, done.stdout  # 2 + 2 tar, 4 Parquet, 2 JSON lines
     shardkit_rows = [row for row in rows if "shardkit" in row]
     assert all("0 duplicates, 0 missing" in row for row in shardkit_rows), done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_packing_benchmark_quick_runs_and_every_packer_keeps_every_token(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "packing.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]  # a packer that lost tokens exits 1
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert "shardkit best_fit" in rows and "shardkit concat" in rows, done.stdout
+    assert float(rows["shardkit best_fit"][3]) >= 0.99, done.stdout  # the fill column

@@ -5,16 +5,18 @@
 the classes that configure the stages (:mod:`.mixing` over :mod:`.stages`)
 sit above the iterators that run them and own their saved state
 (:mod:`.mapping`, :mod:`.shuffling`, :mod:`.batching`, :mod:`.repeating`,
-:mod:`.interleaving`), which never import back.
+:mod:`.interleaving`, :mod:`.packing`), which never import back.
 """
 
 from shardkit.pipeline.interleaving import STOP_RULES  # noqa: F401  (importable here, as the stop= values)
 from shardkit.pipeline.mixing import Interleave, interleave
+from shardkit.pipeline.packing import PackError
 from shardkit.pipeline.scheduling import mixture_shares
 from shardkit.pipeline.stages import (
     Batch,
     Filter,
     Map,
+    Pack,
     Pipeline,
     PipelineError,
     Repeat,
@@ -27,6 +29,8 @@ __all__ = [
     "Filter",
     "Interleave",
     "Map",
+    "Pack",
+    "PackError",
     "Pipeline",
     "PipelineError",
     "Repeat",

@@ -51,6 +51,7 @@ from shardkit.epoch import check_epoch, load_outermost, open_pass
 from shardkit.errors import ShardkitError, UnknownLengthError, check_int
 from shardkit.pipeline.batching import _BatchIterator
 from shardkit.pipeline.mapping import _FilterIterator, _MapIterator
+from shardkit.pipeline.packing import STRATEGIES, _PackIterator
 from shardkit.pipeline.repeating import _RepeatIterator
 from shardkit.pipeline.shuffling import _ShuffleIterator
 from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
@@ -58,7 +59,7 @@ from shardkit.stateful import EPOCH, Resume, StageIterator, State, StateError, a
 from shardkit.topology import Topology
 from shardkit.trainers import batch_len, check_not_in_accelerate
 
-__all__ = ["Batch", "Filter", "Map", "Pipeline", "PipelineError", "Repeat", "Shuffle", "UnknownLengthError"]
+__all__ = ["Batch", "Filter", "Map", "Pack", "Pipeline", "PipelineError", "Repeat", "Shuffle", "UnknownLengthError"]
 
 
 class PipelineError(ShardkitError, ValueError):
@@ -136,6 +137,32 @@ class Pipeline(IterableDataset):
         last, shorter batch is kept unless ``drop_last``.
         """
         return Batch(self, batch_size, collate_fn, drop_last)
+
+    def pack(
+        self,
+        seq_len: int,
+        *,
+        key: str = "input_ids",
+        strategy: str = "concat",
+        pad_id: int = 0,
+        buffer_size: int | None = None,
+    ) -> Pipeline:
+        """Pack the token arrays at ``key`` of the samples into blocks of ``seq_len`` tokens.
+
+        Each block is ``{"input_ids", "position_ids", "document_ids"}``, three
+        ``LongTensor[seq_len]``: position 0 at each document's start, and each
+        token's document within the block (``-1`` on padding), from which a
+        block-diagonal attention mask or ``cu_seqlens`` follow (see
+        ``docs/pretraining.md``). Samples' other keys are not carried over.
+
+        ``strategy="concat"`` cuts the stream of documents every ``seq_len``
+        tokens (only each reader's last block is padded with ``pad_id``);
+        ``"best_fit"`` keeps documents whole (longer ones cut into ``seq_len``
+        pieces) and fills blocks best-fit from a buffer of ``buffer_size``
+        documents (default 256). The tokens not yet packed are saved in the
+        state, so resume is exact; see :mod:`shardkit.pipeline.packing`.
+        """
+        return Pack(self, seq_len, key=key, strategy=strategy, pad_id=pad_id, buffer_size=buffer_size)
 
     def repeat(self, count: int | None = None) -> Pipeline:
         """Pass over the data ``count`` times, or forever with ``None``.
@@ -459,3 +486,64 @@ class Repeat(_Wrapper):
 
     def __repr__(self) -> str:
         return f"{self.source!r}.repeat({self.count})"
+
+
+class Pack(_Wrapper):
+    """Token arrays packed into blocks of ``seq_len``; see :meth:`Pipeline.pack`.
+
+    Its length is not known before the documents are read (blocks depend on
+    their token counts), so ``len()`` raises :class:`UnknownLengthError` and
+    :meth:`reader_lengths` is None.
+    """
+
+    _iterator_type = _PackIterator
+
+    #: ``buffer_size`` of ``strategy="best_fit"`` when not given: blocks >= 99% full on typical documents.
+    DEFAULT_BUFFER = 256
+
+    def __init__(
+        self,
+        upstream: Pipeline,
+        seq_len: int,
+        *,
+        key: str = "input_ids",
+        strategy: str = "concat",
+        pad_id: int = 0,
+        buffer_size: int | None = None,
+    ) -> None:
+        super().__init__(upstream)
+        self.seq_len = check_int("pack(seq_len)", seq_len, minimum=1, error=PipelineError)
+        if not isinstance(key, str):
+            raise PipelineError(f"pack(key) must be a str, the name of the token array, got {key!r}")
+        if strategy not in STRATEGIES:
+            raise PipelineError(f"pack(strategy) must be one of {list(STRATEGIES)}, got {strategy!r}")
+        if strategy == "concat" and buffer_size is not None:
+            raise PipelineError(
+                "pack(buffer_size) applies to strategy='best_fit' only; concat holds no buffer, drop buffer_size"
+            )
+        self.key, self.strategy = key, strategy
+        self.pad_id = check_int("pack(pad_id)", pad_id, minimum=-(2**63), maximum=2**63 - 1, error=PipelineError)
+        size = self.DEFAULT_BUFFER if buffer_size is None else buffer_size
+        self.buffer_size = check_int("pack(buffer_size)", size, minimum=1, error=PipelineError)
+
+    def __len__(self) -> int:
+        raise self._unknown_length("pack() makes a number of blocks known only after reading the documents")
+
+    def _open(self, resume: Resume | None) -> Iterator[Any]:
+        iterator = _PackIterator(
+            iter(self.source),
+            seq_len=self.seq_len,
+            key=self.key,
+            strategy=self.strategy,
+            pad_id=self.pad_id,
+            buffer_size=self.buffer_size,
+            epoch=self.epoch,
+            topology=self.topology(),
+        )
+        if resume is not None:
+            iterator.restore(resume)
+        return iterator
+
+    def __repr__(self) -> str:
+        buffer = f", buffer_size={self.buffer_size}" if self.strategy == "best_fit" else ""
+        return f"{self.source!r}.pack({self.seq_len}, key={self.key!r}, strategy={self.strategy!r}{buffer})"
