@@ -184,7 +184,11 @@ def combine_loader_ranks(states: Sequence[Any]) -> State:
     if all(BALANCE in s for s in checked) and all(s == checked[0] for s in checked):
         return checked[0]  # loaded on every rank, nothing delivered since
     if any(BALANCE in s for s in checked):
-        raise StateError("merge_ranks() takes the states of the ranks, not a global state gathered already")
+        raise StateError(
+            "merge_ranks() takes the states of the ranks, not a global state gathered already; a rank that "
+            "loaded a gathered state and has taken no batch since saves that state again: gather after "
+            "every rank has taken a batch (in a training loop they step together)"
+        )
     dataset = combine_ranks([merge(s["workers"]) for s in checked])
     carry = [
         {"worker": None, "count": tail["count"], "payload": tail["payload"]}
