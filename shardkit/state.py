@@ -127,7 +127,7 @@ def merge_ranks(states: Sequence[State | Sequence[State]]) -> State:
         raise StateError("merge_ranks() needs the state of every rank, got none")
     if any(isinstance(s, dict) and s.get("kind") == LOADER_KIND for s in states):
         return combine_loader_ranks(states)
-    wholes = [merge(list(s)) if isinstance(s, (list, tuple)) else merge([s]) for s in states]
+    wholes = [merge(list(s)) if isinstance(s, (list, tuple)) else merge([s]) for s in states]  # type: ignore[list-item]
     return combine_ranks(wholes)
 
 

@@ -255,4 +255,5 @@ def _slice(samples: Any, start: int, stop: int, loader: LoaderSettings) -> Any:
 def topology_of(dataset: Any) -> Topology:
     """The rank (and world) a loader's dataset reads for: its own ``topology()`` if it has one."""
     topology = getattr(dataset, "topology", None)
-    return topology() if callable(topology) else Topology.current()
+    found = topology() if callable(topology) else None
+    return found if isinstance(found, Topology) else Topology.current()

@@ -126,7 +126,7 @@ class _ShuffleIterator(StageIterator):
             StateError: a buffered sample is of a type a state cannot hold (see :func:`shardkit.state.encode`).
         """
         flags = self._repeats or []
-        optional = {self.POOLED: self._pooled} if self._pooled > 1 else {}
+        optional: dict[str, Any] = {self.POOLED: self._pooled} if self._pooled > 1 else {}
         if any(flags):
             optional[self.REPEATS] = [index for index, repeat in enumerate(flags) if repeat]
         return node(

@@ -203,7 +203,8 @@ class StageIterator:
         """One global node from every rank's whole-rank node; by default a stage cannot."""
         raise StateError(
             f"a {cls.KIND!r} stage keeps its position per rank and cannot be split over another world size; "
-            "resume on another world size works for shard datasets with map/filter/batch stages"
+            "resume on another world size works for shard datasets with map, filter, batch, shuffle, "
+            "interleave and repeat stages"
         )
 
 

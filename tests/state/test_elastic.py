@@ -254,7 +254,7 @@ SCRIPT = textwrap.dedent(
                     break
             del loader  # its workers end before the next balance's start
             assert not state["carry"], "batches of whole micro-batches leave nothing cut"
-            merged = gather(state)
+            merged = gather(state["workers"])  # the dataset's global state (a MixedLoader's: test_elastic_stages.py)
             if rank == 0:
                 json.dump(merged, open(f"{{out}}.{{balance}}.state", "w"))
         else:

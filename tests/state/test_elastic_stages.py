@@ -180,9 +180,7 @@ BATCH, MICRO = 8, 3  # micro_batch_size not dividing batch_size: every save cuts
 
 
 def mixed_loader(kind: str, rank: int, world_size: int, balance: str, workers: int) -> MixedLoader:
-    return MixedLoader(
-        pipeline(kind, rank, world_size, balance), BATCH, num_workers=workers, micro_batch_size=MICRO
-    )
+    return MixedLoader(pipeline(kind, rank, world_size, balance), BATCH, num_workers=workers, micro_batch_size=MICRO)
 
 
 def save_loaders(kind: str, balance: str, world: World, batches: list[int], state: Any = None) -> tuple[list, list]:
