@@ -104,7 +104,7 @@ def held(state: Any) -> int:
     return len(state.get("samples", ())) + held(state.get("upstream"))
 
 
-WORLDS = [(1, 0), (2, 2), (3, 0), (3, 2)]
+WORLDS = [(ranks, workers) for ranks in (1, 2, 3) for workers in (0, 2)]
 
 
 @settings(max_examples=30, deadline=None)
