@@ -153,10 +153,10 @@ class _ShuffleIterator(StageIterator):
         repeats = set(state.get(self.REPEATS, ()))
         flags = [index in repeats for index in range(len(samples))]
         if self.BALANCE in state:  # a global node: this rank's part of every rank's pool
-            topology = self._topology
-            indices = deal(len(samples), topology.world_size, topology.rank, state[self.BALANCE])
-            samples = [samples[i % len(samples)] for i in indices]
-            flags = [i >= len(flags) for i in indices]
+            pool, topology = len(samples), self._topology
+            indices = deal(pool, topology.world_size, topology.rank, state[self.BALANCE])
+            samples = [samples[i % pool] for i in indices]
+            flags = [i >= pool for i in indices]  # dealt a second time: a "pad" repeat
         self._buffer, flags = resume.part(samples), resume.part(flags)
         self._repeats = flags if any(flags) else None
         self._pooled = max(1, -(-len(self._buffer) // self._buffer_size))

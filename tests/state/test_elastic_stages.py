@@ -278,6 +278,18 @@ def test_carried_micro_batches_of_a_gathered_state_resume_without_workers_on_any
     check_delivered("shuffle", balance, [2, 3, 2], before + middle + [s for r in after for b in r for s in b])
 
 
+def test_a_global_mixed_loader_state_is_checked_naming_the_field() -> None:
+    _, states = loader_states("shuffle", "pad", [30, 41], 5)
+    state = roundtrip(merge_ranks(states))
+    loader = mixed_loader("shuffle", 0, 3, "pad", 0)
+    with pytest.raises(StateError, match=r"state\['balance'\] must be one of"):
+        loader.load_state_dict({**state, "balance": "even"})
+    with pytest.raises(StateError, match="a global state"):
+        loader.load_state_dict({**state, "carry": [{**state["carry"][0], "worker": 0}]})
+    with pytest.raises(StateError, match=r"state\['repeat'\] must be bool"):
+        loader.load_state_dict({**state, "carry": [{**state["carry"][0], "repeat": "yes"}]})
+
+
 # -- real ranks: gloo under torchrun ------------------------------------------------------
 
 
