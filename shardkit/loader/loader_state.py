@@ -216,13 +216,15 @@ class Carried(NamedTuple):
     samples: Any
 
 
-def deal_carry(state: State, tails: Sequence[Any], topology: Topology, loader: LoaderSettings) -> list[Carried]:
+def deal_carry(state: State, tails: Sequence[Any], loader: LoaderSettings) -> list[Carried]:
     """The tails to restore from ``state``: all of them, or of a global state this rank's
-    part of the pooled samples (:func:`~shardkit.state.deal` by its ``balance``),
-    cut into runs of consecutive samples of one tail, "pad" repeats marked."""
+    part of the pooled samples (:func:`~shardkit.state.deal` by its ``balance``; the
+    rank is the loader's dataset's), cut into runs of consecutive samples of one tail,
+    "pad" repeats marked."""
     carry = list(state["carry"])
     if BALANCE not in state:
         return [Carried(entry, samples) for entry, samples in zip(carry, tails)]
+    topology = topology_of(loader.dataset)
     starts, total = [], 0
     for entry in carry:
         starts.append(total)

@@ -24,7 +24,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from shardkit.errors import WorkerDiedError
 from shardkit.loader import slab_columns
 from shardkit.loader.collate import Part, join, tail
-from shardkit.loader.loader_state import REPEAT, LoaderSettings, deal_carry, loader_state, topology_of
+from shardkit.loader.loader_state import REPEAT, Carried, LoaderSettings, deal_carry, loader_state
 from shardkit.loader.micro_batches import START, Message
 from shardkit.loader.slabs import SlabBatch, from_slab, view
 from shardkit.stateful import State, StateError, encode
@@ -75,7 +75,6 @@ class Mixer(Iterator[Any]):
         self._source: Iterator[Message] | None = source
         self._dataloader = loader._loader
         self._dataset = loader.dataset  # named when a worker dies
-        self._settings = loader
         self._collate_fn = loader.collate_fn
         self._columns = loader._columns
         self._drop_last = loader.drop_last
@@ -100,16 +99,16 @@ class Mixer(Iterator[Any]):
         self._finished = False
         self._unconfirmed = False  # a restored finished state, not yet read to its end
         if resume is not None:
-            self._restore(resume, tails)
+            self._restore(resume, deal_carry(resume, tails, loader))  # not kept: a loader -> mixer -> loader cycle
 
-    def _restore(self, state: State, tails: Sequence[Any]) -> None:
-        """Resume the position of ``state``, whose carried samples ``tails`` holds decoded."""
+    def _restore(self, state: State, carried: Sequence[Carried]) -> None:
+        """Resume the position of ``state``, whose carried samples (this rank's) ``carried`` holds decoded."""
         self.batch_index = state["batch_index"]
         # A finished state's workers resume past their last sample: they are read
         # to their end markers to prove it (_confirm_finished) rather than trusted.
         self._unconfirmed = state["finished"]
         same = state["num_workers"] == self.num_workers
-        for saved, samples in deal_carry(state, tails, topology_of(self._dataset), self._settings):
+        for saved, samples in carried:
             worker = saved["worker"] if same and saved["worker"] is not None else None
             if worker is None:
                 worker = len(self._pending)
