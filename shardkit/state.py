@@ -57,8 +57,27 @@ world size and number of workers: each rank takes its part with
 :func:`~shardkit.planning.split_remaining` (``"pad"``/``"drop"`` equalise
 the counts again), and a state it saves later carries that global state as
 ``base`` (its positions count within its part), so it can be gathered again.
-Only shard datasets with ``map``/``filter``/``batch`` stages combine over
-ranks: a shuffle buffer, an interleave or a repeat keeps per-rank positions.
+
+What only memory holds joins the global remainder too. A ``.shuffle(n)``
+node pools every rank's buffered samples (``balance`` marks the global
+node); each rank of the new world takes its part of the pool with
+:func:`deal` by the stream's balance, then each of its workers every
+``num_workers``-th of that, so under ``"pad"``/``"drop"`` every new rank
+gets the same count of held samples as of positions, and the same count per
+worker: batch counts stay equal. ``"pad"`` may deal a held sample twice;
+such a repeat is marked (``repeats``) and a later gather owes it to no one.
+An ``interleave`` combines each input's nodes on its own and restarts its
+draws; a ``repeat`` combines the nodes of the pass every rank is in. A
+:class:`~shardkit.MixedLoader` state combines into a global
+``"mixed_loader"`` state whose ``workers`` is the global dataset state and
+whose ``carry`` pools the tails of cut micro-batches, dealt the same way
+(:mod:`shardkit.loader.loader_state`); it loads into a MixedLoader on any
+world size and ``num_workers``, 0 included. Merging is exact again after an
+elastic resume: a state saved on the new world gathers once more.
+
+What still keeps per-rank positions: a ``wrap`` of a plain iterable, ranks
+in different ``repeat`` passes, and an ``interleave(stop="first_exhausted")``
+that has stopped on some ranks only.
 """
 
 from __future__ import annotations
@@ -71,6 +90,8 @@ from typing import Any
 # every kind, even in a process that built no pipeline.
 import shardkit.pipeline  # noqa: F401
 import shardkit.sources  # noqa: F401
+from shardkit.loader.loader_state import KIND as LOADER_KIND
+from shardkit.loader.loader_state import combine_loader_ranks
 from shardkit.stateful import *  # noqa: F403  (the node protocol and the codec, for stages written by users)
 from shardkit.stateful import State, StateError, check, combine_ranks, field, merge, whole_number
 from shardkit.stateful import __all__ as _stateful_names
@@ -83,38 +104,31 @@ def merge_ranks(states: Sequence[State | Sequence[State]]) -> State:
 
     Each item is one rank's state: a whole-rank state (``share`` None, as
     :func:`merge` makes), the list of its workers' states (merged here), or
-    a :class:`~shardkit.MixedLoader` state without cut micro-batches.
+    a :class:`~shardkit.MixedLoader` state (then all are, and the result is
+    a global MixedLoader state, with the tails of cut micro-batches pooled).
     The result holds, in global stream positions, exactly the records no
     rank has delivered yet (``rank`` None, ``world_size`` the world size the
     epoch's stream was planned for), and loads into the same pipeline on
     any world size and number of workers: each rank takes its part with
     :func:`~shardkit.planning.split_remaining`, so ``"pad"``/``"drop"``
-    give every new rank the same count again. Repeats that ``"pad"`` had
-    planned and not yet delivered are not owed: they are left out.
+    give every new rank the same count again. Buffered samples (shuffle
+    buffers, cut micro-batches) are pooled and dealt the same way (see the
+    module docstring). Repeats that ``"pad"`` had planned and not yet
+    delivered are not owed: they are left out.
 
     Raises:
         StateError: states of different pipelines or epochs, a rank missing
             or given twice, positions two ranks both hold, or stages whose
-            state cannot be split over ranks (a ``.shuffle()`` buffer, an
-            interleave, a ``repeat``, a ``wrap`` of a plain iterable).
+            state cannot be split over ranks (a ``wrap`` of a plain
+            iterable, ranks in different ``repeat`` passes, an interleave
+            stopped on some ranks only).
     """
     if not states:
         raise StateError("merge_ranks() needs the state of every rank, got none")
-    wholes = [merge(list(s)) if isinstance(s, (list, tuple)) else merge([_dataset_part(s)]) for s in states]
+    if any(isinstance(s, dict) and s.get("kind") == LOADER_KIND for s in states):
+        return combine_loader_ranks(states)
+    wholes = [merge(list(s)) if isinstance(s, (list, tuple)) else merge([s]) for s in states]  # type: ignore[list-item]
     return combine_ranks(wholes)
-
-
-def _dataset_part(state: Any) -> Any:
-    """A rank's dataset state; from a MixedLoader state, its workers' states (merged)."""
-    if not isinstance(state, dict) or state.get("kind") != "mixed_loader":
-        return state
-    if state.get("carry"):
-        raise StateError(
-            "this MixedLoader state holds samples cut out of micro-batches (its 'carry'), which cannot be "
-            "dealt to the ranks of another world yet; save where every batch is made of whole micro-batches "
-            "(batch_size a multiple of micro_batch_size), or resume on the same world size"
-        )
-    return merge(state["workers"])
 
 
 def gather(state: State | Sequence[State], group: Any = None) -> State:

@@ -1,9 +1,24 @@
 """A :class:`~shardkit.MixedLoader`'s saved state: how it is made, and every check a
 loaded one goes through before a worker is started with it.
 
-A state holds the epoch, the batch index, each worker's dataset state just
-past what was delivered, and the undelivered tail of at most one micro-batch
+A state (kind ``"mixed_loader"``) holds the ``epoch``, ``num_workers``,
+``batch_size``, the ``batch_index``, whether the epoch has ``finished``,
+``workers`` (each worker's dataset state just past what was delivered) and
+``carry``, the undelivered tails of micro-batches cut part-way, at most one
 per worker, as plain data (see the :mod:`shardkit.loader.mixed` docstring).
+A tail is ``{"worker", "count", "payload"}`` (``worker`` None: a tail
+restored from another worker count) and, optionally, ``"repeat": true``
+when its samples are ``"pad"`` repeats, owed to no later gather.
+
+The states of all ranks combine (:func:`combine_loader_ranks`, through
+:func:`shardkit.state.merge_ranks`) into one *global* state: ``workers``
+holds one node, the global dataset state; ``carry`` every rank's tails
+(repeats left out), each of worker None; ``num_workers`` is 0 and
+``balance`` (present in a global state only) is the stream's balance, by
+which each rank of a new world takes its part of the carried samples
+(:func:`deal_carry`), so that ``"pad"``/``"drop"`` keep the ranks' counts,
+hence their batch counts, equal.
+
 Both the loader and its :class:`~shardkit.loader.mixer.Mixer` make states,
 so what they read of a loader is the :class:`LoaderSettings` protocol rather
 than the class, which sits above this module.
@@ -11,12 +26,34 @@ than the class, which sits above this module.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 from shardkit.loader import slab_columns
 from shardkit.loader.collate import collated_length
+from shardkit.loader.collate import tail as micro_batch_tail
 from shardkit.pipeline import Pipeline
-from shardkit.stateful import State, StateError, check, decode, field, node, validate, whole_number
+from shardkit.stateful import (
+    State,
+    StateError,
+    check,
+    check_balance,
+    combine_ranks,
+    deal,
+    decode,
+    field,
+    merge,
+    node,
+    same_value,
+    stream_balance,
+    validate,
+    whole_number,
+)
+from shardkit.topology import Topology
+
+KIND = "mixed_loader"
+BALANCE = "balance"  #: state key of a global state only: the balance its carried samples are dealt by
+REPEAT = "repeat"  #: tail key (optional): its samples are "pad" repeats, owed to no later gather
 
 
 class RecordedSettings(Protocol):
@@ -37,7 +74,7 @@ class LoaderSettings(RecordedSettings, Protocol):
 
 def loader_state(loader: RecordedSettings, **fields: Any) -> State:
     return node(
-        "mixed_loader",
+        KIND,
         epoch=loader.epoch,
         num_workers=loader.num_workers,
         batch_size=loader.batch_size,
@@ -54,26 +91,14 @@ def check_loader_state(state: State, loader: LoaderSettings) -> list[Any]:
     the form this loader makes (collated, or a list for a ``collate_fn``).
     """
     where = "MixedLoader.load_state_dict()"
-    whole_number(state, "epoch", where)
-    num_workers = whole_number(state, "num_workers", where)
-    whole_number(state, "batch_size", where, 1)
-    whole_number(state, "batch_index", where, -1)
-    field(state, "finished", where, bool)
-    workers = field(state, "workers", where, list, tuple)
-    if len(workers) != max(num_workers, 1):
-        raise StateError(f"{where}: the state has {len(workers)} worker states for num_workers={num_workers}")
+    num_workers, workers = check_recorded(state, where)
     for index, worker_state in enumerate(workers):
         if isinstance(loader.dataset, Pipeline):
             validate(worker_state, f"{where}: state['workers'][{index}]")
             check(worker_state, loader.dataset._state_kind, loader.dataset)
         elif not isinstance(worker_state, dict):
             raise StateError(f"{where}: state['workers'][{index}] must be a dict, got {type(worker_state).__name__}")
-    carry = field(state, "carry", where, list, tuple)
-    if state["finished"] and carry:
-        raise StateError(
-            f"{where}: state['finished'] is true, but state['carry'] holds {len(carry)} tail(s) of undelivered "
-            "samples; a finished epoch has delivered everything. The state was edited or is corrupt"
-        )
+    carry = state["carry"]
     tails = [_check_tail(tail, index, num_workers, loader) for index, tail in enumerate(carry)]
     owners = [tail["worker"] for tail in carry if tail["worker"] is not None]
     if len(owners) != len(set(owners)):
@@ -81,6 +106,29 @@ def check_loader_state(state: State, loader: LoaderSettings) -> list[Any]:
             f"{where}: state['carry'] holds more than one tail of worker(s) {owners}; a worker has at most one"
         )
     return tails
+
+
+def check_recorded(state: State, where: str) -> tuple[int, list[Any]]:
+    """Check the fields of a MixedLoader state that need no loader; returns ``num_workers`` and ``workers``."""
+    whole_number(state, "epoch", where)
+    num_workers = whole_number(state, "num_workers", where)
+    whole_number(state, "batch_size", where, 1)
+    whole_number(state, "batch_index", where, -1)
+    field(state, "finished", where, bool)
+    workers = list(field(state, "workers", where, list, tuple))
+    if len(workers) != max(num_workers, 1):
+        raise StateError(f"{where}: the state has {len(workers)} worker states for num_workers={num_workers}")
+    carry = field(state, "carry", where, list, tuple)
+    if state["finished"] and carry:
+        raise StateError(
+            f"{where}: state['finished'] is true, but state['carry'] holds {len(carry)} tail(s) of undelivered "
+            "samples; a finished epoch has delivered everything. The state was edited or is corrupt"
+        )
+    if BALANCE in state:
+        check_balance(state, BALANCE, where)
+        if num_workers != 0 or any(type(t) is dict and t.get("worker") is not None for t in state["carry"]):
+            raise StateError(f"{where}: a global state (with 'balance') has num_workers 0 and tails of worker None")
+    return num_workers, workers
 
 
 def _check_tail(tail: Any, index: int, num_workers: int, loader: LoaderSettings) -> Any:
@@ -91,6 +139,8 @@ def _check_tail(tail: Any, index: int, num_workers: int, loader: LoaderSettings)
     if worker is not None and not 0 <= worker < max(num_workers, 1):
         raise StateError(f"{where}: worker {worker} is not one of the saving loader's {num_workers} workers")
     count = whole_number(tail, "count", where, 1)
+    if REPEAT in tail:
+        field(tail, REPEAT, where, bool)
     if "payload" not in tail:
         raise StateError(f"{where} has no 'payload'")
     samples = decode(tail["payload"])
@@ -110,3 +160,102 @@ def _check_tail(tail: Any, index: int, num_workers: int, loader: LoaderSettings)
 
 def _describe(samples: Any, length: int | None) -> str:
     return f"a {type(samples).__name__}" + ("" if length is None else f" of {length}")
+
+
+# -- every rank's state in one, and each new rank's part of it -------------------
+
+
+def combine_loader_ranks(states: Sequence[Any]) -> State:
+    """The global MixedLoader state of every rank's (see the module docstring).
+
+    Each rank's workers' dataset states merge (:func:`~shardkit.state.merge`),
+    then over the ranks (:func:`~shardkit.state.combine_ranks`); the tails
+    of cut micro-batches are pooled, their ``"pad"`` repeats left out.
+    The states of one global state loaded on every rank and not iterated
+    since are that state again.
+    """
+    checked = []
+    for rank, state in enumerate(states):
+        if type(state) is not dict or state.get("kind") != KIND:
+            raise StateError(f"merge_ranks(): state {rank} is not a MixedLoader state, but the others are")
+        where = f"merge_ranks(): the MixedLoader state of rank {rank}"
+        check_recorded(check(state, KIND, where), where)
+        checked.append(state)
+    if all(BALANCE in s for s in checked) and all(s == checked[0] for s in checked):
+        return checked[0]  # loaded on every rank, nothing delivered since
+    if any(BALANCE in s for s in checked):
+        raise StateError(
+            "merge_ranks() takes the states of the ranks, not a global state gathered already; a rank that "
+            "loaded a gathered state and has taken no batch since saves that state again: gather after "
+            "every rank has taken a batch (in a training loop they step together)"
+        )
+    dataset = combine_ranks([merge(s["workers"]) for s in checked])
+    carry = [
+        {"worker": None, "count": tail["count"], "payload": tail["payload"]}
+        for s in checked
+        for tail in s["carry"]
+        if not tail.get(REPEAT)
+    ]
+    return node(
+        KIND,
+        epoch=same_value(checked, "epoch"),
+        num_workers=0,
+        batch_size=same_value(checked, "batch_size"),
+        batch_index=max(s["batch_index"] for s in checked),
+        finished=all(s["finished"] for s in checked),
+        workers=[dataset],
+        carry=carry,
+        **{BALANCE: stream_balance(dataset)},
+    )
+
+
+class Carried(NamedTuple):
+    """A tail of carried samples to restore: its saved entry (``worker``, ``count``) and its samples, decoded."""
+
+    entry: dict[str, Any]
+    samples: Any
+
+
+def deal_carry(state: State, tails: Sequence[Any], loader: LoaderSettings) -> list[Carried]:
+    """The tails to restore from ``state``: all of them, or of a global state this rank's
+    part of the pooled samples (:func:`~shardkit.state.deal` by its ``balance``; the
+    rank is the loader's dataset's), cut into runs of consecutive samples of one tail,
+    "pad" repeats marked."""
+    carry = list(state["carry"])
+    if BALANCE not in state:
+        return [Carried(entry, samples) for entry, samples in zip(carry, tails)]
+    topology = topology_of(loader.dataset)
+    starts, total = [], 0
+    for entry in carry:
+        starts.append(total)
+        total += entry["count"]
+    runs: list[list[int]] = []  # [tail, first, stop, repeat]
+    for index in deal(total, topology.world_size, topology.rank, state[BALANCE]):
+        position, repeat = index % total, int(index >= total)
+        which = max(t for t, start in enumerate(starts) if start <= position)
+        offset = position - starts[which]
+        if runs and runs[-1][0] == which and runs[-1][2] == offset and runs[-1][3] == repeat:
+            runs[-1][2] += 1
+        else:
+            runs.append([which, offset, offset + 1, repeat])
+    return [
+        Carried(
+            {"worker": None, "count": stop - first, **({REPEAT: True} if repeat else {})},
+            _slice(tails[which], first, stop, loader),
+        )
+        for which, first, stop, repeat in runs
+    ]
+
+
+def _slice(samples: Any, start: int, stop: int, loader: LoaderSettings) -> Any:
+    """Samples ``start:stop`` of a decoded tail, in the tail's form."""
+    if loader._columns:
+        return slab_columns.tail(samples, start, stop)
+    return micro_batch_tail(samples, start, stop, collated=loader.collate_fn is None)
+
+
+def topology_of(dataset: Any) -> Topology:
+    """The rank (and world) a loader's dataset reads for: its own ``topology()`` if it has one."""
+    topology = getattr(dataset, "topology", None)
+    found = topology() if callable(topology) else None
+    return found if isinstance(found, Topology) else Topology.current()

@@ -93,6 +93,12 @@ class MicroBatches(IterableDataset):
                 yield count, parts if ring is None else ring.put(parts)
 
 
+def in_process(dataset: IterableDataset, size: int, *, collate: bool, resumable: bool) -> Iterator[Message]:
+    """The messages of :class:`MicroBatches` made in this process, as worker 0 (its dataset
+    already loaded): how a MixedLoader without workers delivers the tails of a restored state."""
+    return MicroBatches(dataset, size, collate=collate, resumable=resumable)._messages(0, None)
+
+
 class StateSaver:
     """Calls ``dataset.state_dict()``; after a failure, returns its message instead of retrying."""
 

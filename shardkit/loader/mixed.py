@@ -76,7 +76,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from shardkit.epoch import resume_at
 from shardkit.errors import ShardkitError, check_int
 from shardkit.loader.loader_state import check_loader_state, loader_state
-from shardkit.loader.micro_batches import MicroBatches, dataset_state
+from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
 from shardkit.loader.ranks import gather as gather_ranks
 from shardkit.loader.ranks import is_ranks, own_or_global
@@ -281,8 +281,14 @@ class MixedLoader:
         self._iterated = True
         micro_batches = self._micro_batches
         if micro_batches is None:  # no workers, samples
+            self._mixer = None
             if resume is not None:
                 self._resume_in_process(resume)
+                if resume["carry"]:  # tails of cut micro-batches: assembled as with workers, in this process
+                    size, collate = self.micro_batch_size, self.collate_fn is None
+                    messages = in_process(self.dataset, size, collate=collate, resumable=self.resumable)
+                    self._mixer = Mixer(self, messages, resume, self._tails)
+                    return self._mixer
             return iter(self._loader)
         if resume is not None:
             saved = resume["workers"]
@@ -328,7 +334,7 @@ class MixedLoader:
             raise StateError("MixedLoader.state_dict(): nothing has been iterated yet, so there is no position to save")
         if not self.resumable:
             raise StateError("MixedLoader cannot save its position: it was built with resumable=False")
-        if self._micro_batches is None:
+        if self._micro_batches is None and self._mixer is None:
             workers = [dataset_state(self.dataset)]
             return loader_state(self, batch_index=-1, finished=False, workers=workers, carry=[])
         assert self._mixer is not None
@@ -364,11 +370,6 @@ class MixedLoader:
             raise StateError(
                 "MixedLoader.load_state_dict() after persistent workers have started; "
                 "build a new MixedLoader and load the state before iterating it"
-            )
-        if self._micro_batches is None and state["carry"]:
-            raise StateError(
-                "this state holds samples cut out of micro-batches, which only a MixedLoader with "
-                "num_workers >= 1 can deliver; restore it with workers"
             )
         if self._epoch_set:
             self.set_epoch(state["epoch"])

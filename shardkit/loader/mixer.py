@@ -24,7 +24,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from shardkit.errors import WorkerDiedError
 from shardkit.loader import slab_columns
 from shardkit.loader.collate import Part, join, tail
-from shardkit.loader.loader_state import LoaderSettings, loader_state
+from shardkit.loader.loader_state import REPEAT, Carried, LoaderSettings, deal_carry, loader_state
 from shardkit.loader.micro_batches import START, Message
 from shardkit.loader.slabs import SlabBatch, from_slab, view
 from shardkit.stateful import State, StateError, encode
@@ -48,6 +48,7 @@ class _Pending:
     state: Any  # the worker's dataset state after this micro-batch
     start: int = 0
     carried: bool = False  # a restored tail: saved again even when nothing of it was taken
+    repeat: bool = False  # a restored tail of "pad" repeats: owed to no later gather
     slot: int | None = None  # the slab slot it lies in, freed once the batch holds copies of it
 
 
@@ -59,6 +60,8 @@ class Mixer(Iterator[Any]):
     A restored state's undelivered tails go first: into their worker's queue
     when the worker count is the same, else into extra queues of their own
     (one per tail, already done) that the water-filling drains like workers.
+    Of a global state (all ranks'), this rank takes its part of the tails
+    (:func:`~shardkit.loader.loader_state.deal_carry`).
     """
 
     def __init__(
@@ -96,16 +99,16 @@ class Mixer(Iterator[Any]):
         self._finished = False
         self._unconfirmed = False  # a restored finished state, not yet read to its end
         if resume is not None:
-            self._restore(resume, tails)
+            self._restore(resume, deal_carry(resume, tails, loader))  # not kept: a loader -> mixer -> loader cycle
 
-    def _restore(self, state: State, tails: Sequence[Any]) -> None:
-        """Resume the position of ``state``, whose carried samples ``tails`` holds decoded."""
+    def _restore(self, state: State, carried: Sequence[Carried]) -> None:
+        """Resume the position of ``state``, whose carried samples (this rank's) ``carried`` holds decoded."""
         self.batch_index = state["batch_index"]
         # A finished state's workers resume past their last sample: they are read
         # to their end markers to prove it (_confirm_finished) rather than trusted.
         self._unconfirmed = state["finished"]
         same = state["num_workers"] == self.num_workers
-        for saved, samples in zip(state["carry"], tails):
+        for saved, samples in carried:
             worker = saved["worker"] if same and saved["worker"] is not None else None
             if worker is None:
                 worker = len(self._pending)
@@ -113,7 +116,8 @@ class Mixer(Iterator[Any]):
                 self._available.append(0)
                 self._done.append(True)
             dataset_state = state["workers"][worker] if worker < self._workers else None
-            self._pending[worker].appendleft(_Pending(samples, saved["count"], dataset_state, carried=True))
+            entry = _Pending(samples, saved["count"], dataset_state, carried=True, repeat=saved.get(REPEAT, False))
+            self._pending[worker].appendleft(entry)
             self._available[worker] += saved["count"]
 
     def _confirm_finished(self) -> None:
@@ -160,7 +164,8 @@ class Mixer(Iterator[Any]):
             rest: Any = slab_columns.plain(slab_columns.tail(entry.payload, entry.start, entry.count))
         else:
             rest = tail(entry.payload, entry.start, entry.count, collated=self._collate_fn is None)
-        return {"worker": worker, "count": entry.count - entry.start, "payload": encode(rest)}
+        repeat = {REPEAT: True} if entry.repeat else {}
+        return {"worker": worker, "count": entry.count - entry.start, "payload": encode(rest), **repeat}
 
     def __next__(self) -> Any:
         if self._unconfirmed:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from shardkit.stateful import (
     check_draws,
     check_inputs_epoch,
     check_share,
+    combine_ranks,
     field,
     merge,
     node,
@@ -57,6 +58,13 @@ class _InterleaveIterator(StageIterator):
     has ``stopped``, and ``share``; under a :class:`~shardkit.planning.Schedule`
     also ``schedule``, the :class:`~shardkit.pipeline.scheduling.ScheduleCursor`'s
     node (which then draws the sources instead of ``rng``).
+
+    Merged over workers (:meth:`merge`) or ranks (:meth:`merge_ranks`),
+    each input's nodes merge on their own (a global node's inputs are
+    global nodes), ``live`` is every input live anywhere (one spent
+    everywhere else is found spent at its first draw), and ``rng`` is None:
+    the draws start afresh from (seed, epoch, rank, worker); a schedule's
+    cursor sums the counts of all and goes on from the position they reached.
     """
 
     KIND = "interleave"
@@ -176,18 +184,27 @@ class _InterleaveIterator(StageIterator):
         """Each input's nodes merged, the live inputs united; a stopped
         ``first_exhausted`` mix cannot be split anew (where it ends depends on each worker's draws)."""
         check_all_shares(states)
+        return cls._combined(states, merge, "workers")
+
+    @classmethod
+    def merge_ranks(cls, states: Sequence[State]) -> State:
+        """Each input's rank nodes combined into its global node, the live inputs united."""
+        return cls._combined(states, combine_ranks, "ranks")
+
+    @classmethod
+    def _combined(cls, states: Sequence[State], combine: Callable[[list[State]], State], whose: str) -> State:
         stopped = [s[cls.STOPPED] for s in states]
         if any(stopped) and not all(stopped):
             raise StateError(
-                "an interleave(stop='first_exhausted') has stopped in some workers: where the mix ends "
-                "depends on each worker's draws, so the state resumes only with the same number of workers"
+                f"an interleave(stop='first_exhausted') has stopped in some {whose}: where the mix ends "
+                f"depends on each reader's draws, so the state resumes only with the same {whose}"
             )
         if len({len(s[UPSTREAM]) for s in states}) != 1:
             raise StateError("cannot merge interleave() states with different numbers of inputs")
         inputs = []
         for index in range(len(states[0][UPSTREAM])):
             parts = [s[UPSTREAM][index] for s in states if s[UPSTREAM][index] is not None]
-            inputs.append(merge(parts) if parts else None)
+            inputs.append(combine(parts) if parts else None)
         cursor = ScheduleCursor.merge([s.get(SCHEDULE) for s in states])
         return node(
             cls.KIND,

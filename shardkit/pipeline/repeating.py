@@ -7,7 +7,7 @@ its own epoch without touching the shared one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from shardkit.epoch import call_with_epoch_offset, epoch_offset
@@ -18,6 +18,7 @@ from shardkit.stateful import (
     StageIterator,
     State,
     StateError,
+    combine_ranks,
     field,
     merge,
     node,
@@ -34,6 +35,11 @@ class _RepeatIterator(StageIterator):
     before the current one), whether the pass has ``yielded`` yet (an empty
     pass ends an endless repeat), and the pass's ``upstream`` node (None once
     every pass is done).
+
+    Merged over workers or ranks, the readers must be in the same pass: the
+    pass's nodes merge (a global node's ``upstream`` is the pass's global
+    node, so each rank of a new world resumes its part of that pass and
+    reads the later passes afresh).
     """
 
     KIND = "repeat"
@@ -117,21 +123,31 @@ class _RepeatIterator(StageIterator):
     @classmethod
     def merge(cls, states: Sequence[State]) -> State:
         """Workers in the same pass merge; in different passes they cannot be split anew."""
+        return cls._combined(states, merge, "workers")
+
+    @classmethod
+    def merge_ranks(cls, states: Sequence[State]) -> State:
+        """Ranks in the same pass: the pass's global node."""
+        return cls._combined(states, combine_ranks, "ranks")
+
+    @classmethod
+    def _combined(cls, states: Sequence[State], combine: Callable[[list[State]], State], whose: str) -> State:
         passes = [s[cls.PASS] for s in states]
         if any(p != passes[0] for p in passes):
             raise StateError(
-                f"workers are in different repeat() passes {passes}; such a state resumes only with the "
-                "same number of workers"
+                f"the {whose} are in different repeat() passes {passes}; such a state resumes only with the "
+                f"same {whose} (save where every one is in the same pass: balance='pad'/'drop' keep the ranks' "
+                "counts equal)"
             )
         upstreams = [s[UPSTREAM] for s in states]
         if any(u is None for u in upstreams) != all(u is None for u in upstreams):
-            raise StateError("cannot merge repeat() states where some workers have finished and others not")
+            raise StateError(f"cannot merge repeat() states where some {whose} have finished and others not")
         return node(
             cls.KIND,
             **{
                 EPOCH: same_value(states, EPOCH),
                 cls.PASS: passes[0],
                 cls.YIELDED: any(s[cls.YIELDED] for s in states),
-                UPSTREAM: None if upstreams[0] is None else merge(upstreams),
+                UPSTREAM: None if upstreams[0] is None else combine(upstreams),
             },
         )

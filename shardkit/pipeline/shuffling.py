@@ -24,9 +24,13 @@ from shardkit.stateful import (
     State,
     StateError,
     check_all_shares,
+    check_balance,
     check_draws,
+    check_indices,
     check_inputs_epoch,
     check_share,
+    combine_ranks,
+    deal,
     decode,
     encode,
     field,
@@ -34,6 +38,7 @@ from shardkit.stateful import (
     node,
     same_value,
     share_field,
+    stream_balance,
     upstream_state,
     whole_number,
 )
@@ -47,16 +52,31 @@ class _ShuffleIterator(StageIterator):
     (each encoded with :func:`~shardkit.state.encode`), the draw position
     ``rng`` (:class:`~shardkit.seeding.Uniforms`), ``share`` and
     ``upstream``. The contents are saved rather than re-derived: exact and
-    cheap to restore, at the cost of a state as large as the buffer. A
-    merged node also has ``pooled``, the number of workers' buffers its
-    samples pool: a loaded node holds at most ``pooled`` (1 when absent)
-    times ``buffer_size`` samples.
+    cheap to restore, at the cost of a state as large as the buffer.
+
+    Optional keys (absent in states of earlier shardkits, read as their
+    defaults):
+
+    * ``pooled``: how many buffers' worth of samples the node may hold (1):
+      a merge of the workers' nodes pools their buffers, and a worker that
+      resumed its part of a gathered pool may hold more than its buffer;
+      a loaded node holds at most ``pooled`` times ``buffer_size`` samples.
+    * ``repeats``: increasing indices into ``samples`` of the samples that
+      are ``"pad"`` repeats ([]): delivered to keep the ranks' counts equal,
+      owed to no later gather, so :meth:`merge_ranks` leaves them out.
+    * ``balance``: only in a *global* node (:meth:`merge_ranks`: every
+      rank's buffer pooled, ``share`` None, no ``repeats``): the balance of
+      the stream below, by which each rank of the new world takes its part
+      of the pool (:func:`~shardkit.state.deal`), then each of its workers
+      every ``num_workers``-th of that part.
     """
 
     KIND = "shuffle"
     SAMPLES = "samples"  #: state key: the buffered samples, encoded
-    #: state key of a merged node only: how many workers' buffers its samples pool (absent: one)
+    #: state key (optional): how many buffers' worth of samples the node may hold (absent: one)
     POOLED = "pooled"
+    REPEATS = "repeats"  #: state key (optional): indices into ``samples`` of ``"pad"`` repeats
+    BALANCE = "balance"  #: state key of a global node only: the balance its pool is dealt to new ranks by
     _PICKLED = "buffer"  # state key of shardkit <= 0.x: samples pickled, refused
 
     def __init__(
@@ -66,6 +86,8 @@ class _ShuffleIterator(StageIterator):
         self._buffer_size = buffer_size
         self._uniforms = Uniforms(rng)
         self._buffer: list[Any] = []
+        self._repeats: list[bool] | None = None  # per buffered sample: a "pad" repeat; None: none is
+        self._pooled = 1
         self._exhausted = False
         self._epoch = epoch
         self._topology = topology
@@ -83,7 +105,19 @@ class _ShuffleIterator(StageIterator):
         sample = buffer[pick]
         buffer[pick] = buffer[-1]
         buffer.pop()
+        if self._repeats is not None:  # only after a resume that dealt "pad" repeats
+            self._drop_flag(pick)
         return sample
+
+    def _drop_flag(self, pick: int) -> None:
+        """Keep the repeat flags beside the buffer: samples pulled since are not repeats."""
+        flags = self._repeats
+        assert flags is not None
+        flags.extend([False] * (len(self._buffer) + 1 - len(flags)))
+        flags[pick] = flags[-1]
+        flags.pop()
+        if not any(flags):
+            self._repeats = None
 
     def state_dict(self) -> State:
         """The buffered samples are saved (encoded as plain data), so a restore is exact without re-reading.
@@ -91,6 +125,10 @@ class _ShuffleIterator(StageIterator):
         Raises:
             StateError: a buffered sample is of a type a state cannot hold (see :func:`shardkit.state.encode`).
         """
+        flags = self._repeats or []
+        optional: dict[str, Any] = {self.POOLED: self._pooled} if self._pooled > 1 else {}
+        if any(flags):
+            optional[self.REPEATS] = [index for index, repeat in enumerate(flags) if repeat]
         return node(
             self.KIND,
             **{
@@ -100,15 +138,28 @@ class _ShuffleIterator(StageIterator):
                 SHARE: share_field(self._topology),
                 UPSTREAM: upstream_state(self._source),
             },
+            **optional,
         )
 
     def restore(self, resume: Resume) -> None:
         """Refill the buffer (and, for this worker's own state, the draws) from the state.
 
         A whole-rank state's buffered samples are dealt out: worker ``w`` of
-        ``n`` takes every ``n``-th one from the ``w``-th on.
+        ``n`` takes every ``n``-th one from the ``w``-th on. A global state's
+        are first dealt to the ranks (see the class docstring).
         """
-        self._buffer = resume.part([decode(sample) for sample in resume.state[self.SAMPLES]])
+        state = resume.state
+        samples = [decode(sample) for sample in state[self.SAMPLES]]
+        repeats = set(state.get(self.REPEATS, ()))
+        flags = [index in repeats for index in range(len(samples))]
+        if self.BALANCE in state:  # a global node: this rank's part of every rank's pool
+            pool, topology = len(samples), self._topology
+            indices = deal(pool, topology.world_size, topology.rank, state[self.BALANCE])
+            samples = [samples[i % pool] for i in indices]
+            flags = [i >= pool for i in indices]  # dealt a second time: a "pad" repeat
+        self._buffer, flags = resume.part(samples), resume.part(flags)
+        self._repeats = flags if any(flags) else None
+        self._pooled = max(1, -(-len(self._buffer) // self._buffer_size))
         resume.continue_draws(self._uniforms)
 
     @classmethod
@@ -122,8 +173,14 @@ class _ShuffleIterator(StageIterator):
         field(state, cls.SAMPLES, where, list)
         check_draws(state, where)
         check_share(state, where)
-        if cls.POOLED in state and whole_number(state, cls.POOLED, where, 1) > 1 and state[SHARE] is not None:
-            raise StateError(f"{where}: state['pooled'] > 1 is a merged state's, whose 'share' is None")
+        if cls.POOLED in state:
+            whole_number(state, cls.POOLED, where, 1)
+        if cls.REPEATS in state:
+            check_indices(state, cls.REPEATS, len(state[cls.SAMPLES]), where)
+        if cls.BALANCE in state:
+            check_balance(state, cls.BALANCE, where)
+            if state[SHARE] is not None or state[RNG] is not None or state.get(cls.REPEATS):
+                raise StateError(f"{where}: a global shuffle state (with 'balance') has no share, rng or repeats")
         check_inputs_epoch(state, [field(state, UPSTREAM, where, dict)], where)
 
     @classmethod
@@ -142,8 +199,16 @@ class _ShuffleIterator(StageIterator):
 
     @classmethod
     def merge(cls, states: Sequence[State]) -> State:
-        """The workers' buffers pooled; the draws start afresh."""
+        """The workers' buffers pooled (repeats still marked); the draws start afresh."""
         check_all_shares(states)
+        balances = {s.get(cls.BALANCE) for s in states}
+        if len(balances) != 1:
+            raise StateError("cannot merge a global shuffle state with a rank's")
+        repeats, offset = [], 0
+        for s in states:
+            repeats += [offset + index for index in s.get(cls.REPEATS, ())]
+            offset += len(s[cls.SAMPLES])
+        balance = balances.pop()
         return node(
             cls.KIND,
             **{
@@ -153,5 +218,31 @@ class _ShuffleIterator(StageIterator):
                 RNG: None,
                 SHARE: None,
                 UPSTREAM: merge([s[UPSTREAM] for s in states]),
+            },
+            **({cls.REPEATS: repeats} if repeats else {}),
+            **({} if balance is None else {cls.BALANCE: balance}),
+        )
+
+    @classmethod
+    def merge_ranks(cls, states: Sequence[State]) -> State:
+        """Every rank's buffer pooled into one global node, its ``"pad"`` repeats left out
+        (owed to no one); each rank of the new world takes its part by the stream's balance."""
+        if any(cls.BALANCE in s for s in states):
+            raise StateError("merge_ranks() takes the states of the ranks, not a global state gathered already")
+        upstream = combine_ranks([s[UPSTREAM] for s in states])
+        samples = []
+        for s in states:
+            repeats = set(s.get(cls.REPEATS, ()))
+            samples += [sample for index, sample in enumerate(s[cls.SAMPLES]) if index not in repeats]
+        return node(
+            cls.KIND,
+            **{
+                EPOCH: same_value(states, EPOCH),
+                cls.SAMPLES: samples,
+                cls.POOLED: sum(s.get(cls.POOLED, 1) for s in states),
+                RNG: None,
+                SHARE: None,
+                cls.BALANCE: stream_balance(upstream),
+                UPSTREAM: upstream,
             },
         )

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from shardkit.errors import StateError, check_int
+from shardkit.planning import rank_span
 from shardkit.seeding import DRAW_BLOCK, Uniforms
 from shardkit.stateful.codec import restore_generator, same_data, short
 
@@ -202,7 +203,8 @@ class StageIterator:
         """One global node from every rank's whole-rank node; by default a stage cannot."""
         raise StateError(
             f"a {cls.KIND!r} stage keeps its position per rank and cannot be split over another world size; "
-            "resume on another world size works for shard datasets with map/filter/batch stages"
+            "resume on another world size works for shard datasets with map, filter, batch, shuffle, "
+            "interleave and repeat stages"
         )
 
 
@@ -305,6 +307,16 @@ def check_intervals(intervals: Any, where: str, what: str = "remaining") -> None
                 f"of positions >= 0; [{start}, {stop}) after position {previous} is not"
             )
         previous = stop
+
+
+def check_indices(state: State, key: str, size: int, where: str) -> list[int]:
+    """``state[key]``, which must be increasing indices below ``size`` (into a list of the node)."""
+    indices = field(state, key, where, *SEQUENCE)
+    if not all(type(i) is int for i in indices) or list(indices) != sorted(set(indices)):
+        raise StateError(f"{where}: state[{key!r}] must be increasing int indices, got {short(indices)}")
+    if indices and not 0 <= indices[0] <= indices[-1] < size:
+        raise StateError(f"{where}: state[{key!r}] must be indices below {size}, got {short(indices)}")
+    return list(indices)
 
 
 def check_positions(owner: object, remaining: Sequence[Sequence[int]], size: int) -> None:
@@ -469,6 +481,63 @@ def check_all_shares(states: Sequence[State]) -> None:
         raise StateError(f"merge needs the states of all {count} workers exactly once, got shares {shares}")
 
 
+# -- samples held in memory, dealt to the ranks of a new world ---------------------
+#
+# What a stage holds in memory (a shuffle buffer's samples, a MixedLoader's cut
+# micro-batches) has already been read: no position owes it. Gathered over the
+# ranks, those samples are pooled, and each rank of the new world takes its
+# part of the pool by the balance of the stream, so that "pad"/"drop" give
+# every new rank the same count of held samples, as split_remaining gives it
+# the same count of positions: the two add up to equal counts per rank.
+
+#: The balances a gathered pool of held samples is dealt by (the sources' ``balance``).
+BALANCES = ("none", "pad", "drop")
+
+
+def deal(count: int, world_size: int, rank: int, balance: str) -> list[int]:
+    """Which of ``count`` pooled held samples rank ``rank`` of ``world_size`` takes, in order.
+
+    A contiguous run of the pool, cut as :func:`~shardkit.planning.rank_span`
+    cuts a stream: ``"none"`` as evenly as possible, ``"pad"``
+    ``ceil(count / world_size)`` per rank (an index at or past ``count`` is a
+    repeat of index ``- count``, delivered again and owed to no later gather),
+    ``"drop"`` ``floor(count / world_size)`` (the last ``count mod world_size``
+    are left out, as the stream leaves out its last records).
+
+    Example:
+        >>> [deal(5, 2, rank, "pad") for rank in (0, 1)]
+        [[0, 1, 2], [3, 4, 5]]
+        >>> [deal(5, 2, rank, "drop") for rank in (0, 1)]
+        [[0, 1], [2, 3]]
+    """
+    if count == 0 or (balance == "drop" and count < world_size):
+        return []
+    start, size = rank_span(count, world_size, rank, balance)  # type: ignore[arg-type]
+    return list(range(start, start + size))
+
+
+def stream_balance(state: Any) -> str:
+    """The ``balance`` of the stream below a node: that of the first source node found
+    down its first inputs (its ``fingerprint``), ``"none"`` when none records one."""
+    while isinstance(state, dict):
+        fingerprint = state.get("fingerprint")
+        if isinstance(fingerprint, dict) and fingerprint.get("balance") in BALANCES:
+            return str(fingerprint["balance"])
+        upstream = state.get(UPSTREAM)
+        if isinstance(upstream, SEQUENCE):
+            upstream = next((part for part in upstream if part is not None), None)
+        state = upstream
+    return "none"
+
+
+def check_balance(state: State, key: str, where: str) -> str:
+    """``state[key]``, which must be one of :data:`BALANCES`."""
+    balance = field(state, key, where, str)
+    if balance not in BALANCES:
+        raise StateError(f"{where}: state[{key!r}] must be one of {BALANCES}, got {short(balance)}")
+    return balance
+
+
 def combine_ranks(states: Sequence[State]) -> State:
     """One global node from every rank's whole-rank node (checked, of one kind each):
     each stage combines its own (:meth:`StageIterator.merge_ranks`)."""
@@ -482,6 +551,7 @@ def combine_ranks(states: Sequence[State]) -> State:
 
 
 __all__ = [
+    "BALANCES",
     "DRAW_BLOCK",
     "EPOCH",
     "PassThroughIterator",
@@ -497,12 +567,15 @@ __all__ = [
     "bounded",
     "check",
     "check_all_shares",
+    "check_balance",
     "check_draws",
+    "check_indices",
     "check_inputs_epoch",
     "check_intervals",
     "check_positions",
     "check_share",
     "combine_ranks",
+    "deal",
     "expect_equal",
     "field",
     "is_own",
@@ -511,6 +584,7 @@ __all__ = [
     "same_value",
     "share_field",
     "stage_of",
+    "stream_balance",
     "upstream_state",
     "validate",
     "whole_number",

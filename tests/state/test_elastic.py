@@ -181,25 +181,23 @@ def test_a_state_saved_after_an_elastic_resume_gathers_again() -> None:
     assert sorted(delivered + more + rest) == list(range(TOTAL))
 
 
-def test_merge_ranks_refuses_missing_or_repeated_ranks_and_buffers() -> None:
+def test_merge_ranks_refuses_missing_or_repeated_ranks() -> None:
     _, states = save_mid_epoch(2, 1, "none", True, [10])
     with pytest.raises(StateError, match="every rank 0..1 exactly once"):
         merge_ranks([states[0], states[0]])
     with pytest.raises(StateError, match="every rank"):
         merge_ranks([states[1]])
-    source = dataset(0, 1).shuffle(10)
-    iterator = iter(source)
-    next(iterator)
-    with pytest.raises(StateError, match="'shuffle' stage"):
-        merge_ranks([source.state_dict()])
 
 
-def test_a_mixed_loader_state_gathers_unless_it_holds_cut_micro_batches() -> None:
+def test_a_mixed_loader_state_gathers_into_a_global_mixed_loader_state() -> None:
     _, states = save_mid_epoch(1, 2, "none", True, [30, 50])
-    loader_state = {"version": 1, "kind": "mixed_loader", "workers": states[0], "carry": []}
-    assert merge_ranks([loader_state]) == merge_ranks([states[0]])
-    with pytest.raises(StateError, match="cut out of micro-batches"):
-        merge_ranks([{**loader_state, "carry": [{"worker": 0, "count": 2, "payload": []}]}])
+    fields = {"epoch": 0, "num_workers": 2, "batch_size": 4, "batch_index": 3, "finished": False}
+    loader_state = {"version": 1, "kind": "mixed_loader", **fields, "workers": states[0], "carry": []}
+    merged = merge_ranks([loader_state])
+    assert merged["kind"] == "mixed_loader" and merged["workers"] == [merge_ranks([states[0]])]
+    assert merged["num_workers"] == 0 and merged["balance"] == "none" and merged["carry"] == []
+    tail = {"worker": 0, "count": 2, "payload": [1, 2]}
+    assert merge_ranks([{**loader_state, "carry": [tail]}])["carry"] == [{**tail, "worker": None}]
 
 
 def test_a_global_state_is_checked_like_any_state() -> None:
@@ -232,7 +230,7 @@ SCRIPT = textwrap.dedent(
     from torch.utils.data import DataLoader
     sys.path.insert(0, {repo!r})
     import shardkit
-    from shardkit.state import gather
+    from shardkit.state import merge_ranks
     from tests.helpers.shards import positional_read, positional_shards
 
     # One process group runs every balance in turn: a torchrun start (a launcher and a
@@ -255,9 +253,9 @@ SCRIPT = textwrap.dedent(
                     state = loader.state_dict()  # every rank's (a "ranks" node), as a trainer saves it
                     break
             del loader  # its workers end before the next balance's start
-            own = state["states"][rank]
+            own = state["states"][rank]  # every rank's (a "ranks" node), as a trainer saves it
             assert not own["carry"], "batches of whole micro-batches leave nothing cut"
-            merged = gather(state)
+            merged = merge_ranks([s["workers"] for s in state["states"]])  # the dataset's global state
             if rank == 0:
                 json.dump(merged, open(f"{{out}}.{{balance}}.state", "w"))
         else:

@@ -760,8 +760,14 @@ def test_merged_worker_buffers_may_hold_more_than_one_buffer_and_resume_exactly_
     merged["samples"] += ["planted"] * 3
     with pytest.raises(StateError, match=r"holds 13 samples, more than 2 buffers of .*shuffle\(6"):
         make().load_state_dict(merged)
-    with pytest.raises(StateError, match=r"state\['pooled'\]"):
-        make().load_state_dict({**next(iter(workers.values()))["dataset_state"], "pooled": 2})
+    with pytest.raises(StateError, match=r"state\['pooled'\] must be >= 1"):
+        make().load_state_dict({**next(iter(workers.values()))["dataset_state"], "pooled": 0})
+    with pytest.raises(StateError, match=r"state\['repeats'\] must be indices below 10"):
+        make().load_state_dict({**merged, "samples": merged["samples"][:10], "repeats": [3, 10]})
+    with pytest.raises(StateError, match=r"state\['balance'\] must be one of"):
+        make().load_state_dict({**merged, "samples": merged["samples"][:10], "balance": "even"})
+    with pytest.raises(StateError, match="a global shuffle state"):
+        make().load_state_dict({**merged, "samples": merged["samples"][:10], "balance": "pad", "share": [0, 2]})
 
 
 def _loaded(pipeline: Pipeline, state: Any) -> Pipeline:

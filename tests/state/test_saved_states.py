@@ -132,3 +132,27 @@ def test_every_fixture_is_a_whole_epoch_split_at_its_save_point() -> None:
 
 def test_the_fixtures_stay_small() -> None:
     assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 300_000
+
+
+@pytest.mark.parametrize("world", [(1, 0), (2, 0), (3, 0), pytest.param((3, 2), marks=pytest.mark.slow)])
+def test_mixed_loader_states_saved_before_the_restructure_gather_and_resume_on_any_world(
+    world: tuple[int, int], in_shard_copy: Path
+) -> None:
+    """Both ranks' epoch-0 states (cut micro-batches, full shuffle buffers, "pad") gathered into one global
+    MixedLoader state: every id of the epoch once, bar pad repeats, and equal batch counts on the new world."""
+    from shardkit.state import merge_ranks
+
+    records = [saved(f"mixed_loader_rank{rank}_epoch0") for rank in (0, 1)]
+    state = merge_ranks([record["state"] for record in records])
+    assert state["kind"] == "mixed_loader" and state["carry"] and state["balance"] == "pad"
+    before = [i for record in records for i in flat(record["delivered"])]
+    per_rank = []
+    for rank in range(world[0]):
+        recipe = {**records[0]["recipe"], "rank": rank, "world_size": world[0]}
+        loader_, dataset = loader(recipe, world[1])
+        loader_.load_state_dict(state)
+        per_rank.append([ids(batch) for batch in loader_])
+    got = Counter(before + [i for batches in per_rank for i in flat(batches)])
+    assert set(got) == set(range(123))
+    assert sum(got.values()) - 123 < 1 + 2 * world[0]  # the epoch's one pad repeat, and the new world's
+    assert len({len(batches) for batches in per_rank}) == 1  # equal batch counts: DDP stays in step

@@ -1,0 +1,88 @@
+"""Elastic resume under torchrun, checked by tests/state/test_elastic_stages.py.
+
+``save``: every rank reads the interleave-and-shuffle pipeline of tests/helpers/elastic.py through a
+MixedLoader of 2 workers (micro-batches of 3 in batches of 8, so saving cuts them), saves after batch
+20 through ``shardkit.state.gather`` and rank 0 writes the global state. ``load``: a fresh world of any
+size loads it and reads to the end of the epoch. For every balance in one process group (a torchrun
+start costs seconds); rank 0 prints one JSON line: each rank's ids and batch counts, and whether each
+rank's saved state held cut micro-batches.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/scripts/elastic_check.py save DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from shardkit import MixedLoader  # noqa: E402
+from shardkit.state import gather  # noqa: E402
+from tests.helpers.elastic import pipeline  # noqa: E402
+
+BALANCES = ("none", "pad", "drop")
+SAVE_AT = 20
+
+
+def step(balance: str) -> None:
+    """A collective per batch, as DDP's gradient all-reduce: unequal batch counts would hang here."""
+    if balance != "none":
+        dist.all_reduce(torch.ones(1))
+
+
+def save(balance: str, folder: Path) -> tuple[list[int], int, bool]:
+    loader = MixedLoader(pipeline("interleave", None, None, balance), 8, num_workers=2, micro_batch_size=3)
+    delivered: list[int] = []
+    for count, batch in enumerate(loader, 1):
+        step(balance)
+        delivered += batch.tolist()
+        if count == SAVE_AT:
+            break
+    state = loader.state_dict()
+    carried = bool(state["carry"])
+    merged = gather(state)
+    if dist.get_rank() == 0:
+        (folder / f"{balance}.state").write_text(json.dumps(merged))
+    del loader
+    return delivered, SAVE_AT, carried
+
+
+def load(balance: str, folder: Path) -> tuple[list[int], int, bool]:
+    loader = MixedLoader(pipeline("interleave", None, None, balance), 8, num_workers=2, micro_batch_size=3)
+    loader.load_state_dict(json.loads((folder / f"{balance}.state").read_text()))
+    delivered: list[int] = []
+    batches = 0
+    for batch in loader:
+        step(balance)
+        delivered += batch.tolist()
+        batches += 1
+    del loader
+    return delivered, batches, False
+
+
+def main() -> None:
+    mode, folder = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    result: dict[str, Any] = {"delivered": {}, "batches": {}, "carried": []}
+    for balance in BALANCES:
+        mine = (save if mode == "save" else load)(balance, folder)
+        dist.barrier()  # rank 0's state file is written before any rank of a later run reads it
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        result["delivered"][balance] = [g[0] for g in gathered]
+        result["batches"][balance] = [g[1] for g in gathered]
+        result["carried"] += [g[2] for g in gathered]
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
