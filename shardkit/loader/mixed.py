@@ -75,13 +75,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from shardkit.epoch import resume_at
 from shardkit.errors import ShardkitError, check_int
-from shardkit.loader.loader_state import check_loader_state, loader_state
+from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
 from shardkit.loader.ranks import gather as gather_ranks
 from shardkit.loader.ranks import is_ranks, own_or_global
 from shardkit.loader.slabs import SPARE_SLOTS
-from shardkit.state import merge_ranks
 from shardkit.stateful import State, StateError, applies, check, merge
 
 __all__ = ["LoaderError", "MixedLoader"]
@@ -363,7 +362,7 @@ class MixedLoader:
                 or given after persistent workers started.
         """
         if is_ranks(state):
-            state = own_or_global(state, "MixedLoader.load_state_dict()", merge_ranks)
+            state = own_or_global(state, "MixedLoader.load_state_dict()", combine_loader_ranks)
         check(state, "mixed_loader", self)
         tails = check_loader_state(state, self)
         if self.num_workers and getattr(self._loader, "_iterator", None) is not None:

@@ -33,8 +33,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader as _TorchdataLoader
 
 from shardkit.loader.ranks import gather as gather_ranks
 from shardkit.loader.ranks import is_ranks, own_or_global
-from shardkit.state import merge_ranks
-from shardkit.stateful import State, StateError, field
+from shardkit.stateful import State, StateError, combine_ranks, field, merge
 from shardkit.trainers import loader_batches, reader_lengths
 
 __all__ = ["StatefulDataLoader"]
@@ -100,7 +99,7 @@ class StatefulDataLoader(_TorchdataLoader):
 
 def _global_dataset_state(entries: list[State]) -> State:
     """The global dataset state of every rank's torchdata state (each worker's dataset state)."""
-    return merge_ranks([_worker_dataset_states(entry, rank) for rank, entry in enumerate(entries)])
+    return combine_ranks([merge(_worker_dataset_states(entry, rank)) for rank, entry in enumerate(entries)])
 
 
 def _worker_dataset_states(entry: State, rank: int) -> list[State]:
