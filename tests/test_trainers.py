@@ -249,10 +249,11 @@ def test_accelerate_iterable_dataset_shard_over_a_split_dataset_is_refused():
         next(iter(wrapped))
 
 
-def test_accelerate_skip_first_batches_on_a_shardkit_loader_is_refused_even_on_one_rank_naming_the_fix():
+@pytest.mark.parametrize("workers", [0, 2])
+def test_accelerate_skip_first_batches_on_a_shardkit_loader_is_refused_even_on_one_rank_naming_the_fix(workers):
     from accelerate import Accelerator
 
-    loader = shardkit.MixedLoader(source().map(str.upper), batch_size=8, num_workers=2, collate_fn=list)
+    loader = shardkit.MixedLoader(source().map(str.upper), batch_size=8, num_workers=workers, collate_fn=list)
     skipped = Accelerator(cpu=True).skip_first_batches(loader, 3)
     with pytest.raises(TrainerError, match=r"skip_first_batches\(loader, 3\).*reads the first 3 batches again.*"
                        r"register_for_checkpointing\(loader\)"):  # fmt: skip

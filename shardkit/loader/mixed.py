@@ -186,6 +186,9 @@ class MixedLoader:
         self.micro_batch_size = batch_size if micro_batch_size is None else micro_batch_size
         self.resumable = resumable
         self.gather_states = gather_states
+        # What DataLoader would hold: wrappers that copy a loader's settings
+        # (Accelerate's skip_first_batches) must not pass a prefetch_factor without workers.
+        self.prefetch_factor = dataloader_kwargs.get("prefetch_factor", 2 if num_workers else None)
         self.epoch = 0
         self._pin = False
         self._micro_batches: MicroBatches | None = None
