@@ -47,14 +47,16 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, cast
 
 import numpy as np
+import pyarrow as pa
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError
-from shardkit.formats.crc import crc32c, mask, masked_crc32c, masked_crc32c_of_lengths, unmask_array
+from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.sniff import describe_file
+from shardkit.formats.tfrecord import kernel
 from shardkit.io.files import (
     BLOCK_SIZE,
     CompressedStreamError,
@@ -71,6 +73,7 @@ __all__ = [
     "OVERHEAD_BYTES",
     "count_records",
     "detect_compression",
+    "read_arrays",
     "read_batches",
     "scan_count",
     "scan_offsets",
@@ -87,7 +90,6 @@ OVERHEAD_BYTES: Final = 16
 """Bytes of framing around each record's data: its header and the ``uint32`` CRC of the data."""
 unpack_length = struct.Struct("<Q").unpack_from
 unpack_header = struct.Struct("<QI").unpack_from
-_U32_BYTES: Final = np.arange(4)
 _BATCH: Final = 128  # records cut and checked together; 32..1024 all measured about the same
 
 
@@ -149,41 +151,27 @@ class _Block(NamedTuple):
 
     buf: bytes
     first: int
-    ends: list[int]
+    ends: np.ndarray  # int64
     first_index: int
     offset: int  # stream offset of buf[0]
 
 
-def _frame(buf: bytes, pos: int, end: int, last_start: int) -> list[int]:
-    """End positions of the whole records in ``buf[pos:end]`` that start at or before ``last_start``.
-
-    This loop is the reader's hot path, hence the inlined constants.
-    """
-    ends: list[int] = []
-    add = ends.append
-    unpack = unpack_length
-    last = min(end - 12, last_start)  # 12 = HEADER_BYTES
-    while pos <= last:
-        nxt = pos + unpack(buf, pos)[0] + 16  # 16 = OVERHEAD_BYTES
-        if nxt > end:
-            break
-        add(nxt)
-        pos = nxt
-    return ends
+def _frame(buf: bytes, check_headers: bool) -> tuple[np.ndarray, bool]:
+    """End positions of the whole records of ``buf`` from its start (the kernel's walk, C or Python), and whether
+    the walk stopped at a bad length CRC (checked only with ``check_headers``)."""
+    return kernel.KERNEL.frame(buf, 0, len(buf), check_headers)
 
 
-def _checked(block: _Block, src: _Origin, check_headers: bool) -> Iterator[_Block]:
-    """Yield ``block``; with a bad length CRC in it, yield the records before it, then raise."""
-    if check_headers:
-        bad = _first_bad_header(block)
-        if bad is not None:
-            if bad:
-                yield block._replace(ends=block.ends[:bad])
-            start = block.ends[bad - 1] if bad else block.first
-            raise src.length_error(
-                block.first_index + bad, block.offset + start, bytes(block.buf[start : start + HEADER_BYTES])
-            )
-    yield block
+def _checked(block: _Block, bad_header: bool, src: _Origin) -> Iterator[_Block]:
+    """Yield ``block`` (unless it is empty); with ``bad_header``, raise at the record after its last."""
+    ends = block.ends
+    if len(ends):
+        yield block
+    if bad_header:
+        start = int(ends[-1]) if len(ends) else block.first
+        raise src.length_error(
+            block.first_index + len(ends), block.offset + start, bytes(block.buf[start : start + HEADER_BYTES])
+        )
 
 
 #: First read of a local file when no end offset is known (reads then double up to BLOCK_SIZE).
@@ -225,12 +213,12 @@ def _stream_blocks(
                 raise src.error(index, offset, "file ends where this record should start (as the index says)")
             return
         buf = rest + chunk if rest else chunk
-        ends = _frame(buf, 0, len(buf), len(buf))
-        if ends:
-            yield from _checked(_Block(buf, 0, ends, index, offset), src, check_headers)
-            index += len(ends)
-            offset += ends[-1]
-        rest = buf[ends[-1] :] if ends else buf
+        ends, bad_header = _frame(buf, check_headers)
+        yield from _checked(_Block(buf, 0, ends, index, offset), bad_header, src)
+        done = int(ends[-1]) if len(ends) else 0
+        index += len(ends)
+        offset += done
+        rest = buf[done:]
         if len(rest) >= HEADER_BYTES:  # a record continues in the next read: check its length before trusting it
             if check_headers and masked_crc32c(rest[:8]) != unpack_header(rest)[1]:
                 raise src.length_error(index, offset, rest[:HEADER_BYTES])
@@ -239,7 +227,7 @@ def _stream_blocks(
                 if src.size is not None and offset + need > src.size:
                     raise src.truncated(index, offset, rest[:HEADER_BYTES], src.size - offset, False)
                 record = _gather(stream, src, index, offset, rest, need)
-                yield _Block(record, 0, [need], index, offset)
+                yield _Block(record, 0, np.array([need], dtype=np.int64), index, offset)
                 index += 1
                 offset += need
                 rest = b""
@@ -288,11 +276,11 @@ def _file_blocks(
     opened_size = os.fstat(fd).st_size
     while True:
         buf = os.pread(fd, size, pos)
-        ends = _frame(buf, 0, len(buf), len(buf))
-        if ends:
-            yield from _checked(_Block(buf, 0, ends, index, pos), src, check_headers)
+        ends, bad_header = _frame(buf, check_headers)
+        yield from _checked(_Block(buf, 0, ends, index, pos), bad_header, src)
+        if len(ends):
             index += len(ends)
-            pos += ends[-1]
+            pos += int(ends[-1])
             size = min(2 * size, BLOCK_SIZE) if end is None else BLOCK_SIZE
             continue
         if len(buf) < size:  # the file ends here
@@ -353,53 +341,42 @@ def _blocks(
 
 def _spans(block: _Block) -> tuple[np.ndarray, np.ndarray]:
     """Start and end positions of the block's records, as arrays."""
-    ends = np.array(block.ends, dtype=np.int64)
+    ends = block.ends
     starts = np.empty_like(ends)
-    starts[0] = block.first
-    starts[1:] = ends[:-1]
+    if len(ends):
+        starts[0] = block.first
+        starts[1:] = ends[:-1]
     return starts, ends
 
 
-def _u32_at(arr: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Little-endian uint32 values stored at byte ``positions`` of ``arr``."""
-    return np.ascontiguousarray(arr[positions[:, None] + _U32_BYTES]).view("<u4").ravel()
+def _start(block: _Block, i: int) -> int:
+    """Where record ``i`` of the block starts, in its buffer."""
+    return int(block.ends[i - 1]) if i else block.first
 
 
-def _first_bad_header(block: _Block) -> int | None:
-    """Index (within the block) of the first record whose length CRC is wrong."""
-    starts, ends = _spans(block)
-    stored = _u32_at(np.frombuffer(block.buf, np.uint8), starts + 8)
-    bad = np.flatnonzero(masked_crc32c_of_lengths(ends - starts - OVERHEAD_BYTES) != stored)
-    return int(bad[0]) if bad.size else None
+def _data_error(block: _Block, i: int, src: _Origin) -> CorruptRecordError:
+    """The error for record ``i`` of the block, whose data CRC the kernel found wrong."""
+    start, end = _start(block, i), int(block.ends[i])
+    stored = int.from_bytes(block.buf[end - 4 : end], "little")
+    reason = _data_crc_reason(block.buf[start + HEADER_BYTES : end - 4], stored)
+    return src.error(block.first_index + i, block.offset + start, reason, framing_intact=True)
 
 
 def _batches(block: _Block, lo: int, hi: int, src: _Origin, verify: bool) -> Iterator[list[bytes]]:
     """Records ``lo:hi`` of a block in lists of up to :data:`_BATCH`.
 
-    With ``verify``, each batch's data CRCs are checked before it is handed
-    out; at a bad one, the records before it come as a last batch, then the
-    error is raised. Cutting and checking a batch at a time keeps the per-record
-    work in tight loops (the CRCs are compared as one list), and lets the
-    memory of a batch be reused by the next while it is still in cache.
+    With ``verify``, each batch's data CRCs are checked as it is cut (by the
+    kernel, C or Python); at a bad one, the records before it come as a last
+    batch, then the error is raised. Cutting a batch at a time lets the memory
+    of a batch be reused by the next while it is still in cache.
     """
-    buf = block.buf
-    ends = block.ends
-    starts = [block.first, *ends[:-1]]
-    wants: list[int] = []
-    if verify:  # the CRCs the footers promise, unmasked, all at once
-        stored = _u32_at(np.frombuffer(buf, np.uint8), np.array(ends[lo:hi], dtype=np.int64) - 4)
-        wants = unmask_array(stored).tolist()
+    cut = kernel.KERNEL.cut
     for i in range(lo, hi, _BATCH):
-        j = min(i + _BATCH, hi)
-        records = [buf[a + 12 : b - 4] for a, b in zip(starts[i:j], ends[i:j])]
-        if verify:
-            expected = wants[i - lo : j - lo]
-            crcs = list(map(crc32c, records))
-            if crcs != expected:
-                k = next(k for k, (got, want) in enumerate(zip(crcs, expected)) if got != want)
-                yield records[:k]
-                reason = _data_crc_reason(records[k], mask(expected[k]))
-                raise src.error(block.first_index + i + k, block.offset + starts[i + k], reason, framing_intact=True)
+        records, bad = cut(block.buf, block.first, block.ends, i, min(i + _BATCH, hi), verify)
+        if bad >= 0:
+            if records:
+                yield records
+            raise _data_error(block, bad, src)
         yield records
 
 
@@ -493,6 +470,95 @@ def read_batches(
         source.close()
 
 
+def read_arrays(
+    url: str,
+    compression: str | None,
+    verify: bool,
+    storage_options: dict[str, Any] | None,
+    remote: RemoteOptions | None,
+    *,
+    batch_records: int,
+    start: int,
+    stop: int | None,
+    first: int = 0,
+    offset: int = 0,
+    end: int | None = None,
+) -> Iterator[pa.LargeBinaryArray]:
+    """The records ``start:stop`` of ``url`` as Arrow arrays of ``batch_records`` records (the last may be shorter);
+    positions as for :func:`read_batches`.
+
+    A batch may take records from two blocks: it holds on to both and copies
+    their records' data once, into the array's own values buffer (the kernel's
+    ``pack``). An error is raised after the array of the good records before it.
+    """
+    source, src = _open(url, compression, storage_options, seek_to=offset, remote=remote)
+    if src.compression is not None:
+        first = offset = 0
+        end = None
+    blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
+    pending: list[_Piece] = []
+    count = 0
+    try:
+        for block in blocks:
+            n = len(block.ends)
+            lo = max(0, start - block.first_index)
+            hi = n if stop is None else min(n, stop - block.first_index)
+            while lo < hi:
+                take = min(hi - lo, batch_records - count)
+                pending.append(_Piece(block, lo, lo + take))
+                count, lo = count + take, lo + take
+                if count == batch_records:
+                    yield from _emit(pending, src, verify)
+                    pending, count = [], 0
+            if stop is not None and block.first_index + n >= stop:
+                break
+    except CorruptRecordError:
+        yield from _emit(pending, src, verify)  # the good records first (or an earlier bad one)
+        raise
+    finally:
+        blocks.close()
+        source.close()
+    yield from _emit(pending, src, verify)
+
+
+class _Piece(NamedTuple):
+    """Records ``lo:hi`` of a block, waiting to be packed into an array."""
+
+    block: _Block
+    lo: int
+    hi: int
+
+    def data_bytes(self) -> int:
+        return int(self.block.ends[self.hi - 1]) - _start(self.block, self.lo) - OVERHEAD_BYTES * (self.hi - self.lo)
+
+
+def _emit(pieces: list[_Piece], src: _Origin, verify: bool) -> Iterator[pa.LargeBinaryArray]:
+    """One array of the pieces' records; at a bad data CRC, the array of those before it, then the error."""
+    if not pieces:
+        return
+    values = np.empty(sum(piece.data_bytes() for piece in pieces), dtype=np.uint8)
+    offsets = np.empty(sum(piece.hi - piece.lo for piece in pieces) + 1, dtype=np.int64)
+    pack = kernel.KERNEL.pack
+    k = base = 0
+    for block, lo, hi in pieces:
+        bad = pack(block.buf, block.first, block.ends, lo, hi, verify, values, offsets[k:], base)
+        if bad >= 0:
+            k += bad - lo
+            if k:
+                yield _binary_array(values, offsets[: k + 1])
+            raise _data_error(block, bad, src)
+        k += hi - lo
+        base = int(offsets[k])
+    yield _binary_array(values, offsets)
+
+
+def _binary_array(values: np.ndarray, offsets: np.ndarray) -> pa.LargeBinaryArray:
+    """An Arrow ``large_binary`` array over the two buffers, without a copy."""
+    used = values[: int(offsets[-1])]
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(used)]
+    return cast(pa.LargeBinaryArray, pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1, buffers))
+
+
 def _scan(
     url: str,
     compression: str | None,
@@ -508,7 +574,7 @@ def _scan(
         for block in blocks:
             yield block, src
             if progress is not None:
-                progress(block.offset + block.ends[-1])
+                progress(block.offset + int(block.ends[-1]))
     finally:
         blocks.close()
         source.close()
