@@ -508,8 +508,8 @@ def read_arrays(
                 pending.append(_Piece(block, lo, lo + take))
                 count, lo = count + take, lo + take
                 if count == batch_records:
-                    yield from _emit(pending, src, verify)
-                    pending, count = [], 0
+                    full, pending, count = pending, [], 0
+                    yield from _emit(full, src, verify)  # (raising here, it is not emitted again below)
             if stop is not None and block.first_index + n >= stop:
                 break
     except CorruptRecordError:
