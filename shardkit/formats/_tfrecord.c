@@ -253,7 +253,7 @@ static inline int take(const uint8_t *b, int64_t start, int64_t stop, uint8_t *d
     const uint8_t *data = b + start + HEADER;
     size_t n = (size_t)(stop - start - OVERHEAD);
     if (verify && mask(crc32c(data, n)) != load32(b + stop - 4)) return 0;
-    memcpy(dst, data, n);
+    memmove(dst, data, n); /* pack may compact a block in place: dst <= data then */
     return 1;
 }
 

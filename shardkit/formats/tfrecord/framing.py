@@ -149,7 +149,7 @@ class _Origin(NamedTuple):
 class _Block(NamedTuple):
     """Whole records in a buffer: record ``i`` spans ``buf[ends[i-1]:ends[i]]``, record 0 ``buf[first:ends[0]]``."""
 
-    buf: bytes
+    buf: bytes | memoryview  # a memoryview: a local file's block, writable
     first: int
     ends: np.ndarray  # int64
     first_index: int
@@ -275,7 +275,7 @@ def _file_blocks(
     size = _first_read(offset, end) if end is not None else min(_FIRST_LOCAL_READ, BLOCK_SIZE)
     opened_size = os.fstat(fd).st_size
     while True:
-        buf = os.pread(fd, size, pos)
+        buf = _pread(fd, size, pos)
         ends, bad_header = _frame(buf, check_headers)
         yield from _checked(_Block(buf, 0, ends, index, pos), bad_header, src)
         if len(ends):
@@ -284,19 +284,27 @@ def _file_blocks(
             size = min(2 * size, BLOCK_SIZE) if end is None else BLOCK_SIZE
             continue
         if len(buf) < size:  # the file ends here
-            _check_file_end(fd, src, index, pos, buf, opened_size, first_index > 0 and pos == offset, check_headers)
+            _check_file_end(fd, src, index, pos, bytes(buf), opened_size, first_index > 0 and pos == offset, check_headers)
             return
         # A full block without one whole record: the first record is longer than a block.
         if len(buf) < HEADER_BYTES:  # (only with tiny test block sizes)
             size = HEADER_BYTES
             continue
-        if check_headers and masked_crc32c(buf[:8]) != unpack_header(buf)[1]:
-            raise src.length_error(index, pos, buf[:HEADER_BYTES])
-        need = unpack_length(buf)[0] + OVERHEAD_BYTES
+        header = bytes(buf[:HEADER_BYTES])
+        if check_headers and masked_crc32c(header[:8]) != unpack_header(header)[1]:
+            raise src.length_error(index, pos, header)
+        need = unpack_length(header)[0] + OVERHEAD_BYTES
         available = os.fstat(fd).st_size - pos
         if need > available:
-            raise src.truncated(index, pos, buf[:HEADER_BYTES], available, False)
+            raise src.truncated(index, pos, header, available, False)
         size = need
+
+
+def _pread(fd: int, size: int, pos: int) -> memoryview:
+    """Up to ``size`` bytes of the file at ``pos``, read into a new buffer of the reader's own (writable, so that
+    :func:`read_arrays` can compact its records in place: no second copy of the block)."""
+    buf = np.empty(size, dtype=np.uint8)
+    return memoryview(buf)[: os.preadv(fd, [buf], pos)]
 
 
 def _check_file_end(
@@ -533,28 +541,43 @@ class _Piece(NamedTuple):
 
 
 def _emit(pieces: list[_Piece], src: _Origin, verify: bool) -> Iterator[pa.LargeBinaryArray]:
-    """One array of the pieces' records; at a bad data CRC, the array of those before it, then the error."""
+    """One array of the pieces' records; at a bad data CRC, the array of those before it, then the error.
+
+    Records of one block read into the reader's own buffer are compacted in
+    place (each record's data moved over the framing before it), so the array
+    shares the block's memory: no second copy. Records from two blocks, or a
+    block that is not ours to write (a stream's), are copied into new buffers.
+    """
     if not pieces:
         return
-    values = np.empty(sum(piece.data_bytes() for piece in pieces), dtype=np.uint8)
+    block = pieces[0].block
+    if len(pieces) == 1 and isinstance(block.buf, memoryview) and not block.buf.readonly:
+        base = _start(block, pieces[0].lo)  # earlier arrays of this block end before it: moving data back is safe
+        values = np.frombuffer(block.buf, dtype=np.uint8)
+    else:
+        base = 0
+        values = np.empty(sum(piece.data_bytes() for piece in pieces), dtype=np.uint8)
     offsets = np.empty(sum(piece.hi - piece.lo for piece in pieces) + 1, dtype=np.int64)
     pack = kernel.KERNEL.pack
-    k = base = 0
+    k = 0
+    at = base
     for block, lo, hi in pieces:
-        bad = pack(block.buf, block.first, block.ends, lo, hi, verify, values, offsets[k:], base)
+        bad = pack(block.buf, block.first, block.ends, lo, hi, verify, values, offsets[k:], at)
         if bad >= 0:
             k += bad - lo
             if k:
-                yield _binary_array(values, offsets[: k + 1])
+                yield _binary_array(values, offsets[: k + 1], base)
             raise _data_error(block, bad, src)
         k += hi - lo
-        base = int(offsets[k])
-    yield _binary_array(values, offsets)
+        at = int(offsets[k])
+    yield _binary_array(values, offsets, base)
 
 
-def _binary_array(values: np.ndarray, offsets: np.ndarray) -> pa.LargeBinaryArray:
-    """An Arrow ``large_binary`` array over the two buffers, without a copy."""
-    used = values[: int(offsets[-1])]
+def _binary_array(values: np.ndarray, offsets: np.ndarray, base: int) -> pa.LargeBinaryArray:
+    """An Arrow ``large_binary`` array over ``values[base:]`` and the offsets (from ``base``), without a copy."""
+    if base:
+        offsets -= base
+    used = values[base : base + int(offsets[-1])]
     buffers = [None, pa.py_buffer(offsets), pa.py_buffer(used)]
     return cast(pa.LargeBinaryArray, pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1, buffers))
 
