@@ -407,3 +407,33 @@ def test_batches_refuse_a_batch_of_no_records(tmp_path) -> None:
 
 def test_read_tfrecord_batches_is_exported_from_shardkit() -> None:
     assert shardkit.read_tfrecord_batches is read_tfrecord_batches
+
+
+def test_arrays_kept_by_the_caller_stay_intact_while_later_blocks_reuse_the_buffers_of_dropped_ones(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(tfr, "BLOCK_SIZE", 2048)  # many blocks, each a few arrays: buffers are reused
+    rng = np.random.default_rng(2)
+    records = [rng.bytes(int(n)) for n in rng.integers(0, 200, 3000)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    kept: list[tuple[int, pa.LargeBinaryArray]] = []
+    seen = 0
+    for i, array in enumerate(read_tfrecord_batches(path, batch_records=5)):
+        assert array.to_pylist() == records[seen : seen + len(array)]
+        if i % 7 == 0:
+            kept.append((seen, array))
+        seen += len(array)
+    assert seen == len(records)
+    for start, array in kept:  # read again after every later block was read into whatever buffer was free
+        assert array.to_pylist() == records[start : start + len(array)]
+
+
+def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
+    buffers = tfr._BlockBuffers()
+    first = buffers._take(100)
+    assert buffers._take(100) is not first  # `first` still holds it
+    del first
+    again = buffers._take(100)
+    view = memoryview(again)
+    del again
+    assert buffers._take(100) is not view.obj  # a view of it holds it too

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Final, NamedTuple, cast
 
@@ -274,8 +275,9 @@ def _file_blocks(
     # block per restart made a shard of many bad records cost quadratic time.
     size = _first_read(offset, end) if end is not None else min(_FIRST_LOCAL_READ, BLOCK_SIZE)
     opened_size = os.fstat(fd).st_size
+    buffers = _BlockBuffers()
     while True:
-        buf = _pread(fd, size, pos)
+        buf = buffers.read(fd, size, pos)
         ends, bad_header = _frame(buf, check_headers)
         yield from _checked(_Block(buf, 0, ends, index, pos), bad_header, src)
         if len(ends):
@@ -284,7 +286,9 @@ def _file_blocks(
             size = min(2 * size, BLOCK_SIZE) if end is None else BLOCK_SIZE
             continue
         if len(buf) < size:  # the file ends here
-            _check_file_end(fd, src, index, pos, bytes(buf), opened_size, first_index > 0 and pos == offset, check_headers)
+            _check_file_end(
+                fd, src, index, pos, bytes(buf), opened_size, first_index > 0 and pos == offset, check_headers
+            )
             return
         # A full block without one whole record: the first record is longer than a block.
         if len(buf) < HEADER_BYTES:  # (only with tiny test block sizes)
@@ -300,11 +304,40 @@ def _file_blocks(
         size = need
 
 
-def _pread(fd: int, size: int, pos: int) -> memoryview:
-    """Up to ``size`` bytes of the file at ``pos``, read into a new buffer of the reader's own (writable, so that
-    :func:`read_arrays` can compact its records in place: no second copy of the block)."""
-    buf = np.empty(size, dtype=np.uint8)
-    return memoryview(buf)[: os.preadv(fd, [buf], pos)]
+class _BlockBuffers:
+    """The buffers a local file's blocks are read into: each reused once nothing outside holds it any more.
+
+    A fresh multi-megabyte buffer per block costs a page fault per 4 KB page
+    (the kernel zeroes each page before the read fills it), about as much as
+    the read itself; reading into a buffer whose pages are already mapped
+    does not. ``read_tfrecord`` copies every record out before the next block
+    is read, so one buffer serves the whole file; an Arrow array from
+    ``read_tfrecord_batches`` shares its block's buffer (compacted in place),
+    which is then busy until the caller drops the array. Whether anything
+    holds a buffer is read from its reference count (CPython's).
+    """
+
+    _POOL: Final = 4  # buffers kept per reader; while all are busy, blocks get one-off buffers
+
+    def __init__(self) -> None:
+        self._pool: list[np.ndarray] = []
+
+    def read(self, fd: int, size: int, pos: int) -> bytes | memoryview:
+        """Up to ``size`` bytes of the file at ``pos``: writable (read_arrays compacts records in place)."""
+        if kernel.KERNEL is kernel.PYTHON:  # the Python kernel slices ``bytes`` faster than a memoryview
+            return os.pread(fd, size, pos)
+        buf = self._take(size)
+        return memoryview(buf)[: os.preadv(fd, [buf[:size]], pos)]
+
+    def _take(self, size: int) -> np.ndarray:
+        for buf in self._pool:
+            # 3 references: the pool's, this loop's and getrefcount's own: no block, view or array holds it
+            if len(buf) >= size and sys.getrefcount(buf) == 3:
+                return buf
+        buf = np.empty(max(size, BLOCK_SIZE), dtype=np.uint8)
+        if len(self._pool) < self._POOL and size <= BLOCK_SIZE:
+            self._pool.append(buf)
+        return buf
 
 
 def _check_file_end(
