@@ -298,7 +298,9 @@ def kernel_ratios(path: str, rounds: int, batch_records: int) -> None:
         def run() -> int:
             kernel.KERNEL = kern  # the framing module looks it up per block
             try:
-                return sum(1 for _ in read_tfrecord(path))
+                for _ in read_tfrecord(path):  # the plainest loop a caller writes
+                    pass
+                return 0
             finally:
                 kernel.KERNEL = chosen
 

@@ -5,7 +5,8 @@ The package's modules, each importing only those listed after it:
 sources read with), :mod:`~shardkit.formats.tfrecord.reader`
 (:func:`read_tfrecord`, :func:`read_tfrecord_batches`), :mod:`~shardkit.formats.tfrecord.writer`
 (:class:`TFRecordWriter`), :mod:`~shardkit.formats.tfrecord.index` (index
-files: build, load and check them) and :mod:`~shardkit.formats.tfrecord.framing`
+files: build, load and check them), :mod:`~shardkit.formats.tfrecord.arrays`
+(records as Arrow arrays), :mod:`~shardkit.formats.tfrecord.framing`
 (records found, checked and cut from a stream; whole-file scans) and
 :mod:`~shardkit.formats.tfrecord.kernel` (the per-block loops of framing:
 compiled, or Python when not built). The names

@@ -12,19 +12,24 @@ turns an index into the position to read from.
 
 How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
 
-- It works a block of :data:`~shardkit.io.files.BLOCK_SIZE` bytes at a time:
-  one tight loop finds the record boundaries of the whole block, then the
-  length CRCs of the block are checked at once with numpy.
-- Records are cut and their data CRCs computed and compared in batches of
-  :data:`_BATCH`, and handed out (by ``read_tfrecord``) through ``itertools.chain``: no Python frame
-  per record beyond the slicing loop.
-- Local uncompressed files are read with one ``os.pread`` per block, at a
-  record boundary. Not memory-mapped: a mapped file truncated under the reader
-  kills the process with SIGBUS, and the map bought nothing measurable: on 100k
-  1 KB records, ``pread`` took 0.86-1.03x the map's CPU time with CRCs and
-  0.75-0.92x without, over three runs (the map's page faults cost about what
-  copying the block does). A reused ``readinto`` buffer measured the same as a
-  fresh ``bytes`` per block, which slices into records without a memoryview.
+- It works a block of :data:`~shardkit.io.files.BLOCK_SIZE` bytes at a time,
+  and the per-record loops run in the framing kernel
+  (:mod:`~shardkit.formats.tfrecord.kernel`: C when built, else Python): one
+  call finds the record boundaries of the whole block and checks their length
+  CRCs; one call per :data:`_BATCH` records checks their data CRCs and copies
+  them out, handed out (by ``read_tfrecord``) through ``itertools.chain``: no
+  Python frame per record.
+- :func:`read_arrays` (``read_tfrecord_batches``) makes no Python object per
+  record: the kernel moves each record's data over the framing before it, in
+  the block's own buffer, which the Arrow array then shares; only an array
+  whose records span two blocks is copied.
+- Local uncompressed files are read with one ``os.preadv`` per block, at a
+  record boundary, into buffers reused once nothing holds them
+  (:class:`_BlockBuffers`: a fresh buffer per block cost about what the read
+  does, in page faults). Not memory-mapped: a mapped file truncated under the
+  reader kills the process with SIGBUS, and the map bought nothing measurable:
+  on 100k 1 KB records, ``pread`` took 0.86-1.03x the map's CPU time with CRCs
+  and 0.75-0.92x without, over three runs.
 - Remote and compressed files are streamed: one ranged read per block. Remote
   blocks are fetched ahead of the reader, retried, and pinned to the version
   opened by :mod:`shardkit.io.remote` (or read from its local cache).
@@ -48,10 +53,9 @@ import os
 import struct
 import sys
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, Final, NamedTuple, cast
+from typing import Any, Final, NamedTuple
 
 import numpy as np
-import pyarrow as pa
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError
@@ -74,7 +78,6 @@ __all__ = [
     "OVERHEAD_BYTES",
     "count_records",
     "detect_compression",
-    "read_arrays",
     "read_batches",
     "scan_count",
     "scan_offsets",
@@ -157,7 +160,7 @@ class _Block(NamedTuple):
     offset: int  # stream offset of buf[0]
 
 
-def _frame(buf: bytes, check_headers: bool) -> tuple[np.ndarray, bool]:
+def _frame(buf: bytes | memoryview, check_headers: bool) -> tuple[np.ndarray, bool]:
     """End positions of the whole records of ``buf`` from its start (the kernel's walk, C or Python), and whether
     the walk stopped at a bad length CRC (checked only with ``check_headers``)."""
     return kernel.KERNEL.frame(buf, 0, len(buf), check_headers)
@@ -327,7 +330,8 @@ class _BlockBuffers:
         if kernel.KERNEL is kernel.PYTHON:  # the Python kernel slices ``bytes`` faster than a memoryview
             return os.pread(fd, size, pos)
         buf = self._take(size)
-        return memoryview(buf)[: os.preadv(fd, [buf[:size]], pos)]
+        # numpy arrays are buffers; its stubs do not say so to the type checker
+        return memoryview(buf)[: os.preadv(fd, [buf[:size]], pos)]  # pyright: ignore[reportArgumentType]
 
     def _take(self, size: int) -> np.ndarray:
         for buf in self._pool:
@@ -421,7 +425,7 @@ def _batches(block: _Block, lo: int, hi: int, src: _Origin, verify: bool) -> Ite
         yield records
 
 
-def _data_crc_reason(record: bytes, stored: int) -> str:
+def _data_crc_reason(record: bytes | memoryview, stored: int) -> str:
     return (
         f"data CRC mismatch: expected 0x{masked_crc32c(record):08x}, found 0x{stored:08x} "
         f"(over {len(record)} data bytes)"
@@ -509,110 +513,6 @@ def read_batches(
     finally:
         blocks.close()
         source.close()
-
-
-def read_arrays(
-    url: str,
-    compression: str | None,
-    verify: bool,
-    storage_options: dict[str, Any] | None,
-    remote: RemoteOptions | None,
-    *,
-    batch_records: int,
-    start: int,
-    stop: int | None,
-    first: int = 0,
-    offset: int = 0,
-    end: int | None = None,
-) -> Iterator[pa.LargeBinaryArray]:
-    """The records ``start:stop`` of ``url`` as Arrow arrays of ``batch_records`` records (the last may be shorter);
-    positions as for :func:`read_batches`.
-
-    A batch may take records from two blocks: it holds on to both and copies
-    their records' data once, into the array's own values buffer (the kernel's
-    ``pack``). An error is raised after the array of the good records before it.
-    """
-    source, src = _open(url, compression, storage_options, seek_to=offset, remote=remote)
-    if src.compression is not None:
-        first = offset = 0
-        end = None
-    blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
-    pending: list[_Piece] = []
-    count = 0
-    try:
-        for block in blocks:
-            n = len(block.ends)
-            lo = max(0, start - block.first_index)
-            hi = n if stop is None else min(n, stop - block.first_index)
-            while lo < hi:
-                take = min(hi - lo, batch_records - count)
-                pending.append(_Piece(block, lo, lo + take))
-                count, lo = count + take, lo + take
-                if count == batch_records:
-                    full, pending, count = pending, [], 0
-                    yield from _emit(full, src, verify)  # (raising here, it is not emitted again below)
-            if stop is not None and block.first_index + n >= stop:
-                break
-    except CorruptRecordError:
-        yield from _emit(pending, src, verify)  # the good records first (or an earlier bad one)
-        raise
-    finally:
-        blocks.close()
-        source.close()
-    yield from _emit(pending, src, verify)
-
-
-class _Piece(NamedTuple):
-    """Records ``lo:hi`` of a block, waiting to be packed into an array."""
-
-    block: _Block
-    lo: int
-    hi: int
-
-    def data_bytes(self) -> int:
-        return int(self.block.ends[self.hi - 1]) - _start(self.block, self.lo) - OVERHEAD_BYTES * (self.hi - self.lo)
-
-
-def _emit(pieces: list[_Piece], src: _Origin, verify: bool) -> Iterator[pa.LargeBinaryArray]:
-    """One array of the pieces' records; at a bad data CRC, the array of those before it, then the error.
-
-    Records of one block read into the reader's own buffer are compacted in
-    place (each record's data moved over the framing before it), so the array
-    shares the block's memory: no second copy. Records from two blocks, or a
-    block that is not ours to write (a stream's), are copied into new buffers.
-    """
-    if not pieces:
-        return
-    block = pieces[0].block
-    if len(pieces) == 1 and isinstance(block.buf, memoryview) and not block.buf.readonly:
-        base = _start(block, pieces[0].lo)  # earlier arrays of this block end before it: moving data back is safe
-        values = np.frombuffer(block.buf, dtype=np.uint8)
-    else:
-        base = 0
-        values = np.empty(sum(piece.data_bytes() for piece in pieces), dtype=np.uint8)
-    offsets = np.empty(sum(piece.hi - piece.lo for piece in pieces) + 1, dtype=np.int64)
-    pack = kernel.KERNEL.pack
-    k = 0
-    at = base
-    for block, lo, hi in pieces:
-        bad = pack(block.buf, block.first, block.ends, lo, hi, verify, values, offsets[k:], at)
-        if bad >= 0:
-            k += bad - lo
-            if k:
-                yield _binary_array(values, offsets[: k + 1], base)
-            raise _data_error(block, bad, src)
-        k += hi - lo
-        at = int(offsets[k])
-    yield _binary_array(values, offsets, base)
-
-
-def _binary_array(values: np.ndarray, offsets: np.ndarray, base: int) -> pa.LargeBinaryArray:
-    """An Arrow ``large_binary`` array over ``values[base:]`` and the offsets (from ``base``), without a copy."""
-    if base:
-        offsets -= base
-    used = values[base : base + int(offsets[-1])]
-    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(used)]
-    return cast(pa.LargeBinaryArray, pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1, buffers))
 
 
 def _scan(

@@ -17,7 +17,8 @@ import pyarrow as pa
 
 from shardkit.errors import ShardkitError
 from shardkit.formats.tfrecord import index as index_files
-from shardkit.formats.tfrecord.framing import read_arrays, read_batches
+from shardkit.formats.tfrecord.arrays import read_arrays
+from shardkit.formats.tfrecord.framing import read_batches
 from shardkit.io.remote import RemoteOptions
 
 __all__ = ["IndexLike", "read_tfrecord", "read_tfrecord_batches"]
