@@ -396,7 +396,7 @@ def block_sources(path: str, rounds: int) -> None:
     """Print CPU-time medians of interleaved rounds for the three ways of reading a local file's blocks."""
     sources = {
         "mmap (before)": mapped_batches,
-        "preadv, fresh buffer (now)": pread_batches,
+        "preadv, reused buffers (now)": pread_batches,
         "readinto + memoryview": readinto_batches,
     }
     runs = {

@@ -3,14 +3,14 @@
 Three operations, each over many records at once, so the reader has no
 Python loop per record beyond handing the records out:
 
-- :func:`frame <Kernel.frame>` walks a buffer from a record boundary and
+- ``frame`` walks a buffer from a record boundary and
   returns the end offset of each whole record (an ``int64`` array), checking
   each length CRC on the way if asked; it stops at a record the buffer does not
   hold whole (the caller reads on, or reports the truncation) and says whether
   it stopped at a bad length CRC.
-- :func:`cut <Kernel.cut>` checks the data CRCs of records ``lo:hi`` and
+- ``cut`` checks the data CRCs of records ``lo:hi`` and
   copies each record's data into a ``bytes``, stopping at the first bad CRC.
-- :func:`pack <Kernel.pack>` does the same into one values buffer and an
+- ``pack`` does the same into one values buffer and an
   ``int64`` offsets array (an Arrow binary array's buffers): no Python object
   per record.
 
