@@ -432,8 +432,10 @@ def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
     buffers = tfr._BlockBuffers()
     first = buffers._take(100)
     assert buffers._take(100) is not first  # `first` still holds it
+    pooled = [id(buf) for buf in buffers._pool]
     del first
     again = buffers._take(100)
+    assert id(again) in pooled  # free again: taken from the pool, not allocated
     view = memoryview(again)
     del again
     assert buffers._take(100) is not view.obj  # a view of it holds it too

@@ -307,6 +307,22 @@ def _file_blocks(
         size = need
 
 
+def _references_when_free() -> int:
+    """What ``sys.getrefcount`` says of a pooled buffer nothing else holds, in :meth:`_BlockBuffers._take`'s loop.
+
+    Measured rather than assumed: interpreters differ in the references a loop
+    and the call itself add (3 on CPython 3.10-3.13), and a buffer in use has
+    at least one more (the view of it that a block, array or record holds).
+    """
+    pool = [np.empty(1, dtype=np.uint8)]
+    for buf in pool:
+        return sys.getrefcount(buf)
+    raise AssertionError("unreachable")
+
+
+_FREE_REFERENCES: Final = _references_when_free()
+
+
 class _BlockBuffers:
     """The buffers a local file's blocks are read into: each reused once nothing outside holds it any more.
 
@@ -335,8 +351,8 @@ class _BlockBuffers:
 
     def _take(self, size: int) -> np.ndarray:
         for buf in self._pool:
-            # 3 references: the pool's, this loop's and getrefcount's own: no block, view or array holds it
-            if len(buf) >= size and sys.getrefcount(buf) == 3:
+            # the pool's, this loop's and getrefcount's own references only: no block, view or array holds it
+            if len(buf) >= size and sys.getrefcount(buf) == _FREE_REFERENCES:
                 return buf
         buf = np.empty(max(size, BLOCK_SIZE), dtype=np.uint8)
         if len(self._pool) < self._POOL and size <= BLOCK_SIZE:
