@@ -430,12 +430,12 @@ def test_arrays_kept_by_the_caller_stay_intact_while_later_blocks_reuse_the_buff
 
 def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
     buffers = tfr._BlockBuffers()
-    first = buffers._take(100)
-    assert buffers._take(100) is not first  # `first` still holds it
+    first = buffers.take(100)
+    assert buffers.take(100) is not first  # `first` still holds it
     pooled = [id(buf) for buf in buffers._pool]
     del first
-    again = buffers._take(100)
+    again = buffers.take(100)
     assert id(again) in pooled  # free again: taken from the pool, not allocated
     view = memoryview(again)
     del again
-    assert buffers._take(100) is not view.obj  # a view of it holds it too
+    assert buffers.take(100) is not view.obj  # a view of it holds it too

@@ -27,6 +27,7 @@ from shardkit.formats.tfrecord import kernel
 from shardkit.formats.tfrecord.framing import (
     OVERHEAD_BYTES,
     _Block,  # pyright: ignore[reportPrivateUsage]
+    _BlockBuffers,  # pyright: ignore[reportPrivateUsage]
     _blocks,  # pyright: ignore[reportPrivateUsage]
     _data_error,  # pyright: ignore[reportPrivateUsage]
     _open,  # pyright: ignore[reportPrivateUsage]
@@ -63,6 +64,7 @@ def read_arrays(
         end = None
     blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
     pending: list[_Piece] = []
+    spare = _BlockBuffers()  # the values of arrays whose records span two blocks
     count = 0
     try:
         for block in blocks:
@@ -75,16 +77,16 @@ def read_arrays(
                 count, lo = count + take, lo + take
                 if count == batch_records:
                     full, pending, count = pending, [], 0
-                    yield from _emit(full, src, verify)  # (raising here, it is not emitted again below)
+                    yield from _emit(full, src, verify, spare)  # (raising here, it is not emitted again below)
             if stop is not None and block.first_index + n >= stop:
                 break
     except CorruptRecordError:
-        yield from _emit(pending, src, verify)  # the good records first (or an earlier bad one)
+        yield from _emit(pending, src, verify, spare)  # the good records first (or an earlier bad one)
         raise
     finally:
         blocks.close()
         source.close()
-    yield from _emit(pending, src, verify)
+    yield from _emit(pending, src, verify, spare)
 
 
 class _Piece(NamedTuple):
@@ -98,7 +100,7 @@ class _Piece(NamedTuple):
         return int(self.block.ends[self.hi - 1]) - _start(self.block, self.lo) - OVERHEAD_BYTES * (self.hi - self.lo)
 
 
-def _emit(pieces: list[_Piece], src: _Origin, verify: bool) -> Iterator[pa.LargeBinaryArray]:
+def _emit(pieces: list[_Piece], src: _Origin, verify: bool, spare: _BlockBuffers) -> Iterator[pa.LargeBinaryArray]:
     """One array of the pieces' records; at a bad data CRC, the array of those before it, then the error.
 
     Records of one block read into the reader's own buffer are compacted in
@@ -114,7 +116,7 @@ def _emit(pieces: list[_Piece], src: _Origin, verify: bool) -> Iterator[pa.Large
         values = np.frombuffer(block.buf, dtype=np.uint8)
     else:
         base = 0
-        values = np.empty(sum(piece.data_bytes() for piece in pieces), dtype=np.uint8)
+        values = spare.take(sum(piece.data_bytes() for piece in pieces))
     offsets = np.empty(sum(piece.hi - piece.lo for piece in pieces) + 1, dtype=np.int64)
     pack = kernel.KERNEL.pack
     k = 0

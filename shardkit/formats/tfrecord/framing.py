@@ -308,7 +308,7 @@ def _file_blocks(
 
 
 def _references_when_free() -> int:
-    """What ``sys.getrefcount`` says of a pooled buffer nothing else holds, in :meth:`_BlockBuffers._take`'s loop.
+    """What ``sys.getrefcount`` says of a pooled buffer nothing else holds, in :meth:`_BlockBuffers.take`'s loop.
 
     Measured rather than assumed: interpreters differ in the references a loop
     and the call itself add (3 on CPython 3.10-3.13), and a buffer in use has
@@ -345,11 +345,12 @@ class _BlockBuffers:
         """Up to ``size`` bytes of the file at ``pos``: writable (read_arrays compacts records in place)."""
         if kernel.KERNEL is kernel.PYTHON:  # the Python kernel slices ``bytes`` faster than a memoryview
             return os.pread(fd, size, pos)
-        buf = self._take(size)
+        buf = self.take(size)
         # numpy arrays are buffers; its stubs do not say so to the type checker
         return memoryview(buf)[: os.preadv(fd, [buf[:size]], pos)]  # pyright: ignore[reportArgumentType]
 
-    def _take(self, size: int) -> np.ndarray:
+    def take(self, size: int) -> np.ndarray:
+        """A free buffer of at least ``size`` bytes (held, it is busy: so is any view of it)."""
         for buf in self._pool:
             # the pool's, this loop's and getrefcount's own references only: no block, view or array holds it
             if len(buf) >= size and sys.getrefcount(buf) == _FREE_REFERENCES:
