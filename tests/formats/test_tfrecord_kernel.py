@@ -31,6 +31,7 @@ from shardkit import CorruptRecordError
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.tfrecord import TFRecordWriter, build_index, kernel, read_tfrecord, read_tfrecord_batches
 from shardkit.formats.tfrecord import framing as tfr
+from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.io import files as skio
 
 try:
@@ -429,7 +430,7 @@ def test_arrays_kept_by_the_caller_stay_intact_while_later_blocks_reuse_the_buff
 
 
 def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
-    buffers = tfr._BlockBuffers()
+    buffers = BlockBuffers()
     first = buffers.take(100)
     assert buffers.take(100) is not first  # `first` still holds it
     pooled = [id(buf) for buf in buffers._pool]

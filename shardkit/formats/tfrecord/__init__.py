@@ -7,7 +7,8 @@ sources read with), :mod:`~shardkit.formats.tfrecord.reader`
 (:class:`TFRecordWriter`), :mod:`~shardkit.formats.tfrecord.index` (index
 files: build, load and check them), :mod:`~shardkit.formats.tfrecord.arrays`
 (records as Arrow arrays), :mod:`~shardkit.formats.tfrecord.framing`
-(records found, checked and cut from a stream; whole-file scans) and
+(records found, checked and cut from a stream; whole-file scans),
+:mod:`~shardkit.formats.tfrecord.buffers` (a local file's block buffers) and
 :mod:`~shardkit.formats.tfrecord.kernel` (the per-block loops of framing:
 compiled, or Python when not built). The names
 below are the package's interface; import them from here.

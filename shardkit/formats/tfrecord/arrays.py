@@ -24,10 +24,10 @@ import pyarrow as pa
 
 from shardkit.errors import CorruptRecordError
 from shardkit.formats.tfrecord import kernel
+from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.formats.tfrecord.framing import (
     OVERHEAD_BYTES,
     _Block,  # pyright: ignore[reportPrivateUsage]
-    _BlockBuffers,  # pyright: ignore[reportPrivateUsage]
     _blocks,  # pyright: ignore[reportPrivateUsage]
     _data_error,  # pyright: ignore[reportPrivateUsage]
     _open,  # pyright: ignore[reportPrivateUsage]
@@ -64,7 +64,7 @@ def read_arrays(
         end = None
     blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
     pending: list[_Piece] = []
-    spare = _BlockBuffers()  # the values of arrays whose records span two blocks
+    spare = BlockBuffers()  # the values of arrays whose records span two blocks
     count = 0
     try:
         for block in blocks:
@@ -100,7 +100,7 @@ class _Piece(NamedTuple):
         return int(self.block.ends[self.hi - 1]) - _start(self.block, self.lo) - OVERHEAD_BYTES * (self.hi - self.lo)
 
 
-def _emit(pieces: list[_Piece], src: _Origin, verify: bool, spare: _BlockBuffers) -> Iterator[pa.LargeBinaryArray]:
+def _emit(pieces: list[_Piece], src: _Origin, verify: bool, spare: BlockBuffers) -> Iterator[pa.LargeBinaryArray]:
     """One array of the pieces' records; at a bad data CRC, the array of those before it, then the error.
 
     Records of one block read into the reader's own buffer are compacted in
