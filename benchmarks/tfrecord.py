@@ -18,6 +18,14 @@ printed beside it. Two more lines back
 the implementation choices: the two CRC-32C packages, and protobuf's C runtime
 (upb) with conversion to numpy as an alternative Example decoder.
 
+The raw path against the disk (``--kernel``, or alone with ``--kernel-only``):
+per-record ``read_tfrecord`` and ``read_tfrecord_batches`` (Arrow arrays of
+``--batch-records`` records), both CRCs checked, each with the compiled framing
+kernel and with the pure-Python one, as ratios of reading the file's bytes
+(``f.read`` of :data:`BLOCK_SIZE` blocks, the reader's block size, and of the
+whole file at once): CPU-time medians of interleaved rounds. Targets:
+per-record >= 0.5x and batches >= 0.8x of reading the bytes in blocks.
+
 A last table (``--sources``, or alone with ``--sources-only``) measures how a
 local file's blocks are read: a memory map (what the reader used to do; a file
 truncated under it kills the process with SIGBUS), ``os.pread`` into a fresh
@@ -25,7 +33,8 @@ truncated under it kills the process with SIGBUS), ``os.pread`` into a fresh
 records copied out of a memoryview. All three share the framing and CRC code;
 CPU-time medians of interleaved rounds, as ratios to the memory map.
 
-    python benchmarks/tfrecord.py [--records 100000] [--repeat 5] [--block 256] [--path FILE] [--sources | --sources-only]
+    python benchmarks/tfrecord.py [--records 100000] [--repeat 5] [--block 256] [--path FILE]
+        [--sources | --sources-only] [--kernel | --kernel-only] [--batch-records 1024]
 """
 
 from __future__ import annotations
@@ -42,11 +51,19 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from shardkit import TFRecordWriter, decode_columns, decode_example, encode_example, read_tfrecord
+from shardkit import (
+    TFRecordWriter,
+    decode_columns,
+    decode_example,
+    encode_example,
+    read_tfrecord,
+    read_tfrecord_batches,
+)
 from shardkit.formats import example as example_module
 from shardkit.formats.example.backend import COMPILED
 from shardkit.formats.example.columns import _decode_columns
 from shardkit.formats.tfrecord import framing as tfr
+from shardkit.formats.tfrecord import kernel
 from shardkit.io.files import BLOCK_SIZE
 
 # This script's name would shadow the ``tfrecord`` package it compares against.
@@ -173,12 +190,18 @@ def main() -> None:
     parser.add_argument("--path", default=None, help="benchmark file (default: in the temp dir, made once)")
     parser.add_argument("--sources", action="store_true", help="also compare mmap, pread and readinto block reads")
     parser.add_argument("--sources-only", action="store_true", help="only compare the block reads")
+    parser.add_argument("--kernel", action="store_true", help="also compare the raw readers with reading the bytes")
+    parser.add_argument("--kernel-only", action="store_true", help="only compare the raw readers with the bytes")
+    parser.add_argument("--batch-records", type=int, default=1024, help="records per read_tfrecord_batches array")
     args = parser.parse_args()
     path = args.path or os.path.join(tempfile.gettempdir(), f"shardkit-bench-{args.records}.tfrecord")
     if not os.path.exists(path):
         make_file(path, args.records)
     if args.sources_only:
         block_sources(path, max(args.repeat, 5))
+        return
+    if args.kernel_only:
+        kernel_ratios(path, max(args.repeat, 5), args.batch_records)
         return
     size = os.path.getsize(path)
     print(f"{path}: {args.records:,} records, {size / 1e6:.1f} MB, best of {args.repeat} runs")
@@ -253,6 +276,77 @@ def main() -> None:
         print(f"  {name:<40}{seconds * scale:>7.3f} s  ({seconds * per_record:.2f} us/record)")
     if args.sources:
         block_sources(path, max(args.repeat, 5))
+    if args.kernel:
+        kernel_ratios(path, max(args.repeat, 5), args.batch_records)
+
+
+def kernel_ratios(path: str, rounds: int, batch_records: int) -> None:
+    """Print the raw readers' CPU-time medians of interleaved rounds as ratios of reading the file's bytes."""
+
+    def read_blocks() -> int:
+        n = 0
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(BLOCK_SIZE):
+                n += len(chunk)
+        return n
+
+    def read_whole() -> int:
+        with open(path, "rb", buffering=0) as f:
+            return len(f.read())
+
+    def per_record(kern: kernel.Kernel) -> Callable[[], int]:
+        def run() -> int:
+            kernel.KERNEL = kern  # the framing module looks it up per block
+            try:
+                for _ in read_tfrecord(path):  # the plainest loop a caller writes
+                    pass
+                return 0
+            finally:
+                kernel.KERNEL = chosen
+
+        return run
+
+    def batches(kern: kernel.Kernel) -> Callable[[], int]:
+        def run() -> int:
+            kernel.KERNEL = kern
+            try:
+                return sum(len(array) for array in read_tfrecord_batches(path, batch_records=batch_records))
+            finally:
+                kernel.KERNEL = chosen
+
+        return run
+
+    chosen = kernel.KERNEL
+    runs = {"read the bytes, BLOCK_SIZE blocks": read_blocks, "read the bytes, whole file": read_whole}
+    for kern in dict.fromkeys([chosen, kernel.PYTHON]):
+        runs[f"read_tfrecord, {kern.name} kernel"] = per_record(kern)
+        runs[f"read_tfrecord_batches, {kern.name} kernel"] = batches(kern)
+    for fn in runs.values():  # warms the page cache
+        fn()
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):  # interleaved: background load hits every case alike
+        for name, fn in runs.items():
+            start = time.process_time()
+            fn()
+            cpu[name].append(time.process_time() - start)
+    median = {name: statistics.median(times) for name, times in cpu.items()}
+    size = os.path.getsize(path)
+    blocks, whole = median["read the bytes, BLOCK_SIZE blocks"], median["read the bytes, whole file"]
+    print(
+        f"raw path vs the bytes: {size / 1e6:.1f} MB, CPU s (median of {rounds} interleaved rounds), "
+        f"batches of {batch_records}; kernel backend: {kernel.BACKEND}"
+    )
+    print(f"{'case':<40}{'CPU s':>8}{'MB/s':>7}{'vs blocks':>11}{'vs whole':>10}")
+    for name, seconds in median.items():
+        print(
+            f"{name:<40}{seconds:>8.3f}{size / seconds / 1e6:>7.0f}{blocks / seconds:>10.2f}x{whole / seconds:>9.2f}x"
+        )
+    for name, target in (
+        (f"read_tfrecord, {chosen.name} kernel", 0.5),
+        (f"read_tfrecord_batches, {chosen.name} kernel", 0.8),
+    ):
+        ratio = blocks / median[name]
+        print(f"  {name} >= {target}x reading the bytes: {ratio:.2f}x  {'met' if ratio >= target else 'NOT met'}")
 
 
 def mapped_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
@@ -262,15 +356,17 @@ def mapped_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
     src = tfr._Origin(path, None)
     pos, index = 0, 0
     while pos < len(mapped):
-        ends = tfr._frame(mapped, pos, len(mapped), pos + BLOCK_SIZE)
-        for block in tfr._checked(tfr._Block(mapped, pos, ends, index, 0), src, verify):
+        ends, bad = kernel.KERNEL.frame(mapped, pos, min(len(mapped), pos + BLOCK_SIZE), verify)
+        if not len(ends) and not bad:  # a record longer than a block
+            ends, bad = kernel.KERNEL.frame(mapped, pos, len(mapped), verify)
+        for block in tfr._checked(tfr._Block(mapped, pos, ends, index, 0), bad, src):  # type: ignore[arg-type]
             yield from tfr._batches(block, 0, len(block.ends), src, verify)
         index += len(ends)
-        pos = ends[-1]
+        pos = int(ends[-1])
 
 
 def pread_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
-    """The reader as it is: one ``os.pread`` into a fresh ``bytes`` per block."""
+    """The reader as it is: one ``os.preadv`` into a fresh buffer per block."""
     fd = os.open(path, os.O_RDONLY)
     try:
         src = tfr._Origin(path, None)
@@ -281,28 +377,18 @@ def pread_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
 
 
 def readinto_batches(path: str, verify: bool) -> Iterator[list[bytes]]:
-    """The alternative: ``readinto`` one reused buffer, records copied out of a memoryview (no error paths)."""
+    """The alternative: ``readinto`` one reused buffer, records copied out of it (no error paths)."""
     buf = bytearray(BLOCK_SIZE)
     view = memoryview(buf)
     src = tfr._Origin(path, None)
     with open(path, "rb", buffering=0) as f:
         pos = index = 0
         while n := f.readinto(buf):
-            ends = tfr._frame(buf, 0, n, n)
-            for block in tfr._checked(tfr._Block(view[:n], 0, ends, index, pos), src, verify):
-                starts = [0, *ends[:-1]]
-                wants = []
-                if verify:
-                    stored = tfr._u32_at(np.frombuffer(buf, np.uint8), np.array(ends, dtype=np.int64) - 4)
-                    wants = tfr.unmask_array(stored).tolist()
-                for i in range(0, len(ends), tfr._BATCH):
-                    j = i + tfr._BATCH
-                    records = [view[a + 12 : b - 4].tobytes() for a, b in zip(starts[i:j], ends[i:j])]
-                    if verify and list(map(tfr.crc32c, records)) != wants[i:j]:
-                        raise tfr.CorruptRecordError(path, index + i, pos, "data CRC mismatch")
-                    yield records
+            ends, bad = kernel.KERNEL.frame(view, 0, n, verify)
+            for block in tfr._checked(tfr._Block(view, 0, ends, index, pos), bad, src):
+                yield from tfr._batches(block, 0, len(block.ends), src, verify)
             index += len(ends)
-            pos += ends[-1]
+            pos += int(ends[-1])
             f.seek(pos)
 
 
@@ -310,7 +396,7 @@ def block_sources(path: str, rounds: int) -> None:
     """Print CPU-time medians of interleaved rounds for the three ways of reading a local file's blocks."""
     sources = {
         "mmap (before)": mapped_batches,
-        "pread, fresh bytes (now)": pread_batches,
+        "preadv, reused buffers (now)": pread_batches,
         "readinto + memoryview": readinto_batches,
     }
     runs = {

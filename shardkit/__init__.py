@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "plan": "shardkit.planning",
     "Range": "shardkit.planning",
     "read_tfrecord": "shardkit.formats.tfrecord",
+    "read_tfrecord_batches": "shardkit.formats.tfrecord",
     "TFRecordWriter": "shardkit.formats.tfrecord",
     "build_index": "shardkit.formats.tfrecord.index",
     "ShardWriter": "shardkit.writer",
@@ -76,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.formats.example import decode_columns, decode_example, decode_sequence_example, encode_example
     from shardkit.formats.offsets import IndexFileError
     from shardkit.formats.registry import format_for, register_format
-    from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
+    from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, read_tfrecord_batches
     from shardkit.formats.tfrecord.index import build_index
     from shardkit.loader import MixedLoader
     from shardkit.loader.stateful_loader import StatefulDataLoader

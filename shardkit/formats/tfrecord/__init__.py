@@ -3,10 +3,14 @@
 The package's modules, each importing only those listed after it:
 :mod:`~shardkit.formats.tfrecord.format` (:class:`TFRecordFormat`, what the
 sources read with), :mod:`~shardkit.formats.tfrecord.reader`
-(:func:`read_tfrecord`), :mod:`~shardkit.formats.tfrecord.writer`
+(:func:`read_tfrecord`, :func:`read_tfrecord_batches`), :mod:`~shardkit.formats.tfrecord.writer`
 (:class:`TFRecordWriter`), :mod:`~shardkit.formats.tfrecord.index` (index
-files: build, load and check them) and :mod:`~shardkit.formats.tfrecord.framing`
-(records found, checked and cut from a stream; whole-file scans). The names
+files: build, load and check them), :mod:`~shardkit.formats.tfrecord.arrays`
+(records as Arrow arrays), :mod:`~shardkit.formats.tfrecord.framing`
+(records found, checked and cut from a stream; whole-file scans),
+:mod:`~shardkit.formats.tfrecord.buffers` (a local file's block buffers) and
+:mod:`~shardkit.formats.tfrecord.kernel` (the per-block loops of framing:
+compiled, or Python when not built). The names
 below are the package's interface; import them from here.
 """
 
@@ -21,7 +25,7 @@ from shardkit.formats.tfrecord.framing import (
     verify_tfrecord,
 )
 from shardkit.formats.tfrecord.index import build_index, load_index, read_index
-from shardkit.formats.tfrecord.reader import IndexLike, read_tfrecord
+from shardkit.formats.tfrecord.reader import IndexLike, read_tfrecord, read_tfrecord_batches
 from shardkit.formats.tfrecord.writer import TFRecordWriter
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "load_index",
     "read_index",
     "read_tfrecord",
+    "read_tfrecord_batches",
     "scan_count",
     "scan_offsets",
     "verify_tfrecord",

@@ -12,19 +12,24 @@ turns an index into the position to read from.
 
 How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
 
-- It works a block of :data:`~shardkit.io.files.BLOCK_SIZE` bytes at a time:
-  one tight loop finds the record boundaries of the whole block, then the
-  length CRCs of the block are checked at once with numpy.
-- Records are cut and their data CRCs computed and compared in batches of
-  :data:`_BATCH`, and handed out (by ``read_tfrecord``) through ``itertools.chain``: no Python frame
-  per record beyond the slicing loop.
-- Local uncompressed files are read with one ``os.pread`` per block, at a
-  record boundary. Not memory-mapped: a mapped file truncated under the reader
-  kills the process with SIGBUS, and the map bought nothing measurable: on 100k
-  1 KB records, ``pread`` took 0.86-1.03x the map's CPU time with CRCs and
-  0.75-0.92x without, over three runs (the map's page faults cost about what
-  copying the block does). A reused ``readinto`` buffer measured the same as a
-  fresh ``bytes`` per block, which slices into records without a memoryview.
+- It works a block of :data:`~shardkit.io.files.BLOCK_SIZE` bytes at a time,
+  and the per-record loops run in the framing kernel
+  (:mod:`~shardkit.formats.tfrecord.kernel`: C when built, else Python): one
+  call finds the record boundaries of the whole block and checks their length
+  CRCs; one call per :data:`_BATCH` records checks their data CRCs and copies
+  them out, handed out (by ``read_tfrecord``) through ``itertools.chain``: no
+  Python frame per record.
+- :func:`read_arrays` (``read_tfrecord_batches``) makes no Python object per
+  record: the kernel moves each record's data over the framing before it, in
+  the block's own buffer, which the Arrow array then shares; only an array
+  whose records span two blocks is copied.
+- Local uncompressed files are read with one ``os.preadv`` per block, at a
+  record boundary, into buffers reused once nothing holds them
+  (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`: a fresh buffer per block cost about what the read
+  does, in page faults). Not memory-mapped: a mapped file truncated under the
+  reader kills the process with SIGBUS, and the map bought nothing measurable:
+  on 100k 1 KB records, ``pread`` took 0.86-1.03x the map's CPU time with CRCs
+  and 0.75-0.92x without, over three runs.
 - Remote and compressed files are streamed: one ranged read per block. Remote
   blocks are fetched ahead of the reader, retried, and pinned to the version
   opened by :mod:`shardkit.io.remote` (or read from its local cache).
@@ -53,8 +58,10 @@ import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError
-from shardkit.formats.crc import crc32c, mask, masked_crc32c, masked_crc32c_of_lengths, unmask_array
+from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.sniff import describe_file
+from shardkit.formats.tfrecord import kernel
+from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.io.files import (
     BLOCK_SIZE,
     CompressedStreamError,
@@ -87,7 +94,6 @@ OVERHEAD_BYTES: Final = 16
 """Bytes of framing around each record's data: its header and the ``uint32`` CRC of the data."""
 unpack_length = struct.Struct("<Q").unpack_from
 unpack_header = struct.Struct("<QI").unpack_from
-_U32_BYTES: Final = np.arange(4)
 _BATCH: Final = 128  # records cut and checked together; 32..1024 all measured about the same
 
 
@@ -147,43 +153,29 @@ class _Origin(NamedTuple):
 class _Block(NamedTuple):
     """Whole records in a buffer: record ``i`` spans ``buf[ends[i-1]:ends[i]]``, record 0 ``buf[first:ends[0]]``."""
 
-    buf: bytes
+    buf: bytes | memoryview  # a memoryview: a local file's block, writable
     first: int
-    ends: list[int]
+    ends: np.ndarray  # int64
     first_index: int
     offset: int  # stream offset of buf[0]
 
 
-def _frame(buf: bytes, pos: int, end: int, last_start: int) -> list[int]:
-    """End positions of the whole records in ``buf[pos:end]`` that start at or before ``last_start``.
-
-    This loop is the reader's hot path, hence the inlined constants.
-    """
-    ends: list[int] = []
-    add = ends.append
-    unpack = unpack_length
-    last = min(end - 12, last_start)  # 12 = HEADER_BYTES
-    while pos <= last:
-        nxt = pos + unpack(buf, pos)[0] + 16  # 16 = OVERHEAD_BYTES
-        if nxt > end:
-            break
-        add(nxt)
-        pos = nxt
-    return ends
+def _frame(buf: bytes | memoryview, check_headers: bool) -> tuple[np.ndarray, bool]:
+    """End positions of the whole records of ``buf`` from its start (the kernel's walk, C or Python), and whether
+    the walk stopped at a bad length CRC (checked only with ``check_headers``)."""
+    return kernel.KERNEL.frame(buf, 0, len(buf), check_headers)
 
 
-def _checked(block: _Block, src: _Origin, check_headers: bool) -> Iterator[_Block]:
-    """Yield ``block``; with a bad length CRC in it, yield the records before it, then raise."""
-    if check_headers:
-        bad = _first_bad_header(block)
-        if bad is not None:
-            if bad:
-                yield block._replace(ends=block.ends[:bad])
-            start = block.ends[bad - 1] if bad else block.first
-            raise src.length_error(
-                block.first_index + bad, block.offset + start, bytes(block.buf[start : start + HEADER_BYTES])
-            )
-    yield block
+def _checked(block: _Block, bad_header: bool, src: _Origin) -> Iterator[_Block]:
+    """Yield ``block`` (unless it is empty); with ``bad_header``, raise at the record after its last."""
+    ends = block.ends
+    if len(ends):
+        yield block
+    if bad_header:
+        start = int(ends[-1]) if len(ends) else block.first
+        raise src.length_error(
+            block.first_index + len(ends), block.offset + start, bytes(block.buf[start : start + HEADER_BYTES])
+        )
 
 
 #: First read of a local file when no end offset is known (reads then double up to BLOCK_SIZE).
@@ -225,12 +217,12 @@ def _stream_blocks(
                 raise src.error(index, offset, "file ends where this record should start (as the index says)")
             return
         buf = rest + chunk if rest else chunk
-        ends = _frame(buf, 0, len(buf), len(buf))
-        if ends:
-            yield from _checked(_Block(buf, 0, ends, index, offset), src, check_headers)
-            index += len(ends)
-            offset += ends[-1]
-        rest = buf[ends[-1] :] if ends else buf
+        ends, bad_header = _frame(buf, check_headers)
+        yield from _checked(_Block(buf, 0, ends, index, offset), bad_header, src)
+        done = int(ends[-1]) if len(ends) else 0
+        index += len(ends)
+        offset += done
+        rest = buf[done:]
         if len(rest) >= HEADER_BYTES:  # a record continues in the next read: check its length before trusting it
             if check_headers and masked_crc32c(rest[:8]) != unpack_header(rest)[1]:
                 raise src.length_error(index, offset, rest[:HEADER_BYTES])
@@ -239,7 +231,7 @@ def _stream_blocks(
                 if src.size is not None and offset + need > src.size:
                     raise src.truncated(index, offset, rest[:HEADER_BYTES], src.size - offset, False)
                 record = _gather(stream, src, index, offset, rest, need)
-                yield _Block(record, 0, [need], index, offset)
+                yield _Block(record, 0, np.array([need], dtype=np.int64), index, offset)
                 index += 1
                 offset += need
                 rest = b""
@@ -286,28 +278,32 @@ def _file_blocks(
     # block per restart made a shard of many bad records cost quadratic time.
     size = _first_read(offset, end) if end is not None else min(_FIRST_LOCAL_READ, BLOCK_SIZE)
     opened_size = os.fstat(fd).st_size
+    buffers = BlockBuffers()
     while True:
-        buf = os.pread(fd, size, pos)
-        ends = _frame(buf, 0, len(buf), len(buf))
-        if ends:
-            yield from _checked(_Block(buf, 0, ends, index, pos), src, check_headers)
+        buf = buffers.read(fd, size, pos)
+        ends, bad_header = _frame(buf, check_headers)
+        yield from _checked(_Block(buf, 0, ends, index, pos), bad_header, src)
+        if len(ends):
             index += len(ends)
-            pos += ends[-1]
+            pos += int(ends[-1])
             size = min(2 * size, BLOCK_SIZE) if end is None else BLOCK_SIZE
             continue
         if len(buf) < size:  # the file ends here
-            _check_file_end(fd, src, index, pos, buf, opened_size, first_index > 0 and pos == offset, check_headers)
+            _check_file_end(
+                fd, src, index, pos, bytes(buf), opened_size, first_index > 0 and pos == offset, check_headers
+            )
             return
         # A full block without one whole record: the first record is longer than a block.
         if len(buf) < HEADER_BYTES:  # (only with tiny test block sizes)
             size = HEADER_BYTES
             continue
-        if check_headers and masked_crc32c(buf[:8]) != unpack_header(buf)[1]:
-            raise src.length_error(index, pos, buf[:HEADER_BYTES])
-        need = unpack_length(buf)[0] + OVERHEAD_BYTES
+        header = bytes(buf[:HEADER_BYTES])
+        if check_headers and masked_crc32c(header[:8]) != unpack_header(header)[1]:
+            raise src.length_error(index, pos, header)
+        need = unpack_length(header)[0] + OVERHEAD_BYTES
         available = os.fstat(fd).st_size - pos
         if need > available:
-            raise src.truncated(index, pos, buf[:HEADER_BYTES], available, False)
+            raise src.truncated(index, pos, header, available, False)
         size = need
 
 
@@ -353,57 +349,46 @@ def _blocks(
 
 def _spans(block: _Block) -> tuple[np.ndarray, np.ndarray]:
     """Start and end positions of the block's records, as arrays."""
-    ends = np.array(block.ends, dtype=np.int64)
+    ends = block.ends
     starts = np.empty_like(ends)
-    starts[0] = block.first
-    starts[1:] = ends[:-1]
+    if len(ends):
+        starts[0] = block.first
+        starts[1:] = ends[:-1]
     return starts, ends
 
 
-def _u32_at(arr: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Little-endian uint32 values stored at byte ``positions`` of ``arr``."""
-    return np.ascontiguousarray(arr[positions[:, None] + _U32_BYTES]).view("<u4").ravel()
+def _start(block: _Block, i: int) -> int:
+    """Where record ``i`` of the block starts, in its buffer."""
+    return int(block.ends[i - 1]) if i else block.first
 
 
-def _first_bad_header(block: _Block) -> int | None:
-    """Index (within the block) of the first record whose length CRC is wrong."""
-    starts, ends = _spans(block)
-    stored = _u32_at(np.frombuffer(block.buf, np.uint8), starts + 8)
-    bad = np.flatnonzero(masked_crc32c_of_lengths(ends - starts - OVERHEAD_BYTES) != stored)
-    return int(bad[0]) if bad.size else None
+def _data_error(block: _Block, i: int, src: _Origin) -> CorruptRecordError:
+    """The error for record ``i`` of the block, whose data CRC the kernel found wrong."""
+    start, end = _start(block, i), int(block.ends[i])
+    stored = int.from_bytes(block.buf[end - 4 : end], "little")
+    reason = _data_crc_reason(block.buf[start + HEADER_BYTES : end - 4], stored)
+    return src.error(block.first_index + i, block.offset + start, reason, framing_intact=True)
 
 
 def _batches(block: _Block, lo: int, hi: int, src: _Origin, verify: bool) -> Iterator[list[bytes]]:
     """Records ``lo:hi`` of a block in lists of up to :data:`_BATCH`.
 
-    With ``verify``, each batch's data CRCs are checked before it is handed
-    out; at a bad one, the records before it come as a last batch, then the
-    error is raised. Cutting and checking a batch at a time keeps the per-record
-    work in tight loops (the CRCs are compared as one list), and lets the
-    memory of a batch be reused by the next while it is still in cache.
+    With ``verify``, each batch's data CRCs are checked as it is cut (by the
+    kernel, C or Python); at a bad one, the records before it come as a last
+    batch, then the error is raised. Cutting a batch at a time lets the memory
+    of a batch be reused by the next while it is still in cache.
     """
-    buf = block.buf
-    ends = block.ends
-    starts = [block.first, *ends[:-1]]
-    wants: list[int] = []
-    if verify:  # the CRCs the footers promise, unmasked, all at once
-        stored = _u32_at(np.frombuffer(buf, np.uint8), np.array(ends[lo:hi], dtype=np.int64) - 4)
-        wants = unmask_array(stored).tolist()
+    cut = kernel.KERNEL.cut
     for i in range(lo, hi, _BATCH):
-        j = min(i + _BATCH, hi)
-        records = [buf[a + 12 : b - 4] for a, b in zip(starts[i:j], ends[i:j])]
-        if verify:
-            expected = wants[i - lo : j - lo]
-            crcs = list(map(crc32c, records))
-            if crcs != expected:
-                k = next(k for k, (got, want) in enumerate(zip(crcs, expected)) if got != want)
-                yield records[:k]
-                reason = _data_crc_reason(records[k], mask(expected[k]))
-                raise src.error(block.first_index + i + k, block.offset + starts[i + k], reason, framing_intact=True)
+        records, bad = cut(block.buf, block.first, block.ends, i, min(i + _BATCH, hi), verify)
+        if bad >= 0:
+            if records:
+                yield records
+            raise _data_error(block, bad, src)
         yield records
 
 
-def _data_crc_reason(record: bytes, stored: int) -> str:
+def _data_crc_reason(record: bytes | memoryview, stored: int) -> str:
     return (
         f"data CRC mismatch: expected 0x{masked_crc32c(record):08x}, found 0x{stored:08x} "
         f"(over {len(record)} data bytes)"
@@ -508,7 +493,7 @@ def _scan(
         for block in blocks:
             yield block, src
             if progress is not None:
-                progress(block.offset + block.ends[-1])
+                progress(block.offset + int(block.ends[-1]))
     finally:
         blocks.close()
         source.close()

@@ -1,0 +1,205 @@
+"""The framing kernel: find, check and copy out the records of a block, in C (``_tfrecord.c``) when built, else Python.
+
+Three operations, each over many records at once, so the reader has no
+Python loop per record beyond handing the records out:
+
+- ``frame`` walks a buffer from a record boundary and
+  returns the end offset of each whole record (an ``int64`` array), checking
+  each length CRC on the way if asked; it stops at a record the buffer does not
+  hold whole (the caller reads on, or reports the truncation) and says whether
+  it stopped at a bad length CRC.
+- ``cut`` checks the data CRCs of records ``lo:hi`` and
+  copies each record's data into a ``bytes``, stopping at the first bad CRC.
+- ``pack`` does the same into one values buffer and an
+  ``int64`` offsets array (an Arrow binary array's buffers): no Python object
+  per record.
+
+Record ``i`` of a block spans ``buf[start_i:ends[i]]`` where ``start_0`` is
+the block's ``first`` offset and ``start_i = ends[i - 1]``.
+
+The backend is picked once, at import: :data:`BACKEND` names it. The compiled
+one is used when ``shardkit.formats._tfrecord`` is built, unless
+``SHARDKIT_PURE_PYTHON=1`` is set (the same switch as the tf.Example decoder's).
+Both return the same ends, records and first bad record for any bytes; the
+tests run them side by side on valid, mutated and truncated files. The C
+kernel computes CRC-32C itself (SSE4.2 when the CPU has it, else tables), to
+the ``crc32c`` package's values.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any, Final, NamedTuple, Protocol
+
+import numpy as np
+
+from shardkit.formats.crc import crc32c, masked_crc32c_of_lengths, unmask_array
+
+__all__ = ["BACKEND", "COMPILED", "KERNEL", "PYTHON", "Kernel"]
+
+_U32_BYTES: Final = np.arange(4)
+_U64_BYTES: Final = np.arange(8)
+_unpack_length = struct.Struct("<Q").unpack_from
+
+
+class _Frame(Protocol):
+    def __call__(self, buf: Any, pos: int, end: int, check_lengths: bool) -> tuple[np.ndarray, bool]: ...
+
+
+class _Cut(Protocol):
+    def __call__(
+        self, buf: Any, first: int, ends: np.ndarray, lo: int, hi: int, verify: bool
+    ) -> tuple[list[bytes], int]: ...
+
+
+class _Pack(Protocol):
+    def __call__(
+        self,
+        buf: Any,
+        first: int,
+        ends: np.ndarray,
+        lo: int,
+        hi: int,
+        verify: bool,
+        values: np.ndarray,
+        offsets: np.ndarray,
+        base: int,
+    ) -> int: ...
+
+
+class Kernel(NamedTuple):
+    """One backend's three operations (see the module docstring)."""
+
+    name: str
+    frame: _Frame
+    """``frame(buf, pos, end, check_lengths) -> (ends, bad_length)``: ``bad_length`` says the record after the last
+    end (which starts at ``ends[-1]``, or ``pos``) has a bad length CRC."""
+    cut: _Cut
+    """``cut(buf, first, ends, lo, hi, verify) -> (records, bad)``: the data of records ``lo:hi``, up to the first
+    with a bad data CRC (``bad``, an index into ``ends``; -1 when none)."""
+    pack: _Pack
+    """``pack(buf, first, ends, lo, hi, verify, values, offsets, base) -> bad``: the data of records ``lo:hi``
+    copied into ``values`` from byte ``base``; ``offsets[0] = base``, ``offsets[k + 1]`` where record
+    ``lo + k`` ends; ``bad`` as for ``cut``."""
+
+
+# --------------------------------------------------------------------------- Python
+
+
+def _u32_at(arr: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Little-endian uint32 values stored at byte ``positions`` of ``arr``."""
+    return np.ascontiguousarray(arr[positions[:, None] + _U32_BYTES]).view("<u4").ravel()
+
+
+def _walk(buf: Any, pos: int, end: int) -> list[int]:
+    """End offsets of the whole records in ``buf[pos:end]``; the pure-Python reader's hot loop, constants inlined."""
+    ends: list[int] = []
+    add = ends.append
+    unpack = _unpack_length
+    last = end - 12  # 12: a header
+    while pos <= last:
+        nxt = pos + unpack(buf, pos)[0] + 16  # 16: header and data CRC
+        if nxt > end:
+            break
+        add(nxt)
+        pos = nxt
+    return ends
+
+
+def frame_python(buf: Any, pos: int, end: int, check_lengths: bool) -> tuple[np.ndarray, bool]:
+    """:attr:`Kernel.frame` in Python: the walk, then every length CRC checked at once with numpy.
+
+    The header after the last whole record is checked too when the buffer
+    holds it, as the C kernel checks a length before trusting it.
+    """
+    ends = np.array(_walk(buf, pos, end), dtype=np.int64)
+    if not check_lengths:
+        return ends, False
+    starts = np.concatenate((np.array([pos], dtype=np.int64), ends))
+    if end - int(starts[-1]) < 12:  # no header after the last record
+        starts = starts[:-1]
+    arr = np.frombuffer(buf, np.uint8)
+    lengths = np.ascontiguousarray(arr[starts[:, None] + _U64_BYTES]).view("<u8").ravel()
+    bad = np.flatnonzero(masked_crc32c_of_lengths(lengths) != _u32_at(arr, starts + 8))
+    if not bad.size:
+        return ends, False
+    return ends[: int(bad[0])], True
+
+
+def cut_python(buf: Any, first: int, ends: np.ndarray, lo: int, hi: int, verify: bool) -> tuple[list[bytes], int]:
+    """:attr:`Kernel.cut` in Python: slices, and their CRCs compared as one list."""
+    bounds = ends[lo:hi].tolist()
+    starts = [int(ends[lo - 1]) if lo else first, *bounds[:-1]]
+    records = [bytes(buf[a + 12 : b - 4]) for a, b in zip(starts, bounds)]
+    if not verify:
+        return records, -1
+    wanted = unmask_array(_u32_at(np.frombuffer(buf, np.uint8), ends[lo:hi] - 4)).tolist()
+    crcs = list(map(crc32c, records))
+    if crcs == wanted:
+        return records, -1
+    k = next(k for k, (got, want) in enumerate(zip(crcs, wanted)) if got != want)
+    return records[:k], lo + k
+
+
+def pack_python(
+    buf: Any,
+    first: int,
+    ends: np.ndarray,
+    lo: int,
+    hi: int,
+    verify: bool,
+    values: np.ndarray,
+    offsets: np.ndarray,
+    base: int,
+) -> int:
+    """:attr:`Kernel.pack` in Python: :func:`cut_python`, then the records joined into ``values``."""
+    records, bad = cut_python(buf, first, ends, lo, hi, verify)
+    sizes = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
+    offsets[0] = base
+    np.cumsum(sizes, out=offsets[1 : len(records) + 1])
+    offsets[1 : len(records) + 1] += base
+    joined = b"".join(records)
+    values[base : base + len(joined)] = np.frombuffer(joined, np.uint8)
+    return bad
+
+
+PYTHON: Final = Kernel("python", frame_python, cut_python, pack_python)
+"""The pure-Python kernel, always available (the tests compare the compiled one with it)."""
+
+
+# --------------------------------------------------------------------------- C
+
+
+def _load_c_backend() -> Any:
+    """The compiled kernel (``_tfrecord.c``), or ``None`` when it is not built or ``SHARDKIT_PURE_PYTHON`` is set."""
+    if os.environ.get("SHARDKIT_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from shardkit.formats import _tfrecord  # pyright: ignore[reportAttributeAccessIssue]
+    except ImportError:  # not built (no compiler at install time): the Python kernel serves
+        return None
+    return _tfrecord
+
+
+COMPILED: Final = _load_c_backend()
+"""The compiled kernel module, or None: then the Python kernel serves."""
+
+
+def _c_kernel(module: Any) -> Kernel:
+    c_frame, c_cut, c_pack = module.frame, module.cut, module.pack
+
+    def frame(buf: Any, pos: int, end: int, check_lengths: bool) -> tuple[np.ndarray, bool]:
+        out = np.empty(max(0, end - pos) // 16 + 1, dtype=np.int64)  # 16: the smallest record
+        count, bad = c_frame(buf, pos, end, out, check_lengths)
+        return out[:count], bool(bad)
+
+    return Kernel("c", frame, c_cut, c_pack)
+
+
+KERNEL: Final = _c_kernel(COMPILED) if COMPILED is not None else PYTHON
+"""The kernel the reader uses: the compiled one when built, else :data:`PYTHON`."""
+
+BACKEND: Final = KERNEL.name
+"""Which kernel frames and checks TFRecord records: ``"c"`` (the compiled extension) or ``"python"``
+(it is not built, or the environment sets ``SHARDKIT_PURE_PYTHON=1``)."""

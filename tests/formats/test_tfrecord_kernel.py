@@ -1,0 +1,442 @@
+"""The TFRecord framing kernel: the compiled one (``_tfrecord.c``) and the Python one agree, byte for byte and error for error.
+
+Both are run side by side on hypothesis-generated valid files, on mutated
+bytes (flipped, inserted, deleted and duplicated bytes, forged lengths with
+valid CRCs), and on every cut of a small file, through the kernel's own
+operations and through ``read_tfrecord`` / ``read_tfrecord_batches`` with the
+one or the other swapped in. The C kernel also runs over thousands of mutated
+files and nonsense arguments in a subprocess, so that a memory error fails a
+test instead of killing the runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from crc32c import crc32c as crc32c_package
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardkit
+from shardkit import CorruptRecordError
+from shardkit.formats.crc import masked_crc32c
+from shardkit.formats.tfrecord import TFRecordWriter, build_index, kernel, read_tfrecord, read_tfrecord_batches
+from shardkit.formats.tfrecord import framing as tfr
+from shardkit.formats.tfrecord.buffers import BlockBuffers
+from shardkit.io import files as skio
+
+try:
+    from shardkit.formats import _tfrecord as compiled  # pyright: ignore[reportAttributeAccessIssue]
+except ImportError:  # not built: its tests skip, except test_ci_runs_with_the_c_kernel_built under CI
+    compiled = None
+
+NOT_BUILT = "C kernel not built (pip install -e .)"
+KERNELS = [
+    pytest.param(kernel.PYTHON, id="python"),
+    pytest.param(
+        kernel._c_kernel(compiled) if compiled is not None else None,
+        id="c",
+        marks=pytest.mark.skipif(compiled is None, reason=NOT_BUILT),
+    ),
+]
+needs_c = pytest.mark.skipif(compiled is None, reason=NOT_BUILT)
+
+
+def framed(record: bytes, *, length: int | None = None) -> bytes:
+    """A record framed by hand from the format description; ``length`` forges the length field (with a valid CRC)."""
+    head = struct.pack("<Q", len(record) if length is None else length)
+    return head + struct.pack("<I", masked_crc32c(head)) + record + struct.pack("<I", masked_crc32c(record))
+
+
+def c_kernel() -> kernel.Kernel:
+    assert compiled is not None
+    return kernel._c_kernel(compiled)
+
+
+# --------------------------------------------------------------------------- backend
+
+
+def test_the_compiled_kernel_is_used_when_built() -> None:
+    expected = "c" if compiled is not None and os.environ.get("SHARDKIT_PURE_PYTHON", "") in ("", "0") else "python"
+    assert kernel.BACKEND == expected
+    assert kernel.KERNEL.name == expected
+
+
+def test_ci_runs_with_the_c_kernel_built() -> None:
+    """CI must exercise both kernels: there a missing extension is a failure, not a skip."""
+    if compiled is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but shardkit.formats._tfrecord is not built: `pip install -e .` must compile it")
+        pytest.skip(NOT_BUILT)
+    assert compiled.crc32c(b"123456789") == 0xE3069283
+
+
+def test_shardkit_pure_python_forces_the_python_kernel() -> None:
+    code = "from shardkit.formats.tfrecord import kernel; print(kernel.BACKEND)"
+    env = {**os.environ, "SHARDKIT_PURE_PYTHON": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "python"
+
+
+# --------------------------------------------------------------------------- CRC-32C
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=3 * 8192 * 2 + 40), skip=st.integers(0, 7))
+def test_the_c_crc32c_matches_the_crc32c_package_in_hardware_and_in_tables(data: bytes, skip: int) -> None:
+    view = memoryview(data)[skip:]
+    assert compiled is not None
+    assert compiled.crc32c(view) == compiled.crc32c_software(view) == crc32c_package(view)
+
+
+@needs_c
+def test_the_c_crc32c_matches_on_every_length_around_its_interleaved_blocks() -> None:
+    assert compiled is not None
+    data = random.Random(3).randbytes(3 * 8192 * 2 + 64)
+    for n in [*range(0, 80), *range(3 * 256 - 9, 3 * 256 + 9), *range(3 * 8192 - 9, 3 * 8192 + 9), len(data)]:
+        assert compiled.crc32c(data[:n]) == compiled.crc32c_software(data[:n]) == crc32c_package(data[:n]), n
+
+
+# --------------------------------------------------------------------------- the kernel's operations
+
+
+def outcome(kern: kernel.Kernel, buf: bytes, pos: int = 0) -> dict[str, object]:
+    """Everything a kernel says about a buffer: ends, a bad length, the records cut and packed, a bad data CRC."""
+    ends, bad_length = kern.frame(buf, pos, len(buf), True)
+    unchecked, _ = kern.frame(buf, pos, len(buf), False)
+    records, bad = kern.cut(buf, pos, ends, 0, len(ends), True)
+    values = np.zeros(len(buf) + 3, np.uint8)
+    offsets = np.zeros(len(ends) + 1, np.int64)
+    bad_packed = kern.pack(buf, pos, ends, 0, len(ends), True, values, offsets, 3)
+    done = len(records)
+    packed = [values[offsets[i] : offsets[i + 1]].tobytes() for i in range(done)]
+    return {
+        "ends": ends.tolist(),
+        "bad_length": bad_length,
+        "unchecked": unchecked.tolist(),
+        "records": records,
+        "bad": bad,
+        "packed": packed,
+        "bad_packed": bad_packed,
+        "unverified": kern.cut(buf, pos, ends, 0, len(ends), False)[0],
+    }
+
+
+record_lists = st.lists(st.binary(max_size=300), max_size=20)
+
+
+@needs_c
+@settings(max_examples=200, deadline=None)
+@given(records=record_lists, lead=st.binary(max_size=20))
+def test_both_kernels_frame_cut_and_pack_valid_files_alike(records: list[bytes], lead: bytes) -> None:
+    buf = lead + b"".join(map(framed, records))
+    python, c = outcome(kernel.PYTHON, buf, len(lead)), outcome(c_kernel(), buf, len(lead))
+    assert python == c
+    assert c["records"] == c["packed"] == c["unverified"] == records
+    assert c["bad_length"] is False and c["bad"] == c["bad_packed"] == -1
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    """One byte-wise mutation: a flipped bit, an inserted, deleted or duplicated run, a cut."""
+    if not data:
+        return bytes([rng.randrange(256)])
+    i = rng.randrange(len(data))
+    kind = rng.randrange(5)
+    if kind == 0:
+        return data[:i] + bytes([data[i] ^ (1 << rng.randrange(8))]) + data[i + 1 :]
+    if kind == 1:
+        return data[:i] + rng.randbytes(rng.randrange(1, 9)) + data[i:]
+    if kind == 2:
+        return data[:i] + data[i + rng.randrange(1, 9) :]
+    if kind == 3:
+        j = min(len(data), i + rng.randrange(1, 30))
+        return data[:j] + data[i:j] + data[j:]
+    return data[:i]
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(records=record_lists.filter(bool), seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 3))
+def test_both_kernels_agree_on_mutated_bytes(records: list[bytes], seed: int, rounds: int) -> None:
+    rng = random.Random(seed)
+    buf = b"".join(map(framed, records))
+    for _ in range(rounds):
+        buf = mutate(buf, rng)
+    assert outcome(kernel.PYTHON, buf) == outcome(c_kernel(), buf)
+
+
+@pytest.mark.parametrize("kern", KERNELS)
+def test_impossible_lengths_zero_lengths_and_cut_headers_stay_in_bounds(kern: kernel.Kernel) -> None:
+    good = framed(b"abc")
+    for forged in (2**64 - 1, 2**64 - 16, 2**64 - 17, 2**63, 2**63 - 1, 2**32, len(good) + 1):
+        buf = good + framed(b"xyz", length=forged)  # the length's CRC is valid: only the bounds stop it
+        ends, bad = kern.frame(buf, 0, len(buf), True)
+        assert ends.tolist() == [len(good)] and bad is False, forged
+    empty = framed(b"") * 5
+    assert kern.frame(empty, 0, len(empty), True)[0].tolist() == [16, 32, 48, 64, 80]
+    assert kern.cut(empty, 0, kern.frame(empty, 0, len(empty), True)[0], 0, 5, True) == ([b""] * 5, -1)
+    for cut in range(len(good)):  # a buffer ending mid-header or mid-record: no record, no error, no read past it
+        assert kern.frame(good[:cut], 0, cut, True)[0].tolist() == []
+    assert kern.frame(good + good[:11], 0, len(good) + 11, True)[0].tolist() == [len(good)]
+
+
+@needs_c
+def test_the_c_kernel_refuses_ends_that_are_not_records_of_the_buffer() -> None:
+    assert compiled is not None
+    buf = framed(b"abc") * 3
+    values, offsets = np.empty(100, np.uint8), np.empty(10, np.int64)
+    for ends, lo, hi in [
+        ([19, 38, 100], 0, 3),  # past the buffer
+        ([19, 30, 57], 0, 3),  # a record shorter than its framing
+        ([19, 38, 57], 2, 4),  # past the ends
+        ([19, 38, 57], 2, 1),  # backwards
+        ([57, 38, 19], 0, 3),  # decreasing
+    ]:
+        array = np.array(ends, np.int64)
+        with pytest.raises(ValueError, match="record|range"):
+            compiled.cut(buf, 0, array, lo, hi, True)
+        with pytest.raises(ValueError, match="record|range"):
+            compiled.pack(buf, 0, array, lo, hi, True, values, offsets, 0)
+    with pytest.raises(ValueError, match="too small"):
+        compiled.pack(buf, 0, np.array([19, 38, 57], np.int64), 0, 3, True, np.empty(8, np.uint8), offsets, 0)
+    with pytest.raises(ValueError, match="pos"):
+        compiled.frame(buf, 10, 5, np.empty(4, np.int64), True)
+    with pytest.raises(TypeError, match="writable"):
+        compiled.frame(buf, 0, len(buf), b"\0" * 32, True)
+
+
+CRASH_PROBE = r"""
+import json, random, struct, sys
+import numpy as np
+from shardkit.formats import _tfrecord as k
+from shardkit.formats.crc import masked_crc32c
+
+def framed(record, length=None):
+    head = struct.pack("<Q", len(record) if length is None else length)
+    return head + struct.pack("<I", masked_crc32c(head)) + record + struct.pack("<I", masked_crc32c(record))
+
+rng = random.Random(int(sys.argv[1]))
+seen = {"records": 0, "bad_length": 0, "bad_data": 0, "refused": 0}
+for _ in range(int(sys.argv[2])):
+    records = [rng.randbytes(rng.randrange(0, 200)) for _ in range(rng.randrange(1, 8))]
+    buf = bytearray(b"".join(framed(r, rng.choice([None, None, None, 2**64 - 1 - rng.randrange(64)])) for r in records))
+    for _ in range(rng.randrange(1, 4)):
+        i = rng.randrange(len(buf))
+        buf[i] ^= 1 << rng.randrange(8)
+    buf = bytes(buf[: rng.randrange(len(buf) + 1)])
+    out = np.empty(len(buf) // 16 + 1, np.int64)
+    count, bad = k.frame(buf, 0, len(buf), out, rng.random() < 0.5)
+    ends = out[:count]
+    recs, bad_data = k.cut(buf, 0, ends, 0, count, True)
+    values, offsets = np.empty(len(buf), np.uint8), np.empty(count + 1, np.int64)
+    k.pack(buf, 0, ends, 0, count, True, values, offsets, 0)
+    seen["records"] += len(recs)
+    seen["bad_length"] += bad
+    seen["bad_data"] += bad_data >= 0
+    nonsense = np.array([rng.randrange(-2**40, 2**40) for _ in range(rng.randrange(0, 5))], np.int64)
+    try:
+        k.cut(buf, rng.randrange(-5, 50), nonsense, rng.randrange(-1, 4), rng.randrange(-1, 6), True)
+    except ValueError:
+        seen["refused"] += 1
+print(json.dumps(seen))
+"""
+
+
+@needs_c
+def test_the_c_kernel_survives_mutated_files_and_nonsense_ends_in_a_subprocess() -> None:
+    """A memory error in C would kill the process: run it in a child and check it exited cleanly."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", CRASH_PROBE, "20261201", "20000"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    seen = json.loads(done.stdout)
+    assert all(seen[key] > 100 for key in ("records", "bad_length", "bad_data", "refused")), seen
+
+
+# --------------------------------------------------------------------------- the readers over either kernel
+
+
+def write(path: str, records: list[bytes]) -> str:
+    with TFRecordWriter(path) as writer:
+        for record in records:
+            writer.write(record)
+    return path
+
+
+def read_all(read: Callable[[], Iterator[object]]) -> tuple[list[bytes], tuple[object, ...] | None]:
+    """The records a reader hands out before it stops, and its error (index, offset, message), if any."""
+    records: list[bytes] = []
+    try:
+        for item in read():
+            if isinstance(item, bytes):
+                records.append(item)
+            else:
+                assert isinstance(item, pa.LargeBinaryArray) and len(item) > 0
+                records.extend(item.to_pylist())
+    except CorruptRecordError as error:
+        return records, (error.record_index, error.offset, error.framing_intact, str(error))
+    return records, None
+
+
+def both_readers(path: str, **options: object) -> list[tuple[list[bytes], tuple[object, ...] | None]]:
+    return [
+        read_all(lambda: read_tfrecord(path, **options)),  # type: ignore[arg-type]
+        read_all(lambda: read_tfrecord_batches(path, batch_records=3, **options)),  # type: ignore[arg-type]
+    ]
+
+
+def under_each_kernel(monkeypatch: pytest.MonkeyPatch, run: Callable[[], object]) -> list[object]:
+    results = []
+    for kern in (kernel.PYTHON, c_kernel()):
+        monkeypatch.setattr(kernel, "KERNEL", kern)
+        results.append(run())
+    return results
+
+
+SMALL = [b"", b"a", b"hello world", bytes(range(256)), b"xyz" * 40, b""]
+
+
+@needs_c
+def test_every_cut_of_a_small_file_reads_alike_under_both_kernels_and_both_readers(tmp_path, monkeypatch) -> None:
+    whole = b"".join(map(framed, SMALL))
+    path = str(tmp_path / "cut.tfrecord")
+    for cut in range(len(whole) + 1):
+        with open(path, "wb") as f:
+            f.write(whole[:cut])
+        python, c = under_each_kernel(monkeypatch, lambda: both_readers(path, compression=None))
+        assert python == c, cut
+        per_record, batched = c
+        assert per_record == batched, cut
+        records, error = per_record
+        assert records == SMALL[: len(records)]
+        assert (error is None) == (cut in np.cumsum([0, *map(len, map(framed, SMALL))]).tolist()), cut
+
+
+@needs_c
+@settings(max_examples=60, deadline=None)
+@given(records=record_lists.filter(bool), seed=st.integers(0, 2**32 - 1), block=st.sampled_from([7, 64, 4 << 20]))
+def test_mutated_files_read_alike_under_both_kernels_with_the_same_located_error(
+    tmp_path_factory, records, seed, block
+) -> None:
+    rng = random.Random(seed)
+    data = mutate(b"".join(map(framed, records)), rng)
+    path = str(tmp_path_factory.mktemp("mutated") / "m.tfrecord")
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(tfr, "BLOCK_SIZE", block)
+        monkeypatch.setattr(skio, "BLOCK_SIZE", block)
+        python, c = under_each_kernel(monkeypatch, lambda: both_readers(path, compression=None))
+    assert python == c
+    assert c[0] == c[1]  # read_tfrecord and read_tfrecord_batches: the same records, the same error
+
+
+# --------------------------------------------------------------------------- read_tfrecord_batches
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+@pytest.mark.parametrize("batch_records", [1, 3, 7, 1000])
+def test_batches_hold_read_tfrecords_records_byte_for_byte(tmp_path, monkeypatch, compression, batch_records) -> None:
+    monkeypatch.setattr(tfr, "BLOCK_SIZE", 500)  # batches span blocks
+    monkeypatch.setattr(skio, "BLOCK_SIZE", 500)
+    rng = np.random.default_rng(1)
+    records = [rng.bytes(int(n)) for n in rng.integers(0, 120, 200)]
+    path = str(tmp_path / "a.tfrecord")
+    with TFRecordWriter(path, compression=compression) as writer:
+        for record in records:
+            writer.write(record)
+    arrays = list(read_tfrecord_batches(path, batch_records=batch_records))
+    assert all(isinstance(a, pa.LargeBinaryArray) for a in arrays)
+    assert [len(a) for a in arrays[:-1]] == [batch_records] * (len(arrays) - 1) and 0 < len(arrays[-1]) <= batch_records
+    assert [r for a in arrays for r in a.to_pylist()] == list(read_tfrecord(path)) == records
+    for a in arrays:
+        a.validate(full=True)
+
+
+def test_batches_honour_start_stop_and_an_index(tmp_path) -> None:
+    records = [bytes([i]) * i for i in range(50)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    index = build_index(path)
+    for start, stop in [(0, None), (5, 17), (49, 50), (50, None), (10, 10)]:
+        for idx in (None, index):
+            got = [
+                r
+                for a in read_tfrecord_batches(path, start=start, stop=stop, index=idx, batch_records=4)
+                for r in a.to_pylist()
+            ]
+            assert got == records[start:stop], (start, stop, idx)
+
+
+def test_batches_hand_out_the_good_records_before_a_bad_data_crc_then_name_it(tmp_path) -> None:
+    records = [b"r%d" % i * 20 for i in range(10)]
+    data = bytearray(b"".join(map(framed, records)))
+    offset = sum(len(framed(r)) for r in records[:6])
+    data[offset + 12 + 3] ^= 0xFF  # record 6's data
+    path = str(tmp_path / "bad.tfrecord")
+    with open(path, "wb") as f:
+        f.write(data)
+    got: list[bytes] = []
+    with pytest.raises(CorruptRecordError, match="data CRC mismatch") as caught:
+        for array in read_tfrecord_batches(path, batch_records=4):
+            got.extend(array.to_pylist())
+    assert got == records[:6]
+    assert (caught.value.record_index, caught.value.offset) == (6, offset)
+
+
+def test_batches_refuse_a_batch_of_no_records(tmp_path) -> None:
+    path = write(str(tmp_path / "a.tfrecord"), [b"x"])
+    with pytest.raises(ValueError, match="batch_records must be at least 1, got 0"):
+        read_tfrecord_batches(path, batch_records=0)
+
+
+def test_read_tfrecord_batches_is_exported_from_shardkit() -> None:
+    assert shardkit.read_tfrecord_batches is read_tfrecord_batches
+
+
+def test_arrays_kept_by_the_caller_stay_intact_while_later_blocks_reuse_the_buffers_of_dropped_ones(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(tfr, "BLOCK_SIZE", 2048)  # many blocks, each a few arrays: buffers are reused
+    rng = np.random.default_rng(2)
+    records = [rng.bytes(int(n)) for n in rng.integers(0, 200, 3000)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    kept: list[tuple[int, pa.LargeBinaryArray]] = []
+    seen = 0
+    for i, array in enumerate(read_tfrecord_batches(path, batch_records=5)):
+        assert array.to_pylist() == records[seen : seen + len(array)]
+        if i % 7 == 0:
+            kept.append((seen, array))
+        seen += len(array)
+    assert seen == len(records)
+    for start, array in kept:  # read again after every later block was read into whatever buffer was free
+        assert array.to_pylist() == records[start : start + len(array)]
+
+
+def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
+    buffers = BlockBuffers()
+    first = buffers.take(100)
+    assert buffers.take(100) is not first  # `first` still holds it
+    pooled = [id(buf) for buf in buffers._pool]
+    del first
+    again = buffers.take(100)
+    assert id(again) in pooled  # free again: taken from the pool, not allocated
+    view = memoryview(again)
+    del again
+    assert buffers.take(100) is not view.obj  # a view of it holds it too
