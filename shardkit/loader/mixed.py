@@ -81,7 +81,7 @@ from shardkit.loader.mixer import Mixer
 from shardkit.loader.ranks import gather as gather_ranks
 from shardkit.loader.ranks import is_ranks, own_or_global
 from shardkit.loader.slabs import SPARE_SLOTS
-from shardkit.loader.stalls import GATHER_TIMEOUT, GatheredStats, LoaderStats, StallMeter
+from shardkit.loader.stalls import GATHER_TIMEOUT, GatheredStats, LoaderStats, StallMeter, chrome_trace
 from shardkit.loader.stalls import gather as gather_stats
 from shardkit.state import merge_ranks
 from shardkit.stateful import State, StateError, applies, check, merge
@@ -321,6 +321,21 @@ class MixedLoader:
         if not gather:
             return stats
         return gather_stats(stats, self._meter.gather_tag(self.epoch), timeout)
+
+    def record_timeline(self) -> None:
+        """Keep every step and micro-batch from the next epoch on, for :meth:`timeline`.
+
+        Every worker micro-batch then has its stages timed (not one in 32) and its
+        figures travel to the main process: for profiling (``shardkit profile --trace``),
+        not for a training run. Call it before the epoch starts its workers.
+        """
+        self._meter.trace = True
+
+    def timeline(self) -> dict[str, Any]:
+        """What :meth:`record_timeline` kept, as a Chrome trace / Perfetto JSON object
+        (see :func:`shardkit.loader.stalls.chrome_trace`)."""
+        self._meter.fold_events(self._mixer)
+        return chrome_trace(self._meter)
 
     def state_dict(self, gather: bool | None = None) -> State:
         """What the batches returned so far have delivered, as plain data.

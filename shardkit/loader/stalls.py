@@ -37,7 +37,7 @@ from typing import Any
 from shardkit.jobstore import group_store
 from shardkit.loader.timing import FIGURES, now
 
-__all__ = ["GatheredStats", "LoaderStats", "StallMeter", "WorkerStats", "gather", "summarise"]
+__all__ = ["GatheredStats", "LoaderStats", "StallMeter", "WorkerStats", "chrome_trace", "gather", "summarise"]
 
 #: Steps in the recent window of :class:`LoaderStats`.
 WINDOW = 100
@@ -173,6 +173,7 @@ class StallMeter:
         #: With ``trace``: per step (start, wait ns, compute ns before it), in the main process.
         self.events: list[tuple[int, int, int]] = []
         self.worker_events: dict[int, list[Any]] = {}
+        self.worker_names: dict[int, tuple[str, ...]] = {}
         self._left: int | None = None
         self._gathers: tuple[tuple[int, int], int] = ((-1, -1), 0)
 
@@ -205,9 +206,16 @@ class StallMeter:
         for worker, figures in summarise(mixer.names, mixer.figures).items():
             self.workers[worker] = _added(self.workers.get(worker), figures)
         mixer.figures = [None] * len(mixer.figures)
+        self.fold_events(mixer)
+
+    def fold_events(self, mixer: Any) -> None:
+        """Move the traced micro-batches the running epoch's ``mixer`` received here."""
+        if mixer is None:
+            return
         for worker, events in mixer.events.items():
             self.worker_events.setdefault(worker, []).extend(events)
         mixer.events = {}
+        self.worker_names.update((w, tuple(names)) for w, names in enumerate(mixer.names) if names is not None)
 
     def stats(self, rank: int, mixer: Any) -> LoaderStats:
         """The figures so far, with those of the running epoch's ``mixer`` (None: no epoch running)."""
@@ -312,3 +320,49 @@ def _tidy(store: Any, tag: str, keys: list[str], world_size: int) -> None:
                 store.delete_key(key)
     except Exception:  # noqa: BLE001, S110 - a store that cannot delete: the keys stay, which is harmless
         pass
+
+
+def chrome_trace(meter: StallMeter) -> dict[str, Any]:
+    """The traced steps and micro-batches as a Chrome trace / Perfetto timeline
+    (``{"traceEvents": [...]}``, complete events, microseconds).
+
+    Process 0 is the main process: each step's ``wait`` and the ``compute`` before
+    it. Process ``w + 1`` is worker ``w``, one thread per stage: each micro-batch's
+    time in each stage, laid end to end from its start, source first (the stages
+    run sample by sample, interleaved; the timeline shows each one's sum), then
+    ``collate`` and ``state``.
+    """
+    starts = [start for start, _, _ in meter.events]
+    starts += [event[0] for events in meter.worker_events.values() for event in events]
+    origin = min(starts, default=0)
+    events: list[dict[str, Any]] = [*_meta(0, "main process", {0: "loop"})]
+    for start, wait, compute in meter.events:
+        events.append(_complete("compute", 0, 0, start - compute - origin, compute))
+        events.append(_complete("wait", 0, 0, start - origin, wait))
+    for worker, worker_events in sorted(meter.worker_events.items()):
+        names = meter.worker_names.get(worker, ())
+        order = [*reversed(range(len(names))), len(names), len(names) + 1]  # source first, then collate, state
+        labels = [*names, "collate", "state"]
+        events += _meta(worker + 1, f"worker {worker}", {tid: labels[tid] for tid in order})
+        for start, pipeline, own, collate, state in worker_events:
+            total = sum(own)
+            spans = [pipeline * ns / total if total else 0 for ns in own] + [collate, state]
+            at = start - origin
+            for tid in order:
+                if spans[tid] > 0:
+                    events.append(_complete(labels[tid], worker + 1, tid, at, spans[tid]))
+                    at += spans[tid]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _complete(name: str, pid: int, tid: int, start_ns: float, duration_ns: float) -> dict[str, Any]:
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start_ns / 1e3, "dur": duration_ns / 1e3}
+
+
+def _meta(pid: int, process: str, threads: dict[int, str]) -> list[dict[str, Any]]:
+    """The metadata events naming a process and its threads (and keeping the threads in ``threads``' order)."""
+    events = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process}}]
+    for rank, (tid, name) in enumerate(threads.items()):
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": rank}})
+    return events
