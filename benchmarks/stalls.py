@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -47,8 +48,10 @@ class Untimed(MicroBatches):
         saver = StateSaver(self.dataset, self.resumable)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
         yield worker, START, None if ring is None else ring.flags, saver(), None
-        while chunk := [sample for _, sample in zip(range(self.size), samples)]:
-            payload = chunk if not self.collate else ring.collate(chunk) if ring else torch.utils.data.default_collate(chunk)
+        while chunk := list(islice(samples, self.size)):
+            payload = (
+                chunk if not self.collate else ring.collate(chunk) if ring else torch.utils.data.default_collate(chunk)
+            )
             yield worker, len(chunk), payload, saver(), None
         yield worker, 0, None, saver(), None
 
@@ -61,9 +64,9 @@ def write(root: str, records: int) -> shardkit.ShardList:
     return shardkit.ShardList.from_manifest(writer.manifest)
 
 
-def loader(shards: shardkit.ShardList, timed: bool) -> shardkit.MixedLoader:
+def loader(shards: shardkit.ShardList, timed: bool, resumable: bool) -> shardkit.MixedLoader:
     pipeline = shardkit.TFRecordDataset(shards, shuffle=True, seed=0, balance="pad").map(to_tensors).shuffle(256)
-    built = shardkit.MixedLoader(pipeline, batch_size=64, num_workers=2, persistent_workers=True)
+    built = shardkit.MixedLoader(pipeline, batch_size=64, num_workers=2, persistent_workers=True, resumable=resumable)
     if not timed:
         assert built._micro_batches is not None
         built._micro_batches.__class__ = Untimed
@@ -90,31 +93,39 @@ def proxy_ns(items: int = 300_000) -> float:
     return (time.perf_counter() - start - plain) / items * 1e9
 
 
+def compare(shards: shardkit.ShardList, rounds: int, resumable: bool) -> tuple[dict[bool, list[float]], Any]:
+    """Each loader's epochs per second, interleaved; and the timed loader's stats."""
+    loaders = {timed: loader(shards, timed, resumable) for timed in (True, False)}
+    for timed, built in loaders.items():  # warm-up: starts the persistent workers
+        epoch(built, timed)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for round_ in range(rounds):
+        for timed in (True, False) if round_ % 2 == 0 else (False, True):
+            rates[timed].append(epoch(loaders[timed], timed))
+    return rates, loaders[True].stats()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run whose numbers are not meant to be quoted")
-    parser.add_argument("--records", type=int, default=40_000)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--records", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    records, rounds = (4_000, 2) if args.quick else (args.records, args.rounds)
+    records, rounds = (2_000, 2) if args.quick else (args.records, args.rounds)
+    print(f"quickstart path, {records:,} records, {rounds} interleaved rounds, 2 workers, batch 64")
+    print("| case | accounting off, samples/s | on, samples/s | cost | slowest stage |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
         shards = write(root, records)
-        loaders = {timed: loader(shards, timed) for timed in (True, False)}
-        for timed, built in loaders.items():  # warm-up: starts the persistent workers
-            epoch(built, timed)
-        rates: dict[bool, list[float]] = {True: [], False: []}
-        for round_ in range(rounds):
-            for timed in (True, False) if round_ % 2 == 0 else (False, True):
-                rates[timed].append(epoch(loaders[timed], timed))
-        stats = loaders[True].stats()
-    ratios = [on / off for on, off in zip(rates[True], rates[False])]
-    cost = 1 - statistics.median(ratios)
-    print(f"quickstart path, {records:,} records, {rounds} interleaved rounds, 2 workers, batch 64")
-    print(f"| accounting | samples/s (median) |\n|---|---|")
-    print(f"| off | {statistics.median(rates[False]):,.0f} |\n| on | {statistics.median(rates[True]):,.0f} |")
-    print(f"cost: {cost:+.2%} of throughput (median of the rounds' ratios; negative: within noise)")
+        for resumable in (True, False):
+            rates, stats = compare(shards, rounds, resumable)
+            cost = 1 - statistics.median(on / off for on, off in zip(rates[True], rates[False]))
+            slowest = stats.slowest_stage[0] if stats.slowest_stage else "-"
+            print(
+                f"| resumable={resumable} | {statistics.median(rates[False]):,.0f} | "
+                f"{statistics.median(rates[True]):,.0f} | {cost:+.2%} | {slowest} |"
+            )
+    print("cost: 1 - the median of the rounds' on/off ratios (negative: within noise)")
     print(f"a timing proxy adds {proxy_ns():.0f} ns per sample per stage, in one micro-batch of {SAMPLE_EVERY}")
-    print(f"the timed loader's stats: wait ratio {stats.wait_ratio:.0%}, slowest stage {stats.slowest_stage}")
 
 
 if __name__ == "__main__":

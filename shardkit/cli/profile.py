@@ -201,7 +201,9 @@ def _stage_bound(stage: str, workers: int) -> tuple[str, str]:
 
 def report(stats: Any, wall: float, samples: int, nbytes: int) -> str:
     """The text ``shardkit profile`` prints."""
-    lines = [f"{samples:,} samples in {stats.steps:,} batches, {wall:.2f} s: {samples / max(wall, 1e-9):,.0f} samples/s"]
+    lines = [
+        f"{samples:,} samples in {stats.steps:,} batches, {wall:.2f} s: {samples / max(wall, 1e-9):,.0f} samples/s"
+    ]
     if nbytes:
         lines[0] += f", {nbytes / max(wall, 1e-9) / 1e6:,.1f} MB/s of batch data"
     busy = sum(worker.busy_seconds for worker in stats.workers)
@@ -235,4 +237,3 @@ def _write_json(path: str, data: Any) -> None:
         if os.path.exists(partial):
             os.remove(partial)
         raise ProfileError(one_line(f"cannot write the trace to {path}: {error.strerror or error}")) from None
-

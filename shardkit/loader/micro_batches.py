@@ -94,9 +94,7 @@ class MicroBatches(IterableDataset):
             yield len(chunk), payload
 
     @staticmethod
-    def _column_chunks(
-        batches: Iterator[Any], ring: SlabRing | None, clock: WorkerClock
-    ) -> Iterator[tuple[int, Any]]:
+    def _column_chunks(batches: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
         while taken := clock.take(batches, 1):
             start = now()
             parts = slab_columns.as_parts(taken[0])

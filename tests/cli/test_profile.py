@@ -72,7 +72,9 @@ def one_error_line(capsys, *argv: str) -> str:
 
 def test_a_deliberately_slow_map_is_named_as_the_bound_and_the_trace_holds_every_stage(pipelines, capsys):
     trace = pipelines / "out.json"
-    out = profiled(capsys, "pipelines_for_profile:slow_map", "--batches", "12", "--batch-size", "16", "--trace", str(trace))
+    out = profiled(
+        capsys, "pipelines_for_profile:slow_map", "--batches", "12", "--batch-size", "16", "--trace", str(trace)
+    )
     assert "bound: a map: map(slow_decode)" in out, out
     assert "samples/s" in out and "map(slow_decode)" in out
     events = json.loads(trace.read_text())["traceEvents"]

@@ -60,9 +60,7 @@ def test_wait_and_compute_add_up_to_the_loops_wall_time_and_stages_stay_within_i
 
 
 def test_the_recent_window_holds_the_last_hundred_steps_and_totals_count_every_epoch():
-    loader = shardkit.MixedLoader(
-        shardkit.wrap(list(range(120))), batch_size=1, num_workers=1, persistent_workers=True
-    )
+    loader = shardkit.MixedLoader(shardkit.wrap(list(range(120))), batch_size=1, num_workers=1, persistent_workers=True)
     for _ in range(2):
         assert sum(len(batch) for batch in loader) == 120
     stats = loader.stats()
