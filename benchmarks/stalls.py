@@ -8,6 +8,12 @@ accounting) and is iterated through its epoch's mixer directly, past the
 per-step clock. Epochs alternate between the two loaders; the median epoch of
 each counts, and the cost is one minus the median of the rounds' ratios.
 
+Through DataLoader workers on a shared machine that comparison moves by +-10 %,
+so the worker's loop is also compared directly, in one process: the same
+pipeline pulled 64 samples at a time through the worker clock (``take``, and the
+per-message calls) and through plain ``islice``, alternating, 15 rounds; and the
+per-step clock of the main process is timed alone.
+
 It also times what a sampled micro-batch adds: a timing proxy per stage per sample
 (:mod:`shardkit.loader.timing`), paid in one micro-batch of ``SAMPLE_EVERY``.
 
@@ -31,7 +37,8 @@ import torch
 import shardkit
 from shardkit.loader.micro_batches import START, MicroBatches, StateSaver
 from shardkit.loader.slabs import SlabRing
-from shardkit.loader.timing import SAMPLE_EVERY, _Timed
+from shardkit.loader.stalls import StallMeter
+from shardkit.loader.timing import SAMPLE_EVERY, WorkerClock, _Timed
 
 
 def to_tensors(example: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -93,6 +100,62 @@ def proxy_ns(items: int = 300_000) -> float:
     return (time.perf_counter() - start - plain) / items * 1e9
 
 
+def in_process(shards: shardkit.ShardList, rounds: int) -> tuple[float, float, float]:
+    """The worker's loop in one process, timed and plain: (plain samples/s, timed samples/s, cost)."""
+    pipeline = shardkit.TFRecordDataset(shards, shuffle=True, seed=0, balance="pad").map(to_tensors).shuffle(256)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for round_ in range(rounds):
+        for timed in (True, False) if round_ % 2 == 0 else (False, True):
+            start, samples = time.perf_counter(), 0
+            if timed:
+                clock = WorkerClock(pipeline)
+                it = iter(pipeline)
+                while chunk := clock.take(it, 64):
+                    clock.collated(time.perf_counter_ns(), len(chunk))
+                    clock.state(dict)
+                    clock.figures()
+                    clock.resumed()
+                    samples += len(chunk)
+            else:
+                it = iter(pipeline)
+                while chunk := list(islice(it, 64)):
+                    samples += len(chunk)
+            rates[timed].append(samples / (time.perf_counter() - start))
+    cost = 1 - statistics.median(on / off for on, off in zip(rates[True], rates[False]))
+    return statistics.median(rates[False]), statistics.median(rates[True]), cost
+
+
+def micro_batch_ns(batches: int = 20_000) -> float:
+    """Nanoseconds the worker clock adds to an unsampled micro-batch of 64 (take, collated, state,
+    figures, resumed), over pulling it with ``islice``."""
+    data = list(range(64 * batches))
+    start = time.perf_counter()
+    it = iter(data)
+    while list(islice(it, 64)):
+        pass
+    plain = time.perf_counter() - start
+    clock = WorkerClock(data)
+    clock._counts[6] = 1  # past the first micro-batch, which is sampled
+    start = time.perf_counter()
+    it = iter(data)
+    while chunk := clock.take(it, 64):
+        clock._counts[6] += clock._counts[6] % SAMPLE_EVERY == 0  # never sampled: the unsampled path alone
+        clock.collated(time.perf_counter_ns(), len(chunk))
+        clock.state(dict)
+        clock.figures()
+        clock.resumed()
+    return (time.perf_counter() - start - plain) / batches * 1e9
+
+
+def step_ns(steps: int = 200_000) -> float:
+    """Nanoseconds the main process's clock adds to one step."""
+    meter = StallMeter()
+    start = time.perf_counter()
+    for _ in range(steps):
+        meter.left(meter.entered())
+    return (time.perf_counter() - start) / steps * 1e9
+
+
 def compare(shards: shardkit.ShardList, rounds: int, resumable: bool) -> tuple[dict[bool, list[float]], Any]:
     """Each loader's epochs per second, interleaved; and the timed loader's stats."""
     loaders = {timed: loader(shards, timed, resumable) for timed in (True, False)}
@@ -124,8 +187,18 @@ def main() -> None:
                 f"| resumable={resumable} | {statistics.median(rates[False]):,.0f} | "
                 f"{statistics.median(rates[True]):,.0f} | {cost:+.2%} | {slowest} |"
             )
+        plain, timed, cost = in_process(shards, 3 if args.quick else 15)
+    print(f"| worker loop in one process | {plain:,.0f} | {timed:,.0f} | {cost:+.2%} | - |")
     print("cost: 1 - the median of the rounds' on/off ratios (negative: within noise)")
-    print(f"a timing proxy adds {proxy_ns():.0f} ns per sample per stage, in one micro-batch of {SAMPLE_EVERY}")
+    step, batch, proxy = step_ns(), micro_batch_ns(), proxy_ns()
+    print(f"the main process's clock adds {step:.0f} ns per step (batch of 64)")
+    print(f"the worker clock adds {batch:.0f} ns per micro-batch of 64")
+    print(f"a timing proxy adds {proxy:.0f} ns per sample per stage, in one micro-batch of {SAMPLE_EVERY}")
+    per_sample = step / 64 + batch / 64 + proxy * 4 / SAMPLE_EVERY  # 4 proxies: shuffle, map, read, the root
+    print(
+        f"so accounting costs {per_sample:.0f} ns per sample: {per_sample * plain / 1e9:.2%} of the quickstart "
+        f"path's {1e9 / plain:,.0f} ns per sample in one process (the plain worker loop above)"
+    )
 
 
 if __name__ == "__main__":
