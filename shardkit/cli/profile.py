@@ -173,11 +173,19 @@ def diagnose(stats: Any) -> tuple[str, str]:
             "it assembles batches slower than the workers make them: keep collate_fn=None (collation then "
             "happens in the workers), or read column batches (TFRecordDataset(features=..., batch_size=1024))"
         )
+    if stats.slowest_stage is not None and stats.slowest_stage[0] == "state":
+        return "transport of the dataset state sent with every micro-batch", _STATE_ADVICE
     return "transport", (
         f"the workers are busy {utilisation:.0%} of the time, the main process waits to receive their "
         "micro-batches: make them larger (micro_batch_size), keep collate_fn=None (shared-memory slabs), or "
         "read column batches (features=)"
     )
+
+
+_STATE_ADVICE = (
+    "a .shuffle(n) buffer is encoded into every message's state: shuffle before decoding or use a smaller "
+    "buffer, larger micro-batches, or MixedLoader(resumable=False) when you do not resume"
+)
 
 
 def _stage_bound(stage: str, workers: int) -> tuple[str, str]:
@@ -192,10 +200,7 @@ def _stage_bound(stage: str, workers: int) -> tuple[str, str]:
     if stage == "collate":
         return "collate", f"{more}; column batches (features=) collate no samples"
     if stage == "state":
-        return "state (the dataset state sent with every micro-batch)", (
-            "a .shuffle(n) buffer is encoded into every message: shuffle before decoding or use a smaller "
-            "buffer, larger micro-batches, or resumable=False when you do not resume"
-        )
+        return "state (the dataset state sent with every micro-batch)", _STATE_ADVICE
     return stage, more
 
 

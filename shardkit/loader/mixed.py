@@ -327,7 +327,8 @@ class MixedLoader:
 
         Every worker micro-batch then has its stages timed (not one in 32) and its
         figures travel to the main process: for profiling (``shardkit profile --trace``),
-        not for a training run. Call it before the epoch starts its workers.
+        not for a training run. Call it before the epoch starts its workers (persistent
+        workers keep what they were started with).
         """
         self._meter.trace = True
 

@@ -131,3 +131,7 @@ def test_idle_workers_put_the_bound_on_transport_or_on_the_main_process():
     assert diagnose(stats(0.3, 1.0, 0.1))[0] == "transport"
     assert diagnose(stats(0.3, 0.1, 1.0))[0] == "the main process"
     assert diagnose(stats(0.3, 0.1, 1.0, workers=0))[0] == "the main process"
+    heavy_state = stats(0.3, 1.0, 0.1)
+    heavy_state.stages["state"] = 5.0
+    bound, advice = diagnose(heavy_state)
+    assert bound.startswith("transport of the dataset state") and "resumable=False" in advice
