@@ -85,3 +85,18 @@ def test_packing_benchmark_quick_runs_and_every_packer_keeps_every_token(tmp_pat
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")}
     assert "shardkit best_fit" in rows and "shardkit concat" in rows, done.stdout
     assert float(rows["shardkit best_fit"][3]) >= 0.99, done.stdout  # the fill column
+
+
+@pytest.mark.timeout(300)
+def test_stalls_benchmark_quick_runs_and_prints_the_cost_of_both_cases() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "stalls.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| resumable=")]
+    assert len(rows) == 2 and all("%" in row for row in rows), done.stdout

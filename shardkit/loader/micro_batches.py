@@ -12,26 +12,28 @@ segment per tensor.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import islice
 from typing import Any
 
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from shardkit.loader import slab_columns
 from shardkit.loader.slabs import SlabRing
+from shardkit.loader.timing import WorkerClock, now
 from shardkit.stateful import State, StateError
 
 #: ``count`` of the message a worker sends first, with its dataset's starting state.
 START = -1
 
-Message = tuple[int, int, Any, Any]
+Message = tuple[int, int, Any, Any, Any]
 
 
 class MicroBatches(IterableDataset):
-    """Runs in each worker: sends ``(worker_id, -1, None, state)`` first, then
+    """Runs in each worker: sends ``(worker_id, -1, None, state, stage names)`` first, then
     the dataset's stream cut into micro-batches ``(worker_id, count, payload,
-    state)``, and ends with ``(worker_id, 0, None, state)``, so the main
-    process knows when a worker has no more data. ``state`` is the dataset's
+    state, figures)``, and ends with ``(worker_id, 0, None, state, figures)``, so the main
+    process knows when a worker has no more data. ``figures`` are the worker's
+    timings so far (:class:`~shardkit.loader.timing.WorkerClock`; with ``trace``,
+    each micro-batch's too). ``state`` is the dataset's
     state after the message (None if it has none; a string saying why if it
     cannot save one). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once. With ``slots``, collated
@@ -50,8 +52,10 @@ class MicroBatches(IterableDataset):
         resumable: bool,
         slots: int = 0,
         columns: bool = False,
+        trace: bool = False,
     ) -> None:
         self.dataset = dataset
+        self.trace = trace
         self.size = size
         self.collate = collate
         self.resumable = resumable
@@ -68,29 +72,37 @@ class MicroBatches(IterableDataset):
     def _messages(self, worker: int, states: list[State] | None) -> Iterator[Message]:
         if states is not None:
             self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
+        clock = WorkerClock(self.dataset, self.trace)
         samples = iter(self.dataset)
         saver = StateSaver(self.dataset, self.resumable)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
-        yield worker, START, None if ring is None else ring.flags, saver()
-        chunks = self._column_chunks(samples, ring) if self.columns else self._chunks(samples, ring)
+        yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names)
+        chunks = self._column_chunks(samples, ring, clock) if self.columns else self._chunks(samples, ring, clock)
         for count, payload in chunks:
-            yield worker, count, payload, saver()
-        yield worker, 0, None, saver()
+            yield worker, count, payload, clock.state(saver), clock.figures()
+            clock.resumed()
+        yield worker, 0, None, saver(), clock.figures()
 
-    def _chunks(self, samples: Iterator[Any], ring: SlabRing | None) -> Iterator[tuple[int, Any]]:
-        while chunk := list(islice(samples, self.size)):
+    def _chunks(self, samples: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
+        while chunk := clock.take(samples, self.size):
+            start = now()
             if not self.collate:
-                yield len(chunk), chunk
+                payload = chunk
             else:
-                yield len(chunk), default_collate(chunk) if ring is None else ring.collate(chunk)
+                payload = default_collate(chunk) if ring is None else ring.collate(chunk)
+            clock.collated(start, len(chunk))
+            yield len(chunk), payload
 
     @staticmethod
-    def _column_chunks(batches: Iterator[Any], ring: SlabRing | None) -> Iterator[tuple[int, Any]]:
-        for batch in batches:
-            parts = slab_columns.as_parts(batch)
+    def _column_chunks(batches: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
+        while taken := clock.take(batches, 1):
+            start = now()
+            parts = slab_columns.as_parts(taken[0])
             count = slab_columns.columns_length(parts)
             if count:  # 0 would read as the end marker
-                yield count, parts if ring is None else ring.put(parts)
+                payload = parts if ring is None else ring.put(parts)
+                clock.collated(start, count)
+                yield count, payload
 
 
 def in_process(dataset: IterableDataset, size: int, *, collate: bool, resumable: bool) -> Iterator[Message]:

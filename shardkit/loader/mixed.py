@@ -81,6 +81,8 @@ from shardkit.loader.mixer import Mixer
 from shardkit.loader.ranks import gather as gather_ranks
 from shardkit.loader.ranks import is_ranks, own_or_global
 from shardkit.loader.slabs import SPARE_SLOTS
+from shardkit.loader.stalls import GATHER_TIMEOUT, GatheredStats, LoaderStats, StallMeter, chrome_trace
+from shardkit.loader.stalls import gather as gather_stats
 from shardkit.stateful import State, StateError, applies, check, merge
 
 __all__ = ["LoaderError", "MixedLoader"]
@@ -191,6 +193,7 @@ class MixedLoader:
         self.prefetch_factor = dataloader_kwargs.get("prefetch_factor", 2 if num_workers else None)
         self.epoch = 0
         self._pin = False
+        self._meter = StallMeter()
         self._micro_batches: MicroBatches | None = None
         if num_workers == 0 and not self._columns:
             self._loader = DataLoader(
@@ -276,12 +279,16 @@ class MixedLoader:
     def _start_epoch(self) -> Iterator[Any]:
         """Begin the epoch :meth:`__iter__` stands for: count the pass, start the workers, resume."""
         resume, self._resume = self._resume, None
+        self._meter.fold(self._mixer)  # the last epoch's worker figures
+        self._mixer = None
         if not self._epoch_set:
             self.epoch, self._passes = self._passes, self._passes + 1
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
         self._iterated = True
         micro_batches = self._micro_batches
+        if micro_batches is not None:
+            micro_batches.trace = self._meter.trace
         if micro_batches is None:  # no workers, samples
             self._mixer = None
             if resume is not None:
@@ -302,6 +309,42 @@ class MixedLoader:
             micro_batches.states = None
         self._mixer = Mixer(self, source, resume, self._tails if resume is not None else ())
         return self._mixer
+
+    def stats(self, gather: bool = False, timeout: float = GATHER_TIMEOUT) -> LoaderStats | GatheredStats:
+        """Where the time went: the loop's wait for batches and its compute between them,
+        in total and over the last 100 steps, and the workers' time per stage.
+
+        A :class:`~shardkit.loader.stalls.LoaderStats` (``wait_ratio``, ``stages``,
+        ``slowest_stage``, ``workers``); see :mod:`shardkit.loader.stalls` for what each
+        figure measures. Always on: a few clock reads per batch and per micro-batch;
+        how a worker's time splits over its stages is sampled in one micro-batch of 32.
+        Without workers, only the main process's figures are known.
+
+        ``gather=True`` returns every rank's (a :class:`~shardkit.loader.stalls.GatheredStats`,
+        whose ``straggler`` is the rank that waited most and ``summary()`` names it and its
+        slowest stage); call it on every rank at the same step. A rank that does not answer
+        within ``timeout`` seconds is reported missing; it never hangs the others longer.
+        """
+        stats = self._meter.stats(_rank(), self._mixer)
+        if not gather:
+            return stats
+        return gather_stats(stats, self._meter.gather_tag(self.epoch), timeout)
+
+    def record_timeline(self) -> None:
+        """Keep every step and micro-batch from the next epoch on, for :meth:`timeline`.
+
+        Every worker micro-batch then has its stages timed (not one in 32) and its
+        figures travel to the main process: for profiling (``shardkit profile --trace``),
+        not for a training run. Call it before the epoch starts its workers (persistent
+        workers keep what they were started with).
+        """
+        self._meter.trace = True
+
+    def timeline(self) -> dict[str, Any]:
+        """What :meth:`record_timeline` kept, as a Chrome trace / Perfetto JSON object
+        (see :func:`shardkit.loader.stalls.chrome_trace`)."""
+        self._meter.fold_events(self._mixer)
+        return chrome_trace(self._meter)
 
     def state_dict(self, gather: bool | None = None) -> State:
         """What the batches returned so far have delivered, as plain data.
@@ -443,6 +486,13 @@ def _accelerator_available() -> bool:
     return bool(accelerator.is_available())
 
 
+def _rank() -> int:
+    """This process's rank in the initialised process group, else 0."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _as_is(message: Any) -> Any:
     """DataLoader collate_fn for ready-made messages (module level so spawn can pickle it)."""
     return message
@@ -459,6 +509,14 @@ class _Epoch:
         return self
 
     def __next__(self) -> Any:
-        if self._batches is None:
-            self._batches = self._loader._start_epoch()
-        return next(self._batches)
+        meter = self._loader._meter
+        start = meter.entered()
+        try:
+            if self._batches is None:
+                self._batches = self._loader._start_epoch()
+            batch = next(self._batches)
+        except StopIteration:
+            meter.left(start, ended=True)
+            raise
+        meter.left(start)
+        return batch

@@ -27,6 +27,7 @@ from shardkit.loader.collate import Part, join, tail
 from shardkit.loader.loader_state import REPEAT, Carried, LoaderSettings, deal_carry, loader_state
 from shardkit.loader.micro_batches import START, Message
 from shardkit.loader.slabs import SlabBatch, from_slab, view
+from shardkit.loader.timing import now
 from shardkit.stateful import State, StateError, encode
 
 
@@ -95,6 +96,12 @@ class Mixer(Iterator[Any]):
         # (None until its first message), and after its last message.
         self._base: list[Any] = [None] * workers
         self._final: list[Any] = [None] * workers
+        # Stall accounting (shardkit.loader.stalls): each worker's stage names and latest
+        # figures, traced micro-batches, and the time spent receiving messages.
+        self.names: list[Any] = [None] * workers
+        self.figures: list[Any] = [None] * workers
+        self.events: dict[int, list[Any]] = {}
+        self.receive_ns = 0
         self.batch_index = 0
         self._finished = False
         self._unconfirmed = False  # a restored finished state, not yet read to its end
@@ -265,8 +272,9 @@ class Mixer(Iterator[Any]):
     def _pull(self) -> None:
         """Receive one message from the workers."""
         assert self._source is not None, "a finished epoch pulls no messages"
+        start = now()
         try:
-            worker, count, payload, state = next(self._source)
+            worker, count, payload, state, timing = next(self._source)
         except StopIteration:
             # Every worker ends with an end marker; this only guards against a hang.
             self._done = [True] * len(self._done)
@@ -278,15 +286,26 @@ class Mixer(Iterator[Any]):
             if died is not None:
                 raise died from error
             raise
+        self.receive_ns += now() - start
         if count == START:
+            self.names[worker] = timing
             self._base[worker] = state
             if payload is not None:  # the busy flags of the worker's slab ring
                 self._flags[worker] = payload.numpy()
-        elif count == 0:
+            return
+        self._timed(worker, timing)
+        if count == 0:
             self._done[worker] = True
             self._final[worker] = state
         else:
             self._queue(worker, count, payload, state)
+
+    def _timed(self, worker: int, figures: tuple[Any, ...]) -> None:
+        """Keep a worker's latest figures; traced micro-batches come as a list at their end."""
+        if figures and type(figures[-1]) is list:
+            self.events.setdefault(worker, []).extend(figures[-1])
+            figures = figures[:-1]
+        self.figures[worker] = figures
 
     def _queue(self, worker: int, count: int, payload: Any, state: Any) -> None:
         """Queue a micro-batch; one in a slab becomes views of the slab, mapped once per slot."""

@@ -1,0 +1,205 @@
+"""What stall accounting costs: MixedLoader throughput with it and without it, on the quickstart path.
+
+The quickstart's pipeline (``TFRecordDataset(shuffle=True).map(to_tensors).shuffle(256)``,
+small tf.Examples, ``MixedLoader(batch_size=64, num_workers=2, persistent_workers=True)``)
+read by two loaders built alike. The one without accounting has workers that run
+the untimed micro-batch loop (``Untimed`` below, the loop as it was before
+accounting) and is iterated through its epoch's mixer directly, past the
+per-step clock. Epochs alternate between the two loaders; the median epoch of
+each counts, and the cost is one minus the median of the rounds' ratios.
+
+Through DataLoader workers on a shared machine that comparison moves by +-10 %,
+so the worker's loop is also compared directly, in one process: the same
+pipeline pulled 64 samples at a time through the worker clock (``take``, and the
+per-message calls) and through plain ``islice``, alternating, 15 rounds; and the
+per-step clock of the main process is timed alone.
+
+It also times what a sampled micro-batch adds: a timing proxy per stage per sample
+(:mod:`shardkit.loader.timing`), paid in one micro-batch of ``SAMPLE_EVERY``.
+
+    python benchmarks/stalls.py            # full run
+    python benchmarks/stalls.py --quick    # a few seconds, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import numpy as np
+import torch
+
+import shardkit
+from shardkit.loader.micro_batches import START, MicroBatches, StateSaver
+from shardkit.loader.slabs import SlabRing
+from shardkit.loader.stalls import StallMeter
+from shardkit.loader.timing import SAMPLE_EVERY, WorkerClock, _Timed
+
+
+def to_tensors(example: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {"x": torch.from_numpy(example["x"]), "label": torch.from_numpy(example["label"])}
+
+
+class Untimed(MicroBatches):
+    """The workers' loop without any clock (figures None), for comparison."""
+
+    def _messages(self, worker: int, states: Any) -> Iterator[Any]:
+        if states is not None:
+            self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
+        samples = iter(self.dataset)
+        saver = StateSaver(self.dataset, self.resumable)
+        ring = SlabRing(self.slots) if self.collate and self.slots else None
+        yield worker, START, None if ring is None else ring.flags, saver(), None
+        while chunk := list(islice(samples, self.size)):
+            payload = (
+                chunk if not self.collate else ring.collate(chunk) if ring else torch.utils.data.default_collate(chunk)
+            )
+            yield worker, len(chunk), payload, saver(), None
+        yield worker, 0, None, saver(), None
+
+
+def write(root: str, records: int) -> shardkit.ShardList:
+    rng = np.random.default_rng(0)
+    with shardkit.ShardWriter(f"{root}/train-%05d.tfrecord", max_records=records // 8) as writer:
+        for i in range(records):
+            writer.write(shardkit.encode_example({"x": rng.normal(size=4), "label": [i % 10]}))
+    return shardkit.ShardList.from_manifest(writer.manifest)
+
+
+def loader(shards: shardkit.ShardList, timed: bool, resumable: bool) -> shardkit.MixedLoader:
+    pipeline = shardkit.TFRecordDataset(shards, shuffle=True, seed=0, balance="pad").map(to_tensors).shuffle(256)
+    built = shardkit.MixedLoader(pipeline, batch_size=64, num_workers=2, persistent_workers=True, resumable=resumable)
+    if not timed:
+        assert built._micro_batches is not None
+        built._micro_batches.__class__ = Untimed
+    return built
+
+
+def epoch(built: shardkit.MixedLoader, timed: bool) -> float:
+    """Seconds for one epoch; untimed, through the mixer, past the per-step clock."""
+    start = time.perf_counter()
+    batches = iter(built) if timed else built._start_epoch()
+    samples = sum(len(batch["label"]) for batch in batches)
+    return samples / (time.perf_counter() - start)
+
+
+def proxy_ns(items: int = 300_000) -> float:
+    """Nanoseconds a timing proxy adds to one ``next``."""
+    start = time.perf_counter()
+    for _ in iter(range(items)):
+        pass
+    plain = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in _Timed(iter(range(items))):
+        pass
+    return (time.perf_counter() - start - plain) / items * 1e9
+
+
+def in_process(shards: shardkit.ShardList, rounds: int) -> tuple[float, float, float]:
+    """The worker's loop in one process, timed and plain: (plain samples/s, timed samples/s, cost)."""
+    pipeline = shardkit.TFRecordDataset(shards, shuffle=True, seed=0, balance="pad").map(to_tensors).shuffle(256)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for round_ in range(rounds):
+        for timed in (True, False) if round_ % 2 == 0 else (False, True):
+            start, samples = time.perf_counter(), 0
+            if timed:
+                clock = WorkerClock(pipeline)
+                it = iter(pipeline)
+                while chunk := clock.take(it, 64):
+                    clock.collated(time.perf_counter_ns(), len(chunk))
+                    clock.state(dict)
+                    clock.figures()
+                    clock.resumed()
+                    samples += len(chunk)
+            else:
+                it = iter(pipeline)
+                while chunk := list(islice(it, 64)):
+                    samples += len(chunk)
+            rates[timed].append(samples / (time.perf_counter() - start))
+    cost = 1 - statistics.median(on / off for on, off in zip(rates[True], rates[False]))
+    return statistics.median(rates[False]), statistics.median(rates[True]), cost
+
+
+def micro_batch_ns(batches: int = 20_000) -> float:
+    """Nanoseconds the worker clock adds to an unsampled micro-batch of 64 (take, collated, state,
+    figures, resumed), over pulling it with ``islice``."""
+    data = list(range(64 * batches))
+    start = time.perf_counter()
+    it = iter(data)
+    while list(islice(it, 64)):
+        pass
+    plain = time.perf_counter() - start
+    clock = WorkerClock(data)
+    clock._counts[6] = 1  # past the first micro-batch, which is sampled
+    start = time.perf_counter()
+    it = iter(data)
+    while chunk := clock.take(it, 64):
+        clock._counts[6] += clock._counts[6] % SAMPLE_EVERY == 0  # never sampled: the unsampled path alone
+        clock.collated(time.perf_counter_ns(), len(chunk))
+        clock.state(dict)
+        clock.figures()
+        clock.resumed()
+    return (time.perf_counter() - start - plain) / batches * 1e9
+
+
+def step_ns(steps: int = 200_000) -> float:
+    """Nanoseconds the main process's clock adds to one step."""
+    meter = StallMeter()
+    start = time.perf_counter()
+    for _ in range(steps):
+        meter.left(meter.entered())
+    return (time.perf_counter() - start) / steps * 1e9
+
+
+def compare(shards: shardkit.ShardList, rounds: int, resumable: bool) -> tuple[dict[bool, list[float]], Any]:
+    """Each loader's epochs per second, interleaved; and the timed loader's stats."""
+    loaders = {timed: loader(shards, timed, resumable) for timed in (True, False)}
+    for timed, built in loaders.items():  # warm-up: starts the persistent workers
+        epoch(built, timed)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for round_ in range(rounds):
+        for timed in (True, False) if round_ % 2 == 0 else (False, True):
+            rates[timed].append(epoch(loaders[timed], timed))
+    return rates, loaders[True].stats()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run whose numbers are not meant to be quoted")
+    parser.add_argument("--records", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    records, rounds = (2_000, 2) if args.quick else (args.records, args.rounds)
+    print(f"quickstart path, {records:,} records, {rounds} interleaved rounds, 2 workers, batch 64")
+    print("| case | accounting off, samples/s | on, samples/s | cost | slowest stage |\n|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as root:
+        shards = write(root, records)
+        for resumable in (True, False):
+            rates, stats = compare(shards, rounds, resumable)
+            cost = 1 - statistics.median(on / off for on, off in zip(rates[True], rates[False]))
+            slowest = stats.slowest_stage[0] if stats.slowest_stage else "-"
+            print(
+                f"| resumable={resumable} | {statistics.median(rates[False]):,.0f} | "
+                f"{statistics.median(rates[True]):,.0f} | {cost:+.2%} | {slowest} |"
+            )
+        plain, timed, cost = in_process(shards, 3 if args.quick else 15)
+    print(f"| worker loop in one process | {plain:,.0f} | {timed:,.0f} | {cost:+.2%} | - |")
+    print("cost: 1 - the median of the rounds' on/off ratios (negative: within noise)")
+    step, batch, proxy = step_ns(), micro_batch_ns(), proxy_ns()
+    print(f"the main process's clock adds {step:.0f} ns per step (batch of 64)")
+    print(f"the worker clock adds {batch:.0f} ns per micro-batch of 64")
+    print(f"a timing proxy adds {proxy:.0f} ns per sample per stage, in one micro-batch of {SAMPLE_EVERY}")
+    per_sample = step / 64 + batch / 64 + proxy * 4 / SAMPLE_EVERY  # 4 proxies: shuffle, map, read, the root
+    print(
+        f"so accounting costs {per_sample:.0f} ns per sample: {per_sample * plain / 1e9:.2%} of the quickstart "
+        f"path's {1e9 / plain:,.0f} ns per sample in one process (the plain worker loop above)"
+    )
+
+
+if __name__ == "__main__":
+    main()
