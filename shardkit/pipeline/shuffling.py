@@ -86,6 +86,10 @@ class _ShuffleIterator(StageIterator):
         self._buffer_size = buffer_size
         self._uniforms = Uniforms(rng)
         self._buffer: list[Any] = []
+        # Each buffered sample's encoded form, made the first time a state holds it (None until then):
+        # MixedLoader saves a state with every micro-batch, and encoding the whole buffer each time
+        # cost 20x the reading (256 samples re-encoded per 64 read); now each sample is encoded once.
+        self._encoded: list[Any] = []
         self._repeats: list[bool] | None = None  # per buffered sample: a "pad" repeat; None: none is
         self._pooled = 1
         self._exhausted = False
@@ -93,18 +97,21 @@ class _ShuffleIterator(StageIterator):
         self._topology = topology
 
     def __next__(self) -> Any:
-        buffer = self._buffer
+        buffer, encoded = self._buffer, self._encoded
         while not self._exhausted and len(buffer) < self._buffer_size:
             try:
                 buffer.append(next(self._source))
             except StopIteration:
                 self._exhausted = True
+            else:
+                encoded.append(None)
         if not buffer:
             raise StopIteration
         pick = int(self._uniforms.draw() * len(buffer))
         sample = buffer[pick]
-        buffer[pick] = buffer[-1]
+        buffer[pick], encoded[pick] = buffer[-1], encoded[-1]
         buffer.pop()
+        encoded.pop()
         if self._repeats is not None:  # only after a resume that dealt "pad" repeats
             self._drop_flag(pick)
         return sample
@@ -133,13 +140,21 @@ class _ShuffleIterator(StageIterator):
             self.KIND,
             **{
                 EPOCH: self._epoch,
-                self.SAMPLES: [encode(sample) for sample in self._buffer],
+                self.SAMPLES: self._encoded_samples(),
                 RNG: self._uniforms.state_dict(),
                 SHARE: share_field(self._topology),
                 UPSTREAM: upstream_state(self._source),
             },
             **optional,
         )
+
+    def _encoded_samples(self) -> list[Any]:
+        """The buffered samples, encoded; each is encoded once, the first time a state holds it."""
+        encoded = self._encoded
+        for index, form in enumerate(encoded):
+            if form is None:
+                encoded[index] = encode(self._buffer[index])
+        return list(encoded)
 
     def restore(self, resume: Resume) -> None:
         """Refill the buffer (and, for this worker's own state, the draws) from the state.
@@ -158,6 +173,7 @@ class _ShuffleIterator(StageIterator):
             samples = [samples[i % pool] for i in indices]
             flags = [i >= pool for i in indices]  # dealt a second time: a "pad" repeat
         self._buffer, flags = resume.part(samples), resume.part(flags)
+        self._encoded = [None] * len(self._buffer)
         self._repeats = flags if any(flags) else None
         self._pooled = max(1, -(-len(self._buffer) // self._buffer_size))
         resume.continue_draws(self._uniforms)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.planning import take, union, window_order
+from shardkit.planning import positions_union, take, window_order
 from shardkit.sources.ranges import _RangeIterator
 from shardkit.stateful import State, StateError
 
@@ -112,8 +112,8 @@ class _WindowIterator:
 
     def remaining(self) -> list[list[int]]:
         """Positions not yielded yet: the window's unyielded ones and all after it."""
-        unyielded = [(self._positions[i], self._positions[i] + 1) for i in self._order[self._yielded :]]
-        return [list(interval) for interval in union(unyielded + list(self._rest))]
+        unyielded = np.asarray(self._positions, dtype=np.int64)[self._order[self._yielded :]]
+        return positions_union(unyielded, self._rest)
 
     def state_dict(self) -> State:
         """The ranges' node, with the unyielded positions as ``remaining`` and the window's start."""

@@ -380,3 +380,15 @@ def test_what_a_planned_reader_has_left_is_the_union_of_its_unread_ranges(counts
             for i, (position, piece) in enumerate(pieces[index:], start=index)
         ]
         assert planned.remaining(index, done) == union(left)
+
+
+@given(
+    st.sets(st.integers(0, 400), max_size=120),
+    st.lists(st.tuples(st.integers(0, 400), st.integers(0, 60)), max_size=8),
+)
+def test_positions_union_covers_exactly_the_positions_and_intervals_given(points, spans):
+    from shardkit.planning import positions_union, union
+
+    intervals = [(a, a + n) for a, n in spans]
+    got = positions_union(np.array(sorted(points), dtype=np.int64)[::-1], intervals)
+    assert got == [list(i) for i in union([(p, p + 1) for p in points] + intervals)]
