@@ -42,11 +42,13 @@ def terminal_output(run) -> str:
     """Call ``run()`` (it must return True) with ``sys.stderr`` on a pseudo-terminal; the terminal's output.
 
     In this process rather than a new one: a fresh interpreter costs seconds of imports. A thread drains
-    the terminal meanwhile, so a long output cannot fill it and block the writer."""
+    the terminal meanwhile, so a long output cannot fill it and block the writer, and it reads until the
+    terminal is quiet before the terminal is closed: closing it first can drop the last bytes written."""
     import contextlib
     import fcntl
     import os
     import pty
+    import select
     import struct
     import termios
     import threading
@@ -54,24 +56,25 @@ def terminal_output(run) -> str:
     main_fd, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
     chunks: list[bytes] = []
+    finished = threading.Event()
 
     def drain() -> None:
-        while True:
-            try:
-                chunk = os.read(main_fd, 65536)
-            except OSError:  # EIO: the terminal is closed and drained
-                return
-            if not chunk:
-                return
-            chunks.append(chunk)
+        while select.select([main_fd], [], [], 0.2)[0] or not finished.is_set():
+            if select.select([main_fd], [], [], 0)[0]:
+                chunks.append(os.read(main_fd, 65536))
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
+    stderr = os.fdopen(terminal, "w", buffering=1)
     try:
-        with os.fdopen(terminal, "w", buffering=1) as stderr, contextlib.redirect_stderr(stderr):
+        with contextlib.redirect_stderr(stderr):
             assert run()
+        stderr.flush()
+        finished.set()
         reader.join(timeout=60)
     finally:
+        finished.set()
+        stderr.close()
         os.close(main_fd)
     return b"".join(chunks).decode(errors="replace")
 
