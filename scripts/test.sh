@@ -7,7 +7,7 @@
 # an idle worker the queued tests of a busy one, so the long multi-process tests
 # do not leave a core waiting at the end. The tests share no fixed path or port
 # (tmp_path, port 0, a file store for gloo), so workers cannot collide. Give
-# `-n 0` (or `-p no:xdist`) to run in this process, e.g. under a debugger.
+# `-n 0` to run every test in this process, e.g. under a debugger.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
