@@ -54,7 +54,9 @@ def terminal_output(run) -> str:
     import threading
 
     main_fd, terminal = pty.openpty()
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
+    # A new pty is 0 columns wide; tqdm cuts its line to the width, and the bar names a tmp_path (longer under
+    # pytest-xdist): 400 columns keep the throughput on the line.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 400, 0, 0))
     chunks: list[bytes] = []
     finished = threading.Event()
 
