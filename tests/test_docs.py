@@ -57,6 +57,7 @@ def mkdocs_build(site_dir: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a whole mkdocs build in a new process (5-10 s)
 def test_the_site_builds_in_strict_mode_with_no_warning_and_writes_only_where_told(tmp_path):
     before = sorted(p.name for p in ROOT.iterdir())
     done = mkdocs_build(tmp_path / "site")
@@ -73,6 +74,7 @@ def test_the_site_builds_in_strict_mode_with_no_warning_and_writes_only_where_to
         assert not remote.search(page.read_text()), page
 
 
+@pytest.mark.slow  # a whole mkdocs build in a new process (5-10 s)
 def test_a_broken_link_fails_the_build(tmp_path):
     """The check above can fail: the same config over the docs plus a page with a dead link does not build."""
     shutil.copytree(DOCS, tmp_path / "docs")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -61,16 +62,26 @@ if __name__ == "__main__":
 
 
 def run_in_fresh_tmpdir(tmp_path, script: str, *args: str) -> tuple[list[str], list[str]]:
-    """Run ``script`` with TMPDIR a new empty dir; its output lines, and what is left in TMPDIR after it ends."""
-    tmpdir, data = tmp_path / "tmpdir", tmp_path / "data"
-    tmpdir.mkdir()
+    """Run ``script`` with TMPDIR a new empty dir; its output lines, and what is left in TMPDIR after it ends.
+
+    The dir is a short one in the system's temporary folder, not under ``tmp_path``: multiprocessing binds
+    Unix sockets in TMPDIR (``pymp-*/listener-*``, to pass descriptors between processes), and a socket path
+    is limited to 107 bytes. Under pytest-xdist, tmp_path gains a ``popen-gwN`` level and a persistent
+    MixedLoader then waited forever for a worker that could not hand its tensors over."""
+    import shutil
+    import tempfile
+
+    tmpdir, data = Path(tempfile.mkdtemp(prefix="sk-")), tmp_path / "data"
     data.mkdir()
     env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.getcwd()}
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(data), *args], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr
-    left = sorted(name for name in os.listdir(tmpdir) if name.startswith(LEFTOVERS))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(data), *args], env=env, capture_output=True, text=True, timeout=240
+        )
+        assert done.returncode == 0, done.stderr
+        left = sorted(name for name in os.listdir(tmpdir) if name.startswith(LEFTOVERS))
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
     return done.stdout.splitlines(), left
 
 

@@ -31,38 +31,52 @@ def test_a_dataset_leaves_no_unclosed_file_behind(tmp_path):
 
 
 def run_in_a_terminal(*argv: str) -> str:
-    """``python -m shardkit *argv`` with its stderr on a pseudo-terminal (where progress bars show); the
-    terminal's output."""
-    import sys
+    """``shardkit *argv`` (``main(argv)``, in this process) with its stderr on a pseudo-terminal, where
+    progress bars show; the terminal's output. The command must succeed."""
+    from shardkit.cli import main
 
-    return terminal_output([sys.executable, "-m", "shardkit", *argv])
+    return terminal_output(lambda: main(list(argv)) == 0)
 
 
-def terminal_output(command: list[str], env: dict[str, str] | None = None) -> str:
-    """Run ``command`` with its stderr on a pseudo-terminal; the terminal's output."""
+def terminal_output(run) -> str:
+    """Call ``run()`` (it must return True) with ``sys.stderr`` on a pseudo-terminal; the terminal's output.
+
+    In this process rather than a new one: a fresh interpreter costs seconds of imports. A thread drains
+    the terminal meanwhile, so a long output cannot fill it and block the writer, and it reads until the
+    terminal is quiet before the terminal is closed: closing it first can drop the last bytes written."""
+    import contextlib
     import fcntl
     import os
     import pty
+    import select
     import struct
-    import subprocess
     import termios
+    import threading
 
     main_fd, terminal = pty.openpty()
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
+    # A new pty is 0 columns wide; tqdm cuts its line to the width, and the bar names a tmp_path (longer under
+    # pytest-xdist): 400 columns keep the throughput on the line.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 400, 0, 0))
+    chunks: list[bytes] = []
+    finished = threading.Event()
+
+    def drain() -> None:
+        while select.select([main_fd], [], [], 0.2)[0] or not finished.is_set():
+            if select.select([main_fd], [], [], 0)[0]:
+                chunks.append(os.read(main_fd, 65536))
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    stderr = os.fdopen(terminal, "w", buffering=1)
     try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=terminal, env=env, timeout=120)
-        assert done.returncode == 0
-        os.close(terminal)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(main_fd, 65536)
-            except OSError:  # EIO: the terminal is closed and drained
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
+        with contextlib.redirect_stderr(stderr):
+            assert run()
+        stderr.flush()
+        finished.set()
+        reader.join(timeout=60)
     finally:
+        finished.set()
+        stderr.close()
         os.close(main_fd)
     return b"".join(chunks).decode(errors="replace")
 
@@ -80,16 +94,12 @@ def test_long_commands_leave_a_progress_bar_with_throughput_on_a_terminal(tmp_pa
 
 
 def test_counting_records_leaves_a_progress_bar_with_throughput_on_a_terminal(tmp_path):
-    import os
-    import sys
-
     urls = []
     for k in range(3):
         urls.append(str(tmp_path / f"a-{k}.tfrecord"))
         with shardkit.TFRecordWriter(urls[-1]) as w:
             for n in range(10):
                 w.write(shardkit.encode_example({"x": n}))
-    script = "import sys, shardkit; shardkit.TFRecordDataset(sys.argv[1:], decode='raw').count_records()"
-    env = {**os.environ, "SHARDKIT_CACHE_DIR": str(tmp_path / "cache")}
-    shown = terminal_output([sys.executable, "-c", script, *urls], env)
+    # the counts cache is this test's own, empty one (conftest's counts_cache_dir): every shard is counted
+    shown = terminal_output(lambda: shardkit.TFRecordDataset(urls, decode="raw").count_records() is not None)
     assert "counting records" in shown and "3/3" in shown and "shards/s" in shown, shown

@@ -40,6 +40,7 @@ def test_plan_reports_bad_arguments_without_a_traceback(tmp_path, capsys):
     assert "unknown records" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a new interpreter importing torch: seconds of CPU
 def test_demo_runs_end_to_end(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "shardkit", "demo", "--workdir", str(tmp_path)],
@@ -71,6 +72,7 @@ def test_topology_detection_order(monkeypatch):
         shardkit.Topology.current(worker_id=3)
 
 
+@pytest.mark.slow  # a new interpreter importing torch: seconds of CPU
 def test_a_clone_run_from_its_parent_folder_imports_the_package_not_the_folder(tmp_path):
     # A clone named like the package, run from its parent: the folder must not
     # shadow the installed package as an empty namespace package.

@@ -17,6 +17,7 @@ import pytest
 import shardkit
 from shardkit.formats.tfrecord import read_tfrecord, verify_tfrecord
 from shardkit.shardlist import ShardList
+from tests.helpers.cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -202,12 +203,6 @@ def test_writer_on_a_remote_filesystem_publishes_by_rename(tmp_path):
 
 
 # --------------------------------------------------------------------------- the CLI, faults
-
-
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, timeout=120, env=ENV
-    )
 
 
 def write_records(path, count: int, compression: str | None = None) -> str:

@@ -15,6 +15,7 @@ from shardkit.cli import main
 from shardkit.formats.tar import TarFormat
 from tests.formats.test_formats_jsonl import corrupt_line
 from tests.formats.test_formats_tar import header_offsets
+from tests.helpers.cli import run_cli
 from tests.helpers.shards import jsonl_row as json_row
 from tests.helpers.shards import write_jsonl_shards as write_jsonl
 from tests.helpers.shards import write_parquet_shards as write_parquet
@@ -119,9 +120,7 @@ def test_the_console_script_converts_with_a_progress_bar_and_documented_help(tmp
     )
     assert result.returncode == 0, result.stderr
     assert "5 records from 1 files -> 1 tar shards" in result.stdout
-    help_text = subprocess.run(
-        [sys.executable, "-m", "shardkit", "convert", "--help"], capture_output=True, text=True
-    ).stdout
+    help_text = run_cli("convert", "--help").stdout  # the same parser: no second process needed
     assert "--max-records" in help_text and "exit codes: 0 converted; 1 a source file is corrupt" in help_text.replace(
         "\n", " "
     )

@@ -437,6 +437,7 @@ def test_ci_runs_with_the_c_decoder_built() -> None:
     assert compiled.decode_example(encode_example({"x": [2]}))["x"].tolist() == [2]
 
 
+@pytest.mark.slow  # a new interpreter importing torch: seconds of CPU
 def test_shardkit_pure_python_forces_the_fallback() -> None:
     code = "import shardkit.formats.example.backend as e; print(e.BACKEND, e._decode_example.__name__)"
     for value, expected in (("1", "python decode_example_python"), ("0", "c decode_example"), ("", "c decode_example")):

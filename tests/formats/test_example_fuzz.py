@@ -710,6 +710,7 @@ print(json.dumps({"records": len(records), "raised": raised}))
 
 
 @pytest.mark.skipif(compiled is None, reason="C decoder not built (pip install -e .)")
+@pytest.mark.slow  # a new interpreter importing torch: seconds of CPU
 def test_the_c_decoder_survives_mutated_records_in_a_subprocess() -> None:
     """A memory error in C would kill the process: run it in a child and check it exited cleanly."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

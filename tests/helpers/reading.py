@@ -4,6 +4,7 @@ Module level, so that DataLoader workers and ranks started with spawn can unpick
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -119,3 +120,32 @@ def read_all(loader: Iterable[Any]) -> list[Any]:
         if shutdown is not None:
             shutdown()
         raise
+
+
+@contextlib.contextmanager
+def as_worker(worker: int, workers: int) -> Iterator[None]:
+    """Run in this process as DataLoader worker ``worker`` of ``workers``: ``torch.utils.data.get_worker_info``
+    answers as it does inside that worker, which is where shardkit learns its share."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    info = SimpleNamespace(id=worker, num_workers=workers, seed=0, dataset=None)
+    with mock.patch.object(torch.utils.data, "get_worker_info", lambda: info):
+        yield
+
+
+def batches_as_workers(dataset: Any, num_workers: int, batch_size: int) -> list[list[Any]]:
+    """The batches a DataLoader with ``num_workers`` workers yields, read in this process: each worker's
+    share from its own copy of the dataset (as a forked worker has), cut into batches as each worker cuts
+    its own; worker after worker rather than interleaved, the same batches in another order.
+
+    For matrices of worker counts: the share of each worker is planned by the code a real worker runs,
+    without starting ``num_workers`` processes per cell; a real DataLoader covers the process path once."""
+    import copy
+
+    batches = []
+    for worker in range(num_workers):
+        with as_worker(worker, num_workers):
+            samples = list(copy.deepcopy(dataset))
+        batches += [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
+    return batches

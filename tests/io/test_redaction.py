@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -150,11 +148,10 @@ def test_an_error_re_raised_from_a_dataloader_worker_names_the_url_without_its_c
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["verify", "inspect"])
 def test_cli_errors_name_the_url_without_its_credentials(server, tmp_path, command) -> None:
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    from tests.helpers.cli import run_cli
+
     for url in (corrupt_shard(server, tmp_path), secret_url(server, "missing.tfrecord")):
-        done = subprocess.run(
-            [sys.executable, "-m", "shardkit", command, url], env=env, capture_output=True, text=True, timeout=60
-        )
+        done = run_cli(command, url)
         assert done.returncode != 0 and "error" in done.stderr, done.stderr
         assert_clean(done.stderr)
         for secret in SECRETS:

@@ -61,7 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--on-error", default="skip", choices=("raise", "skip"))
     args = parser.parse_args()
-    gloo_ranks(run, WORLD_SIZE, args.on_error)
+    # Ranks forked, as in ddp_check.py: a spawned rank imports torch and shardkit again (seconds each),
+    # and what is checked (the short shard, the all-reduce per step) does not depend on how ranks start.
+    gloo_ranks(run, WORLD_SIZE, args.on_error, start_method="fork")
 
 
 if __name__ == "__main__":

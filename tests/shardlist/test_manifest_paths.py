@@ -89,6 +89,7 @@ def test_a_manifest_with_an_unknown_paths_key_is_refused_by_name(tmp_path):
         shardkit.ShardList.from_manifest(str(tmp_path / "m.arrow"))
 
 
+@pytest.mark.slow  # a new interpreter importing torch: seconds of CPU
 def test_a_manifest_written_in_one_process_reads_in_another_with_another_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_three("data/t-%05d.tfrecord")

@@ -104,6 +104,7 @@ def test_stage_iterators_are_not_torchdata_stateful_so_a_state_is_loaded_once() 
     assert not isinstance(iterator, Stateful)
 
 
+@pytest.mark.slow  # a new interpreter importing torch: seconds of CPU
 def test_merge_in_a_fresh_process_that_imports_only_shardkit_state_knows_every_stage(tmp_path: Path) -> None:
     """A tool that merges saved worker states from files imports no pipeline module itself."""
     workers = []
@@ -191,6 +192,7 @@ def test_merge_hands_each_node_to_its_stage_and_refuses_an_unknown_kind() -> Non
         merge([{**state, "kind": "mystery"}])
 
 
+@pytest.mark.slow  # a new interpreter importing torch: seconds of CPU
 def test_shardkit_interleave_is_the_function_whichever_module_was_imported_first() -> None:
     script = textwrap.dedent(
         """
