@@ -58,7 +58,13 @@ _EXPORTS: dict[str, str] = {
 __all__ = ["__version__", "CorruptRecordError", "EvenBatchesError", "ShardkitError", "WorkerDiedError", *_EXPORTS]
 
 
+#: Submodules reachable as attributes after a plain ``import shardkit`` (``shardkit.state.gather(...)``).
+_SUBMODULES = ("state",)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"shardkit.{name}")  # importing binds it on the package
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
@@ -68,7 +74,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted([*__all__, *_SUBMODULES])
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import warnings
 
 import shardkit
@@ -103,3 +105,11 @@ def test_counting_records_leaves_a_progress_bar_with_throughput_on_a_terminal(tm
     # the counts cache is this test's own, empty one (conftest's counts_cache_dir): every shard is counted
     shown = terminal_output(lambda: shardkit.TFRecordDataset(urls, decode="raw").count_records() is not None)
     assert "counting records" in shown and "3/3" in shown and "shards/s" in shown, shown
+
+
+def test_shardkit_state_is_reachable_after_a_plain_import_shardkit():
+    """The docs write shardkit.state.gather(...) after `import shardkit`; it must not
+    depend on another module having imported shardkit.state first."""
+    code = "import shardkit; print(shardkit.state.gather.__name__, shardkit.state.StateError.__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["gather", "StateError"], done.stderr[-2000:]

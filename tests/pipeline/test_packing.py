@@ -334,7 +334,8 @@ def _save_after_three_batches_and_gather(rank: int, world_size: int, strategy: s
         delivered += real_tokens([batch]).tolist()
         if count == 3:
             break
-    gathered = shardkit.state.gather(loader.state_dict())
+    gathered = shardkit.state.gather(loader.state_dict())  # the global MixedLoader state
+    assert gathered["kind"] == "mixed_loader" and not gathered["carry"], "batches of whole micro-batches"
     with open(Path(out_dir) / f"{rank}.json", "w") as file:
         json.dump({"delivered": delivered, "state": gathered}, file)
 
@@ -347,14 +348,15 @@ def test_two_gloo_ranks_of_two_workers_gather_a_state_that_resumes_on_one_and_th
     gloo_ranks(_save_after_three_batches_and_gather, 2, strategy, str(tmp_path))
     saved = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     assert saved[0]["state"] == saved[1]["state"], "every rank gathers the same global state"
-    assert saved[0]["state"]["ranks"] == 2 and saved[0]["state"]["pieces"]
+    dataset_state = saved[0]["state"]["workers"][0]  # the global state of the pipeline
+    assert dataset_state["ranks"] == 2 and dataset_state["pieces"]
     delivered = np.array(saved[0]["delivered"] + saved[1]["delivered"], np.int64)
     total = int(np.random.default_rng(2).integers(1, 150, 120).sum())
     for world_size in (1, 3):
         rest = []
         for rank in range(world_size):
             pipeline = ranked_documents(strategy, rank, world_size)
-            pipeline.load_state_dict(saved[0]["state"])
+            pipeline.load_state_dict(dataset_state)
             rest += list(pipeline)
         got = np.concatenate([delivered, real_tokens(rest)])
         assert np.array_equal(np.unique(got), np.arange(total)), f"nothing lost resuming on {world_size} ranks"

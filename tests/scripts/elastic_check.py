@@ -45,8 +45,8 @@ def save(balance: str, folder: Path) -> tuple[list[int], int, bool]:
         delivered += batch.tolist()
         if count == SAVE_AT:
             break
-    state = loader.state_dict()
-    carried = bool(state["carry"])
+    state = loader.state_dict()  # every rank's (a "ranks" node), as a trainer saves it
+    carried = bool(state["states"][dist.get_rank()]["carry"])
     merged = gather(state)
     if dist.get_rank() == 0:
         (folder / f"{balance}.state").write_text(json.dumps(merged))
