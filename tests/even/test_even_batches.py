@@ -429,7 +429,15 @@ def check_ranks(*args: str) -> list[dict[str, Any]]:
 
 # Several cases share one launch (one interpreter per rank, one rendezvous): each launch costs
 # seconds of start-up, the cases only milliseconds. The raised error runs last: its ranks stop early.
-TWO_RANKS = ("filter/stop/1", "mixed/pad/1", "sized/stop/1", "skip/pad/3", "resume/pad/1", "resume/stop/2", "raise/stop/1")
+TWO_RANKS = (
+    "filter/stop/1",
+    "mixed/pad/1",
+    "sized/stop/1",
+    "skip/pad/3",
+    "resume/pad/1",
+    "resume/stop/2",
+    "raise/stop/1",
+)
 THREE_RANKS = ("filter/pad/1", "mixed/stop/1", "subgroup/pad/1")
 
 
