@@ -89,7 +89,8 @@ def socket_folder_problem(who: str, sharing_strategy: str) -> str | None:
     """
     if sharing_strategy != "file_descriptor":
         return None
-    made = multiprocessing.process.current_process()._config.get("tempdir")  # inherited by forked workers
+    config = getattr(multiprocessing.process.current_process(), "_config", {})
+    made = config.get("tempdir")  # multiprocessing's folder, made already: forked workers inherit it
     folder = made if made else tempfile.gettempdir()
     length = len(os.fsencode(folder)) + (0 if made else _PYMP) + _LISTENER
     if length <= SOCKET_PATH_MAX:

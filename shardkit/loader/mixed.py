@@ -296,7 +296,9 @@ class MixedLoader:
                     self._mixer = Mixer(self, messages, resume, self._tails)
                     return self._mixer
             return iter(self._loader)
-        problem = self.num_workers and socket_folder_problem("MixedLoader", torch.multiprocessing.get_sharing_strategy())
+        problem = self.num_workers and socket_folder_problem(
+            "MixedLoader", torch.multiprocessing.get_sharing_strategy()
+        )
         if problem:  # the workers could never send a batch: the loader would wait forever
             raise LoaderError(problem)
         if resume is not None:
