@@ -244,6 +244,11 @@ class StateError(ShardkitError, ValueError):
     """A state that cannot be saved, or that does not fit what it is loaded into."""
 
 
+class LoaderError(ShardkitError, ValueError):
+    """A loader argument or setting that cannot work: a MixedLoader argument, or a
+    temporary folder too long for DataLoader workers to pass tensors through."""
+
+
 class WorkerDiedError(ShardkitError, RuntimeError):
     """A DataLoader worker of :class:`~shardkit.MixedLoader` died while the main process
     was receiving its micro-batches: the message names the worker, its pid, how it

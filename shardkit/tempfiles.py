@@ -16,8 +16,10 @@ deletes the files the process still owns.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.process
 import multiprocessing.util
 import os
+import tempfile
 import threading
 import weakref
 from collections.abc import Iterator
@@ -65,6 +67,40 @@ def _remove_owned(path: str, owner_pid: int) -> None:
         _owned.pop(path, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+#: The longest path a Unix socket may have on Linux (``sun_path`` is 108 bytes with its NUL).
+SOCKET_PATH_MAX = 107
+
+# What multiprocessing adds under the temporary folder for the socket through which a worker
+# passes a tensor's file descriptor: its ``pymp-XXXXXXXX`` folder, then ``listener-XXXXXXXX``.
+_PYMP, _LISTENER = len("/pymp-") + 8, len("/listener-") + 8
+
+
+def socket_folder_problem(who: str, sharing_strategy: str) -> str | None:
+    """Why DataLoader workers of this process could not pass tensors, or None.
+
+    Under torch's ``file_descriptor`` sharing strategy (Linux's default) a worker sends each
+    tensor's file descriptor through a Unix socket under the temporary folder. When that path is
+    longer than :data:`SOCKET_PATH_MAX`, binding it fails in the worker's queue thread, which
+    prints the error and drops the batch, and the loader waits for it forever. A long ``TMPDIR``
+    (a deep job folder) does this to every DataLoader; shardkit's loaders raise this instead,
+    beginning with ``who``.
+    """
+    if sharing_strategy != "file_descriptor":
+        return None
+    config = getattr(multiprocessing.process.current_process(), "_config", {})
+    made = config.get("tempdir")  # multiprocessing's folder, made already: forked workers inherit it
+    folder = made if made else tempfile.gettempdir()
+    length = len(os.fsencode(folder)) + (0 if made else _PYMP) + _LISTENER
+    if length <= SOCKET_PATH_MAX:
+        return None
+    return (
+        f"{who}: the temporary folder {folder!r} is too long for DataLoader workers: they pass tensors "
+        f"through a Unix socket under it, whose path would be {length} bytes (at most {SOCKET_PATH_MAX}), "
+        "so the workers could not send a batch and the loader would wait forever. Set TMPDIR to a shorter "
+        "folder (e.g. TMPDIR=/tmp), or call torch.multiprocessing.set_sharing_strategy('file_system')"
+    )
 
 
 def _after_fork_in_child() -> None:

@@ -74,7 +74,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from shardkit.epoch import resume_at
-from shardkit.errors import ShardkitError, check_int
+from shardkit.errors import LoaderError, check_int
 from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
@@ -84,6 +84,7 @@ from shardkit.loader.slabs import SPARE_SLOTS
 from shardkit.loader.stalls import GATHER_TIMEOUT, GatheredStats, LoaderStats, StallMeter, chrome_trace
 from shardkit.loader.stalls import gather as gather_stats
 from shardkit.stateful import State, StateError, applies, check, merge
+from shardkit.tempfiles import socket_folder_problem
 
 __all__ = ["LoaderError", "MixedLoader"]
 
@@ -100,10 +101,6 @@ PASSTHROUGH_KWARGS = frozenset(
         "generator",
     }
 )
-
-
-class LoaderError(ShardkitError, ValueError):
-    """A MixedLoader argument that cannot work."""
 
 
 class MixedLoader:
@@ -299,6 +296,11 @@ class MixedLoader:
                     self._mixer = Mixer(self, messages, resume, self._tails)
                     return self._mixer
             return iter(self._loader)
+        problem = self.num_workers and socket_folder_problem(
+            "MixedLoader", torch.multiprocessing.get_sharing_strategy()
+        )
+        if problem:  # the workers could never send a batch: the loader would wait forever
+            raise LoaderError(problem)
         if resume is not None:
             saved = resume["workers"]
             same = resume["num_workers"] == self.num_workers

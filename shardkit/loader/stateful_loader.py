@@ -29,11 +29,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torchdata.stateful_dataloader import StatefulDataLoader as _TorchdataLoader
 
+from shardkit.errors import LoaderError
 from shardkit.loader.ranks import gather as gather_ranks
 from shardkit.loader.ranks import is_ranks, own_or_global
 from shardkit.stateful import State, StateError, combine_ranks, field, merge
+from shardkit.tempfiles import socket_folder_problem
 from shardkit.trainers import loader_batches, reader_lengths
 
 __all__ = ["StatefulDataLoader"]
@@ -60,6 +63,13 @@ class StatefulDataLoader(_TorchdataLoader):
             raise TypeError(f"gather_states must be a bool (True or False), got {gather_states!r}")
         super().__init__(dataset, *args, **kwargs)
         self.gather_states = gather_states
+
+    def __iter__(self) -> Any:
+        if self.num_workers > 0:
+            problem = socket_folder_problem("StatefulDataLoader", torch.multiprocessing.get_sharing_strategy())
+            if problem is not None:  # the workers could never send a batch: the loader would wait forever
+                raise LoaderError(problem)
+        return super().__iter__()
 
     def __len__(self) -> int:
         """Batches in one epoch: each worker's ``ceil`` (``floor`` with ``drop_last``) of

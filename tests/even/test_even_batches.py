@@ -427,6 +427,31 @@ def check_ranks(*args: str) -> list[dict[str, Any]]:
     return last_json_line(run_python(str(CHECK), *args, timeout=RUN_TIMEOUT).stdout)
 
 
+# Several cases share one launch (one interpreter per rank, one rendezvous): each launch costs
+# seconds of start-up, the cases only milliseconds. The raised error runs last: its ranks stop early.
+TWO_RANKS = (
+    "filter/stop/1",
+    "mixed/pad/1",
+    "sized/stop/1",
+    "skip/pad/3",
+    "resume/pad/1",
+    "resume/stop/2",
+    "raise/stop/1",
+)
+THREE_RANKS = ("filter/pad/1", "mixed/stop/1", "subgroup/pad/1")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
+    urls = corrupt_shards(tmp_path_factory.mktemp("corrupt"))
+    return check_ranks("--world-size", "2", "--runs", *TWO_RANKS, "--", *urls)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> dict[str, list[dict[str, Any]]]:
+    return check_ranks("--world-size", "3", "--runs", *THREE_RANKS)
+
+
 def corrupt_shards(root: Path) -> list[str]:
     """Two shards of 40 records; 12 records of the first (read by one rank) have a flipped data byte."""
     urls = write_shards(str(root), sizes=[40, 40])
@@ -459,26 +484,26 @@ def assert_even(ranks: list[dict[str, Any]], at_end: str) -> list[int]:
     ("world_size", "case", "at_end"),
     [(2, "filter", "stop"), (3, "filter", "pad"), (3, "mixed", "stop"), (2, "mixed", "pad"), (2, "sized", "stop")],
 )
-def test_gloo_ranks_with_run_time_uneven_counts_yield_equal_batches(world_size, case, at_end):
-    ranks = check_ranks("--world-size", str(world_size), "--case", case, "--wrap", at_end)
+def test_gloo_ranks_with_run_time_uneven_counts_yield_equal_batches(request, world_size, case, at_end):
+    launch = request.getfixturevalue("two_ranks" if world_size == 2 else "three_ranks")
+    ranks = launch[f"{case}/{at_end}/1"]
+    assert len(ranks) == world_size
     assert_even(ranks, at_end)
     if case == "sized":  # the loader has len(): what was dropped is counted exactly
         assert sorted(rank["stats"][2:] for rank in ranks) == [[0, True], [1, True]]
 
 
 @pytest.mark.slow
-def test_gloo_ranks_with_records_skipped_as_corrupt_on_one_rank_yield_equal_batches(tmp_path):
-    urls = corrupt_shards(tmp_path)
-    ranks = check_ranks("--case", "skip", "--wrap", "pad", "--every", "3", *urls)
+def test_gloo_ranks_with_records_skipped_as_corrupt_on_one_rank_yield_equal_batches(two_ranks):
+    ranks = two_ranks["skip/pad/3"]
     assert_even(ranks, "pad")
     assert sorted(sum(map(len, r["natural"])) for r in ranks) == [28, 40]  # 12 records skipped on one rank
     assert [len(r["warnings"]) for r in ranks] == [0, 0]  # 2 repeated batches: not yet worth a warning
 
 
 @pytest.mark.slow
-def test_a_corrupt_record_raised_on_one_gloo_rank_stops_every_rank_without_a_hang(tmp_path):
-    urls = corrupt_shards(tmp_path)
-    ranks = check_ranks("--case", "raise", "--wrap", "stop", *urls)
+def test_a_corrupt_record_raised_on_one_gloo_rank_stops_every_rank_without_a_hang(two_ranks):
+    ranks = two_ranks["raise/stop/1"]
     failed = [r for r in ranks if isinstance(r["natural"], str)]
     assert len(failed) == 1
     assert failed[0]["error"].startswith("CorruptRecordError: ") and "record 0 at byte offset 0" in failed[0]["error"]
@@ -489,8 +514,8 @@ def test_a_corrupt_record_raised_on_one_gloo_rank_stops_every_rank_without_a_han
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("at_end", "every"), [("pad", 1), ("stop", 2)])
-def test_a_gloo_epoch_resumed_from_state_dict_yields_the_uninterrupted_batches(at_end, every):
-    ranks = check_ranks("--case", "resume", "--wrap", at_end, "--every", str(every))
+def test_a_gloo_epoch_resumed_from_state_dict_yields_the_uninterrupted_batches(two_ranks, at_end, every):
+    ranks = two_ranks[f"resume/{at_end}/{every}"]
     for rank in ranks:
         assert "error" not in rank, rank.get("error")
         assert rank["resumed"] == rank["batches"]
@@ -498,8 +523,8 @@ def test_a_gloo_epoch_resumed_from_state_dict_yields_the_uninterrupted_batches(a
 
 
 @pytest.mark.slow
-def test_ranks_of_a_subgroup_agree_among_themselves_and_a_rank_outside_is_told():
-    ranks = check_ranks("--world-size", "3", "--case", "subgroup", "--wrap", "pad")
+def test_ranks_of_a_subgroup_agree_among_themselves_and_a_rank_outside_is_told(three_ranks):
+    ranks = three_ranks["subgroup/pad/1"]
     outside = ranks.pop()
     assert "rank 2 is not in the given group (ranks [0, 1])" in outside["error"]
     assert_even(ranks, "pad")

@@ -7,10 +7,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import resource
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,11 +33,55 @@ def free_port() -> int:
 
 def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess:
     """``python *args`` in a new process, its output captured as text; with ``check``, it must exit 0
-    (the end of its stderr is the failure message). The timeout bounds any hang."""
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+    (the end of its stderr is the failure message).
+
+    The timeout bounds any hang. The process runs in a session of its own with Python's fault
+    handler on, so at the timeout every process it started (ranks, DataLoader workers) is sent
+    SIGABRT, which prints each one's Python stacks, and then SIGKILL: the failure shows where each
+    process was stuck, and none is left running to load the machine for the tests after it.
+    """
+    env = {**(kwargs.pop("env", None) or os.environ), "PYTHONFAULTHANDLER": "1"}
+    _no_core_files()
+    command = [sys.executable, *args]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, **kwargs
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = _stacks_then_kill(process)
+            raise AssertionError(
+                f"{' '.join(args)[:300]} did not end within {timeout:g} s; the stacks of its processes:\n{stacks}"
+            ) from None
+    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+#: Seconds between SIGABRT (each process prints its stacks) and SIGKILL for a process that timed out.
+DUMP_SECONDS = 3.0
+
+
+def _stacks_then_kill(process: subprocess.Popen) -> str:
+    """SIGABRT to the process's session (each Python process prints its stacks), then SIGKILL; the stderr."""
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        if sig == signal.SIGABRT:
+            time.sleep(DUMP_SECONDS)
+    try:
+        _, stderr = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # a process that left the session still holds the pipe
+        return "(no output: a process outside the session still holds the pipe)"
+    return stderr[-30000:]
+
+
+def _no_core_files() -> None:
+    """SIGABRT must not leave a core file in the working directory (inherited by every child)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 
 
 def last_json_line(stdout: str) -> Any:

@@ -10,6 +10,13 @@ all-reduce: with unequal counts it must hang (the short collective timeout
 then fails the run), which shows the check can see a hang.
 
     python tests/scripts/even_check.py --world-size 2 --case filter --wrap stop
+
+``--runs CASE/WRAP/EVERY ...`` runs several cases one after the other in the
+same ranks (one launch, one rendezvous) and prints a JSON object of the
+per-rank lists, keyed by run; the ranks agree on a side group that stays
+matched from one case to the next, as it does over epochs.
+
+    python tests/scripts/even_check.py --runs filter/stop/1 skip/pad/3 -- a.tfrecord b.tfrecord
 """
 
 from __future__ import annotations
@@ -144,9 +151,17 @@ def resume(rank: int, wrap: str, every: int, urls: list[str]) -> dict[str, Any]:
 
 
 def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    result = run_case(rank, args.case, args.wrap, args.every, args.urls)
+    if not args.runs:
+        result: Any = run_case(rank, args.case, args.wrap, args.every, args.urls)
+    else:
+        result = {}
+        for spec in args.runs:
+            case, wrap, every = spec.split("/")
+            result[spec] = run_case(rank, case, wrap, int(every), args.urls)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
+    if rank == 0 and args.runs:
+        gathered = {spec: [ranks[spec] for ranks in gathered] for spec in args.runs}  # type: ignore[assignment]
     if rank == 0:
         print(json.dumps(gathered), flush=True)
 
@@ -159,6 +174,7 @@ def main() -> None:
     )
     parser.add_argument("--wrap", default="stop", choices=("stop", "pad", "none"))
     parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--runs", nargs="*", default=[], help="CASE/WRAP/EVERY: several cases in one launch")
     parser.add_argument("--collective-timeout", type=float, default=120.0)  # a hang fails; a loaded machine does not
     parser.add_argument("urls", nargs="*")
     args = parser.parse_args()
