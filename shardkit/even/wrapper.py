@@ -21,7 +21,8 @@ How the ranks agree:
   ``every`` batches at once. The first window has one batch (the first batch
   waits for one fetch and one round trip, no more), later ones double up to
   ``every``. A rank holds at most the rest of its window plus the next
-  window's batches.
+  window's batches. ``every="auto"`` chooses that bound per epoch from the
+  first steps' time, the same on every rank (:mod:`shardkit.even.auto`).
 * ``at_end="stop"``: a window yields ``min(have)`` batches; when a rank ran
   short, every rank stops after it. Batches left on the longer ranks are
   dropped: counted exactly when the loader has ``len()``, else those fetched
@@ -34,7 +35,9 @@ How the ranks agree:
   :class:`EvenBatchesError` at the same step instead of hanging.
 * An exception from the wrapped loader on one rank is announced in the next
   agreement: that rank re-raises it and the others raise
-  :class:`EvenBatchesError` at the same step, so no rank waits forever.
+  :class:`EvenBatchesError` at the same step, so no rank waits forever. That
+  holds for ``iter(loader)`` and for loading its state too: they run after
+  the side group is known, and their error goes in the epoch's first agreement.
 * The side group has the job's timeout (the default group's, from
   ``init_process_group(timeout=...)``), not gloo's default of 30 minutes. A
   rank that stops iterating (alive) or dies leaves the others' wait for the
