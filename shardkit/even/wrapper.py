@@ -443,6 +443,10 @@ class _Agreed(Iterator[Any]):
 
     def _abort(self, own: BaseException | None, why: str) -> None:
         self._finish()
+        # The error's traceback holds the frames of _fetch (so this iterator: a cycle) and of the
+        # wrapped loader's next() (a DataLoader iterator and its worker processes). Held here, they
+        # would live until the cyclic GC ran; dropped, they go when the caller lets the error go.
+        self._error = None
         if own is not None:
             raise own
         raise EvenBatchesError(f"even_batches: rank {self._side.rank} of {self._side.size} stops: {why}")

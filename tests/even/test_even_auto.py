@@ -272,3 +272,31 @@ def test_gloo_ranks_with_one_slowed_choose_one_window_yield_equal_batches_and_re
         target = min(len(r["natural"]) for r in ranks)
         assert rank["batches"] == natural[:target] and rank["stats"][:3] == [target, 0, len(natural) - target]
         assert rank["resumed"] == rank["batches"]
+
+
+class RaisesAtThird:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(10):
+            if self.rank == 0 and i == 3:
+                raise OSError("corrupt record")
+            yield i
+
+
+def test_the_wrapper_lets_go_of_a_loader_error_it_raised(monkeypatch):
+    """Before: the wrapper kept the error, whose traceback holds the wrapper (a cycle) and the failed
+    loader's frames (a DataLoader iterator and its worker processes) until the cyclic GC ran."""
+
+    def body(rank: int) -> tuple[str, Any]:
+        wrapped = even_batches(RaisesAtThird(rank))
+        try:
+            list(wrapped)
+        except Exception as error:  # noqa: BLE001 - what a script that logs and goes on does
+            return type(error).__name__, wrapped._iterator
+        return "no error", None
+
+    results = run_ranks(monkeypatch, [0.0, 0.0], body)
+    assert [name for name, _ in results] == ["OSError", "EvenBatchesError"]
+    assert [(iterator._error, iterator._inner, iterator.done) for _, iterator in results] == [(None, None, True)] * 2
