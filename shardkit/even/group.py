@@ -41,7 +41,7 @@ class _Side:
         # Posted on the group itself: dist.all_reduce's checks and lookups cost ~10 us a call here,
         # paid per batch at every=1; the options are the same for every agreement.
         self._options = dist.AllreduceOptions()
-        self._options.reduceOp = dist.ReduceOp.MIN
+        self._options.reduceOp = dist.ReduceOp.MIN  # pyright: ignore[reportAttributeAccessIssue] - a stub says read-only
 
     def all_reduce_min(self, tensor: torch.Tensor) -> Any:
         """Post an asynchronous MIN all-reduce of ``tensor`` (in place); returns its work, to wait for."""

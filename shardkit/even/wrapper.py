@@ -273,7 +273,7 @@ class EvenBatches:
             )
 
     def __repr__(self) -> str:
-        return f"even_batches({type(self.loader).__name__}, at_end={self.at_end!r}, every={self.every})"
+        return f"even_batches({type(self.loader).__name__}, at_end={self.at_end!r}, every={self.every!r})"
 
 
 class _Agreed(Iterator[Any]):
@@ -283,8 +283,9 @@ class _Agreed(Iterator[Any]):
         self._owner = owner
         self._side = side
         self._pad_mode = owner.at_end == "pad"
-        self._auto_mode = owner.every == "auto"
-        self._every = PROBE if self._auto_mode else owner.every  # the largest window so far allowed
+        self._auto_mode = not isinstance(owner.every, int)  # "auto"
+        # the largest window allowed so far
+        self._every: int = owner.every if isinstance(owner.every, int) else PROBE
         self._chosen = 0  # under "auto": the window the ranks chose (0: not yet)
         self._agreements = 0  # posted this epoch
         self._probing = self._auto_mode  # measuring the steps' time for the choice
