@@ -533,11 +533,7 @@ def _checked(state: object, owner: EvenBatches) -> State:
             "resume with the same settings"
         )
     largest = AUTO_MAX if every == "auto" else whole_number(state, "every", where, 1)
-    # States saved before every="auto" have neither field: none of their agreements chose a window.
-    state = {"agreements": 0, "auto": 0, "steps": [], **state}
-    whole_number(state, "agreements", where)
-    chosen = whole_number(state, "auto", where)
-    steps = field(state, "steps", where, list, tuple)
+    state, auto_problems = _checked_auto(state, where, every)
     if "inner" not in state:
         raise StateError(f"{where}: the state has no 'inner' (the wrapped loader's state)")
     counts = {key: whole_number(state, key, where) for key in ("quota", "batches", "padded", "from_inner")}
@@ -550,8 +546,7 @@ def _checked(state: object, owner: EvenBatches) -> State:
     problems = [
         f"{len(window)} batches held for a window of {counts['quota']}" * (len(window) > counts["quota"]),
         f"{len(ahead)} batches fetched for a window of {target}" * (len(ahead) > target or target > largest),
-        f"a window of {chosen} chosen by every={every!r}" * (chosen > (AUTO_MAX if every == "auto" else 0)),
-        f"step times {short(steps)}" * any(type(t) is not float or not 0 <= t < float("inf") for t in steps),
+        *auto_problems,
         "more batches padded or read than yielded" * (counts["padded"] + counts["from_inner"] != counts["batches"]),
         f"{len(pad)} batches to repeat" * (len(pad) > 1 or (bool(pad) and at_end == "stop")),
         "a finished epoch holding batches" * (flags["finished"] and bool(window or ahead)),
@@ -559,6 +554,19 @@ def _checked(state: object, owner: EvenBatches) -> State:
     if any(problems):
         raise StateError(f"{where}: the state does not hold together: {'; '.join(p for p in problems if p)}")
     return {**state, "window": window, "next": ahead, "pad": tuple(pad) or None}
+
+
+def _checked_auto(state: State, where: str, every: object) -> tuple[State, list[str]]:
+    """The state with the fields of ``every="auto"`` checked, and what does not hold together in them."""
+    # States saved before every="auto" have none of them: none of their agreements chose a window.
+    state = {"agreements": 0, "auto": 0, "steps": [], **state}
+    whole_number(state, "agreements", where)
+    chosen = whole_number(state, "auto", where)
+    steps = field(state, "steps", where, list, tuple)
+    return state, [
+        f"a window of {chosen} chosen by every={every!r}" * (chosen > (AUTO_MAX if every == "auto" else 0)),
+        f"step times {short(steps)}" * any(type(t) is not float or not 0 <= t < float("inf") for t in steps),
+    ]
 
 
 def _chain(held: list[Any], loader: Iterable[Any]) -> Iterator[Any]:
