@@ -98,15 +98,15 @@ def test_ranks_that_propose_different_windows_all_take_the_largest(monkeypatch):
 
 
 def test_a_rank_with_slower_steps_gets_the_same_window_as_the_others(monkeypatch):
-    """Rank 1's steps take 20 ms (it would take 1 at a round trip of 0.1 ms); rank 0's take
-    microseconds (it would take the cap): both take the cap, and stay in step."""
+    """Rank 1's steps take 20 ms (it would take 8 at a round trip of 1 ms); rank 0's take
+    microseconds (it would take the cap below 3 ms): both take the cap, and stay in step."""
 
     def step(rank: int) -> None:
         if rank == 1:
             time.sleep(0.02)
 
-    results = run_ranks(monkeypatch, [1e-4, 1e-4], lambda rank: epoch(rank, 40, step=step))
-    assert auto.auto_window(1e-4, 0.02) == 1
+    results = run_ranks(monkeypatch, [1e-3, 1e-3], lambda rank: epoch(rank, 40, step=step))
+    assert auto.auto_window(1e-3, 0.02) == 8
     assert windows(results) == {auto.AUTO_MAX}
 
 
@@ -115,8 +115,8 @@ def test_a_slow_round_trip_against_slow_steps_picks_a_window_in_between(monkeypa
         time.sleep(0.01)
 
     results = run_ranks(monkeypatch, [4e-4, 4e-4], lambda rank: epoch(rank, 30, step=step))
-    # 0.4 ms against 10 ms (or a bit more, on a loaded machine): 4% at 1, 1% at 4
-    assert windows(results) <= {2, 4}
+    # 0.4 ms against 10 ms: 4% at 1, 1% at 4 (a loaded machine sleeps longer: 2 or 1)
+    assert len(windows(results)) == 1 and windows(results) <= {1, 2, 4}
 
 
 @pytest.mark.filterwarnings("ignore:even_batches. epoch")
