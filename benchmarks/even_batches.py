@@ -8,9 +8,13 @@ batches (the loader costs ~nothing, so the wrapper's cost is not hidden
 behind loading) and runs a training step per batch: an all-reduce on the
 default group, as DDP's gradient sync, and optionally ``--step-us`` of time
 in which the CPU is free (a GPU step the host waits on). Variants, run in
-interleaved rounds: the plain loop, ``even_batches(every=1)`` and
-``even_batches(every=8)``. Printed: medians over rounds of the time per batch
-and its excess over the plain loop, then the wait for the first batch of an
+interleaved rounds: the plain loop; the floor, a bare asynchronous
+all-reduce of the agreement's int64 flags on the side group per batch, posted
+before the step and waited for after it (what every=1 cannot go below:
+the wrapper's own Python costs a few us a batch); ``even_batches(every=1)``,
+``every=8`` and ``every="auto"`` (the window it chose is printed, with its
+cost as a share of the plain step: the target is 1%). Printed: medians over
+rounds of the time per batch and its excess over the plain loop, then the wait for the first batch of an
 epoch (plain, and a new wrapper's first epoch) next to one synchronous
 round trip on the side group, and the cost of making the side group (once,
 when the first wrapper is built).
@@ -27,7 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -64,22 +68,49 @@ def make_step(step_us: float) -> Callable[[], None]:
     return step
 
 
-def variants(batches: list[torch.Tensor]) -> dict[str, Callable[[], Iterable[Any]]]:
+def bare_agreements(batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The floor: one asynchronous all-reduce of the flags per batch on the side group, waited a step later."""
+    side = even_module._side_group(None)
+    assert side is not None
+    flags = torch.zeros(5, dtype=torch.int64)
+    work = side.all_reduce_min(flags)
+    for batch in batches:
+        yield batch
+        work.wait()
+        work = side.all_reduce_min(flags)
+    work.wait()
+
+
+FLOOR = "floor: bare agreement"
+AUTO = "even_batches(every='auto')"
+
+
+def variants(batches: list[torch.Tensor], chosen: list[int | None]) -> dict[str, Callable[[], Iterable[Any]]]:
+    def auto() -> Iterable[Any]:
+        wrapped = shardkit.even_batches(batches, every="auto")
+        yield from wrapped
+        chosen.append(wrapped.stats().window)
+
     return {
         "plain loop": lambda: batches,
+        FLOOR: lambda: bare_agreements(batches),
         "even_batches(every=1)": lambda: shardkit.even_batches(batches),
         "even_batches(every=8)": lambda: shardkit.even_batches(batches, every=8),
+        AUTO: auto,
     }
 
 
-def per_batch(batches: list[torch.Tensor], step_us: float, rounds: int) -> dict[str, tuple[float, float]]:
-    """(median, fastest) seconds per batch of each variant over rounds, interleaved."""
+def per_batch(
+    batches: list[torch.Tensor], step_us: float, rounds: int
+) -> tuple[dict[str, tuple[float, float]], list[int | None]]:
+    """(median, fastest) seconds per batch of each variant over rounds, interleaved; the windows auto chose."""
     step = make_step(step_us)
-    times: dict[str, list[float]] = {name: [] for name in variants(batches)}
+    chosen: list[int | None] = []
+    times: dict[str, list[float]] = {name: [] for name in variants(batches, chosen)}
     for _ in range(rounds):
-        for name, make in variants(batches).items():
+        for name, make in variants(batches, chosen).items():
             times[name].append(epoch_time(make(), step)[1])
-    return {name: (statistics.median(values), min(values)) for name, values in times.items()}
+    return {name: (statistics.median(values), min(values)) for name, values in times.items()}, chosen
 
 
 def first_batch(batches: list[torch.Tensor], rounds: int) -> dict[str, float]:
@@ -116,13 +147,21 @@ def run(rank: int, port: int, args: argparse.Namespace) -> None:
         batches = [torch.full((32, 8), float(i)) for i in range(args.batches)]
         lines = []
         for step_us in (0.0, args.step_us):
-            results = per_batch(batches, step_us, args.rounds)
+            results, chosen = per_batch(batches, step_us, args.rounds)
             plain, plain_best = results["plain loop"]
             lines.append(f"\nstep: all-reduce (DDP sync){f' + sleep {step_us:.0f} us (free CPU)' if step_us else ''}")
-            lines.append(f"{'variant':<28}{'us / batch':>12}{'added us':>10}{'fastest round':>15}{'added us':>10}")
+            lines.append(
+                f"{'variant':<28}{'us / batch':>12}{'added us':>10}{'% of step':>11}{'fastest round':>15}{'added us':>10}"
+            )
             for name, (median, best) in results.items():
                 added, added_best = (median - plain) * 1e6, (best - plain_best) * 1e6
-                lines.append(f"{name:<28}{median * 1e6:>12.1f}{added:>10.1f}{best * 1e6:>15.1f}{added_best:>10.1f}")
+                share = 100 * (median - plain) / plain
+                lines.append(
+                    f"{name:<28}{median * 1e6:>12.1f}{added:>10.1f}{share:>10.1f}%"
+                    f"{best * 1e6:>15.1f}{added_best:>10.1f}"
+                )
+            windows = sorted({w for w in chosen}, key=lambda w: -1 if w is None else w)
+            lines.append(f"every='auto' chose window {' / '.join(map(str, windows))} (over {len(chosen)} epochs)")
         waits = first_batch(batches, args.rounds)
         lines.append(f"\n{'first batch':<52}{'us':>8}")
         lines += [f"{name:<52}{seconds * 1e6:>8.0f}" for name, seconds in waits.items()]

@@ -31,15 +31,22 @@ class _Side:
     """
 
     def __init__(self, group: Any, rank: int, ranks: tuple[int, ...], timeout: timedelta) -> None:
+        import torch.distributed as dist
+
         self.group, self.rank, self.size = group, rank, len(ranks)
         self.ranks, self.timeout = ranks, timeout
         self.posted = 0
+        #: Seconds of one agreement waited for at once (the fastest of a few, see :func:`_new_side_group`).
+        self.round_trip = 0.0
+        # Posted on the group itself: dist.all_reduce's checks and lookups cost ~10 us a call here,
+        # paid per batch at every=1; the options are the same for every agreement.
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.MIN  # pyright: ignore[reportAttributeAccessIssue] - a stub says read-only
 
     def all_reduce_min(self, tensor: torch.Tensor) -> Any:
-        import torch.distributed as dist
-
+        """Post an asynchronous MIN all-reduce of ``tensor`` (in place); returns its work, to wait for."""
         self.posted += 1
-        return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        return self.group.allreduce([tensor], self._options)
 
     def lost(self, error: BaseException) -> EvenBatchesError:
         """The error for a failed wait for agreement :attr:`posted`, naming the ranks that did not reach it."""
@@ -149,7 +156,10 @@ def _side_group(group: Any) -> _Side | None:
 def _new_side_group(ranks: tuple[int, ...]) -> _Side:
     """Make the gloo group over ``ranks`` (every one of them calls this) and
     run its first collective, which is often slower than the next ones (1-8 ms
-    against 0.2-0.5 ms here): paid when the wrapper is built, not in the first batch."""
+    against 0.2-0.5 ms here): paid when the wrapper is built, not in the first batch.
+    Then time :data:`ROUND_TRIPS` more, waited for at once: the fastest is the
+    group's :attr:`_Side.round_trip` (the first absorbs the ranks arriving at
+    different times; the fastest of the rest, other processes taking the CPU)."""
     import torch.distributed as dist
 
     # Only the group's ranks take part in making it (they all wrap their loaders). It has the
@@ -159,11 +169,22 @@ def _new_side_group(ranks: tuple[int, ...]) -> _Side:
     # new_group returns a non-member marker (an int) or None only to ranks outside the group.
     assert isinstance(made, dist.ProcessGroup), f"rank {dist.get_rank()} got no group over its ranks {ranks}"
     side = _Side(made, dist.get_rank(made), ranks, timeout)
+    flags = torch.zeros(4, dtype=torch.int64)
     try:
-        side.all_reduce_min(torch.zeros(4, dtype=torch.int64)).wait()
+        side.all_reduce_min(flags).wait()
+        times = []
+        for _ in range(ROUND_TRIPS):
+            start = time.perf_counter()
+            side.all_reduce_min(flags).wait()
+            times.append(time.perf_counter() - start)
     except Exception as error:
         raise side.lost(error) from None
+    side.round_trip = min(times)
     return side
+
+
+#: Round trips timed when a side group is made (about 0.2-0.5 ms each here).
+ROUND_TRIPS = 3
 
 
 def _distributed() -> bool:

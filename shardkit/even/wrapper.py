@@ -21,7 +21,8 @@ How the ranks agree:
   ``every`` batches at once. The first window has one batch (the first batch
   waits for one fetch and one round trip, no more), later ones double up to
   ``every``. A rank holds at most the rest of its window plus the next
-  window's batches.
+  window's batches. ``every="auto"`` chooses that bound per epoch from the
+  first steps' time, the same on every rank (:mod:`shardkit.even.auto`).
 * ``at_end="stop"``: a window yields ``min(have)`` batches; when a rank ran
   short, every rank stops after it. Batches left on the longer ranks are
   dropped: counted exactly when the loader has ``len()``, else those fetched
@@ -34,7 +35,9 @@ How the ranks agree:
   :class:`EvenBatchesError` at the same step instead of hanging.
 * An exception from the wrapped loader on one rank is announced in the next
   agreement: that rank re-raises it and the others raise
-  :class:`EvenBatchesError` at the same step, so no rank waits forever.
+  :class:`EvenBatchesError` at the same step, so no rank waits forever. That
+  holds for ``iter(loader)`` and for loading its state too: they run after
+  the side group is known, and their error goes in the epoch's first agreement.
 * The side group has the job's timeout (the default group's, from
   ``init_process_group(timeout=...)``), not gloo's default of 30 minutes. A
   rank that stops iterating (alive) or dies leaves the others' wait for the
@@ -59,6 +62,7 @@ loader's own iterator: no agreement, no cost.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -68,13 +72,15 @@ from typing import Any, Literal
 import torch
 
 from shardkit.errors import EvenBatchesError, check_int
+from shardkit.even.auto import AUTO_MAX, DECIDE_AT, PROBE, auto_window, median_step
 from shardkit.even.group import _distributed, _Side, _side_group
-from shardkit.stateful import State, StateError, applies, check, decode, encode, field, node, whole_number
+from shardkit.stateful import State, StateError, applies, check, decode, encode, field, node, short, whole_number
 
 __all__ = ["EvenBatches", "EvenBatchesError", "EvenStats", "even_batches"]
 
 AtEnd = Literal["stop", "pad"]
 AT_END = ("stop", "pad")
+Every = int | Literal["auto"]
 
 #: Padded or dropped batches per epoch above which a warning names them.
 WARN_ABOVE = 3
@@ -89,6 +95,8 @@ class EvenStats:
     repeats, and ``dropped`` batches of the wrapped loader were left unread
     or unyielded at a ``"stop"``. ``dropped_exact`` is False when the loader
     has no ``len()`` and ``dropped`` counts only the batches fetched ahead.
+    ``window`` is the most batches one agreement covers: ``every``, or under
+    ``every="auto"`` the window the ranks chose (None until they chose).
     """
 
     epoch: int
@@ -96,9 +104,10 @@ class EvenStats:
     padded: int = 0
     dropped: int = 0
     dropped_exact: bool = True
+    window: int | None = None
 
 
-def even_batches(loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: int = 1) -> EvenBatches:
+def even_batches(loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: Every = 1) -> EvenBatches:
     """Wrap ``loader`` so that every rank of ``group`` yields the same number of batches.
 
     Args:
@@ -118,7 +127,11 @@ def even_batches(loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = 
             all-reduce per batch, overlapped with the training step, and
             holds one batch ahead; larger values divide that cost and hold
             up to ``2 * every - 1`` batches ahead (benchmarks/even_batches.py
-            measures both).
+            measures both). ``"auto"``: the smallest window (a power of two,
+            at most 64) whose agreements cost at most 1% of a step's time,
+            measured on the first steps of each epoch and the same on every
+            rank (see :mod:`shardkit.even.auto`; the choice is in
+            :meth:`EvenBatches.stats`).
 
     See the module docstring for the protocol, :meth:`EvenBatches.stats` for
     the counts, and :meth:`EvenBatches.state_dict` for resuming.
@@ -129,16 +142,17 @@ def even_batches(loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = 
 class EvenBatches:
     """The wrapper :func:`even_batches` returns; iterate it like the loader."""
 
-    def __init__(self, loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: int = 1) -> None:
+    def __init__(self, loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: Every = 1) -> None:
         if at_end not in AT_END:
             raise EvenBatchesError(f"at_end must be one of {AT_END}, got {at_end!r}")
-        check_int("every", every, minimum=1, error=EvenBatchesError)
+        if not (isinstance(every, str) and every == "auto"):
+            check_int("every", every, minimum=1, error=EvenBatchesError, hint='or every="auto"')
         if not isinstance(loader, Iterable):
             raise EvenBatchesError(f"even_batches wraps an iterable of batches, got {type(loader).__name__}")
         self.loader = loader
         self.at_end: AtEnd = at_end
         self.group = group
-        self.every = every
+        self.every: Every = every
         self.epoch = 0
         self._iterator: _Agreed | None = None
         self._resume: State | None = None  # as loaded, for state_dict() before iterating
@@ -194,11 +208,11 @@ class EvenBatches:
                 self._forward(self.epoch)
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
-        if resume is not None:
-            _load_inner(self.loader, resume["inner"])
         self._iterator = None
         side = _side_group(self.group)
         if side is None:  # nothing to agree with
+            if resume is not None:
+                _load_inner(self.loader, resume["inner"])
             self._stats = EvenStats(epoch=self.epoch, batches=None)
             held = [] if resume is None else [*resume["window"], *resume["next"]]
             return iter(self.loader) if not held else _chain(held, self.loader)
@@ -259,7 +273,7 @@ class EvenBatches:
             )
 
     def __repr__(self) -> str:
-        return f"even_batches({type(self.loader).__name__}, at_end={self.at_end!r}, every={self.every})"
+        return f"even_batches({type(self.loader).__name__}, at_end={self.at_end!r}, every={self.every!r})"
 
 
 class _Agreed(Iterator[Any]):
@@ -269,7 +283,14 @@ class _Agreed(Iterator[Any]):
         self._owner = owner
         self._side = side
         self._pad_mode = owner.at_end == "pad"
-        self._every = owner.every
+        self._auto_mode = not isinstance(owner.every, int)  # "auto"
+        # the largest window allowed so far
+        self._every: int = owner.every if isinstance(owner.every, int) else PROBE
+        self._chosen = 0  # under "auto": the window the ranks chose (0: not yet)
+        self._agreements = 0  # posted this epoch
+        self._probing = self._auto_mode  # measuring the steps' time for the choice
+        self._gaps: list[float] = []  # seconds between handing a batch over and being asked for the next
+        self._handed = 0.0  # when the last batch was handed over (while probing)
         self.epoch = owner.epoch
         self._inner: Iterator[Any] | None = None
         self._window: deque[Any] = deque()  # agreed, fetched, not yielded yet
@@ -282,7 +303,7 @@ class _Agreed(Iterator[Any]):
         self._work: Any = None
         # One agreement is in flight at a time, so one buffer serves them all (and
         # writing it through numpy costs less than building a tensor per window).
-        self._flags = torch.zeros(4, dtype=torch.int64)
+        self._flags = torch.zeros(5, dtype=torch.int64)
         self._flag_values = self._flags.numpy()
         self._last = False  # the current window is the epoch's last
         self.done = False
@@ -290,10 +311,23 @@ class _Agreed(Iterator[Any]):
         self._dropped_ahead = 0  # fetched for a window that stopped short of them
         if resume is not None:
             self._restore(resume)
-        if not (self.done or self._exhausted):
-            self._inner = iter(owner.loader)
+        self._start(resume)
         if not (self.done or self._last) and self._quota == 0:
             self._complete()  # the first window (one batch): one fetch and one round trip, overlapping nothing
+
+    def _start(self, resume: State | None) -> None:
+        """Resume the wrapped loader and start its epoch. An error here is
+        announced in the first agreement like one from a batch: raised before
+        it, the other ranks would wait for this rank's first agreement until
+        the job's timeout."""
+        try:
+            if resume is not None:
+                _load_inner(self._owner.loader, resume["inner"])
+            if not (self.done or self._exhausted):
+                self._inner = iter(self._owner.loader)
+        except Exception as error:  # noqa: BLE001 - re-raised at the agreement, on every rank at once
+            self._error = error
+            self._inner = None
 
     def _restore(self, state: State) -> None:
         """Take up a checked state (see :func:`_checked`), its batches decoded."""
@@ -304,8 +338,15 @@ class _Agreed(Iterator[Any]):
         self._exhausted, self.done = state["exhausted"], state["finished"]
         self.batches, self.padded, self.from_inner = state["batches"], state["padded"], state["from_inner"]
         self._dropped_ahead = state["dropped_ahead"]
+        self._agreements, self._chosen = state["agreements"], state["auto"]
+        self._gaps = list(state["steps"])
+        if self._auto_mode:
+            self._every = self._chosen or PROBE
+            self._probing = self._agreements < DECIDE_AT
 
     def __next__(self) -> Any:
+        if self._probing and self._handed:
+            self._gaps.append(time.perf_counter() - self._handed)
         if self.done:
             raise StopIteration
         if self._quota == 0:
@@ -331,6 +372,8 @@ class _Agreed(Iterator[Any]):
             self._complete()
         else:
             self._fetch(-(-(self._target - len(self._next)) // (self._quota + 1)))
+        if self._probing:
+            self._handed = time.perf_counter()
         return batch
 
     def _complete(self) -> None:
@@ -358,8 +401,15 @@ class _Agreed(Iterator[Any]):
         have = len(self._next)
         me = self._side.rank + 1  # flags carry the rank, so every rank can name one that failed
         empty = me if have == 0 and self._pad is None and not self._window else 0
-        self._flag_values[:] = (have, -have, -empty, -me if self._error is not None else 0)
+        self._agreements += 1
+        proposal = self._proposal() if self._probing and self._agreements == DECIDE_AT else 0
+        self._flag_values[:] = (have, -have, -empty, -me if self._error is not None else 0, -proposal)
         self._work = self._side.all_reduce_min(self._flags)
+
+    def _proposal(self) -> int:
+        """This rank's window under "auto", from its own measurements (the ranks take the largest)."""
+        self._probing = False
+        return auto_window(self._side.round_trip, median_step(self._gaps))
 
     def _settle(self) -> None:
         """Wait for the next window's agreement and make it the current window."""
@@ -369,8 +419,10 @@ class _Agreed(Iterator[Any]):
         except Exception as error:  # the side group's timeout passed, or a peer's connection broke
             self._finish()
             raise self._side.lost(error) from None
-        low, high, empty, failed = self._flag_values.tolist()
+        low, high, empty, failed, chosen = self._flag_values.tolist()
         high, empty, failed = -high, -empty, -failed  # a rank index plus one, or 0
+        if chosen:  # the agreement that carried the proposals: the largest, on every rank
+            self._chosen = self._every = -chosen
         if failed:
             self._abort(self._error, f"the loader of rank {failed - 1} raised (see that rank's error)")
         size = high if self._pad_mode else low
@@ -392,6 +444,10 @@ class _Agreed(Iterator[Any]):
 
     def _abort(self, own: BaseException | None, why: str) -> None:
         self._finish()
+        # The error's traceback holds the frames of _fetch (so this iterator: a cycle) and of the
+        # wrapped loader's next() (a DataLoader iterator and its worker processes). Held here, they
+        # would live until the cyclic GC ran; dropped, they go when the caller lets the error go.
+        self._error = None
         if own is not None:
             raise own
         raise EvenBatchesError(f"even_batches: rank {self._side.rank} of {self._side.size} stops: {why}")
@@ -416,7 +472,8 @@ class _Agreed(Iterator[Any]):
                 dropped = total - self.from_inner
             else:
                 exact = False
-        return EvenStats(self.epoch, self.batches, self.padded, dropped, exact)
+        window = (self._chosen or None) if self._auto_mode else self._every
+        return EvenStats(self.epoch, self.batches, self.padded, dropped, exact, window)
 
     def state_dict(self, inner: Any) -> State:
         pad = [] if self._pad is None or not self._pad_mode else [encode(self._pad[0])]
@@ -435,6 +492,10 @@ class _Agreed(Iterator[Any]):
             padded=self.padded,
             from_inner=self.from_inner,
             dropped_ahead=self._dropped_ahead,
+            # an agreement in flight is posted again on resuming (see __init__): counted once
+            agreements=self._agreements - (self._work is not None),
+            auto=self._chosen,
+            steps=list(self._gaps) if self._auto_mode and not self._chosen else [],
         )
 
 
@@ -452,6 +513,9 @@ def _state(owner: EvenBatches, **fields: Any) -> State:
         "padded": 0,
         "from_inner": 0,
         "dropped_ahead": 0,
+        "agreements": 0,
+        "auto": 0,
+        "steps": [],
     }
     return node("even_batches", epoch=owner.epoch, at_end=owner.at_end, every=owner.every, **{**defaults, **fields})
 
@@ -462,12 +526,14 @@ def _checked(state: object, owner: EvenBatches) -> State:
     where = f"{owner!r}.load_state_dict()"
     state = check(state, "even_batches", owner)
     whole_number(state, "epoch", where)
-    at_end, every = field(state, "at_end", where, str), whole_number(state, "every", where, 1)
+    at_end, every = field(state, "at_end", where, str), field(state, "every", where, int, str)
     if at_end != owner.at_end or every != owner.every:
         raise StateError(
-            f"{where}: the state was saved by even_batches(at_end={at_end!r}, every={every}); "
+            f"{where}: the state was saved by even_batches(at_end={at_end!r}, every={every!r}); "
             "resume with the same settings"
         )
+    largest = AUTO_MAX if every == "auto" else whole_number(state, "every", where, 1)
+    state, auto_problems = _checked_auto(state, where, every)
     if "inner" not in state:
         raise StateError(f"{where}: the state has no 'inner' (the wrapped loader's state)")
     counts = {key: whole_number(state, key, where) for key in ("quota", "batches", "padded", "from_inner")}
@@ -479,7 +545,8 @@ def _checked(state: object, owner: EvenBatches) -> State:
     pad = [decode(b) for b in field(state, "pad", where, list, tuple)]  # the batch to repeat, if any
     problems = [
         f"{len(window)} batches held for a window of {counts['quota']}" * (len(window) > counts["quota"]),
-        f"{len(ahead)} batches fetched for a window of {target}" * (len(ahead) > target or target > every),
+        f"{len(ahead)} batches fetched for a window of {target}" * (len(ahead) > target or target > largest),
+        *auto_problems,
         "more batches padded or read than yielded" * (counts["padded"] + counts["from_inner"] != counts["batches"]),
         f"{len(pad)} batches to repeat" * (len(pad) > 1 or (bool(pad) and at_end == "stop")),
         "a finished epoch holding batches" * (flags["finished"] and bool(window or ahead)),
@@ -487,6 +554,19 @@ def _checked(state: object, owner: EvenBatches) -> State:
     if any(problems):
         raise StateError(f"{where}: the state does not hold together: {'; '.join(p for p in problems if p)}")
     return {**state, "window": window, "next": ahead, "pad": tuple(pad) or None}
+
+
+def _checked_auto(state: State, where: str, every: object) -> tuple[State, list[str]]:
+    """The state with the fields of ``every="auto"`` checked, and what does not hold together in them."""
+    # States saved before every="auto" have none of them: none of their agreements chose a window.
+    state = {"agreements": 0, "auto": 0, "steps": [], **state}
+    whole_number(state, "agreements", where)
+    chosen = whole_number(state, "auto", where)
+    steps = field(state, "steps", where, list, tuple)
+    return state, [
+        f"a window of {chosen} chosen by every={every!r}" * (chosen > (AUTO_MAX if every == "auto" else 0)),
+        f"step times {short(steps)}" * any(type(t) is not float or not 0 <= t < float("inf") for t in steps),
+    ]
 
 
 def _chain(held: list[Any], loader: Iterable[Any]) -> Iterator[Any]:
