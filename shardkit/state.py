@@ -139,7 +139,7 @@ def gather(state: State | Sequence[State], group: Any = None) -> State:
     ``all_gather_object``. Without an initialised process group, the state
     of this one rank is made global. A state that already holds every
     rank's (a loader's ``state_dict()`` under a process group, see
-    :mod:`shardkit.loader.ranks`) is merged as it is, with no collective.
+    :mod:`shardkit.ranks`) is merged as it is, with no collective.
     Save the result (one file suffices, any rank) and load it with
     ``load_state_dict`` on any world size; see :func:`merge_ranks` for what
     it holds and raises.
@@ -157,7 +157,7 @@ def gather(state: State | Sequence[State], group: Any = None) -> State:
 
 def _rank_entries(state: State) -> list[State]:
     """The entries of a ``"ranks"`` node (every rank's state), checked: the node's layout
-    is :mod:`shardkit.loader.ranks`'s, which sits above this module."""
+    is :mod:`shardkit.ranks`'s, which sits above this module."""
     where = "gather()"
     world_size = whole_number(check(state, "ranks", where), "world_size", where, 1)
     entries = field(state, "states", where, list, tuple)

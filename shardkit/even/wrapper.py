@@ -56,12 +56,21 @@ the saved batches first, so a resumed epoch yields what
 the uninterrupted one would have and ends at the same step on every rank,
 provided every rank saved at the same step (as a checkpoint does).
 
+The batches fetched ahead differ from rank to rank, and trainers write the
+state of rank 0 only: under a process group, ``state_dict()`` therefore
+holds every rank's state (a ``"ranks"`` node, :mod:`shardkit.ranks`, with
+each rank's own state of the wrapped loader inside), and each rank resumes
+from its own entry. On another world size the held batches cannot be dealt
+out again, so such a state loads only where no rank held any (saved at an
+epoch's start or end); the wrapped loaders' states are then merged.
+
 With no process group, or a group of one rank, ``iter()`` returns the wrapped
 loader's own iterator: no agreement, no cost.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections import deque
@@ -74,6 +83,8 @@ import torch
 from shardkit.errors import EvenBatchesError, check_int
 from shardkit.even.auto import AUTO_MAX, DECIDE_AT, PROBE, auto_window, median_step
 from shardkit.even.group import _distributed, _Side, _side_group
+from shardkit.ranks import gather as gather_ranks
+from shardkit.ranks import is_ranks, own_or_global, ranks_node
 from shardkit.stateful import State, StateError, applies, check, decode, encode, field, node, short, whole_number
 
 __all__ = ["EvenBatches", "EvenBatchesError", "EvenStats", "even_batches"]
@@ -107,7 +118,9 @@ class EvenStats:
     window: int | None = None
 
 
-def even_batches(loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: Every = 1) -> EvenBatches:
+def even_batches(
+    loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: Every = 1, gather_states: bool = True
+) -> EvenBatches:
     """Wrap ``loader`` so that every rank of ``group`` yields the same number of batches.
 
     Args:
@@ -132,17 +145,33 @@ def even_batches(loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = 
             measured on the first steps of each epoch and the same on every
             rank (see :mod:`shardkit.even.auto`; the choice is in
             :meth:`EvenBatches.stats`).
+        gather_states: under a process group of more than one rank (and
+            ``group`` the whole world), ``state_dict()`` returns every rank's
+            state, so the copy a trainer writes from rank 0 resumes every
+            rank; it must then be called on every rank, as trainers do.
+            False returns this rank's alone (as it is with a ``group`` of
+            some ranks only).
 
     See the module docstring for the protocol, :meth:`EvenBatches.stats` for
     the counts, and :meth:`EvenBatches.state_dict` for resuming.
     """
-    return EvenBatches(loader, at_end=at_end, group=group, every=every)
+    return EvenBatches(loader, at_end=at_end, group=group, every=every, gather_states=gather_states)
 
 
 class EvenBatches:
     """The wrapper :func:`even_batches` returns; iterate it like the loader."""
 
-    def __init__(self, loader: Iterable[Any], *, at_end: AtEnd = "stop", group: Any = None, every: Every = 1) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        *,
+        at_end: AtEnd = "stop",
+        group: Any = None,
+        every: Every = 1,
+        gather_states: bool = True,
+    ) -> None:
+        if not isinstance(gather_states, bool):
+            raise EvenBatchesError(f"gather_states must be a bool (True or False), got {gather_states!r}")
         if at_end not in AT_END:
             raise EvenBatchesError(f"at_end must be one of {AT_END}, got {at_end!r}")
         if not (isinstance(every, str) and every == "auto"):
@@ -153,6 +182,7 @@ class EvenBatches:
         self.at_end: AtEnd = at_end
         self.group = group
         self.every: Every = every
+        self.gather_states = gather_states
         self.epoch = 0
         self._iterator: _Agreed | None = None
         self._resume: State | None = None  # as loaded, for state_dict() before iterating
@@ -219,7 +249,7 @@ class EvenBatches:
         self._iterator = _Agreed(self, side, resume)
         return self._iterator
 
-    def state_dict(self) -> State:
+    def state_dict(self, gather: bool | None = None) -> State:
         """Where this epoch stands, including batches fetched ahead.
 
         Call it between batches, on every rank at the same step. The state
@@ -229,10 +259,23 @@ class EvenBatches:
         not yet yielded (fewer than ``2 * every``) and, under ``"pad"``, the
         batch kept for repeats: a state a few batches large.
 
+        Under a process group of more than one rank it holds every rank's
+        state (see the module docstring), unless ``gather`` (default:
+        ``gather_states``, and False with a ``group`` of some ranks) is False.
+
         Raises:
-            StateError: the wrapped loader has no ``state_dict()``, or a
-                batch holds a type a state cannot hold (named).
+            StateError: the wrapped loader has no ``state_dict()``, a batch
+                holds a type a state cannot hold (named), or another rank did
+                not call ``state_dict()`` within the job's timeout.
         """
+        if gather is None:
+            gather = self.gather_states and self.group is None  # a subgroup's ranks alone cannot gather the world's
+        if gather:
+            return gather_ranks(self._rank_state, "even_batches.state_dict()")
+        return self._rank_state()
+
+    def _rank_state(self) -> State:
+        """This rank's state, with the wrapped loader's own (not every rank's) inside."""
         if self._iterator is None and self._resume is not None:
             return self._resume
         inner = _inner_state(self.loader)
@@ -244,13 +287,18 @@ class EvenBatches:
         """Resume from ``state`` (from :meth:`state_dict`) at the next ``iter()``.
 
         Sets the epoch to the state's (and passes it on, see :meth:`set_epoch`).
-        The wrapped loader's part is loaded when iteration starts.
+        The wrapped loader's part is loaded when iteration starts. A state of
+        every rank resumes each rank from its own entry on the same world
+        size; on another one, see the module docstring.
 
         Raises:
             StateError: a state of another kind or version, of other
                 settings, or with a field missing, mistyped or out of range
-                (named).
+                (named); on another world size, a state in which a rank
+                held batches.
         """
+        if is_ranks(state):
+            state = own_or_global(state, f"{self!r}.load_state_dict()", self._merged)
         loaded = _checked(state, self)
         if self._epoch_set:
             self.set_epoch(state["epoch"])
@@ -258,6 +306,22 @@ class EvenBatches:
             self._passes = state["epoch"]
             self._forward(state["epoch"])
         self._resume, self._loaded = state, loaded
+
+    def _merged(self, entries: list[State]) -> State:
+        """The state of every rank as one, for another world size: only where no rank held batches."""
+        where = f"{self!r}.load_state_dict()"
+        checked = [_checked(entry, self) for entry in entries]
+        held = [rank for rank, e in enumerate(checked) if e["window"] or e["next"]]
+        if held:
+            raise StateError(
+                f"{where}: the state was saved on {len(entries)} ranks and rank(s) {held} held batches fetched ahead, "
+                "which cannot be dealt out to another number of ranks; resume on the same world size, or save at "
+                "an epoch's start or end"
+            )
+        if len({e["epoch"] for e in checked}) != 1:
+            raise StateError(f"{where}: the ranks saved different epochs {sorted({e['epoch'] for e in checked})}")
+        inner = ranks_node([e["inner"] for e in entries])  # the wrapped loader merges its own
+        return _state(self, epoch=checked[0]["epoch"], inner=inner, finished=all(e["finished"] for e in checked))
 
     def _finished(self, stats: EvenStats) -> None:
         """Called by the epoch's iterator when it ends: keep the counts, warn if large."""
@@ -517,7 +581,8 @@ def _state(owner: EvenBatches, **fields: Any) -> State:
         "auto": 0,
         "steps": [],
     }
-    return node("even_batches", epoch=owner.epoch, at_end=owner.at_end, every=owner.every, **{**defaults, **fields})
+    fields.setdefault("epoch", owner.epoch)
+    return node("even_batches", at_end=owner.at_end, every=owner.every, **{**defaults, **fields})
 
 
 def _checked(state: object, owner: EvenBatches) -> State:
@@ -581,6 +646,8 @@ def _inner_state(loader: Any) -> Any:
             f"even_batches cannot save its position: {type(loader).__name__} has no state_dict(); "
             "wrap a shardkit.MixedLoader or torchdata's StatefulDataLoader to resume"
         )
+    if "gather" in inspect.signature(save).parameters:  # shardkit's loaders: this rank's own, gathered above
+        return save(gather=False)
     return save()
 
 

@@ -29,7 +29,7 @@ returns the shardkit loader, makes the checkpoint hold the loader's position:
   step or rank, is a :class:`~shardkit.state.StateError` naming the file:
   never a silent restart of the epoch. On another number of ranks every
   rank reads all the saved files and loads them as one ``"ranks"`` node
-  (:mod:`shardkit.loader.ranks`), which the loader merges and splits anew
+  (:mod:`shardkit.ranks`), which the loader merges and splits anew
   where its pipeline allows.
 
 Each rank saves its own state (``state_dict(gather=False)`` for a shardkit
@@ -55,7 +55,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from shardkit.errors import StateError
-from shardkit.loader.ranks import ranks_node
+from shardkit.ranks import ranks_node
 from shardkit.tempfiles import removed_if_exiting
 from shardkit.trainers import TrainerError
 

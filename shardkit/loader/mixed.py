@@ -54,7 +54,7 @@ workers, each worker resumes its own state and the batches are the ones the
 uninterrupted run would have made. With another number, the worker states
 are merged (:func:`shardkit.state.merge`) and split anew: exactly the samples
 not yet delivered follow, in another order. Under a process group of more
-than one rank the state holds every rank's (:mod:`shardkit.loader.ranks`), so
+than one rank the state holds every rank's (:mod:`shardkit.ranks`), so
 the one copy a trainer writes from rank 0 resumes every rank.
 
 The modules below this one: :mod:`shardkit.loader.mixer` (one epoch of
@@ -78,11 +78,11 @@ from shardkit.errors import LoaderError, check_int
 from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
-from shardkit.loader.ranks import gather as gather_ranks
-from shardkit.loader.ranks import is_ranks, own_or_global
 from shardkit.loader.slabs import SPARE_SLOTS
 from shardkit.loader.stalls import GATHER_TIMEOUT, GatheredStats, LoaderStats, StallMeter, chrome_trace
 from shardkit.loader.stalls import gather as gather_stats
+from shardkit.ranks import gather as gather_ranks
+from shardkit.ranks import is_ranks, own_or_global
 from shardkit.stateful import State, StateError, applies, check, merge
 from shardkit.tempfiles import socket_folder_problem
 
@@ -359,7 +359,7 @@ class MixedLoader:
 
         Under an initialised process group of more than one rank it returns
         every rank's state, the same on every rank (a ``"ranks"`` node, see
-        :mod:`shardkit.loader.ranks`), so a trainer that writes rank 0's
+        :mod:`shardkit.ranks`), so a trainer that writes rank 0's
         copy saves them all; every rank must then call it, as trainers do.
         ``gather=False`` (or ``gather_states=False`` when building the
         loader) returns this rank's state alone.

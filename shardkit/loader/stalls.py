@@ -15,7 +15,7 @@ next ``next``) is neither wait nor compute.
 
 Under a process group, :func:`gather` collects every rank's
 :class:`LoaderStats` through the job's key-value store, as
-:mod:`shardkit.loader.ranks` does with states, but bounded: a rank that does
+:mod:`shardkit.ranks` does with states, but bounded: a rank that does
 not call it within ``timeout`` is reported missing, never waited for longer,
 and nothing is raised (statistics must not stop a training run). The ranks
 meet under a key made of the loader's serial number in its process, the epoch,

@@ -6,7 +6,7 @@ torchdata's loader saves the calling rank's state, and a trainer writes rank
 changes nothing but that and its length (import it instead of torchdata's):
 
 * ``state_dict()`` under a process group of more than one rank returns every
-  rank's state in one ``"ranks"`` node (:mod:`shardkit.loader.ranks`), and
+  rank's state in one ``"ranks"`` node (:mod:`shardkit.ranks`), and
   ``load_state_dict()`` gives each rank its own entry. On another world size
   (or without a process group) the entries' dataset states (each worker's,
   as torchdata saved them) are merged into one global state
@@ -33,8 +33,8 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader as _TorchdataLoader
 
 from shardkit.errors import LoaderError
-from shardkit.loader.ranks import gather as gather_ranks
-from shardkit.loader.ranks import is_ranks, own_or_global
+from shardkit.ranks import gather as gather_ranks
+from shardkit.ranks import is_ranks, own_or_global
 from shardkit.stateful import State, StateError, combine_ranks, field, merge
 from shardkit.tempfiles import socket_folder_problem
 from shardkit.trainers import loader_batches, reader_lengths

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import shardkit
 from shardkit import EvenBatchesError, even_batches
 from shardkit.even import wrapper as even_module
+from shardkit.ranks import ranks_node
 from shardkit.state import StateError
 from tests.helpers.processes import EXAMPLES, REPO, free_port, last_json_line, run_python
 from tests.sources.test_tfrecord_dataset import corrupt_data_byte, write_shards
@@ -271,6 +272,28 @@ def test_a_state_from_an_earlier_epoch_is_ignored(monkeypatch):
     assert run_ranks(monkeypatch, 2, body) == [rank_batches(0, 3), rank_batches(1, 3)]
 
 
+def test_a_state_of_two_ranks_saved_at_an_epochs_end_loads_on_one_with_the_loaders_states_merged(monkeypatch):
+    def body(rank: int) -> dict[str, Any]:
+        wrapped = even_batches(Batches(rank_batches(rank, 3 + rank)), at_end="stop")
+        assert list(wrapped) == rank_batches(rank, 3)
+        return wrapped.state_dict(gather=False)
+
+    entries = run_ranks(monkeypatch, 2, body)
+    monkeypatch.undo()  # this process has no process group again
+    assert [(e["window"], e["next"], e["finished"]) for e in entries] == [([], [], True)] * 2
+
+    class Recording(Batches):
+        def load_state_dict(self, state: Any) -> None:
+            self.received = state
+
+    loader = Recording([])
+    wrapped = even_batches(loader, at_end="stop")
+    wrapped.load_state_dict(ranks_node(entries))
+    assert wrapped.state_dict()["inner"] == ranks_node([{"position": 3}, {"position": 4}])  # not loaded yet
+    list(wrapped)
+    assert loader.received == ranks_node([{"position": 3}, {"position": 4}])  # the loader merges its own
+
+
 # -- one process: a pass-through ------------------------------------------------
 
 
@@ -436,6 +459,8 @@ TWO_RANKS = (
     "skip/pad/3",
     "resume/pad/1",
     "resume/stop/2",
+    "trainer/pad/1",
+    "trainer/stop/2",
     "raise/stop/1",
 )
 THREE_RANKS = ("filter/pad/1", "mixed/stop/1", "subgroup/pad/1")
@@ -520,6 +545,31 @@ def test_a_gloo_epoch_resumed_from_state_dict_yields_the_uninterrupted_batches(t
         assert "error" not in rank, rank.get("error")
         assert rank["resumed"] == rank["batches"]
     assert len({len(rank["batches"]) for rank in ranks}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("at_end", "every"), [("pad", 1), ("stop", 2)])
+def test_every_rank_resumed_from_rank_0s_copy_of_the_state_yields_its_own_uninterrupted_batches(
+    two_ranks, at_end, every
+):
+    """Trainers write rank 0's state only. Before: rank 1 took up rank 0's batches fetched ahead
+    (one of rank 0's batches twice, one of its own never)."""
+    ranks = two_ranks[f"trainer/{at_end}/{every}"]
+    for rank in ranks:
+        assert "error" not in rank, rank.get("error")
+        assert rank["resumed"] == rank["batches"]
+    state = ranks[0]["state"]
+    assert state["kind"] == "ranks" and [entry["kind"] for entry in state["states"]] == ["even_batches"] * 2
+    held = [entry["window"] + entry["next"] for entry in state["states"]]
+    assert all(held) and held[0] != held[1]  # each rank held batches of its own
+
+
+@pytest.mark.slow
+def test_a_state_of_two_ranks_holding_batches_is_refused_on_one(two_ranks):
+    state = two_ranks["trainer/pad/1"][0]["state"]
+    loader = even_batches([], at_end="pad")
+    with pytest.raises(StateError, match=r"saved on 2 ranks and rank\(s\) \[0, 1\] held batches .* same world size"):
+        loader.load_state_dict(state)
 
 
 @pytest.mark.slow

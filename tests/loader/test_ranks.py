@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 import shardkit
-from shardkit.loader.ranks import check_ranks, own_or_global, ranks_node
+from shardkit.ranks import check_ranks, own_or_global, ranks_node
 from shardkit.state import StateError, merge_ranks
 from tests.helpers.shards import all_ids, synthetic_read, synthetic_shards
 
@@ -166,7 +166,7 @@ def test_stateful_dataloader_takes_its_own_entry_of_a_ranks_node_on_the_same_wor
     head = flat(next(iterator) for _ in range(TAKEN))
     own = loader.state_dict()
     node = ranks_node([{"not": "rank 1's"}, json.loads(json.dumps(own))])
-    monkeypatch.setattr("shardkit.loader.ranks._place", lambda: (1, 2))
+    monkeypatch.setattr("shardkit.ranks._place", lambda: (1, 2))
     resumed = stateful(rank_source(1, 2))
     resumed.load_state_dict(node)
     assert head + flat(resumed) == flat(stateful(rank_source(1, 2)))

@@ -57,7 +57,7 @@ def build(case: str, rank: int, urls: list[str]) -> Any:
     if case == "filter":  # planned equal, then filtered differently on each rank
         dataset = shardkit.ShardedDataset(synthetic_shards(COUNTS), synthetic_read, balance="pad", shuffle=True, seed=3)
         return DataLoader(dataset.filter(functools.partial(keep, rank=rank)), batch_size=BATCH, num_workers=2)
-    if case in ("mixed", "resume", "sized"):  # balance="none": counts not equalised
+    if case in ("mixed", "resume", "sized", "trainer"):  # balance="none": counts not equalised
         # Unknown counts deal whole shards to ranks; known ones split records (113 = 56 + 57
         # over 2 ranks: 14 and 15 batches), and then MixedLoader has a len().
         shards = synthetic_shards(COUNTS, known=case != "mixed")
@@ -122,6 +122,8 @@ def run_case(rank: int, case: str, wrap: str, every: int, urls: list[str]) -> di
             warnings.simplefilter("always")
             if case == "resume":
                 result.update(resume(rank, wrap, every, urls))
+            elif case == "trainer":
+                result.update(trainer_resume(rank, wrap, every, urls))
             elif case == "subgroup":
                 result.update(subgroup(rank, wrap, every))
             else:
@@ -150,6 +152,22 @@ def resume(rank: int, wrap: str, every: int, urls: list[str]) -> dict[str, Any]:
     return {"batches": whole, "resumed": first + rest}
 
 
+def trainer_resume(rank: int, wrap: str, every: int, urls: list[str]) -> dict[str, Any]:
+    """As :func:`resume`, but every rank loads rank 0's copy of the state, as a trainer's checkpoint holds."""
+    whole, _ = train(build("resume", rank, urls), wrap, every)
+    first, wrapped = train(build("resume", rank, urls), wrap, every, stop_after=5)
+    state = wrapped.state_dict()  # every rank calls it, as trainers do; they write rank 0's copy
+    copies: list[Any] = [state if rank == 0 else None]
+    dist.broadcast_object_list(copies, src=0)
+    again = shardkit.even_batches(build("resume", rank, urls), at_end=wrap, every=every)
+    again.load_state_dict(json.loads(json.dumps(copies[0])))  # through JSON, as a checkpoint file
+    rest = []
+    for batch in again:
+        dist.all_reduce(torch.ones(1))
+        rest.append(ids(batch))
+    return {"batches": whole, "resumed": first + rest, "state": copies[0] if rank == 0 else None}
+
+
 def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if not args.runs:
         result: Any = run_case(rank, args.case, args.wrap, args.every, args.urls)
@@ -170,7 +188,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument(
-        "--case", default="filter", choices=("filter", "mixed", "sized", "skip", "raise", "resume", "subgroup")
+        "--case",
+        default="filter",
+        choices=("filter", "mixed", "sized", "skip", "raise", "resume", "trainer", "subgroup"),
     )
     parser.add_argument("--wrap", default="stop", choices=("stop", "pad", "none"))
     parser.add_argument("--every", type=int, default=1)
