@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import sys
@@ -82,7 +83,9 @@ def natural(case: str, rank: int, urls: list[str]) -> list[list[str]] | str:
             warnings.simplefilter("ignore")
             return [ids(batch) for batch in build(case, rank, urls)]
     except Exception as error:  # noqa: BLE001 - the "raise" case
-        return repr(error)
+        failed = repr(error)
+    gc.collect()  # the failed DataLoader iterator sat in the error's traceback: its workers are shut down now
+    return failed
 
 
 def train(loader: Any, wrap: str, every: int, stop_after: int | None = None) -> tuple[list[list[str]], Any]:
