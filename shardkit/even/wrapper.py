@@ -70,7 +70,6 @@ loader's own iterator: no agreement, no cost.
 
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 from collections import deque
@@ -81,11 +80,12 @@ from typing import Any, Literal
 import torch
 
 from shardkit.errors import EvenBatchesError, check_int
-from shardkit.even.auto import AUTO_MAX, DECIDE_AT, PROBE, auto_window, median_step
+from shardkit.even.auto import DECIDE_AT, PROBE, auto_window, median_step
 from shardkit.even.group import _distributed, _Side, _side_group
+from shardkit.even.saved import checked, inner_state, load_inner, merged, state_of
 from shardkit.ranks import gather as gather_ranks
-from shardkit.ranks import is_ranks, own_or_global, ranks_node
-from shardkit.stateful import State, StateError, applies, check, decode, encode, field, node, short, whole_number
+from shardkit.ranks import is_ranks, own_or_global
+from shardkit.stateful import State, applies, encode
 
 __all__ = ["EvenBatches", "EvenBatchesError", "EvenStats", "even_batches"]
 
@@ -242,7 +242,7 @@ class EvenBatches:
         side = _side_group(self.group)
         if side is None:  # nothing to agree with
             if resume is not None:
-                _load_inner(self.loader, resume["inner"])
+                load_inner(self.loader, resume["inner"])
             self._stats = EvenStats(epoch=self.epoch, batches=None)
             held = [] if resume is None else [*resume["window"], *resume["next"]]
             return iter(self.loader) if not held else _chain(held, self.loader)
@@ -278,9 +278,9 @@ class EvenBatches:
         """This rank's state, with the wrapped loader's own (not every rank's) inside."""
         if self._iterator is None and self._resume is not None:
             return self._resume
-        inner = _inner_state(self.loader)
+        inner = inner_state(self.loader)
         if self._iterator is None:
-            return _state(self, inner=inner)
+            return state_of(self, inner=inner)
         return self._iterator.state_dict(inner)
 
     def load_state_dict(self, state: State) -> None:
@@ -298,30 +298,14 @@ class EvenBatches:
                 held batches.
         """
         if is_ranks(state):
-            state = own_or_global(state, f"{self!r}.load_state_dict()", self._merged)
-        loaded = _checked(state, self)
+            state = own_or_global(state, f"{self!r}.load_state_dict()", lambda entries: merged(entries, self))
+        loaded = checked(state, self)
         if self._epoch_set:
             self.set_epoch(state["epoch"])
         else:
             self._passes = state["epoch"]
             self._forward(state["epoch"])
         self._resume, self._loaded = state, loaded
-
-    def _merged(self, entries: list[State]) -> State:
-        """The state of every rank as one, for another world size: only where no rank held batches."""
-        where = f"{self!r}.load_state_dict()"
-        checked = [_checked(entry, self) for entry in entries]
-        held = [rank for rank, e in enumerate(checked) if e["window"] or e["next"]]
-        if held:
-            raise StateError(
-                f"{where}: the state was saved on {len(entries)} ranks and rank(s) {held} held batches fetched ahead, "
-                "which cannot be dealt out to another number of ranks; resume on the same world size, or save at "
-                "an epoch's start or end"
-            )
-        if len({e["epoch"] for e in checked}) != 1:
-            raise StateError(f"{where}: the ranks saved different epochs {sorted({e['epoch'] for e in checked})}")
-        inner = ranks_node([e["inner"] for e in entries])  # the wrapped loader merges its own
-        return _state(self, epoch=checked[0]["epoch"], inner=inner, finished=all(e["finished"] for e in checked))
 
     def _finished(self, stats: EvenStats) -> None:
         """Called by the epoch's iterator when it ends: keep the counts, warn if large."""
@@ -386,7 +370,7 @@ class _Agreed(Iterator[Any]):
         the job's timeout."""
         try:
             if resume is not None:
-                _load_inner(self._owner.loader, resume["inner"])
+                load_inner(self._owner.loader, resume["inner"])
             if not (self.done or self._exhausted):
                 self._inner = iter(self._owner.loader)
         except Exception as error:  # noqa: BLE001 - re-raised at the agreement, on every rank at once
@@ -541,7 +525,7 @@ class _Agreed(Iterator[Any]):
 
     def state_dict(self, inner: Any) -> State:
         pad = [] if self._pad is None or not self._pad_mode else [encode(self._pad[0])]
-        return _state(
+        return state_of(
             self._owner,
             inner=inner,
             window=[encode(b) for b in self._window],
@@ -563,96 +547,6 @@ class _Agreed(Iterator[Any]):
         )
 
 
-def _state(owner: EvenBatches, **fields: Any) -> State:
-    defaults: dict[str, Any] = {
-        "window": [],
-        "next": [],
-        "quota": 0,
-        "target": 1,
-        "last": False,
-        "pad": [],
-        "exhausted": False,
-        "finished": False,
-        "batches": 0,
-        "padded": 0,
-        "from_inner": 0,
-        "dropped_ahead": 0,
-        "agreements": 0,
-        "auto": 0,
-        "steps": [],
-    }
-    fields.setdefault("epoch", owner.epoch)
-    return node("even_batches", at_end=owner.at_end, every=owner.every, **{**defaults, **fields})
-
-
-def _checked(state: object, owner: EvenBatches) -> State:
-    """A loaded state with every field checked and its batches decoded
-    (``pad`` as a one-tuple), so a bad state fails in ``load_state_dict``."""
-    where = f"{owner!r}.load_state_dict()"
-    state = check(state, "even_batches", owner)
-    whole_number(state, "epoch", where)
-    at_end, every = field(state, "at_end", where, str), field(state, "every", where, int, str)
-    if at_end != owner.at_end or every != owner.every:
-        raise StateError(
-            f"{where}: the state was saved by even_batches(at_end={at_end!r}, every={every!r}); "
-            "resume with the same settings"
-        )
-    largest = AUTO_MAX if every == "auto" else whole_number(state, "every", where, 1)
-    state, auto_problems = _checked_auto(state, where, every)
-    if "inner" not in state:
-        raise StateError(f"{where}: the state has no 'inner' (the wrapped loader's state)")
-    counts = {key: whole_number(state, key, where) for key in ("quota", "batches", "padded", "from_inner")}
-    whole_number(state, "dropped_ahead", where)
-    target = whole_number(state, "target", where, 1)
-    flags = {key: field(state, key, where, bool) for key in ("last", "exhausted", "finished")}
-    window = [decode(b) for b in field(state, "window", where, list, tuple)]
-    ahead = [decode(b) for b in field(state, "next", where, list, tuple)]
-    pad = [decode(b) for b in field(state, "pad", where, list, tuple)]  # the batch to repeat, if any
-    problems = [
-        f"{len(window)} batches held for a window of {counts['quota']}" * (len(window) > counts["quota"]),
-        f"{len(ahead)} batches fetched for a window of {target}" * (len(ahead) > target or target > largest),
-        *auto_problems,
-        "more batches padded or read than yielded" * (counts["padded"] + counts["from_inner"] != counts["batches"]),
-        f"{len(pad)} batches to repeat" * (len(pad) > 1 or (bool(pad) and at_end == "stop")),
-        "a finished epoch holding batches" * (flags["finished"] and bool(window or ahead)),
-    ]
-    if any(problems):
-        raise StateError(f"{where}: the state does not hold together: {'; '.join(p for p in problems if p)}")
-    return {**state, "window": window, "next": ahead, "pad": tuple(pad) or None}
-
-
-def _checked_auto(state: State, where: str, every: object) -> tuple[State, list[str]]:
-    """The state with the fields of ``every="auto"`` checked, and what does not hold together in them."""
-    # States saved before every="auto" have none of them: none of their agreements chose a window.
-    state = {"agreements": 0, "auto": 0, "steps": [], **state}
-    whole_number(state, "agreements", where)
-    chosen = whole_number(state, "auto", where)
-    steps = field(state, "steps", where, list, tuple)
-    return state, [
-        f"a window of {chosen} chosen by every={every!r}" * (chosen > (AUTO_MAX if every == "auto" else 0)),
-        f"step times {short(steps)}" * any(type(t) is not float or not 0 <= t < float("inf") for t in steps),
-    ]
-
-
 def _chain(held: list[Any], loader: Iterable[Any]) -> Iterator[Any]:
     yield from held
     yield from loader
-
-
-def _inner_state(loader: Any) -> Any:
-    save = getattr(loader, "state_dict", None)
-    if not callable(save):
-        raise StateError(
-            f"even_batches cannot save its position: {type(loader).__name__} has no state_dict(); "
-            "wrap a shardkit.MixedLoader or torchdata's StatefulDataLoader to resume"
-        )
-    if "gather" in inspect.signature(save).parameters:  # shardkit's loaders: this rank's own, gathered above
-        return save(gather=False)
-    return save()
-
-
-def _load_inner(loader: Any, state: Any) -> None:
-    load = getattr(loader, "load_state_dict", None)
-    if not callable(load):
-        raise StateError(f"even_batches cannot resume: {type(loader).__name__} has no load_state_dict()")
-    load(state)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import shardkit
 from shardkit import EvenBatchesError, even_batches
+from shardkit.even import saved as even_saved
 from shardkit.even import wrapper as even_module
 from shardkit.ranks import ranks_node
 from shardkit.state import StateError
@@ -338,7 +339,7 @@ def test_set_epoch_reaches_a_dataloaders_dataset_and_sampler():
 
 def test_a_pass_through_resumes_the_loader_and_its_held_batches():
     loader = Batches(["a", "b", "c", "d"])
-    state = even_module._state(even_batches(loader), inner={"position": 3}, window=[], next=[even_module.encode("c")])
+    state = even_saved.state_of(even_batches(loader), inner={"position": 3}, window=[], next=[even_module.encode("c")])
     wrapped = even_batches(Batches(["a", "b", "c", "d"]))
     wrapped.load_state_dict(state)
     assert list(wrapped) == ["c", "d"]
@@ -362,7 +363,7 @@ def saved_state(**fields: Any) -> dict[str, Any]:
         batches=3,
         from_inner=3,
     )
-    return even_module._state(wrapped, **{**base, **fields})
+    return even_saved.state_of(wrapped, **{**base, **fields})
 
 
 def test_a_well_formed_state_resumes_its_held_batches_first():
