@@ -30,6 +30,7 @@ import shardkit
 from shardkit import CorruptRecordError
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.tfrecord import TFRecordWriter, build_index, kernel, read_tfrecord, read_tfrecord_batches
+from shardkit.formats.tfrecord import arrays as arrays_module
 from shardkit.formats.tfrecord import framing as tfr
 from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.io import files as skio
@@ -143,7 +144,9 @@ def run_python(code: str, **env: str) -> str:
     """``code``'s output in a child interpreter with this checkout importable and ``env`` set."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     full_env = {**os.environ, **env, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=full_env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=full_env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -454,7 +457,9 @@ def test_batches_honour_start_stop_and_an_index(tmp_path, arrow_type) -> None:
     index = build_index(path)
     for start, stop in [(0, None), (5, 17), (49, 50), (50, None), (10, 10)]:
         for idx in (None, index):
-            arrays = read_tfrecord_batches(path, start=start, stop=stop, index=idx, batch_records=4, arrow_type=arrow_type)
+            arrays = read_tfrecord_batches(
+                path, start=start, stop=stop, index=idx, batch_records=4, arrow_type=arrow_type
+            )
             got = [r for a in arrays for r in a.to_pylist()]
             assert got == records[start:stop], (start, stop, idx)
 
@@ -533,6 +538,18 @@ def test_arrays_kept_by_the_caller_stay_intact_while_later_blocks_reuse_the_buff
         assert array.to_pylist() == records[start : start + len(array)]
 
 
+def test_large_binary_batches_larger_than_any_before_grow_their_values_and_leave_earlier_arrays_intact(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(arrays_module, "ARRAY_BLOCK_SIZE", 64)  # values buffers start at 256 bytes
+    records = [bytes([i % 256]) * (i % 50) for i in range(400)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    got = list(read_tfrecord_batches(path, batch_records=37))
+    for a in got:
+        a.validate(full=True)
+    assert [r for a in got for r in a.to_pylist()] == records
+
+
 def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
     buffers = BlockBuffers()
     first = buffers.take(100)
@@ -552,4 +569,6 @@ def test_the_block_buffer_taken_last_is_taken_again_first_while_it_is_in_the_cac
     ids = [id(a), id(b), id(c)]
     del a, b, c
     assert [id(buffers.take(4096)) for _ in range(3)] == [ids[2]] * 3  # free each time: the same one
-    assert len(BlockBuffers(256 * 1024)._pool) == 0 and BlockBuffers(256 * 1024)._keep == 4 * skio.BLOCK_SIZE // (256 * 1024)
+    assert len(BlockBuffers(256 * 1024)._pool) == 0 and BlockBuffers(256 * 1024)._keep == 4 * skio.BLOCK_SIZE // (
+        256 * 1024
+    )

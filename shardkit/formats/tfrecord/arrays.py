@@ -2,25 +2,22 @@
 
 The blocks come from :mod:`~shardkit.formats.tfrecord.framing` (its block
 readers and error helpers: this module is the second consumer of its blocks,
-beside ``read_batches``); an array costs no Python object per record. Two
-layouts (``arrow_type``):
+beside ``read_batches``); an array costs no Python object per record.
 
-- ``"large_binary"``: the kernel's ``pack`` moves each record's data into one
-  values buffer beside an offsets array. Records of one block read into the
-  reader's own buffer (a local file's) are compacted in place, each record's
-  data moved back over the framing before it, and the array shares the
-  block's memory. The arrays of a block never overlap: each batch's records
-  start after the end of the data the batch before it moved. A batch with
-  records in two blocks holds on to both and copies its records once, into
-  buffers of its own; so does any batch of a stream's (read-only) blocks.
+A local file is read in blocks of :data:`ARRAY_BLOCK_SIZE`, small enough that
+the bytes a read brings in are still in the CPU's cache when the kernel checks
+their CRCs, and each block's records are checked (and copied) as soon as it
+is read, not when their batch is whole. Two layouts (``arrow_type``):
+
+- ``"large_binary"``: the kernel's ``pack`` copies each record's data into the
+  batch's values buffer beside an offsets array. The values buffers are
+  reused once the caller drops their arrays (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`).
+  (Compacting a 4 MB block in place, which the arrays then shared, copied
+  nothing but read the block's records out of memory, not cache: 15% slower.)
 - ``"binary_view"``: the kernel's ``views`` writes a 16-byte view per record
   (length, first bytes, buffer, offset) and the data stays where it was read:
   the blocks themselves are the array's data buffers, however many blocks a
-  batch spans. Nothing is copied, so a local file is read in blocks of
-  :data:`VIEW_BLOCK_SIZE`, small enough that the bytes a read brings in are
-  still in the CPU's cache when their CRCs are checked. Measured on 100k
-  records of 1 KB (``benchmarks/tfrecord.py --kernel-only``), the fastest
-  way to read raw records: see ``read_tfrecord_batches``.
+  batch spans. Nothing is copied: the fastest way to read raw records.
 """
 
 from __future__ import annotations
@@ -45,14 +42,15 @@ from shardkit.formats.tfrecord.framing import (
 )
 from shardkit.io.remote import RemoteOptions
 
-__all__ = ["ARROW_TYPES", "VIEW_BLOCK_SIZE", "read_arrays"]
+__all__ = ["ARRAY_BLOCK_SIZE", "ARROW_TYPES", "read_arrays"]
 
 ARROW_TYPES: Final = ("large_binary", "binary_view")
 """The layouts :func:`read_arrays` builds (``arrow_type``)."""
 
-VIEW_BLOCK_SIZE: Final = 256 * 1024
-"""A local file's reads for ``binary_view`` arrays: small enough to stay in a core's L2 cache from the read to the
-CRC checks (on 100k records of 1 KB: 256 KB and 512 KB blocks alike, 1 MB slower, 4 MB much slower)."""
+ARRAY_BLOCK_SIZE: Final = 256 * 1024
+"""A local file's reads for arrays: small enough to stay in a core's L2 cache from the read to the CRC checks (and
+the copy) of its records (on 100k records of 1 KB: 256 KB and 512 KB blocks alike, 128 KB and 1 MB slower, 4 MB
+much slower)."""
 
 
 def read_arrays(
@@ -80,9 +78,11 @@ def read_arrays(
     if src.compression is not None:
         first = offset = 0
         end = None
-    block_size = min(framing.BLOCK_SIZE, VIEW_BLOCK_SIZE) if views else None
-    blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end, block_size=block_size)
-    batches = _ViewBatches(src, verify, batch_records) if views else _PackedBatches(src, verify)
+    block_size = min(framing.BLOCK_SIZE, ARRAY_BLOCK_SIZE)
+    blocks = _blocks(
+        source, src, first_index=first, offset=offset, check_headers=verify, end=end, block_size=block_size
+    )
+    batches = (_ViewBatches if views else _CopiedBatches)(src, verify, batch_records)
     try:
         for piece, last in _pieces(blocks, batch_records, start, stop):
             yield from batches.add(piece, last)  # (an error raised here leaves nothing to flush below)
@@ -106,7 +106,9 @@ class _Piece(NamedTuple):
         return int(self.block.ends[self.hi - 1]) - _start(self.block, self.lo) - OVERHEAD_BYTES * (self.hi - self.lo)
 
 
-def _pieces(blocks: Iterator[_Block], batch_records: int, start: int, stop: int | None) -> Iterator[tuple[_Piece, bool]]:
+def _pieces(
+    blocks: Iterator[_Block], batch_records: int, start: int, stop: int | None
+) -> Iterator[tuple[_Piece, bool]]:
     """Records ``start:stop`` of the blocks as pieces of batches of ``batch_records``: each with whether it ends its
     batch."""
     count = 0
@@ -123,58 +125,6 @@ def _pieces(blocks: Iterator[_Block], batch_records: int, start: int, stop: int 
             return
 
 
-class _PackedBatches:
-    """``large_binary`` arrays: a batch's pieces wait until it is whole, then are packed (see :func:`_emit`)."""
-
-    def __init__(self, src: _Origin, verify: bool) -> None:
-        self._src, self._verify = src, verify
-        self._pending: list[_Piece] = []
-        self._spare = BlockBuffers()  # the values of arrays whose records span two blocks
-
-    def add(self, piece: _Piece, last: bool) -> Iterator[pa.LargeBinaryArray]:
-        self._pending.append(piece)
-        if last:
-            yield from self.flush()
-
-    def flush(self) -> Iterator[pa.LargeBinaryArray]:
-        """The array of the pieces waiting (none when none are), or the error of the first bad record in them."""
-        pieces, self._pending = self._pending, []
-        yield from _emit(pieces, self._src, self._verify, self._spare)
-
-
-def _emit(pieces: list[_Piece], src: _Origin, verify: bool, spare: BlockBuffers) -> Iterator[pa.LargeBinaryArray]:
-    """One array of the pieces' records; at a bad data CRC, the array of those before it, then the error.
-
-    Records of one block read into the reader's own buffer are compacted in
-    place (each record's data moved over the framing before it), so the array
-    shares the block's memory: no second copy. Records from two blocks, or a
-    block that is not ours to write (a stream's), are copied into new buffers.
-    """
-    if not pieces:
-        return
-    block = pieces[0].block
-    if len(pieces) == 1 and isinstance(block.buf, memoryview) and not block.buf.readonly:
-        base = _start(block, pieces[0].lo)  # earlier arrays of this block end before it: moving data back is safe
-        values = np.frombuffer(block.buf, dtype=np.uint8)
-    else:
-        base = 0
-        values = spare.take(sum(piece.data_bytes() for piece in pieces))
-    offsets = np.empty(sum(piece.hi - piece.lo for piece in pieces) + 1, dtype=np.int64)
-    pack = kernel.KERNEL.pack
-    k = 0
-    at = base
-    for block, lo, hi in pieces:
-        bad = pack(block.buf, block.first, block.ends, lo, hi, verify, values, offsets[k:], at)
-        if bad >= 0:
-            k += bad - lo
-            if k:
-                yield _binary_array(values, offsets[: k + 1], base)
-            raise _data_error(block, bad, src)
-        k += hi - lo
-        at = int(offsets[k])
-    yield _binary_array(values, offsets, base)
-
-
 def _binary_array(values: np.ndarray, offsets: np.ndarray, base: int) -> pa.LargeBinaryArray:
     """An Arrow ``large_binary`` array over ``values[base:]`` and the offsets (from ``base``), without a copy."""
     if base:
@@ -184,6 +134,57 @@ def _binary_array(values: np.ndarray, offsets: np.ndarray, base: int) -> pa.Larg
     return cast(pa.LargeBinaryArray, pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1, buffers))
 
 
+class _CopiedBatches:
+    """``large_binary`` arrays: each piece's CRCs are checked and its data copied into the batch's values buffer as
+    soon as its block is read, while the block is still in the CPU's cache."""
+
+    def __init__(self, src: _Origin, verify: bool, batch_records: int) -> None:
+        self._src, self._verify, self._batch_records = src, verify, batch_records
+        self._capacity = 4 * ARRAY_BLOCK_SIZE  # of the values buffers: doubled while batches need more
+        self._spare = BlockBuffers(self._capacity)  # values buffers, reused once the caller drops their arrays
+        self._begin()
+
+    def _begin(self) -> None:
+        self._values = self._spare.take(self._capacity)
+        self._offsets = np.zeros(1, dtype=np.int64)
+        self._count = 0
+
+    def add(self, piece: _Piece, last: bool) -> Iterator[pa.LargeBinaryArray]:
+        block, lo, hi = piece
+        at = int(self._offsets[self._count])
+        self._reserve(at + piece.data_bytes(), self._count + hi - lo + 1)
+        offsets = self._offsets[self._count :]
+        bad = kernel.KERNEL.pack(block.buf, block.first, block.ends, lo, hi, self._verify, self._values, offsets, at)
+        self._count += (bad if bad >= 0 else hi) - lo
+        if bad >= 0:
+            yield from self.flush()
+            raise _data_error(block, bad, self._src)
+        if last:
+            yield from self.flush()
+
+    def _reserve(self, size: int, offsets: int) -> None:
+        """Room for ``size`` bytes of values and ``offsets`` offsets, grown by doubling (the offsets up to a batch's)."""
+        if len(self._values) < size:  # a batch larger than any before: so are the buffers from now on
+            self._capacity = max(size, 2 * self._capacity)
+            self._spare = BlockBuffers(self._capacity)
+            grown = self._spare.take(self._capacity)
+            at = int(self._offsets[self._count])
+            grown[:at] = self._values[:at]
+            self._values = grown
+        if len(self._offsets) < offsets:
+            wider = np.empty(min(self._batch_records + 1, max(offsets, 2 * len(self._offsets), 64)), dtype=np.int64)
+            wider[: self._count + 1] = self._offsets[: self._count + 1]
+            self._offsets = wider
+
+    def flush(self) -> Iterator[pa.LargeBinaryArray]:
+        """The array of the records checked so far, if any."""
+        values, offsets, count = self._values, self._offsets, self._count
+        del self._values  # before _begin takes a buffer: this one is not free until its array is dropped
+        self._begin()
+        if count:
+            yield _binary_array(values, offsets[: count + 1], 0)
+
+
 class _ViewBatches:
     """``binary_view`` arrays: each piece's CRCs are checked and its views written as soon as its block is read,
     while the block is still in the CPU's cache (checked when the batch was whole, the first blocks of a batch of
@@ -191,9 +192,9 @@ class _ViewBatches:
 
     def __init__(self, src: _Origin, verify: bool, batch_records: int) -> None:
         self._src, self._verify, self._batch_records = src, verify, batch_records
-        self._start()
+        self._begin()
 
-    def _start(self) -> None:
+    def _begin(self) -> None:
         self._views = np.empty(0, dtype=np.uint8)
         self._buffers: list[pa.Buffer] = []
         self._count = 0
@@ -224,7 +225,7 @@ class _ViewBatches:
     def flush(self) -> Iterator[pa.BinaryViewArray]:
         """The array of the records checked so far, if any."""
         views, count, buffers = self._views, self._count, self._buffers
-        self._start()
+        self._begin()
         if count:
             yield _view_array(views, count, buffers)
 

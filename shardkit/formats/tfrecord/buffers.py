@@ -42,10 +42,11 @@ class BlockBuffers:
     (the kernel zeroes each page before the read fills it), about as much as
     the read itself; reading into a buffer whose pages are already mapped
     does not. ``read_tfrecord`` copies every record out before the next block
-    is read, so one buffer serves the whole file; an Arrow array from
-    ``read_tfrecord_batches`` shares its block's buffer (compacted in place),
-    which is then busy until the caller drops the array. Whether anything
-    holds a buffer is read from its reference count (CPython's).
+    is read, so one buffer serves the whole file; a ``binary_view`` array from
+    ``read_tfrecord_batches`` points into the blocks its records are in, and a
+    ``large_binary`` one owns a values buffer from a pool of these, each busy
+    until the caller drops the array. Whether anything holds a buffer is read
+    from its reference count (CPython's).
     """
 
     _POOL_BYTES: Final = 4 * BLOCK_SIZE  # kept per reader; while all are busy, blocks get one-off buffers

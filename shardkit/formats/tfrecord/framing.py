@@ -19,10 +19,11 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   CRCs; one call per :data:`_BATCH` records checks their data CRCs and copies
   them out, handed out (by ``read_tfrecord``) through ``itertools.chain``: no
   Python frame per record.
-- :func:`read_arrays` (``read_tfrecord_batches``) makes no Python object per
-  record: the kernel moves each record's data over the framing before it, in
-  the block's own buffer, which the Arrow array then shares; only an array
-  whose records span two blocks is copied.
+- ``read_arrays`` (:mod:`~shardkit.formats.tfrecord.arrays`, for
+  ``read_tfrecord_batches``) makes no Python object per record: it reads a
+  local file in blocks small enough to stay in cache, and the kernel checks
+  and copies (``large_binary``) or just checks and points at
+  (``binary_view``) each block's records as soon as it is read.
 - Local uncompressed files are read with one ``os.preadv`` per block, at a
   record boundary, into buffers reused once nothing holds them
   (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`: a fresh buffer per block cost about what the read

@@ -123,7 +123,9 @@ def read_tfrecord_batches(
         raise ValueError(f"arrow_type must be one of {', '.join(map(repr, ARROW_TYPES))}, got {arrow_type!r}")
     if start < 0 or (stop is not None and stop < start):
         raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
-    return _read_arrays(url, compression, verify, start, stop, index, storage_options, remote, batch_records, arrow_type)
+    return _read_arrays(
+        url, compression, verify, start, stop, index, storage_options, remote, batch_records, arrow_type
+    )
 
 
 def _read_arrays(
