@@ -44,6 +44,8 @@ from shardkit.io.remote import RemoteOptions
 
 __all__ = ["ARRAY_BLOCK_SIZE", "ARROW_TYPES", "read_arrays"]
 
+_FIRST_RECORDS: Final = 4096  # a batch's views or offsets are made for this many records, grown if it has more
+
 ARROW_TYPES: Final = ("large_binary", "binary_view")
 """The layouts :func:`read_arrays` builds (``arrow_type``)."""
 
@@ -146,7 +148,7 @@ class _CopiedBatches:
 
     def _begin(self) -> None:
         self._values = self._spare.take(self._capacity)
-        self._offsets = np.zeros(1, dtype=np.int64)
+        self._offsets = np.zeros(min(self._batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
         self._count = 0
 
     def add(self, piece: _Piece, last: bool) -> Iterator[pa.LargeBinaryArray]:
@@ -195,7 +197,7 @@ class _ViewBatches:
         self._begin()
 
     def _begin(self) -> None:
-        self._views = np.empty(0, dtype=np.uint8)
+        self._views = np.empty(kernel.VIEW_BYTES * min(self._batch_records, _FIRST_RECORDS), dtype=np.uint8)
         self._buffers: list[pa.Buffer] = []
         self._count = 0
 
