@@ -541,7 +541,7 @@ def test_arrays_kept_by_the_caller_stay_intact_while_later_blocks_reuse_the_buff
 def test_large_binary_batches_larger_than_any_before_grow_their_values_and_leave_earlier_arrays_intact(
     tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(arrays_module, "ARRAY_BLOCK_SIZE", 64)  # values buffers start at 256 bytes
+    monkeypatch.setattr(arrays_module, "_FIRST_VALUES", 256)  # values buffers start at 256 bytes
     records = [bytes([i % 256]) * (i % 50) for i in range(400)]
     path = write(str(tmp_path / "a.tfrecord"), records)
     got = list(read_tfrecord_batches(path, batch_records=37))

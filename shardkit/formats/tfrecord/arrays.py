@@ -4,7 +4,8 @@ The blocks come from :mod:`~shardkit.formats.tfrecord.framing` (its block
 readers and error helpers: this module is the second consumer of its blocks,
 beside ``read_batches``); an array costs no Python object per record.
 
-A local file is read in blocks of :data:`ARRAY_BLOCK_SIZE`, small enough that
+A local file is read in blocks of
+:data:`~shardkit.formats.tfrecord.framing.LOCAL_BLOCK_SIZE`, small enough that
 the bytes a read brings in are still in the CPU's cache when the kernel checks
 their CRCs, and each block's records are checked (and copied) as soon as it
 is read, not when their batch is whole. Two layouts (``arrow_type``):
@@ -29,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.tfrecord import framing, kernel
+from shardkit.formats.tfrecord import kernel
 from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.formats.tfrecord.framing import (
     OVERHEAD_BYTES,
@@ -42,17 +43,14 @@ from shardkit.formats.tfrecord.framing import (
 )
 from shardkit.io.remote import RemoteOptions
 
-__all__ = ["ARRAY_BLOCK_SIZE", "ARROW_TYPES", "read_arrays"]
+__all__ = ["ARROW_TYPES", "read_arrays"]
 
 _FIRST_RECORDS: Final = 4096  # a batch's views or offsets are made for this many records, grown if it has more
 
 ARROW_TYPES: Final = ("large_binary", "binary_view")
 """The layouts :func:`read_arrays` builds (``arrow_type``)."""
 
-ARRAY_BLOCK_SIZE: Final = 256 * 1024
-"""A local file's reads for arrays: small enough to stay in a core's L2 cache from the read to the CRC checks (and
-the copy) of its records (on 100k records of 1 KB: 256 KB and 512 KB blocks alike, 128 KB and 1 MB slower, 4 MB
-much slower)."""
+_FIRST_VALUES: Final = 1 << 20  # bytes of a large_binary batch's values buffer, doubled while batches need more
 
 
 def read_arrays(
@@ -80,10 +78,7 @@ def read_arrays(
     if src.compression is not None:
         first = offset = 0
         end = None
-    block_size = min(framing.BLOCK_SIZE, ARRAY_BLOCK_SIZE)
-    blocks = _blocks(
-        source, src, first_index=first, offset=offset, check_headers=verify, end=end, block_size=block_size
-    )
+    blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
     batches = (_ViewBatches if views else _CopiedBatches)(src, verify, batch_records)
     try:
         for piece, last in _pieces(blocks, batch_records, start, stop):
@@ -142,7 +137,7 @@ class _CopiedBatches:
 
     def __init__(self, src: _Origin, verify: bool, batch_records: int) -> None:
         self._src, self._verify, self._batch_records = src, verify, batch_records
-        self._capacity = 4 * ARRAY_BLOCK_SIZE  # of the values buffers: doubled while batches need more
+        self._capacity = _FIRST_VALUES  # of the values buffers
         self._spare = BlockBuffers(self._capacity)  # values buffers, reused once the caller drops their arrays
         self._begin()
 
