@@ -117,10 +117,12 @@ def test_the_c_crc32c_matches_on_every_length_around_its_folding_steps_with_and_
     assert [compiled.crc32c(data[:n]) for n in lengths] == [crc32c_package(data[:n]) for n in lengths]  # type: ignore[union-attr]
     probe = (
         "import json, random, sys; from shardkit.formats import _tfrecord as k; data = random.Random(5).randbytes(4160);"
-        f"print(json.dumps([k.VECTOR_CRC, [k.crc32c(data[:n]) for n in {lengths!r}]]))"
+        f"lengths = {lengths!r}; records = [data[i % 7 : i % 7 + n] for i, n in enumerate(lengths)];"
+        "print(json.dumps([k.VECTOR_CRC, [k.crc32c(data[:n]) for n in lengths], k.crc32c_records(records)]))"
     )
-    vector, crcs = json.loads(run_python(probe, SHARDKIT_NO_AVX512="1"))
+    vector, crcs, grouped = json.loads(run_python(probe, SHARDKIT_NO_AVX512="1"))  # three crc32 streams at once
     assert vector == 0 and crcs == [crc32c_package(data[:n]) for n in lengths]
+    assert grouped == [crc32c_package(data[i % 7 : i % 7 + n]) for i, n in enumerate(lengths)]
 
 
 @needs_c
