@@ -552,6 +552,21 @@ def test_large_binary_batches_larger_than_any_before_grow_their_values_and_leave
     assert [r for a in got for r in a.to_pylist()] == records
 
 
+def test_small_large_binary_batches_hold_buffers_of_their_own_size_not_a_pooled_megabyte(tmp_path) -> None:
+    import tracemalloc  # numpy reports its buffers to it
+
+    records = [bytes([i]) * 100 for i in range(40)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    tracemalloc.start()
+    try:
+        kept = list(read_tfrecord_batches(path, batch_records=3))  # 14 arrays; the reader and its pool are gone
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert [r for a in kept for r in a.to_pylist()] == records
+    assert held < 256 * 1024, held  # not 14 pooled buffers of 1 MB
+
+
 def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
     buffers = BlockBuffers()
     first = buffers.take(100)

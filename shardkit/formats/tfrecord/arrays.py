@@ -174,9 +174,18 @@ class _CopiedBatches:
             self._offsets = wider
 
     def flush(self) -> Iterator[pa.LargeBinaryArray]:
-        """The array of the records checked so far, if any."""
+        """The array of the records checked so far, if any.
+
+        An array holds at most twice its data: one using less than half its
+        values buffer gets a copy of its own (small, so cheap), and the buffer
+        goes back to the pool; a caller keeping many small arrays must not
+        keep a 1 MB buffer with each.
+        """
         values, offsets, count = self._values, self._offsets, self._count
-        del self._values  # before _begin takes a buffer: this one is not free until its array is dropped
+        used = int(offsets[count])
+        if 2 * used < len(values):
+            values = values[:used].copy()
+        del self._values  # before _begin takes a buffer: one an array holds is not free until it is dropped
         self._begin()
         if count:
             yield _binary_array(values, offsets[: count + 1], 0)
