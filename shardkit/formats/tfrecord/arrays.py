@@ -14,7 +14,8 @@ is read, not when their batch is whole. Two layouts (``arrow_type``):
   batch's values buffer beside an offsets array. The values buffers are
   reused once the caller drops their arrays (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`).
   (Compacting a 4 MB block in place, which the arrays then shared, copied
-  nothing but read the block's records out of memory, not cache: 15% slower.)
+  nothing but read the block's records out of memory, not cache: about 10%
+  slower.)
 - ``"binary_view"``: the kernel's ``views`` writes a 16-byte view per record
   (length, first bytes, buffer, offset) and the data stays where it was read:
   the blocks themselves are the array's data buffers, however many blocks a

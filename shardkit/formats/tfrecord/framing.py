@@ -187,7 +187,7 @@ _FIRST_LOCAL_READ = 16 * 1024
 LOCAL_BLOCK_SIZE: Final = 256 * 1024
 """A local file's reads (at most :data:`BLOCK_SIZE`): small enough that the bytes a read brings in are still in a
 core's L2 cache when the kernel frames, checks and copies their records. On 100k records of 1 KB, 256 KB blocks
-made ``read_tfrecord`` 1.4x and ``read_tfrecord_batches`` 1.15-1.5x as fast as 4 MB ones (128 KB and 1 MB: slower)."""
+made ``read_tfrecord`` 1.4x and ``read_tfrecord_batches`` 1.1x as fast as 4 MB ones (128 KB and 1 MB: slower)."""
 
 
 def _first_read(offset: int, end: int | None, block_size: int | None = None) -> int:
