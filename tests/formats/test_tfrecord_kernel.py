@@ -30,6 +30,7 @@ import shardkit
 from shardkit import CorruptRecordError
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.tfrecord import TFRecordWriter, build_index, kernel, read_tfrecord, read_tfrecord_batches
+from shardkit.formats.tfrecord import arrays as arrays_module
 from shardkit.formats.tfrecord import framing as tfr
 from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.io import files as skio
@@ -107,6 +108,51 @@ def test_the_c_crc32c_matches_on_every_length_around_its_interleaved_blocks() ->
         assert compiled.crc32c(data[:n]) == compiled.crc32c_software(data[:n]) == crc32c_package(data[:n]), n
 
 
+@needs_c
+def test_the_c_crc32c_matches_on_every_length_around_its_folding_steps_with_and_without_avx512() -> None:
+    """Lengths around the carry-less folding's 256- and 64-byte steps, in this process (AVX-512 when the CPU has it)
+    and in one with ``SHARDKIT_NO_AVX512`` set (the crc32 instruction), against the crc32c package."""
+    data = random.Random(5).randbytes(4096 + 64)
+    lengths = [*range(240, 400), *range(1000, 1040), 2048, 4095, 4096, len(data)]
+    assert [compiled.crc32c(data[:n]) for n in lengths] == [crc32c_package(data[:n]) for n in lengths]  # type: ignore[union-attr]
+    probe = (
+        "import json, random, sys; from shardkit.formats import _tfrecord as k; data = random.Random(5).randbytes(4160);"
+        f"lengths = {lengths!r}; records = [data[i % 7 : i % 7 + n] for i, n in enumerate(lengths)];"
+        "print(json.dumps([k.VECTOR_CRC, [k.crc32c(data[:n]) for n in lengths], k.crc32c_records(records)]))"
+    )
+    vector, crcs, grouped = json.loads(run_python(probe, SHARDKIT_NO_AVX512="1"))  # three crc32 streams at once
+    assert vector == 0 and crcs == [crc32c_package(data[:n]) for n in lengths]
+    assert grouped == [crc32c_package(data[i % 7 : i % 7 + n]) for i, n in enumerate(lengths)]
+
+
+@needs_c
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.one_of(st.integers(0, 80), st.integers(0, 1200)), max_size=11),
+    skip=st.integers(0, 63),
+)
+def test_the_c_kernel_checks_four_records_at_once_as_the_crc32c_package_checks_one(sizes: list[int], skip: int) -> None:
+    """The interleaved CRCs (four folding registers, three crc32 streams) on records of any mix of lengths, at any
+    alignment, are each record's own CRC."""
+    data = random.Random(sum(sizes) + skip).randbytes(sum(sizes) + skip)
+    records, at = [], skip
+    for n in sizes:
+        records.append(data[at : at + n])
+        at += n
+    assert compiled.crc32c_records(records) == [crc32c_package(r) for r in records]  # type: ignore[union-attr]
+
+
+def run_python(code: str, **env: str) -> str:
+    """``code``'s output in a child interpreter with this checkout importable and ``env`` set."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    full_env = {**os.environ, **env, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=full_env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 # --------------------------------------------------------------------------- the kernel's operations
 
 
@@ -120,6 +166,9 @@ def outcome(kern: kernel.Kernel, buf: bytes, pos: int = 0) -> dict[str, object]:
     bad_packed = kern.pack(buf, pos, ends, 0, len(ends), True, values, offsets, 3)
     done = len(records)
     packed = [values[offsets[i] : offsets[i + 1]].tobytes() for i in range(done)]
+    views = np.full(kernel.VIEW_BYTES * len(ends), 0xAB, np.uint8)
+    bad_views = kern.views(buf, pos, ends, 0, len(ends), True, views, 1)
+    good = bad_views if bad_views >= 0 else len(ends)
     return {
         "ends": ends.tolist(),
         "bad_length": bad_length,
@@ -129,7 +178,18 @@ def outcome(kern: kernel.Kernel, buf: bytes, pos: int = 0) -> dict[str, object]:
         "packed": packed,
         "bad_packed": bad_packed,
         "unverified": kern.cut(buf, pos, ends, 0, len(ends), False)[0],
+        "views": views[: kernel.VIEW_BYTES * good].tobytes(),
+        "viewed": view_array(views, good, buf).to_pylist(),
+        "bad_views": bad_views,
     }
+
+
+def view_array(views: np.ndarray, count: int, buf: bytes) -> pa.BinaryViewArray:
+    """The views as an Arrow array over ``buf`` (data buffer 1; 0 is empty), validated in full."""
+    buffers = [None, pa.py_buffer(views[: kernel.VIEW_BYTES * count]), pa.py_buffer(b""), pa.py_buffer(buf)]
+    array = pa.Array.from_buffers(pa.binary_view(), count, buffers)
+    array.validate(full=True)
+    return array
 
 
 record_lists = st.lists(st.binary(max_size=300), max_size=20)
@@ -142,8 +202,8 @@ def test_both_kernels_frame_cut_and_pack_valid_files_alike(records: list[bytes],
     buf = lead + b"".join(map(framed, records))
     python, c = outcome(kernel.PYTHON, buf, len(lead)), outcome(c_kernel(), buf, len(lead))
     assert python == c
-    assert c["records"] == c["packed"] == c["unverified"] == records
-    assert c["bad_length"] is False and c["bad"] == c["bad_packed"] == -1
+    assert c["records"] == c["packed"] == c["unverified"] == c["viewed"] == records
+    assert c["bad_length"] is False and c["bad"] == c["bad_packed"] == c["bad_views"] == -1
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
@@ -172,7 +232,9 @@ def test_both_kernels_agree_on_mutated_bytes(records: list[bytes], seed: int, ro
     buf = b"".join(map(framed, records))
     for _ in range(rounds):
         buf = mutate(buf, rng)
-    assert outcome(kernel.PYTHON, buf) == outcome(c_kernel(), buf)
+    python, c = outcome(kernel.PYTHON, buf), outcome(c_kernel(), buf)
+    assert python == c
+    assert c["viewed"] == c["records"] and c["bad_views"] == c["bad"]
 
 
 @pytest.mark.parametrize("kern", KERNELS)
@@ -207,8 +269,14 @@ def test_the_c_kernel_refuses_ends_that_are_not_records_of_the_buffer() -> None:
             compiled.cut(buf, 0, array, lo, hi, True)
         with pytest.raises(ValueError, match="record|range"):
             compiled.pack(buf, 0, array, lo, hi, True, values, offsets, 0)
+        with pytest.raises(ValueError, match="record|range"):
+            compiled.views(buf, 0, array, lo, hi, True, np.empty(160, np.uint8), 0)
     with pytest.raises(ValueError, match="too small"):
         compiled.pack(buf, 0, np.array([19, 38, 57], np.int64), 0, 3, True, np.empty(8, np.uint8), offsets, 0)
+    with pytest.raises(ValueError, match="too small"):
+        compiled.views(buf, 0, np.array([19, 38, 57], np.int64), 0, 3, True, np.empty(47, np.uint8), 0)
+    with pytest.raises(ValueError, match="index -1"):
+        compiled.views(buf, 0, np.array([19, 38, 57], np.int64), 0, 3, True, np.empty(48, np.uint8), -1)
     with pytest.raises(ValueError, match="pos"):
         compiled.frame(buf, 10, 5, np.empty(4, np.int64), True)
     with pytest.raises(TypeError, match="writable"):
@@ -240,12 +308,18 @@ for _ in range(int(sys.argv[2])):
     recs, bad_data = k.cut(buf, 0, ends, 0, count, True)
     values, offsets = np.empty(len(buf), np.uint8), np.empty(count + 1, np.int64)
     k.pack(buf, 0, ends, 0, count, True, values, offsets, 0)
+    assert k.views(buf, 0, ends, 0, count, True, np.empty(16 * count, np.uint8), 0) == bad_data
     seen["records"] += len(recs)
     seen["bad_length"] += bad
     seen["bad_data"] += bad_data >= 0
     nonsense = np.array([rng.randrange(-2**40, 2**40) for _ in range(rng.randrange(0, 5))], np.int64)
     try:
         k.cut(buf, rng.randrange(-5, 50), nonsense, rng.randrange(-1, 4), rng.randrange(-1, 6), True)
+    except ValueError:
+        seen["refused"] += 1
+    try:
+        k.views(buf, rng.randrange(-5, 50), nonsense, rng.randrange(-1, 4), rng.randrange(-1, 6), True,
+                np.empty(16 * rng.randrange(0, 6), np.uint8), rng.randrange(-1, 3))
     except ValueError:
         seen["refused"] += 1
 print(json.dumps(seen))
@@ -288,7 +362,8 @@ def read_all(read: Callable[[], Iterator[object]]) -> tuple[list[bytes], tuple[o
             if isinstance(item, bytes):
                 records.append(item)
             else:
-                assert isinstance(item, pa.LargeBinaryArray) and len(item) > 0
+                assert isinstance(item, (pa.LargeBinaryArray, pa.BinaryViewArray)) and len(item) > 0
+                item.validate(full=True)
                 records.extend(item.to_pylist())
     except CorruptRecordError as error:
         return records, (error.record_index, error.offset, error.framing_intact, str(error))
@@ -299,6 +374,7 @@ def both_readers(path: str, **options: object) -> list[tuple[list[bytes], tuple[
     return [
         read_all(lambda: read_tfrecord(path, **options)),  # type: ignore[arg-type]
         read_all(lambda: read_tfrecord_batches(path, batch_records=3, **options)),  # type: ignore[arg-type]
+        read_all(lambda: read_tfrecord_batches(path, batch_records=3, arrow_type="binary_view", **options)),  # type: ignore[arg-type]
     ]
 
 
@@ -322,8 +398,8 @@ def test_every_cut_of_a_small_file_reads_alike_under_both_kernels_and_both_reade
             f.write(whole[:cut])
         python, c = under_each_kernel(monkeypatch, lambda: both_readers(path, compression=None))
         assert python == c, cut
-        per_record, batched = c
-        assert per_record == batched, cut
+        per_record, batched, viewed = c
+        assert per_record == batched == viewed, cut
         records, error = per_record
         assert records == SMALL[: len(records)]
         assert (error is None) == (cut in np.cumsum([0, *map(len, map(framed, SMALL))]).tolist()), cut
@@ -345,15 +421,21 @@ def test_mutated_files_read_alike_under_both_kernels_with_the_same_located_error
         monkeypatch.setattr(skio, "BLOCK_SIZE", block)
         python, c = under_each_kernel(monkeypatch, lambda: both_readers(path, compression=None))
     assert python == c
-    assert c[0] == c[1]  # read_tfrecord and read_tfrecord_batches: the same records, the same error
+    assert c[0] == c[1] == c[2]  # read_tfrecord and read_tfrecord_batches (both layouts): the same records and error
 
 
 # --------------------------------------------------------------------------- read_tfrecord_batches
 
 
+ARRAY_CLASSES = {"large_binary": pa.LargeBinaryArray, "binary_view": pa.BinaryViewArray}
+
+
+@pytest.mark.parametrize("arrow_type", list(ARRAY_CLASSES))
 @pytest.mark.parametrize("compression", [None, "gzip"])
 @pytest.mark.parametrize("batch_records", [1, 3, 7, 1000])
-def test_batches_hold_read_tfrecords_records_byte_for_byte(tmp_path, monkeypatch, compression, batch_records) -> None:
+def test_batches_hold_read_tfrecords_records_byte_for_byte(
+    tmp_path, monkeypatch, compression, batch_records, arrow_type
+) -> None:
     monkeypatch.setattr(tfr, "BLOCK_SIZE", 500)  # batches span blocks
     monkeypatch.setattr(skio, "BLOCK_SIZE", 500)
     rng = np.random.default_rng(1)
@@ -362,29 +444,30 @@ def test_batches_hold_read_tfrecords_records_byte_for_byte(tmp_path, monkeypatch
     with TFRecordWriter(path, compression=compression) as writer:
         for record in records:
             writer.write(record)
-    arrays = list(read_tfrecord_batches(path, batch_records=batch_records))
-    assert all(isinstance(a, pa.LargeBinaryArray) for a in arrays)
+    arrays = list(read_tfrecord_batches(path, batch_records=batch_records, arrow_type=arrow_type))
+    assert all(isinstance(a, ARRAY_CLASSES[arrow_type]) for a in arrays)
     assert [len(a) for a in arrays[:-1]] == [batch_records] * (len(arrays) - 1) and 0 < len(arrays[-1]) <= batch_records
     assert [r for a in arrays for r in a.to_pylist()] == list(read_tfrecord(path)) == records
     for a in arrays:
         a.validate(full=True)
 
 
-def test_batches_honour_start_stop_and_an_index(tmp_path) -> None:
+@pytest.mark.parametrize("arrow_type", list(ARRAY_CLASSES))
+def test_batches_honour_start_stop_and_an_index(tmp_path, arrow_type) -> None:
     records = [bytes([i]) * i for i in range(50)]
     path = write(str(tmp_path / "a.tfrecord"), records)
     index = build_index(path)
     for start, stop in [(0, None), (5, 17), (49, 50), (50, None), (10, 10)]:
         for idx in (None, index):
-            got = [
-                r
-                for a in read_tfrecord_batches(path, start=start, stop=stop, index=idx, batch_records=4)
-                for r in a.to_pylist()
-            ]
+            arrays = read_tfrecord_batches(
+                path, start=start, stop=stop, index=idx, batch_records=4, arrow_type=arrow_type
+            )
+            got = [r for a in arrays for r in a.to_pylist()]
             assert got == records[start:stop], (start, stop, idx)
 
 
-def test_batches_hand_out_the_good_records_before_a_bad_data_crc_then_name_it(tmp_path) -> None:
+@pytest.mark.parametrize("arrow_type", list(ARRAY_CLASSES))
+def test_batches_hand_out_the_good_records_before_a_bad_data_crc_then_name_it(tmp_path, arrow_type) -> None:
     records = [b"r%d" % i * 20 for i in range(10)]
     data = bytearray(b"".join(map(framed, records)))
     offset = sum(len(framed(r)) for r in records[:6])
@@ -394,7 +477,7 @@ def test_batches_hand_out_the_good_records_before_a_bad_data_crc_then_name_it(tm
         f.write(data)
     got: list[bytes] = []
     with pytest.raises(CorruptRecordError, match="data CRC mismatch") as caught:
-        for array in read_tfrecord_batches(path, batch_records=4):
+        for array in read_tfrecord_batches(path, batch_records=4, arrow_type=arrow_type):
             got.extend(array.to_pylist())
     assert got == records[:6]
     assert (caught.value.record_index, caught.value.offset) == (6, offset)
@@ -406,20 +489,48 @@ def test_batches_refuse_a_batch_of_no_records(tmp_path) -> None:
         read_tfrecord_batches(path, batch_records=0)
 
 
+def test_batches_refuse_an_arrow_type_they_do_not_build(tmp_path) -> None:
+    path = write(str(tmp_path / "a.tfrecord"), [b"x"])
+    with pytest.raises(ValueError, match="arrow_type must be one of 'large_binary', 'binary_view', got 'binary'"):
+        read_tfrecord_batches(path, arrow_type="binary")
+
+
+def test_binary_view_batches_share_the_blocks_and_convert_cast_and_write_to_parquet(tmp_path) -> None:
+    """No record is copied (the data buffers are the blocks as read, framing and all), and what a consumer does
+    with the arrays works: Python objects, a cast to large_binary, a Parquet round trip, decode_columns."""
+    import pyarrow.parquet as pq
+
+    records = [shardkit.encode_example({"label": i, "blob": bytes([i % 256]) * (i % 40)}) for i in range(300)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    (array,) = read_tfrecord_batches(path, batch_records=1000, arrow_type="binary_view")
+    with open(path, "rb") as f:
+        whole = f.read()
+    blocks = [bytes(buffer) for buffer in array.buffers()[2:]]  # the blocks as read (each from a record's start)
+    assert blocks[0] == whole[: len(blocks[0])] and all(block in whole for block in blocks)
+    assert array.buffers()[1].size == 16 * len(records)  # views, 16 bytes each, are all the array adds
+    assert array.to_pylist() == records
+    assert array.cast(pa.large_binary()).to_pylist() == records
+    pq.write_table(pa.table({"record": array}), tmp_path / "a.parquet")
+    assert pq.read_table(tmp_path / "a.parquet").column("record").to_pylist() == records
+    columns = shardkit.decode_columns(array.to_pylist(), {"label": ("int64", ())})
+    assert columns["label"].tolist() == list(range(300))
+
+
 def test_read_tfrecord_batches_is_exported_from_shardkit() -> None:
     assert shardkit.read_tfrecord_batches is read_tfrecord_batches
 
 
+@pytest.mark.parametrize("arrow_type", list(ARRAY_CLASSES))
 def test_arrays_kept_by_the_caller_stay_intact_while_later_blocks_reuse_the_buffers_of_dropped_ones(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, arrow_type
 ) -> None:
     monkeypatch.setattr(tfr, "BLOCK_SIZE", 2048)  # many blocks, each a few arrays: buffers are reused
     rng = np.random.default_rng(2)
     records = [rng.bytes(int(n)) for n in rng.integers(0, 200, 3000)]
     path = write(str(tmp_path / "a.tfrecord"), records)
-    kept: list[tuple[int, pa.LargeBinaryArray]] = []
+    kept: list[tuple[int, pa.Array]] = []
     seen = 0
-    for i, array in enumerate(read_tfrecord_batches(path, batch_records=5)):
+    for i, array in enumerate(read_tfrecord_batches(path, batch_records=5, arrow_type=arrow_type)):
         assert array.to_pylist() == records[seen : seen + len(array)]
         if i % 7 == 0:
             kept.append((seen, array))
@@ -427,6 +538,33 @@ def test_arrays_kept_by_the_caller_stay_intact_while_later_blocks_reuse_the_buff
     assert seen == len(records)
     for start, array in kept:  # read again after every later block was read into whatever buffer was free
         assert array.to_pylist() == records[start : start + len(array)]
+
+
+def test_large_binary_batches_larger_than_any_before_grow_their_values_and_leave_earlier_arrays_intact(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(arrays_module, "_FIRST_VALUES", 256)  # values buffers start at 256 bytes
+    records = [bytes([i % 256]) * (i % 50) for i in range(400)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    got = list(read_tfrecord_batches(path, batch_records=37))
+    for a in got:
+        a.validate(full=True)
+    assert [r for a in got for r in a.to_pylist()] == records
+
+
+def test_small_large_binary_batches_hold_buffers_of_their_own_size_not_a_pooled_megabyte(tmp_path) -> None:
+    import tracemalloc  # numpy reports its buffers to it
+
+    records = [bytes([i]) * 100 for i in range(40)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    tracemalloc.start()
+    try:
+        kept = list(read_tfrecord_batches(path, batch_records=3))  # 14 arrays; the reader and its pool are gone
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert [r for a in kept for r in a.to_pylist()] == records
+    assert held < 256 * 1024, held  # not 14 pooled buffers of 1 MB
 
 
 def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
@@ -440,3 +578,14 @@ def test_a_block_buffer_is_taken_again_only_when_nothing_holds_it() -> None:
     view = memoryview(again)
     del again
     assert buffers.take(100) is not view.obj  # a view of it holds it too
+
+
+def test_the_block_buffer_taken_last_is_taken_again_first_while_it_is_in_the_cache() -> None:
+    buffers = BlockBuffers(4096)
+    a, b, c = buffers.take(4096), buffers.take(4096), buffers.take(4096)
+    ids = [id(a), id(b), id(c)]
+    del a, b, c
+    assert [id(buffers.take(4096)) for _ in range(3)] == [ids[2]] * 3  # free each time: the same one
+    assert len(BlockBuffers(256 * 1024)._pool) == 0 and BlockBuffers(256 * 1024)._keep == 4 * skio.BLOCK_SIZE // (
+        256 * 1024
+    )

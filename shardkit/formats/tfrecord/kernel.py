@@ -1,6 +1,6 @@
 """The framing kernel: find, check and copy out the records of a block, in C (``_tfrecord.c``) when built, else Python.
 
-Three operations, each over many records at once, so the reader has no
+Four operations, each over many records at once, so the reader has no
 Python loop per record beyond handing the records out:
 
 - ``frame`` walks a buffer from a record boundary and
@@ -13,6 +13,9 @@ Python loop per record beyond handing the records out:
 - ``pack`` does the same into one values buffer and an
   ``int64`` offsets array (an Arrow binary array's buffers): no Python object
   per record.
+- ``views`` checks the data CRCs of records ``lo:hi`` and writes an Arrow
+  ``binary_view`` view of each (16 bytes: length, prefix, buffer, offset),
+  leaving the data where it was read: no copy at all.
 
 Record ``i`` of a block spans ``buf[start_i:ends[i]]`` where ``start_0`` is
 the block's ``first`` offset and ``start_i = ends[i - 1]``.
@@ -22,8 +25,9 @@ one is used when ``shardkit.formats._tfrecord`` is built, unless
 ``SHARDKIT_PURE_PYTHON=1`` is set (the same switch as the tf.Example decoder's).
 Both return the same ends, records and first bad record for any bytes; the
 tests run them side by side on valid, mutated and truncated files. The C
-kernel computes CRC-32C itself (SSE4.2 when the CPU has it, else tables), to
-the ``crc32c`` package's values.
+kernel computes CRC-32C itself (AVX-512 carry-less multiplication or SSE4.2
+when the CPU has them, else tables; the data CRCs of four records at once),
+to the ``crc32c`` package's values.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import numpy as np
 
 from shardkit.formats.crc import crc32c, masked_crc32c_of_lengths, unmask_array
 
-__all__ = ["BACKEND", "COMPILED", "KERNEL", "PYTHON", "Kernel"]
+__all__ = ["BACKEND", "COMPILED", "INLINE_BYTES", "KERNEL", "MAX_VIEW_BUFFER", "PYTHON", "VIEW_BYTES", "Kernel"]
 
 _U32_BYTES: Final = np.arange(4)
 _U64_BYTES: Final = np.arange(8)
@@ -68,6 +72,12 @@ class _Pack(Protocol):
     ) -> int: ...
 
 
+class _Views(Protocol):
+    def __call__(
+        self, buf: Any, first: int, ends: np.ndarray, lo: int, hi: int, verify: bool, out: np.ndarray, index: int
+    ) -> int: ...
+
+
 class Kernel(NamedTuple):
     """One backend's three operations (see the module docstring)."""
 
@@ -82,6 +92,10 @@ class Kernel(NamedTuple):
     """``pack(buf, first, ends, lo, hi, verify, values, offsets, base) -> bad``: the data of records ``lo:hi``
     copied into ``values`` from byte ``base``; ``offsets[0] = base``, ``offsets[k + 1]`` where record
     ``lo + k`` ends; ``bad`` as for ``cut``."""
+    views: _Views
+    """``views(buf, first, ends, lo, hi, verify, out, index) -> bad``: the Arrow ``binary_view`` views of records
+    ``lo:hi`` written to ``out`` (``uint8``, 16 bytes a view, from ``out[0]``), their data left where it is in
+    ``buf``, the array's data buffer ``index``; ``bad`` as for ``cut`` (the views before it are written)."""
 
 
 # --------------------------------------------------------------------------- Python
@@ -164,7 +178,41 @@ def pack_python(
     return bad
 
 
-PYTHON: Final = Kernel("python", frame_python, cut_python, pack_python)
+VIEW_BYTES: Final = 16
+"""Bytes of one Arrow ``binary_view`` view: the length, then the data itself when it has at most
+:data:`INLINE_BYTES`, else its first 4 bytes, the data buffer's index and the offset in it (``int32`` each)."""
+INLINE_BYTES: Final = 12
+MAX_VIEW_BUFFER: Final = 2**31 - 1
+"""The largest data buffer a view can point into (its offsets are ``int32``)."""
+
+
+def views_python(
+    buf: Any, first: int, ends: np.ndarray, lo: int, hi: int, verify: bool, out: np.ndarray, index: int
+) -> int:
+    """:attr:`Kernel.views` in Python: :func:`cut_python` checks the CRCs, numpy writes the views."""
+    if len(buf) > MAX_VIEW_BUFFER:
+        raise ValueError(f"views: a buffer of {len(buf)} bytes (binary_view offsets are int32)")
+    bad = cut_python(buf, first, ends, lo, hi, verify)[1] if verify else -1
+    k = (bad if bad >= 0 else hi) - lo
+    stops = ends[lo : lo + k]
+    starts = np.concatenate((np.array([int(ends[lo - 1]) if lo else first], np.int64), stops[:-1]))[:k]
+    offsets, lengths = starts + 12, stops - starts - 16
+    rows = out[: VIEW_BYTES * k].reshape(k, VIEW_BYTES)
+    rows[:] = 0
+    words = rows.view("<i4")  # (k, 4): length, prefix or inline data, buffer index, offset
+    words[:, 0] = lengths
+    data = np.frombuffer(buf, np.uint8)
+    positions = offsets[:, None] + np.arange(INLINE_BYTES)
+    short = lengths <= INLINE_BYTES
+    inline = np.arange(INLINE_BYTES) < lengths[short, None]
+    rows[short, 4:] = np.where(inline, data[np.minimum(positions[short], max(len(data) - 1, 0))], 0)
+    rows[~short, 4:8] = data[positions[~short, :4]]
+    words[~short, 2] = index
+    words[~short, 3] = offsets[~short]
+    return bad
+
+
+PYTHON: Final = Kernel("python", frame_python, cut_python, pack_python, views_python)
 """The pure-Python kernel, always available (the tests compare the compiled one with it)."""
 
 
@@ -187,14 +235,14 @@ COMPILED: Final = _load_c_backend()
 
 
 def _c_kernel(module: Any) -> Kernel:
-    c_frame, c_cut, c_pack = module.frame, module.cut, module.pack
+    c_frame, c_cut, c_pack, c_views = module.frame, module.cut, module.pack, module.views
 
     def frame(buf: Any, pos: int, end: int, check_lengths: bool) -> tuple[np.ndarray, bool]:
         out = np.empty(max(0, end - pos) // 16 + 1, dtype=np.int64)  # 16: the smallest record
         count, bad = c_frame(buf, pos, end, out, check_lengths)
         return out[:count], bool(bad)
 
-    return Kernel("c", frame, c_cut, c_pack)
+    return Kernel("c", frame, c_cut, c_pack, c_views)
 
 
 KERNEL: Final = _c_kernel(COMPILED) if COMPILED is not None else PYTHON

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from shardkit.errors import ShardkitError
 from shardkit.formats.tfrecord import index as index_files
-from shardkit.formats.tfrecord.arrays import read_arrays
+from shardkit.formats.tfrecord.arrays import ARROW_TYPES, read_arrays
 from shardkit.formats.tfrecord.framing import read_batches
 from shardkit.io.remote import RemoteOptions
 
@@ -87,14 +87,27 @@ def read_tfrecord_batches(
     index: IndexLike | None = None,
     storage_options: dict[str, Any] | None = None,
     remote: RemoteOptions | None = None,
-) -> Iterator[pa.LargeBinaryArray]:
+    arrow_type: str = "large_binary",
+) -> Iterator[pa.LargeBinaryArray | pa.BinaryViewArray]:
     """Iterate over the records of a TFRecord file as Arrow arrays of many records each.
 
     The records of :func:`read_tfrecord` (the same bytes, the same checks and
-    the same errors), ``batch_records`` to an array (the last may be shorter):
-    ``pyarrow.LargeBinaryArray`` s built from one values buffer and one offsets
-    buffer, with no Python object per record, which makes this the fastest way
-    to read raw records. Both CRCs of every record are checked with ``verify``.
+    the same errors), ``batch_records`` to an array (the last may be shorter),
+    with no Python object per record, which makes this the fastest way to read
+    raw records. Both CRCs of every record are checked with ``verify``.
+
+    ``arrow_type`` picks the arrays' layout:
+
+    - ``"large_binary"`` (the default): ``pyarrow.LargeBinaryArray`` s, one
+      values buffer and one offsets buffer each; every Arrow function takes them.
+    - ``"binary_view"``: ``pyarrow.BinaryViewArray`` s (Arrow's string-view
+      layout; pyarrow >= 16), whose data buffers are the blocks as read: no
+      record is copied, the faster of the two (1.4x as fast on 100k records
+      of 1 KB: ``benchmarks/tfrecord.py --kernel-only``). ``to_pylist()``,
+      ``cast(pa.large_binary())``, Parquet and IPC writes take them; some
+      compute functions do not yet (``pyarrow.compute.binary_length``: cast
+      first). An array holds on to the blocks its records are in.
+
     Other arguments are :func:`read_tfrecord`'s.
 
     A bad record raises :class:`~shardkit.CorruptRecordError` (url, record
@@ -106,9 +119,13 @@ def read_tfrecord_batches(
     """
     if batch_records < 1:
         raise ValueError(f"batch_records must be at least 1, got {batch_records}")
+    if arrow_type not in ARROW_TYPES:
+        raise ValueError(f"arrow_type must be one of {', '.join(map(repr, ARROW_TYPES))}, got {arrow_type!r}")
     if start < 0 or (stop is not None and stop < start):
         raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
-    return _read_arrays(url, compression, verify, start, stop, index, storage_options, remote, batch_records)
+    return _read_arrays(
+        url, compression, verify, start, stop, index, storage_options, remote, batch_records, arrow_type
+    )
 
 
 def _read_arrays(
@@ -121,7 +138,8 @@ def _read_arrays(
     storage_options: dict[str, Any] | None,
     remote: RemoteOptions | None,
     batch_records: int,
-) -> Iterator[pa.LargeBinaryArray]:
+    arrow_type: str,
+) -> Iterator[pa.LargeBinaryArray | pa.BinaryViewArray]:
     position = _position(url, compression, start, stop, index, storage_options)
     if position is None:
         return
@@ -138,6 +156,7 @@ def _read_arrays(
         first=first,
         offset=offset,
         end=end,
+        arrow_type=arrow_type,
     )
 
 
