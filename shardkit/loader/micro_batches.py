@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from shardkit.loader import slab_columns
 from shardkit.loader.slabs import SlabRing
-from shardkit.loader.timing import WorkerClock, now
+from shardkit.loader.timing import WorkerClock
 from shardkit.stateful import State, StateError
 
 #: ``count`` of the message a worker sends first, with its dataset's starting state.
@@ -80,28 +80,25 @@ class MicroBatches(IterableDataset):
         chunks = self._column_chunks(samples, ring, clock) if self.columns else self._chunks(samples, ring, clock)
         for count, payload in chunks:
             yield worker, count, payload, clock.state(saver), clock.figures()
-            clock.resumed()
         yield worker, 0, None, saver(), clock.figures()
 
     def _chunks(self, samples: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
         while chunk := clock.take(samples, self.size):
-            start = now()
             if not self.collate:
                 payload = chunk
             else:
                 payload = default_collate(chunk) if ring is None else ring.collate(chunk)
-            clock.collated(start, len(chunk))
+            clock.collated(len(chunk))
             yield len(chunk), payload
 
     @staticmethod
     def _column_chunks(batches: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
         while taken := clock.take(batches, 1):
-            start = now()
             parts = slab_columns.as_parts(taken[0])
             count = slab_columns.columns_length(parts)
             if count:  # 0 would read as the end marker
                 payload = parts if ring is None else ring.put(parts)
-                clock.collated(start, count)
+                clock.collated(count)
                 yield count, payload
 
 
