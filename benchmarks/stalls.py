@@ -51,7 +51,9 @@ def to_tensors(example: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 class Untimed(MicroBatches):
-    """The workers' loop without any clock (figures None), for comparison."""
+    """The workers' loop without the accounting's clock (figures None), for comparison. It still
+    decides which micro-batches carry the dataset's state as the timed loop does (the work since
+    the last state against what that state cost), with the two clock reads that needs."""
 
     def _messages(self, worker: int, states: Any) -> Iterator[Any]:
         if states is not None:
@@ -60,11 +62,21 @@ class Untimed(MicroBatches):
         saver = StateSaver(self.dataset, self.resumable)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
         yield worker, START, None if ring is None else ring.flags, saver(), None
-        while chunk := list(islice(samples, self.size)):
+        since, busy, cost = 0, 0, 0
+        while True:
+            start = time.perf_counter_ns()
+            chunk = list(islice(samples, self.size))
+            if not chunk:
+                break
             payload = (
                 chunk if not self.collate else ring.collate(chunk) if ring else torch.utils.data.default_collate(chunk)
             )
-            yield worker, len(chunk), payload, saver(), None
+            since, state, end = since + 1, None, time.perf_counter_ns()
+            busy += end - start
+            if since >= self.state_every or busy >= self.state_ratio * cost:
+                state = saver()
+                since, busy, cost = 0, 0, time.perf_counter_ns() - end
+            yield worker, len(chunk), payload, state, None
         yield worker, 0, None, saver(), None
 
 

@@ -173,6 +173,8 @@ class WorkerClock:
         self._sampled = [0] * len(self.names)
         self._last: tuple[int, ...] = ()  # the sampled stage times of the latest micro-batch
         self._taken = 0  # the latest take's start
+        self.state_ns = 0  #: what the latest :meth:`state` took
+        self._busy_at_state = 0  # pipeline and collate time when the latest state was saved
         #: With ``trace``: the latest micro-batch's pipeline ns, sampled stage ns, collate ns and state ns.
         self._steps: tuple[int, tuple[int, ...], int, int] = (0, (), 0, 0)
 
@@ -225,10 +227,16 @@ class WorkerClock:
         counts[5] += count
         counts[6] += 1
 
+    def busy_since_state(self) -> int:
+        """Pipeline and collate time since the latest :meth:`state` (since the start before any)."""
+        return self._counts[1] + self._counts[2] - self._busy_at_state
+
     def state(self, saver: Any) -> Any:
         """``saver()``, timed: the dataset's state sent with this micro-batch."""
         state = saver()
         end = _now()
+        self.state_ns = end - self._mark
+        self._busy_at_state = self._counts[1] + self._counts[2]
         self._counts[3] += end - self._mark
         if self.trace:
             self._steps = (*self._steps[:3], end - self._mark)
