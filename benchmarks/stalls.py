@@ -39,10 +39,10 @@ import numpy as np
 import torch
 
 import shardkit
+from shardkit.loader import timing
 from shardkit.loader.micro_batches import START, MicroBatches, StateSaver
 from shardkit.loader.slabs import SlabRing
 from shardkit.loader.stalls import StallMeter
-from shardkit.loader import timing
 from shardkit.loader.timing import SAMPLE_EVERY, SAMPLED, WorkerClock, _Timed
 
 

@@ -15,8 +15,8 @@ import signal
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Protocol
 
 import torch
@@ -200,7 +200,9 @@ class Mixer(Iterator[Any]):
         parts = [(entry.payload, entry.start, entry.count) for entry in entries]
         if self._columns:
             rest: Any = slab_columns.plain(
-                slab_columns.tail(*parts[0]) if len(parts) == 1 else slab_columns.as_parts(slab_columns.join_columns(parts))
+                slab_columns.tail(*parts[0])
+                if len(parts) == 1
+                else slab_columns.as_parts(slab_columns.join_columns(parts))
             )
         elif self._collate_fn is not None:
             rest = [sample for payload, start, stop in parts for sample in payload[start:stop]]
