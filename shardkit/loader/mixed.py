@@ -354,8 +354,8 @@ class MixedLoader:
 
         Call it between batches (in the training loop, with the model's
         checkpoint). It holds the epoch, the batch index, each worker's
-        dataset state and the encoded undelivered tail of at most one
-        micro-batch per worker; see the module docstring. The dataset must
+        dataset state and, per worker, the encoded undelivered samples
+        before it (one tail); see the module docstring. The dataset must
         be Stateful (every shardkit pipeline is).
 
         Under an initialised process group of more than one rank it returns
