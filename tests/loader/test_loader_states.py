@@ -3,7 +3,6 @@ saved states stay exact: resuming at any step gives the uninterrupted run's batc
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +12,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 import shardkit
-from shardkit.loader.micro_batches import START, STATE_EVERY, in_process
+from shardkit.loader import timing
+from shardkit.loader.micro_batches import START, STATE_EVERY, STATE_RATIO, in_process
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -84,36 +84,54 @@ def test_a_state_carrying_several_micro_batches_resumes_exactly_once_with_anothe
     assert Counter(delivered) == Counter(range(SAMPLES))
 
 
-class Timed(IterableDataset):
-    """Counts up to ``length``, ``sample_seconds`` per sample; its state costs ``state_seconds``."""
+class Clock:
+    """A clock for the worker's timing that moves only when told (nanoseconds)."""
 
-    def __init__(self, length: int, sample_seconds: float, state_seconds: float) -> None:
-        self.length, self.sample_seconds, self.state_seconds = length, sample_seconds, state_seconds
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class Timed(IterableDataset):
+    """Counts up to ``length``; each sample takes ``sample_ms`` and its state ``state_ms`` on ``clock``."""
+
+    def __init__(self, clock: Clock, length: int, sample_ms: int, state_ms: int) -> None:
+        self.clock, self.length, self.sample_ms, self.state_ms = clock, length, sample_ms, state_ms
         self.position = 0
 
     def __iter__(self) -> Iterator[int]:
         while self.position < self.length:
-            time.sleep(self.sample_seconds)
+            self.clock.now += self.sample_ms * 1_000_000
             self.position += 1
             yield self.position - 1
 
     def state_dict(self) -> dict[str, int]:
-        time.sleep(self.state_seconds)
+        self.clock.now += self.state_ms * 1_000_000
         return {"position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = state["position"]
 
 
-def states_sent(dataset: Timed) -> list[int]:
-    """The micro-batches (numbered from 1) whose message carries the dataset's state."""
+def states_sent(monkeypatch: pytest.MonkeyPatch, sample_ms: int, state_ms: int, length: int = 80) -> list[int]:
+    """The micro-batches (of 2 samples, numbered from 1) whose message carries the dataset's state."""
+    clock = Clock()
+    monkeypatch.setattr(timing, "_now", clock)
+    dataset = Timed(clock, length, sample_ms, state_ms)
     messages = list(in_process(dataset, 2, collate=False, resumable=True))
-    assert messages[0][1] == START and messages[-1][1] == 0 and messages[-1][3] == {"position": dataset.length}
+    assert messages[0][1] == START and messages[-1][1] == 0 and messages[-1][3] == {"position": length}
     return [number for number, message in enumerate(messages[1:-1], 1) if message[3] is not None]
 
 
-def test_a_dear_state_goes_with_one_micro_batch_in_state_every_and_a_cheap_one_with_every_micro_batch() -> None:
-    dear = states_sent(Timed(2 * 2 * STATE_EVERY, sample_seconds=0, state_seconds=0.02))
-    assert dear == [1, 1 + STATE_EVERY]  # the first, then the cap: the work between never outweighs 9 x 20 ms
-    cheap = states_sent(Timed(12, sample_seconds=0.003, state_seconds=0))
-    assert cheap == list(range(1, 7))
+def test_a_worker_sends_its_state_once_the_work_since_the_last_is_nine_times_what_it_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert STATE_RATIO == 9 and STATE_EVERY == 16
+    # a state of 20 ms after micro-batches of 2 x 10 ms: one in 9 (180 ms of work) after the first
+    assert states_sent(monkeypatch, sample_ms=10, state_ms=20) == [1, 10, 19, 28, 37]
+    # a state dearer than 16 micro-batches' work: one in 16, the most a saved state then carries
+    assert states_sent(monkeypatch, sample_ms=0, state_ms=20) == [1, 17, 33]
+    # a state that costs nothing against its micro-batch goes with every one
+    assert states_sent(monkeypatch, sample_ms=3, state_ms=0, length=12) == [1, 2, 3, 4, 5, 6]
