@@ -15,7 +15,10 @@ per-message calls) and through plain ``islice``, alternating, 15 rounds; and the
 per-step clock of the main process is timed alone.
 
 It also times what a sampled micro-batch adds: a timing proxy per stage per sample
-(:mod:`shardkit.loader.timing`), paid in one micro-batch of ``SAMPLE_EVERY``.
+(:mod:`shardkit.loader.timing`), paid by ``SAMPLED`` samples of one micro-batch in
+``SAMPLE_EVERY``. Besides samples per second, each case reports the CPU seconds a
+sample costs (main process and workers, from ``/proc``), which a shared machine
+disturbs far less than wall time.
 
     python benchmarks/stalls.py            # full run
     python benchmarks/stalls.py --quick    # a few seconds, for CI
@@ -24,6 +27,7 @@ It also times what a sampled micro-batch adds: a timing proxy per stage per samp
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -35,10 +39,11 @@ import numpy as np
 import torch
 
 import shardkit
+from shardkit.loader import timing
 from shardkit.loader.micro_batches import START, MicroBatches, StateSaver
 from shardkit.loader.slabs import SlabRing
 from shardkit.loader.stalls import StallMeter
-from shardkit.loader.timing import SAMPLE_EVERY, WorkerClock, _Timed
+from shardkit.loader.timing import SAMPLE_EVERY, SAMPLED, WorkerClock, _Timed
 
 
 def to_tensors(example: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -46,7 +51,9 @@ def to_tensors(example: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 class Untimed(MicroBatches):
-    """The workers' loop without any clock (figures None), for comparison."""
+    """The workers' loop without the accounting's clock (figures None), for comparison. It still
+    decides which micro-batches carry the dataset's state as the timed loop does (the work since
+    the last state against what that state cost), with the two clock reads that needs."""
 
     def _messages(self, worker: int, states: Any) -> Iterator[Any]:
         if states is not None:
@@ -55,11 +62,21 @@ class Untimed(MicroBatches):
         saver = StateSaver(self.dataset, self.resumable)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
         yield worker, START, None if ring is None else ring.flags, saver(), None
-        while chunk := list(islice(samples, self.size)):
+        since, busy, cost = 0, 0, 0
+        while True:
+            start = time.perf_counter_ns()
+            chunk = list(islice(samples, self.size))
+            if not chunk:
+                break
             payload = (
                 chunk if not self.collate else ring.collate(chunk) if ring else torch.utils.data.default_collate(chunk)
             )
-            yield worker, len(chunk), payload, saver(), None
+            since, state, end = since + 1, None, time.perf_counter_ns()
+            busy += end - start
+            if since >= self.state_every or busy >= self.state_ratio * cost:
+                state = saver()
+                since, busy, cost = 0, 0, time.perf_counter_ns() - end
+            yield worker, len(chunk), payload, state, None
         yield worker, 0, None, saver(), None
 
 
@@ -80,12 +97,29 @@ def loader(shards: shardkit.ShardList, timed: bool, resumable: bool) -> shardkit
     return built
 
 
-def epoch(built: shardkit.MixedLoader, timed: bool) -> float:
-    """Seconds for one epoch; untimed, through the mixer, past the per-step clock."""
-    start = time.perf_counter()
+def cpu_seconds(built: shardkit.MixedLoader) -> float:
+    """CPU seconds the main process and the loader's persistent workers have used (Linux; else the
+    main process's alone). On a shared machine the CPU a sample costs moves far less than wall time."""
+    total = time.process_time()
+    iterator = getattr(built._loader, "_iterator", None)
+    for process in getattr(iterator, "_workers", None) or ():
+        try:
+            with open(f"/proc/{process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
+def epoch(built: shardkit.MixedLoader, timed: bool) -> tuple[float, float]:
+    """Samples per second of one epoch, and CPU seconds per million samples (main process and
+    workers); untimed, through the mixer, past the per-step clock."""
+    start, cpu = time.perf_counter(), cpu_seconds(built)
     batches = iter(built) if timed else built._start_epoch()
     samples = sum(len(batch["label"]) for batch in batches)
-    return samples / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return samples / wall, (cpu_seconds(built) - cpu) / samples * 1e6
 
 
 def proxy_ns(items: int = 300_000) -> float:
@@ -101,50 +135,49 @@ def proxy_ns(items: int = 300_000) -> float:
 
 
 def in_process(shards: shardkit.ShardList, rounds: int) -> tuple[float, float, float]:
-    """The worker's loop in one process, timed and plain: (plain samples/s, timed samples/s, cost)."""
+    """The worker's loop in one process, timed and plain, by CPU time (the process's own, which
+    other processes on the machine disturb less than wall time): (plain samples/s of CPU, timed, cost)."""
     pipeline = shardkit.TFRecordDataset(shards, shuffle=True, seed=0, balance="pad").map(to_tensors).shuffle(256)
     rates: dict[bool, list[float]] = {True: [], False: []}
     for round_ in range(rounds):
         for timed in (True, False) if round_ % 2 == 0 else (False, True):
-            start, samples = time.perf_counter(), 0
+            start, samples = time.process_time(), 0
             if timed:
                 clock = WorkerClock(pipeline)
                 it = iter(pipeline)
                 while chunk := clock.take(it, 64):
-                    clock.collated(time.perf_counter_ns(), len(chunk))
-                    clock.state(dict)
+                    clock.collated(len(chunk))
                     clock.figures()
-                    clock.resumed()
                     samples += len(chunk)
             else:
                 it = iter(pipeline)
                 while chunk := list(islice(it, 64)):
                     samples += len(chunk)
-            rates[timed].append(samples / (time.perf_counter() - start))
-    cost = 1 - statistics.median(on / off for on, off in zip(rates[True], rates[False]))
-    return statistics.median(rates[False]), statistics.median(rates[True]), cost
+            rates[timed].append(samples / (time.process_time() - start))
+    return statistics.median(rates[False]), statistics.median(rates[True]), cost(rates[True], rates[False])
 
 
 def micro_batch_ns(batches: int = 20_000) -> float:
-    """Nanoseconds the worker clock adds to an unsampled micro-batch of 64 (take, collated, state,
-    figures, resumed), over pulling it with ``islice``."""
+    """Nanoseconds of CPU the worker clock adds to an unsampled micro-batch of 64 (take, collated,
+    figures), over pulling it with ``islice``."""
     data = list(range(64 * batches))
-    start = time.perf_counter()
+    start = time.process_time()
     it = iter(data)
     while list(islice(it, 64)):
         pass
-    plain = time.perf_counter() - start
+    plain = time.process_time() - start
     clock = WorkerClock(data)
     clock._counts[6] = 1  # past the first micro-batch, which is sampled
-    start = time.perf_counter()
-    it = iter(data)
-    while chunk := clock.take(it, 64):
-        clock._counts[6] += clock._counts[6] % SAMPLE_EVERY == 0  # never sampled: the unsampled path alone
-        clock.collated(time.perf_counter_ns(), len(chunk))
-        clock.state(dict)
-        clock.figures()
-        clock.resumed()
-    return (time.perf_counter() - start - plain) / batches * 1e9
+    every, timing.SAMPLE_EVERY = timing.SAMPLE_EVERY, 1 << 62  # never sampled: the unsampled path alone
+    try:
+        start = time.process_time()
+        it = iter(data)
+        while chunk := clock.take(it, 64):
+            clock.collated(len(chunk))
+            clock.figures()
+        return (time.process_time() - start - plain) / batches * 1e9
+    finally:
+        timing.SAMPLE_EVERY = every
 
 
 def step_ns(steps: int = 200_000) -> float:
@@ -156,16 +189,29 @@ def step_ns(steps: int = 200_000) -> float:
     return (time.perf_counter() - start) / steps * 1e9
 
 
-def compare(shards: shardkit.ShardList, rounds: int, resumable: bool) -> tuple[dict[bool, list[float]], Any]:
-    """Each loader's epochs per second, interleaved; and the timed loader's stats."""
+def compare(
+    shards: shardkit.ShardList, rounds: int, resumable: bool
+) -> tuple[dict[bool, list[float]], dict[bool, list[float]], Any]:
+    """Each loader's samples per second and CPU seconds per million samples, epochs interleaved;
+    and the timed loader's stats."""
     loaders = {timed: loader(shards, timed, resumable) for timed in (True, False)}
     for timed, built in loaders.items():  # warm-up: starts the persistent workers
         epoch(built, timed)
     rates: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     for round_ in range(rounds):
         for timed in (True, False) if round_ % 2 == 0 else (False, True):
-            rates[timed].append(epoch(loaders[timed], timed))
-    return rates, loaders[True].stats()
+            rate, cpu_per_sample = epoch(loaders[timed], timed)
+            rates[timed].append(rate)
+            cpu[timed].append(cpu_per_sample)
+    return rates, cpu, loaders[True].stats()
+
+
+def cost(on: list[float], off: list[float], *, higher_is_better: bool = True) -> float:
+    """One minus the median of the rounds' on/off ratios (of a cost: the ratios less one)."""
+    if higher_is_better:
+        return 1 - statistics.median(a / b for a, b in zip(on, off))
+    return statistics.median(a / b for a, b in zip(on, off)) - 1
 
 
 def main() -> None:
@@ -176,25 +222,36 @@ def main() -> None:
     args = parser.parse_args()
     records, rounds = (2_000, 2) if args.quick else (args.records, args.rounds)
     print(f"quickstart path, {records:,} records, {rounds} interleaved rounds, 2 workers, batch 64")
-    print("| case | accounting off, samples/s | on, samples/s | cost | slowest stage |\n|---|---|---|---|---|")
+    print(
+        "| case | accounting off, samples/s | on, samples/s | cost | CPU s/M samples off | on | CPU cost "
+        "| slowest stage |\n|---|---|---|---|---|---|---|---|"
+    )
     with tempfile.TemporaryDirectory() as root:
         shards = write(root, records)
         for resumable in (True, False):
-            rates, stats = compare(shards, rounds, resumable)
-            cost = 1 - statistics.median(on / off for on, off in zip(rates[True], rates[False]))
+            rates, cpu, stats = compare(shards, rounds, resumable)
             slowest = stats.slowest_stage[0] if stats.slowest_stage else "-"
             print(
                 f"| resumable={resumable} | {statistics.median(rates[False]):,.0f} | "
-                f"{statistics.median(rates[True]):,.0f} | {cost:+.2%} | {slowest} |"
+                f"{statistics.median(rates[True]):,.0f} | {cost(rates[True], rates[False]):+.2%} | "
+                f"{statistics.median(cpu[False]):.1f} | {statistics.median(cpu[True]):.1f} | "
+                f"{cost(cpu[True], cpu[False], higher_is_better=False):+.2%} | {slowest} |"
             )
-        plain, timed, cost = in_process(shards, 3 if args.quick else 15)
-    print(f"| worker loop in one process | {plain:,.0f} | {timed:,.0f} | {cost:+.2%} | - |")
-    print("cost: 1 - the median of the rounds' on/off ratios (negative: within noise)")
+        plain, timed, cpu_cost = in_process(shards, 3 if args.quick else 15)
+    print(f"| worker loop in one process | {plain:,.0f} | {timed:,.0f} | - | - | - | {cpu_cost:+.2%} | - |")
+    print(
+        "cost: 1 - the median of the rounds' on/off ratios of samples/s (negative: within noise); CPU cost: "
+        "the median ratio of CPU seconds per sample (main process and workers) less 1"
+    )
     step, batch, proxy = step_ns(), micro_batch_ns(), proxy_ns()
     print(f"the main process's clock adds {step:.0f} ns per step (batch of 64)")
     print(f"the worker clock adds {batch:.0f} ns per micro-batch of 64")
-    print(f"a timing proxy adds {proxy:.0f} ns per sample per stage, in one micro-batch of {SAMPLE_EVERY}")
-    per_sample = step / 64 + batch / 64 + proxy * 4 / SAMPLE_EVERY  # 4 proxies: shuffle, map, read, the root
+    print(
+        f"a timing proxy adds {proxy:.0f} ns per sample per stage, to {SAMPLED} samples of one micro-batch "
+        f"in {SAMPLE_EVERY}"
+    )
+    # 4 proxies (shuffle, map, read, the root) on SAMPLED of 64 samples in one micro-batch of SAMPLE_EVERY
+    per_sample = step / 64 + batch / 64 + proxy * 4 * SAMPLED / (64 * SAMPLE_EVERY)
     print(
         f"so accounting costs {per_sample:.0f} ns per sample: {per_sample * plain / 1e9:.2%} of the quickstart "
         f"path's {1e9 / plain:,.0f} ns per sample in one process (the plain worker loop above)"

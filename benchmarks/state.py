@@ -7,7 +7,17 @@ buffer of samples against what shardkit did before (``torch.save`` of the
 buffer, base64; ``torch.load(weights_only=False)`` to read it back), as
 medians of interleaved rounds, and prints the JSON size of each.
 
-    python benchmarks/state.py [--samples 1000] [--rounds 15]
+Then what resumability costs a MixedLoader on the quickstart path
+(``benchmarks/stalls.py``'s pipeline: a shuffled TFRecord source, a map, a
+``.shuffle(256)``; 2 workers, batch 64), epochs interleaved: a state with every
+micro-batch (as MixedLoader sent it before), with the micro-batches the
+workers pick (``shardkit.loader.micro_batches``: when the work since the last
+state is 9x what it cost, at least every 16), and ``resumable=False``; samples
+per second, CPU seconds per million samples (main process and workers), and what
+``state_dict()`` mid-epoch costs (it may receive micro-batches ahead and
+carries the undelivered ones) and weighs as JSON.
+
+    python benchmarks/state.py [--samples 1000] [--rounds 15] [--loader-rounds 5] [--records 20000]
 """
 
 from __future__ import annotations
@@ -17,12 +27,15 @@ import base64
 import io
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from stalls import cpu_seconds, to_tensors, write  # noqa: I001 - the sibling script, run from benchmarks/
 
+import shardkit
 from shardkit.state import decode, encode
 
 
@@ -54,10 +67,56 @@ def median_ms(functions: dict[str, Callable[[], Any]], rounds: int) -> dict[str,
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
+def mixed_loader(shards: shardkit.ShardList, case: str) -> shardkit.MixedLoader:
+    pipeline = shardkit.TFRecordDataset(shards, shuffle=True, seed=0, balance="pad").map(to_tensors).shuffle(256)
+    built = shardkit.MixedLoader(
+        pipeline, batch_size=64, num_workers=2, persistent_workers=True, resumable=case != "resumable=False"
+    )
+    if case == "a state with every micro-batch":
+        assert built._micro_batches is not None
+        built._micro_batches.state_every = 1
+    return built
+
+
+def loader_epoch(built: shardkit.MixedLoader, save_at: int) -> tuple[float, float, float, int]:
+    """(samples/s, CPU s per million samples, ms of one state_dict() at step ``save_at``, its JSON bytes)."""
+    start, cpu, samples, saved, size = time.perf_counter(), cpu_seconds(built), 0, 0.0, 0
+    for step, batch in enumerate(built, 1):
+        samples += len(batch["label"])
+        if step == save_at and built.resumable:
+            began = time.perf_counter()
+            state = built.state_dict()
+            saved = (time.perf_counter() - began) * 1e3
+            size = len(json.dumps(state))
+    wall = time.perf_counter() - start
+    return samples / wall, (cpu_seconds(built) - cpu) / samples * 1e6, saved, size
+
+
+def loader_table(records: int, rounds: int) -> None:
+    cases = ("a state with every micro-batch", "states as the workers pick", "resumable=False")
+    print(f"\nMixedLoader, quickstart path, {records:,} records, {rounds} interleaved rounds, 2 workers, batch 64")
+    print("| case | samples/s | CPU s/M samples | state_dict() ms | state JSON kB |\n|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as root:
+        shards = write(root, records)
+        loaders = {case: mixed_loader(shards, case) for case in cases}
+        results: dict[str, list[tuple[float, float, float, int]]] = {case: [] for case in cases}
+        for built in loaders.values():  # warm-up: starts the persistent workers
+            loader_epoch(built, 0)
+        for round_ in range(rounds):
+            for case in cases if round_ % 2 == 0 else cases[::-1]:
+                results[case].append(loader_epoch(loaders[case], records // 64 // 2))
+    for case in cases:
+        rate, cpu, saved, size = (statistics.median(column) for column in zip(*results[case]))
+        state = f"{saved:.1f} | {size / 1e3:.0f}" if saved else "- | -"
+        print(f"| {case} | {rate:,.0f} | {cpu:.1f} | {state} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--loader-rounds", type=int, default=5)
+    parser.add_argument("--records", type=int, default=20_000)
     args = parser.parse_args()
     print(f"buffer of {args.samples} samples; ms per buffer (median of {args.rounds} interleaved rounds)")
     print(
@@ -80,6 +139,8 @@ def main() -> None:
             f"| {name:<28} | {ms['pickle encode']:10.2f} | {ms['plain encode']:9.2f} | {enc:5.2f} "
             f"| {ms['pickle decode']:10.2f} | {ms['plain decode']:9.2f} | {dec:5.2f} | {sizes:>20} |"
         )
+
+    loader_table(args.records, args.loader_rounds)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@ loaded one goes through before a worker is started with it.
 
 A state (kind ``"mixed_loader"``) holds the ``epoch``, ``num_workers``,
 ``batch_size``, the ``batch_index``, whether the epoch has ``finished``,
-``workers`` (each worker's dataset state just past what was delivered) and
-``carry``, the undelivered tails of micro-batches cut part-way, at most one
-per worker, as plain data (see the :mod:`shardkit.loader.mixed` docstring).
+``workers`` (each worker's dataset state at or past what was delivered) and
+``carry``, at most one tail per worker of the samples between the two, as
+plain data (see the :mod:`shardkit.loader.mixed` docstring): the rest of a
+micro-batch cut part-way, and, since a worker sends its state with some
+micro-batches only (:mod:`shardkit.loader.micro_batches`), the whole
+micro-batches received before the one its saved state came with.
 A tail is ``{"worker", "count", "payload"}`` (``worker`` None: a tail
 restored from another worker count) and, optionally, ``"repeat": true``
 when its samples are ``"pad"`` repeats, owed to no later gather.

@@ -1,6 +1,20 @@
 """What runs in each DataLoader worker of a :class:`~shardkit.MixedLoader`: the dataset's
-stream cut into micro-batches, each message tagged with its worker id and the
-dataset's state after it.
+stream cut into micro-batches, each message tagged with its worker id and, now and
+then, the dataset's state after it.
+
+Saving the dataset's state is the dearest step of a resumable worker when the
+state is large (a ``.shuffle(n)`` buffer, a window's unread positions: several
+times the cost of reading the micro-batch, and again to send and receive it),
+so a worker sends it only when the work since the last state is at least
+:data:`STATE_RATIO` times what that state cost, and at least every
+:data:`STATE_EVERY` micro-batches (and always with its first and last
+message). A state that costs little relative to its micro-batch (large
+samples, a small state) thus goes with every message; a dear one costs at most
+about ``1 / (STATE_RATIO + 1)`` of the worker's time. Exactness does not
+depend on which micro-batches carry one: the main process
+(:mod:`shardkit.loader.mixer`) saves the loader's position as the state of
+the first micro-batch with a state at or after what it delivered, and carries
+the undelivered samples before it, which it holds, in the saved state.
 
 The main process (:mod:`shardkit.loader.mixer`) learns from the first message
 where a worker starts and from an empty one that it has no more data; in
@@ -18,11 +32,15 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from shardkit.loader import slab_columns
 from shardkit.loader.slabs import SlabRing
-from shardkit.loader.timing import WorkerClock, now
+from shardkit.loader.timing import WorkerClock
 from shardkit.stateful import State, StateError
 
 #: ``count`` of the message a worker sends first, with its dataset's starting state.
 START = -1
+#: A worker sends its dataset's state once the work since the last one is this many times what it cost...
+STATE_RATIO = 9.0
+#: ... and at least with one micro-batch in this many (which bounds the samples a saved state carries).
+STATE_EVERY = 16
 
 Message = tuple[int, int, Any, Any, Any]
 
@@ -34,8 +52,10 @@ class MicroBatches(IterableDataset):
     process knows when a worker has no more data. ``figures`` are the worker's
     timings so far (:class:`~shardkit.loader.timing.WorkerClock`; with ``trace``,
     each micro-batch's too). ``state`` is the dataset's
-    state after the message (None if it has none; a string saying why if it
-    cannot save one). ``states``, when set, are loaded into each worker's
+    state after the message (a string saying why if it cannot save one), or None
+    for a micro-batch sent without one (see the module docstring: ``state_ratio``
+    and ``state_every`` default to :data:`STATE_RATIO` and :data:`STATE_EVERY`;
+    column batches, each a large micro-batch, carry a state every time). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once. With ``slots``, collated
     micro-batches travel in a new :class:`~shardkit.loader.slabs.SlabRing` per
     iteration, whose flag array goes with the first message. With ``columns``
@@ -62,6 +82,8 @@ class MicroBatches(IterableDataset):
         self.slots = slots
         self.columns = columns
         self.states: list[State] | None = None
+        self.state_ratio = STATE_RATIO
+        self.state_every = 1 if columns else STATE_EVERY
 
     def __iter__(self) -> Iterator[Message]:
         info = get_worker_info()
@@ -78,30 +100,32 @@ class MicroBatches(IterableDataset):
         ring = SlabRing(self.slots) if self.collate and self.slots else None
         yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names)
         chunks = self._column_chunks(samples, ring, clock) if self.columns else self._chunks(samples, ring, clock)
+        since = 0  # micro-batches since the latest state
         for count, payload in chunks:
-            yield worker, count, payload, clock.state(saver), clock.figures()
-            clock.resumed()
+            since += 1
+            state = None
+            if since >= self.state_every or clock.busy_since_state() >= self.state_ratio * clock.state_ns:
+                since, state = 0, clock.state(saver)
+            yield worker, count, payload, state, clock.figures()
         yield worker, 0, None, saver(), clock.figures()
 
     def _chunks(self, samples: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
         while chunk := clock.take(samples, self.size):
-            start = now()
             if not self.collate:
                 payload = chunk
             else:
                 payload = default_collate(chunk) if ring is None else ring.collate(chunk)
-            clock.collated(start, len(chunk))
+            clock.collated(len(chunk))
             yield len(chunk), payload
 
     @staticmethod
     def _column_chunks(batches: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
         while taken := clock.take(batches, 1):
-            start = now()
             parts = slab_columns.as_parts(taken[0])
             count = slab_columns.columns_length(parts)
             if count:  # 0 would read as the end marker
                 payload = parts if ring is None else ring.put(parts)
-                clock.collated(start, count)
+                clock.collated(count)
                 yield count, payload
 
 

@@ -44,12 +44,14 @@ How a batch is made:
   Without workers the same assembly runs in the main process.
 
 Resuming (:meth:`MixedLoader.state_dict` / :meth:`MixedLoader.load_state_dict`):
-every message from a worker carries its dataset's state after that
-micro-batch, and the main process knows which samples went out in batches.
-The saved state holds, per worker, the dataset state just past what was
-delivered, and, when a micro-batch was cut part-way, its undelivered tail as
-encoded samples (at most one micro-batch per worker; samples still waiting in
-whole micro-batches are read again instead). Restored with the same number of
+a worker's messages carry its dataset's state after them (with every
+micro-batch when that is cheap, else with one in up to 16: see
+:mod:`shardkit.loader.micro_batches`), and the main process knows which
+samples went out in batches. The saved state holds, per worker, the first
+dataset state at or past what was delivered, and the undelivered samples
+before it as encoded samples (the tail of a micro-batch cut part-way, and the
+micro-batches received before that state; samples still waiting in whole
+micro-batches after it are read again instead). Restored with the same number of
 workers, each worker resumes its own state and the batches are the ones the
 uninterrupted run would have made. With another number, the worker states
 are merged (:func:`shardkit.state.merge`) and split anew: exactly the samples
@@ -128,9 +130,10 @@ class MixedLoader:
             of one collated micro-batch for the epoch (5 x 4.8 MB for 32
             3x224x224 uint8 images).
         resumable: track the position for :meth:`state_dict`. Each worker
-            then sends its dataset's state with every micro-batch: about
-            25 us for a source, but a ``.shuffle(n)`` buffer inside the
-            dataset is encoded whole into every message. With large samples
+            then sends its dataset's state with its micro-batches, with
+            every one while the state costs less than a ninth of the work
+            since the last, else with one in up to 16 (a ``.shuffle(n)``
+            buffer inside the dataset is encoded whole into each state). With large samples
             in a large buffer, shuffle before decoding, or pass False when
             you do not resume. Saved samples (a shuffle buffer, the cut
             tail of a micro-batch) are plain data, never pickled (see
@@ -353,8 +356,8 @@ class MixedLoader:
 
         Call it between batches (in the training loop, with the model's
         checkpoint). It holds the epoch, the batch index, each worker's
-        dataset state and the encoded undelivered tail of at most one
-        micro-batch per worker; see the module docstring. The dataset must
+        dataset state and, per worker, the encoded undelivered samples
+        before it (one tail); see the module docstring. The dataset must
         be Stateful (every shardkit pipeline is).
 
         Under an initialised process group of more than one rank it returns

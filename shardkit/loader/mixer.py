@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Protocol
 
 import torch
@@ -46,7 +47,7 @@ class _Pending:
 
     payload: Any  # collated, or a list of samples (with a collate_fn)
     count: int
-    state: Any  # the worker's dataset state after this micro-batch
+    state: Any  # the worker's dataset state after this micro-batch; None: sent without one
     start: int = 0
     carried: bool = False  # a restored tail: saved again even when nothing of it was taken
     repeat: bool = False  # a restored tail of "pad" repeats: owed to no later gather
@@ -92,8 +93,8 @@ class Mixer(Iterator[Any]):
         self._flags: list[Any] = [None] * workers
         self._slabs: list[dict[int, torch.Tensor]] = [{} for _ in range(workers)]
         self._release: list[tuple[int, int]] = []
-        # Per worker: its dataset state past the entries that left its queue
-        # (None until its first message), and after its last message.
+        # Per worker: its dataset state past the entries that left its queue (None until
+        # its first message; _UNKNOWN after an entry sent without a state), and after its last message.
         self._base: list[Any] = [None] * workers
         self._final: list[Any] = [None] * workers
         # Stall accounting (shardkit.loader.stalls): each worker's stage names and latest
@@ -143,7 +144,15 @@ class Mixer(Iterator[Any]):
         self._finish()
 
     def state_dict(self) -> State:
-        """The loader's state: see :meth:`MixedLoader.state_dict`."""
+        """The loader's state: see :meth:`MixedLoader.state_dict`.
+
+        A worker sends its dataset's state with some micro-batches only
+        (:mod:`shardkit.loader.micro_batches`), so each worker's saved state is
+        the first one known at or after what the batches delivered, and the
+        undelivered samples before it, which this process holds, travel in the
+        saved state as the worker's tail (messages are received until that
+        state has arrived).
+        """
         if self._unconfirmed:
             self._confirm_finished()
         while self._source is not None and any(base is None for base in self._base):
@@ -151,28 +160,57 @@ class Mixer(Iterator[Any]):
         workers: list[Any] = []
         carry: list[dict[str, Any]] = []
         for worker, queue in enumerate(self._pending):
-            real = worker < self._workers
-            state = self._base[worker] if real else None
-            if real and not queue and self._done[worker]:
-                state = self._final[worker]
-            if queue and (queue[0].start > 0 or queue[0].carried):  # cut part-way, or a restored tail
-                carry.append(self._carried(queue[0], worker if real else None))
-                state = queue[0].state
-            if real:
-                if not isinstance(state, dict):
-                    reason = state if isinstance(state, str) else "a worker sent no state"
-                    raise StateError(f"MixedLoader cannot save its position: {reason}")
-                workers.append(state)
+            if worker >= self._workers:  # a restored tail of another worker count: carried on if untouched
+                if queue and (queue[0].start > 0 or queue[0].carried):
+                    carry.append(self._carried([queue[0]], None))
+                continue
+            state, entries = self._position(worker)
+            if entries:
+                carry.append(self._carried(entries, worker))
+            if not isinstance(state, dict):
+                reason = state if isinstance(state, str) else "a worker sent no state"
+                raise StateError(f"MixedLoader cannot save its position: {reason}")
+            workers.append(state)
         return loader_state(self, batch_index=self.batch_index, finished=self._finished, workers=workers, carry=carry)
 
-    def _carried(self, entry: _Pending, worker: int | None) -> dict[str, Any]:
-        """The saved form of the undelivered rest of a micro-batch."""
+    def _position(self, worker: int) -> tuple[Any, list[_Pending]]:
+        """A worker's dataset state to save, and the queued micro-batches (the first maybe cut
+        part-way) whose undelivered samples come before it."""
+        while True:
+            queue = self._pending[worker]
+            if not queue and self._done[worker]:
+                return self._final[worker], []
+            base = self._base[worker]
+            if base is not _UNKNOWN and (not queue or (queue[0].start == 0 and not queue[0].carried)):
+                return base, []  # the queued micro-batches are read again from ``base``
+            for index, entry in enumerate(queue):
+                if entry.state is not None:
+                    return entry.state, list(islice(queue, index + 1))
+            if self._done[worker]:
+                return self._final[worker], list(queue)
+            if self._source is None:
+                raise StateError(
+                    f"MixedLoader cannot save its position: worker {worker} stopped before it sent the state "
+                    "past the samples delivered (the epoch was ended by an error); load the last saved state"
+                )
+            self._pull()
+
+    def _carried(self, entries: list[_Pending], worker: int | None) -> dict[str, Any]:
+        """The saved form of the undelivered rest of queued micro-batches, as one tail."""
+        parts = [(entry.payload, entry.start, entry.count) for entry in entries]
         if self._columns:
-            rest: Any = slab_columns.plain(slab_columns.tail(entry.payload, entry.start, entry.count))
+            rest: Any = slab_columns.plain(
+                slab_columns.tail(*parts[0])
+                if len(parts) == 1
+                else slab_columns.as_parts(slab_columns.join_columns(parts))
+            )
+        elif self._collate_fn is not None:
+            rest = [sample for payload, start, stop in parts for sample in payload[start:stop]]
         else:
-            rest = tail(entry.payload, entry.start, entry.count, collated=self._collate_fn is None)
-        repeat = {REPEAT: True} if entry.repeat else {}
-        return {"worker": worker, "count": entry.count - entry.start, "payload": encode(rest), **repeat}
+            rest = tail(*parts[0], collated=True) if len(parts) == 1 else join(parts, copy=True)
+        count = sum(stop - start for _, start, stop in parts)
+        repeat = {REPEAT: True} if entries[0].repeat else {}  # only restored tails of worker None are repeats
+        return {"worker": worker, "count": count, "payload": encode(rest), **repeat}
 
     def __next__(self) -> Any:
         if self._unconfirmed:
@@ -336,11 +374,14 @@ class Mixer(Iterator[Any]):
             if stop == entry.count:
                 queue.popleft()
                 if worker < self._workers:
-                    self._base[worker] = entry.state
+                    self._base[worker] = _UNKNOWN if entry.state is None else entry.state
                 if entry.slot is not None:
                     self._release.append((worker, entry.slot))
         return parts
 
+
+#: A worker's dataset state past the delivered micro-batches when the last of them came without one.
+_UNKNOWN = "unknown: the delivered micro-batch came without a state"
 
 #: Seconds to wait for a worker that broke off a message to be seen dead.
 _DEATH_WAIT = 2.0

@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -168,7 +167,9 @@ class StallMeter:
         self.trace = trace
         self.steps = 0
         self.wait_ns = self.compute_ns = self.receive_ns = 0
-        self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)
+        # The recent window: each step's wait and compute, in rings written in place (no object per step).
+        self._recent_wait = [0] * WINDOW
+        self._recent_compute = [0] * WINDOW
         self.workers: dict[int, dict[str, Any]] = {}  # finished epochs' figures per worker
         #: With ``trace``: per step (start, wait ns, compute ns before it), in the main process.
         self.events: list[tuple[int, int, int]] = []
@@ -192,8 +193,10 @@ class StallMeter:
             self._left = None
             return
         self._left = end
+        slot = self.steps % WINDOW
+        self._recent_wait[slot] = wait
+        self._recent_compute[slot] = compute
         self.steps += 1
-        self.recent.append((wait, compute))
         if self.trace:
             self.events.append((start, wait, compute))
 
@@ -229,14 +232,13 @@ class StallMeter:
         for figures in workers.values():
             for name, seconds in figures["stages"].items():
                 stages[name] = stages.get(name, 0.0) + seconds
-        recent_wait = sum(wait for wait, _ in self.recent)
-        recent_compute = sum(compute for _, compute in self.recent)
+        recent_wait, recent_compute = sum(self._recent_wait), sum(self._recent_compute)
         return LoaderStats(
             rank=rank,
             steps=self.steps,
             wait_seconds=self.wait_ns * _NS,
             compute_seconds=self.compute_ns * _NS,
-            recent_steps=len(self.recent),
+            recent_steps=min(self.steps, WINDOW),
             recent_wait_seconds=recent_wait * _NS,
             recent_compute_seconds=recent_compute * _NS,
             receive_seconds=receive * _NS,

@@ -5,16 +5,23 @@ stage and sample (about 0.35 us here), a few percent of a 10 us sample. So a
 worker times exactly what is cheap to time, once per micro-batch: pulling the
 micro-batch through the pipeline, collating it, saving the dataset's state,
 and the time it spends outside, waiting for the main process to ask for more
-(``idle``). How the pipeline's share splits over its stages is *sampled*: in
-one micro-batch of every :data:`SAMPLE_EVERY` (and the first of each
-iteration; every one when tracing), a timing proxy is put between each stage's
-iterator and its input's, found by identity among the iterator's attributes
-(``Pipeline._iterator`` is the live iterator of each stage), and taken out
-again before anything else looks at the iterators (the state is saved after).
-Each proxy measures its input's inclusive time; a stage's self time is its
-inclusive time less its inputs'. The pipeline's exact time is then split in the
-sampled proportions, so stage times always add up to at most the worker's busy
-time, itself at most its wall time.
+(``idle``). Each of these ends where the next begins, so one clock read marks
+both: four reads per micro-batch, and the figures travel as one tuple.
+
+How the pipeline's share splits over its stages is *sampled*: in one
+micro-batch of every :data:`SAMPLE_EVERY` (and the first of each iteration;
+every one when tracing), a timing proxy is put between each stage's iterator
+and its input's, found by identity among the iterator's attributes
+(``Pipeline._iterator`` is the live iterator of each stage), for its first
+:data:`SAMPLED` samples only (all of them when tracing), and taken out again
+before the rest are pulled plainly and before anything else looks at the
+iterators (the state is saved after). Each proxy measures its input's
+inclusive time; a stage's self time is its inclusive time less its inputs'.
+The pipeline's exact time is then split in the sampled proportions, so stage
+times always add up to at most the worker's busy time, itself at most its wall
+time. The proxies cost about 0.5 us per sample and stage, paid by
+``SAMPLED`` samples in ``SAMPLE_EVERY`` micro-batches: 0.2 % of the
+quickstart path's time.
 
 A stage is named by what it does: ``read TFRecordDataset`` (the source: read,
 fetch and decode), ``map(to_tensors)`` (its function's name), ``filter(...)``,
@@ -34,6 +41,8 @@ from shardkit.pipeline import Pipeline
 
 #: One micro-batch in this many has its stages timed (the first of each iteration always).
 SAMPLE_EVERY = 32
+#: Samples of a sampled micro-batch pulled through the timing proxies (all of them when tracing).
+SAMPLED = 16
 
 #: What a worker's figures hold, in order, before one sampled self time per stage.
 FIGURES = ("elapsed", "pipeline", "collate", "state", "idle", "samples", "micro_batches", "sampled")
@@ -83,10 +92,9 @@ class _Timed:
 
     def __next__(self) -> Any:
         start = _now()
-        try:
-            return next(self._it)
-        finally:
-            self.ns += _now() - start
+        item = next(self._it)  # the last, raising StopIteration, is not counted: one call in an epoch
+        self.ns += _now() - start
+        return item
 
     def __getattr__(self, name: str) -> Any:  # anything else a stage asks of its input
         return getattr(self._it, name)
@@ -122,7 +130,7 @@ def _edges(dataset: Any) -> tuple[list[_Edge], list[list[int]]]:
     children: list[list[int]] = [[] for _ in nodes]
     for i, node in enumerate(nodes):
         owner = getattr(node, "_iterator", None) if isinstance(node, Pipeline) else None
-        if owner is None or not hasattr(owner, "__dict__"):
+        if owner is None:
             continue
         for upstream in node.upstream:
             edge = _find(owner, getattr(upstream, "_iterator", None), index[id(upstream)])
@@ -133,9 +141,18 @@ def _edges(dataset: Any) -> tuple[list[_Edge], list[list[int]]]:
 
 
 def _find(owner: Any, target: Any, child: int) -> _Edge | None:
+    """The attribute of ``owner`` (or item of a list in one) that holds ``target``.
+
+    Read by name, never through ``vars(owner)``: reading an instance's ``__dict__``
+    makes CPython (3.11, 3.12) store its attributes in a dict from then on, which
+    makes every attribute read in the stage's ``__next__`` twice as slow for the
+    rest of the iteration (measured: 7-10 % of the quickstart path). The names
+    tried are those its class's ``__init__`` methods use.
+    """
     if target is None:
         return None
-    for attr, value in vars(owner).items():
+    for attr in _attribute_names(type(owner)):
+        value = getattr(owner, attr, None)
         if value is target:
             return _Edge(owner, attr, None, child, target)
         if type(value) is list:
@@ -145,10 +162,31 @@ def _find(owner: Any, target: Any, child: int) -> _Edge | None:
     return None
 
 
+_names: dict[type, tuple[str, ...]] = {}
+
+
+def _attribute_names(kind: type) -> tuple[str, ...]:
+    """The names the ``__init__`` methods of ``kind`` and its bases use, less the class's
+    methods and properties (reading a property could run code)."""
+    names = _names.get(kind)
+    if names is None:
+        found: dict[str, None] = {}
+        for klass in kind.__mro__:
+            code = getattr(klass.__dict__.get("__init__"), "__code__", None)
+            for name in code.co_names if code is not None else ():
+                if not hasattr(getattr(kind, name, None), "__get__"):
+                    found[name] = None
+        names = _names[kind] = tuple(found)
+    return names
+
+
 class WorkerClock:
     """One iteration's figures in one worker (see the module docstring); ``figures()`` is what
     travels to the main process with each message, cumulative, as a tuple of ints (nanoseconds):
-    :data:`FIGURES`, then the sampled self time of each of ``names``."""
+    :data:`FIGURES`, then the sampled self time of each of ``names``.
+
+    A micro-batch's steps are :meth:`take`, :meth:`collated`, optionally :meth:`state`,
+    then :meth:`figures` as its message leaves; the next :meth:`take` ends the idle time."""
 
     def __init__(self, dataset: Any, trace: bool = False) -> None:
         self.dataset = dataset
@@ -156,34 +194,40 @@ class WorkerClock:
         self.trace = trace
         #: With ``trace``: per micro-batch since the last message, (start, pipeline ns, stage ns, collate ns, state ns).
         self.events: list[tuple[int, int, tuple[int, ...], int, int]] = []
-        self._chunk = (0, 0, 0)  # the latest micro-batch's start, pipeline ns and collate ns
-        self._start = _now()
+        self._start = self._mark = _now()  # the mark: when the latest step ended
+        self._left: int | None = None  # when the latest message left (None: none has yet)
         self._counts = [0] * len(FIGURES)
         self._sampled = [0] * len(self.names)
         self._last: tuple[int, ...] = ()  # the sampled stage times of the latest micro-batch
-        self._left_at = 0
+        self._taken = 0  # the latest take's start
+        self.state_ns = 0  #: what the latest :meth:`state` took
+        self._busy_at_state = 0  # pipeline and collate time when the latest state was saved
+        #: With ``trace``: the latest micro-batch's pipeline ns, sampled stage ns, collate ns and state ns.
+        self._steps: tuple[int, tuple[int, ...], int, int] = (0, (), 0, 0)
 
     def take(self, samples: Iterator[Any], size: int) -> list[Any]:
         """The next ``size`` items of ``samples`` (the root iterator), timed."""
         counts = self._counts
+        start = self._taken = _now()
+        if self._left is not None:
+            counts[4] += start - self._left  # idle: since the last message left
+            self._left = None
         sampled = self.trace or counts[6] % SAMPLE_EVERY == 0
-        start = _now()
-        if sampled:
-            chunk = self._sample(samples, size)
-        else:
-            chunk = list(islice(samples, size))
-        took = _now() - start
-        counts[1] += took
+        chunk = self._sample(samples, size) if sampled else list(islice(samples, size))
+        self._mark = end = _now()
+        counts[1] += end - start
         if sampled and chunk:
-            counts[7] += took
-        self._chunk = (start, took, 0)
+            counts[7] += end - start
+        if self.trace and chunk:
+            self._steps = (max(end - start, 1), self._last, 0, 0)
         return chunk
 
     def _sample(self, samples: Iterator[Any], size: int) -> list[Any]:
+        """Pull the first :data:`SAMPLED` items through timing proxies, the rest plainly."""
         root = _Timed(samples)
         edges, children = _edges(self.dataset)
         try:
-            chunk = list(islice(root, size))
+            chunk = list(islice(root, size if self.trace else min(size, SAMPLED)))
         finally:
             for edge in edges:
                 edge.remove()
@@ -195,39 +239,50 @@ class WorkerClock:
         for i, ns in enumerate(own):
             self._sampled[i] += ns
         self._last = tuple(own)
+        if len(chunk) < size:
+            chunk += islice(samples, size - len(chunk))
         return chunk
 
-    def collated(self, start: int, count: int) -> None:
-        """A micro-batch of ``count`` samples was collated since ``start`` (a ``now()``)."""
-        took = _now() - start
-        self._counts[2] += took
-        self._chunk = (*self._chunk[:2], took)
-        self._counts[5] += count
-        self._counts[6] += 1
+    def collated(self, count: int) -> None:
+        """The micro-batch just taken, of ``count`` samples, is collated."""
+        counts = self._counts
+        end = _now()
+        counts[2] += end - self._mark
+        if self.trace:
+            self._steps = (*self._steps[:2], end - self._mark, 0)
+        self._mark = end
+        counts[5] += count
+        counts[6] += 1
+
+    def busy_since_state(self) -> int:
+        """Pipeline and collate time since the latest :meth:`state` (since the start before any)."""
+        return self._counts[1] + self._counts[2] - self._busy_at_state
 
     def state(self, saver: Any) -> Any:
-        start = _now()
+        """``saver()``, timed: the dataset's state sent with this micro-batch."""
         state = saver()
-        took = _now() - start
-        self._counts[3] += took
+        end = _now()
+        self.state_ns = end - self._mark
+        self._busy_at_state = self._counts[1] + self._counts[2]
+        self._counts[3] += end - self._mark
         if self.trace:
-            chunk_start, pipeline, collate = self._chunk
-            self.events.append((chunk_start, pipeline, self._last, collate, took))
+            self._steps = (*self._steps[:3], end - self._mark)
+        self._mark = end
         return state
 
     def figures(self) -> tuple[Any, ...]:
-        """The cumulative figures, just before a message leaves (its wait for the main process begins)."""
-        now = self._left_at = _now()
-        self._counts[0] = now - self._start
-        figures = (*self._counts, *self._sampled)
+        """The cumulative figures, as a message leaves (its wait for the main process begins)."""
+        counts = self._counts
+        self._left = mark = self._mark
+        counts[0] = mark - self._start
+        figures = (*counts, *self._sampled)
         if not self.trace:
             return figures
+        if self._steps[0]:  # a micro-batch since the last message (not the end marker)
+            self.events.append((self._taken, *self._steps))
+            self._steps = (0, (), 0, 0)
         events, self.events = self.events, []
         return (*figures, events)
-
-    def resumed(self) -> None:
-        """The main process asked for the next message: the time since the last one left was idle."""
-        self._counts[4] += _now() - self._left_at
 
 
 def now() -> int:

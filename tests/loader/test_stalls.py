@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 
 import shardkit
 from shardkit.loader.stalls import WINDOW, GatheredStats, LoaderStats
-from shardkit.loader.timing import stage_names
+from shardkit.loader.timing import WorkerClock, stage_names
 
 
 def slow_square(x):
@@ -124,3 +125,22 @@ def test_the_straggling_rank_and_its_slowest_stage_are_named_and_a_missing_rank_
         assert result["slowest"] == "map(rank_one_sleeps)", result["summary"]
         assert result["summary"].startswith("rank 1 waits most for data")
     assert results[0]["missing"] == [1] and results[0]["seconds"] < 5
+
+
+def add_one(x):
+    return x + 1
+
+
+def test_a_sampled_micro_batch_times_each_stage_and_leaves_its_attributes_out_of_a_dict():
+    """Reading an iterator's ``__dict__`` makes CPython keep its attributes in a dict, which
+    slows every attribute read of its ``__next__`` for the rest of the iteration."""
+    pipeline = shardkit.wrap(list(range(100))).map(add_one)
+    samples = iter(pipeline)
+    owner = pipeline._iterator
+    if any(type(referent) is dict for referent in gc.get_referents(owner)):
+        pytest.skip("this Python keeps every instance's attributes in a dict")
+    clock = WorkerClock(pipeline)
+    assert clock.take(samples, 8) == list(range(1, 9))  # the first micro-batch is sampled
+    assert all(ns > 0 for ns in clock._sampled)  # both the map and its source were timed
+    assert not any(type(referent) is dict for referent in gc.get_referents(owner))
+    assert next(samples) == 9  # and the proxies are gone

@@ -246,6 +246,9 @@ SCRIPT = textwrap.dedent(
         source.shuffle_block, source.shuffle_window = 32, 200
         if mode == "save":
             loader = shardkit.MixedLoader(source, 10, num_workers=workers, micro_batch_size=5)
+            # a state with every micro-batch (not only when the work since the last one outweighs
+            # its cost): the dataset states alone then describe the rest, which this test merges
+            loader._micro_batches.state_every = 1
             delivered = []
             for count, batch in enumerate(loader, 1):
                 delivered += batch.tolist()
@@ -254,7 +257,7 @@ SCRIPT = textwrap.dedent(
                     break
             del loader  # its workers end before the next balance's start
             own = state["states"][rank]  # every rank's (a "ranks" node), as a trainer saves it
-            assert not own["carry"], "batches of whole micro-batches leave nothing cut"
+            assert not own["carry"], "batches of whole micro-batches, each with its state, leave nothing cut"
             merged = merge_ranks([s["workers"] for s in state["states"]])  # the dataset's global state
             if rank == 0:
                 json.dump(merged, open(f"{{out}}.{{balance}}.state", "w"))
