@@ -177,7 +177,7 @@ def diagnose(stats: Any) -> tuple[str, str]:
             "happens in the workers), or read column batches (TFRecordDataset(features=..., batch_size=1024))"
         )
     if stats.slowest_stage is not None and stats.slowest_stage[0] == "state":
-        return "transport of the dataset state sent with every micro-batch", _STATE_ADVICE
+        return "transport of the dataset states the workers send", _STATE_ADVICE
     return "transport", (
         f"the workers are busy {utilisation:.0%} of the time, the main process waits to receive their "
         "micro-batches: make them larger (micro_batch_size), keep collate_fn=None (shared-memory slabs), or "
@@ -203,7 +203,7 @@ def _stage_bound(stage: str, workers: int) -> tuple[str, str]:
     if stage == "collate":
         return "collate", f"{more}; column batches (features=) collate no samples"
     if stage == "state":
-        return "state (the dataset state sent with every micro-batch)", _STATE_ADVICE
+        return "state (the dataset states the workers send with their micro-batches)", _STATE_ADVICE
     return stage, more
 
 

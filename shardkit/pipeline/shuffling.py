@@ -87,7 +87,7 @@ class _ShuffleIterator(StageIterator):
         self._uniforms = Uniforms(rng)
         self._buffer: list[Any] = []
         # Each buffered sample's encoded form, made the first time a state holds it (None until then):
-        # MixedLoader saves a state with every micro-batch, and encoding the whole buffer each time
+        # MixedLoader's workers save states often (up to one per micro-batch), and encoding the whole buffer each time
         # cost 20x the reading (256 samples re-encoded per 64 read); now each sample is encoded once.
         self._encoded: list[Any] = []
         self._repeats: list[bool] | None = None  # per buffered sample: a "pad" repeat; None: none is
