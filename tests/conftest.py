@@ -71,3 +71,12 @@ def counts_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyte
     path = str(tmp_path_factory.mktemp("shardkit-cache"))
     monkeypatch.setenv("SHARDKIT_CACHE_DIR", path)
     return path
+
+
+@pytest.fixture(scope="session")
+def plain_import() -> dict[str, Any]:
+    """What one new interpreter saw after ``import shardkit`` (tests.helpers.processes.plain_import),
+    shared by the tests that each assert on one part of it."""
+    from tests.helpers.processes import plain_import
+
+    return plain_import()
