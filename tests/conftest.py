@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -80,3 +81,45 @@ def plain_import() -> dict[str, Any]:
     from tests.helpers.processes import plain_import
 
     return plain_import()
+
+
+_LIVE_WORKER_ITERATORS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _track_worker_iterators(cls: type) -> None:
+    """Remember every instance of a DataLoader iterator class with worker processes."""
+    init = cls.__init__
+
+    def tracked_init(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _LIVE_WORKER_ITERATORS.add(self)
+
+    cls.__init__ = tracked_init
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_iterators_tracked() -> None:
+    from torch.utils.data import dataloader
+
+    _track_worker_iterators(dataloader._MultiProcessingDataLoaderIter)
+    try:
+        from torchdata.stateful_dataloader import stateful_dataloader
+    except ImportError:
+        return
+    _track_worker_iterators(stateful_dataloader._StatefulMultiProcessingDataLoaderIter)
+
+
+@pytest.fixture(autouse=True)
+def _worker_iterators_shut_down(_worker_iterators_tracked: None) -> Iterator[None]:
+    """End the workers of DataLoader iterators a test left behind, when the test ends.
+
+    An error re-raised from a worker holds its iterator in a reference cycle (torch's
+    ExceptionWrapper.reraise keeps the exception in its own frame), so the iterator waits for
+    the garbage collector. That one clears the weak references first, which closes the
+    iterator's queues, and only then calls ``__del__``: the None that tells each worker to stop
+    is never sent, and the iterator waits 5 s for every worker before terminating it, in
+    whatever test the collection happens to run. Shut down here, with the queues open, the
+    workers stop at once. The test itself sees nothing of this: it has ended."""
+    yield
+    for iterator in list(_LIVE_WORKER_ITERATORS):
+        iterator._shutdown_workers()  # idempotent: a finished or deleted iterator returns at once
