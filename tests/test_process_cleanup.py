@@ -46,8 +46,8 @@ def main():
             except shardkit.CorruptRecordError as error:
                 if epoch:  # the traceback's frames let go of the iterator: it shuts its workers down at once
                     traceback.clear_frames(error.__traceback__)
-            # Epoch 0: the traceback held the iterator in a cycle; collected here with its queues
-            # already closed, it waits 5 s for each worker and then terminates it (SIGTERM). Both
+            # Epoch 0: the traceback held the iterator in a cycle; shut down by the collector here,
+            # it waits 5 s for each worker and then terminates it (SIGTERM). Both
             # endings are checked; the second costs 10 s, so it runs once.
             gc.collect()
             print("epoch", epoch, leftovers(), flush=True)
