@@ -20,7 +20,9 @@ if [[ -f "$stamp" ]] && grep -qxF "$want" "$stamp"; then
     exit 0
 fi
 echo "shardkit: installing into $PWD/$venv (${extras:-core})" >&2
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# --no-compile: pip would byte-compile every module of torch, transformers, lightning... (most
+# never imported here); Python compiles what is imported on first use and caches it.
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 "${pip[@]}" "torch==2.13.0"
 # editable_mode=compat puts the checkout itself on sys.path (a .pth entry), so
 # a clone run from its parent folder imports the package, not the clone folder

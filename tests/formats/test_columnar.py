@@ -24,7 +24,15 @@ import shardkit
 from shardkit import CorruptRecordError, ShardkitError
 from shardkit.formats.example import columns as example_module
 from shardkit.formats.example import decode_example_python, encode_example
-from tests.formats.test_example import FLOAT32, INT64, compiled, example_record, garbage_records, with_both_backends
+from tests.formats.test_example import (
+    DECODERS,
+    FLOAT32,
+    INT64,
+    compiled,
+    example_record,
+    garbage_records,
+    with_both_backends,
+)
 from tests.helpers.shards import COLUMN_FEATURES as FEATURES
 from tests.helpers.shards import column_rows as rows
 from tests.helpers.shards import per_record_rows, record_offsets
@@ -38,6 +46,9 @@ SPECS = {  # name -> (dtype, shape, strategy of one value)
     "pair": ("bytes", (2,), st.binary(max_size=5)),
     "nothing": ("float32", (0,), FLOAT32),
 }
+
+
+BUILT = list(DECODERS)  # "python", and "c" when built: the property tests check each on one drawn input
 
 
 def decode_columns(backend: str, records: list, features: dict) -> dict:
@@ -80,29 +91,28 @@ def block(draw: st.DrawFn) -> tuple[list[bytes], dict]:
     return records, {name: SPECS[name][:2] for name in names}
 
 
-@with_both_backends
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block())
-def test_columns_equal_decode_example_and_protobuf_value_for_value(backend: str, case: tuple) -> None:
+def test_columns_equal_decode_example_and_protobuf_value_for_value(case: tuple) -> None:
     records, features = case
-    columns = decode_columns(backend, records, features)
-    assert list(columns) == list(features)
-    for name, (dtype, shape) in features.items():
-        column = columns[name]
-        if dtype == "bytes":
-            assert len(column) == len(records) and column.null_count == 0
-        else:
-            assert column.shape == (len(records), *shape) and column.dtype == dtype and column.flags.writeable
-        per_record = [decode_example_python(r)[name] for r in records]
-        expected = [v for value in per_record for v in flat(value)]
-        assert flat(column) == expected
-        assert flat(column) == [v for r in records for v in protobuf_values(r, name)]
+    for backend in BUILT:  # one drawn block for every built backend: drawing is most of the cost
+        columns = decode_columns(backend, records, features)
+        assert list(columns) == list(features), backend
+        for name, (dtype, shape) in features.items():
+            column = columns[name]
+            if dtype == "bytes":
+                assert len(column) == len(records) and column.null_count == 0
+            else:
+                assert column.shape == (len(records), *shape) and column.dtype == dtype and column.flags.writeable
+            per_record = [decode_example_python(r)[name] for r in records]
+            expected = [v for value in per_record for v in flat(value)]
+            assert flat(column) == expected, backend
+            assert flat(column) == [v for r in records for v in protobuf_values(r, name)], backend
 
 
-@with_both_backends
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(example_record())
-def test_columns_take_every_wire_form_as_decode_example_does(backend: str, record: bytes) -> None:
+def test_columns_take_every_wire_form_as_decode_example_does(record: bytes) -> None:
     """Repeated keys, merged messages, replaced oneof members, unpacked values: each feature read as one column."""
     decoded = decode_example_python(record)
     for name, value in decoded.items():
@@ -112,7 +122,8 @@ def test_columns_take_every_wire_form_as_decode_example_does(backend: str, recor
             features = {name: ("bytes", (len(value),))}
         else:
             features = {name: ("int64", (0,))}  # no values fit a shape of size 0, whatever the kind
-        assert flat(decode_columns(backend, [record, record], features)[name]) == flat(value) * 2
+        for backend in BUILT:
+            assert flat(decode_columns(backend, [record, record], features)[name]) == flat(value) * 2, backend
 
 
 def column_outcome(backend: str, records: list, features: dict) -> object:

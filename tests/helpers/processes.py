@@ -84,6 +84,28 @@ def _no_core_files() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 
 
+# What a new interpreter sees after a plain `import shardkit`, in the order a user meets it: one
+# interpreter start (seconds of CPU: torch) answers several tests, each asserting on its own key.
+_PLAIN_IMPORT = """
+import json, sys
+import shardkit
+seen = {"state": [shardkit.state.gather.__name__, shardkit.state.StateError.__name__]}
+shardkit.MixedLoader
+seen["transformers imported"] = "transformers" in sys.modules
+keep = shardkit.ShardList(["/a", "/b"])  # referenced until exit: its file goes at exit, not when collected
+seen["backing file"] = keep.backing_file
+print(json.dumps(seen), flush=True)
+"""
+
+
+def plain_import() -> dict[str, Any]:
+    """Run ``import shardkit`` in a new interpreter (from the repository's root) and report what it saw:
+    ``state`` (names reached through ``shardkit.state``), ``transformers imported`` (after touching
+    ``shardkit.MixedLoader``), ``backing file`` (a live ShardList's, as the interpreter exited)."""
+    done = run_python("-c", _PLAIN_IMPORT, timeout=120, cwd=REPO)
+    return last_json_line(done.stdout)
+
+
 def last_json_line(stdout: str) -> Any:
     """The JSON a check script prints as its last line."""
     return json.loads(stdout.strip().splitlines()[-1])

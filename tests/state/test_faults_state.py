@@ -552,6 +552,22 @@ def test_a_mutated_stateful_dataloader_state_fails_cleanly_or_continues_validly(
         assert not Counter(rest) - Counter(run["full"]), f"{how} {path} -> {value!r} yields samples a run does not"
 
 
+def source_in_block_order(shuffled: bool) -> ShardedDataset:
+    """``source(shuffle=shuffled)`` without sample-level windows, which break "position p is sample p"."""
+    dataset = source(shuffle=shuffled)
+    dataset.shuffle_window = 0
+    return dataset
+
+
+@cache
+def block_order_run(shuffled: bool) -> str:
+    """JSON of the whole one-rank run in block order and of its StatefulDataLoader state after 3 samples:
+    the same for every drawn edit, so made once per ``shuffled``."""
+    full = list(source_in_block_order(shuffled))
+    state = saved(lambda: StatefulDataLoader(source_in_block_order(shuffled), batch_size=None, num_workers=0), 3)
+    return json.dumps({"full": full, "state": state})
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     intervals=st.lists(st.tuples(st.integers(-3, TOTAL + 3), st.integers(-3, TOTAL + 3)), max_size=5),
@@ -562,19 +578,13 @@ def test_edited_remaining_intervals_yield_exactly_those_positions_or_fail(
 ) -> None:
     """Position p of a one-rank run is its p-th sample, so any valid ``remaining``
     is checkable: exactly those positions, in order; any other is a StateError."""
-
-    def source_in_block_order() -> ShardedDataset:  # sample-level windows break "position p is sample p"
-        dataset = source(shuffle=shuffled)
-        dataset.shuffle_window = 0
-        return dataset
-
-    full = list(source_in_block_order())
-    state = saved(lambda: StatefulDataLoader(source_in_block_order(), batch_size=None, num_workers=0), 3)
+    run = json.loads(block_order_run(shuffled))  # a fresh copy: the state is edited below
+    full, state = run["full"], run["state"]
     state["dataset_state"]["remaining"] = [list(i) for i in intervals]
     valid = all(0 <= a < b <= TOTAL for a, b in intervals) and all(
         intervals[i][1] <= intervals[i + 1][0] for i in range(len(intervals) - 1)
     )
-    loader = StatefulDataLoader(source_in_block_order(), batch_size=None, num_workers=0)
+    loader = StatefulDataLoader(source_in_block_order(shuffled), batch_size=None, num_workers=0)
     if valid:
         loader.load_state_dict(state)
         assert list(loader) == [full[p] for a, b in intervals for p in range(a, b)]
