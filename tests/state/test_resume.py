@@ -330,7 +330,9 @@ KILL_SCRIPT = textwrap.dedent(
         with open(f"{{out}}/worker{{worker_id}}.pid", "w") as file:
             file.write(str(os.getpid()))
 
-    loader = MixedLoader(Shuffle(source(), 6), 4, num_workers=2, micro_batch_size=3, worker_init_fn=record_pid)
+    # Micro-batches of one sample: the worker killed at batch 7 still has micro-batches to send (a state_dict()
+    # receives a worker's micro-batches up to its next state, at most 16 of them).
+    loader = MixedLoader(Shuffle(source(), 6), 4, num_workers=2, micro_batch_size=1, worker_init_fn=record_pid)
     if os.path.exists(out + "/state.json"):  # resume
         with open(out + "/state.json") as file:
             loader.load_state_dict(json.load(file)["state"])
