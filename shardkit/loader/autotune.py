@@ -14,8 +14,16 @@ worker count and why:
   by at least ``min(min_gain, wait / 2)`` (half of what removing the wait
   entirely would have given): the added workers did not help. The count they
   reached becomes a ceiling that is never tried again, so the loop settles.
+  Likewise when a trial of 0 workers (below) made the loop slower by more than
+  ``min_gain / 2``; if it did not, 0 is kept (a worker's memory saved) and 1
+  becomes the ceiling.
 * **Stay** while the loop waits less than :attr:`Autotune.wait_threshold` of
   its time: the data is not the bottleneck.
+* **Try 0 workers** when the loop waits but its one worker is busy less than
+  half of each step (reading, a ``.map``, a remote read's wait: its wall time):
+  the worker is not what the loop waits for, handing its data over is (small
+  records, a cheap pipeline), which reading in the main process does without.
+  Tried once.
 * **Grow** otherwise, to the count that would end the wait if each worker made
   data as fast as now (``n * step / compute``, with a 10 % margin), at most
   doubling, and no further than the first bound that binds: the CPUs left idle
@@ -43,15 +51,19 @@ the bounds that need them are taken as met: CPU not spare, so no growth).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Autotune", "Decision", "Tuner", "Window", "decide", "prefetch_for"]
 
 AUTO = "auto"
+#: What the loader reports at a window's ends: its workers' pids, and their busy seconds so far (None: not known).
+Probe = tuple[list[int], float | None]
 #: Margin on the worker count that would just end the wait.
 MARGIN = 1.1
 #: A worker is assumed to use at least this share of a CPU (a count from an idle window is not infinite).
@@ -79,7 +91,7 @@ class Autotune:
     wait_threshold: float = 0.1
     min_gain: float = 0.1
     window_steps: int = 20
-    window_seconds: float = 2.0
+    window_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("start", "window_steps"):
@@ -104,6 +116,8 @@ class Window:
     known). ``idle_cpus``: CPUs of this process's affinity left idle, on
     average over the window, by every process on the machine (None: not
     known). ``worker_memory_bytes``: the workers' memory at the window's end.
+    ``worker_busy_seconds``: the wall time the workers spent making data
+    (reading, a ``.map``, collating; waiting on a remote read counts), summed.
     """
 
     workers: int
@@ -113,6 +127,7 @@ class Window:
     worker_cpu_seconds: float | None = None
     idle_cpus: float | None = None
     worker_memory_bytes: int | None = None
+    worker_busy_seconds: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -138,39 +153,73 @@ class Decision:
 
 @dataclass(frozen=True)
 class Limits:
-    """The bounds a worker count stays under: ``max_workers``, ``memory_bytes`` and ``ceiling``
-    (the lowest count that was tried and did not help)."""
+    """The bounds a worker count stays within: ``max_workers``, ``memory_bytes``, ``ceiling``
+    (the lowest count that was tried and did not help) and ``floor`` (the count that reading
+    in the main process, 0 workers, was tried from and lost to)."""
 
     max_workers: int
     memory_bytes: int | None
     ceiling: int | None = None
+    floor: int = 0
 
 
 def decide(window: Window, before: Window | None, settings: Autotune, limits: Limits) -> Decision:
     """The next worker count after ``window`` (see the module docstring); ``before`` is the last
     judged window before the change that led to ``window``'s count (None: no change yet)."""
     n = window.workers
-    if before is not None and before.workers < n and before.wait_ratio >= settings.wait_threshold:
-        needed = min(settings.min_gain, before.wait_ratio / 2)
-        gain = window.steps_per_second / before.steps_per_second - 1 if before.steps_per_second > 0 else 0.0
-        if gain < needed:
-            return Decision(
-                before.workers,
-                f"{n} workers were {gain:+.0%} faster than {before.workers} ({window.steps_per_second:.3g} against "
-                f"{before.steps_per_second:.3g} steps/s; a change must bring {needed:.0%}): back to {before.workers}",
-                back=True,
-            )
+    judged = _judge_change(window, before, settings) if before is not None else None
+    if judged is not None:
+        return judged
     if window.wait_ratio < settings.wait_threshold:
         return Decision(n, f"the loop waited {window.wait_ratio:.0%} of its time for data: enough workers")
+    if n == 1 and limits.floor == 0 and window.worker_busy_seconds is not None:
+        busy, step = window.worker_busy_seconds / window.steps, window.seconds / window.steps
+        if busy < step / 2:  # the worker is not what the loop waits for: handing its data over is
+            return Decision(
+                0,
+                f"the loop waited {window.wait_ratio:.0%} of its time, its one worker worked {busy * 1e3:.3g} ms "
+                f"of a {step * 1e3:.3g} ms step: 1 -> 0 workers (reading in the main process) on trial",
+            )
     target, bound = _grow_bounds(window, settings, limits)
     if target <= n:
         return Decision(n, f"the loop waited {window.wait_ratio:.0%} of its time, but {bound}")
     return Decision(target, f"the loop waited {window.wait_ratio:.0%} of its time for data: {n} -> {target} workers")
 
 
+def _judge_change(window: Window, before: Window, settings: Autotune) -> Decision | None:
+    """Undo the change from ``before``'s count to ``window``'s if it did not help (None: keep it).
+
+    More workers must bring ``min(min_gain, wait / 2)``; fewer (0, reading in the main
+    process) may cost at most ``min_gain / 2``, for the memory they save."""
+    n, old = window.workers, before.workers
+    gain = window.steps_per_second / before.steps_per_second - 1 if before.steps_per_second > 0 else 0.0
+    if old < n and before.wait_ratio >= settings.wait_threshold:
+        needed = min(settings.min_gain, before.wait_ratio / 2)
+        if gain < needed:
+            return Decision(
+                old,
+                f"{n} workers were {gain:+.0%} faster than {old} ({window.steps_per_second:.3g} against "
+                f"{before.steps_per_second:.3g} steps/s; a change must bring {needed:.0%}): back to {old}",
+                back=True,
+            )
+    if old > n:
+        speeds = f"{gain:+.0%} faster than {old} ({window.steps_per_second:.3g} against {before.steps_per_second:.3g} steps/s)"
+        if gain < -settings.min_gain / 2:
+            return Decision(old, f"{n} workers were {speeds}: back to {old}", back=True)
+        return Decision(n, f"{n} workers were {speeds}: {n} kept, {old} is not tried again")
+    return None
+
+
 def _grow_bounds(window: Window, settings: Autotune, limits: Limits) -> tuple[int, str]:
     """The count to grow to, and what bound it (for the reason when nothing can be added)."""
     n = window.workers
+    if n == 0:  # reading in the main process: one worker, if a CPU is idle for it
+        idle = window.idle_cpus
+        bounds = [(1, ""), (0 if idle is None or idle < 0.5 else 1, "no CPU is idle for a worker")]
+        if limits.ceiling is not None:
+            bounds.append((limits.ceiling - 1, "1 worker was tried and was not faster"))
+        target, reason = min(bounds, key=lambda bound: bound[0])
+        return target, reason or "no bound"
     wanted = n * 2 if window.compute_seconds <= 0 else n * window.seconds / window.compute_seconds * MARGIN
     bounds = [(min(2 * n, max(n + 1, math.ceil(wanted))), "")]
     bounds.append((limits.max_workers, f"max_workers is {limits.max_workers}"))
@@ -219,7 +268,7 @@ class Tuner:
     workers: int
     history: list[dict[str, Any]] = field(default_factory=list)
     last: str = "no window judged yet"  # the latest decision's reason, a stay's too
-    _mark: tuple[int, int, int, float, float | None, tuple[float, float] | None] | None = None
+    _mark: tuple[int, int, int, float, float | None, tuple[float, float] | None, float | None] | None = None
     _before: Window | None = None
     _skip: bool = True  # the first window after a start or change is not judged
 
@@ -227,15 +276,18 @@ class Tuner:
         """Workers were (re)started with ``workers``: a new first window."""
         self.workers, self._mark, self._skip = workers, None, True
 
-    def step(self, steps: int, wait_ns: int, compute_ns: int, pids: list[int]) -> Decision | None:
-        """After a batch: the totals of the loader's meter; a Decision when the count should change."""
+    def step(self, steps: int, wait_ns: int, compute_ns: int, probe: Callable[[], Probe]) -> Decision | None:
+        """After a batch: the totals of the loader's meter; a Decision when the count should change.
+        ``probe`` (called at a window's ends only) gives the workers' pids and busy seconds so far."""
         if self._mark is None:
-            self._mark = (steps, wait_ns, compute_ns, time.monotonic(), process_cpu_seconds(pids), cpu_times())
+            pids, busy = probe()
+            self._mark = (steps, wait_ns, compute_ns, time.monotonic(), process_cpu_seconds(pids), cpu_times(), busy)
             return None
-        first, wait0, compute0, started, cpu0, times0 = self._mark
+        first, wait0, compute0, started, cpu0, times0, busy0 = self._mark
         elapsed = time.monotonic() - started
         if steps - first < self.settings.window_steps or elapsed < self.settings.window_seconds:
             return None
+        pids, busy = probe()
         cpu = process_cpu_seconds(pids)
         window = Window(
             workers=self.workers,
@@ -245,6 +297,7 @@ class Tuner:
             worker_cpu_seconds=None if cpu is None or cpu0 is None else cpu - cpu0,
             idle_cpus=idle_cpus(times0, cpu_times()),
             worker_memory_bytes=process_memory_bytes(pids),
+            worker_busy_seconds=None if busy is None or busy0 is None else busy - busy0,
         )
         self._mark = None
         if self._skip:
@@ -255,10 +308,14 @@ class Tuner:
     def _judge(self, window: Window, steps: int) -> Decision | None:
         decision = decide(window, self._before, self.settings, self.limits)
         self.last = decision.reason
-        if decision.back:
-            self.limits = Limits(self.limits.max_workers, self.limits.memory_bytes, window.workers)
+        if decision.back and decision.workers < window.workers:  # more did not help
+            self.limits = dataclasses.replace(self.limits, ceiling=window.workers)
+        elif decision.back:  # reading in the main process was slower
+            self.limits = dataclasses.replace(self.limits, floor=decision.workers)
+        elif self._before is not None and decision.workers == window.workers < self._before.workers:
+            self.limits = dataclasses.replace(self.limits, ceiling=self._before.workers)  # fewer did as well
         # Judged against the next window only: after a step back or a stay the change is settled.
-        self._before = window if decision.workers > self.workers else None
+        self._before = window if decision.workers != self.workers and not decision.back else None
         if decision.workers == self.workers:
             return None
         self.history.append(
@@ -282,6 +339,7 @@ class Tuner:
             "max_workers": self.limits.max_workers,
             "memory_bytes": self.limits.memory_bytes,
             "ceiling": self.limits.ceiling,
+            "floor": self.limits.floor,
             "changes": [dict(change) for change in self.history],
             "last": self.last,
         }

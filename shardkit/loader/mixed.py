@@ -360,23 +360,37 @@ class MixedLoader:
     def _tune(self) -> None:
         """After a batch: give the tuner the step's figures; a new count is made at the next step."""
         assert self._tuner is not None
-        source = None if self._mixer is None else self._mixer._source
-        pids = [process.pid for process in getattr(source, "_workers", None) or ()]
+        if self._switch is not None:  # decided, not made yet (it waits for the next epoch)
+            return
         meter = self._meter
-        decision = self._tuner.step(meter.steps, meter.wait_ns, meter.compute_ns, pids)
+        decision = self._tuner.step(meter.steps, meter.wait_ns, meter.compute_ns, self._probe)
         if decision is not None:
             self._switch = decision.workers
+
+    def _probe(self) -> tuple[list[int], float | None]:
+        """The running workers' pids and their busy seconds so far (for the tuner, once a window)."""
+        source = None if self._mixer is None else self._mixer._source
+        pids = [process.pid for process in getattr(source, "_workers", None) or ()]
+        if not self.num_workers:
+            return pids, None
+        workers = self._meter.stats(0, self._mixer).workers
+        return pids, sum(worker.busy_seconds for worker in workers)
 
     def _switch_mid_epoch(self) -> Iterator[Any] | None:
         """Make the decided worker count now, between two batches: save the position, stop the
         workers, start the new count from the position. None when it must wait for the next
         epoch (no state to restart from: ``resumable=False``, or the epoch has ended)."""
         mixer = self._mixer
-        if mixer is None or not self.resumable or mixer._finished or mixer._source is None:
+        if not self.resumable:
             return None
-        state = mixer.state_dict()  # this rank's, never gathered: the other ranks go on
-        mixer._stop_workers()
-        self._meter.fold(mixer)
+        if mixer is None:  # no workers: the dataset's own position, past every batch returned
+            state = self._rank_state()
+        elif mixer._finished or mixer._source is None:
+            return None
+        else:
+            state = mixer.state_dict()  # this rank's, never gathered: the other ranks go on
+            mixer._stop_workers()
+            self._meter.fold(mixer)
         assert self._switch is not None
         self._start_workers(self._switch)
         self._tails = tuple(check_loader_state(state, self))
@@ -390,13 +404,22 @@ class MixedLoader:
             running._shutdown_workers()
             self._loader._iterator = None
         kwargs = dict(self._dataloader_kwargs)
-        if self._auto_prefetch:
+        if self._auto_prefetch and workers:
             kwargs["prefetch_factor"] = prefetch_for(workers)
+        elif not workers:  # DataLoader refuses these without workers
+            for name in ("prefetch_factor", "persistent_workers"):
+                kwargs.pop(name, None)
         self.num_workers = workers
-        self.prefetch_factor = kwargs.get("prefetch_factor", 2)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
-            self._loader = self._worker_loader(kwargs)
+        self.prefetch_factor = kwargs.get("prefetch_factor", 2 if workers else None)
+        self._micro_batches = None
+        if workers == 0 and not self._columns:
+            self._loader = DataLoader(
+                self.dataset, batch_size=self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn, **kwargs
+            )
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+                self._loader = self._worker_loader(kwargs)
         if self._tuner is not None:
             self._tuner.restart(workers)
 
@@ -613,7 +636,9 @@ class _Epoch:
             if self._batches is None:
                 self._batches = loader._start_epoch()
             elif loader._switch is not None:
-                self._batches = loader._switch_mid_epoch() or self._batches
+                switched = loader._switch_mid_epoch()  # (a DataLoader iterator has a len(): no `or`)
+                if switched is not None:
+                    self._batches = switched
             batch = next(self._batches)
         except StopIteration:
             meter.left(start, ended=True)
