@@ -129,6 +129,7 @@ class Run:
     workers: int
     changes: list[dict[str, Any]]
     settled_seconds: float
+    last: str = ""
 
 
 def run(shards: shardkit.ShardList, workload: Workload, config: Config, warm: int, steps: int) -> Run:
@@ -150,7 +151,7 @@ def run(shards: shardkit.ShardList, workload: Workload, config: Config, warm: in
     changes = [] if tuned is None else tuned["changes"]
     workers = built.num_workers
     del batches, built
-    return Run(rate, peak, workers, changes, settled)
+    return Run(rate, peak, workers, changes, settled, "" if tuned is None else tuned["last"])
 
 
 def _worker_pids(built: shardkit.MixedLoader | None) -> list[int]:
@@ -182,7 +183,9 @@ class Server:
 
 def label(config: Config) -> str:
     workers, prefetch = config
-    return "auto" if workers == "auto" else f"{workers} workers" + ("" if prefetch is None else f", prefetch {prefetch}")
+    return (
+        "auto" if workers == "auto" else f"{workers} workers" + ("" if prefetch is None else f", prefetch {prefetch}")
+    )
 
 
 def bench(shards: shardkit.ShardList, workload: Workload, args: argparse.Namespace) -> bool:
@@ -204,12 +207,15 @@ def bench(shards: shardkit.ShardList, workload: Workload, args: argparse.Namespa
         print(f"| {label(config)}{mark} | {rate[config]:.1f} | {peak[config] / 2**20:.0f} |")
     speed, memory = rate[auto] / rate[best], peak[auto] / peak[best]
     print(
-        f"\nauto / best ({label(best)}): throughput {speed:.2f}x (target >= 0.9), "
-        f"memory {memory:.2f}x (target <= 1.2)"
+        f"\nauto / best ({label(best)}): throughput {speed:.2f}x (target >= 0.9), memory {memory:.2f}x (target <= 1.2)"
     )
     for index, runs in enumerate(results[auto]):
-        path = " -> ".join([str(runs.changes[0]["from"])] + [str(c["to"]) for c in runs.changes]) if runs.changes else "1"
-        print(f"  auto round {index + 1}: workers {path} within {runs.settled_seconds:.1f} s of warm-up")
+        path = (
+            " -> ".join([str(runs.changes[0]["from"])] + [str(c["to"]) for c in runs.changes]) if runs.changes else "1"
+        )
+        print(
+            f"  auto round {index + 1}: workers {path} within {runs.settled_seconds:.1f} s of warm-up; last: {runs.last}"
+        )
     return speed >= 0.9 and memory <= 1.2
 
 
@@ -218,7 +224,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run whose numbers are not meant to be quoted")
     parser.add_argument("--records", type=int, default=40_000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per run")
     parser.add_argument("--warm", type=int, default=15, help="untimed steps of a hand-picked configuration")
     parser.add_argument("--auto-warm", type=int, default=200, help="untimed steps of auto (it tunes)")
     parser.add_argument("--workloads", nargs="*", default=[w.name for w in WORKLOADS])

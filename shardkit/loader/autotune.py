@@ -26,10 +26,12 @@ worker count and why:
   Tried once.
 * **Grow** otherwise, to the count that would end the wait if each worker made
   data as fast as now (``n * step / compute``, with a 10 % margin), at most
-  doubling, and no further than the first bound that binds: the CPUs left idle
-  (each new worker is expected to use what a worker uses now: an I/O-bound
-  worker that sleeps on a remote read uses little, so more workers than CPUs
-  are allowed; a CPU-bound one a whole CPU), the memory bound
+  doubling, and no further than the first bound that binds: the CPUs (none
+  when the workers spend at least half their busy time neither on a CPU nor
+  in a run queue waiting for one, ``/proc/PID/schedstat``: they wait on I/O,
+  a remote read, and more workers than CPUs help even on a busy machine;
+  else the CPUs left idle, each new worker expected to use what one uses
+  now), the memory bound
   (:attr:`Autotune.memory_bytes`, the workers' memory), :attr:`Autotune.max_workers`,
   and the ceiling.
 
@@ -59,6 +61,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardkit.errors import check_int
+
 __all__ = ["Autotune", "Decision", "Tuner", "Window", "decide", "prefetch_for"]
 
 AUTO = "auto"
@@ -66,6 +70,8 @@ AUTO = "auto"
 Probe = tuple[list[int], float | None]
 #: Margin on the worker count that would just end the wait.
 MARGIN = 1.1
+#: Workers that spend this share of their busy time waiting on I/O are not bound by the CPUs.
+IO_BOUND = 0.5
 #: A worker is assumed to use at least this share of a CPU (a count from an idle window is not infinite).
 MIN_WORKER_CPU = 0.05
 
@@ -118,7 +124,18 @@ class Window:
     known). ``worker_memory_bytes``: the workers' memory at the window's end.
     ``worker_busy_seconds``: the wall time the workers spent making data
     (reading, a ``.map``, collating; waiting on a remote read counts), summed.
+    ``worker_queued_seconds``: the time they were ready to run but waited for a
+    CPU (run queue), summed.
     """
+
+    @property
+    def io_share(self) -> float | None:
+        """The share of the workers' busy time spent neither on a CPU nor waiting for one:
+        waiting on I/O (None when not known)."""
+        cpu, queued, busy = self.worker_cpu_seconds, self.worker_queued_seconds, self.worker_busy_seconds
+        if cpu is None or queued is None or busy is None or busy <= 0:
+            return None
+        return max(0.0, 1 - (cpu + queued) / busy)
 
     workers: int
     steps: int
@@ -128,6 +145,7 @@ class Window:
     idle_cpus: float | None = None
     worker_memory_bytes: int | None = None
     worker_busy_seconds: float | None = None
+    worker_queued_seconds: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -235,8 +253,13 @@ def _grow_bounds(window: Window, settings: Autotune, limits: Limits) -> tuple[in
 
 
 def _cpu_bound(window: Window) -> tuple[int, str]:
-    """How many workers the idle CPUs allow: each new one is expected to use what one uses now."""
+    """How many workers the CPUs allow: no bound when the workers mostly wait on I/O (on a busy
+    machine too: they need little CPU); else each new one is expected to use what one uses now,
+    out of the CPUs left idle."""
     n = window.workers
+    io = window.io_share
+    if io is not None and io >= IO_BOUND:
+        return 2**31, ""
     if window.idle_cpus is None or window.worker_cpu_seconds is None or window.seconds <= 0:
         return n, "the CPUs' use is not known here"
     each = max(window.worker_cpu_seconds / n / window.seconds, MIN_WORKER_CPU)
@@ -268,7 +291,7 @@ class Tuner:
     workers: int
     history: list[dict[str, Any]] = field(default_factory=list)
     last: str = "no window judged yet"  # the latest decision's reason, a stay's too
-    _mark: tuple[int, int, int, float, float | None, tuple[float, float] | None, float | None] | None = None
+    _mark: tuple[int, int, int, float, Any, tuple[float, float] | None, float | None] | None = None
     _before: Window | None = None
     _skip: bool = True  # the first window after a start or change is not judged
 
@@ -289,12 +312,14 @@ class Tuner:
             return None
         pids, busy = probe()
         cpu = process_cpu_seconds(pids)
+        known = cpu is not None and cpu0 is not None
         window = Window(
             workers=self.workers,
             steps=steps - first,
             wait_seconds=(wait_ns - wait0) * 1e-9,
             compute_seconds=(compute_ns - compute0) * 1e-9,
-            worker_cpu_seconds=None if cpu is None or cpu0 is None else cpu - cpu0,
+            worker_cpu_seconds=cpu[0] - cpu0[0] if known else None,  # type: ignore[index]
+            worker_queued_seconds=cpu[1] - cpu0[1] if known and cpu[1] is not None and cpu0[1] is not None else None,  # type: ignore[index,operator]
             idle_cpus=idle_cpus(times0, cpu_times()),
             worker_memory_bytes=process_memory_bytes(pids),
             worker_busy_seconds=None if busy is None or busy0 is None else busy - busy0,
@@ -345,6 +370,39 @@ class Tuner:
         }
 
 
+# -- the loader's arguments ----------------------------------------------------------
+
+
+def tuner_for(num_workers: int | str, settings: Autotune | None, error: type[Exception]) -> Tuner | None:
+    """The tuner of ``num_workers="auto"`` (None for a fixed count), its bounds resolved now;
+    ``error`` (the loader's) names an ``autotune`` argument that cannot work."""
+    if num_workers != AUTO:
+        if settings is not None:
+            raise error(f'autotune={settings!r} applies to num_workers="auto" only, got num_workers={num_workers!r}')
+        return None
+    if settings is None:
+        settings = Autotune()
+    elif not isinstance(settings, Autotune):
+        raise error(f"autotune must be a shardkit.loader.autotune.Autotune or None, got {settings!r}")
+    max_workers = settings.max_workers or default_max_workers(available_cpus())
+    memory = settings.memory_bytes or default_memory_bytes()
+    return Tuner(settings, Limits(max_workers, memory), min(settings.start, max_workers))
+
+
+def check_prefetch(prefetch: Any, dataloader_kwargs: dict[str, Any], error: type[Exception]) -> bool:
+    """Whether ``prefetch`` is "auto"; raise ``error`` naming a value that cannot work."""
+    if prefetch is None:
+        return False
+    if prefetch != AUTO or not isinstance(prefetch, str):
+        check_int("prefetch", prefetch, minimum=1, error=error, hint='or pass "auto" or None')
+    if "prefetch_factor" in dataloader_kwargs:
+        raise error(
+            f"prefetch={prefetch!r} and prefetch_factor={dataloader_kwargs['prefetch_factor']!r} set the same "
+            "thing (micro-batches each worker keeps in flight): pass one of them"
+        )
+    return prefetch == AUTO
+
+
 # -- measuring: /proc ---------------------------------------------------------------
 
 
@@ -368,20 +426,29 @@ def default_memory_bytes() -> int | None:
     return None
 
 
-def process_cpu_seconds(pids: list[int]) -> float | None:
-    """User + system CPU seconds of the processes ``pids`` (None if there are none, or one cannot be read)."""
+def process_cpu_seconds(pids: list[int]) -> tuple[float, float | None] | None:
+    """Seconds the processes ``pids`` ran on a CPU and waited in a run queue for one, summed
+    (``/proc/PID/schedstat``; where it is missing, user + system time and None). None if there
+    are no processes, or one cannot be read."""
     if not pids:
         return None
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0
+    cpu, queued = 0.0, 0.0
     for pid in pids:
+        try:
+            with open(f"/proc/{pid}/schedstat") as schedstat:
+                on_cpu, waiting = schedstat.read().split()[:2]
+            cpu, queued = cpu + int(on_cpu) * 1e-9, queued + int(waiting) * 1e-9
+            continue
+        except (OSError, ValueError):
+            pass
         try:
             with open(f"/proc/{pid}/stat") as stat:
                 fields = stat.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             return None
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
-    return total / ticks
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu, queued = cpu + (int(fields[11]) + int(fields[12])) / ticks, math.nan  # utime, stime
+    return cpu, None if math.isnan(queued) else queued
 
 
 def process_memory_bytes(pids: list[int]) -> int | None:

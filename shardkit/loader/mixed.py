@@ -60,7 +60,10 @@ the one copy a trainer writes from rank 0 resumes every rank.
 The modules below this one: :mod:`shardkit.loader.mixer` (one epoch of
 assembly in the main process), :mod:`shardkit.loader.micro_batches` (what runs
 in each worker), :mod:`shardkit.loader.loader_state` (the saved state and its
-checks), then the slabs and collation they share.
+checks), then the slabs and collation they share. Over 600 lines: one module because
+changing the worker count mid-epoch (``num_workers="auto"``, :mod:`shardkit.loader.autotune`)
+restarts the epoch through the loader's own state, DataLoader and epoch start, which another
+module would have to reach into.
 """
 
 from __future__ import annotations
@@ -76,16 +79,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from shardkit.epoch import resume_at
 from shardkit.errors import ShardkitError, check_int
-from shardkit.loader.autotune import (
-    AUTO,
-    Autotune,
-    Limits,
-    Tuner,
-    available_cpus,
-    default_max_workers,
-    default_memory_bytes,
-    prefetch_for,
-)
+from shardkit.loader.autotune import AUTO, Autotune, check_prefetch, prefetch_for, tuner_for
 from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
@@ -195,10 +189,10 @@ class MixedLoader:
         **dataloader_kwargs: Any,
     ) -> None:
         _check_arguments(dataset, batch_size, num_workers, collate_fn, drop_last, seed, micro_batch_size, resumable)
-        self._tuner = _tuner(num_workers, autotune)
+        self._tuner = tuner_for(num_workers, autotune, LoaderError)
         if self._tuner is not None:
             num_workers = self._tuner.workers
-        self._auto_prefetch = _check_prefetch(prefetch, dataloader_kwargs)
+        self._auto_prefetch = check_prefetch(prefetch, dataloader_kwargs, LoaderError)
         if isinstance(prefetch, int) and num_workers:
             dataloader_kwargs["prefetch_factor"] = prefetch
         elif self._auto_prefetch and num_workers:
@@ -302,6 +296,7 @@ class MixedLoader:
     _iterated = False
     _epoch_set = False  # until set_epoch, iteration k is epoch k, like the dataset's passes (shardkit.epoch)
     _passes = 0
+    _stateless = False  # the dataset could not save its position: no change of workers mid-epoch
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate one epoch of batches, resuming a state given to :meth:`load_state_dict`.
@@ -379,16 +374,22 @@ class MixedLoader:
     def _switch_mid_epoch(self) -> Iterator[Any] | None:
         """Make the decided worker count now, between two batches: save the position, stop the
         workers, start the new count from the position. None when it must wait for the next
-        epoch (no state to restart from: ``resumable=False``, or the epoch has ended)."""
+        epoch (no state to restart from: ``resumable=False``, a dataset that cannot save its
+        position, or the epoch has ended)."""
         mixer = self._mixer
-        if not self.resumable:
+        if not self.resumable or self._stateless:
             return None
-        if mixer is None:  # no workers: the dataset's own position, past every batch returned
-            state = self._rank_state()
-        elif mixer._finished or mixer._source is None:
+        try:
+            if mixer is None:  # no workers: the dataset's own position, past every batch returned
+                state = self._rank_state()
+            elif mixer._finished or mixer._source is None:
+                return None
+            else:
+                state = mixer.state_dict()  # this rank's, never gathered: the other ranks go on
+        except StateError:  # a dataset that cannot save its position: changes wait for the next epoch
+            self._stateless = True
             return None
-        else:
-            state = mixer.state_dict()  # this rank's, never gathered: the other ranks go on
+        if mixer is not None:
             mixer._stop_workers()
             self._meter.fold(mixer)
         assert self._switch is not None
@@ -647,32 +648,3 @@ class _Epoch:
         if loader._tuner is not None:
             loader._tune()
         return batch
-
-
-def _tuner(num_workers: int | str, settings: Autotune | None) -> Tuner | None:
-    """The tuner of ``num_workers="auto"`` (None for a fixed count), its bounds resolved now."""
-    if num_workers != AUTO:
-        if settings is not None:
-            raise LoaderError(f'autotune={settings!r} applies to num_workers="auto" only, got num_workers={num_workers!r}')
-        return None
-    if settings is None:
-        settings = Autotune()
-    elif not isinstance(settings, Autotune):
-        raise LoaderError(f"autotune must be a shardkit.loader.autotune.Autotune or None, got {settings!r}")
-    max_workers = settings.max_workers or default_max_workers(available_cpus())
-    memory = settings.memory_bytes or default_memory_bytes()
-    return Tuner(settings, Limits(max_workers, memory), min(settings.start, max_workers))
-
-
-def _check_prefetch(prefetch: Any, dataloader_kwargs: dict[str, Any]) -> bool:
-    """Whether ``prefetch`` is "auto"; raise :class:`LoaderError` naming a value that cannot work."""
-    if prefetch is None:
-        return False
-    if prefetch != AUTO or not isinstance(prefetch, str):
-        check_int("prefetch", prefetch, minimum=1, error=LoaderError, hint='or pass "auto" or None')
-    if "prefetch_factor" in dataloader_kwargs:
-        raise LoaderError(
-            f"prefetch={prefetch!r} and prefetch_factor={dataloader_kwargs['prefetch_factor']!r} set the same "
-            "thing (micro-batches each worker keeps in flight): pass one of them"
-        )
-    return prefetch == AUTO

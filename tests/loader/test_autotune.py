@@ -3,10 +3,12 @@ changing its worker count mid-epoch with every sample delivered exactly once and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,8 +21,16 @@ SETTINGS = Autotune()
 LIMITS = Limits(max_workers=8, memory_bytes=None)
 
 
-def window(workers: int = 1, wait: float = 0.8, *, rate: float = 10.0, cpu_each: float = 0.1, idle: float = 1.5,
-           memory: int | None = None, busy: float | None = None) -> Window:
+def window(
+    workers: int = 1,
+    wait: float = 0.8,
+    *,
+    rate: float = 10.0,
+    cpu_each: float = 0.1,
+    idle: float = 1.5,
+    memory: int | None = None,
+    busy: float | None = None,
+) -> Window:
     """A window of ``rate`` steps/s over 2 s in which the loop waited ``wait`` of its time."""
     seconds = 2.0
     return Window(
@@ -59,6 +69,17 @@ def test_a_cpu_bound_worker_is_not_joined_by_another_without_an_idle_cpu():
 def test_io_bound_workers_grow_past_the_cpus_up_to_max_workers():
     decision = decide(window(4, wait=0.9, cpu_each=0.05, idle=1.8), None, SETTINGS, Limits(6, None))
     assert decision.workers == 6 and "4 -> 6" in decision.reason
+
+
+def test_workers_waiting_on_io_grow_on_a_machine_with_no_idle_cpu_but_cpu_bound_ones_do_not():
+    waiting = Window(
+        2, 20, 1.6, 0.4, worker_cpu_seconds=0.4, idle_cpus=0.0, worker_busy_seconds=3.8, worker_queued_seconds=0.2
+    )  # 3.2 of 3.8 busy seconds waiting on I/O
+    assert waiting.io_share == pytest.approx(0.842, abs=1e-3)
+    assert decide(waiting, None, SETTINGS, LIMITS).workers == 4
+    starved = dataclasses.replace(waiting, worker_cpu_seconds=1.8, worker_queued_seconds=1.9)
+    decision = decide(starved, None, SETTINGS, LIMITS)
+    assert decision.workers == 2 and "no CPU to spare" in decision.reason
 
 
 def test_the_memory_bound_stops_growth_and_says_so():
@@ -201,10 +222,8 @@ def ids(loader, steps=None):
 
 
 @pytest.mark.slow
-def test_auto_adds_workers_mid_epoch_for_a_slow_dataset_and_every_sample_comes_once(monkeypatch):
-    # The CPUs are free for these workers, which sleep; on a shared machine other jobs take them,
-    # so the measurement of idle CPUs is replaced by "all of them" (the rule itself is tested above).
-    monkeypatch.setattr(autotune, "idle_cpus", lambda before, after: 2.0)
+def test_auto_adds_workers_mid_epoch_for_a_slow_dataset_and_every_sample_comes_once():
+    # The workers sleep (a remote read): they wait on I/O, so they grow even on a busy machine.
     dataset = shardkit.wrap(list(range(480))).map(slow_read)
     loader = shardkit.MixedLoader(
         dataset, batch_size=4, num_workers="auto", prefetch="auto", autotune=FAST, persistent_workers=True
@@ -245,18 +264,41 @@ def test_auto_does_not_add_workers_when_the_training_step_is_the_bottleneck():
         time.sleep(0.01)  # the step: the data is always there before it ends
     assert sorted(taken) == list(range(160))
     tuned = loader.stats().autotune
-    assert tuned is not None and loader.num_workers == 1 and tuned["changes"] == []
-    assert "enough workers" in tuned["last"], tuned
+    assert tuned is not None and loader.num_workers <= 1, tuned  # (0: a trial of the main process, kept)
+    assert all(change["to"] <= 1 for change in tuned["changes"]), tuned
 
 
 @pytest.mark.slow
-def test_without_resumable_a_new_count_waits_for_the_next_epoch(monkeypatch):
-    monkeypatch.setattr(autotune, "idle_cpus", lambda before, after: 2.0)
+def test_without_resumable_a_new_count_waits_for_the_next_epoch():
     loader = shardkit.MixedLoader(
-        shardkit.wrap(list(range(240))).map(slow_read), batch_size=4, num_workers="auto", autotune=FAST,
+        shardkit.wrap(list(range(240))).map(slow_read),
+        batch_size=4,
+        num_workers="auto",
+        autotune=FAST,
         resumable=False,
     )
     assert sorted(ids(loader)) == list(range(240))
     assert loader.num_workers == 1 and loader.stats().autotune["changes"]  # decided, not made
     assert sorted(ids(loader)) == list(range(240))
     assert loader.num_workers > 1
+
+
+class Unsaveable(torch.utils.data.IterableDataset):
+    """A dataset with no state_dict(): the loader cannot restart its workers mid-epoch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for x in range(worker, self.n, workers):
+            yield slow_read(x)
+
+
+@pytest.mark.slow
+def test_a_dataset_that_cannot_save_its_position_changes_its_count_at_the_next_epoch():
+    loader = shardkit.MixedLoader(Unsaveable(160), batch_size=4, num_workers="auto", autotune=FAST)
+    assert sorted(ids(loader)) == list(range(160)) and loader.num_workers == 1
+    assert loader.stats().autotune["changes"]  # decided, not made
+    assert sorted(ids(loader)) == list(range(160)) and loader.num_workers > 1
