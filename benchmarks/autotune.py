@@ -6,7 +6,7 @@ each a pipeline and a training step that holds the loop for a fixed time without
 
 - ``cheap``: the records decoded and made tensors; batch 64, step 5 ms;
 - ``map``: plus a ``.map`` of about 1 ms of pure-Python CPU per sample; batch 32, step 10 ms;
-- ``remote``: plus a ranged GET of 1 KB per 8 records from an HTTP server on 127.0.0.1
+- ``remote``: plus a ranged GET of 1 KB per 16 records from an HTTP server on 127.0.0.1
   (``tests/helpers/fault_server.py``, in its own process) that answers each request after
   30 ms, as an object store's first byte: the workers wait with idle CPUs; batch 32, step 40 ms.
 
@@ -52,7 +52,7 @@ import shardkit  # noqa: E402
 from shardkit.loader.autotune import process_memory_bytes  # noqa: E402
 
 REMOTE_LATENCY = 0.030
-RECORDS_PER_GET = 8
+RECORDS_PER_GET = 16
 
 
 def to_tensors(example: dict[str, Any]) -> dict[str, torch.Tensor]:

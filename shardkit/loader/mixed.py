@@ -190,8 +190,9 @@ class MixedLoader:
     ) -> None:
         _check_arguments(dataset, batch_size, num_workers, collate_fn, drop_last, seed, micro_batch_size, resumable)
         self._tuner = tuner_for(num_workers, autotune, LoaderError)
-        if self._tuner is not None:
-            num_workers = self._tuner.workers
+        workers = num_workers if self._tuner is None else self._tuner.workers
+        assert isinstance(workers, int)  # checked above: an int, or "auto"
+        num_workers = workers
         self._auto_prefetch = check_prefetch(prefetch, dataloader_kwargs, LoaderError)
         if isinstance(prefetch, int) and num_workers:
             dataloader_kwargs["prefetch_factor"] = prefetch
