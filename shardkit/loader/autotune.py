@@ -128,15 +128,6 @@ class Window:
     CPU (run queue), summed.
     """
 
-    @property
-    def io_share(self) -> float | None:
-        """The share of the workers' busy time spent neither on a CPU nor waiting for one:
-        waiting on I/O (None when not known)."""
-        cpu, queued, busy = self.worker_cpu_seconds, self.worker_queued_seconds, self.worker_busy_seconds
-        if cpu is None or queued is None or busy is None or busy <= 0:
-            return None
-        return max(0.0, 1 - (cpu + queued) / busy)
-
     workers: int
     steps: int
     wait_seconds: float
@@ -158,6 +149,15 @@ class Window:
     @property
     def wait_ratio(self) -> float:
         return self.wait_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def io_share(self) -> float | None:
+        """The share of the workers' busy time spent neither on a CPU nor waiting for one:
+        waiting on I/O (None when not known)."""
+        cpu, queued, busy = self.worker_cpu_seconds, self.worker_queued_seconds, self.worker_busy_seconds
+        if cpu is None or queued is None or busy is None or busy <= 0:
+            return None
+        return max(0.0, 1 - (cpu + queued) / busy)
 
 
 @dataclass(frozen=True)

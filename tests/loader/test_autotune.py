@@ -302,3 +302,28 @@ def test_a_dataset_that_cannot_save_its_position_changes_its_count_at_the_next_e
     assert sorted(ids(loader)) == list(range(160)) and loader.num_workers == 1
     assert loader.stats().autotune["changes"]  # decided, not made
     assert sorted(ids(loader)) == list(range(160)) and loader.num_workers > 1
+
+
+@pytest.mark.slow
+def test_counts_changed_mid_epoch_through_the_main_process_and_back_deliver_every_sample_once():
+    # The changes are forced at chosen steps (the tuner's window is never complete), so that
+    # every kind of switch happens: to the main process, from it, to more and to fewer workers.
+    forced = {5: 0, 12: 3, 20: 2}
+    loader = shardkit.MixedLoader(
+        shardkit.wrap(list(range(160))), batch_size=4, num_workers="auto", autotune=Autotune(window_steps=10**6)
+    )
+    taken, saved, counts = [], None, []
+    for step, batch in enumerate(loader):
+        taken += batch.tolist()
+        counts.append(loader.num_workers)
+        if step in forced:
+            loader._switch = forced[step]
+        if step == 16:
+            saved, delivered = loader.state_dict(), len(taken)
+    assert Counter(taken) == Counter(range(160))
+    assert counts[5] == 1 and counts[6] == 0 and counts[13] == 3 and counts[-1] == 2
+    assert saved is not None and saved["num_workers"] == 3
+    rest = Counter(range(160)) - Counter(taken[:delivered])
+    in_process = shardkit.MixedLoader(shardkit.wrap(list(range(160))), batch_size=4, num_workers=0)
+    in_process.load_state_dict(saved)
+    assert Counter(ids(in_process)) == rest
