@@ -11,9 +11,10 @@ each a pipeline and a training step that holds the loop for a fixed time without
   30 ms, as an object store's first byte: the workers wait with idle CPUs; batch 32, step 40 ms.
 
 Each workload runs with ``num_workers`` in 0..4 x ``prefetch`` in {2, 4} (0 workers has no
-prefetch) and with ``"auto"`` for both, one epoch each: the first ``warm`` steps are not timed
-(workers start; ``auto`` tunes: it gets more of them, ``--auto-warm``), the next ``--steps``
-are. Configurations are interleaved ``--rounds`` times, each round in another order, and the
+prefetch) and with ``"auto"`` for both, one epoch each: the first ``--warm`` steps are not
+timed (workers start; ``auto`` tunes), the next ``--steps`` are. Every configuration is timed
+over the same steps of the epoch: a worker's memory grows as it opens its next shard, so
+memory sampled at different points of the epoch would not compare. Configurations are interleaved ``--rounds`` times, each round in another order, and the
 median kept. Memory is the peak, sampled every 10 steps of the timed part, of the proportional
 set size (``/proc/PID/smaps_rollup``) of the main process and its workers: pages a forked worker
 shares with the main process count once.
@@ -22,7 +23,7 @@ Printed per workload: each configuration's steps/s and peak memory, then auto's 
 best hand-picked configuration (the fastest; targets: throughput >= 0.9x, memory <= 1.2x),
 the count auto settled on, and the changes it made (with the time they took).
 
-    python benchmarks/autotune.py            # full run: about 10 minutes on 2 cores
+    python benchmarks/autotune.py            # full run: about 40 minutes on 2 shared cores
     python benchmarks/autotune.py --quick    # a smoke run whose numbers are not meant to be quoted
 """
 
@@ -193,8 +194,7 @@ def bench(shards: shardkit.ShardList, workload: Workload, args: argparse.Namespa
     for round_ in range(args.rounds):
         order = CONFIGS if round_ % 2 == 0 else tuple(reversed(CONFIGS))
         for config in order:
-            warm = args.auto_warm if config[0] == "auto" else args.warm
-            results[config].append(run(shards, workload, config, warm, args.steps))
+            results[config].append(run(shards, workload, config, args.warm, args.steps))
     rate = {c: statistics.median(r.steps_per_second for r in runs) for c, runs in results.items()}
     peak = {c: statistics.median(r.peak_bytes for r in runs) for c, runs in results.items()}
     hand = [c for c in CONFIGS if c[0] != "auto"]
@@ -225,12 +225,11 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=40_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100, help="timed steps per run")
-    parser.add_argument("--warm", type=int, default=15, help="untimed steps of a hand-picked configuration")
-    parser.add_argument("--auto-warm", type=int, default=200, help="untimed steps of auto (it tunes)")
+    parser.add_argument("--warm", type=int, default=200, help="untimed steps before the timed ones (auto tunes)")
     parser.add_argument("--workloads", nargs="*", default=[w.name for w in WORKLOADS])
     args = parser.parse_args()
     if args.quick:
-        args.records, args.rounds, args.steps, args.warm, args.auto_warm = 4_000, 1, 10, 2, 30
+        args.records, args.rounds, args.steps, args.warm = 4_000, 1, 10, 30
     warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)  # 3, 4 workers on 2 cores
     os.system("uptime")  # noqa: S605, S607 - the load the figures were measured under
     met = []

@@ -36,7 +36,8 @@ worker count and why:
   and the ceiling.
 
 The first window after a change is not judged: new workers start and refill
-the queues the old ones held. Changes are rare by construction: one a window
+the queues the old ones held; the next one, which judges the change, is twice
+as long, so that a step back is not made on the noise of one window. Changes are rare by construction: one a window
 at most, at most doubling, and none after a step back.
 
 ``prefetch="auto"`` (:func:`prefetch_for`) is a rule, not a loop: each worker
@@ -72,6 +73,8 @@ Probe = tuple[list[int], float | None]
 MARGIN = 1.1
 #: Workers that spend this share of their busy time waiting on I/O are not bound by the CPUs.
 IO_BOUND = 0.5
+#: The window that judges a change is this many windows long: a step back is not made on noise.
+JUDGED_WINDOWS = 2
 #: A worker is assumed to use at least this share of a CPU (a count from an idle window is not infinite).
 MIN_WORKER_CPU = 0.05
 
@@ -308,7 +311,8 @@ class Tuner:
             return None
         first, wait0, compute0, started, cpu0, times0, busy0 = self._mark
         elapsed = time.monotonic() - started
-        if steps - first < self.settings.window_steps or elapsed < self.settings.window_seconds:
+        longer = 1 if self._before is None or self._skip else JUDGED_WINDOWS  # a change is judged on more
+        if steps - first < self.settings.window_steps * longer or elapsed < self.settings.window_seconds * longer:
             return None
         pids, busy = probe()
         cpu = process_cpu_seconds(pids)
