@@ -62,11 +62,15 @@ the one copy a trainer writes from rank 0 resumes every rank.
 The modules below this one: :mod:`shardkit.loader.mixer` (one epoch of
 assembly in the main process), :mod:`shardkit.loader.micro_batches` (what runs
 in each worker), :mod:`shardkit.loader.loader_state` (the saved state and its
-checks), then the slabs and collation they share.
+checks), then the slabs and collation they share. Over 600 lines: one module because
+changing the worker count mid-epoch (``num_workers="auto"``, :mod:`shardkit.loader.autotune`)
+restarts the epoch through the loader's own state, DataLoader and epoch start, which another
+module would have to reach into.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -77,6 +81,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from shardkit.epoch import resume_at
 from shardkit.errors import LoaderError, check_int
+from shardkit.loader.autotune import AUTO, Autotune, check_prefetch, prefetch_for, tuner_for
 from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
@@ -114,7 +119,14 @@ class MixedLoader:
             iterates its own copy, as with a plain DataLoader.
         batch_size: samples per batch.
         num_workers: DataLoader worker processes; 0 reads in the main process
-            and batches the stream plainly.
+            and batches the stream plainly. ``"auto"`` starts one worker and
+            adds workers while the loop waits for data and CPU and memory
+            allow (:mod:`shardkit.loader.autotune`; settings in ``autotune``).
+            A change is made between two batches: the loader's state is
+            taken, the workers stopped and the new count started from it, so
+            every sample still comes exactly once (without ``resumable``,
+            changes wait for the next epoch). The count is kept across
+            epochs, saved in :meth:`state_dict` and shown in :meth:`stats`.
         collate_fn: called once per output batch with its list of samples, in
             the main process (not for column batches: see the module docstring). ``None`` collates with ``default_collate`` in the
             workers and joins micro-batches in the main process.
@@ -140,6 +152,12 @@ class MixedLoader:
             :func:`shardkit.state.encode` for the types a state holds);
             ``state_dict()`` raises :class:`~shardkit.state.StateError` for
             samples of other types.
+        prefetch: micro-batches each worker keeps in flight (DataLoader's
+            ``prefetch_factor``); ``"auto"`` sets it from the worker count
+            (:func:`shardkit.loader.autotune.prefetch_for`). None: 2, or the
+            ``prefetch_factor`` given.
+        autotune: an :class:`~shardkit.loader.autotune.Autotune` with the settings of
+            ``num_workers="auto"`` (bounds, thresholds, window); None: the defaults.
         gather_states: under a process group of more than one rank,
             ``state_dict()`` returns every rank's state (and must then be
             called on every rank, as trainers do); False returns this
@@ -159,16 +177,29 @@ class MixedLoader:
         dataset: IterableDataset,
         batch_size: int,
         *,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
         seed: int = 0,
         micro_batch_size: int | None = None,
         resumable: bool = True,
+        prefetch: int | str | None = None,
+        autotune: Autotune | None = None,
         gather_states: bool = True,
         **dataloader_kwargs: Any,
     ) -> None:
         _check_arguments(dataset, batch_size, num_workers, collate_fn, drop_last, seed, micro_batch_size, resumable)
+        self._tuner = tuner_for(num_workers, autotune, LoaderError)
+        workers = num_workers if self._tuner is None else self._tuner.workers
+        assert isinstance(workers, int)  # checked above: an int, or "auto"
+        num_workers = workers
+        self._auto_prefetch = check_prefetch(prefetch, dataloader_kwargs, LoaderError)
+        if isinstance(prefetch, int) and num_workers:
+            dataloader_kwargs["prefetch_factor"] = prefetch
+        elif self._auto_prefetch and num_workers:
+            dataloader_kwargs["prefetch_factor"] = prefetch_for(num_workers)
+        self._dataloader_kwargs = dict(dataloader_kwargs)  # to start another worker count with
+        self._switch: int | None = None  # a worker count decided, made at the next step
         if not isinstance(gather_states, bool):
             raise LoaderError(f"gather_states must be a bool (True or False), got {gather_states!r}")
         self._columns = _column_batches(dataset, collate_fn, micro_batch_size)
@@ -266,6 +297,7 @@ class MixedLoader:
     _iterated = False
     _epoch_set = False  # until set_epoch, iteration k is epoch k, like the dataset's passes (shardkit.epoch)
     _passes = 0
+    _stateless = False  # the dataset could not save its position: no change of workers mid-epoch
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate one epoch of batches, resuming a state given to :meth:`load_state_dict`.
@@ -286,6 +318,12 @@ class MixedLoader:
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
         self._iterated = True
+        if self._switch is not None:  # decided at the end of the last epoch
+            self._start_workers(self._switch)
+        return self._open(resume)
+
+    def _open(self, resume: State | None) -> Iterator[Any]:
+        """Start the workers (or the main process's reading) at ``resume`` (None: the epoch's start)."""
         micro_batches = self._micro_batches
         if micro_batches is not None:
             micro_batches.trace = self._meter.trace
@@ -309,11 +347,88 @@ class MixedLoader:
             same = resume["num_workers"] == self.num_workers
             micro_batches.states = list(saved) if same else [merge(saved)] * max(self.num_workers, 1)
         try:
-            source = iter(self._loader)  # starts the workers, each with its copy of the states
+            with warnings.catch_warnings():
+                if self._tuner is not None:  # a count it measured: more than the CPUs when they sit idle
+                    warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+                source = iter(self._loader)  # starts the workers, each with its copy of the states
         finally:
             micro_batches.states = None
         self._mixer = Mixer(self, source, resume, self._tails if resume is not None else ())
         return self._mixer
+
+    # -- num_workers="auto" (shardkit.loader.autotune) ---------------------------------
+
+    def _tune(self) -> None:
+        """After a batch: give the tuner the step's figures; a new count is made at the next step."""
+        assert self._tuner is not None
+        if self._switch is not None:  # decided, not made yet (it waits for the next epoch)
+            return
+        meter = self._meter
+        decision = self._tuner.step(meter.steps, meter.wait_ns, meter.compute_ns, self._probe)
+        if decision is not None:
+            self._switch = decision.workers
+
+    def _probe(self) -> tuple[list[int], float | None]:
+        """The running workers' pids and their busy seconds so far (for the tuner, once a window)."""
+        source = None if self._mixer is None else self._mixer._source
+        pids = [process.pid for process in getattr(source, "_workers", None) or ()]
+        if not self.num_workers:
+            return pids, None
+        workers = self._meter.stats(0, self._mixer).workers
+        return pids, sum(worker.busy_seconds for worker in workers)
+
+    def _switch_mid_epoch(self) -> Iterator[Any] | None:
+        """Make the decided worker count now, between two batches: save the position, stop the
+        workers, start the new count from the position. None when it must wait for the next
+        epoch (no state to restart from: ``resumable=False``, a dataset that cannot save its
+        position, or the epoch has ended)."""
+        mixer = self._mixer
+        if not self.resumable or self._stateless:
+            return None
+        try:
+            if mixer is None:  # no workers: the dataset's own position, past every batch returned
+                state = self._rank_state()
+            elif mixer._finished or mixer._source is None:
+                return None
+            else:
+                state = mixer.state_dict()  # this rank's, never gathered: the other ranks go on
+        except StateError:  # a dataset that cannot save its position: changes wait for the next epoch
+            self._stateless = True
+            return None
+        if mixer is not None:
+            mixer._stop_workers()
+            self._meter.fold(mixer)
+        assert self._switch is not None
+        self._start_workers(self._switch)
+        self._tails = tuple(check_loader_state(state, self))
+        return self._open(state)
+
+    def _start_workers(self, workers: int) -> None:
+        """Replace the DataLoader with one of ``workers`` workers (the running ones shut down)."""
+        self._switch = None
+        running = getattr(self._loader, "_iterator", None)
+        if running is not None:  # persistent workers
+            running._shutdown_workers()
+            self._loader._iterator = None
+        kwargs = dict(self._dataloader_kwargs)
+        if self._auto_prefetch and workers:
+            kwargs["prefetch_factor"] = prefetch_for(workers)
+        elif not workers:  # DataLoader refuses these without workers
+            for name in ("prefetch_factor", "persistent_workers"):
+                kwargs.pop(name, None)
+        self.num_workers = workers
+        self.prefetch_factor = kwargs.get("prefetch_factor", 2 if workers else None)
+        self._micro_batches = None
+        if workers == 0 and not self._columns:
+            self._loader = DataLoader(
+                self.dataset, batch_size=self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn, **kwargs
+            )
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+                self._loader = self._worker_loader(kwargs)
+        if self._tuner is not None:
+            self._tuner.restart(workers)
 
     def stats(self, gather: bool = False, timeout: float = GATHER_TIMEOUT) -> LoaderStats | GatheredStats:
         """Where the time went: the loop's wait for batches and its compute between them,
@@ -331,6 +446,8 @@ class MixedLoader:
         within ``timeout`` seconds is reported missing; it never hangs the others longer.
         """
         stats = self._meter.stats(_rank(), self._mixer)
+        if self._tuner is not None:
+            stats = dataclasses.replace(stats, autotune=self._tuner.summary(self.prefetch_factor))
         if not gather:
             return stats
         return gather_stats(stats, self._meter.gather_tag(self.epoch), timeout)
@@ -428,6 +545,9 @@ class MixedLoader:
             resume_at(self.dataset, state["epoch"])
         self._resume = state
         self._tails = tuple(tails)
+        if self._tuner is not None and 0 < state["num_workers"] != self.num_workers:
+            # The saved choice: the count the saving loader had reached (a global state's is 0).
+            self._start_workers(min(state["num_workers"], self._tuner.limits.max_workers))
 
     def _resume_in_process(self, state: State) -> None:
         saved = state["workers"]
@@ -454,7 +574,9 @@ def _check_arguments(
             f"{type(dataset).__name__}. For a map-style dataset use "
             "torch.utils.data.DataLoader(dataset, shuffle=True)."
         )
-    for name, value, minimum in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0), ("seed", seed, 0)):
+    if num_workers != AUTO or not isinstance(num_workers, str):
+        check_int("num_workers", num_workers, minimum=0, error=LoaderError, hint='or pass "auto" to have it tuned')
+    for name, value, minimum in (("batch_size", batch_size, 1), ("seed", seed, 0)):
         check_int(name, value, minimum=minimum, error=LoaderError)
     if micro_batch_size is not None:
         check_int("micro_batch_size", micro_batch_size, minimum=1, error=LoaderError)
@@ -514,14 +636,21 @@ class _Epoch:
         return self
 
     def __next__(self) -> Any:
-        meter = self._loader._meter
+        loader = self._loader
+        meter = loader._meter
         start = meter.entered()
         try:
             if self._batches is None:
-                self._batches = self._loader._start_epoch()
+                self._batches = loader._start_epoch()
+            elif loader._switch is not None:
+                switched = loader._switch_mid_epoch()  # (a DataLoader iterator has a len(): no `or`)
+                if switched is not None:
+                    self._batches = switched
             batch = next(self._batches)
         except StopIteration:
             meter.left(start, ended=True)
             raise
         meter.left(start)
+        if loader._tuner is not None:
+            loader._tune()
         return batch

@@ -91,6 +91,8 @@ class LoaderStats:
     assemble_seconds: float
     stages: dict[str, float] = field(default_factory=dict)
     workers: tuple[WorkerStats, ...] = ()
+    #: With ``num_workers="auto"``: the count now and every change, with its reason (plain data).
+    autotune: dict[str, Any] | None = None
 
     @property
     def wait_ratio(self) -> float:

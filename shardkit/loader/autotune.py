@@ -1,0 +1,496 @@
+"""``MixedLoader(num_workers="auto", prefetch="auto")``: the worker count as a closed loop
+on the measured wait.
+
+The loader measures every step (:mod:`shardkit.loader.stalls`: the time the loop
+waited in ``next()`` against its compute). Every window of steps (at least
+:attr:`Autotune.window_steps` steps and :attr:`Autotune.window_seconds` seconds)
+it also reads, from ``/proc``, the CPU time its workers used, how many of its
+CPUs sat idle, and the workers' memory (proportional set size: a forked worker's
+pages shared with the main process count once, not once per worker). From one
+window, and the window before the last change, :func:`decide` returns the next
+worker count and why:
+
+* **Go back** when the last change added workers and the loop did not get faster
+  by at least ``min(min_gain, wait / 2)`` (half of what removing the wait
+  entirely would have given): the added workers did not help. The count they
+  reached becomes a ceiling that is never tried again, so the loop settles.
+  Likewise when a trial of 0 workers (below) made the loop slower by more than
+  ``min_gain / 2``; if it did not, 0 is kept (a worker's memory saved) and 1
+  becomes the ceiling.
+* **Stay** while the loop waits less than :attr:`Autotune.wait_threshold` of
+  its time: the data is not the bottleneck.
+* **Try 0 workers** when the loop waits but its one worker is busy less than
+  half of each step (reading, a ``.map``, a remote read's wait: its wall time):
+  the worker is not what the loop waits for, handing its data over is (small
+  records, a cheap pipeline), which reading in the main process does without.
+  Tried once.
+* **Grow** otherwise, to the count that would end the wait if each worker made
+  data as fast as now (``n * step / compute``, with a 10 % margin), at most
+  doubling, and no further than the first bound that binds: the CPUs (none
+  when the workers spend at least half their busy time neither on a CPU nor
+  in a run queue waiting for one, ``/proc/PID/schedstat``: they wait on I/O,
+  a remote read, and more workers than CPUs help even on a busy machine;
+  else the CPUs left idle, each new worker expected to use what one uses
+  now), the memory bound
+  (:attr:`Autotune.memory_bytes`, the workers' memory), :attr:`Autotune.max_workers`,
+  and the ceiling.
+
+The first window after a change is not judged: new workers start and refill
+the queues the old ones held; the next one, which judges the change, is twice
+as long, so that a step back is not made on the noise of one window. Changes are rare by construction: one a window
+at most, at most doubling, and none after a step back.
+
+``prefetch="auto"`` (:func:`prefetch_for`) is a rule, not a loop: each worker
+keeps ``max(2, ceil(4 / workers))`` micro-batches in flight, at least four
+over all workers, so one slow micro-batch (a shard opened, a remote read
+retried) does not stall the loop; more workers interleave and need no more
+each.
+
+These are pure functions of measured numbers; :class:`Tuner` keeps the windows
+and the history, and :func:`process_cpu_seconds`, :func:`process_memory_bytes`
+and :func:`idle_cpus` read ``/proc`` (Linux; elsewhere they return None and
+the bounds that need them are taken as met: CPU not spare, so no growth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardkit.errors import check_int
+
+__all__ = ["Autotune", "Decision", "Tuner", "Window", "decide", "prefetch_for"]
+
+AUTO = "auto"
+#: What the loader reports at a window's ends: its workers' pids, and their busy seconds so far (None: not known).
+Probe = tuple[list[int], float | None]
+#: Margin on the worker count that would just end the wait.
+MARGIN = 1.1
+#: Workers that spend this share of their busy time waiting on I/O are not bound by the CPUs.
+IO_BOUND = 0.5
+#: The window that judges a change is this many windows long: a step back is not made on noise.
+JUDGED_WINDOWS = 2
+#: A worker is assumed to use at least this share of a CPU (a count from an idle window is not infinite).
+MIN_WORKER_CPU = 0.05
+
+
+@dataclass(frozen=True)
+class Autotune:
+    """Settings of ``num_workers="auto"``; ``MixedLoader(autotune=...)`` takes one.
+
+    ``start``: the worker count of the first epoch (1; a resumed state's count
+    when it has one). ``max_workers``: never more (None: twice the CPUs this
+    process may run on, at least 2). ``memory_bytes``: the workers' memory
+    (proportional set size, summed) that a new worker count must stay under
+    (None: a quarter of the memory available when the loader is built).
+    ``wait_threshold``: the share of the loop's time spent waiting for data
+    above which workers are added. ``min_gain``: the speed-up a change must
+    bring to be kept. ``window_steps``/``window_seconds``: a window is at least
+    this many steps and seconds.
+    """
+
+    start: int = 1
+    max_workers: int | None = None
+    memory_bytes: int | None = None
+    wait_threshold: float = 0.1
+    min_gain: float = 0.1
+    window_steps: int = 20
+    window_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("start", "window_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Autotune({name}=...) must be an int >= 1, got {value!r}")
+        for name in ("max_workers", "memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Autotune({name}=...) must be None or an int >= 1, got {value!r}")
+        for name in ("wait_threshold", "min_gain", "window_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"Autotune({name}=...) must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Window:
+    """What one window of steps measured, with ``workers`` workers running.
+
+    ``worker_cpu_seconds``: CPU time the workers used in the window (None: not
+    known). ``idle_cpus``: CPUs of this process's affinity left idle, on
+    average over the window, by every process on the machine (None: not
+    known). ``worker_memory_bytes``: the workers' memory at the window's end.
+    ``worker_busy_seconds``: the wall time the workers spent making data
+    (reading, a ``.map``, collating; waiting on a remote read counts), summed.
+    ``worker_queued_seconds``: the time they were ready to run but waited for a
+    CPU (run queue), summed.
+    """
+
+    workers: int
+    steps: int
+    wait_seconds: float
+    compute_seconds: float
+    worker_cpu_seconds: float | None = None
+    idle_cpus: float | None = None
+    worker_memory_bytes: int | None = None
+    worker_busy_seconds: float | None = None
+    worker_queued_seconds: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.wait_seconds + self.compute_seconds
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def wait_ratio(self) -> float:
+        return self.wait_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def io_share(self) -> float | None:
+        """The share of the workers' busy time spent neither on a CPU nor waiting for one:
+        waiting on I/O (None when not known)."""
+        cpu, queued, busy = self.worker_cpu_seconds, self.worker_queued_seconds, self.worker_busy_seconds
+        if cpu is None or queued is None or busy is None or busy <= 0:
+            return None
+        return max(0.0, 1 - (cpu + queued) / busy)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The worker count to run next and why; ``back`` when it undoes a change that did not help."""
+
+    workers: int
+    reason: str
+    back: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds a worker count stays within: ``max_workers``, ``memory_bytes``, ``ceiling``
+    (the lowest count that was tried and did not help) and ``floor`` (the count that reading
+    in the main process, 0 workers, was tried from and lost to)."""
+
+    max_workers: int
+    memory_bytes: int | None
+    ceiling: int | None = None
+    floor: int = 0
+
+
+def decide(window: Window, before: Window | None, settings: Autotune, limits: Limits) -> Decision:
+    """The next worker count after ``window`` (see the module docstring); ``before`` is the last
+    judged window before the change that led to ``window``'s count (None: no change yet)."""
+    n = window.workers
+    judged = _judge_change(window, before, settings) if before is not None else None
+    if judged is not None:
+        return judged
+    if window.wait_ratio < settings.wait_threshold:
+        return Decision(n, f"the loop waited {window.wait_ratio:.0%} of its time for data: enough workers")
+    if n == 1 and limits.floor == 0 and window.worker_busy_seconds is not None:
+        busy, step = window.worker_busy_seconds / window.steps, window.seconds / window.steps
+        if busy < step / 2:  # the worker is not what the loop waits for: handing its data over is
+            return Decision(
+                0,
+                f"the loop waited {window.wait_ratio:.0%} of its time, its one worker worked {busy * 1e3:.3g} ms "
+                f"of a {step * 1e3:.3g} ms step: 1 -> 0 workers (reading in the main process) on trial",
+            )
+    target, bound = _grow_bounds(window, settings, limits)
+    if target <= n:
+        return Decision(n, f"the loop waited {window.wait_ratio:.0%} of its time, but {bound}")
+    return Decision(target, f"the loop waited {window.wait_ratio:.0%} of its time for data: {n} -> {target} workers")
+
+
+def _judge_change(window: Window, before: Window, settings: Autotune) -> Decision | None:
+    """Undo the change from ``before``'s count to ``window``'s if it did not help (None: keep it).
+
+    More workers must bring ``min(min_gain, wait / 2)``; fewer (0, reading in the main
+    process) may cost at most ``min_gain / 2``, for the memory they save."""
+    n, old = window.workers, before.workers
+    gain = window.steps_per_second / before.steps_per_second - 1 if before.steps_per_second > 0 else 0.0
+    if old < n and before.wait_ratio >= settings.wait_threshold:
+        needed = min(settings.min_gain, before.wait_ratio / 2)
+        if gain < needed:
+            return Decision(
+                old,
+                f"{n} workers were {gain:+.0%} faster than {old} ({window.steps_per_second:.3g} against "
+                f"{before.steps_per_second:.3g} steps/s; a change must bring {needed:.0%}): back to {old}",
+                back=True,
+            )
+    if old > n:
+        speeds = f"{gain:+.0%} faster than {old} ({window.steps_per_second:.3g} against {before.steps_per_second:.3g} steps/s)"
+        if gain < -settings.min_gain / 2:
+            return Decision(old, f"{n} workers were {speeds}: back to {old}", back=True)
+        return Decision(n, f"{n} workers were {speeds}: {n} kept, {old} is not tried again")
+    return None
+
+
+def _grow_bounds(window: Window, settings: Autotune, limits: Limits) -> tuple[int, str]:
+    """The count to grow to, and what bound it (for the reason when nothing can be added)."""
+    n = window.workers
+    if n == 0:  # reading in the main process: one worker, if a CPU is idle for it
+        idle = window.idle_cpus
+        bounds = [(1, ""), (0 if idle is None or idle < 0.5 else 1, "no CPU is idle for a worker")]
+        if limits.ceiling is not None:
+            bounds.append((limits.ceiling - 1, "1 worker was tried and was not faster"))
+        target, reason = min(bounds, key=lambda bound: bound[0])
+        return target, reason or "no bound"
+    wanted = n * 2 if window.compute_seconds <= 0 else n * window.seconds / window.compute_seconds * MARGIN
+    bounds = [(min(2 * n, max(n + 1, math.ceil(wanted))), "")]
+    bounds.append((limits.max_workers, f"max_workers is {limits.max_workers}"))
+    if limits.ceiling is not None:
+        bounds.append((limits.ceiling - 1, f"{limits.ceiling} workers were tried and did not help"))
+    bounds.append(_cpu_bound(window))
+    if limits.memory_bytes is not None and window.worker_memory_bytes:
+        each = window.worker_memory_bytes / n
+        fits = int(limits.memory_bytes // each) if each > 0 else limits.max_workers
+        bounds.append((fits, f"{fits + 1} workers of {each / 2**20:.0f} MiB each pass the memory bound"))
+    target, reason = min(bounds, key=lambda bound: bound[0])
+    return target, reason or "no bound"
+
+
+def _cpu_bound(window: Window) -> tuple[int, str]:
+    """How many workers the CPUs allow: no bound when the workers mostly wait on I/O (on a busy
+    machine too: they need little CPU); else each new one is expected to use what one uses now,
+    out of the CPUs left idle."""
+    n = window.workers
+    io = window.io_share
+    if io is not None and io >= IO_BOUND:
+        return 2**31, ""
+    if window.idle_cpus is None or window.worker_cpu_seconds is None or window.seconds <= 0:
+        return n, "the CPUs' use is not known here"
+    each = max(window.worker_cpu_seconds / n / window.seconds, MIN_WORKER_CPU)
+    more = int(window.idle_cpus / each + 0.5)
+    return n + more, f"no CPU to spare ({window.idle_cpus:.2f} idle, a worker uses {each:.2f})"
+
+
+def prefetch_for(workers: int) -> int:
+    """``prefetch="auto"``: micro-batches each worker keeps in flight (see the module docstring)."""
+    return max(2, math.ceil(4 / max(workers, 1)))
+
+
+def default_max_workers(cpus: int) -> int:
+    """``Autotune.max_workers`` when None: twice the CPUs, at least 2."""
+    return max(2, 2 * cpus)
+
+
+@dataclass
+class Tuner:
+    """The windows and changes of one loader (mutable: the loader's, in the main process).
+
+    The loader calls :meth:`step` after each batch with its totals; when a window
+    is complete :meth:`step` measures it (``probe``: the workers' pids to read)
+    and returns the :class:`Decision` if it changes the count.
+    """
+
+    settings: Autotune
+    limits: Limits
+    workers: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+    last: str = "no window judged yet"  # the latest decision's reason, a stay's too
+    _mark: tuple[int, int, int, float, Any, tuple[float, float] | None, float | None] | None = None
+    _before: Window | None = None
+    _skip: bool = True  # the first window after a start or change is not judged
+
+    def restart(self, workers: int) -> None:
+        """Workers were (re)started with ``workers``: a new first window."""
+        self.workers, self._mark, self._skip = workers, None, True
+
+    def step(self, steps: int, wait_ns: int, compute_ns: int, probe: Callable[[], Probe]) -> Decision | None:
+        """After a batch: the totals of the loader's meter; a Decision when the count should change.
+        ``probe`` (called at a window's ends only) gives the workers' pids and busy seconds so far."""
+        if self._mark is None:
+            pids, busy = probe()
+            self._mark = (steps, wait_ns, compute_ns, time.monotonic(), process_cpu_seconds(pids), cpu_times(), busy)
+            return None
+        first, wait0, compute0, started, cpu0, times0, busy0 = self._mark
+        elapsed = time.monotonic() - started
+        longer = 1 if self._before is None or self._skip else JUDGED_WINDOWS  # a change is judged on more
+        if steps - first < self.settings.window_steps * longer or elapsed < self.settings.window_seconds * longer:
+            return None
+        pids, busy = probe()
+        cpu = process_cpu_seconds(pids)
+        known = cpu is not None and cpu0 is not None
+        window = Window(
+            workers=self.workers,
+            steps=steps - first,
+            wait_seconds=(wait_ns - wait0) * 1e-9,
+            compute_seconds=(compute_ns - compute0) * 1e-9,
+            worker_cpu_seconds=cpu[0] - cpu0[0] if known else None,  # type: ignore[index]
+            worker_queued_seconds=cpu[1] - cpu0[1] if known and cpu[1] is not None and cpu0[1] is not None else None,  # type: ignore[index,operator]
+            idle_cpus=idle_cpus(times0, cpu_times()),
+            worker_memory_bytes=process_memory_bytes(pids),
+            worker_busy_seconds=None if busy is None or busy0 is None else busy - busy0,
+        )
+        self._mark = None
+        if self._skip:
+            self._skip = False
+            return None
+        return self._judge(window, steps)
+
+    def _judge(self, window: Window, steps: int) -> Decision | None:
+        decision = decide(window, self._before, self.settings, self.limits)
+        self.last = decision.reason
+        if decision.back and decision.workers < window.workers:  # more did not help
+            self.limits = dataclasses.replace(self.limits, ceiling=window.workers)
+        elif decision.back:  # reading in the main process was slower
+            self.limits = dataclasses.replace(self.limits, floor=decision.workers)
+        elif self._before is not None and decision.workers == window.workers < self._before.workers:
+            self.limits = dataclasses.replace(self.limits, ceiling=self._before.workers)  # fewer did as well
+        # Judged against the next window only: after a step back or a stay the change is settled.
+        self._before = window if decision.workers != self.workers and not decision.back else None
+        if decision.workers == self.workers:
+            return None
+        self.history.append(
+            {
+                "step": steps,
+                "from": self.workers,
+                "to": decision.workers,
+                "reason": decision.reason,
+                "wait_ratio": round(window.wait_ratio, 4),
+                "steps_per_second": round(window.steps_per_second, 3),
+            }
+        )
+        return decision
+
+    def summary(self, prefetch: int | None) -> dict[str, Any]:
+        """What ``stats()`` shows: the count now, the prefetch, the bounds, every change and
+        the latest decision's reason (why the count stays, when it does)."""
+        return {
+            "num_workers": self.workers,
+            "prefetch": prefetch,
+            "max_workers": self.limits.max_workers,
+            "memory_bytes": self.limits.memory_bytes,
+            "ceiling": self.limits.ceiling,
+            "floor": self.limits.floor,
+            "changes": [dict(change) for change in self.history],
+            "last": self.last,
+        }
+
+
+# -- the loader's arguments ----------------------------------------------------------
+
+
+def tuner_for(num_workers: int | str, settings: Autotune | None, error: type[Exception]) -> Tuner | None:
+    """The tuner of ``num_workers="auto"`` (None for a fixed count), its bounds resolved now;
+    ``error`` (the loader's) names an ``autotune`` argument that cannot work."""
+    if num_workers != AUTO:
+        if settings is not None:
+            raise error(f'autotune={settings!r} applies to num_workers="auto" only, got num_workers={num_workers!r}')
+        return None
+    if settings is None:
+        settings = Autotune()
+    elif not isinstance(settings, Autotune):
+        raise error(f"autotune must be a shardkit.loader.autotune.Autotune or None, got {settings!r}")
+    max_workers = settings.max_workers or default_max_workers(available_cpus())
+    memory = settings.memory_bytes or default_memory_bytes()
+    return Tuner(settings, Limits(max_workers, memory), min(settings.start, max_workers))
+
+
+def check_prefetch(prefetch: Any, dataloader_kwargs: dict[str, Any], error: type[Exception]) -> bool:
+    """Whether ``prefetch`` is "auto"; raise ``error`` naming a value that cannot work."""
+    if prefetch is None:
+        return False
+    if prefetch != AUTO or not isinstance(prefetch, str):
+        check_int("prefetch", prefetch, minimum=1, error=error, hint='or pass "auto" or None')
+    if "prefetch_factor" in dataloader_kwargs:
+        raise error(
+            f"prefetch={prefetch!r} and prefetch_factor={dataloader_kwargs['prefetch_factor']!r} set the same "
+            "thing (micro-batches each worker keeps in flight): pass one of them"
+        )
+    return prefetch == AUTO
+
+
+# -- measuring: /proc ---------------------------------------------------------------
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_memory_bytes() -> int | None:
+    """``Autotune.memory_bytes`` when None: a quarter of MemAvailable (None when not known)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 4
+    except OSError:
+        pass
+    return None
+
+
+def process_cpu_seconds(pids: list[int]) -> tuple[float, float | None] | None:
+    """Seconds the processes ``pids`` ran on a CPU and waited in a run queue for one, summed
+    (``/proc/PID/schedstat``; where it is missing, user + system time and None). None if there
+    are no processes, or one cannot be read."""
+    if not pids:
+        return None
+    cpu, queued = 0.0, 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/schedstat") as schedstat:
+                on_cpu, waiting = schedstat.read().split()[:2]
+            cpu, queued = cpu + int(on_cpu) * 1e-9, queued + int(waiting) * 1e-9
+            continue
+        except (OSError, ValueError):
+            pass
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu, queued = cpu + (int(fields[11]) + int(fields[12])) / ticks, math.nan  # utime, stime
+    return cpu, None if math.isnan(queued) else queued
+
+
+def process_memory_bytes(pids: list[int]) -> int | None:
+    """The processes' summed proportional set size (``smaps_rollup`` Pss; RSS where it is missing;
+    None if there are none, or one cannot be read)."""
+    if not pids:
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                total += next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
+            continue
+        except (OSError, StopIteration):
+            pass
+        try:
+            with open(f"/proc/{pid}/statm") as statm:
+                total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError):
+            return None
+    return total
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """(idle, total) jiffies of the machine from ``/proc/stat`` (None when not readable)."""
+    try:
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return float(idle), float(sum(values[:8]))
+
+
+def idle_cpus(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """CPUs idle on average between two :func:`cpu_times`, as a count within this process's affinity."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    share = (after[0] - before[0]) / (after[1] - before[1])
+    machine = os.cpu_count() or 1
+    return min(share * machine, available_cpus())
