@@ -88,7 +88,7 @@ class Server:
     def __enter__(self) -> Server:
         env = {**os.environ, "PYTHONPATH": _ROOT}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.fault_server", self.root, str(self.latency_ms / 1000)],
+            [sys.executable, "-m", "tests.helpers.fault_server", self.root, str(self.latency_ms / 1000)],
             stdout=subprocess.PIPE,
             env=env,
             cwd=_ROOT,
