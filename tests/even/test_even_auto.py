@@ -21,7 +21,7 @@ from shardkit import EvenBatchesError, even_batches
 from shardkit.even import auto
 from shardkit.even import wrapper as even_module
 from shardkit.state import StateError
-from tests.even.test_even_batches import Batches, FakeSide, FakeWorld, expected, rank_batches
+from tests.helpers.even import Batches, FakeSide, FakeWorld, expected, rank_batches
 from tests.helpers.processes import last_json_line, run_python
 
 

@@ -312,15 +312,18 @@ def test_counts_changed_mid_epoch_through_the_main_process_and_back_deliver_ever
     loader = shardkit.MixedLoader(
         shardkit.wrap(list(range(160))), batch_size=4, num_workers="auto", autotune=Autotune(window_steps=10**6)
     )
-    taken, saved, counts = [], None, []
+    taken, saved, counts, sizes = [], None, [], []
     for step, batch in enumerate(loader):
         taken += batch.tolist()
         counts.append(loader.num_workers)
+        sizes.append(len(batch))
         if step in forced:
             loader._switch = forced[step]
         if step == 16:
             saved, delivered = loader.state_dict(), len(taken)
     assert Counter(taken) == Counter(range(160))
+    # A switch emits no short batch: the rank yields len() full batches, as a rank that did not switch (DDP)
+    assert sizes == [4] * len(loader)
     assert counts[5] == 1 and counts[6] == 0 and counts[13] == 3 and counts[-1] == 2
     assert saved is not None and saved["num_workers"] == 3
     rest = Counter(range(160)) - Counter(taken[:delivered])
