@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from shardkit.errors import redact
 
-__all__ = ["WAIT", "group_store", "job_key", "once_per_job"]
+__all__ = ["WAIT", "group_store", "job_key", "once_per_job", "tidy_keys"]
 
 #: How long a rank waits for another's answer: a listing of millions of objects takes minutes at worst.
 WAIT: timedelta = timedelta(minutes=30)
@@ -91,3 +91,14 @@ def once_per_job(
     if value.startswith(_ERROR):
         raise failed(value[len(_ERROR) :].decode(errors="replace"))
     return taken(value[len(_OK) :])
+
+
+def tidy_keys(store: Any, prefix: str, keys: list[str], world_size: int) -> None:
+    """Called by every rank after reading ``keys``: the last of ``world_size`` to call removes them
+    (the store lives as long as the job). A rank that never calls leaves them behind: small."""
+    try:
+        if store.add(prefix + "read", 1) == world_size:
+            for key in [*keys, prefix + "read"]:
+                store.delete_key(key)
+    except Exception:  # noqa: BLE001, S110 - a store that cannot delete: the keys stay, which is harmless
+        pass

@@ -46,7 +46,7 @@ from datetime import timedelta
 from typing import Any
 
 from shardkit.errors import redact
-from shardkit.jobstore import WAIT, group_store
+from shardkit.jobstore import WAIT, group_store, tidy_keys
 from shardkit.stateful import State, StateError, check, field, node, whole_number
 
 __all__ = ["RANKS", "STATES", "WORLD_SIZE", "check_ranks", "gather", "is_ranks", "own_or_global", "ranks_node"]
@@ -129,7 +129,7 @@ def gather(make_state: Callable[[], State], where: str, timeout: timedelta | Non
     store.set(keys[rank], _posted(make_state, rank, where, store, keys[rank]))
     _wait(store, keys, rank, where, _job_timeout(store) if timeout is None else timeout)
     values = [bytes(store.get(key)) for key in keys]
-    _tidy(store, prefix, keys, world_size)
+    tidy_keys(store, prefix, keys, world_size)
     states = []
     for other, value in enumerate(values):
         if value.startswith(_ERROR):
@@ -201,16 +201,6 @@ def _withdraw(store: Any, key: str) -> None:
     try:
         store.delete_key(key)
     except Exception:  # noqa: BLE001, S110 - a store that cannot delete: the key is left, as it would be
-        pass
-
-
-def _tidy(store: Any, prefix: str, keys: list[str], world_size: int) -> None:
-    """The last rank to have read the states removes their keys (the store lives as long as the job)."""
-    try:
-        if store.add(prefix + "read", 1) == world_size:
-            for key in [*keys, prefix + "read"]:
-                store.delete_key(key)
-    except Exception:  # noqa: BLE001, S110 - a store that cannot delete: the keys stay, which is harmless
         pass
 
 

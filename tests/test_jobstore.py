@@ -6,7 +6,7 @@ import pytest
 from torch.distributed import HashStore
 
 from shardkit.errors import ShardkitError
-from shardkit.jobstore import job_key, once_per_job
+from shardkit.jobstore import job_key, once_per_job, tidy_keys
 
 
 def _never(answer: bytes) -> str:
@@ -52,3 +52,26 @@ def test_the_kth_ask_for_the_same_work_gets_the_kth_key_and_other_work_another()
 
 def test_work_named_by_what_is_not_plain_data_has_no_key():
     assert job_key("test-k", ["pattern", {"client": object()}]) is None
+
+
+def test_the_last_of_the_ranks_to_read_removes_the_keys_and_not_before():
+    store = HashStore()
+    keys = ["gather/0", "gather/1", "gather/2"]
+    for key in keys:
+        store.set(key, b"state")
+    tidy_keys(store, "gather/", keys, world_size=3)
+    tidy_keys(store, "gather/", keys, world_size=3)
+    assert store.check(keys)  # two of three have read: the third still needs them
+    tidy_keys(store, "gather/", keys, world_size=3)
+    assert [store.check([key]) for key in [*keys, "gather/read"]] == [False] * 4
+
+
+def test_a_store_that_cannot_delete_keeps_the_keys_without_an_error():
+    class NoDelete(HashStore):
+        def delete_key(self, key: str) -> bool:
+            raise RuntimeError("this store cannot delete")
+
+    store = NoDelete()
+    store.set("k/0", b"x")
+    tidy_keys(store, "k/", ["k/0"], world_size=1)
+    assert store.get("k/0") == b"x"

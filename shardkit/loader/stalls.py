@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from shardkit.jobstore import group_store
+from shardkit.jobstore import group_store, tidy_keys
 from shardkit.loader.timing import FIGURES, now
 
 __all__ = ["GatheredStats", "LoaderStats", "StallMeter", "WorkerStats", "chrome_trace", "gather", "summarise"]
@@ -312,18 +312,8 @@ def gather(stats: LoaderStats, tag: str, timeout: float = GATHER_TIMEOUT) -> Gat
             ranks.append(LoaderStats.from_dict(json.loads(bytes(store.get(key)))) if present else None)
         except Exception:  # noqa: BLE001 - a store that cannot answer: that rank is reported missing
             ranks.append(None)
-    _tidy(store, tag, keys, world_size)
+    tidy_keys(store, tag, keys, world_size)
     return GatheredStats(tuple(ranks))
-
-
-def _tidy(store: Any, tag: str, keys: list[str], world_size: int) -> None:
-    """The last rank to read removes the keys (a gather some rank missed leaves them: small)."""
-    try:
-        if store.add(tag + "read", 1) == world_size:
-            for key in [*keys, tag + "read"]:
-                store.delete_key(key)
-    except Exception:  # noqa: BLE001, S110 - a store that cannot delete: the keys stay, which is harmless
-        pass
 
 
 def chrome_trace(meter: StallMeter) -> dict[str, Any]:
