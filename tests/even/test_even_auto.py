@@ -19,35 +19,15 @@ from hypothesis import strategies as st
 
 from shardkit import EvenBatchesError, even_batches
 from shardkit.even import auto
-from shardkit.even import wrapper as even_module
 from shardkit.state import StateError
-from tests.helpers.even import Batches, FakeSide, FakeWorld, expected, rank_batches
+from tests.helpers import even as even_helpers
+from tests.helpers.even import Batches, expected, rank_batches
 from tests.helpers.processes import last_json_line, run_python
 
 
 def run_ranks(monkeypatch: pytest.MonkeyPatch, round_trips: list[float], body: Callable[[int], Any]) -> list[Any]:
     """``body(rank)`` in one thread per rank, agreeing through one fake world; rank r measured ``round_trips[r]``."""
-    import threading
-
-    world = FakeWorld(len(round_trips))
-    monkeypatch.setattr(even_module, "_side_group", lambda group: world.local.side)
-    results: list[Any] = [None] * world.size
-
-    def target(rank: int) -> None:
-        world.local.side = FakeSide(world, rank)
-        world.local.side.round_trip = round_trips[rank]
-        try:
-            results[rank] = body(rank)
-        except BaseException as error:  # noqa: BLE001 - reported to the test
-            results[rank] = error
-
-    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(world.size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads), "a rank hung"
-    return results
+    return even_helpers.run_ranks(monkeypatch, len(round_trips), body, round_trips=round_trips)
 
 
 # -- the choice ------------------------------------------------------------------------------

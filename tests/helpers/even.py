@@ -48,15 +48,20 @@ class FakeSide:
         return FakeWork(self.world, seq, tensor)
 
 
-def run_ranks(monkeypatch: pytest.MonkeyPatch, size: int, body: Callable[[int], Any]) -> list[Any]:
+def run_ranks(
+    monkeypatch: pytest.MonkeyPatch, size: int, body: Callable[[int], Any], round_trips: list[float] | None = None
+) -> list[Any]:
     """Run ``body(rank)`` in ``size`` threads that agree through one FakeWorld;
-    returns each rank's result or the exception it raised."""
+    returns each rank's result or the exception it raised. With ``round_trips``,
+    rank r's side group measured ``round_trips[r]`` seconds per agreement."""
     world = FakeWorld(size)
     monkeypatch.setattr(even_module, "_side_group", lambda group: world.local.side)
     results: list[Any] = [None] * size
 
     def target(rank: int) -> None:
         world.local.side = FakeSide(world, rank)
+        if round_trips is not None:
+            world.local.side.round_trip = round_trips[rank]
         try:
             results[rank] = body(rank)
         except BaseException as error:  # noqa: BLE001 - reported to the test
