@@ -193,8 +193,9 @@ class RemoteFile:
             except Unsupported:
                 self._getter = None  # an answer the getter does not read: fsspec from now on
         try:
+            bound = self.options.retry.timeout
             data = call_bounded(
-                self.fs, "cat_file", self.path, start=start, end=stop, timeout=self.options.retry.timeout, **self._fetch_kwargs
+                self.fs, "cat_file", self.path, start=start, end=stop, timeout=bound, **self._fetch_kwargs
             )
         except Exception as error:
             if status_of(error) == 412 or code_of(error) == "PreconditionFailed":

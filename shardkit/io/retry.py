@@ -125,8 +125,9 @@ class RetryPolicy:
     The wait before try *n* (n >= 2) is uniform in ``[0, min(max_backoff, backoff * 2**(n-2))]``
     ("full jitter"), so many workers throttled at once do not retry in step. A request gives up
     after at most ``max_seconds + timeout``: a try is never cut short by the budget, only not started.
-    ``timeout`` bounds the silence on a plain-HTTP ranged read (seconds without a byte), and the whole
-    call elsewhere (fsspec's HTTP listing, a HEAD, an S3 ``GetObject``).
+    ``timeout`` bounds the silence on a plain-HTTP ranged read (seconds without a byte; a body that goes
+    quiet half-way is given up to twice that), and the whole call elsewhere (fsspec's HTTP listing, a
+    HEAD, a GET through fsspec, an S3 ``GetObject``).
     """
 
     attempts: int = 8

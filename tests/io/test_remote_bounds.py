@@ -148,3 +148,25 @@ def test_a_stalled_range_fetched_ahead_is_bounded_too(server, tmp_path) -> None:
 def test_a_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="timeout > 0"):
         RetryPolicy(timeout=0)
+
+
+# --------------------------------------------------------------------------- S3 (s3fs's client, the fault server as its endpoint)
+
+
+def _s3_options(server: FaultServer) -> dict:
+    pytest.importorskip("s3fs")
+    # The fault server answers a path-style GetObject as a ranged GET: enough for s3fs's client to read through it.
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": server.url, "region_name": "us-east-1"},
+    }
+
+
+def test_an_s3_range_the_store_never_answers_fails_within_the_bound_naming_the_url(server, tmp_path) -> None:
+    _shards(server, tmp_path)
+    server.inject("data/part-1.tfrecord", *["stall"] * 10)
+    waited, error = _timed(lambda: _read("s3://data/part-1.tfrecord", _s3_options(server)))
+    assert isinstance(error, RemoteReadError), error
+    assert "s3://data/part-1.tfrecord bytes 0-" in str(error) and "no answer in 0.5 s" in str(error)
+    assert waited < WORST + MARGIN
