@@ -23,7 +23,8 @@ remote over each other loader at the same latency, the time to the first
 batch of epoch 1 (workers start, first shard opened), and the requests the
 server answered per epoch (GET, HEAD, LIST: a directory page, which is how
 fsspec lists over HTTP) and while the loader was built (shardkit HTTP is
-given a glob, so its listing shows there).
+given a glob, so its listing shows there, with "(N retried)" when a listing
+request was not answered within its bound, 30 s, and was tried again).
 
 Start-up at scale (``--startup N``, default 1,000,000; 0 skips it): a
 manifest of N shards of 100 records (only the first few files exist: an
@@ -62,6 +63,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 from torch.utils.data import DataLoader  # noqa: E402
 
 import shardkit  # noqa: E402
+from shardkit.io.remote import remote_stats  # noqa: E402
 
 
 def _compare() -> Any:
@@ -172,8 +174,10 @@ def run_round(row: Row, expected: int, server: Server | None) -> None:
     try:
         if server is not None:
             server.stats()
+        retries = remote_stats()["retries"]
         loader = row.make()
         listed = server.stats()["LIST"] if server is not None else 0
+        retried = remote_stats()["retries"] - retries  # a listing the server did not answer in time, tried again
         for epoch in range(2):
             if server is not None:
                 server.stats()
@@ -189,7 +193,8 @@ def run_round(row: Row, expected: int, server: Server | None) -> None:
         row.rates.append(seen / elapsed)
         if server is not None:
             got = server.stats()
-            row.requests.append(f"{got['GET']} GET + {got['HEAD']} HEAD + {got['LIST']} LIST; {listed} LIST at build")
+            build = f"{listed} LIST at build" + (f" ({retried:g} retried)" if retried else "")
+            row.requests.append(f"{got['GET']} GET + {got['HEAD']} HEAD + {got['LIST']} LIST; {build}")
         _close(loader)
     except Exception as error:  # a loader that fails is reported, not fatal to the run
         row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:150]}"

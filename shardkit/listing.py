@@ -39,6 +39,7 @@ import pyarrow as pa
 
 from shardkit.errors import redact
 from shardkit.io.identity import listed_identities, remember
+from shardkit.io.retry import RetryPolicy
 from shardkit.jobstore import group_store, job_key, once_per_job
 from shardkit.shardlist import ShardList, ShardListError
 
@@ -47,7 +48,9 @@ __all__ = ["list_shards", "shared_listing"]
 _FAILED = -1
 
 
-def list_shards(pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
+def list_shards(
+    pattern: str, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> ShardList:
     """``ShardList.from_glob(pattern)``, listed by rank 0 only when a process group is initialised.
 
     Every rank of the group must call it (it is a collective), with the same pattern.
@@ -56,16 +59,17 @@ def list_shards(pattern: str, storage_options: Mapping[str, Any] | None = None) 
     only never waits for the others. Use it as
     ``TFRecordDataset(list_shards("s3://bucket/train-*.tfrecord"))`` where every rank
     should hold the listing at the same point (e.g. before building anything).
+    ``retry`` bounds and retries the listing's requests (:meth:`ShardList.from_glob`).
     """
     group = _process_group()
     if group is None:
-        return ShardList.from_glob(pattern, storage_options)
+        return ShardList.from_glob(pattern, storage_options, retry)
     import torch.distributed as dist
 
     payload = b""
     if dist.get_rank() == 0:
         try:
-            payload = _to_ipc(ShardList.from_glob(pattern, storage_options).table)
+            payload = _to_ipc(ShardList.from_glob(pattern, storage_options, retry).table)
         except Exception as error:  # every rank must learn of it, or the others wait forever
             _broadcast(_FAILED, f"{type(error).__name__}: {redact(str(error))}".encode())
             raise
@@ -113,15 +117,18 @@ def _broadcast(length: int, payload: bytes) -> tuple[int, bytes]:
     return length, buffer.cpu().numpy().tobytes()
 
 
-def shared_listing(pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
-    """``ShardList.from_glob(pattern)``, listed once per job under a process group (see the module doc)."""
+def shared_listing(
+    pattern: str, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> ShardList:
+    """``ShardList.from_glob(pattern)``, listed once per job under a process group (see the module doc);
+    ``retry`` bounds and retries the listing's requests."""
     store = group_store()
     key = job_key("listing", [pattern, dict(storage_options or {})]) if store is not None else None
     if store is None or key is None:
-        return ShardList.from_glob(pattern, storage_options)
+        return ShardList.from_glob(pattern, storage_options, retry)
 
     def work() -> tuple[ShardList, bytes]:
-        shards = ShardList.from_glob(pattern, storage_options)
+        shards = ShardList.from_glob(pattern, storage_options, retry)
         return shards, _to_ipc(shards.table, listed_identities(shards.urls())[1])
 
     def failed(error: str) -> ShardListError:

@@ -100,3 +100,19 @@ def test_stalls_benchmark_quick_runs_and_prints_the_cost_of_both_cases() -> None
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| resumable=")]
     assert len(rows) == 2 and all("%" in row for row in rows), done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_remote_benchmark_quick_reads_every_loader_over_its_loopback_server(tmp_path: Path) -> None:
+    """Restored: in one CI run its shardkit round waited on an HTTP listing (aiohttp's 5-minute bound, the
+    only one then). A listing now gets 30 s per try and 60 s in all; a stall past the timeout prints every
+    process's stacks (``run_python``)."""
+    from tests.helpers.processes import run_python
+
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    script = str(ROOT / "benchmarks" / "remote.py")
+    args = ("--quick", "--startup", "10000", "--dir", str(tmp_path / "data"))
+    done = run_python(script, *args, timeout=280, cwd=ROOT, env=env)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| shardkit, HTTP |")]
+    assert len(rows) == 2 and not any("failed" in row for row in rows), done.stdout[-3000:]  # 0 and 30 ms
+    assert all("LIST at build" in row for row in rows), done.stdout[-3000:]  # given a glob, listed while built

@@ -13,6 +13,18 @@ against them instead of listing the directories again in every reader.
 What is wrong with the result (nothing matched, a file named that does not
 exist, a directory named) is for the caller to say: :class:`Matches` reports
 it, and the container raises its own error.
+
+Every listing request is bounded and retried as a ranged read is
+(:class:`~shardkit.io.retry.RetryPolicy`): a transient failure (a reset, a
+5xx) is tried again, and a listing that still fails raises
+:class:`~shardkit.io.retry.RemoteReadError` naming the url, the time spent
+and the option that raises the bound. Over HTTP(S), where listing a
+directory is one GET of its page, each call is given ``retry.timeout``
+seconds (fsspec's HTTP filesystem would wait up to aiohttp's 5 minutes).
+Elsewhere a glob may take many requests (S3 lists 1,000 keys per request),
+so it is not cut short as a whole: each of its requests is bounded by the
+store's client (botocore: 60 s to connect and 60 s to read, set with
+``storage_options={"config_kwargs": {...}}``).
 """
 
 from __future__ import annotations
@@ -26,7 +38,9 @@ from typing import Any, Final, NamedTuple
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from shardkit.errors import redact_url
 from shardkit.io.identity import identity, remember
+from shardkit.io.retry import RemoteReadError, RetryPolicy, call_bounded, with_retries
 
 __all__ = ["Matches", "expand_braces", "glob_files"]
 
@@ -43,16 +57,18 @@ class Matches(NamedTuple):
     directory: str | None
 
 
-def glob_files(pattern: str, storage_options: Mapping[str, Any] | None) -> Matches:
+def glob_files(pattern: str, storage_options: Mapping[str, Any] | None, retry: RetryPolicy | None = None) -> Matches:
     """The files ``pattern`` matches. Urls keep their protocol (``s3://...``) except on the local
-    filesystem, where they are absolute paths. The filesystem's own errors are raised unredacted."""
+    filesystem, where they are absolute paths. The filesystem's own errors are raised unredacted.
+    Listing requests are bounded and retried under ``retry`` (default :class:`RetryPolicy`)."""
     fs, path = fsspec.core.url_to_fs(pattern, **dict(storage_options or {}))
+    lister = _Lister(fs, retry or RetryPolicy())
     sizes: dict[str, int | None] = {}
     identities: dict[str, str | None] = {}
     literal: list[str] = []
     for part in expand_braces(path):
         if _GLOB_MAGIC.search(part):
-            listed: dict[str, dict[str, Any]] = fs.glob(part, detail=True)  # pyright: ignore[reportAssignmentType]
+            listed: dict[str, dict[str, Any]] = lister.call("glob", part, detail=True)
             found = {name: info for name, info in listed.items() if info.get("type") != "directory"}
             for name, info in found.items():
                 sizes[name] = info.get("size")
@@ -62,13 +78,37 @@ def glob_files(pattern: str, storage_options: Mapping[str, Any] | None) -> Match
     local = isinstance(fs, LocalFileSystem)
     if identities and not local:  # the counts cache checks these, not a new listing
         remember([fs.unstrip_protocol(name) for name in identities], list(identities.values()))
-    missing = _stat_literal(fs, literal, sizes)
-    directory = next((m for m in missing if fs.isdir(m)), None)
+    missing = _stat_literal(lister, literal, sizes)
+    directory = next((m for m in missing if lister.call("isdir", m)), None)
     files = sorted((name if local else fs.unstrip_protocol(name), size) for name, size in sizes.items())
     return Matches(files, missing, directory)
 
 
-def _stat_literal(fs: fsspec.AbstractFileSystem, paths: Iterable[str], sizes: dict[str, int | None]) -> list[str]:
+class _Lister:
+    """Calls to one filesystem's listing methods, each retried under ``retry``; over HTTP(S) each try is
+    also given ``retry.timeout`` seconds (one call is one request there: see the module doc)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy) -> None:
+        self.fs, self.retry = fs, retry
+        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+        self.timeout = retry.timeout if {"http", "https"} & set(protocols) else None
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        def once() -> Any:
+            if self.timeout is None:
+                return getattr(self.fs, method)(path, **kwargs)
+            return call_bounded(self.fs, method, path, timeout=self.timeout, **kwargs)
+
+        try:
+            return with_retries(once, self.retry, f"listing {redact_url(self.fs.unstrip_protocol(path))}")
+        except RemoteReadError as error:  # a dataset given a glob lists with the defaults: say how to give more
+            raise RemoteReadError(f"{error} (a dataset lists its glob with the defaults: {_OWN_LISTING})") from error
+
+
+_OWN_LISTING: Final = "to give it more, pass the dataset ShardList.from_glob(pattern, retry=RetryPolicy(timeout=...))"
+
+
+def _stat_literal(lister: _Lister, paths: Iterable[str], sizes: dict[str, int | None]) -> list[str]:
     """Record the sizes of existing files among ``paths`` with one listing per
     directory; return the paths that are not files."""
     by_dir: dict[str, list[str]] = defaultdict(list)
@@ -77,7 +117,7 @@ def _stat_literal(fs: fsspec.AbstractFileSystem, paths: Iterable[str], sizes: di
     missing = []
     for directory, wanted in by_dir.items():
         try:
-            listing = {info["name"].rstrip("/"): info for info in fs.ls(directory, detail=True)}
+            listing = {info["name"].rstrip("/"): info for info in lister.call("ls", directory, detail=True)}
         except FileNotFoundError:
             listing = {}
         for path in wanted:

@@ -56,7 +56,6 @@ __all__ = [
     "client_for",
 ]
 
-_TIMEOUT: Final = 60.0  # seconds without a byte before a request fails (retried as transient)
 _HEAD_LIMIT: Final = 64 << 10
 _SAFE: Final = "/%:@!$&'()*+,;=-._~?"  # characters a url path or query keeps as they are
 _STRAY_PERCENT: Final = re.compile("%(?![0-9A-Fa-f]{2})")
@@ -110,13 +109,14 @@ class HTTPGetter:
     def __init__(self, client: RangeClient, url: str) -> None:
         self.client, self.url = client, url
 
-    def get(self, start: int, stop: int, info: dict[str, Any] | None = None) -> Response:
-        """Bytes ``[start, stop)`` of the version ``info`` names (any version when None)."""
+    def get(self, start: int, stop: int, info: dict[str, Any] | None = None, *, timeout: float) -> Response:
+        """Bytes ``[start, stop)`` of the version ``info`` names (any version when None); ``timeout``:
+        seconds the connection, the answer or any part of its body may keep the client waiting."""
         etag = (info or {}).get("ETag")
         # A weak ETag never matches If-Match (RFC 9110 compares strongly): then only the answer's ETag is checked.
         headers = {"If-Match": etag} if isinstance(etag, str) and etag and not etag.startswith("W/") else None
         try:
-            return self.client.get(self.url, start, stop, headers)
+            return self.client.get(self.url, start, stop, headers, timeout=timeout)
         except HTTPStatusError as error:
             if error.status == 412:
                 raise PreconditionFailed(str(error)) from error
@@ -139,8 +139,11 @@ class RangeClient:
         self.usable = True  # False once the server answered in a way this client does not read
         self._local = threading.local()
 
-    def get(self, url: str, start: int, stop: int, headers: dict[str, str] | None = None) -> Response:
-        """``GET url`` for bytes ``[start, stop)``; the body whole (or :class:`ConnectionResetError`).
+    def get(
+        self, url: str, start: int, stop: int, headers: dict[str, str] | None = None, *, timeout: float
+    ) -> Response:
+        """``GET url`` for bytes ``[start, stop)``; the body whole (or :class:`ConnectionResetError`, or
+        :class:`TimeoutError` once the server kept the client waiting ``timeout`` seconds for a byte).
 
         A kept-alive connection the server closed meanwhile is replaced once,
         silently, when it fails before any byte of the answer; any other
@@ -152,19 +155,19 @@ class RangeClient:
         lines = [f"GET {path} HTTP/1.1", f"Host: {target.netloc}", f"Range: bytes={start}-{stop - 1}"]
         lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        sock, reused = self._connection()
+        sock, reused = self._connection(timeout)
         try:
             try:
                 sock.sendall(request)
-                status, reason, fields, rest = _read_head(sock)
+                status, reason, fields, rest = _read_head(sock, timeout)
             except (ConnectionError, _Closed):
                 if not reused:
                     raise
                 self._drop()  # a stale keep-alive connection: one fresh try
-                sock, _ = self._connection()
+                sock, _ = self._connection(timeout)
                 sock.sendall(request)
-                status, reason, fields, rest = _read_head(sock)
-            body = _read_body(sock, fields, rest, url)
+                status, reason, fields, rest = _read_head(sock, timeout)
+            body = _read_body(sock, fields, rest, url, timeout)
         except _Closed as closed:
             self._drop()
             raise ConnectionResetError(f"{url}: {closed}") from None
@@ -179,24 +182,21 @@ class RangeClient:
             raise Unsupported(f"{url}: HTTP {status} {reason}, content-encoding {fields.get('content-encoding')}")
         return Response(status, fields, body)
 
-    def _connection(self) -> tuple[socket.socket, bool]:
+    def _connection(self, timeout: float) -> tuple[socket.socket, bool]:
         sock = getattr(self._local, "sock", None)
         if sock is not None and self._local.pid == os.getpid():
+            if self._local.timeout != timeout:
+                _bound(sock, timeout)
+                self._local.timeout = timeout
             return sock, True
         if sock is not None:  # this thread forked with a connection open: it is the parent's, leave it be
             self._local.sock = None
-        sock = socket.create_connection((self.host, self.port), timeout=_TIMEOUT)
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.tls is not None:  # TLS reads a record (16 KiB) per call whatever the flags: keep Python's timeout
+        if self.tls is not None:
             sock = self.tls.wrap_socket(sock, server_hostname=self.host)
-        else:
-            # Blocking mode (a timeout would make every recv non-blocking and MSG_WAITALL moot);
-            # the kernel's own timeouts bound a stalled server instead.
-            sock.settimeout(None)
-            limit = _timeval(_TIMEOUT)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-        self._local.sock, self._local.pid = sock, os.getpid()
+        _bound(sock, timeout)
+        self._local.sock, self._local.pid, self._local.timeout = sock, os.getpid(), timeout
         return sock, False
 
     def _drop(self) -> None:
@@ -216,24 +216,37 @@ class _Closed(Exception):
     """The connection ended before the answer was whole."""
 
 
+def _bound(sock: socket.socket, timeout: float) -> None:
+    """Make every send and receive on ``sock`` give up after ``timeout`` seconds without progress."""
+    if isinstance(sock, ssl.SSLSocket):  # TLS reads a record (16 KiB) per call whatever the flags: Python's timeout
+        sock.settimeout(timeout)
+        return
+    # Blocking mode (a timeout would make every recv non-blocking and MSG_WAITALL moot);
+    # the kernel's own timeouts bound a stalled server instead.
+    sock.settimeout(None)
+    limit = _timeval(timeout)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+
+
 def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
 
 
-def _recv(sock: socket.socket, size: int) -> bytes:
+def _recv(sock: socket.socket, size: int, timeout: float) -> bytes:
     try:
         return sock.recv(size)
-    except BlockingIOError as error:  # SO_RCVTIMEO ran out
-        raise TimeoutError(f"no answer from the server in {_TIMEOUT:g} s") from error
+    except (BlockingIOError, socket.timeout) as error:  # SO_RCVTIMEO (or TLS's timeout) ran out
+        raise TimeoutError(f"no answer from the server in {timeout:g} s") from error
 
 
-def _read_head(sock: socket.socket) -> tuple[int, str, dict[str, str], bytes]:
+def _read_head(sock: socket.socket, timeout: float) -> tuple[int, str, dict[str, str], bytes]:
     """Status, reason, headers and the bytes read past them."""
     data = b""
     while b"\r\n\r\n" not in data:
         if len(data) > _HEAD_LIMIT:
             raise Unsupported(f"response headers longer than {_HEAD_LIMIT} bytes")
-        chunk = _recv(sock, 65536)
+        chunk = _recv(sock, 65536, timeout)
         if not chunk:
             raise _Closed("the server closed the connection before answering")
         data += chunk
@@ -251,7 +264,7 @@ def _read_head(sock: socket.socket) -> tuple[int, str, dict[str, str], bytes]:
     return int(parts[1]), parts[2] if len(parts) > 2 else "", fields, rest
 
 
-def _read_body(sock: socket.socket, fields: dict[str, str], rest: bytes, url: str) -> bytes:
+def _read_body(sock: socket.socket, fields: dict[str, str], rest: bytes, url: str, timeout: float) -> bytes:
     """The body of ``Content-Length`` bytes, ``rest`` first, the remainder in one blocking call."""
     length = fields.get("content-length")
     if length is None or not length.isdigit():
@@ -266,8 +279,8 @@ def _read_body(sock: socket.socket, fields: dict[str, str], rest: bytes, url: st
     while len(view):
         try:
             got = sock.recv_into(view, len(view), flags)
-        except BlockingIOError as error:
-            raise TimeoutError(f"{url}: the body stalled for {_TIMEOUT:g} s") from error
+        except (BlockingIOError, socket.timeout) as error:
+            raise TimeoutError(f"{url}: the body stalled for {timeout:g} s") from error
         if not got:
             raise _Closed(f"the body ended after {size - len(view)} of {size} bytes")
         view = view[got:]

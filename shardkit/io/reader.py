@@ -30,6 +30,11 @@ filesystem that is not the local disk; any format reader can use it. How:
   event loop. S3 blocks go through s3fs's client (:mod:`shardkit.io.s3`),
   which returns the answer's version with them. Other stores (``gs://``
   among them) go through fsspec with a HEAD per shard.
+- **Bounded.** Every request waits at most ``retry.timeout`` seconds for its
+  answer (:class:`~shardkit.io.retry.RetryPolicy`): a plain-HTTP GET that
+  long without a byte, a GET, HEAD or ``GetObject`` through a store's client
+  that long in all; then it fails as transient and is tried again within the
+  policy's budget.
 
 Opening (and the cache, and prefetching) is :mod:`shardkit.io.remote`.
 """
@@ -48,7 +53,7 @@ from shardkit.io.counters import count
 from shardkit.io.http import HTTPGetter, PreconditionFailed, Response, Unsupported, client_for
 from shardkit.io.identity import describe, version
 from shardkit.io.options import RemoteOptions
-from shardkit.io.retry import ObjectChangedError, RemoteReadError, code_of, status_of, with_retries
+from shardkit.io.retry import ObjectChangedError, RemoteReadError, call_bounded, code_of, status_of, with_retries
 
 __all__ = ["Getter", "RemoteFile", "executor", "getter_for", "object_info", "open_by_get"]
 
@@ -188,7 +193,10 @@ class RemoteFile:
             except Unsupported:
                 self._getter = None  # an answer the getter does not read: fsspec from now on
         try:
-            data = self.fs.cat_file(self.path, start=start, end=stop, **self._fetch_kwargs)
+            bound = self.options.retry.timeout
+            data = call_bounded(
+                self.fs, "cat_file", self.path, start=start, end=stop, timeout=bound, **self._fetch_kwargs
+            )
         except Exception as error:
             if status_of(error) == 412 or code_of(error) == "PreconditionFailed":
                 raise ObjectChangedError(self.url, self.described, "its ETag no longer matches") from error
@@ -198,7 +206,7 @@ class RemoteFile:
     def _ranged_get(self, getter: Getter, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` by a getter, pinned to and checked against the version opened."""
         try:
-            response = getter.get(start, stop, self.info)
+            response = getter.get(start, stop, self.info, timeout=self.options.retry.timeout)
         except PreconditionFailed as error:
             raise ObjectChangedError(self.url, self.described, "its ETag no longer matches") from error
         etag, total = response.headers.get("etag"), response.total_size()
@@ -229,7 +237,8 @@ class RemoteFile:
 
     def check_identity(self) -> None:
         """Raise :class:`ObjectChangedError` unless the object is still the version opened."""
-        now = with_retries(lambda: object_info(self.fs, self.path), self.options.retry, self.url)
+        retry = self.options.retry
+        now = with_retries(lambda: object_info(self.fs, self.path, retry.timeout), retry, self.url)
         if version(now) != self.identity:
             raise ObjectChangedError(self.url, self.described, describe(now))
 
@@ -295,10 +304,11 @@ def _fetch_kwargs(fs: Any, info: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def object_info(fs: Any, path: str) -> dict[str, Any]:
-    """``fs.info(path)`` (a HEAD), counted; it must give the size, which reading in ranges needs."""
+def object_info(fs: Any, path: str, timeout: float) -> dict[str, Any]:
+    """``fs.info(path)`` (a HEAD) within ``timeout`` seconds, counted; it must give the size, which reading
+    in ranges needs."""
     count(requests=1)
-    info = fs.info(path)
+    info = call_bounded(fs, "info", path, timeout=timeout)
     if "size" not in info or info["size"] is None:
         raise RemoteReadError(f"{path}: the store does not say how big the object is; cannot read it in ranges")
     return info
@@ -312,7 +322,7 @@ def open_by_get(getter: Getter, fs: Any, path: str, url: str, options: RemoteOpt
     # Where the reader will start is unknown (offset None): one byte says the size and version, as a HEAD would.
     start, stop = (first * bs, (first + 1) * bs) if offset is not None else (0, 1)
     what = f"{url} bytes {start}-{stop - 1}"
-    response = with_retries(lambda: _first_get(getter, start, stop), options.retry, what)
+    response = with_retries(lambda: _first_get(getter, start, stop, options.retry.timeout), options.retry, what)
     size = response.total_size()
     if size is None and response.status == 200:  # the whole object: fine if it is smaller than a block
         if len(response.body) > bs:
@@ -332,15 +342,15 @@ def open_by_get(getter: Getter, fs: Any, path: str, url: str, options: RemoteOpt
     return remote
 
 
-def _first_get(getter: Getter, start: int, stop: int) -> Response:
+def _first_get(getter: Getter, start: int, stop: int, timeout: float) -> Response:
     count(requests=1)
-    return getter.get(start, stop)
+    return getter.get(start, stop, timeout=timeout)
 
 
 class Getter(Protocol):
     """Ranged GETs of one object that return the answer's headers and identity (see :mod:`shardkit.io.http`)."""
 
-    def get(self, start: int, stop: int, info: dict[str, Any] | None = None) -> Response: ...
+    def get(self, start: int, stop: int, info: dict[str, Any] | None = None, *, timeout: float) -> Response: ...
 
 
 def getter_for(fs: Any, path: str) -> Getter | None:

@@ -76,7 +76,7 @@ def _open_now(fs: Any, path: str, url: str, options: RemoteOptions, offset: int 
             return _started(open_by_get(getter, fs, path, url, options, offset), offset)
         except Unsupported:
             pass  # an answer the getter does not read: a HEAD and fsspec, as below
-    info = with_retries(lambda: object_info(fs, path), options.retry, url)
+    info = with_retries(lambda: object_info(fs, path, options.retry.timeout), options.retry, url)
     if options.cache_dir is not None:
         local = Cache(options.cache_dir, options.cache_limit_bytes).open(fs, path, url, info, options)
         if local is not None:

@@ -4,7 +4,17 @@ A transient failure (connection reset or refused, timeout, an incomplete body,
 HTTP 408/429/500/502/503/504, S3 SlowDown / throttling / internal errors) is
 retried with exponential backoff and full jitter, bounded by
 :attr:`RetryPolicy.attempts` and :attr:`RetryPolicy.max_seconds`; anything
-else fails at once. Whether an error is transient is read from the error and
+else fails at once.
+
+Each try is bounded too: :attr:`RetryPolicy.timeout` seconds for an answer.
+A store's own client may wait far longer (aiohttp, under fsspec's HTTP
+filesystem, 5 minutes for a listing; botocore 60 s per request, retried
+inside s3fs several times over), and a server that keeps a connection open
+without answering would hold a dataset's construction or a worker that long,
+silently. :func:`call_bounded` runs one call of an fsspec filesystem under
+that bound (on an async filesystem, the call's coroutine is cancelled when
+it runs out, its connection with it), and a try that runs out is a
+:class:`TimeoutError`: transient, so tried again. Whether an error is transient is read from the error and
 every error it wraps (s3fs and aiohttp wrap the one that says), by status,
 S3 error code, errno or type name, so no store's client library is imported
 here. A read that ends raises :class:`RemoteReadError`, or
@@ -19,7 +29,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from shardkit.errors import ShardkitError
 from shardkit.io.counters import count
@@ -28,6 +38,7 @@ __all__ = [
     "ObjectChangedError",
     "RemoteReadError",
     "RetryPolicy",
+    "call_bounded",
     "code_of",
     "is_transient",
     "status_of",
@@ -97,22 +108,39 @@ class ObjectChangedError(ShardkitError):
         return (type(self), (self.url, self.opened, self.now))
 
 
+DEFAULT_TIMEOUT: Final = 30.0
+"""Seconds one try of a remote request (a ranged GET, a HEAD, a listing) waits for its answer.
+
+An object store that is up answers in well under a second, and a 4 MiB block
+arrives in 30 s down to about 140 KB/s; 30 s without an answer is a
+connection that will not answer. Within the default 60 s of
+:attr:`RetryPolicy.max_seconds` that leaves room for a second try."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How transient failures are retried: at most ``attempts`` tries and ``max_seconds`` of waiting per request.
+    """How a remote request is bounded and retried: each try waits at most ``timeout`` seconds for its
+    answer; transient failures are tried again, at most ``attempts`` tries within ``max_seconds``.
 
     The wait before try *n* (n >= 2) is uniform in ``[0, min(max_backoff, backoff * 2**(n-2))]``
-    ("full jitter"), so many workers throttled at once do not retry in step.
+    ("full jitter"), so many workers throttled at once do not retry in step. A request gives up
+    after at most ``max_seconds + timeout``: a try is never cut short by the budget, only not started.
+    ``timeout`` bounds the silence on a plain-HTTP ranged read (seconds without a byte; a body that goes
+    quiet half-way is given up to twice that), and the whole call elsewhere (fsspec's HTTP listing, a
+    HEAD, a GET through fsspec, an S3 ``GetObject``).
     """
 
     attempts: int = 8
     max_seconds: float = 60.0
     backoff: float = 0.1
     max_backoff: float = 5.0
+    timeout: float = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.max_seconds < 0 or self.backoff < 0 or self.max_backoff < 0:
             raise ValueError(f"RetryPolicy needs attempts >= 1 and non-negative times, got {self}")
+        if not self.timeout > 0:
+            raise ValueError(f"RetryPolicy needs timeout > 0 (seconds a try waits for an answer), got {self.timeout}")
 
     def wait(self, attempt: int) -> float:
         """Seconds to wait before try ``attempt + 1`` (``attempt`` >= 1 tries made)."""
@@ -165,7 +193,8 @@ def with_retries(
     ``on_retry`` runs before each retry (to check the object did not change).
     Raises :class:`RemoteReadError` naming ``what``, the tries and the last error.
     """
-    deadline = time.monotonic() + policy.max_seconds
+    began = time.monotonic()
+    deadline = began + policy.max_seconds
     attempt = 0
     while True:
         attempt += 1
@@ -179,11 +208,31 @@ def with_retries(
             wait = policy.wait(attempt)
             if attempt >= policy.attempts or time.monotonic() + wait > deadline:
                 raise RemoteReadError(
-                    f"{what}: still failing after {attempt} tries over {policy.max_seconds:g} s at most "
-                    f"({type(error).__name__}: {error}); raise RetryPolicy(attempts=, max_seconds=) if the "
-                    "store is just slow"
+                    f"{what}: still failing after {attempt} tries in {time.monotonic() - began:.1f} s "
+                    f"({type(error).__name__}: {error}); each try waits {policy.timeout:g} s for an answer, "
+                    f"all of them {policy.max_seconds:g} s: raise RetryPolicy(timeout=, attempts=, max_seconds=) "
+                    "if the store is just slow"
                 ) from error
             count(retries=1, retry_wait_seconds=wait)
             time.sleep(wait)
             if on_retry is not None:
                 on_retry()
+
+
+def call_bounded(fs: Any, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
+    """``fs.<method>(*args, **kwargs)``, given at most ``timeout`` seconds; else a :class:`TimeoutError`.
+
+    On an async fsspec filesystem (HTTP, S3, GCS) the bound is fsspec's own
+    ``timeout=`` of its blocking wrapper: the call's coroutine is cancelled on
+    the filesystem's loop, so nothing is left waiting on the connection. A
+    blocking filesystem (the local disk, memory) is called as it is.
+    """
+    call = getattr(fs, method)
+    if not getattr(fs, "async_impl", False) or getattr(fs, "asynchronous", False):
+        return call(*args, **kwargs)
+    try:
+        return call(*args, timeout=timeout, **kwargs)
+    except TimeoutError as error:  # fsspec's FSTimeoutError says nothing: say what ran out
+        if str(error):
+            raise
+        raise TimeoutError(f"no answer in {timeout:g} s") from error

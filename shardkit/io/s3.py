@@ -40,8 +40,11 @@ class S3Getter:
     def __init__(self, fs: Any, path: str) -> None:
         self.fs, self.path = fs, path
 
-    def get(self, start: int, stop: int, info: dict[str, Any] | None = None) -> Response:
-        """Bytes ``[start, stop)`` of the version ``info`` names (its ETag and version id; any when None)."""
+    def get(self, start: int, stop: int, info: dict[str, Any] | None = None, *, timeout: float) -> Response:
+        """Bytes ``[start, stop)`` of the version ``info`` names (its ETag and version id; any when None).
+
+        The call, botocore's own retries within it included, gets ``timeout`` seconds; then it is
+        cancelled and a :class:`TimeoutError` raised, for the caller's retry policy."""
         from fsspec.asyn import sync
 
         bucket, key, version = self.fs.split_path(self.path)
@@ -60,8 +63,12 @@ class S3Getter:
                 answer["Body"].close()
 
         try:
-            result: Any = sync(self.fs.loop, call)  # (fsspec's sync is not annotated with its result)
+            result: Any = sync(self.fs.loop, call, timeout=timeout)  # (fsspec's sync is not annotated)
             answer, body = result
+        except TimeoutError as error:
+            if str(error):  # botocore's or aiohttp's own, which says what ran out
+                raise
+            raise TimeoutError(f"s3://{bucket}/{key}: no answer in {timeout:g} s") from error
         except Exception as error:
             code = _code_in_chain(error)
             if code == "PreconditionFailed":

@@ -54,6 +54,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ShardkitError, redact_url, reraise_redacted
 from shardkit.io.glob import glob_files
+from shardkit.io.retry import RetryPolicy
 from shardkit.shardlist.arrowfile import map_ipc, map_ipc_checked, persist, private_copy, release_heap, write_ipc
 from shardkit.shardlist.columns import (
     NUM_RECORDS,
@@ -119,7 +120,9 @@ class ShardList:
     # -- other constructors -------------------------------------------------
 
     @classmethod
-    def from_glob(cls, pattern: str, storage_options: Mapping[str, Any] | None = None) -> ShardList:
+    def from_glob(
+        cls, pattern: str, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None
+    ) -> ShardList:
         """List the files matching ``pattern`` on any fsspec filesystem, sorted.
 
         Brace groups are expanded first: ranges ``{00000..00127}`` (zero padding
@@ -127,23 +130,28 @@ class ShardList:
         ``[...]``). A part without glob characters names one file, which must
         exist. Urls keep their protocol (``s3://...``) except on the local
         filesystem, where they are absolute paths. Byte sizes are recorded when
-        the listing reports them.
+        the listing reports them. Listing requests are bounded and retried under
+        ``retry`` (default :class:`~shardkit.io.retry.RetryPolicy`: 30 s per try,
+        60 s in all), as remote reads are.
 
         Raises:
             ShardListError: nothing matches, or files named without wildcards
                 do not exist.
+            RemoteReadError: the store did not answer the listing within ``retry``.
         """
         try:
-            return cls._from_glob(pattern, storage_options)
+            return cls._from_glob(pattern, storage_options, retry)
         except ShardkitError:
             raise
         except Exception as error:  # a store's own error may name the url, credentials and all
             reraise_redacted(error)
 
     @classmethod
-    def _from_glob(cls, pattern: str, storage_options: Mapping[str, Any] | None) -> ShardList:
+    def _from_glob(
+        cls, pattern: str, storage_options: Mapping[str, Any] | None, retry: RetryPolicy | None
+    ) -> ShardList:
         """:meth:`from_glob`, its errors from the filesystem not yet redacted."""
-        found = glob_files(pattern, storage_options)
+        found = glob_files(pattern, storage_options, retry)
         if found.directory is not None:
             raise ShardListError(
                 f"{found.directory!r} is a directory; give files, or a glob such as "

@@ -9,7 +9,14 @@ with :meth:`FaultServer.inject` and each is spent by the next GET of a path:
 
 - ``"503"``, ``"500"``, ``"429"``: that status, no body;
 - ``"reset"``: headers and half of the body, then the connection is reset;
-- ``"drop"``: the connection is closed before any answer.
+- ``"drop"``: the connection is closed before any answer;
+- ``"stall"``: the request is read and never answered, the connection kept open
+  (until the server shuts down): what a client without a bound of its own waits on;
+- ``"stall-body"``: headers and half of the body, then nothing more, the connection kept open;
+- ``"ok"``: answered as without a fault (to fault a later GET, not the next).
+
+A GET of a directory (a listing) takes its faults too (``"503"``, ``"drop"``, ``"stall"``), queued
+under the directory's path as the client asks for it (fsspec asks for ``/dir/``).
 
 Every request is logged as ``(method, path, start, length, status)``; a request for a directory
 (fsspec lists one by GETting it: a page of links) is logged as method ``LIST``.
@@ -56,10 +63,14 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         time.sleep(owner.latency)
         path = os.path.join(owner.root, unquote(self.path.lstrip("/").split("?")[0]))
-        if os.path.isdir(path):
+        fault = owner.take_fault(self.path) if body else None
+        if fault == "stall":
+            self._log(0, 0, 0)
+            self._stall()
+            return
+        if os.path.isdir(path) and fault not in ("drop", "503", "500", "429"):
             self._list(path, body)
             return
-        fault = owner.take_fault(self.path) if body else None
         if fault == "drop":
             self._log(0, 0, 0)
             self._reset()
@@ -112,9 +123,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         f.seek(start)
         data = f.read(stop - start)
-        if fault == "reset":
+        if fault in ("reset", "stall-body"):
             self.wfile.write(data[: len(data) // 2])
             self.wfile.flush()
+            if fault == "stall-body":
+                self._stall()
             self._reset()
             return
         self.wfile.write(data)
@@ -133,6 +146,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _log(self, start: int, length: int, status: int) -> None:
         self.server.owner.log.append(Request(self.command, self.path, start, length, status))
+
+    def _stall(self) -> None:
+        """Keep the connection open without a word until the server shuts down (no sleep: an event)."""
+        self.server.owner.released.wait()
+        self.close_connection = True
 
     def _reset(self) -> None:
         """Close with a TCP reset (SO_LINGER 0), as a dropped connection looks to the client."""
@@ -160,6 +178,7 @@ class FaultServer:
         self.honour_range = True  # False: a server that answers every GET with the whole file
         self.send_length = True  # False: bodies without Content-Length, ended by closing the connection
         self.log: list[Request] = []
+        self.released = threading.Event()  # set on shutdown: stalled handlers let go of their connections
         self._faults: dict[str, deque[str]] = {}
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _Handler)
@@ -195,6 +214,7 @@ class FaultServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.released.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
