@@ -648,17 +648,20 @@ static int next_record(const Reader *r, int64_t at, int64_t *end) {
 #define FILL_ERROR 3 /* errno is set */
 
 /* Read on into the buffer after its bytes: up to SIZE bytes (doubling up to CHUNK, a cache-sized read), not past
- * LIMIT (where an index says the records wanted end) unless already there. */
-static int fill(Reader *r) {
+ * LIMIT (where an index says the records wanted end) unless already there. With `compact` (read_pack, whose buffer
+ * is the values buffer: the data of the records handed out sits below `floor`), the bytes not yet handed out move
+ * down to `floor` first when the room left is less than a read. */
+static int fill(Reader *r, int64_t floor, int64_t hint) {
     int64_t *s = r->s;
-    if (r->compact && s[START] > 0) {
-        memmove(r->buf, r->buf + s[START], (size_t)(s[FILLED] - s[START]));
-        s[FILLED] -= s[START];
-        s[START] = 0;
+    if (r->compact && s[START] > floor && r->cap - s[FILLED] < s[SIZE]) {
+        memmove(r->buf + floor, r->buf + s[START], (size_t)(s[FILLED] - s[START]));
+        s[FILLED] -= s[START] - floor;
+        s[START] = floor;
     }
     int64_t want = r->cap - s[FILLED];
     if (want == 0) return FILL_ROOM;
     if (s[SIZE] < want) want = s[SIZE];
+    if (hint > 0 && hint < want) want = hint;
     if (s[LIMIT] > s[POS] && s[LIMIT] - s[POS] < want) want = s[LIMIT] - s[POS];
     ssize_t n;
     do n = pread(r->fd, r->buf + s[FILLED], (size_t)want, (off_t)s[POS]);
@@ -672,26 +675,20 @@ static int fill(Reader *r) {
 }
 
 typedef struct {
-    uint8_t *views; /* read_views: 16 bytes a record */
-    int32_t index;  /* ... the array's data buffer the reader's buffer is */
-    uint8_t *values; /* read_pack: the data, at offsets[0], offsets[1], ... */
-    int64_t values_len, *offsets;
+    uint8_t *views;   /* read_views: 16 bytes a record */
+    int32_t index;    /* ... the array's data buffer the reader's buffer is */
+    int64_t *offsets; /* read_pack: the data of record k at buf[offsets[k]:offsets[k + 1]] */
 } Out;
 
-/* Check the data CRCs of the k records framed from START and hand out the good ones; the first bad one, or -1
- * (READ_ROOM: -2, nothing handed out: pack's values buffer cannot hold them). */
+/* Check the data CRCs of the k records framed from START and hand out the good ones; the first bad one, or -1. */
 static Py_ssize_t emit(Reader *r, Out *o, Py_ssize_t count, const int64_t *ends, int k) {
     int64_t start = r->s[START];
-    if (o->values) {
-        int64_t need = ends[k - 1] - start - (int64_t)k * OVERHEAD;
-        if (o->values_len - o->offsets[count] < need) return -2;
-    }
     Py_ssize_t bad = r->verify ? check_group(r->buf, ends, start, 0, k) : -1;
     int good = bad >= 0 ? (int)bad : k;
     for (int j = 0; j < good; j++, count++) {
         uint32_t n = (uint32_t)(ends[j] - start - OVERHEAD);
-        if (o->values) {
-            memcpy(o->values + o->offsets[count], r->buf + start + HEADER, n); /* cache-hot: read and checked just now */
+        if (o->offsets) { /* down over the framing, in place: the bytes were read and checked just now, still cached */
+            memmove(r->buf + o->offsets[count], r->buf + start + HEADER, n);
             o->offsets[count + 1] = o->offsets[count] + n;
         } else {
             write_view(o->views + VIEW * count, r->buf + start + HEADER, n, o->index, (int32_t)(start + HEADER));
@@ -706,6 +703,7 @@ static Py_ssize_t emit(Reader *r, Out *o, Py_ssize_t count, const int64_t *ends,
 /* The loop: frame, check and hand out records, reading on when the buffer holds no whole one; GIL released. */
 static int read_loop(Reader *r, Out *o, Py_ssize_t max_records, Py_ssize_t *count) {
     int64_t *s = r->s, ends[GROUP];
+    int64_t began = s[POS] - (s[FILLED] - s[START]); /* the file offset of the first record */
     for (;;) {
         int got = 1, k = 0;
         while (s[INDEX] < s[SKIP] && (got = next_record(r, s[START], ends)) == 1) { /* before `start`: framed only */
@@ -719,16 +717,25 @@ static int read_loop(Reader *r, Out *o, Py_ssize_t max_records, Py_ssize_t *coun
         }
         if (k) {
             Py_ssize_t bad = emit(r, o, *count, ends, k);
-            if (bad == -2) return READ_ROOM;
             *count += bad >= 0 ? bad : k;
             if (bad >= 0) return READ_BAD_DATA;
             continue;
         }
         if (got < 0) return READ_HAND_OVER;
-        int f = fill(r);
+        int64_t floor = o->offsets ? o->offsets[*count] : 0, hint = 0;
+        if (r->compact && *count > 0) { /* read about what the batch's last records need: what read_pack reads after
+                                         * them moves to the next values buffer (or the same, if the array copies) */
+            int64_t per = (s[POS] - (s[FILLED] - s[START]) - began) / *count + 1;
+            hint = per * (max_records - *count + 1) - (s[FILLED] - s[START]);
+            hint = hint < 4096 ? 4096 : hint;
+        }
+        int f = fill(r, floor, hint);
         if (f == FILL_ERROR) return -1;
         if (f == FILL_EOF) return s[START] == s[FILLED] ? READ_END : READ_HAND_OVER;
-        if (f == FILL_ROOM) return s[START] == 0 ? READ_HAND_OVER : READ_ROOM;
+        if (f == FILL_ROOM) { /* a record cut off at the buffer's end: more room if it is not the most of it */
+            int64_t freed = r->compact ? floor : s[START]; /* by a buffer twice the size (pack), another (views) */
+            return s[FILLED] - s[START] > freed ? READ_HAND_OVER : READ_ROOM;
+        }
     }
 }
 
@@ -798,33 +805,26 @@ fail:
 }
 
 static PyObject *read_pack(PyObject *self, PyObject *args) {
-    PyObject *buf_obj, *state_obj, *values_obj, *offsets_obj;
+    PyObject *buf_obj, *state_obj, *offsets_obj;
     int fd, verify;
     Py_ssize_t max_records;
-    if (!PyArg_ParseTuple(args, "iOOnpOO", &fd, &buf_obj, &state_obj, &max_records, &verify, &values_obj,
-                          &offsets_obj))
+    if (!PyArg_ParseTuple(args, "iOOnpO", &fd, &buf_obj, &state_obj, &max_records, &verify, &offsets_obj))
         return NULL;
     Reader r = {.fd = fd, .verify = verify, .compact = 1};
-    Py_buffer buf, state, values, offsets;
+    Py_buffer buf, state, offsets;
     if (reader_open(&r, buf_obj, &buf, state_obj, &state, PY_SSIZE_T_MAX) < 0) return NULL;
-    if (get_buffer(values_obj, &values, 1, "values") < 0) goto fail;
-    if (get_ends(offsets_obj, &offsets, 1) < 0) {
-        PyBuffer_Release(&values);
-        goto fail;
-    }
+    if (get_ends(offsets_obj, &offsets, 1) < 0) goto fail;
     int64_t *off = offsets.buf;
-    if (max_records < 0 || offsets.len / 8 < max_records + 1 || off[0] < 0 || off[0] > values.len) {
+    if (max_records < 0 || offsets.len / 8 < max_records + 1 || off[0] < 0 || off[0] > r.s[START]) {
         PyErr_Format(PyExc_ValueError, "read_pack: offsets (%zd) too small for %zd records, or offsets[0] (%lld) "
-                     "outside the values (%zd bytes)", offsets.len / 8, max_records,
-                     offsets.len >= 8 ? (long long)off[0] : -1LL, values.len);
+                     "not in 0..start (%lld)", offsets.len / 8, max_records,
+                     offsets.len >= 8 ? (long long)off[0] : -1LL, (long long)r.s[START]);
         PyBuffer_Release(&offsets);
-        PyBuffer_Release(&values);
         goto fail;
     }
-    Out o = {.values = values.buf, .values_len = values.len, .offsets = off};
+    Out o = {.offsets = off};
     PyObject *result = reader_run(&r, &o, max_records, &buf, &state);
     PyBuffer_Release(&offsets);
-    PyBuffer_Release(&values);
     return result;
 fail:
     PyBuffer_Release(&state);
@@ -901,9 +901,8 @@ static PyMethodDef methods[] = {
      "binary_view views into out (data buffer `index`), until max_records or status (0 full, 1 end, 2 hand over, "
      "3 bad data CRC at start, 4 no room in buf)."},
     {"read_pack", read_pack, METH_VARARGS,
-     "read_pack(fd, buf, state, max_records, verify, values, offsets) -> (count, status): as read_views, the "
-     "records' data copied into values at offsets[0], ending at offsets[1:] (buf a scratch buffer; 4: no room in "
-     "values)."},
+     "read_pack(fd, buf, state, max_records, verify, offsets) -> (count, status): as read_views, the records' data "
+     "moved down in buf over their framing, from offsets[0] (<= start), ending at offsets[1:]."},
     {"crc32c", crc32c_py, METH_O, "CRC-32C of a buffer (hardware when available)."},
     {"crc32c_records", crc32c_records_py, METH_O,
      "CRC-32C of each buffer of a sequence, computed four at a time (interleaved) as the views' checks are."},

@@ -207,9 +207,10 @@ class _Reader:
         start, filled, pos = self.state[:3].tolist()
         return pos - (filled - start)
 
-    def restart(self, position: int, index: int, buf: np.ndarray | None = None) -> None:
-        """Read on from ``position`` (record ``index``), into ``buf`` if given; what the buffer held is dropped."""
-        self.state[_START] = self.state[_FILLED] = 0
+    def restart(self, position: int, index: int, buf: np.ndarray | None = None, floor: int = 0) -> None:
+        """Read on from ``position`` (record ``index``), into ``buf`` if given, from byte ``floor``; what the buffer
+        held from there is dropped."""
+        self.state[_START] = self.state[_FILLED] = floor
         self.state[_POS], self.state[_INDEX] = position, index
         if buf is not None:
             self.buf = buf
@@ -297,6 +298,7 @@ class _CopiedBatches(_Batches):
 
     def __init__(self, src: _Origin, verify: bool, batch_records: int) -> None:
         super().__init__(src, verify, batch_records)
+        self._reader: _Reader | None = None  # once read_pack reads into the values buffers
         self._capacity = _FIRST_VALUES  # of the values buffers
         self._spare = BlockBuffers(self._capacity)  # values buffers, reused once the caller drops their arrays
         self._begin()
@@ -316,30 +318,34 @@ class _CopiedBatches(_Batches):
 
     def read(self, reader: _Reader, left: int) -> int:
         """Up to ``left`` records read by the kernel into this batch; its status."""
-        if len(reader.buf) == 0:
-            reader.buf = np.empty(int(reader.state[_CHUNK]), dtype=np.uint8)
+        if self._reader is None:  # the first read: the records from here on are read into the values
+            self._reader = reader
+            self.resume(reader, reader.position, reader.index)
         take = min(left, max(_FIRST_RECORDS, self.count))  # offsets grown by doubling, not a whole batch's at once
         self._reserve(0, self.count + take + 1)
-        offsets, read_pack = self._offsets[self.count :], cast(kernel._ReadPack, kernel.KERNEL.read_pack)
-        count, status = read_pack(reader.fd, reader.buf, reader.state, take, self.verify, self._values, offsets)
+        read_pack = cast(kernel._ReadPack, kernel.KERNEL.read_pack)
+        count, status = read_pack(reader.fd, reader.buf, reader.state, take, self.verify, self._offsets[self.count :])
         self.count += count
         return status
 
     def make_room(self, reader: _Reader) -> None:
-        """A values buffer twice the size: the next records did not fit."""
-        self._reserve(2 * len(self._values), 0)
+        """A values buffer twice the size, with the records so far and the bytes read after them."""
+        self._reserve(2 * len(self._values), 0, keep=int(reader.state[_FILLED]))
+        reader.buf = self._values
 
     def resume(self, reader: _Reader, position: int, index: int) -> None:
-        """The reader goes on at ``position`` (record ``index``), in the same scratch buffer."""
-        reader.restart(position, index)
+        """The reader goes on at ``position`` (record ``index``), reading after the batch's data."""
+        reader.buf = self._values
+        reader.restart(position, index, floor=int(self._offsets[self.count]))
 
-    def _reserve(self, size: int, offsets: int) -> None:
-        """Room for ``size`` bytes of values and ``offsets`` offsets, grown by doubling (the offsets up to a batch's)."""
+    def _reserve(self, size: int, offsets: int, keep: int | None = None) -> None:
+        """Room for ``size`` bytes of values and ``offsets`` offsets, grown by doubling (the offsets up to a batch's);
+        the values' first ``keep`` bytes kept (default: the batch's data)."""
         if len(self._values) < size:  # a batch larger than any before: so are the buffers from now on
             self._capacity = max(size, 2 * self._capacity)
             self._spare = BlockBuffers(self._capacity)
             grown = self._spare.take(self._capacity)
-            at = int(self._offsets[self.count])
+            at = int(self._offsets[self.count]) if keep is None else keep
             grown[:at] = self._values[:at]
             self._values = grown
         if len(self._offsets) < offsets:
@@ -353,16 +359,34 @@ class _CopiedBatches(_Batches):
         An array holds at most twice its data: one using less than half its
         values buffer gets a copy of its own (small, so cheap), and the buffer
         goes back to the pool; a caller keeping many small arrays must not
-        keep a 1 MB buffer with each.
+        keep a 1 MB buffer with each. A buffer no array holds stays this
+        reader's, with the bytes read after the records (``read_pack``'s);
+        else they move to the start of the next one.
         """
         values, offsets, count = self._values, self._offsets, self.count
         used = int(offsets[count])
-        if 2 * used < len(values):
-            values = values[:used].copy()
-        del self._values  # before _begin takes a buffer: one an array holds is not free until it is dropped
-        self._begin()
-        if count:
-            yield _binary_array(values, offsets[: count + 1], 0)
+        if not count:
+            return
+        held = 2 * used >= len(values)
+        array = _binary_array(values if held else values[:used].copy(), offsets[: count + 1], 0)
+        if held:
+            del values, self._values  # before _begin takes a buffer: one an array holds is not free until dropped
+            self._begin()
+            self._carry_over()
+        else:
+            self._offsets = np.zeros(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
+            self.count = 0
+        yield array
+
+    def _carry_over(self) -> None:
+        """The bytes ``read_pack`` read after the records of the array just made, to the new values buffer."""
+        reader = self._reader
+        if reader is None:
+            return
+        start, filled = reader.state[_START], reader.state[_FILLED]
+        self._values[: filled - start] = reader.buf[start:filled]
+        reader.state[_START], reader.state[_FILLED] = 0, filled - start
+        reader.buf = self._values
 
 
 class _ViewBatches(_Batches):

@@ -111,14 +111,7 @@ class _ReadViews(Protocol):
 
 class _ReadPack(Protocol):
     def __call__(
-        self,
-        fd: int,
-        buf: np.ndarray,
-        state: np.ndarray,
-        max_records: int,
-        verify: bool,
-        values: np.ndarray,
-        offsets: np.ndarray,
+        self, fd: int, buf: np.ndarray, state: np.ndarray, max_records: int, verify: bool, offsets: np.ndarray
     ) -> tuple[int, int]: ...
 
 
@@ -138,8 +131,9 @@ block reader takes over there and reports it (or gathers the long record)."""
 READ_BAD_DATA: Final = 3
 """The record at ``start`` (``index``) has a bad data CRC; the good ones before it are handed out."""
 READ_ROOM: Final = 4
-"""``read_views``: the buffer has no room for the record at ``start`` (read it into another); ``read_pack``:
-the values buffer has none for the next records."""
+"""The buffer has no room for the rest of the record at ``start``: ``read_views`` reads it into another,
+``read_pack`` into a larger one (the data below ``floor`` kept). (A record that alone fills most of the buffer
+is handed over instead.)"""
 
 
 class Kernel(NamedTuple):
@@ -165,9 +159,9 @@ class Kernel(NamedTuple):
     into ``buf`` from ``state`` (:data:`READ_STATE`, updated), the views of up to ``max_records`` checked records
     written to ``out`` (over data buffer ``index``, ``buf`` itself); ``status`` one of :data:`READ_FULL`..."""
     read_pack: _ReadPack | None = None
-    """``read_pack(fd, buf, state, max_records, verify, values, offsets) -> (count, status)``: as ``read_views``,
-    ``buf`` a scratch buffer, the records' data copied into ``values`` from ``offsets[0]`` (``offsets[k + 1]``
-    where the ``k``-th ends)."""
+    """``read_pack(fd, buf, state, max_records, verify, offsets) -> (count, status)``: as ``read_views``, each
+    record's data then moved down in ``buf`` over the framing, from ``offsets[0]`` (at most ``start``;
+    ``offsets[k + 1]`` where the ``k``-th ends): ``buf`` is the values buffer, read and compacted in place."""
 
 
 # --------------------------------------------------------------------------- Python
