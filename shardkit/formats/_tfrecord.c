@@ -750,10 +750,13 @@ static int reader_open(Reader *r, PyObject *buf_obj, Py_buffer *buf, PyObject *s
     r->buf = buf->buf;
     r->cap = buf->len;
     int64_t *s = state->buf;
+    const int64_t big = (int64_t)1 << 60; /* no sum or double of these can overflow */
     if (state->len != 8 * STATE_LEN || s[START] < 0 || s[START] > s[FILLED] || s[FILLED] > r->cap || s[POS] < 0 ||
-        s[SIZE] < 1 || s[CHUNK] < 1 || r->cap > max_cap) {
+        s[POS] > big || s[SIZE] < 1 || s[SIZE] > big || s[CHUNK] < 1 || s[CHUNK] > big || s[INDEX] < 0 ||
+        s[INDEX] > big || r->cap > max_cap) {
         PyErr_Format(PyExc_ValueError, "read: a state of %zd bytes that does not fit a buffer of %zd bytes "
-                     "(need %d int64: 0 <= start <= filled <= len(buf), pos >= 0, size and chunk >= 1)",
+                     "(need %d int64: 0 <= start <= filled <= len(buf); pos and index >= 0; size and chunk >= 1; "
+                     "all below 2**60)",
                      state->len, buf->len, STATE_LEN);
         PyBuffer_Release(state);
         PyBuffer_Release(buf);
