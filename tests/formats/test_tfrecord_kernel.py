@@ -607,6 +607,57 @@ def test_a_file_truncated_under_read_tfrecord_batches_at_a_record_boundary_is_re
         assert (info.value.record_index, info.value.offset) == (3, 3 * 66), kern.name
 
 
+CUTS_PROBE = r"""
+import json
+from shardkit import CorruptRecordError
+from shardkit.formats.tfrecord import framing, kernel, read_tfrecord_batches
+framing.BLOCK_SIZE = 512  # the compiled reader's buffers: switched, and records handed over, often
+path = PATH
+whole = open(path, "rb").read()
+seen = []
+for cut in range(0, len(whole) + 1, 4):
+    with open(path, "wb") as f:
+        f.write(whole[:cut])
+    for arrow_type in ("large_binary", "binary_view"):
+        records = []
+        try:
+            for array in read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type, compression=None):
+                records.extend(r.hex() for r in array.to_pylist())
+            error = None
+        except CorruptRecordError as e:
+            error = [e.record_index, e.offset, str(e)]
+        seen.append([records, error])
+print(json.dumps([kernel.BACKEND, kernel.COMPILED.VECTOR_CRC, seen]))
+"""
+
+
+@needs_c
+def test_every_cut_of_a_damaged_file_reads_alike_with_the_c_reader_without_avx512_and_the_python_kernel(
+    tmp_path, monkeypatch
+) -> None:
+    """The compiled reader in a process with ``SHARDKIT_NO_AVX512`` set (three crc32 streams, not folding), against
+    the Python kernel's block reader, on every fourth cut of a file with a damaged record."""
+    records = [bytes([n % 251]) * n for n in (0, 5, 70, 300, 1000, 64, 257, 700, 3)]
+    data = bytearray(b"".join(map(framed, records)))
+    data[sum(map(len, map(framed, records[:3]))) + 12 + 100] ^= 1  # record 3's data
+    path = str(tmp_path / "cut.tfrecord")
+    with open(path, "wb") as f:
+        f.write(data)
+    backend, vector, seen = json.loads(run_python(CUTS_PROBE.replace("PATH", repr(path)), SHARDKIT_NO_AVX512="1"))
+    assert backend == "c" and vector == 0
+    monkeypatch.setattr(kernel, "KERNEL", kernel.PYTHON)
+    monkeypatch.setattr(tfr, "BLOCK_SIZE", 512)
+    expected = []
+    for cut in range(0, len(data) + 1, 4):
+        with open(path, "wb") as f:
+            f.write(data[:cut])
+        for arrow_type in ("large_binary", "binary_view"):
+            got, error = read_all(lambda: read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type))
+            expected.append([[r.hex() for r in got], None if error is None else [error[0], error[1], error[3]]])
+    assert seen == expected
+    assert sum(error is not None and "data CRC" in error[2] for _, error in seen) > 100
+
+
 def test_batches_refuse_a_batch_of_no_records(tmp_path) -> None:
     path = write(str(tmp_path / "a.tfrecord"), [b"x"])
     with pytest.raises(ValueError, match="batch_records must be at least 1, got 0"):
