@@ -14,7 +14,14 @@
  *          with no Python object per record (read_tfrecord_batches);
  *   views  checks the same CRCs and writes an Arrow binary_view view per
  *          record (16 bytes: length, prefix or inline data, buffer, offset),
- *          the data left in the buffer: no copy (arrow_type="binary_view").
+ *          the data left in the buffer: no copy (arrow_type="binary_view");
+ *   read_views, read_pack
+ *          read a local file themselves (pread, GIL released), a batch per
+ *          call, in cache-sized reads, and frame, check and view (or move
+ *          down over the framing, in the values buffer read into) each read's
+ *          records while they are cached; they stop at whatever needs Python
+ *          (the file's end, a bad CRC, a record cut off or too long for the
+ *          buffer), with the reader's state in an int64 array Python keeps.
  *
  * Memory safety comes first: every offset is checked against the buffer's
  * length before a read; a record fits only when `end - pos >= 16` and

@@ -523,7 +523,9 @@ def test_the_compiled_readers_refuse_a_state_that_does_not_fit_their_buffer(tmp_
             with pytest.raises(ValueError, match="does not fit a buffer of 100 bytes"):
                 compiled.read_pack(fd, np.empty(100, np.uint8), state, 3, True, np.zeros(4, np.int64))
         with pytest.raises(ValueError, match="too small for 3 views"):
-            compiled.read_views(fd, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.empty(47, np.uint8), 0)
+            compiled.read_views(
+                fd, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.empty(47, np.uint8), 0
+            )
         with pytest.raises(ValueError, match=r"offsets\[0\] \(1\) not in 0..start \(0\)"):
             compiled.read_pack(fd, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.ones(4, np.int64))
         with pytest.raises(OSError):

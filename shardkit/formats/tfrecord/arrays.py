@@ -1,25 +1,34 @@
 """TFRecord records as Arrow arrays: :func:`read_arrays`, what ``read_tfrecord_batches`` reads with.
 
-The blocks come from :mod:`~shardkit.formats.tfrecord.framing` (its block
-readers and error helpers: this module is the second consumer of its blocks,
-beside ``read_batches``); an array costs no Python object per record.
+An array costs no Python object per record, and a local uncompressed file no
+Python per block either: with the compiled kernel, ``read_views`` and
+``read_pack`` (:mod:`~shardkit.formats.tfrecord.kernel`) read it themselves, a
+batch per call, in reads of
+:data:`~shardkit.formats.tfrecord.framing.LOCAL_BLOCK_SIZE` small enough that
+the bytes a read brings in are still in the CPU's cache when their records'
+CRCs are checked and their data viewed or moved. Whatever needs Python (the
+end of the file, a bad CRC, a record cut short or longer than the buffer) is
+handed to the block reader of :mod:`~shardkit.formats.tfrecord.framing` at that
+record, which raises what is wrong there with its messages, or reads the long
+record, after which the kernel reads on (:func:`_read_local`). Everything else
+(streams, compressed files, the Python kernel) is read block by block from that
+module's block readers, the kernel's ``pack`` or ``views`` called per block;
+the tests compare the two ways on damaged files at every cut. Two layouts
+(``arrow_type``):
 
-A local file is read in blocks of
-:data:`~shardkit.formats.tfrecord.framing.LOCAL_BLOCK_SIZE`, small enough that
-the bytes a read brings in are still in the CPU's cache when the kernel checks
-their CRCs, and each block's records are checked (and copied) as soon as it
-is read, not when their batch is whole. Two layouts (``arrow_type``):
-
-- ``"large_binary"``: the kernel's ``pack`` copies each record's data into the
-  batch's values buffer beside an offsets array. The values buffers are
-  reused once the caller drops their arrays (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`).
-  (Compacting a 4 MB block in place, which the arrays then shared, copied
-  nothing but read the block's records out of memory, not cache: about 10%
-  slower.)
-- ``"binary_view"``: the kernel's ``views`` writes a 16-byte view per record
-  (length, first bytes, buffer, offset) and the data stays where it was read:
-  the blocks themselves are the array's data buffers, however many blocks a
-  batch spans. Nothing is copied: the fastest way to read raw records.
+- ``"large_binary"``: one values buffer and an offsets array per batch.
+  ``read_pack`` reads the file into the values buffer itself and moves each
+  record's data down over its framing as soon as it is checked (one copy, by
+  the OS, plus a move of cache-hot bytes: reading into a scratch buffer and
+  copying out of it was about 15% slower); reads stop about where the batch's records end, since what is
+  read past them moves to the next values buffer. The values buffers are reused
+  once the caller drops their arrays
+  (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`).
+- ``"binary_view"``: a 16-byte view per record (length, first bytes, buffer,
+  offset), the data left where it was read: the buffers read into are the
+  arrays' data buffers (:data:`_VIEW_BUFFER` bytes each, shared by consecutive
+  arrays; a block reader's blocks, however many a batch spans). Nothing is
+  copied: the fastest way to read raw records.
 """
 
 from __future__ import annotations
@@ -222,7 +231,7 @@ class _Reader:
         start, filled, pos = self.state[:3].tolist()
         length = int.from_bytes(self.buf[start : start + 8].tobytes(), "little")
         ends = np.array([start + length + OVERHEAD_BYTES], dtype=np.int64)
-        block = _Block(memoryview(self.buf), start, ends, self.index, pos - filled)
+        block = _Block(memoryview(self.buf), start, ends, self.index, pos - filled)  # pyright: ignore[reportArgumentType]
         return _data_error(block, 0, src)
 
 

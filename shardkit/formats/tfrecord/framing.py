@@ -21,10 +21,12 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   them out, handed out (by ``read_tfrecord``) through ``itertools.chain``: no
   Python frame per record.
 - ``read_arrays`` (:mod:`~shardkit.formats.tfrecord.arrays`, for
-  ``read_tfrecord_batches``) makes no Python object per record: it reads a
-  local file in blocks small enough to stay in cache, and the kernel checks
-  and copies (``large_binary``) or just checks and points at
-  (``binary_view``) each block's records as soon as it is read.
+  ``read_tfrecord_batches``) makes no Python object per record, and reads a
+  local uncompressed file with the compiled kernel's own reader, a batch per
+  call; it hands a record that needs this module's checks and messages to
+  :func:`_file_blocks` (with the file's size when opened), else it takes blocks
+  from here and the kernel checks and copies (``large_binary``) or just checks
+  and points at (``binary_view``) each block's records as soon as it is read.
 - Local uncompressed files are read with one ``os.preadv`` per block, at a
   record boundary, into buffers reused once nothing holds them
   (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`: a fresh buffer per block cost about what the read
