@@ -235,9 +235,7 @@ class _Reader:
         return _data_error(block, 0, src)
 
 
-_START, _FILLED, _POS, _INDEX, _CHUNK = (
-    kernel.READ_STATE.index(name) for name in ("start", "filled", "pos", "index", "chunk")
-)
+_START, _FILLED, _POS, _INDEX = (kernel.READ_STATE.index(name) for name in ("start", "filled", "pos", "index"))
 
 
 class _Piece(NamedTuple):
