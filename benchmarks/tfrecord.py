@@ -24,7 +24,9 @@ per-record ``read_tfrecord`` and ``read_tfrecord_batches`` (Arrow arrays of
 kernel and with the pure-Python one, as ratios of reading the file's bytes
 (``f.read`` of :data:`BLOCK_SIZE` blocks, the reader's block size, and of the
 whole file at once): CPU-time medians of interleaved rounds. The batches run
-in both layouts, ``large_binary`` (the default) and ``binary_view`` (no copy).
+in both layouts, ``large_binary`` (the default) and ``binary_view`` (no copy);
+with the compiled kernel they read the file in C, a batch per call
+(``read_pack``/``read_views``), with the Python one block by block.
 Targets: per-record >= 0.5x and batches >= 0.8x of reading the bytes in blocks.
 The load average is printed with the table: on a shared machine the cases
 that work on cache-resident blocks lose more to neighbours than plain reads.

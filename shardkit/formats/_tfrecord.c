@@ -14,7 +14,14 @@
  *          with no Python object per record (read_tfrecord_batches);
  *   views  checks the same CRCs and writes an Arrow binary_view view per
  *          record (16 bytes: length, prefix or inline data, buffer, offset),
- *          the data left in the buffer: no copy (arrow_type="binary_view").
+ *          the data left in the buffer: no copy (arrow_type="binary_view");
+ *   read_views, read_pack
+ *          read a local file themselves (pread, GIL released), a batch per
+ *          call, in cache-sized reads, and frame, check and view (or move
+ *          down over the framing, in the values buffer read into) each read's
+ *          records while they are cached; they stop at whatever needs Python
+ *          (the file's end, a bad CRC, a record cut off or too long for the
+ *          buffer), with the reader's state in an int64 array Python keeps.
  *
  * Memory safety comes first: every offset is checked against the buffer's
  * length before a read; a record fits only when `end - pos >= 16` and
@@ -40,6 +47,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <unistd.h>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_SSE42 1
@@ -609,6 +618,230 @@ release_buf:
     return PyLong_FromSsize_t(result);
 }
 
+/* ------------------------------------------------------------------ read: a local file, a batch per call */
+
+/* How read_views and read_pack stop (their second result). */
+#define READ_FULL 0      /* max_records records handed out */
+#define READ_END 1       /* the file ends at a record boundary */
+#define READ_HAND_OVER 2 /* a bad length CRC, a file ending inside a record, or a record longer than the buffer:
+                          * the caller's block reader takes over at the record (it has the error messages) */
+#define READ_BAD_DATA 3  /* the record at state[START] has a bad data CRC */
+#define READ_ROOM 4      /* views: the buffer has no room for the next record; pack: the values buffer */
+
+/* The reader's state (an int64 array Python keeps between calls, checked on every call). */
+enum { START, FILLED, POS, SIZE, INDEX, SKIP, LIMIT, CHUNK, STATE_LEN };
+
+typedef struct {
+    int fd, verify, compact; /* compact: move a record cut off at the buffer's end to its start (pack's scratch) */
+    uint8_t *buf;
+    int64_t cap, s[STATE_LEN];
+} Reader;
+
+/* 1: a whole record at buf[at:*end]; 0: the buffer does not hold all of it yet; -1: a bad length CRC. */
+static int next_record(const Reader *r, int64_t at, int64_t *end) {
+    int64_t have = r->s[FILLED] - at;
+    if (have < HEADER) return 0;
+    const uint8_t *h = r->buf + at;
+    if (r->verify && mask(crc8(h)) != load32(h + 8)) return -1;
+    uint64_t length = load64(h);
+    if (have < OVERHEAD || length > (uint64_t)(have - OVERHEAD)) return 0; /* compared without adding: no wrap */
+    *end = at + (int64_t)length + OVERHEAD;
+    return 1;
+}
+
+#define FILL_READ 0
+#define FILL_EOF 1
+#define FILL_ROOM 2
+#define FILL_ERROR 3 /* errno is set */
+
+/* Read on into the buffer after its bytes: up to SIZE bytes (doubling up to CHUNK, a cache-sized read), not past
+ * LIMIT (where an index says the records wanted end) unless already there. With `compact` (read_pack, whose buffer
+ * is the values buffer: the data of the records handed out sits below `floor`), the bytes not yet handed out move
+ * down to `floor` first when the room left is less than a read. */
+static int fill(Reader *r, int64_t floor, int64_t hint) {
+    int64_t *s = r->s;
+    if (r->compact && s[START] > floor && r->cap - s[FILLED] < s[SIZE]) {
+        memmove(r->buf + floor, r->buf + s[START], (size_t)(s[FILLED] - s[START]));
+        s[FILLED] -= s[START] - floor;
+        s[START] = floor;
+    }
+    int64_t want = r->cap - s[FILLED];
+    if (want == 0) return FILL_ROOM;
+    if (s[SIZE] < want) want = s[SIZE];
+    if (hint > 0 && hint < want) want = hint;
+    if (s[LIMIT] > s[POS] && s[LIMIT] - s[POS] < want) want = s[LIMIT] - s[POS];
+    ssize_t n;
+    do n = pread(r->fd, r->buf + s[FILLED], (size_t)want, (off_t)s[POS]);
+    while (n < 0 && errno == EINTR);
+    if (n < 0) return FILL_ERROR;
+    if (n == 0) return FILL_EOF;
+    s[FILLED] += n;
+    s[POS] += n;
+    s[SIZE] = 2 * s[SIZE] < s[CHUNK] ? 2 * s[SIZE] : s[CHUNK];
+    return FILL_READ;
+}
+
+typedef struct {
+    uint8_t *views;   /* read_views: 16 bytes a record */
+    int32_t index;    /* ... the array's data buffer the reader's buffer is */
+    int64_t *offsets; /* read_pack: the data of record k at buf[offsets[k]:offsets[k + 1]] */
+} Out;
+
+/* Check the data CRCs of the k records framed from START and hand out the good ones; the first bad one, or -1. */
+static Py_ssize_t emit(Reader *r, Out *o, Py_ssize_t count, const int64_t *ends, int k) {
+    int64_t start = r->s[START];
+    Py_ssize_t bad = r->verify ? check_group(r->buf, ends, start, 0, k) : -1;
+    int good = bad >= 0 ? (int)bad : k;
+    for (int j = 0; j < good; j++, count++) {
+        uint32_t n = (uint32_t)(ends[j] - start - OVERHEAD);
+        if (o->offsets) { /* down over the framing, in place: the bytes were read and checked just now, still cached */
+            memmove(r->buf + o->offsets[count], r->buf + start + HEADER, n);
+            o->offsets[count + 1] = o->offsets[count] + n;
+        } else {
+            write_view(o->views + VIEW * count, r->buf + start + HEADER, n, o->index, (int32_t)(start + HEADER));
+        }
+        start = ends[j];
+    }
+    r->s[START] = start;
+    r->s[INDEX] += good;
+    return bad;
+}
+
+/* The loop: frame, check and hand out records, reading on when the buffer holds no whole one; GIL released. */
+static int read_loop(Reader *r, Out *o, Py_ssize_t max_records, Py_ssize_t *count) {
+    int64_t *s = r->s, ends[GROUP];
+    int64_t began = s[POS] - (s[FILLED] - s[START]); /* the file offset of the first record */
+    for (;;) {
+        int got = 1, k = 0;
+        while (s[INDEX] < s[SKIP] && (got = next_record(r, s[START], ends)) == 1) { /* before `start`: framed only */
+            s[START] = ends[0];
+            s[INDEX]++;
+        }
+        if (got == 1) {
+            if (*count == max_records) return READ_FULL;
+            for (int64_t at = s[START]; k < GROUP && *count + k < max_records; at = ends[k++])
+                if ((got = next_record(r, at, ends + k)) != 1) break;
+        }
+        if (k) {
+            Py_ssize_t bad = emit(r, o, *count, ends, k);
+            *count += bad >= 0 ? bad : k;
+            if (bad >= 0) return READ_BAD_DATA;
+            continue;
+        }
+        if (got < 0) return READ_HAND_OVER;
+        int64_t floor = o->offsets ? o->offsets[*count] : 0, hint = 0;
+        if (r->compact && *count > 0) { /* read about what the batch's last records need: what read_pack reads after
+                                         * them moves to the next values buffer (or the same, if the array copies) */
+            int64_t per = (s[POS] - (s[FILLED] - s[START]) - began) / *count + 1;
+            hint = per * (max_records - *count + 1) - (s[FILLED] - s[START]);
+            hint = hint < 4096 ? 4096 : hint;
+        }
+        int f = fill(r, floor, hint);
+        if (f == FILL_ERROR) return -1;
+        if (f == FILL_EOF) return s[START] == s[FILLED] ? READ_END : READ_HAND_OVER;
+        if (f == FILL_ROOM) { /* a record cut off at the buffer's end: more room if it is not the most of it */
+            int64_t freed = r->compact ? floor : s[START]; /* by a buffer twice the size (pack), another (views) */
+            return s[FILLED] - s[START] > freed ? READ_HAND_OVER : READ_ROOM;
+        }
+    }
+}
+
+/* Parse the arguments both entry points share; check the state against the buffer. */
+static int reader_open(Reader *r, PyObject *buf_obj, Py_buffer *buf, PyObject *state_obj, Py_buffer *state,
+                       int64_t max_cap) {
+    if (get_buffer(buf_obj, buf, 1, "buf") < 0) return -1;
+    if (get_ends(state_obj, state, 1) < 0) {
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    r->buf = buf->buf;
+    r->cap = buf->len;
+    int64_t *s = state->buf;
+    const int64_t big = (int64_t)1 << 60; /* no sum or double of these can overflow */
+    if (state->len != 8 * STATE_LEN || s[START] < 0 || s[START] > s[FILLED] || s[FILLED] > r->cap || s[POS] < 0 ||
+        s[POS] > big || s[SIZE] < 1 || s[SIZE] > big || s[CHUNK] < 1 || s[CHUNK] > big || s[INDEX] < 0 ||
+        s[INDEX] > big || r->cap > max_cap) {
+        PyErr_Format(PyExc_ValueError, "read: a state of %zd bytes that does not fit a buffer of %zd bytes "
+                     "(need %d int64: 0 <= start <= filled <= len(buf); pos and index >= 0; size and chunk >= 1; "
+                     "all below 2**60)",
+                     state->len, buf->len, STATE_LEN);
+        PyBuffer_Release(state);
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    memcpy(r->s, s, sizeof(r->s));
+    return 0;
+}
+
+/* Run the loop, write the state back, release the buffers; (count, status) or NULL. */
+static PyObject *reader_run(Reader *r, Out *o, Py_ssize_t max_records, Py_buffer *buf, Py_buffer *state) {
+    Py_ssize_t count = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    status = read_loop(r, o, max_records, &count);
+    Py_END_ALLOW_THREADS;
+    if (status < 0) PyErr_SetFromErrno(PyExc_OSError);
+    memcpy(state->buf, r->s, sizeof(r->s));
+    PyBuffer_Release(state);
+    PyBuffer_Release(buf);
+    if (status < 0) return NULL;
+    return Py_BuildValue("ni", count, status);
+}
+
+static PyObject *read_views(PyObject *self, PyObject *args) {
+    PyObject *buf_obj, *state_obj, *out_obj;
+    int fd, verify, index;
+    Py_ssize_t max_records;
+    if (!PyArg_ParseTuple(args, "iOOnpOi", &fd, &buf_obj, &state_obj, &max_records, &verify, &out_obj, &index))
+        return NULL;
+    Reader r = {.fd = fd, .verify = verify, .compact = 0};
+    Py_buffer buf, state, out;
+    if (reader_open(&r, buf_obj, &buf, state_obj, &state, INT32_MAX) < 0) return NULL;
+    if (get_buffer(out_obj, &out, 1, "out") < 0) goto fail;
+    if (max_records < 0 || out.len / VIEW < max_records || index < 0) {
+        PyErr_Format(PyExc_ValueError, "read_views: out (%zd bytes) too small for %zd views, or buffer index %d < 0",
+                     out.len, max_records, index);
+        PyBuffer_Release(&out);
+        goto fail;
+    }
+    Out o = {.views = out.buf, .index = index};
+    PyObject *result = reader_run(&r, &o, max_records, &buf, &state);
+    PyBuffer_Release(&out);
+    return result;
+fail:
+    PyBuffer_Release(&state);
+    PyBuffer_Release(&buf);
+    return NULL;
+}
+
+static PyObject *read_pack(PyObject *self, PyObject *args) {
+    PyObject *buf_obj, *state_obj, *offsets_obj;
+    int fd, verify;
+    Py_ssize_t max_records;
+    if (!PyArg_ParseTuple(args, "iOOnpO", &fd, &buf_obj, &state_obj, &max_records, &verify, &offsets_obj))
+        return NULL;
+    Reader r = {.fd = fd, .verify = verify, .compact = 1};
+    Py_buffer buf, state, offsets;
+    if (reader_open(&r, buf_obj, &buf, state_obj, &state, PY_SSIZE_T_MAX) < 0) return NULL;
+    if (get_ends(offsets_obj, &offsets, 1) < 0) goto fail;
+    int64_t *off = offsets.buf;
+    if (max_records < 0 || offsets.len / 8 < max_records + 1 || off[0] < 0 || off[0] > r.s[START]) {
+        PyErr_Format(PyExc_ValueError, "read_pack: offsets (%zd) too small for %zd records, or offsets[0] (%lld) "
+                     "not in 0..start (%lld)", offsets.len / 8, max_records,
+                     offsets.len >= 8 ? (long long)off[0] : -1LL, (long long)r.s[START]);
+        PyBuffer_Release(&offsets);
+        goto fail;
+    }
+    Out o = {.offsets = off};
+    PyObject *result = reader_run(&r, &o, max_records, &buf, &state);
+    PyBuffer_Release(&offsets);
+    return result;
+fail:
+    PyBuffer_Release(&state);
+    PyBuffer_Release(&buf);
+    return NULL;
+}
+
 static PyObject *crc32c_py(PyObject *self, PyObject *arg) {
     Py_buffer view;
     if (get_buffer(arg, &view, 0, "data") < 0) return NULL;
@@ -672,6 +905,14 @@ static PyMethodDef methods[] = {
     {"views", views, METH_VARARGS,
      "views(buf, first, ends, lo, hi, verify, out, index) -> bad: Arrow binary_view views of records lo:hi into "
      "out (16 bytes each), their data in buf as the array's data buffer `index`; bad: first bad data CRC or -1."},
+    {"read_views", read_views, METH_VARARGS,
+     "read_views(fd, buf, state, max_records, verify, out, index) -> (count, status): read a local file into buf "
+     "from state (int64[8]: start, filled, pos, size, index, skip, limit, chunk), check the records, write their "
+     "binary_view views into out (data buffer `index`), until max_records or status (0 full, 1 end, 2 hand over, "
+     "3 bad data CRC at start, 4 no room in buf)."},
+    {"read_pack", read_pack, METH_VARARGS,
+     "read_pack(fd, buf, state, max_records, verify, offsets) -> (count, status): as read_views, the records' data "
+     "moved down in buf over their framing, from offsets[0] (<= start), ending at offsets[1:]."},
     {"crc32c", crc32c_py, METH_O, "CRC-32C of a buffer (hardware when available)."},
     {"crc32c_records", crc32c_records_py, METH_O,
      "CRC-32C of each buffer of a sequence, computed four at a time (interleaved) as the views' checks are."},

@@ -284,7 +284,7 @@ def test_the_c_kernel_refuses_ends_that_are_not_records_of_the_buffer() -> None:
 
 
 CRASH_PROBE = r"""
-import json, random, struct, sys
+import json, os, random, struct, sys
 import numpy as np
 from shardkit.formats import _tfrecord as k
 from shardkit.formats.crc import masked_crc32c
@@ -322,17 +322,39 @@ for _ in range(int(sys.argv[2])):
                 np.empty(16 * rng.randrange(0, 6), np.uint8), rng.randrange(-1, 3))
     except ValueError:
         seen["refused"] += 1
+    with open(sys.argv[3], "wb") as f:
+        f.write(buf)
+    fd = os.open(sys.argv[3], os.O_RDONLY)
+    try:
+        size = rng.randrange(1, 300)
+        state = np.array([0, 0, 0, rng.randrange(1, 64), 0, rng.randrange(0, 3), rng.choice([-1, rng.randrange(400)]),
+                          rng.randrange(1, 300)], np.int64)
+        if rng.random() < 0.3:  # nonsense: refused, never read
+            state[rng.randrange(8)] = rng.randrange(-2**62, 2**62)
+        take = rng.randrange(0, 9)
+        try:
+            if rng.random() < 0.5:
+                k.read_views(fd, np.empty(size, np.uint8), state, take, rng.random() < 0.5, np.empty(16 * take, np.uint8), 0)
+            else:
+                offsets = np.zeros(take + 1, np.int64)
+                k.read_pack(fd, np.empty(size, np.uint8), state, take, rng.random() < 0.5, offsets)
+        except ValueError:
+            seen["refused"] += 1
+    finally:
+        os.close(fd)
 print(json.dumps(seen))
 """
 
 
 @needs_c
-def test_the_c_kernel_survives_mutated_files_and_nonsense_ends_in_a_subprocess() -> None:
-    """A memory error in C would kill the process: run it in a child and check it exited cleanly."""
+def test_the_c_kernel_survives_mutated_files_and_nonsense_ends_in_a_subprocess(tmp_path) -> None:
+    """A memory error in C would kill the process: run it in a child and check it exited cleanly (its readers of a
+    file too, over small buffers and random or nonsense states)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    probe = str(tmp_path / "probe.tfrecord")
     done = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-c", CRASH_PROBE, "20261201", "20000"],
+        [sys.executable, "-X", "faulthandler", "-c", CRASH_PROBE, "20261201", "20000", probe],
         cwd=root,
         env=env,
         capture_output=True,
@@ -481,6 +503,161 @@ def test_batches_hand_out_the_good_records_before_a_bad_data_crc_then_name_it(tm
             got.extend(array.to_pylist())
     assert got == records[:6]
     assert (caught.value.record_index, caught.value.offset) == (6, offset)
+
+
+# --------------------------------------------------------------------------- the compiled reader of a local file
+
+
+@needs_c
+def test_the_compiled_readers_refuse_a_state_that_does_not_fit_their_buffer(tmp_path) -> None:
+    assert compiled is not None
+    path = write(str(tmp_path / "a.tfrecord"), [b"abc"] * 3)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        good = [0, 0, 0, 64, 0, 0, -1, 64]
+        for at, value in [(0, 5), (0, -1), (1, 200), (2, -1), (3, 0), (4, -1), (7, 0), (3, 2**61)]:
+            state = np.array(good, np.int64)
+            state[at] = value  # start past filled, filled past the buffer, a negative offset or index, no read size
+            with pytest.raises(ValueError, match="does not fit a buffer of 100 bytes"):
+                compiled.read_views(fd, np.empty(100, np.uint8), state, 3, True, np.empty(48, np.uint8), 0)
+            with pytest.raises(ValueError, match="does not fit a buffer of 100 bytes"):
+                compiled.read_pack(fd, np.empty(100, np.uint8), state, 3, True, np.zeros(4, np.int64))
+        with pytest.raises(ValueError, match="too small for 3 views"):
+            compiled.read_views(
+                fd, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.empty(47, np.uint8), 0
+            )
+        with pytest.raises(ValueError, match=r"offsets\[0\] \(1\) not in 0..start \(0\)"):
+            compiled.read_pack(fd, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.ones(4, np.int64))
+        with pytest.raises(OSError):
+            compiled.read_pack(-1, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.zeros(4, np.int64))
+    finally:
+        os.close(fd)
+
+
+@needs_c
+def test_read_pack_reads_about_what_a_batch_needs_not_a_whole_read_past_it(tmp_path) -> None:
+    """What it reads past a batch's last record moves to the next values buffer: a copy it keeps small."""
+    assert compiled is not None
+    records = [bytes([i % 256]) * 100 for i in range(1000)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        values, offsets = np.empty(1 << 20, np.uint8), np.zeros(301, np.int64)
+        state = np.array([0, 0, 0, 4096, 0, 0, -1, 256 * 1024], np.int64)  # reads from 4 KB, doubling up to 256 KB
+        assert compiled.read_pack(fd, values, state, 300, True, offsets) == (300, kernel.READ_FULL)
+    finally:
+        os.close(fd)
+    assert values[: offsets[300]].tobytes() == b"".join(records[:300])
+    start, filled, pos = state[:3]
+    assert pos - (filled - start) == 300 * 116  # the next record's offset
+    assert filled - start <= 4096 + 2 * 116, filled - start  # not the rest of a 256 KB read
+
+
+@needs_c
+@pytest.mark.parametrize("arrow_type", list(ARRAY_CLASSES))
+def test_records_longer_than_the_compiled_readers_buffer_go_to_the_block_reader_and_it_reads_on_after_them(
+    tmp_path, monkeypatch, arrow_type
+) -> None:
+    monkeypatch.setattr(tfr, "BLOCK_SIZE", 4096)  # the compiled reader's buffers and reads: 4 KB
+    monkeypatch.setattr(arrays_module, "_FIRST_VALUES", 4096)  # and read_pack's first values buffers
+    rng = np.random.default_rng(3)
+    records = [rng.bytes(int(n)) for n in rng.choice([10, 300, 5000, 20000], 400, p=[0.4, 0.5, 0.07, 0.03])]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    results: list[tuple[int, int]] = []  # (records, status) of each call
+
+    def counted(name: str) -> Callable[..., tuple[int, int]]:
+        def call(*args: object) -> tuple[int, int]:
+            results.append(getattr(compiled, name)(*args))
+            return results[-1]
+
+        return call
+
+    c = c_kernel()
+    monkeypatch.setattr(kernel, "KERNEL", c._replace(read_views=counted("read_views"), read_pack=counted("read_pack")))
+    arrays = list(read_tfrecord_batches(path, batch_records=16, arrow_type=arrow_type))
+    assert [r for a in arrays for r in a.to_pylist()] == records
+    assert [len(a) for a in arrays] == [16] * 25
+    for a in arrays:
+        a.validate(full=True)
+    handed = [i for i, (_, status) in enumerate(results) if status == kernel.READ_HAND_OVER]
+    assert handed  # (read_pack grows its values buffer for a long record after others, and hands over less)
+    after = [count for count, _ in results[handed[-1] + 1 :]]
+    assert sum(after) > 0  # the compiled reader read on after the last one
+
+
+@needs_c
+@pytest.mark.parametrize("arrow_type", list(ARRAY_CLASSES))
+def test_a_file_truncated_under_read_tfrecord_batches_at_a_record_boundary_is_reported_by_both_kernels(
+    tmp_path, monkeypatch, arrow_type
+) -> None:
+    monkeypatch.setattr(tfr, "BLOCK_SIZE", 256)
+    records = [os.urandom(50) for _ in range(40)]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    whole = open(path, "rb").read()
+    for kern in (kernel.PYTHON, c_kernel()):
+        with open(path, "wb") as f:
+            f.write(whole)
+        monkeypatch.setattr(kernel, "KERNEL", kern)
+        arrays = read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type)
+        assert next(arrays).to_pylist() == records[:2]  # the first read (records 0..2, 3 x 66 bytes) is in memory
+        os.truncate(path, 2 * 66)  # cut between records 1 and 2, behind the reader
+        rest: list[bytes] = []
+        with pytest.raises(CorruptRecordError, match="file shrank from 2640 to 132 bytes while being read") as info:
+            for array in arrays:
+                rest.extend(array.to_pylist())
+        assert rest == records[2:3], kern.name
+        assert (info.value.record_index, info.value.offset) == (3, 3 * 66), kern.name
+
+
+CUTS_PROBE = r"""
+import json
+from shardkit import CorruptRecordError
+from shardkit.formats.tfrecord import framing, kernel, read_tfrecord_batches
+framing.BLOCK_SIZE = 512  # the compiled reader's buffers: switched, and records handed over, often
+path = PATH
+whole = open(path, "rb").read()
+seen = []
+for cut in range(0, len(whole) + 1, 4):
+    with open(path, "wb") as f:
+        f.write(whole[:cut])
+    for arrow_type in ("large_binary", "binary_view"):
+        records = []
+        try:
+            for array in read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type, compression=None):
+                records.extend(r.hex() for r in array.to_pylist())
+            error = None
+        except CorruptRecordError as e:
+            error = [e.record_index, e.offset, str(e)]
+        seen.append([records, error])
+print(json.dumps([kernel.BACKEND, kernel.COMPILED.VECTOR_CRC, seen]))
+"""
+
+
+@needs_c
+def test_every_cut_of_a_damaged_file_reads_alike_with_the_c_reader_without_avx512_and_the_python_kernel(
+    tmp_path, monkeypatch
+) -> None:
+    """The compiled reader in a process with ``SHARDKIT_NO_AVX512`` set (three crc32 streams, not folding), against
+    the Python kernel's block reader, on every fourth cut of a file with a damaged record."""
+    records = [bytes([n % 251]) * n for n in (0, 5, 70, 300, 1000, 64, 257, 700, 3)]
+    data = bytearray(b"".join(map(framed, records)))
+    data[sum(map(len, map(framed, records[:3]))) + 12 + 100] ^= 1  # record 3's data
+    path = str(tmp_path / "cut.tfrecord")
+    with open(path, "wb") as f:
+        f.write(data)
+    backend, vector, seen = json.loads(run_python(CUTS_PROBE.replace("PATH", repr(path)), SHARDKIT_NO_AVX512="1"))
+    assert backend == "c" and vector == 0
+    monkeypatch.setattr(kernel, "KERNEL", kernel.PYTHON)
+    monkeypatch.setattr(tfr, "BLOCK_SIZE", 512)
+    expected = []
+    for cut in range(0, len(data) + 1, 4):
+        with open(path, "wb") as f:
+            f.write(data[:cut])
+        for arrow_type in ("large_binary", "binary_view"):
+            got, error = read_all(lambda: read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type))
+            expected.append([[r.hex() for r in got], None if error is None else [error[0], error[1], error[3]]])
+    assert seen == expected
+    assert sum(error is not None and "data CRC" in error[2] for _, error in seen) > 100
 
 
 def test_batches_refuse_a_batch_of_no_records(tmp_path) -> None:

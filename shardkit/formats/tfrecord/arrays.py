@@ -1,43 +1,58 @@
 """TFRecord records as Arrow arrays: :func:`read_arrays`, what ``read_tfrecord_batches`` reads with.
 
-The blocks come from :mod:`~shardkit.formats.tfrecord.framing` (its block
-readers and error helpers: this module is the second consumer of its blocks,
-beside ``read_batches``); an array costs no Python object per record.
+An array costs no Python object per record, and a local uncompressed file no
+Python per block either: with the compiled kernel, ``read_views`` and
+``read_pack`` (:mod:`~shardkit.formats.tfrecord.kernel`) read it themselves, a
+batch per call, in reads of
+:data:`~shardkit.formats.tfrecord.framing.LOCAL_BLOCK_SIZE` small enough that
+the bytes a read brings in are still in the CPU's cache when their records'
+CRCs are checked and their data viewed or moved. Whatever needs Python (the
+end of the file, a bad CRC, a record cut short or longer than the buffer) is
+handed to the block reader of :mod:`~shardkit.formats.tfrecord.framing` at that
+record, which raises what is wrong there with its messages, or reads the long
+record, after which the kernel reads on (:func:`_read_local`). Everything else
+(streams, compressed files, the Python kernel) is read block by block from that
+module's block readers, the kernel's ``pack`` or ``views`` called per block;
+the tests compare the two ways on damaged files at every cut. Two layouts
+(``arrow_type``):
 
-A local file is read in blocks of
-:data:`~shardkit.formats.tfrecord.framing.LOCAL_BLOCK_SIZE`, small enough that
-the bytes a read brings in are still in the CPU's cache when the kernel checks
-their CRCs, and each block's records are checked (and copied) as soon as it
-is read, not when their batch is whole. Two layouts (``arrow_type``):
-
-- ``"large_binary"``: the kernel's ``pack`` copies each record's data into the
-  batch's values buffer beside an offsets array. The values buffers are
-  reused once the caller drops their arrays (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`).
-  (Compacting a 4 MB block in place, which the arrays then shared, copied
-  nothing but read the block's records out of memory, not cache: about 10%
-  slower.)
-- ``"binary_view"``: the kernel's ``views`` writes a 16-byte view per record
-  (length, first bytes, buffer, offset) and the data stays where it was read:
-  the blocks themselves are the array's data buffers, however many blocks a
-  batch spans. Nothing is copied: the fastest way to read raw records.
+- ``"large_binary"``: one values buffer and an offsets array per batch.
+  ``read_pack`` reads the file into the values buffer itself and moves each
+  record's data down over its framing as soon as it is checked (one copy, by
+  the OS, plus a move of cache-hot bytes: reading into a scratch buffer and
+  copying out of it was about 15% slower); reads stop about where the batch's records end, since what is
+  read past them moves to the next values buffer. The values buffers are reused
+  once the caller drops their arrays
+  (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`).
+- ``"binary_view"``: a 16-byte view per record (length, first bytes, buffer,
+  offset), the data left where it was read: the buffers read into are the
+  arrays' data buffers (:data:`_VIEW_BUFFER` bytes each, shared by consecutive
+  arrays; a block reader's blocks, however many a batch spans). Nothing is
+  copied: the fastest way to read raw records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Generator, Iterator
 from typing import Any, Final, NamedTuple, cast
 
 import numpy as np
 import pyarrow as pa
+from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.tfrecord import kernel
+from shardkit.formats.tfrecord import framing, kernel
 from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.formats.tfrecord.framing import (
+    _FIRST_LOCAL_READ,  # pyright: ignore[reportPrivateUsage]
     OVERHEAD_BYTES,
     _Block,  # pyright: ignore[reportPrivateUsage]
     _blocks,  # pyright: ignore[reportPrivateUsage]
+    _check_file_end,  # pyright: ignore[reportPrivateUsage]
     _data_error,  # pyright: ignore[reportPrivateUsage]
+    _file_blocks,  # pyright: ignore[reportPrivateUsage]
+    _first_read,  # pyright: ignore[reportPrivateUsage]
     _open,  # pyright: ignore[reportPrivateUsage]
     _Origin,  # pyright: ignore[reportPrivateUsage]
     _start,  # pyright: ignore[reportPrivateUsage]
@@ -50,6 +65,12 @@ _FIRST_RECORDS: Final = 4096  # a batch's views or offsets are made for this man
 
 ARROW_TYPES: Final = ("large_binary", "binary_view")
 """The layouts :func:`read_arrays` builds (``arrow_type``)."""
+
+_VIEW_BUFFER: Final = 2 << 20
+"""Bytes of the buffers ``read_views`` reads a local file into (at most :data:`~shardkit.io.files.BLOCK_SIZE`),
+:data:`~shardkit.formats.tfrecord.framing.LOCAL_BLOCK_SIZE` a read; consecutive arrays share one. On 100k records
+of 1 KB in batches of 1024, 512 KB, 1 MB and 2 MB read at 0.65x, 0.67x and 0.69x of reading the bytes (fewer
+buffer switches, each a Python call and a record read twice; 4 MB, past a core's L2 cache, was slower again)."""
 
 _FIRST_VALUES: Final = 1 << 20  # bytes of a large_binary batch's values buffer, doubled while batches need more
 
@@ -79,18 +100,142 @@ def read_arrays(
     if src.compression is not None:
         first = offset = 0
         end = None
-    blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
     batches = (_ViewBatches if views else _CopiedBatches)(src, verify, batch_records)
+    want = _Wanted(batch_records, start, stop, end)
     try:
-        for piece, last in _pieces(blocks, batch_records, start, stop):
-            yield from batches.add(piece, last)  # (an error raised here leaves nothing to flush below)
+        if isinstance(source, LocalFileOpener) and kernel.KERNEL.read_views is not None:
+            yield from _read_local(source.fileno(), src, batches, want, first, offset)
+        else:
+            blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
+            try:
+                for piece, last in _pieces(blocks, want, 0):
+                    yield from batches.add(piece, last)  # (an error raised here leaves nothing to flush below)
+            finally:
+                blocks.close()
     except CorruptRecordError:
         yield from batches.flush()  # the good records first (or an earlier bad one)
         raise
     finally:
-        blocks.close()
         source.close()
     yield from batches.flush()
+
+
+class _Wanted(NamedTuple):
+    """Which records the caller wants, and how many to an array."""
+
+    batch_records: int
+    start: int
+    stop: int | None
+    end: int | None  # where records start:stop end in the file, when an index says so
+
+
+def _read_local(
+    fd: int, src: _Origin, batches: _ViewBatches | _CopiedBatches, want: _Wanted, first: int, offset: int
+) -> Iterator[pa.LargeBinaryArray | pa.BinaryViewArray]:
+    """A local uncompressed file's records by the compiled kernel's ``read_views``/``read_pack``, a batch per call:
+    no Python per block. What they hand back (a record longer than their buffer, a bad length CRC, a file cut
+    short) is read by the block reader, a block at a time, with its checks and messages; then they go on."""
+    chunk = min(framing.BLOCK_SIZE, framing.LOCAL_BLOCK_SIZE)  # each read small enough to be checked while in the cache
+    size = _first_read(offset, want.end, chunk) if want.end is not None else min(_FIRST_LOCAL_READ, chunk)
+    reader = _Reader(fd, first, offset, size, chunk, want)
+    opened_size = os.fstat(fd).st_size
+    while True:
+        status = yield from _read_some(reader, batches, want)
+        if status == kernel.READ_FULL:
+            return
+        if status == kernel.READ_END:  # at a record boundary: unless the file shrank, or an index overshot it
+            unstarted = first > 0 and reader.position == offset
+            _check_file_end(fd, src, reader.index, reader.position, b"", opened_size, unstarted, batches.verify)
+            return
+        if status == kernel.READ_BAD_DATA:
+            raise reader.data_error(src)
+        block = _one_block(fd, src, reader, batches.verify, want.end, opened_size)
+        if block is None:
+            return
+        yield from _add_block(batches, block, want)
+        batches.resume(reader, block.offset + int(block.ends[-1]), block.first_index + len(block.ends))
+        if want.stop is not None and reader.index >= want.stop:
+            return
+
+
+def _read_some(
+    reader: _Reader, batches: _ViewBatches | _CopiedBatches, want: _Wanted
+) -> Generator[pa.LargeBinaryArray | pa.BinaryViewArray, None, int]:
+    """Batches read by the kernel until it needs Python: returns its status (:data:`~kernel.READ_FULL` when the
+    records wanted are all read)."""
+    while True:
+        left = want.batch_records - batches.count
+        if want.stop is not None:
+            left = min(left, want.stop - max(reader.index, want.start))
+            if left <= 0:
+                return kernel.READ_FULL
+        status = batches.read(reader, left)
+        if batches.count == want.batch_records:
+            yield from batches.flush()
+        if status == kernel.READ_ROOM:
+            batches.make_room(reader)
+        elif status != kernel.READ_FULL:
+            return status
+
+
+def _one_block(
+    fd: int, src: _Origin, reader: _Reader, verify: bool, end: int | None, opened_size: int
+) -> _Block | None:
+    """The block reader's first block from where the kernel stopped: it raises what is wrong there, or gathers the
+    record too long for the kernel's buffer."""
+    blocks = _file_blocks(fd, src, reader.index, reader.position, verify, end, opened_size=opened_size)
+    try:
+        return next(blocks, None)
+    finally:
+        blocks.close()
+
+
+def _add_block(
+    batches: _ViewBatches | _CopiedBatches, block: _Block, want: _Wanted
+) -> Iterator[pa.LargeBinaryArray | pa.BinaryViewArray]:
+    for piece, last in _pieces(iter([block]), want, batches.count):
+        yield from batches.add(piece, last)
+
+
+class _Reader:
+    """A local file as the kernel's ``read_views``/``read_pack`` read it: the buffer and their state over it
+    (:data:`~shardkit.formats.tfrecord.kernel.READ_STATE`)."""
+
+    def __init__(self, fd: int, index: int, pos: int, size: int, chunk: int, want: _Wanted) -> None:
+        self.fd = fd
+        limit = -1 if want.end is None else want.end
+        self.state = np.array([0, 0, pos, size, index, want.start, limit, chunk], dtype=np.int64)
+        self.buf = np.empty(0, dtype=np.uint8)
+
+    @property
+    def index(self) -> int:
+        """The index of the record at ``start``: the next one."""
+        return int(self.state[_INDEX])
+
+    @property
+    def position(self) -> int:
+        """The file offset of the record at ``start``."""
+        start, filled, pos = self.state[:3].tolist()
+        return pos - (filled - start)
+
+    def restart(self, position: int, index: int, buf: np.ndarray | None = None, floor: int = 0) -> None:
+        """Read on from ``position`` (record ``index``), into ``buf`` if given, from byte ``floor``; what the buffer
+        held from there is dropped."""
+        self.state[_START] = self.state[_FILLED] = floor
+        self.state[_POS], self.state[_INDEX] = position, index
+        if buf is not None:
+            self.buf = buf
+
+    def data_error(self, src: _Origin) -> CorruptRecordError:
+        """The error for the record at ``start``, whose data CRC the kernel found wrong."""
+        start, filled, pos = self.state[:3].tolist()
+        length = int.from_bytes(self.buf[start : start + 8].tobytes(), "little")
+        ends = np.array([start + length + OVERHEAD_BYTES], dtype=np.int64)
+        block = _Block(memoryview(self.buf), start, ends, self.index, pos - filled)  # pyright: ignore[reportArgumentType]
+        return _data_error(block, 0, src)
+
+
+_START, _FILLED, _POS, _INDEX = (kernel.READ_STATE.index(name) for name in ("start", "filled", "pos", "index"))
 
 
 class _Piece(NamedTuple):
@@ -104,12 +249,10 @@ class _Piece(NamedTuple):
         return int(self.block.ends[self.hi - 1]) - _start(self.block, self.lo) - OVERHEAD_BYTES * (self.hi - self.lo)
 
 
-def _pieces(
-    blocks: Iterator[_Block], batch_records: int, start: int, stop: int | None
-) -> Iterator[tuple[_Piece, bool]]:
-    """Records ``start:stop`` of the blocks as pieces of batches of ``batch_records``: each with whether it ends its
-    batch."""
-    count = 0
+def _pieces(blocks: Iterator[_Block], want: _Wanted, count: int) -> Iterator[tuple[_Piece, bool]]:
+    """The records wanted of the blocks as pieces of batches, each with whether it ends its batch (``count``: the
+    records the batch under way has already)."""
+    start, stop, batch_records = want.start, want.stop, want.batch_records
     for block in blocks:
         n = len(block.ends)
         lo = max(0, start - block.first_index)
@@ -132,46 +275,91 @@ def _binary_array(values: np.ndarray, offsets: np.ndarray, base: int) -> pa.Larg
     return cast(pa.LargeBinaryArray, pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1, buffers))
 
 
-class _CopiedBatches:
-    """``large_binary`` arrays: each piece's CRCs are checked and its data copied into the batch's values buffer as
-    soon as its block is read, while the block is still in the CPU's cache."""
+class _Batches:
+    """What the two layouts' builders share: the records of the batch under way (``count``), and what follows a
+    kernel call over a block's piece."""
 
     def __init__(self, src: _Origin, verify: bool, batch_records: int) -> None:
-        self._src, self._verify, self._batch_records = src, verify, batch_records
+        self.src, self.verify, self.batch_records = src, verify, batch_records
+        self.count = 0
+
+    def flush(self) -> Iterator[pa.Array]:
+        raise NotImplementedError
+
+    def _added(self, piece: _Piece, bad: int, last: bool) -> Iterator[pa.Array]:
+        """Count the piece's good records; at a bad one (``bad >= 0``), hand out the batch and raise; at the end of a
+        batch (``last``), hand it out."""
+        self.count += (bad if bad >= 0 else piece.hi) - piece.lo
+        if bad >= 0:
+            yield from self.flush()
+            raise _data_error(piece.block, bad, self.src)
+        if last:
+            yield from self.flush()
+
+
+class _CopiedBatches(_Batches):
+    """``large_binary`` arrays: each piece's CRCs are checked and its data copied into the batch's values buffer as
+    soon as its block is read, while the block is still in the CPU's cache.
+
+    A local file is read by the kernel's ``read_pack`` (:meth:`read`) into one scratch buffer of
+    :data:`~shardkit.formats.tfrecord.framing.LOCAL_BLOCK_SIZE`, the data of each read's records copied out as
+    they are checked: one pass over cache-hot bytes."""
+
+    def __init__(self, src: _Origin, verify: bool, batch_records: int) -> None:
+        super().__init__(src, verify, batch_records)
+        self._reader: _Reader | None = None  # once read_pack reads into the values buffers
         self._capacity = _FIRST_VALUES  # of the values buffers
         self._spare = BlockBuffers(self._capacity)  # values buffers, reused once the caller drops their arrays
         self._begin()
 
     def _begin(self) -> None:
         self._values = self._spare.take(self._capacity)
-        self._offsets = np.zeros(min(self._batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
-        self._count = 0
+        self._offsets = np.zeros(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
+        self.count = 0
 
     def add(self, piece: _Piece, last: bool) -> Iterator[pa.LargeBinaryArray]:
         block, lo, hi = piece
-        at = int(self._offsets[self._count])
-        self._reserve(at + piece.data_bytes(), self._count + hi - lo + 1)
-        offsets = self._offsets[self._count :]
-        bad = kernel.KERNEL.pack(block.buf, block.first, block.ends, lo, hi, self._verify, self._values, offsets, at)
-        self._count += (bad if bad >= 0 else hi) - lo
-        if bad >= 0:
-            yield from self.flush()
-            raise _data_error(block, bad, self._src)
-        if last:
-            yield from self.flush()
+        at = int(self._offsets[self.count])
+        self._reserve(at + piece.data_bytes(), self.count + hi - lo + 1)
+        offsets = self._offsets[self.count :]
+        bad = kernel.KERNEL.pack(block.buf, block.first, block.ends, lo, hi, self.verify, self._values, offsets, at)
+        yield from self._added(piece, bad, last)
 
-    def _reserve(self, size: int, offsets: int) -> None:
-        """Room for ``size`` bytes of values and ``offsets`` offsets, grown by doubling (the offsets up to a batch's)."""
+    def read(self, reader: _Reader, left: int) -> int:
+        """Up to ``left`` records read by the kernel into this batch; its status."""
+        if self._reader is None:  # the first read: the records from here on are read into the values
+            self._reader = reader
+            self.resume(reader, reader.position, reader.index)
+        take = min(left, max(_FIRST_RECORDS, self.count))  # offsets grown by doubling, not a whole batch's at once
+        self._reserve(0, self.count + take + 1)
+        read_pack = cast(kernel._ReadPack, kernel.KERNEL.read_pack)
+        count, status = read_pack(reader.fd, reader.buf, reader.state, take, self.verify, self._offsets[self.count :])
+        self.count += count
+        return status
+
+    def make_room(self, reader: _Reader) -> None:
+        """A values buffer twice the size, with the records so far and the bytes read after them."""
+        self._reserve(2 * len(self._values), 0, keep=int(reader.state[_FILLED]))
+        reader.buf = self._values
+
+    def resume(self, reader: _Reader, position: int, index: int) -> None:
+        """The reader goes on at ``position`` (record ``index``), reading after the batch's data."""
+        reader.buf = self._values
+        reader.restart(position, index, floor=int(self._offsets[self.count]))
+
+    def _reserve(self, size: int, offsets: int, keep: int | None = None) -> None:
+        """Room for ``size`` bytes of values and ``offsets`` offsets, grown by doubling (the offsets up to a batch's);
+        the values' first ``keep`` bytes kept (default: the batch's data)."""
         if len(self._values) < size:  # a batch larger than any before: so are the buffers from now on
             self._capacity = max(size, 2 * self._capacity)
             self._spare = BlockBuffers(self._capacity)
             grown = self._spare.take(self._capacity)
-            at = int(self._offsets[self._count])
+            at = int(self._offsets[self.count]) if keep is None else keep
             grown[:at] = self._values[:at]
             self._values = grown
         if len(self._offsets) < offsets:
-            wider = np.empty(min(self._batch_records + 1, max(offsets, 2 * len(self._offsets), 64)), dtype=np.int64)
-            wider[: self._count + 1] = self._offsets[: self._count + 1]
+            wider = np.empty(min(self.batch_records + 1, max(offsets, 2 * len(self._offsets), 64)), dtype=np.int64)
+            wider[: self.count + 1] = self._offsets[: self.count + 1]
             self._offsets = wider
 
     def flush(self) -> Iterator[pa.LargeBinaryArray]:
@@ -180,58 +368,116 @@ class _CopiedBatches:
         An array holds at most twice its data: one using less than half its
         values buffer gets a copy of its own (small, so cheap), and the buffer
         goes back to the pool; a caller keeping many small arrays must not
-        keep a 1 MB buffer with each.
+        keep a 1 MB buffer with each. A buffer no array holds stays this
+        reader's, with the bytes read after the records (``read_pack``'s);
+        else they move to the start of the next one.
         """
-        values, offsets, count = self._values, self._offsets, self._count
+        values, offsets, count = self._values, self._offsets, self.count
         used = int(offsets[count])
-        if 2 * used < len(values):
-            values = values[:used].copy()
-        del self._values  # before _begin takes a buffer: one an array holds is not free until it is dropped
-        self._begin()
-        if count:
-            yield _binary_array(values, offsets[: count + 1], 0)
+        if not count:
+            return
+        held = 2 * used >= len(values)
+        array = _binary_array(values if held else values[:used].copy(), offsets[: count + 1], 0)
+        if held:
+            del values, self._values  # before _begin takes a buffer: one an array holds is not free until dropped
+            self._begin()
+            self._carry_over()
+        else:
+            self._offsets = np.zeros(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
+            self.count = 0
+        yield array
+
+    def _carry_over(self) -> None:
+        """The bytes ``read_pack`` read after the records of the array just made, to the new values buffer."""
+        reader = self._reader
+        if reader is None:
+            return
+        start, filled = reader.state[_START], reader.state[_FILLED]
+        self._values[: filled - start] = reader.buf[start:filled]
+        reader.state[_START], reader.state[_FILLED] = 0, filled - start
+        reader.buf = self._values
 
 
-class _ViewBatches:
+class _ViewBatches(_Batches):
     """``binary_view`` arrays: each piece's CRCs are checked and its views written as soon as its block is read,
     while the block is still in the CPU's cache (checked when the batch was whole, the first blocks of a batch of
-    1 MB were not, and the checks took twice as long); the blocks are the array's data buffers."""
+    1 MB were not, and the checks took twice as long); the blocks are the array's data buffers.
+
+    A local file is read by the kernel's ``read_views`` (:meth:`read`) into buffers of
+    :data:`~shardkit.io.files.BLOCK_SIZE` from a pool, :data:`~shardkit.formats.tfrecord.framing.LOCAL_BLOCK_SIZE`
+    a read, each read's records checked and viewed as soon as it is in; consecutive arrays share a buffer."""
 
     def __init__(self, src: _Origin, verify: bool, batch_records: int) -> None:
-        self._src, self._verify, self._batch_records = src, verify, batch_records
+        super().__init__(src, verify, batch_records)
+        self._pool: BlockBuffers | None = None  # the buffers read_views reads into
+        self._reader: _Reader | None = None
         self._begin()
 
     def _begin(self) -> None:
-        self._views = np.empty(kernel.VIEW_BYTES * min(self._batch_records, _FIRST_RECORDS), dtype=np.uint8)
+        self._views = np.empty(kernel.VIEW_BYTES * min(self.batch_records, _FIRST_RECORDS), dtype=np.uint8)
         self._buffers: list[pa.Buffer] = []
-        self._count = 0
+        self._reader_buffer = -1  # the index of the reader's buffer among this batch's, once it has records there
+        self.count = 0
 
     def add(self, piece: _Piece, last: bool) -> Iterator[pa.BinaryViewArray]:
         block, lo, hi = piece
-        _check_view_buffer(block, lo, self._src)
+        _check_view_buffer(block, lo, self.src)
         self._buffers.append(pa.py_buffer(block.buf))
-        at = kernel.VIEW_BYTES * self._count
+        at = kernel.VIEW_BYTES * self.count
         self._reserve(at + kernel.VIEW_BYTES * (hi - lo))
         index = len(self._buffers) - 1
-        bad = kernel.KERNEL.views(block.buf, block.first, block.ends, lo, hi, self._verify, self._views[at:], index)
-        self._count += (bad if bad >= 0 else hi) - lo
-        if bad >= 0:
-            yield from self.flush()
-            raise _data_error(block, bad, self._src)
-        if last:
-            yield from self.flush()
+        bad = kernel.KERNEL.views(block.buf, block.first, block.ends, lo, hi, self.verify, self._views[at:], index)
+        yield from self._added(piece, bad, last)
+
+    def read(self, reader: _Reader, left: int) -> int:
+        """Up to ``left`` records read by the kernel into this batch; its status."""
+        if len(reader.buf) == 0:
+            self.make_room(reader)
+        if self._reader_buffer < 0:
+            self._buffers.append(pa.py_buffer(reader.buf))  # until _seal: the bytes read so far
+            self._reader, self._reader_buffer = reader, len(self._buffers) - 1
+        take = min(left, max(_FIRST_RECORDS, self.count))  # views grown by doubling, not a whole batch's at once
+        at = kernel.VIEW_BYTES * self.count
+        self._reserve(at + kernel.VIEW_BYTES * take)
+        read_views = cast(kernel._ReadViews, kernel.KERNEL.read_views)
+        count, status = read_views(
+            reader.fd, reader.buf, reader.state, take, self.verify, self._views[at:], self._reader_buffer
+        )
+        self.count += count
+        return status
+
+    def make_room(self, reader: _Reader) -> None:
+        """Another buffer for the reader, from the record it stopped at: its present one is full."""
+        self.resume(reader, reader.position, reader.index)
+
+    def resume(self, reader: _Reader, position: int, index: int) -> None:
+        """The reader goes on at ``position`` (record ``index``) in another buffer: views may point into this one."""
+        self._seal()
+        size = min(framing.BLOCK_SIZE, _VIEW_BUFFER)
+        if self._pool is None:
+            self._pool = BlockBuffers(size)
+        reader.restart(position, index, self._pool.take(size)[:size])
+
+    def _seal(self) -> None:
+        """The reader's buffer as this batch's data buffer: the bytes read into it so far (what its views point
+        into), not the rest, unwritten."""
+        if self._reader is not None and self._reader_buffer >= 0:
+            filled = int(self._reader.state[_FILLED])
+            self._buffers[self._reader_buffer] = pa.py_buffer(self._reader.buf[:filled])
+        self._reader_buffer = -1
 
     def _reserve(self, size: int) -> None:
         """Room for ``size`` bytes of views: grown by doubling, up to a whole batch's."""
         if len(self._views) < size:
-            full = kernel.VIEW_BYTES * self._batch_records
+            full = kernel.VIEW_BYTES * self.batch_records
             grown = np.empty(min(full, max(size, 2 * len(self._views), 64 * kernel.VIEW_BYTES)), dtype=np.uint8)
             grown[: len(self._views)] = self._views
             self._views = grown
 
     def flush(self) -> Iterator[pa.BinaryViewArray]:
         """The array of the records checked so far, if any."""
-        views, count, buffers = self._views, self._count, self._buffers
+        self._seal()
+        views, count, buffers = self._views, self.count, self._buffers
         self._begin()
         if count:
             yield _view_array(views, count, buffers)

@@ -21,10 +21,12 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   them out, handed out (by ``read_tfrecord``) through ``itertools.chain``: no
   Python frame per record.
 - ``read_arrays`` (:mod:`~shardkit.formats.tfrecord.arrays`, for
-  ``read_tfrecord_batches``) makes no Python object per record: it reads a
-  local file in blocks small enough to stay in cache, and the kernel checks
-  and copies (``large_binary``) or just checks and points at
-  (``binary_view``) each block's records as soon as it is read.
+  ``read_tfrecord_batches``) makes no Python object per record, and reads a
+  local uncompressed file with the compiled kernel's own reader, a batch per
+  call; it hands a record that needs this module's checks and messages to
+  :func:`_file_blocks` (with the file's size when opened), else it takes blocks
+  from here and the kernel checks and copies (``large_binary``) or just checks
+  and points at (``binary_view``) each block's records as soon as it is read.
 - Local uncompressed files are read with one ``os.preadv`` per block, at a
   record boundary, into buffers reused once nothing holds them
   (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`: a fresh buffer per block cost about what the read
@@ -278,9 +280,14 @@ def _file_blocks(
     check_headers: bool,
     end: int | None = None,
     block_size: int | None = None,
+    opened_size: int | None = None,
 ) -> Generator[_Block, None, None]:
     """Blocks from a local file descriptor, each read with one ``os.pread`` at a record boundary
     (of ``block_size`` bytes, default :data:`LOCAL_BLOCK_SIZE`, bar a record longer than that).
+
+    ``opened_size``: the file's size when the reader opened it, when it read some of the file before (the
+    compiled reader of ``read_tfrecord_batches`` hands a record over here): a file ending at ``offset`` then
+    shrank (or is reported by the caller), it is not an index pointing past its end.
 
     Not memory-mapped: a mapped file truncated under the reader kills the
     process with SIGBUS, while ``pread`` just returns fewer bytes, which is
@@ -294,7 +301,8 @@ def _file_blocks(
     # reader restarts here after each bad record it skips, and framing a whole
     # block per restart made a shard of many bad records cost quadratic time.
     size = _first_read(offset, end, block_size) if end is not None else min(_FIRST_LOCAL_READ, block_size)
-    opened_size = os.fstat(fd).st_size
+    handed_over = opened_size is not None
+    opened_size = os.fstat(fd).st_size if opened_size is None else opened_size
     buffers = BlockBuffers(block_size)
     while True:
         buf = buffers.read(fd, size, pos)
@@ -306,9 +314,8 @@ def _file_blocks(
             size = min(2 * size, block_size) if end is None else block_size
             continue
         if len(buf) < size:  # the file ends here
-            _check_file_end(
-                fd, src, index, pos, bytes(buf), opened_size, first_index > 0 and pos == offset, check_headers
-            )
+            unstarted = first_index > 0 and pos == offset and not handed_over
+            _check_file_end(fd, src, index, pos, bytes(buf), opened_size, unstarted, check_headers)
             return
         # A full block without one whole record: the first record is longer than a block.
         if len(buf) < HEADER_BYTES:  # (only with tiny test block sizes)

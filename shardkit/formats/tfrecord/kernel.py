@@ -17,6 +17,16 @@ Python loop per record beyond handing the records out:
   ``binary_view`` view of each (16 bytes: length, prefix, buffer, offset),
   leaving the data where it was read: no copy at all.
 
+Two more, compiled only, read a local file themselves, a batch per call
+(``read_tfrecord_batches``' fast path, :mod:`~shardkit.formats.tfrecord.arrays`):
+``read_views`` and ``read_pack`` read the file in cache-sized pieces and
+frame, check and view (or copy out) each piece's records while they are in
+the cache, until the batch is whole or something needs Python (the end of the
+file, a bad CRC, a cut or overlong record: see :data:`READ_FULL` and the
+statuses after it). The Python kernel has none: without them the reader takes
+its blocks from :mod:`~shardkit.formats.tfrecord.framing` and calls ``views``
+or ``pack`` per block, which the tests compare with the fast path.
+
 Record ``i`` of a block spans ``buf[start_i:ends[i]]`` where ``start_0`` is
 the block's ``first`` offset and ``start_i = ends[i - 1]``.
 
@@ -40,7 +50,22 @@ import numpy as np
 
 from shardkit.formats.crc import crc32c, masked_crc32c_of_lengths, unmask_array
 
-__all__ = ["BACKEND", "COMPILED", "INLINE_BYTES", "KERNEL", "MAX_VIEW_BUFFER", "PYTHON", "VIEW_BYTES", "Kernel"]
+__all__ = [
+    "BACKEND",
+    "COMPILED",
+    "INLINE_BYTES",
+    "KERNEL",
+    "MAX_VIEW_BUFFER",
+    "PYTHON",
+    "READ_BAD_DATA",
+    "READ_END",
+    "READ_FULL",
+    "READ_HAND_OVER",
+    "READ_ROOM",
+    "READ_STATE",
+    "VIEW_BYTES",
+    "Kernel",
+]
 
 _U32_BYTES: Final = np.arange(4)
 _U64_BYTES: Final = np.arange(8)
@@ -78,8 +103,41 @@ class _Views(Protocol):
     ) -> int: ...
 
 
+class _ReadViews(Protocol):
+    def __call__(
+        self, fd: int, buf: np.ndarray, state: np.ndarray, max_records: int, verify: bool, out: np.ndarray, index: int
+    ) -> tuple[int, int]: ...
+
+
+class _ReadPack(Protocol):
+    def __call__(
+        self, fd: int, buf: np.ndarray, state: np.ndarray, max_records: int, verify: bool, offsets: np.ndarray
+    ) -> tuple[int, int]: ...
+
+
+READ_STATE: Final = ("start", "filled", "pos", "size", "index", "skip", "limit", "chunk")
+"""The ``int64`` state ``read_views`` and ``read_pack`` read and update, in order: the buffer's next record
+(``start``) and end of data (``filled``), the file offset after it (``pos``), the next read's size (``size``,
+doubling up to ``chunk``), the next record's index (``index``), the index of the first record to hand out
+(``skip``: the ones before are framed only) and where the records wanted end (``limit``, -1 when unknown:
+reads stop there)."""
+READ_FULL: Final = 0
+"""``max_records`` records handed out."""
+READ_END: Final = 1
+"""The file ends at a record boundary (the caller checks it did not shrink)."""
+READ_HAND_OVER: Final = 2
+"""A bad length CRC, the file ending inside a record, or a record longer than the buffer at ``index``: the
+block reader takes over there and reports it (or gathers the long record)."""
+READ_BAD_DATA: Final = 3
+"""The record at ``start`` (``index``) has a bad data CRC; the good ones before it are handed out."""
+READ_ROOM: Final = 4
+"""The buffer has no room for the rest of the record at ``start``: ``read_views`` reads it into another,
+``read_pack`` into a larger one (the data below ``floor`` kept). (A record that alone fills most of the buffer
+is handed over instead.)"""
+
+
 class Kernel(NamedTuple):
-    """One backend's three operations (see the module docstring)."""
+    """One backend's operations (see the module docstring)."""
 
     name: str
     frame: _Frame
@@ -96,6 +154,14 @@ class Kernel(NamedTuple):
     """``views(buf, first, ends, lo, hi, verify, out, index) -> bad``: the Arrow ``binary_view`` views of records
     ``lo:hi`` written to ``out`` (``uint8``, 16 bytes a view, from ``out[0]``), their data left where it is in
     ``buf``, the array's data buffer ``index``; ``bad`` as for ``cut`` (the views before it are written)."""
+    read_views: _ReadViews | None = None
+    """``read_views(fd, buf, state, max_records, verify, out, index) -> (count, status)``: the file ``fd`` read
+    into ``buf`` from ``state`` (:data:`READ_STATE`, updated), the views of up to ``max_records`` checked records
+    written to ``out`` (over data buffer ``index``, ``buf`` itself); ``status`` one of :data:`READ_FULL`..."""
+    read_pack: _ReadPack | None = None
+    """``read_pack(fd, buf, state, max_records, verify, offsets) -> (count, status)``: as ``read_views``, each
+    record's data then moved down in ``buf`` over the framing, from ``offsets[0]`` (at most ``start``;
+    ``offsets[k + 1]`` where the ``k``-th ends): ``buf`` is the values buffer, read and compacted in place."""
 
 
 # --------------------------------------------------------------------------- Python
@@ -242,7 +308,7 @@ def _c_kernel(module: Any) -> Kernel:
         count, bad = c_frame(buf, pos, end, out, check_lengths)
         return out[:count], bool(bad)
 
-    return Kernel("c", frame, c_cut, c_pack, c_views)
+    return Kernel("c", frame, c_cut, c_pack, c_views, module.read_views, module.read_pack)
 
 
 KERNEL: Final = _c_kernel(COMPILED) if COMPILED is not None else PYTHON

@@ -101,9 +101,9 @@ def read_tfrecord_batches(
     - ``"large_binary"`` (the default): ``pyarrow.LargeBinaryArray`` s, one
       values buffer and one offsets buffer each; every Arrow function takes them.
     - ``"binary_view"``: ``pyarrow.BinaryViewArray`` s (Arrow's string-view
-      layout; pyarrow >= 16), whose data buffers are the blocks as read: no
-      record is copied, the faster of the two (1.4x as fast on 100k records
-      of 1 KB: ``benchmarks/tfrecord.py --kernel-only``). ``to_pylist()``,
+      layout; pyarrow >= 16), whose data buffers are the file's bytes as read:
+      no record is copied, the faster of the two (about 1.1x as fast on 100k
+      records of 1 KB: ``benchmarks/tfrecord.py --kernel-only``). ``to_pylist()``,
       ``cast(pa.large_binary())``, Parquet and IPC writes take them; some
       compute functions do not yet (``pyarrow.compute.binary_length``: cast
       first). An array holds on to the blocks its records are in.
