@@ -67,7 +67,8 @@ def rank_environment(rank: int, ranks: int, port: int) -> dict[str, str]:
 
 
 def run_rank(script: str, args: list[str], environment: dict[str, str], out: str, rank: int) -> None:
-    """In the forked child: become rank ``rank`` and run ``script`` as ``__main__``; never returns."""
+    """In the forked child: become rank ``rank``, run ``script`` as ``__main__``, and end the process
+    as a script's process ends (``SystemExit`` up through the server's frames: atexit handlers, finalizers)."""
     os.setpgid(0, 0)  # its own process group: its DataLoader workers end with it on a timeout
     for stream, name in ((1, "stdout"), (2, "stderr")):
         fd = os.open(f"{out}/rank{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -78,19 +79,14 @@ def run_rank(script: str, args: list[str], environment: dict[str, str], out: str
     faulthandler.enable()
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as `python script`: its folder first on the path
-    code = 0
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit as end:
-        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
-        if not isinstance(end.code, int | None):
-            print(end.code, file=sys.stderr)
+    except SystemExit:
+        raise
     except BaseException:  # noqa: BLE001  (a rank's error is its output and exit status, as in a process)
         traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        raise SystemExit(1) from None
+    raise SystemExit(0)
 
 
 def wait_all(pids: list[int], timeout: float) -> list[int]:
@@ -131,7 +127,7 @@ def serve(request: dict) -> dict:
     for rank in range(ranks):
         sys.stdout.flush()
         pid = os.fork()
-        if pid == 0:
+        if pid == 0:  # the rank; it never returns here
             run_rank(request["script"], request["args"], rank_environment(rank, ranks, port), request["out"], rank)
         pids.append(pid)
     return {"returncodes": wait_all(pids, request.get("timeout", 300))}
