@@ -12,7 +12,10 @@ environment torchrun gives its ranks (``RANK``, ``LOCAL_RANK``,
 script as ``__main__`` in it, as torchrun would. The parent only imports:
 it runs no torch operation and starts no thread, so a forked rank is as
 fresh as a new interpreter (no OpenMP pool, no process group, no state of
-an earlier run: each run's ranks are new processes that end with it).
+an earlier run: each run's ranks are new processes that end with it). The
+imported objects are frozen out of the garbage collector (``gc.freeze``) and a
+rank ends as multiprocessing's forked processes do (atexit handlers, then
+``os._exit``), so no rank copies the server's heap page by page to collect it.
 
 A request: ``{"script", "args", "ranks", "out", "timeout"}``. Rank ``r``
 writes its stdout and stderr to ``out/rank{r}.stdout`` and ``.stderr``. As
@@ -24,7 +27,9 @@ The reply, one JSON line: ``{"returncodes": [...]}`` (``-N``: ended by signal N)
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 import json
 import os
 import runpy
@@ -67,8 +72,7 @@ def rank_environment(rank: int, ranks: int, port: int) -> dict[str, str]:
 
 
 def run_rank(script: str, args: list[str], environment: dict[str, str], out: str, rank: int) -> None:
-    """In the forked child: become rank ``rank``, run ``script`` as ``__main__``, and end the process
-    as a script's process ends (``SystemExit`` up through the server's frames: atexit handlers, finalizers)."""
+    """In the forked child: become rank ``rank``, run ``script`` as ``__main__``, end; never returns."""
     os.setpgid(0, 0)  # its own process group: its DataLoader workers end with it on a timeout
     for stream, name in ((1, "stdout"), (2, "stderr")):
         fd = os.open(f"{out}/rank{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -79,14 +83,32 @@ def run_rank(script: str, args: list[str], environment: dict[str, str], out: str
     faulthandler.enable()
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as `python script`: its folder first on the path
+    code = 0
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit:
-        raise
+    except SystemExit as ended:
+        code = ended.code if isinstance(ended.code, int) else int(ended.code is not None)
+        if not isinstance(ended.code, int | None):
+            print(ended.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001  (a rank's error is its output and exit status, as in a process)
         traceback.print_exc()
-        raise SystemExit(1) from None
-    raise SystemExit(0)
+        code = 1
+    exit_as_a_script(code)
+
+
+def exit_as_a_script(code: int) -> None:
+    """What the end of ``python script`` does that a program can see, as multiprocessing's forked
+    processes end: join the threads that are not daemons, run the atexit handlers (shutting down
+    DataLoader workers, process groups, ...), flush. Then ``os._exit``: the rest of the interpreter's
+    finalization would only free the heap, and in a child forked from an interpreter that imported
+    torch, Lightning and transformers that takes seconds (each object's page is copied on write)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def wait_all(pids: list[int], timeout: float) -> list[int]:
@@ -135,6 +157,7 @@ def serve(request: dict) -> dict:
 
 def main() -> None:
     assert threading.active_count() == 1, "a thread in the server would be copied into no rank: fork is unsafe"
+    gc.freeze()  # the imported modules' objects: no rank's collection copies their pages
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         print(json.dumps(serve(json.loads(line))), flush=True)
