@@ -357,3 +357,19 @@ def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, ex
     assert fix in done.stdout
     if mode[0] == "accelerate-stateful":  # a MixedLoader is not a DataLoader: prepare() gives it back as it is
         assert done.stdout.count("MIXED UNCHANGED") == 2
+
+
+@pytest.mark.slow
+def test_the_rank_server_gives_each_rank_torchruns_environment_and_ends_the_others_when_one_fails(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['TORCHELASTIC_RUN_ID'][:11], sys.argv[1:])\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(3)\n"
+        "time.sleep(300)  # rank 0 would wait for ever: the server ends it\n"
+    )
+    done = launch_ranks([str(script), "--flag"], timeout=120)
+    assert done.stdout.splitlines() == ["0 2 rank-server ['--flag']", "1 2 rank-server ['--flag']"]
+    assert done.returncode != 0 and "rank 1 exited with 3" in done.stderr
+    assert "rank 0 ended by signal 9 (SIGKILL)" in done.stderr
