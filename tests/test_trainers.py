@@ -3,12 +3,12 @@
 Fast tests: epochs count themselves when nobody calls ``set_epoch``; a
 DataLoader never reports a ``len()`` that would cut an epoch short; Accelerate's
 loader wrappers are refused. Slow tests: Lightning, Accelerate and the Hugging
-Face Trainer on 2 CPU ranks (gloo) with every sample id each rank trained on, per epoch, recorded by the
-examples, and the documented ways that lose data, which must now fail at once
-naming the trainer and the fix. The documented commands run once each for
-Lightning (its own launcher) and torchrun (the Accelerate example); the other
-runs fork their ranks from the rank server (tests/helpers/trainer_runs.py),
-which imported the trainers once.
+Face Trainer on 2 CPU ranks (gloo) with every sample id each rank trained on,
+per epoch, recorded by the examples, and the documented ways that lose data,
+which must now fail at once naming the trainer and the fix. The README's
+commands run as they are once each, Lightning's own launcher and torchrun (the
+Accelerate example); the other runs fork their ranks from the rank server
+(tests/helpers/trainer_runs.py), which imported the trainers once.
 """
 
 from __future__ import annotations

@@ -65,9 +65,18 @@ class RankServer:
         out.mkdir()
         request = {"script": str(Path(args[0]).resolve()), "args": args[1:], "out": str(out), "timeout": timeout}
         request["ranks"] = ranks
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        codes = self.reply()["returncodes"]
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            codes = self.reply()["returncodes"]
+        except BaseException:  # e.g. pytest-timeout: its reply would answer the next request
+            self.process.send_signal(signal.SIGINT)  # the server ends the run's ranks, then itself
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+            _server.remove(self)
+            raise
         stdout, stderr = (
             "".join((out / f"rank{r}.{name}").read_text() for r in range(len(codes))) for name in ("stdout", "stderr")
         )

@@ -21,7 +21,8 @@ A request: ``{"script", "args", "ranks", "out", "timeout"}``. Rank ``r``
 writes its stdout and stderr to ``out/rank{r}.stdout`` and ``.stderr``. As
 under torchrun, when one rank fails the others are ended (after a grace
 period in which a rank that is about to end by itself can); a run past its
-timeout gets SIGABRT (each rank prints its Python stacks) and then SIGKILL.
+timeout gets SIGABRT (each rank prints its Python stacks) and then SIGKILL, as
+does a run the client gives up on (it sends SIGINT; the server then ends).
 The reply, one JSON line: ``{"returncodes": [...]}`` (``-N``: ended by signal N).
 """
 
@@ -152,7 +153,13 @@ def serve(request: dict) -> dict:
         if pid == 0:  # the rank; it never returns here
             run_rank(request["script"], request["args"], rank_environment(rank, ranks, port), request["out"], rank)
         pids.append(pid)
-    return {"returncodes": wait_all(pids, request.get("timeout", 300))}
+    try:
+        codes = wait_all(pids, request.get("timeout", 300))
+    except KeyboardInterrupt:  # the test gave up on this run (its own timeout): no rank outlives it
+        end(pids, abort=True)
+        raise
+    end(pids, abort=False)  # DataLoader workers a rank left (os._exit skipped their shutdown; a kill, too)
+    return {"returncodes": codes}
 
 
 def main() -> None:
