@@ -350,8 +350,8 @@ def test_hf_trainer_example_trains_on_every_sample_each_epoch_in_a_new_order(tmp
     ],
     ids=["dispatch", "dispatch-spawn", "shard", "skip-first-batches", "use-stateful-dataloader", "hf-trainer"],
 )
-def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, expected, fix):
-    done = launch_ranks([str(ROOT / "tests" / "scripts" / "trainer_paths.py"), *mode])
+def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, expected, fix, tmp_path):
+    done = launch_ranks([str(ROOT / "tests" / "scripts" / "trainer_paths.py"), *mode, "--data", str(tmp_path)])
     assert done.returncode != 0 and "READ" not in done.stdout, done.stdout[-2000:]
     assert "SHARDKIT_ERROR" in done.stdout and expected in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
     assert fix in done.stdout

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,6 +89,7 @@ class RankServer:
             self.process.stdin.close()  # type: ignore[union-attr]
             self.process.wait(timeout=30)
         self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)  # the runs' outputs, read already
 
 
 def ended(code: int) -> str:
