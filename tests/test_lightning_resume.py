@@ -1,6 +1,8 @@
 """Lightning resumes a shardkit loader from its own checkpoints, exactly (issue 24).
 
-2 gloo ranks started by Lightning, 300 records in 4 TFRecord shards,
+2 gloo ranks (forked by the rank server with torchrun's environment: see
+tests/helpers/trainer_runs.py; tests/test_trainers.py runs the example under
+Lightning's own launcher), 300 records in 4 TFRecord shards,
 ``TFRecordDataset(shuffle=True, balance="pad").map(...).shuffle(64)``, batch 8, 2
 persistent workers, ``ModelCheckpoint(every_n_train_steps=8, save_on_train_epoch_end=False)``:
 one run checkpoints at steps 8, 16 (epoch 0) and 24 (epoch 1, its 5th batch) and is
@@ -16,15 +18,14 @@ checkpoint (0 re-read). For ``MixedLoader`` and ``StatefulDataLoader``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import EXAMPLES, REPO
+from tests.helpers.processes import EXAMPLES
+from tests.helpers.trainer_runs import launch_ranks, write_example_data
 
 RECORDS, EVERY, KILL_AT = 300, 8, 30
 PER_RANK = 150  # samples per rank and epoch
@@ -35,10 +36,7 @@ CHECKPOINTS = {8: 0, 24: 1}  # global step -> the epoch it is in (with 19 or 20 
 
 
 def launch(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("SHARDKIT_EXAMPLE_DATA", None)
-    command = [sys.executable, str(EXAMPLES / "lightning_train.py"), "--records", str(RECORDS), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return launch_ranks([str(EXAMPLES / "lightning_train.py"), "--records", str(RECORDS), *args], timeout=300)
 
 
 @pytest.fixture(scope="module", params=["mixed", "stateful"])
@@ -46,6 +44,7 @@ def runs(request, tmp_path_factory) -> tuple[str, Path]:
     """The killed run and one resumed run per checkpoint, for one loader: their record folders."""
     loader, root = request.param, tmp_path_factory.mktemp(request.param)
     data, checkpoints = root / "data", root / "checkpoints"
+    write_example_data(EXAMPLES / "lightning_train.py", data, RECORDS)
     (root / "killed").mkdir()
     killed = launch(
         *("--loader", loader, "--data", str(data), "--record", str(root / "killed")),

@@ -3,7 +3,8 @@
 the Hugging Face Trainer's ``train(resume_from_checkpoint=...)`` with
 :class:`shardkit.integrations.hf.ResumeCallback`.
 
-Slow tests: one run per trainer (2 gloo ranks under torchrun, 300 records in 4
+Slow tests: one run per trainer (2 gloo ranks with torchrun's environment, forked
+by the rank server of tests/helpers/trainer_runs.py, 300 records in 4
 TFRecord shards, ``TFRecordDataset(shuffle=True, balance="pad").map(...).shuffle(64)``,
 batch 8, 2 persistent workers: 19 steps per epoch) checkpoints every 8 steps
 (steps 8 and 16 in epoch 0, 24 and 32 in epoch 1) and SIGKILLs itself after
@@ -27,7 +28,7 @@ from shardkit.errors import StateError
 from shardkit.trainers import TrainerError
 from tests.helpers.processes import EXAMPLES
 from tests.helpers.shards import synthetic_read, synthetic_shards
-from tests.helpers.trainer_runs import launch, recorded_reads, recorded_steps
+from tests.helpers.trainer_runs import launch_ranks, recorded_reads, recorded_steps
 
 RECORDS, STEPS_PER_EPOCH, EPOCHS, KILL_AT = 300, 19, 2, 35
 CHECKPOINTS = {0: 8, 1: 24}  # epoch: a checkpoint in it
@@ -124,7 +125,7 @@ def test_import_shardkit_needs_no_transformers(plain_import):
 def run(trainer: str, folder: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     (folder / "record").mkdir(parents=True, exist_ok=True)
     args = ["--records", str(RECORDS), "--data", str(folder.parent / "data"), "--record", str(folder / "record")]
-    return launch([str(EXAMPLES / trainer), *args, *extra], torchrun=True, timeout=300)
+    return launch_ranks([str(EXAMPLES / trainer), *args, *extra], timeout=300)
 
 
 @pytest.fixture(scope="module", params=TRAINERS)

@@ -3,10 +3,12 @@
 Fast tests: epochs count themselves when nobody calls ``set_epoch``; a
 DataLoader never reports a ``len()`` that would cut an epoch short; Accelerate's
 loader wrappers are refused. Slow tests: Lightning, Accelerate and the Hugging
-Face Trainer on 2 CPU ranks (gloo) through their own launcher or torchrun,
-with every sample id each rank trained on, per epoch, recorded by the
-examples, and the documented ways that lose data, which must now fail at once
-naming the trainer and the fix.
+Face Trainer on 2 CPU ranks (gloo) with every sample id each rank trained on,
+per epoch, recorded by the examples, and the documented ways that lose data,
+which must now fail at once naming the trainer and the fix. The README's
+commands run as they are once each, Lightning's own launcher and torchrun (the
+Accelerate example); the other runs fork their ranks from the rank server
+(tests/helpers/trainer_runs.py), which imported the trainers once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from shardkit.planning import plan
 from shardkit.topology import Topology
 from shardkit.trainers import TrainerError, reader_lengths
 from tests.helpers.shards import all_ids, synthetic_read, synthetic_shards
-from tests.helpers.trainer_runs import launch
+from tests.helpers.trainer_runs import launch, launch_ranks, write_example_data
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -288,8 +290,12 @@ def check_records(record: Path, records: int = 302, epochs: int = 2) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("loader", ["mixed", "dataloader", "dataloader --reload"])
 def test_lightning_ddp_trains_on_every_sample_each_epoch_in_a_new_order(tmp_path, loader):
-    args = ["--loader", *loader.split(), "--record", str(tmp_path)]
-    done = launch([str(EXAMPLES / "lightning_train.py"), *args], torchrun=False)
+    args = [str(EXAMPLES / "lightning_train.py"), "--loader", *loader.split(), "--record", str(tmp_path)]
+    if loader == "mixed":  # the README's command: Lightning starts rank 1 itself
+        done = launch(args, torchrun=False)
+    else:  # ranks started together: the data is written before them
+        write_example_data(EXAMPLES / "lightning_train.py", tmp_path / "data", 302)
+        done = launch_ranks([*args, "--data", str(tmp_path / "data")])
     assert done.returncode == 0, done.stderr[-3000:]
     check_records(tmp_path)
     batches = 19 if loader == "mixed" else 20  # the plain DataLoader's workers each end with a partial batch
@@ -299,14 +305,14 @@ def test_lightning_ddp_trains_on_every_sample_each_epoch_in_a_new_order(tmp_path
 
 @pytest.mark.slow
 def test_accelerate_example_trains_on_every_sample_each_epoch_in_a_new_order(tmp_path):
-    done = launch([str(EXAMPLES / "accelerate_train.py"), "--record", str(tmp_path)], torchrun=True)
+    done = launch([str(EXAMPLES / "accelerate_train.py"), "--record", str(tmp_path)], torchrun=True)  # the README's
     assert done.returncode == 0, done.stderr[-3000:]
     check_records(tmp_path)
 
 
 @pytest.mark.slow
 def test_hf_trainer_example_trains_on_every_sample_each_epoch_in_a_new_order(tmp_path):
-    done = launch([str(EXAMPLES / "hf_trainer.py"), "--record", str(tmp_path)], torchrun=True)
+    done = launch_ranks([str(EXAMPLES / "hf_trainer.py"), "--record", str(tmp_path)])
     assert done.returncode == 0, done.stderr[-3000:]
     check_records(tmp_path)
 
@@ -344,10 +350,26 @@ def test_hf_trainer_example_trains_on_every_sample_each_epoch_in_a_new_order(tmp
     ],
     ids=["dispatch", "dispatch-spawn", "shard", "skip-first-batches", "use-stateful-dataloader", "hf-trainer"],
 )
-def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, expected, fix):
-    done = launch([str(ROOT / "tests" / "scripts" / "trainer_paths.py"), *mode], torchrun=True)
+def test_trainer_paths_that_would_lose_data_fail_at_once_naming_the_fix(mode, expected, fix, tmp_path):
+    done = launch_ranks([str(ROOT / "tests" / "scripts" / "trainer_paths.py"), *mode, "--data", str(tmp_path)])
     assert done.returncode != 0 and "READ" not in done.stdout, done.stdout[-2000:]
     assert "SHARDKIT_ERROR" in done.stdout and expected in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
     assert fix in done.stdout
     if mode[0] == "accelerate-stateful":  # a MixedLoader is not a DataLoader: prepare() gives it back as it is
         assert done.stdout.count("MIXED UNCHANGED") == 2
+
+
+@pytest.mark.slow
+def test_the_rank_server_gives_each_rank_torchruns_environment_and_ends_the_others_when_one_fails(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['TORCHELASTIC_RUN_ID'][:11], sys.argv[1:])\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(3)\n"
+        "time.sleep(300)  # rank 0 would wait for ever: the server ends it\n"
+    )
+    done = launch_ranks([str(script), "--flag"], timeout=120)
+    assert done.stdout.splitlines() == ["0 2 rank-server ['--flag']", "1 2 rank-server ['--flag']"]
+    assert done.returncode != 0 and "rank 1 exited with 3" in done.stderr
+    assert "rank 0 ended by signal 9 (SIGKILL)" in done.stderr
