@@ -45,9 +45,12 @@ def server(tmp_path) -> FaultServer:
 
 @pytest.fixture
 def small_defaults(monkeypatch) -> None:
-    """The default RetryPolicy (30 s a try, 60 s in all) made BOUNDED's, for call sites with no policy at hand."""
+    """The default RetryPolicy (30 s a try, 60 s in all) made BOUNDED's, for call sites with no policy at hand
+    (also the one a default RemoteOptions holds)."""
     fields = ("attempts", "max_seconds", "backoff", "max_backoff", "timeout")
     monkeypatch.setattr(RetryPolicy.__init__, "__defaults__", tuple(getattr(BOUNDED, f) for f in fields))
+    defaults = tuple(BOUNDED if isinstance(d, RetryPolicy) else d for d in RemoteOptions.__init__.__defaults__)
+    monkeypatch.setattr(RemoteOptions.__init__, "__defaults__", defaults)
 
 
 def _elapsed(call) -> tuple[float, object]:
@@ -198,3 +201,17 @@ def test_the_cli_index_counts_fall_back_from_a_stalled_listing_and_fail_a_stalle
     waited, error = _elapsed(lambda: index_counts([url]))
     assert isinstance(error, RemoteReadError) and f"looking up {url}.idx" in str(error)
     assert waited < 2 * WORST + MARGIN
+
+
+def test_a_remote_manifest_is_read_as_shards_are_bounded_and_retried(server, tmp_path, small_defaults) -> None:
+    urls = [f"{server.url}/data/part-{i}.tfrecord" for i in range(3)]
+    ShardList(urls).to_manifest(str(tmp_path / "data" / "list.arrow"))
+    manifest = f"{server.url}/data/list.arrow"
+    server.inject("data/list.arrow", *["stall"] * BOUNDED.attempts)
+    waited, error = _elapsed(lambda: ShardList.from_manifest(manifest))
+    assert isinstance(error, RemoteReadError) and f"{manifest} bytes 0-" in str(error), error
+    assert "still failing after 2 tries" in str(error) and "each try waits 0.5 s" in str(error)
+    assert waited < WORST + MARGIN
+    server.inject("data/list.arrow", "stall")
+    assert ShardList.from_manifest(manifest).urls() == urls
+    assert [r.status for r in server.gets("data/list.arrow")][2:4] == [0, 206]
