@@ -167,9 +167,9 @@ def load_offsets(
     """The record offsets in ``url``'s index file (:func:`index_path_for`), checked against ``url``'s size.
 
     Returns None when there is no index file, and without a request when ``url`` has a query
-    string (:func:`implicit_index_for`). Both files are read, and ``url``'s size looked up, bounded and
-    retried under ``remote`` (default :class:`~shardkit.io.remote.RemoteOptions`). The caller checks that the last offset starts a record
-    of its format.
+    string (:func:`implicit_index_for`). Both files are read, and ``url``'s size looked up, bounded
+    and retried under ``remote`` (default :class:`~shardkit.io.remote.RemoteOptions`). The caller
+    checks that the last offset starts a record of its format.
 
     Raises:
         IndexFileError: the index is of another format, corrupt, or does not describe the file as it is now.

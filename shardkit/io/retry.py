@@ -17,8 +17,9 @@ it runs out, its connection with it), and a try that runs out is a
 :class:`TimeoutError`: transient, so tried again. :func:`retried_call` is the
 two together, for a metadata call anywhere in the package (a size, an
 identity, a directory listing): one line at the call site, a
-:class:`RemoteReadError` naming the url when the bound is spent. Whether an error is transient is read from the error and
-every error it wraps (s3fs and aiohttp wrap the one that says), by status,
+:class:`RemoteReadError` naming the url when the bound is spent.
+
+Whether an error is transient is read from the error and every error it wraps (s3fs and aiohttp wrap the one that says), by status,
 S3 error code, errno or type name, so no store's client library is imported
 here. A read that ends raises :class:`RemoteReadError`, or
 :class:`ObjectChangedError` when the object changed under the reader: that is
