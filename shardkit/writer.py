@@ -53,6 +53,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.formats.tfrecord import TFRecordWriter
 from shardkit.io.files import check_compression, make_parent_dirs
+from shardkit.io.retry import retried_call
 
 if TYPE_CHECKING:
     from shardkit.shardlist import ShardList
@@ -191,7 +192,7 @@ class ShardWriter:
             publish(current.url, self._current_url, self.storage_options)
             self._current = None
             fs, path = fsspec.core.url_to_fs(self._current_url, **(self.storage_options or {}))
-            self._sizes.append(fs.size(path))
+            self._sizes.append(retried_call(fs, "size", path))  # bounded: a stalled store fails, naming the url
             self._urls.append(self._current_url)
             self._counts.append(current.num_records)
 

@@ -195,10 +195,11 @@ def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int
     import fsspec
 
     from shardkit.formats.tfrecord import verify_tfrecord
+    from shardkit.io.retry import retried_call
 
     where = f"the manifest {args.manifest}"
     fs, path = fsspec.core.url_to_fs(url)
-    if size is not None and (actual := fs.size(path)) != size:
+    if size is not None and (actual := retried_call(fs, "size", path)) != size:
         raise MismatchError(f"{url}: {actual} bytes, but {where} says {size}; the file changed since it was listed")
     fmt = format_of(url)
     if fmt is not None:  # tar, Parquet, JSON lines: reading every record checks it

@@ -87,6 +87,7 @@ def index_counts(urls: list[str]) -> list[int | None]:
     import fsspec
 
     from shardkit.formats.offsets import implicit_index_for
+    from shardkit.io.retry import retried_call
 
     located = {url: implicit_index_for(url) for url in urls}  # None: a url with a query string has no index
     indexes = {url: (index, *fsspec.core.url_to_fs(index)) for url, index in located.items() if index is not None}
@@ -96,9 +97,9 @@ def index_counts(urls: list[str]) -> list[int | None]:
     present: set[str] = set()
     for (fs, directory), wanted in by_directory.items():
         try:  # one listing per directory rather than one request per file
-            present.update(wanted.intersection(fs.ls(directory, detail=False)))
+            present.update(wanted.intersection(retried_call(fs, "ls", directory, detail=False)))
         except Exception:  # noqa: BLE001 - a store that cannot list (plain HTTP): ask per file
-            present.update(path for path in wanted if fs.isfile(path))
+            present.update(path for path in wanted if retried_call(fs, "isfile", path))
     none = ("", None, "")
     return [_indexed_count(url, indexes.get(url, none)[0], indexes.get(url, none)[2] in present) for url in urls]
 
@@ -151,8 +152,10 @@ def _progress_bar(url: str, compression: str | None, storage_options: dict | Non
 
     if compression == "auto":
         compression = detect_compression(url)
+    from shardkit.io.retry import retried_call
+
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    total = fs.size(path) if compression is None else None
+    total = retried_call(fs, "size", path) if compression is None else None
     return tqdm(total=total, unit="B", unit_scale=True, desc=url, leave=True, disable=None)
 
 

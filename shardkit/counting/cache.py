@@ -26,6 +26,7 @@ import pyarrow.compute as pc  # its functions are generated at import: pyright s
 
 from shardkit.errors import redact
 from shardkit.io.identity import any_listed, identity, listed_identities
+from shardkit.io.retry import retried_call
 from shardkit.shardlist import ShardList
 
 __all__ = ["CACHE_ENV", "Cached", "cache_dir", "cache_path"]
@@ -134,7 +135,7 @@ def _identities(shards: ShardList, storage_options: dict[str, Any] | None) -> li
     for directory, positions in by_dir.items():
         try:
             fs, fs_dir = fsspec.core.url_to_fs(directory, **(storage_options or {}))
-            listing = {info["name"].rstrip("/"): info for info in fs.ls(fs_dir, detail=True)}
+            listing = {info["name"].rstrip("/"): info for info in retried_call(fs, "ls", fs_dir, detail=True)}
         except Exception as error:  # noqa: BLE001 - unreachable: these shards are counted, not cached
             logger.debug("shardkit: cannot list %s for the counts cache (%s)", redact(directory), redact(str(error)))
             continue

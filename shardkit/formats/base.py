@@ -37,6 +37,7 @@ import numpy as np
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.io.files import open_raw, sniff_compression
 from shardkit.io.remote import RemoteOptions, prefetch
+from shardkit.io.retry import retried_call
 
 __all__ = [
     "MAX_EXPANSION",
@@ -287,17 +288,22 @@ def record_bound(fmt: object, url: str) -> RecordBound | None:
 
 
 def file_record_bound(
-    url: str, min_record_bytes: int, compression: str | None, storage_options: dict[str, Any] | None
+    url: str,
+    min_record_bytes: int,
+    compression: str | None,
+    storage_options: dict[str, Any] | None,
+    remote: RemoteOptions | None = None,
 ) -> RecordBound:
     """The :class:`RecordBound` of the file at ``url``, for a format whose records take ``min_record_bytes``.
 
     ``compression="auto"`` looks at the file's first bytes: a gzip, zlib or zstd start takes that
     expansion (a plain file whose first bytes merely look like zlib gets a looser bound, never a tighter one).
+    The size is looked up, and the first bytes read, bounded and retried under ``remote``'s ``retry``.
     """
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    size = int(fs.info(path)["size"])
+    size = int(retried_call(fs, "info", path, retry=remote.retry if remote else None)["size"])
     if compression == "auto":
-        with open_raw(url, "rb", storage_options) as f:
+        with open_raw(url, "rb", storage_options, remote=remote) as f:
             compression = _compression_of(f.read(4))
     return RecordBound(size, compression, max_records(size, min_record_bytes, compression))
 

@@ -45,6 +45,7 @@ from shardkit.formats.base import FormatBase, RecordBound, ResumeHint, file_reco
 from shardkit.formats.offsets import IndexFileError, index_path_for, load_offsets, write_offsets
 from shardkit.io.files import BLOCK_SIZE, CompressedStreamError, open_input, open_output, open_raw
 from shardkit.io.remote import RemoteOptions
+from shardkit.io.retry import retried_call
 
 __all__ = ["JsonlFormat", "JsonlWriter"]
 
@@ -300,7 +301,7 @@ class JsonlFormat(FormatBase):
 
     def record_bound(self, url: str) -> RecordBound:
         """The most records ``url`` can hold by its size (see :func:`~shardkit.formats.base.max_records`)."""
-        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options)
+        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options, self.remote)
 
     def index_offsets(self, url: str) -> np.ndarray | None:
         """The record offsets of ``url`` from its index file, checked against the file; None without one.
@@ -310,7 +311,7 @@ class JsonlFormat(FormatBase):
         """
         if not self.index or self.compression in ("gzip", "zstd") or url.lower().endswith((".gz", ".zst")):
             return None
-        offsets = load_offsets(url, INDEX_MAGIC, self.storage_options)
+        offsets = load_offsets(url, INDEX_MAGIC, self.storage_options, self.remote)
         if offsets is not None and len(offsets) and offsets[-1] > 0:
             with open_raw(url, "rb", self.storage_options, remote=self.remote) as f:
                 f.seek(int(offsets[-1]) - 1)
@@ -357,7 +358,8 @@ class JsonlFormat(FormatBase):
         offsets = self.scan(url)
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
         index_url = index_path_for(url)
-        write_offsets(index_url, INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
+        size = int(retried_call(fs, "info", path, retry=self.remote.retry if self.remote else None)["size"])
+        write_offsets(index_url, INDEX_MAGIC, offsets, size, self.storage_options)
         return index_url
 
     def writer(self, url: str, *, name: str | None = None) -> JsonlWriter:

@@ -52,6 +52,8 @@ from fsspec.implementations.local import LocalFileSystem
 from shardkit.errors import ShardkitError
 from shardkit.io.files import open_raw
 from shardkit.io.identity import identity
+from shardkit.io.options import RemoteOptions
+from shardkit.io.retry import RetryPolicy, retried_call
 
 __all__ = [
     "CACHE_BYTES",
@@ -159,12 +161,15 @@ def unpack_offsets(data: bytes, url: str, index_url: str) -> tuple[np.ndarray, i
     return np.frombuffer(data, dtype="<u8", count=count, offset=HEAD.size), int(size)
 
 
-def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None = None) -> np.ndarray | None:
+def load_offsets(
+    url: str, magic: bytes, storage_options: dict[str, Any] | None = None, remote: RemoteOptions | None = None
+) -> np.ndarray | None:
     """The record offsets in ``url``'s index file (:func:`index_path_for`), checked against ``url``'s size.
 
     Returns None when there is no index file, and without a request when ``url`` has a query
-    string (:func:`implicit_index_for`). The caller checks that the last offset starts a record
-    of its format.
+    string (:func:`implicit_index_for`). Both files are read, and ``url``'s size looked up, bounded
+    and retried under ``remote`` (default :class:`~shardkit.io.remote.RemoteOptions`). The caller
+    checks that the last offset starts a record of its format.
 
     Raises:
         IndexFileError: the index is of another format, corrupt, or does not describe the file as it is now.
@@ -173,7 +178,7 @@ def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None 
     if index_url is None:
         return None
     try:
-        with open_raw(index_url, "rb", storage_options) as f:
+        with open_raw(index_url, "rb", storage_options, remote=remote) as f:
             data = f.read()
     except FileNotFoundError:
         return None
@@ -181,7 +186,7 @@ def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None 
         raise IndexFileError(url, index_url, f"it does not start with {magic!r} (another format's index, or damaged)")
     offsets, size = unpack_offsets(data, url, index_url)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    actual = int(fs.info(path)["size"])
+    actual = int(retried_call(fs, "info", path, retry=remote.retry if remote else None)["size"])
     if actual != size:
         raise IndexFileError(url, index_url, f"it describes {size} bytes but the file has {actual} (rewritten since)")
     if len(offsets) and (int(offsets[-1]) >= size or np.any(np.diff(offsets.astype(np.int64)) <= 0)):
@@ -192,34 +197,38 @@ def load_offsets(url: str, magic: bytes, storage_options: dict[str, Any] | None 
 # --------------------------------------------------------------------------- the per-process cache
 
 
-Loader = Callable[[str, str, dict[str, Any] | None], np.ndarray | None]
-"""``load(url, index_url, storage_options)``: read ``index_url`` and check it against ``url``."""
+Loader = Callable[[str, str, dict[str, Any] | None, RemoteOptions | None], np.ndarray | None]
+"""``load(url, index_url, storage_options, remote)``: read ``index_url`` and check it against ``url``."""
 
 
-def checked_once(url: str, index_url: str, storage_options: dict[str, Any] | None, load: Loader) -> np.ndarray | None:
-    """``load(url, index_url, storage_options)``, kept while both files keep their identity.
+def checked_once(
+    url: str, index_url: str, storage_options: dict[str, Any] | None, load: Loader, remote: RemoteOptions | None = None
+) -> np.ndarray | None:
+    """``load(url, index_url, storage_options, remote)``, kept while both files keep their identity.
 
     None without a request when there is no file at ``index_url``. The offsets kept are
     read-only: every caller of this process shares them. A file whose store reports only
-    its size is loaded every time (a bare size cannot tell a rewritten file).
+    its size is loaded every time (a bare size cannot tell a rewritten file). Identities are
+    looked up bounded and retried under ``remote``'s ``retry``.
     """
+    retry = remote.retry if remote is not None else None
     try:
-        of_index = _identity(index_url, storage_options)
+        of_index = _identity(index_url, storage_options, retry)
     except FileNotFoundError:
         return None
-    identity = (_identity(url, storage_options), of_index)
+    identity = (_identity(url, storage_options, retry), of_index)
     key = (url, index_url, repr(sorted((storage_options or {}).items())))
     cached = _CACHE.get(key, identity)
     if cached is not None:
         return cached
-    offsets = load(url, index_url, storage_options)
+    offsets = load(url, index_url, storage_options, remote)
     if offsets is not None and None not in identity:
         offsets.flags.writeable = False
         _CACHE.put(key, identity, offsets)
     return offsets
 
 
-def _identity(url: str, storage_options: dict[str, Any] | None) -> Any:
+def _identity(url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy | None = None) -> Any:
     """What changes when the file at ``url`` may have: one ``stat`` locally, else the store's
     ETag/version/mtime (None when the store reports only a size).
 
@@ -230,7 +239,7 @@ def _identity(url: str, storage_options: dict[str, Any] | None) -> Any:
         st = os.stat(url.removeprefix("file://"))
         return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return identity(fs.info(path))
+    return identity(retried_call(fs, "info", path, retry=retry))  # bounded: a stalled store fails, naming the url
 
 
 class _IndexCache:

@@ -38,9 +38,8 @@ from typing import Any, Final, NamedTuple
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from shardkit.errors import redact_url
 from shardkit.io.identity import identity, remember
-from shardkit.io.retry import RemoteReadError, RetryPolicy, call_bounded, with_retries
+from shardkit.io.retry import RemoteReadError, RetryPolicy, retried_call
 
 __all__ = ["Matches", "expand_braces", "glob_files"]
 
@@ -85,27 +84,23 @@ def glob_files(pattern: str, storage_options: Mapping[str, Any] | None, retry: R
 
 
 class _Lister:
-    """Calls to one filesystem's listing methods, each retried under ``retry``; over HTTP(S) each try is
-    also given ``retry.timeout`` seconds (one call is one request there: see the module doc)."""
+    """Calls to one filesystem's listing methods, each bounded and retried under ``retry``
+    (:func:`~shardkit.io.retry.retried_call`; see the module doc)."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy) -> None:
         self.fs, self.retry = fs, retry
-        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-        self.timeout = retry.timeout if {"http", "https"} & set(protocols) else None
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        def once() -> Any:
-            if self.timeout is None:
-                return getattr(self.fs, method)(path, **kwargs)
-            return call_bounded(self.fs, method, path, timeout=self.timeout, **kwargs)
-
         try:
-            return with_retries(once, self.retry, f"listing {redact_url(self.fs.unstrip_protocol(path))}")
-        except RemoteReadError as error:  # a dataset given a glob lists with the defaults: say how to give more
-            raise RemoteReadError(f"{error} (a dataset lists its glob with the defaults: {_OWN_LISTING})") from error
+            return retried_call(self.fs, method, path, retry=self.retry, **kwargs)
+        except RemoteReadError as error:  # say where the bound of a dataset's listing is set
+            raise RemoteReadError(f"{error} ({_OWN_LISTING})") from error
 
 
-_OWN_LISTING: Final = "to give it more, pass the dataset ShardList.from_glob(pattern, retry=RetryPolicy(timeout=...))"
+_OWN_LISTING: Final = (
+    "a dataset lists its glob under its own retry=: give it retry=RetryPolicy(timeout=...), "
+    "or list it yourself with ShardList.from_glob(pattern, retry=RetryPolicy(timeout=...))"
+)
 
 
 def _stat_literal(lister: _Lister, paths: Iterable[str], sizes: dict[str, int | None]) -> list[str]:

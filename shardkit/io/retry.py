@@ -14,8 +14,12 @@ without answering would hold a dataset's construction or a worker that long,
 silently. :func:`call_bounded` runs one call of an fsspec filesystem under
 that bound (on an async filesystem, the call's coroutine is cancelled when
 it runs out, its connection with it), and a try that runs out is a
-:class:`TimeoutError`: transient, so tried again. Whether an error is transient is read from the error and
-every error it wraps (s3fs and aiohttp wrap the one that says), by status,
+:class:`TimeoutError`: transient, so tried again. :func:`retried_call` is the
+two together, for a metadata call anywhere in the package (a size, an
+identity, a directory listing): one line at the call site, a
+:class:`RemoteReadError` naming the url when the bound is spent.
+
+Whether an error is transient is read from the error and every error it wraps (s3fs and aiohttp wrap the one that says), by status,
 S3 error code, errno or type name, so no store's client library is imported
 here. A read that ends raises :class:`RemoteReadError`, or
 :class:`ObjectChangedError` when the object changed under the reader: that is
@@ -31,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, redact_url
 from shardkit.io.counters import count
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "call_bounded",
     "code_of",
     "is_transient",
+    "retried_call",
     "status_of",
     "with_retries",
 ]
@@ -236,3 +241,30 @@ def call_bounded(fs: Any, method: str, *args: Any, timeout: float, **kwargs: Any
         if str(error):
             raise
         raise TimeoutError(f"no answer in {timeout:g} s") from error
+
+
+_MANY_REQUESTS: Final = frozenset({"ls", "glob", "find", "walk", "du"})
+"""Calls that may take many requests on an object store (S3 lists 1,000 keys per request): not cut short as
+a whole there, each request is bounded by the store's client. Over HTTP(S) each is one GET of a page."""
+
+
+def retried_call(fs: Any, method: str, path: str, *args: Any, retry: RetryPolicy | None = None, **kwargs: Any) -> Any:
+    """``fs.<method>(path, *args, **kwargs)``, each try bounded by ``retry.timeout`` (:func:`call_bounded`), tried
+    again under ``retry`` (default :class:`RetryPolicy`) on transient errors (:func:`with_retries`).
+
+    For the metadata calls outside the reader (``info``, ``size``, ``ls``, ``isfile``): a server that never
+    answers costs ``retry.max_seconds + retry.timeout`` at most, then a :class:`RemoteReadError` naming the
+    url. A listing that may take many requests (``ls``, ``glob`` off HTTP) is not cut short as a whole, only
+    retried. :class:`FileNotFoundError` passes through at once.
+    """
+    policy = retry or RetryPolicy()
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    whole = method not in _MANY_REQUESTS or bool({"http", "https"} & set(protocols))
+
+    def once() -> Any:
+        if not whole:
+            return getattr(fs, method)(path, *args, **kwargs)
+        return call_bounded(fs, method, path, *args, timeout=policy.timeout, **kwargs)
+
+    what = "listing" if method in _MANY_REQUESTS else "looking up"
+    return with_retries(once, policy, f"{what} {redact_url(fs.unstrip_protocol(path))}")

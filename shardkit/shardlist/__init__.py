@@ -68,7 +68,14 @@ from shardkit.shardlist.columns import (
     same_values,
     string_digest,
 )
-from shardkit.shardlist.manifest import IPC_MAGIC, manifest_joiner, manifest_table, normalize_manifest, read_manifest
+from shardkit.shardlist.manifest import (
+    IPC_MAGIC,
+    manifest_joiner,
+    manifest_table,
+    normalize_manifest,
+    open_manifest,
+    read_manifest,
+)
 from shardkit.tempfiles import delete_with
 
 __all__ = ["NUM_RECORDS", "SIZE", "URL", "DuplicateShardWarning", "IntColumn", "ShardList", "ShardListError"]
@@ -191,7 +198,7 @@ class ShardList:
         """
         fs, fs_path = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
         local = isinstance(fs, LocalFileSystem)
-        with fs.open(fs_path, "rb") as f:
+        with open_manifest(fs, fs_path) as f:
             magic = f.read(len(IPC_MAGIC))
         join = manifest_joiner(fs, fs_path)
         if magic == IPC_MAGIC and local:

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as _compute
 from fsspec.implementations.local import LocalFileSystem
 
+from shardkit.io.remote import open_remote
 from shardkit.shardlist.columns import NUM_RECORDS, SIZE, URL, ShardListError, check_urls, int_column
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "manifest_joiner",
     "manifest_table",
     "normalize_manifest",
+    "open_manifest",
     "read_manifest",
 ]
 
@@ -42,10 +44,19 @@ PATHS_KEY = b"paths"
 PATHS_RELATIVE = b"relative-to-manifest"
 
 
+def open_manifest(fs: fsspec.AbstractFileSystem, fs_path: str) -> Any:
+    """The manifest at ``fs_path`` opened for reading: a remote one as shards are read
+    (:func:`~shardkit.io.remote.open_remote`), each request bounded and retried (fsspec's own file
+    would wait on a silent server as long as its client does: aiohttp's 5 minutes)."""
+    if isinstance(fs, LocalFileSystem):
+        return fs.open(fs_path, "rb")
+    return open_remote(fs, fs_path, fs.unstrip_protocol(fs_path))
+
+
 def read_manifest(fs: fsspec.AbstractFileSystem, fs_path: str, magic: bytes, path: str) -> pa.Table:
     """Read a manifest into memory (remote IPC, Parquet, or JSON lines)."""
     try:
-        with fs.open(fs_path, "rb") as f:
+        with open_manifest(fs, fs_path) as f:
             if magic == IPC_MAGIC:
                 return pa.ipc.open_file(f).read_all()
             if magic.startswith(_PARQUET_MAGIC):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardkit.epoch import SharedEpoch, check_epoch
+from shardkit.io.retry import RetryPolicy
 from shardkit.pipeline import Pipeline
 from shardkit.planning import BALANCES, Balance
 from shardkit.seeding import check_seed, seed_iteration
@@ -77,8 +78,13 @@ class _Source(Pipeline):
         return topology, epoch
 
 
-def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict[str, Any] | None = None) -> ShardList:
-    """A :class:`ShardList` from a ShardList, a glob pattern or a list of urls."""
+def as_shard_list(
+    shards: ShardList | str | Sequence[str],
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> ShardList:
+    """A :class:`ShardList` from a ShardList, a glob pattern or a list of urls; a glob is listed with its
+    requests bounded and retried under ``retry`` (default :class:`~shardkit.io.retry.RetryPolicy`)."""
     if isinstance(shards, ShardList):
         return shards
     if isinstance(shards, str):
@@ -86,7 +92,7 @@ def as_shard_list(shards: ShardList | str | Sequence[str], storage_options: dict
 
         # Once per job: the first rank to get here lists, the others read its listing from the
         # process group's store (not a collective: a rank-0-only build does not wait).
-        return shared_listing(shards, storage_options)
+        return shared_listing(shards, storage_options, retry)
     if isinstance(shards, Sequence):
         return ShardList(list(shards))
     raise DatasetError(f"shards must be a ShardList, a glob pattern or a list of urls, got {type(shards).__name__}")

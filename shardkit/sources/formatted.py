@@ -98,6 +98,11 @@ class FormatDataset(ShardedDataset):
         """fsspec options for listing, counting and reading the shards: the format's."""
         return self.format.storage_options
 
+    def _listing_retry(self) -> RetryPolicy | None:
+        """The format's ``retry``: a glob is listed under the policy its shards are read with."""
+        retry = getattr(getattr(self.format, "remote", None), "retry", None)
+        return retry if isinstance(retry, RetryPolicy) else None
+
     def _stored_count(self) -> StoredCountFn | None:
         return self.format.stored_count
 
@@ -147,9 +152,9 @@ class TFRecordDataset(FormatDataset):
             are read (see :mod:`shardkit.io.remote`): ``readahead_bytes`` are fetched ahead of
             the reader, across shard boundaries in the plan's order (default
             :data:`~shardkit.io.remote.DEFAULT_READAHEAD_BYTES`, 0 turns it off); transient
-            failures are retried under ``retry`` (a :class:`~shardkit.io.remote.RetryPolicy`);
-            ``cache_dir`` keeps fetched shards on local disk, shared by the processes of a
-            machine, under ``cache_limit_bytes`` (see :mod:`shardkit.io.cache`). Local files ignore all four.
+            failures are retried under ``retry`` (a :class:`~shardkit.io.remote.RetryPolicy`), which
+            also bounds a glob's listing and every size or identity looked up; ``cache_dir``
+            keeps fetched shards on local disk, shared by the processes of a machine, under ``cache_limit_bytes`` (see :mod:`shardkit.io.cache`). Local files ignore all four.
 
         features, batch_size: yield column batches instead of samples: each
             batch is :func:`~shardkit.decode_columns` of the next ``batch_size``

@@ -32,6 +32,7 @@ from shardkit.counting import (
 )
 from shardkit.errors import CorruptRecordError, redact_url
 from shardkit.formats.base import BadRecord, RecordBound
+from shardkit.io.retry import RetryPolicy
 from shardkit.planning import Balance, Range, plan_intervals, rank_span
 from shardkit.shardlist import NUM_RECORDS, ShardList
 from shardkit.sources.base import as_shard_list
@@ -93,7 +94,9 @@ class ShardedDataset(_PlannedSource):
             listed once per job: under a torch.distributed process group the
             first rank to build the dataset lists it and the others read that
             listing from the group's store; DataLoader workers never list (see
-            :mod:`shardkit.listing`). A manifest skips listing altogether.
+            :mod:`shardkit.listing`). A manifest skips listing altogether. The
+            listing's requests are bounded and retried under a format dataset's
+            ``retry=`` (here, the default :class:`~shardkit.io.remote.RetryPolicy`).
 
     Record counts come from the shard list, else from the files' own index
     files or footers (under every ``balance``), the same way in every rank and
@@ -167,7 +170,7 @@ class ShardedDataset(_PlannedSource):
             raise DatasetError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if count_fn is not None and not callable(count_fn):
             raise DatasetError(f"count_fn must be callable as count_fn(url) -> int, got {count_fn!r}")
-        self.shards = as_shard_list(shards, self.storage_options)
+        self.shards = as_shard_list(shards, self.storage_options, self._listing_retry())
         self.read_fn = read_fn
         self.on_error: OnError = on_error
         self.count_fn = count_fn
@@ -179,6 +182,10 @@ class ShardedDataset(_PlannedSource):
     def storage_options(self) -> dict[str, Any] | None:
         """fsspec options for listing and counting the shards."""
         return self._storage_options
+
+    def _listing_retry(self) -> RetryPolicy | None:
+        """How a glob's listing requests are bounded and retried: a format dataset's ``retry=``; None, the default."""
+        return None
 
     def _can_count(self) -> bool:
         return self.count_fn is not None

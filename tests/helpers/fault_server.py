@@ -16,7 +16,8 @@ with :meth:`FaultServer.inject` and each is spent by the next GET of a path:
 - ``"ok"``: answered as without a fault (to fault a later GET, not the next).
 
 A GET of a directory (a listing) takes its faults too (``"503"``, ``"drop"``, ``"stall"``), queued
-under the directory's path as the client asks for it (fsspec asks for ``/dir/``).
+under the directory's path as the client asks for it (fsspec asks for ``/dir/``). A HEAD (fsspec's
+``info``: a size, an identity) takes only the faults queued for it with ``inject(path, ..., method="HEAD")``.
 
 Every request is logged as ``(method, path, start, length, status)``; a request for a directory
 (fsspec lists one by GETting it: a page of links) is logged as method ``LIST``.
@@ -63,7 +64,7 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         time.sleep(owner.latency)
         path = os.path.join(owner.root, unquote(self.path.lstrip("/").split("?")[0]))
-        fault = owner.take_fault(self.path) if body else None
+        fault = owner.take_fault(self.path if body else "HEAD " + self.path)
         if fault == "stall":
             self._log(0, 0, 0)
             self._stall()
@@ -195,10 +196,11 @@ class FaultServer:
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self._server.server_address[1]}"
 
-    def inject(self, path: str, *faults: str) -> None:
-        """Queue ``faults`` for the next GETs of ``/path``, one each."""
+    def inject(self, path: str, *faults: str, method: str = "GET") -> None:
+        """Queue ``faults`` for the next GETs (or HEADs, ``method="HEAD"``) of ``/path``, one each."""
+        key = ("HEAD " if method == "HEAD" else "") + "/" + path.lstrip("/")
         with self._lock:
-            self._faults.setdefault("/" + path.lstrip("/"), deque()).extend(faults)
+            self._faults.setdefault(key, deque()).extend(faults)
 
     def take_fault(self, path: str) -> str | None:
         with self._lock:

@@ -59,6 +59,7 @@ from shardkit.formats.megatron.index import (
 from shardkit.formats.megatron.writer import PairWriter
 from shardkit.io.files import open_raw
 from shardkit.io.remote import RemoteOptions
+from shardkit.io.retry import retried_call
 
 __all__ = ["INDEX_CACHE_BYTES", "SPAN_BYTES", "MegatronFormat", "describe"]
 
@@ -116,7 +117,7 @@ class MegatronFormat(FormatBase):
         index = idx_url(url)
         fs, path = fsspec.core.url_to_fs(index, **(self.storage_options or {}))
         try:
-            size = int(fs.info(path)["size"])
+            size = int(retried_call(fs, "info", path, retry=self.remote.retry if self.remote else None)["size"])
         except FileNotFoundError:
             raise _no_index(url) from None
         with open_raw(index, "rb", self.storage_options, remote=self.remote) as f:

@@ -23,6 +23,7 @@ from shardkit.formats.tar.parser import _Bad, _located_by_index, _Parser
 from shardkit.formats.tar.writer import TarWriter
 from shardkit.io.files import open_input, open_raw
 from shardkit.io.remote import RemoteOptions
+from shardkit.io.retry import retried_call
 
 __all__ = ["INDEX_MAGIC", "TarFormat"]
 
@@ -143,7 +144,7 @@ class TarFormat(FormatBase):
 
     def record_bound(self, url: str) -> RecordBound:
         """The most samples ``url`` can hold by its size (see :func:`~shardkit.formats.base.max_records`)."""
-        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options)
+        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options, self.remote)
 
     def index_offsets(self, url: str) -> np.ndarray | None:
         """The record offsets of ``url`` from its index file, checked against the file; None without one.
@@ -153,7 +154,7 @@ class TarFormat(FormatBase):
         """
         if not self.index or self.compression == "gzip" or url.lower().endswith((".gz", ".tgz")):
             return None
-        offsets = load_offsets(url, INDEX_MAGIC, self.storage_options)
+        offsets = load_offsets(url, INDEX_MAGIC, self.storage_options, self.remote)
         if offsets is not None and len(offsets):
             with open_raw(url, "rb", self.storage_options, remote=self.remote) as f:
                 f.seek(int(offsets[-1]))
@@ -203,7 +204,8 @@ class TarFormat(FormatBase):
         offsets = self.scan(url, strict=True)  # an index never records damage: it would seek into it
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
         index_url = index_path_for(url)
-        write_offsets(index_url, INDEX_MAGIC, offsets, int(fs.info(path)["size"]), self.storage_options)
+        size = int(retried_call(fs, "info", path, retry=self.remote.retry if self.remote else None)["size"])
+        write_offsets(index_url, INDEX_MAGIC, offsets, size, self.storage_options)
         return index_url
 
     def writer(self, url: str, *, name: str | None = None) -> TarWriter:

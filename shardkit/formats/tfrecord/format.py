@@ -223,7 +223,7 @@ class TFRecordFormat(FormatBase):
     def record_bound(self, url: str) -> RecordBound:
         """The most records ``url`` can hold by its size (see :func:`~shardkit.formats.base.max_records`)."""
 
-        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options)
+        return file_record_bound(url, self.min_record_bytes, self.compression, self.storage_options, self.remote)
 
     def index_offsets(self, url: str) -> np.ndarray | None:
         """The record offsets from ``url``'s index file, checked against the file; None when there
@@ -234,7 +234,7 @@ class TFRecordFormat(FormatBase):
         """
         if not self.index or self.compression in ("gzip", "zlib"):
             return None
-        return index_files.load_index(url, storage_options=self.storage_options)
+        return index_files.load_index(url, storage_options=self.storage_options, remote=self.remote)
 
     def count(self, url: str) -> int:
         """Records in ``url``: from its index file if there is a valid one, else a framing scan.

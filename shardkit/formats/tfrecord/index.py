@@ -67,6 +67,8 @@ from shardkit.formats.tfrecord.framing import (
     unpack_header,
 )
 from shardkit.io.files import open_raw
+from shardkit.io.options import RemoteOptions
+from shardkit.io.retry import retried_call
 
 __all__ = [
     "INDEX_MAGIC",
@@ -101,14 +103,19 @@ def read_index(url: str, storage_options: dict[str, Any] | None = None) -> np.nd
 
 
 def load_index(
-    url: str, index_url: str | None = None, *, storage_options: dict[str, Any] | None = None
+    url: str,
+    index_url: str | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    remote: RemoteOptions | None = None,
 ) -> np.ndarray | None:
     """The record offsets of the data file ``url``, from its index, checked against the file.
 
     ``index_url`` defaults to :func:`~shardkit.formats.offsets.index_path_for` ``(url)``. Returns None
     when there is no index file (without a request when ``url`` has a query
     string: see :func:`~shardkit.formats.offsets.implicit_index_for`), and when the data file is
-    compressed (its index cannot be checked against it).
+    compressed (its index cannot be checked against it). Both files are read and looked up bounded
+    and retried under ``remote`` (default :class:`~shardkit.io.remote.RemoteOptions`).
 
     Raises:
         IndexFileError: the index is corrupt, or does not describe the file as
@@ -117,7 +124,7 @@ def load_index(
     index_url = index_url if index_url is not None else implicit_index_for(url)
     if index_url is None:
         return None
-    return checked_once(url, index_url, storage_options, _load_checked)
+    return checked_once(url, index_url, storage_options, _load_checked, remote)
 
 
 def load_given_index(url: str, index_url: str, storage_options: dict[str, Any] | None = None) -> np.ndarray | None:
@@ -154,17 +161,19 @@ def check_ends_with_file(
     return True
 
 
-def _load_checked(url: str, index_url: str, storage_options: dict[str, Any] | None) -> np.ndarray | None:
+def _load_checked(
+    url: str, index_url: str, storage_options: dict[str, Any] | None, remote: RemoteOptions | None
+) -> np.ndarray | None:
     """Read ``index_url`` and check it against ``url`` as it is now (see :func:`load_index`)."""
     try:
-        with open_raw(index_url, "rb", storage_options) as f:
+        with open_raw(index_url, "rb", storage_options, remote=remote) as f:
             data = f.read()
     except FileNotFoundError:
         return None
     index = _parse(data, url, index_url)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    size = int(fs.info(path)["size"])
-    with open_raw(url, "rb", storage_options) as f:
+    size = int(retried_call(fs, "info", path, retry=remote.retry if remote else None)["size"])
+    with open_raw(url, "rb", storage_options, remote=remote) as f:
         if index.end != size:
             if detect_compression(f.read(12)) is not None:
                 logger.info(
