@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import pytest
 
@@ -35,7 +34,14 @@ def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int,
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
     }
-    scripts = [f"compare.py:--dir={tmp / 'content'}", "shuffle.py", "formats.py", "packing.py", "stalls.py", "autotune.py"]
+    scripts = [
+        f"compare.py:--dir={tmp / 'content'}",
+        "shuffle.py",
+        "formats.py",
+        "packing.py",
+        "stalls.py",
+        "autotune.py",
+    ]
     done = run_python(str(DRIVER), *scripts, timeout=840, cwd=REPO, env=env)
     return {name: (status, out, err) for name, status, out, err in sections(done.stdout, done.stderr)}
 
