@@ -24,7 +24,7 @@ best hand-picked configuration (the fastest; targets: throughput >= 0.9x, memory
 the count auto settled on, and the changes it made (with the time they took).
 
     python benchmarks/autotune.py            # full run: about 40 minutes on 2 shared cores
-    python benchmarks/autotune.py --quick    # a smoke run whose numbers are not meant to be quoted
+    python benchmarks/autotune.py --quick    # a smoke run (0 workers, 2 workers, auto; one round): not to be quoted
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ WORKLOADS = (
 
 Config = tuple[Any, Any]  # (num_workers, prefetch)
 CONFIGS: tuple[Config, ...] = ((0, None), *((n, p) for n in range(1, 5) for p in (2, 4)), ("auto", "auto"))
+QUICK_CONFIGS: tuple[Config, ...] = ((0, None), (2, 2), ("auto", "auto"))
 
 
 def write(root: str, records: int) -> shardkit.ShardList:
@@ -190,19 +191,20 @@ def label(config: Config) -> str:
 
 
 def bench(shards: shardkit.ShardList, workload: Workload, args: argparse.Namespace) -> bool:
-    results: dict[Config, list[Run]] = {config: [] for config in CONFIGS}
+    configs = args.configs
+    results: dict[Config, list[Run]] = {config: [] for config in configs}
     for round_ in range(args.rounds):
-        order = CONFIGS if round_ % 2 == 0 else tuple(reversed(CONFIGS))
+        order = configs if round_ % 2 == 0 else tuple(reversed(configs))
         for config in order:
             results[config].append(run(shards, workload, config, args.warm, args.steps))
     rate = {c: statistics.median(r.steps_per_second for r in runs) for c, runs in results.items()}
     peak = {c: statistics.median(r.peak_bytes for r in runs) for c, runs in results.items()}
-    hand = [c for c in CONFIGS if c[0] != "auto"]
+    hand = [c for c in configs if c[0] != "auto"]
     best = max(hand, key=rate.__getitem__)
     auto = ("auto", "auto")
     print(f"\n### {workload.name}: batch {workload.batch_size}, step {workload.step_seconds * 1e3:.0f} ms\n")
     print("| configuration | steps/s | peak memory (MiB) |\n|---|---|---|")
-    for config in CONFIGS:
+    for config in configs:
         mark = " (best)" if config == best else ""
         print(f"| {label(config)}{mark} | {rate[config]:.1f} | {peak[config] / 2**20:.0f} |")
     speed, memory = rate[auto] / rate[best], peak[auto] / peak[best]
@@ -228,8 +230,10 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=200, help="untimed steps before the timed ones (auto tunes)")
     parser.add_argument("--workloads", nargs="*", default=[w.name for w in WORKLOADS])
     args = parser.parse_args()
-    if args.quick:
-        args.records, args.rounds, args.steps, args.warm = 4_000, 1, 10, 30
+    args.configs = CONFIGS
+    if args.quick:  # every code path once: no workers, workers with a prefetch, auto
+        args.records, args.rounds, args.steps, args.warm = 2_000, 1, 10, 20
+        args.configs = QUICK_CONFIGS
     warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)  # 3, 4 workers on 2 cores
     os.system("uptime")  # noqa: S605, S607 - the load the figures were measured under
     met = []

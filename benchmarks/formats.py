@@ -226,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="small content, 2 rounds (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
     parser.add_argument("--only", choices=["tar", "parquet", "jsonl"], action="append")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds = 2
+        args.rounds = 1
     scale = 10 if args.quick else 1
     only = set(args.only or ["tar", "parquet", "jsonl"])
     out: list[str] = []

@@ -131,12 +131,12 @@ def table(result: dict[str, Any], reference: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--quick", action="store_true", help="2,000 documents, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="1,000 documents, 1 round")
     parser.add_argument("--docs", type=int, default=20_000)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    count, rounds = (2_000, 2) if args.quick else (args.docs, args.rounds)
+    count, rounds = (1_000, 1) if args.quick else (args.docs, args.rounds)
     docs = documents(count, args.seq_len)
     packers: dict[str, Packer] = {
         "shardkit best_fit": shardkit_packer("best_fit"),

@@ -24,14 +24,23 @@ echo "shardkit: installing into $PWD/$venv (${extras:-core})" >&2
 # never imported here); Python compiles what is imported on first use and caches it.
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 "${pip[@]}" "torch==2.13.0"
+target=.
+if [[ -n "$extras" ]]; then target=".[$extras]"; fi
+# The rest goes through uv when it installs (pinned): it downloads in parallel, so the
+# dev extras take about 40 s instead of pip's 3-4 minutes. uv reads no pip config and
+# cannot see the local torch wheel, so it gets the installed torch as a constraint and
+# keeps it. If uv cannot be had or fails, pip does the same install.
 # editable_mode=compat puts the checkout itself on sys.path (a .pth entry), so
 # a clone run from its parent folder imports the package, not the clone folder
 # as an empty namespace package.
-editable=(--config-settings editable_mode=compat -e)
-if [[ -n "$extras" ]]; then
-    "${pip[@]}" "${editable[@]}" ".[$extras]"
+torch_version="$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')"
+if "${pip[@]}" "uv==0.13.9" 2>/dev/null \
+    && "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" \
+        --constraint <(echo "torch==$torch_version") -C editable_mode=compat -e "$target"; then
+    :
 else
-    "${pip[@]}" "${editable[@]}" .
+    echo "shardkit: uv did not install; installing with pip" >&2
+    "${pip[@]}" --config-settings editable_mode=compat -e "$target"
 fi
 # A dev install also satisfies a later core-only run: remember both. (An
 # `if`, not `[[ ]] &&`: a last command with status 1 would fail the script.)

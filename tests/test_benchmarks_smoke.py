@@ -1,105 +1,108 @@
-"""Smoke test: ``benchmarks/compare.py --quick`` runs to the end and prints its table.
+"""Smoke tests: each ``benchmarks/*.py --quick`` runs to the end and prints its table.
 
-It asserts nothing about the numbers (2 shared cores make them noisy); the
-table itself says whether the targets were met.
+They assert nothing about the numbers (2 shared cores make them noisy); the
+tables themselves say whether the targets were met. The scripts run one after
+the other in one interpreter (``tests/scripts/benchmarks_quick.py``), which
+imports torch, datasets and transformers once for all of them; each test
+asserts on its own script's part of the output.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # subprocesses, servers or DDP ranks: the inner loop skips them
+from tests.helpers.processes import REPO, run_python
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "compare.py"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # one subprocess running six benchmarks
+
+DRIVER = REPO / "tests" / "scripts" / "benchmarks_quick.py"
 HEADER = "| loader | samples/s | shardkit is |"
 
 
-@pytest.mark.timeout(300)
-def test_compare_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--dir", str(tmp_path / "content")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-        env=env,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert HEADER in done.stdout, done.stdout[-4000:]
-    assert "| start method |" in done.stdout, done.stdout[-4000:]
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str]]:
+    """Script name -> (exit status, stdout, stderr) of its ``--quick`` run."""
+    tmp = tmp_path_factory.mktemp("benchmarks")
+    env = {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp / "hf-home"),
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+    }
+    scripts = [
+        f"compare.py:--dir={tmp / 'content'}",
+        "shuffle.py",
+        "formats.py",
+        "packing.py",
+        "stalls.py",
+        "autotune.py",
+    ]
+    done = run_python(str(DRIVER), *scripts, timeout=840, cwd=REPO, env=env)
+    return {name: (status, out, err) for name, status, out, err in sections(done.stdout, done.stderr)}
 
 
-@pytest.mark.timeout(300)
-def test_shuffle_benchmark_quick_runs_and_scores_every_loader(tmp_path: Path) -> None:
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "shuffle.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 7, done.stdout  # header, reference, five loaders
-    assert all(row.rstrip().endswith("0 / 0 |") for row in rows[2:]), done.stdout  # nothing lost or repeated
+def sections(stdout: str, stderr: str) -> list[tuple[str, int, str, str]]:
+    """(script, exit status, its stdout, its stderr) for each script the driver ran."""
+    pattern = r"=== begin (\S+)\n(.*?)\n=== end \1 exit (-?\d+)"
+    outs = {m[1]: (int(m[3]), m[2]) for m in re.finditer(pattern, stdout, re.S)}
+    errs = {m[1]: m[2] for m in re.finditer(pattern, stderr, re.S)}
+    return [(name, status, out, errs.get(name, "")) for name, (status, out) in outs.items()]
 
 
-@pytest.mark.timeout(300)
-def test_formats_benchmark_quick_runs_and_loses_nothing(tmp_path: Path) -> None:
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "formats.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=ROOT,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line for line in done.stdout.splitlines() if "duplicates" in line]
-    assert len(rows) == 10, done.stdout  # 2 + 2 tar, 4 Parquet, 2 JSON lines
+def output_of(quick_runs: dict[str, tuple[int, str, str]], script: str) -> str:
+    """The script's stdout, once it is known to have ended with status 0."""
+    assert script in quick_runs, f"{script} did not run to its end marker: {sorted(quick_runs)}"
+    status, out, err = quick_runs[script]
+    assert status == 0, out[-3000:] + err[-3000:]
+    return out
+
+
+def test_compare_quick_runs_and_prints_the_table(quick_runs) -> None:
+    out = output_of(quick_runs, "compare.py")
+    assert HEADER in out, out[-4000:]
+    assert "| start method |" in out, out[-4000:]
+
+
+def test_shuffle_benchmark_quick_runs_and_scores_every_loader(quick_runs) -> None:
+    out = output_of(quick_runs, "shuffle.py")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 7, out  # header, reference, five loaders
+    assert all(row.rstrip().endswith("0 / 0 |") for row in rows[2:]), out  # nothing lost or repeated
+
+
+def test_formats_benchmark_quick_runs_and_loses_nothing(quick_runs) -> None:
+    out = output_of(quick_runs, "formats.py")
+    rows = [line for line in out.splitlines() if "duplicates" in line]
+    assert len(rows) == 10, out  # 2 + 2 tar, 4 Parquet, 2 JSON lines
     shardkit_rows = [row for row in rows if "shardkit" in row]
-    assert all("0 duplicates, 0 missing" in row for row in shardkit_rows), done.stdout
+    assert all("0 duplicates, 0 missing" in row for row in shardkit_rows), out
 
 
-@pytest.mark.timeout(300)
-def test_packing_benchmark_quick_runs_and_every_packer_keeps_every_token(tmp_path: Path) -> None:
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "packing.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT)},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]  # a packer that lost tokens exits 1
-    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")}
-    assert "shardkit best_fit" in rows and "shardkit concat" in rows, done.stdout
-    assert float(rows["shardkit best_fit"][3]) >= 0.99, done.stdout  # the fill column
+def test_packing_benchmark_quick_runs_and_every_packer_keeps_every_token(quick_runs) -> None:
+    out = output_of(quick_runs, "packing.py")  # a packer that lost tokens exits 1
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in out.splitlines() if line.startswith("| ")}
+    assert "shardkit best_fit" in rows and "shardkit concat" in rows, out
+    assert float(rows["shardkit best_fit"][3]) >= 0.99, out  # the fill column
 
 
-@pytest.mark.timeout(300)
-def test_stalls_benchmark_quick_runs_and_prints_the_cost_of_both_cases() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "stalls.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| resumable=")]
-    assert len(rows) == 2 and all("%" in row for row in rows), done.stdout
+def test_stalls_benchmark_quick_runs_and_prints_the_cost_of_both_cases(quick_runs) -> None:
+    out = output_of(quick_runs, "stalls.py")
+    rows = [line for line in out.splitlines() if line.startswith("| resumable=")]
+    assert len(rows) == 2 and all("%" in row for row in rows), out
+
+
+def test_autotune_benchmark_quick_runs_every_workload_and_compares_auto_with_the_best(quick_runs) -> None:
+    out = output_of(quick_runs, "autotune.py")
+    for workload in ("cheap", "map", "remote"):
+        assert f"### {workload}:" in out, out[-3000:]
+    assert out.count("auto / best (") == 3, out[-3000:]
+    assert "targets met on" in out
 
 
 @pytest.mark.timeout(300)
@@ -107,12 +110,10 @@ def test_remote_benchmark_quick_reads_every_loader_over_its_loopback_server(tmp_
     """Restored: in one CI run its shardkit round waited on an HTTP listing (aiohttp's 5-minute bound, the
     only one then). A listing now gets 30 s per try and 60 s in all; a stall past the timeout prints every
     process's stacks (``run_python``)."""
-    from tests.helpers.processes import run_python
-
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
-    script = str(ROOT / "benchmarks" / "remote.py")
+    script = str(REPO / "benchmarks" / "remote.py")
     args = ("--quick", "--startup", "10000", "--dir", str(tmp_path / "data"))
-    done = run_python(script, *args, timeout=280, cwd=ROOT, env=env)
+    done = run_python(script, *args, timeout=280, cwd=REPO, env=env)
     rows = [line for line in done.stdout.splitlines() if line.startswith("| shardkit, HTTP |")]
     assert len(rows) == 2 and not any("failed" in row for row in rows), done.stdout[-3000:]  # 0 and 30 ms
     assert all("LIST at build" in row for row in rows), done.stdout[-3000:]  # given a glob, listed while built

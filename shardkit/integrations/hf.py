@@ -52,7 +52,10 @@ import sys
 import uuid
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+# From the defining modules, not the package: the same classes, but a type checker that
+# resolves ``transformers/__init__.py`` binds all of its models (40 s of basedpyright's run).
+from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
+from transformers.training_args import TrainingArguments
 
 from shardkit.errors import StateError
 from shardkit.ranks import ranks_node

@@ -164,8 +164,13 @@ def raw(data: bytes) -> F:
     return F(0, RAW, data)
 
 
+_ONE_BYTE = [bytes((n,)) for n in range(0x80)]  # most tags and lengths: the corpora's hot spot
+
+
 def varint(n: int, pad: int = 0) -> bytes:
     """``n`` as a varint (negatives in ten bytes, bits past 64 kept), ``pad`` bytes longer than needed."""
+    if 0 <= n < 0x80 and not pad:
+        return _ONE_BYTE[n]
     if n < 0:
         n &= 2**64 - 1
     out = bytearray()

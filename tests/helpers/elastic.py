@@ -7,12 +7,16 @@ own between samples: a ``.shuffle(n)`` buffer, an ``interleave`` of two sources,
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from shardkit import ShardedDataset, interleave
 from shardkit.pipeline import Pipeline
+from tests.helpers.processes import REPO, run_python
 from tests.helpers.shards import positional_read, positional_shards
 
 COUNTS_A = [230, 410, 170, 388, 302, 95]  # 1,595 records: no world size below 5 divides it
@@ -90,3 +94,30 @@ def check_delivered(kind: str, balance: str, worlds: Iterable[int], delivered: I
 def equal_counts(counts: list[Any]) -> bool:
     """Whether every rank's count (or list of its workers' counts) is the same."""
     return all(c == counts[0] for c in counts)
+
+
+#: (mode, ranks, MixedLoader/DataLoader workers of test_elastic.py's case) of each torchrun.
+WORLDS = (("save", 2, 2), ("load", 3, 1), ("load", 1, 3))
+_torchruns: dict[str, dict[tuple[str, int], Any]] = {}
+
+
+def torchrun_worlds(root: Path) -> dict[tuple[str, int], Any]:
+    """tests/scripts/elastic_check.py under torchrun once per world of :data:`WORLDS`, writing into
+    ``root``: each run's JSON line by (mode, ranks). Run once per test process (the first caller's
+    ``root``) and shared by tests/state/test_elastic.py and test_elastic_stages.py: a torchrun start is
+    a launcher and a Python per rank importing torch."""
+    if "results" not in _torchruns:
+        script = REPO / "tests" / "scripts" / "elastic_check.py"
+        results = {}
+        for mode, ranks, workers in WORLDS:
+            env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORKERS": str(workers)}
+            command = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+            done = run_python(*command, str(script), mode, str(root), timeout=400, env=env)
+            results[mode, ranks] = json.loads(done.stdout.strip().splitlines()[-1])
+        _torchruns["results"], _torchruns["root"] = results, root
+    return _torchruns["results"]
+
+
+def torchrun_root() -> Path:
+    """The folder :func:`torchrun_worlds` wrote into."""
+    return _torchruns["root"]

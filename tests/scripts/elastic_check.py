@@ -1,4 +1,4 @@
-"""Elastic resume under torchrun, checked by tests/state/test_elastic_stages.py.
+"""Elastic resume under torchrun, checked by tests/state/test_elastic_stages.py and tests/state/test_elastic.py.
 
 ``save``: every rank reads the interleave-and-shuffle pipeline of tests/helpers/elastic.py through a
 MixedLoader of 2 workers (micro-batches of 3 in batches of 8, so saving cuts them), saves after batch
@@ -7,7 +7,15 @@ size loads it and reads to the end of the epoch. For every balance in one proces
 start costs seconds); rank 0 prints one JSON line: each rank's ids and batch counts, and whether each
 rank's saved state held cut micro-batches.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/scripts/elastic_check.py save DIR
+With ``WORKERS``, the same process group then runs test_elastic.py's case (:func:`merged_case`): a
+plain ShardedDataset through a MixedLoader of that many workers, saved by rank ``r`` after batch
+``25 + 7 r`` with a state at every micro-batch and merged with ``merge_ranks``; loaded through a
+DataLoader of that many workers. Each rank writes what it delivered to ``DIR/run.BALANCE.save.RANK``
+(``...loadRANKSxWORKERS.RANK`` when loading).
+Both tests' worlds share these torchruns: each start costs a launcher and a Python per rank
+importing torch.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/scripts/elastic_check.py save DIR 2
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from shardkit import MixedLoader  # noqa: E402
-from shardkit.state import gather  # noqa: E402
-from tests.helpers.elastic import pipeline  # noqa: E402
+from shardkit import MixedLoader, ShardedDataset  # noqa: E402
+from shardkit.state import gather, merge_ranks  # noqa: E402
+from tests.helpers.elastic import COUNTS_A, pipeline  # noqa: E402
+from tests.helpers.shards import positional_read, positional_shards  # noqa: E402
 
 BALANCES = ("none", "pad", "drop")
 SAVE_AT = 20
@@ -67,6 +77,36 @@ def load(balance: str, folder: Path) -> tuple[list[int], int, bool]:
     return delivered, batches, False
 
 
+def merged_case(mode: str, balance: str, workers: int, out: str) -> None:
+    """test_elastic.py's case: rank states merged by ``merge_ranks``, loaded by a plain DataLoader."""
+    rank = dist.get_rank()
+    source = ShardedDataset(positional_shards(COUNTS_A), positional_read, shuffle=True, seed=9, balance=balance)
+    source.shuffle_block, source.shuffle_window = 32, 200
+    if mode == "save":
+        loader = MixedLoader(source, 10, num_workers=workers, micro_batch_size=5)
+        # a state with every micro-batch (not only when the work since the last one outweighs
+        # its cost): the dataset states alone then describe the rest, which the test merges
+        loader._micro_batches.state_every = 1
+        delivered: list[int] = []
+        state: dict[str, Any] = {}
+        for count, batch in enumerate(loader, 1):
+            delivered += batch.tolist()
+            if count == 25 + 7 * rank:
+                state = loader.state_dict()  # every rank's (a "ranks" node), as a trainer saves it
+                break
+        del loader  # its workers end before the next balance's start
+        assert not state["states"][rank]["carry"], "batches of whole micro-batches leave nothing cut"
+        merged = merge_ranks([s["workers"] for s in state["states"]])  # the dataset's global state
+        if rank == 0:
+            Path(f"{out}.{balance}.state").write_text(json.dumps(merged))
+    else:
+        source.load_state_dict(json.loads(Path(f"{out}.{balance}.state").read_text()))
+        delivered = [int(s) for s in DataLoader(source, batch_size=None, num_workers=workers)]
+    tag = mode if mode == "save" else f"load{dist.get_world_size()}x{workers}"  # one file per world
+    Path(f"{out}.{balance}.{tag}.{rank}").write_text(json.dumps(delivered))
+    dist.barrier()
+
+
 def main() -> None:
     mode, folder = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
@@ -79,6 +119,9 @@ def main() -> None:
         result["delivered"][balance] = [g[0] for g in gathered]
         result["batches"][balance] = [g[1] for g in gathered]
         result["carried"] += [g[2] for g in gathered]
+    if "WORKERS" in os.environ:
+        for balance in BALANCES:
+            merged_case(mode, balance, int(os.environ["WORKERS"]), str(folder / "run"))
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -7,10 +7,6 @@ samples not yet delivered" is checked by counting ints.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +22,7 @@ from hypothesis import strategies as st
 from shardkit import ShardedDataset, Topology
 from shardkit.planning import plan_intervals, split_remaining, union
 from shardkit.state import StateError, merge, merge_ranks
+from tests.helpers.elastic import COUNTS_A, WORLDS, torchrun_root, torchrun_worlds
 from tests.helpers.shards import positional_read, positional_shards
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,70 +220,11 @@ def test_per_worker_states_merge_before_ranks() -> None:
 
 # -- real ranks: gloo process groups ---------------------------------------------
 
-SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader
-    sys.path.insert(0, {repo!r})
-    import shardkit
-    from shardkit.state import merge_ranks
-    from tests.helpers.shards import positional_read, positional_shards
-
-    # One process group runs every balance in turn: a torchrun start (a launcher and a
-    # Python per rank importing torch) costs seconds, a balance's epoch far less.
-    mode, balances, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    workers = int(os.environ["WORKERS"])
-    for balance in balances:
-        source = shardkit.ShardedDataset(
-            positional_shards({counts}), positional_read, shuffle=True, seed=9, balance=balance
-        )
-        source.shuffle_block, source.shuffle_window = 32, 200
-        if mode == "save":
-            loader = shardkit.MixedLoader(source, 10, num_workers=workers, micro_batch_size=5)
-            # a state with every micro-batch (not only when the work since the last one outweighs
-            # its cost): the dataset states alone then describe the rest, which this test merges
-            loader._micro_batches.state_every = 1
-            delivered = []
-            for count, batch in enumerate(loader, 1):
-                delivered += batch.tolist()
-                if count == 25 + 7 * rank:
-                    state = loader.state_dict()  # every rank's (a "ranks" node), as a trainer saves it
-                    break
-            del loader  # its workers end before the next balance's start
-            own = state["states"][rank]  # every rank's (a "ranks" node), as a trainer saves it
-            assert not own["carry"], "batches of whole micro-batches, each with its state, leave nothing cut"
-            merged = merge_ranks([s["workers"] for s in state["states"]])  # the dataset's global state
-            if rank == 0:
-                json.dump(merged, open(f"{{out}}.{{balance}}.state", "w"))
-        else:
-            source.load_state_dict(json.load(open(f"{{out}}.{{balance}}.state")))
-            loader = DataLoader(source, batch_size=None, num_workers=workers)
-            delivered = [int(s) for s in loader]
-        json.dump(delivered, open(f"{{out}}.{{balance}}.{{mode}}.{{rank}}", "w"))
-        dist.barrier()
-    dist.destroy_process_group()
-    """
-)
+# The torchruns are tests/scripts/elastic_check.py's, shared with test_elastic_stages.py: two ranks of
+# two workers save every balance mid-epoch, then 3 ranks of 1 worker and 1 rank of 3 workers resume.
 BALANCES = ("none", "pad", "drop")
-NEW_WORLDS = [(3, 1), (1, 3)]
-
-
-def _torchrun(root: Path, mode: str, ranks: int, workers: int) -> None:
-    script = root / "elastic_ddp.py"
-    script.write_text(SCRIPT.format(repo=str(REPO), counts=COUNTS))
-    env = {**os.environ, "WORKERS": str(workers), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    done = subprocess.run(
-        [*command, str(script), mode, ",".join(BALANCES), str(root / "run")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+NEW_WORLDS = [(ranks, workers) for mode, ranks, workers in WORLDS if mode == "load"]
+assert COUNTS == COUNTS_A
 
 
 def _delivered(root: Path, balance: str, mode: str, ranks: int) -> list[list[int]]:
@@ -295,13 +233,9 @@ def _delivered(root: Path, balance: str, mode: str, ranks: int) -> list[list[int
 
 @pytest.fixture(scope="module")
 def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two ranks of two workers save mid-epoch, then 3 ranks of 1 worker and 1 rank of 3 resume,
-    every balance in each run: 3 torchruns, not 2 per case (the save run is the same for both new worlds)."""
-    root = tmp_path_factory.mktemp("elastic")
-    _torchrun(root, "save", 2, 2)
-    for ranks, workers in NEW_WORLDS:
-        _torchrun(root, f"load{ranks}x{workers}", ranks, workers)
-    return root
+    """The folder the shared torchruns wrote into (tests/helpers/elastic.py: three, for both files)."""
+    torchrun_worlds(tmp_path_factory.mktemp("elastic"))
+    return torchrun_root()
 
 
 @pytest.mark.slow

@@ -28,8 +28,7 @@ from hypothesis import strategies as st
 
 from shardkit import MixedLoader
 from shardkit.state import StateError, encode, merge_ranks
-from tests.helpers.elastic import KINDS, check_delivered, equal_counts, pipeline
-from tests.helpers.processes import REPO, run_python
+from tests.helpers.elastic import KINDS, check_delivered, equal_counts, pipeline, torchrun_worlds
 
 World = tuple[int, int]  # (ranks, DataLoader workers per rank; 0 is the main process)
 
@@ -294,16 +293,13 @@ def test_a_global_mixed_loader_state_is_checked_naming_the_field() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_two_torchrun_ranks_gathered_through_shuffle_and_interleave_resume_on_one_and_three(tmp_path: Any) -> None:
+@pytest.mark.timeout(900)  # the first test to ask waits for the three torchruns (tests/helpers/elastic.py)
+def test_two_torchrun_ranks_gathered_through_shuffle_and_interleave_resume_on_one_and_three(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     """Saved through gather on 2 gloo ranks (MixedLoader of 2 workers, micro-batches cut), resumed in
     fresh torchruns of 1 and 3 ranks: the epoch's ids exactly once ("pad": only pad repeats)."""
-    script = REPO / "tests" / "scripts" / "elastic_check.py"
-    results = {}
-    for mode, ranks in (("save", 2), ("load", 1), ("load", 3)):
-        command = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        done = run_python(*command, str(script), mode, str(tmp_path), timeout=400, env=_env())
-        results[mode, ranks] = json.loads(done.stdout.strip().splitlines()[-1])
+    results = torchrun_worlds(tmp_path_factory.mktemp("elastic"))
     saved = results["save", 2]
     assert all(saved["carried"]), "every rank must save with cut micro-batches"
     for ranks in (1, 3):
@@ -314,9 +310,3 @@ def test_two_torchrun_ranks_gathered_through_shuffle_and_interleave_resume_on_on
             check_delivered("interleave", balance, [2, ranks], before + after)
             if balance != "none":
                 assert equal_counts(loaded["batches"][balance]), loaded["batches"]
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
