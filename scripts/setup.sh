@@ -3,7 +3,7 @@
 # shardkit into it: `setup.sh` for the package alone, `setup.sh dev` with the
 # test extras. pip runs only when pyproject.toml (or the extras asked for)
 # changed since the last install, so a second run starts at once; so do setup.py
-# and the C decoder's source, which pip compiles into the package.
+# and the C sources (tf.Example decoder, TFRecord kernel), compiled into the package.
 # torch goes first and pinned: its CPU wheel lies on this machine's disk, and a
 # bare `torch` requirement could pull a multi-GB CUDA build instead.
 set -euo pipefail
@@ -14,7 +14,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
     echo "shardkit: creating the project environment in $PWD/$venv" >&2
     python3 -m venv "$venv"
 fi
-want="$(cat pyproject.toml setup.py shardkit/formats/_example.c scripts/setup.sh | sha256sum | cut -c1-16) ${extras:-core}"
+want="$(cat pyproject.toml setup.py shardkit/formats/_example.c shardkit/formats/_tfrecord.c scripts/setup.sh | sha256sum | cut -c1-16) ${extras:-core}"
 stamp="$venv/.shardkit-installed"
 if [[ -f "$stamp" ]] && grep -qxF "$want" "$stamp"; then
     exit 0
