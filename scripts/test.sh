@@ -2,12 +2,11 @@
 # The test command of the README: sets up .venv with the test extras, then runs
 # the whole suite. Pass pytest arguments through, e.g. `-m "not slow"`.
 #
-# Tests run in this one process by default. `-n auto --dist worksteal` runs
-# them in one pytest-xdist worker per core (the quick suite in about half the
-# time; the tests share no fixed path or port), but on 2 cores one of two full runs
-# hung in tests/even's gloo check of a corrupt record raised on one rank
-# (not reproduced alone; open in the tracker), so CI does not use it yet.
+# Tests run in one pytest-xdist worker per core (`-n auto --dist worksteal`):
+# they share no fixed path or port, every subprocess they start has a bound
+# that prints its stacks and kills its session, and each test has pytest-timeout's
+# 300 s. `-n 0` after it runs them in this one process (a debugger, `-x` in order).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n auto --dist worksteal "$@"
