@@ -21,7 +21,8 @@ if [[ -f "$stamp" ]] && grep -qxF "$want" "$stamp"; then
 fi
 echo "shardkit: installing into $PWD/$venv (${extras:-core})" >&2
 # --no-compile: pip would byte-compile every module of torch, transformers, lightning... (most
-# never imported here); Python compiles what is imported on first use and caches it.
+# never imported here); Python compiles what is imported on first use and caches it
+# (in .venv/pycache when run by demo.sh or test.sh).
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 "${pip[@]}" "torch==2.13.0"
 target=.

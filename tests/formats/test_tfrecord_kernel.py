@@ -347,6 +347,7 @@ print(json.dumps(seen))
 
 
 @needs_c
+@pytest.mark.slow
 def test_the_c_kernel_survives_mutated_files_and_nonsense_ends_in_a_subprocess(tmp_path) -> None:
     """A memory error in C would kill the process: run it in a child and check it exited cleanly (its readers of a
     file too, over small buffers and random or nonsense states)."""

@@ -116,7 +116,7 @@ def http_root(tmp_path) -> Iterator[tuple[str, str, list[tuple[str, int]]]]:
     served: list[tuple[str, int]] = []
     handler = type("Handler", (_RangeHandler,), {"served": served})
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(tmp_path)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)  # quick shutdown
     thread.start()
     try:
         yield str(tmp_path), f"http://127.0.0.1:{server.server_address[1]}", served
