@@ -364,6 +364,9 @@ def _close(loader: Any) -> None:
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
     gc.collect()
+    # What survived is torch's, datasets' and this run's own long-lived objects: frozen out of the
+    # collector, the next loader's collection does not walk them again (0.7 s each on 2 shared cores).
+    gc.freeze()
 
 
 # ---------------------------------------------------------------- measurements

@@ -98,11 +98,14 @@ def test_a_state_that_is_not_plain_data_is_refused_and_leaves_no_file(tmp_path):
 
 
 def test_the_callback_sets_ignore_data_skip_and_refuses_a_resume_that_would_skip(tmp_path):
-    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import TrainerControl, TrainerState
+    from transformers.training_args import TrainingArguments
 
     from shardkit.integrations.hf import ResumeCallback
 
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    # Without __post_init__, which imports transformers' whole modeling stack (torch._dynamo,
+    # DTensor: 3 s of CPU) for its reporting integrations; the field's default is the class's.
+    args = TrainingArguments.__new__(TrainingArguments)
     callback = ResumeCallback(small_loader())
     assert args.ignore_data_skip is False
     callback.on_init_end(args, TrainerState(), TrainerControl())

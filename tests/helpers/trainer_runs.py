@@ -21,7 +21,11 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+from filelock import FileLock
 
 from tests.helpers.processes import REPO, free_port
 
@@ -59,13 +63,17 @@ class RankServer:
             raise AssertionError(f"the rank server ended: {Path(self.log.name).read_text()[-3000:]}")
         return json.loads(line)
 
-    def launch(self, args: list[str], timeout: int, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    def launch(
+        self, args: list[str], timeout: int, ranks: int = 2, grace: float | None = None
+    ) -> subprocess.CompletedProcess[str]:
         assert self.process.stdin is not None
         self.runs += 1
         out = Path(self.folder) / f"run{self.runs}"
         out.mkdir()
         request = {"script": str(Path(args[0]).resolve()), "args": args[1:], "out": str(out), "timeout": timeout}
         request["ranks"] = ranks
+        if grace is not None:
+            request["grace"] = grace
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -100,12 +108,15 @@ def ended(code: int) -> str:
 _server: list[RankServer] = []
 
 
-def launch_ranks(args: list[str], timeout: int = 180, ranks: int = 2) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node=2 *args``, the ranks forked from the rank server (see above)."""
+def launch_ranks(
+    args: list[str], timeout: int = 180, ranks: int = 2, grace: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc_per_node=2 *args``, the ranks forked from the rank server (see above);
+    ``grace``: seconds the other ranks get to end by themselves after one failed (the server's default)."""
     if not _server:
         _server.append(RankServer())
         atexit.register(_server[0].close)
-    return _server[0].launch(args, timeout, ranks)
+    return _server[0].launch(args, timeout, ranks, grace)
 
 
 def write_example_data(example: Path, folder: Path, records: int) -> None:
@@ -127,3 +138,25 @@ def recorded_steps(folder: Path, rank: int) -> dict[int, dict]:
 def recorded_reads(folder: Path) -> Counter[int]:
     """How often the pipelines of every rank and worker read (mapped) each id (``rank{r}.reads.{pid}``)."""
     return Counter(int(line) for path in folder.glob("rank*.reads.*") for line in path.read_text().split())
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder that ``make(folder)`` fills once per test session, even under pytest-xdist.
+
+    ``--dist worksteal`` may give the tests of one module-scoped fixture to both workers, and
+    each would then run it (the 2-rank trainer runs of a fixture: tens of seconds). Under xdist
+    the folder is in the session's shared temporary folder and made under a file lock: the first
+    worker makes it, the other waits for it and reads it. A ``make`` that fails leaves no
+    ``.done`` mark, so the other worker tries again and fails alike."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    folder = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".done").touch()
+    return folder
