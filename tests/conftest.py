@@ -75,12 +75,13 @@ def counts_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyte
 
 
 @pytest.fixture(scope="session")
-def plain_import() -> dict[str, Any]:
+def plain_import(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """What one new interpreter saw after ``import shardkit`` (tests.helpers.processes.plain_import),
-    shared by the tests that each assert on one part of it."""
+    shared by the tests that each assert on one part of it (and by every xdist worker)."""
+    from tests.helpers.once import once
     from tests.helpers.processes import plain_import
 
-    return plain_import()
+    return once(tmp_path_factory, "plain-import", plain_import)
 
 
 _LIVE_WORKER_ITERATORS: weakref.WeakSet = weakref.WeakSet()
