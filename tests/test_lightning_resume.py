@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.once import once
 from tests.helpers.processes import EXAMPLES
-from tests.helpers.trainer_runs import launch_ranks, made_once, write_example_data
+from tests.helpers.trainer_runs import launch_ranks, write_example_data
 
 RECORDS, EVERY, KILL_AT = 300, 8, 30
 PER_RANK = 150  # samples per rank and epoch
@@ -43,7 +44,13 @@ def launch(*args: str) -> subprocess.CompletedProcess[str]:
 def runs(request, tmp_path_factory) -> tuple[str, Path]:
     """The killed run and one resumed run per checkpoint, for one loader: their record folders."""
     loader = request.param
-    return loader, made_once(tmp_path_factory, f"lightning-resume-{loader}", lambda root: make_runs(loader, root))
+
+    def make() -> str:  # once for every xdist worker that runs one of the tests (tests.helpers.once)
+        root = tmp_path_factory.mktemp(loader)
+        make_runs(loader, root)
+        return str(root)
+
+    return loader, Path(once(tmp_path_factory, f"lightning-resume-{loader}", make))
 
 
 def make_runs(loader: str, root: Path) -> None:

@@ -21,11 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
-
-import pytest
-from filelock import FileLock
 
 from tests.helpers.processes import REPO, free_port
 
@@ -138,25 +134,3 @@ def recorded_steps(folder: Path, rank: int) -> dict[int, dict]:
 def recorded_reads(folder: Path) -> Counter[int]:
     """How often the pipelines of every rank and worker read (mapped) each id (``rank{r}.reads.{pid}``)."""
     return Counter(int(line) for path in folder.glob("rank*.reads.*") for line in path.read_text().split())
-
-
-def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
-    """A folder that ``make(folder)`` fills once per test session, even under pytest-xdist.
-
-    ``--dist worksteal`` may give the tests of one module-scoped fixture to both workers, and
-    each would then run it (the 2-rank trainer runs of a fixture: tens of seconds). Under xdist
-    the folder is in the session's shared temporary folder and made under a file lock: the first
-    worker makes it, the other waits for it and reads it. A ``make`` that fails leaves no
-    ``.done`` mark, so the other worker tries again and fails alike."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        folder = tmp_path_factory.mktemp(name)
-        make(folder)
-        return folder
-    folder = tmp_path_factory.getbasetemp().parent / name
-    with FileLock(f"{folder}.lock"):
-        if not (folder / ".done").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            make(folder)
-            (folder / ".done").touch()
-    return folder
