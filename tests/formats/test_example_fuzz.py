@@ -222,9 +222,8 @@ def small_int(r: random.Random) -> int:
 
 
 def float_bytes(r: random.Random, n: int) -> bytes:
-    return b"".join(
-        struct.pack("<I", r.choice(FLOAT_BITS) if r.random() < 0.3 else r.getrandbits(32)) for _ in range(n)
-    )
+    bits = [r.choice(FLOAT_BITS) if r.random() < 0.3 else r.getrandbits(32) for _ in range(n)]
+    return struct.pack(f"<{n}I", *bits)
 
 
 VALUE_PADS = [0] * 20 + [1, 3]  # a packed value is overlong now and then
