@@ -26,6 +26,7 @@ import torch
 import shardkit
 from shardkit.errors import StateError
 from shardkit.trainers import TrainerError
+from tests.helpers.once import once
 from tests.helpers.processes import EXAMPLES
 from tests.helpers.shards import synthetic_read, synthetic_shards
 from tests.helpers.trainer_runs import launch_ranks, recorded_reads, recorded_steps
@@ -135,13 +136,17 @@ def run(trainer: str, folder: Path, *extra: str) -> subprocess.CompletedProcess[
 def killed(request, tmp_path_factory) -> tuple[str, Path]:
     """One run of ``request.param`` that checkpoints every 8 steps and is SIGKILLed after step 35."""
     trainer = request.param
-    folder = tmp_path_factory.mktemp(trainer.removesuffix(".py")) / "killed"
-    done = run(trainer, folder, "--checkpoints", str(folder / "checkpoints"), "--checkpoint-every", "8",
-               "--kill-at", str(KILL_AT))  # fmt: skip
-    assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
-    for rank in range(2):
-        assert sorted(recorded_steps(folder / "record", rank)) == list(range(1, KILL_AT + 1))
-    return trainer, folder
+
+    def make() -> str:  # once for every xdist worker that runs one of the tests (tests.helpers.once)
+        folder = tmp_path_factory.mktemp(trainer.removesuffix(".py")) / "killed"
+        done = run(trainer, folder, "--checkpoints", str(folder / "checkpoints"), "--checkpoint-every", "8",
+                   "--kill-at", str(KILL_AT))  # fmt: skip
+        assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
+        for rank in range(2):
+            assert sorted(recorded_steps(folder / "record", rank)) == list(range(1, KILL_AT + 1))
+        return str(folder)
+
+    return trainer, Path(once(tmp_path_factory, f"killed-{trainer}", make))
 
 
 @pytest.mark.slow
