@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
-    scale = 10 if args.quick else 1
+    scale = 20 if args.quick else 1  # still more than one 1,024-row batch in every Parquet and JSONL shard
     only = set(args.only or ["tar", "parquet", "jsonl"])
     out: list[str] = []
     with tempfile.TemporaryDirectory() as root:

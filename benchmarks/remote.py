@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--latency", type=float, nargs="+", default=[0, 30, 100])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="4 x 1,000 records, 0 and 30 ms, one round")
+    parser.add_argument("--quick", action="store_true", help="4 x 250 records, 0 and 30 ms, one round")
     parser.add_argument("--dir", help="where to write the content (default: a temporary directory)")
     parser.add_argument("--startup", type=int, default=1_000_000, help="shards in the start-up manifest (0: skip)")
     parser.add_argument("--only-startup", action="store_true", help="measure start-up only")
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         measure_startup(args.startup, args.workers)
         return
     if args.quick:
-        args.shards, args.records, args.latency, args.repeat = 4, 1000, [0, 30], 1
+        args.shards, args.records, args.latency, args.repeat = 4, 250, [0, 30], 1  # 4 batches of 256 an epoch
     root = args.dir or tempfile.mkdtemp(prefix="shardkit-remote-")
     setup = Setup(args.workers, args.batch)
     try:

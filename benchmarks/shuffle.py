@@ -148,7 +148,7 @@ def print_table(results: dict[str, dict[str, Any]], total: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 x 500 records, one round: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="8 x 250 records, one round: a smoke run")
     parser.add_argument("--shards", type=int, default=32)
     parser.add_argument("--records", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=2)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="only the loaders whose name contains this (e.g. shardkit)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.shards, args.records, args.repeat = 8, 500, 1
+        args.shards, args.records, args.repeat = 8, 250, 1
     with tempfile.TemporaryDirectory(prefix="shardkit-shuffle-") as root:
         content = compare.make_content(root, args.shards, args.records)
         opts = Options(args.workers, args.batch, args.buffer, True, args.window, args.block)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.once import once
 from tests.helpers.processes import EXAMPLES
 from tests.helpers.trainer_runs import launch_ranks, write_example_data
 
@@ -42,7 +43,17 @@ def launch(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module", params=["mixed", "stateful"])
 def runs(request, tmp_path_factory) -> tuple[str, Path]:
     """The killed run and one resumed run per checkpoint, for one loader: their record folders."""
-    loader, root = request.param, tmp_path_factory.mktemp(request.param)
+    loader = request.param
+
+    def make() -> str:  # once for every xdist worker that runs one of the tests (tests.helpers.once)
+        root = tmp_path_factory.mktemp(loader)
+        make_runs(loader, root)
+        return str(root)
+
+    return loader, Path(once(tmp_path_factory, f"lightning-resume-{loader}", make))
+
+
+def make_runs(loader: str, root: Path) -> None:
     data, checkpoints = root / "data", root / "checkpoints"
     write_example_data(EXAMPLES / "lightning_train.py", data, RECORDS)
     (root / "killed").mkdir()
@@ -58,7 +69,6 @@ def runs(request, tmp_path_factory) -> tuple[str, Path]:
             *("--resume", str(checkpoints / f"step={step}.ckpt")),
         )
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return loader, root
 
 
 def batches(folder: Path, rank: int, epoch: int) -> list[tuple[int, list[int]]]:

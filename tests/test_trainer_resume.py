@@ -26,6 +26,7 @@ import torch
 import shardkit
 from shardkit.errors import StateError
 from shardkit.trainers import TrainerError
+from tests.helpers.once import once
 from tests.helpers.processes import EXAMPLES
 from tests.helpers.shards import synthetic_read, synthetic_shards
 from tests.helpers.trainer_runs import launch_ranks, recorded_reads, recorded_steps
@@ -98,11 +99,14 @@ def test_a_state_that_is_not_plain_data_is_refused_and_leaves_no_file(tmp_path):
 
 
 def test_the_callback_sets_ignore_data_skip_and_refuses_a_resume_that_would_skip(tmp_path):
-    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import TrainerControl, TrainerState
+    from transformers.training_args import TrainingArguments
 
     from shardkit.integrations.hf import ResumeCallback
 
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    # Without __post_init__, which imports transformers' whole modeling stack (torch._dynamo,
+    # DTensor: 3 s of CPU) for its reporting integrations; the field's default is the class's.
+    args = TrainingArguments.__new__(TrainingArguments)
     callback = ResumeCallback(small_loader())
     assert args.ignore_data_skip is False
     callback.on_init_end(args, TrainerState(), TrainerControl())
@@ -132,13 +136,17 @@ def run(trainer: str, folder: Path, *extra: str) -> subprocess.CompletedProcess[
 def killed(request, tmp_path_factory) -> tuple[str, Path]:
     """One run of ``request.param`` that checkpoints every 8 steps and is SIGKILLed after step 35."""
     trainer = request.param
-    folder = tmp_path_factory.mktemp(trainer.removesuffix(".py")) / "killed"
-    done = run(trainer, folder, "--checkpoints", str(folder / "checkpoints"), "--checkpoint-every", "8",
-               "--kill-at", str(KILL_AT))  # fmt: skip
-    assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
-    for rank in range(2):
-        assert sorted(recorded_steps(folder / "record", rank)) == list(range(1, KILL_AT + 1))
-    return trainer, folder
+
+    def make() -> str:  # once for every xdist worker that runs one of the tests (tests.helpers.once)
+        folder = tmp_path_factory.mktemp(trainer.removesuffix(".py")) / "killed"
+        done = run(trainer, folder, "--checkpoints", str(folder / "checkpoints"), "--checkpoint-every", "8",
+                   "--kill-at", str(KILL_AT))  # fmt: skip
+        assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
+        for rank in range(2):
+            assert sorted(recorded_steps(folder / "record", rank)) == list(range(1, KILL_AT + 1))
+        return str(folder)
+
+    return trainer, Path(once(tmp_path_factory, f"killed-{trainer}", make))
 
 
 @pytest.mark.slow

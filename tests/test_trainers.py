@@ -369,7 +369,7 @@ def test_the_rank_server_gives_each_rank_torchruns_environment_and_ends_the_othe
         "    sys.exit(3)\n"
         "time.sleep(300)  # rank 0 would wait for ever: the server ends it\n"
     )
-    done = launch_ranks([str(script), "--flag"], timeout=120)
+    done = launch_ranks([str(script), "--flag"], timeout=120, grace=0.5)  # not the 5 s a killed run's ranks get
     assert done.stdout.splitlines() == ["0 2 rank-server ['--flag']", "1 2 rank-server ['--flag']"]
     assert done.returncode != 0 and "rank 1 exited with 3" in done.stderr
     assert "rank 0 ended by signal 9 (SIGKILL)" in done.stderr

@@ -164,24 +164,27 @@ def raw(data: bytes) -> F:
     return F(0, RAW, data)
 
 
-_ONE_BYTE = [bytes((n,)) for n in range(0x80)]  # most tags and lengths: the corpora's hot spot
+def _plain_varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SHORT = [_plain_varint(n) for n in range(1 << 14)]  # tags, lengths, small values: the corpora's hot spot
 
 
 def varint(n: int, pad: int = 0) -> bytes:
     """``n`` as a varint (negatives in ten bytes, bits past 64 kept), ``pad`` bytes longer than needed."""
-    if 0 <= n < 0x80 and not pad:
-        return _ONE_BYTE[n]
-    if n < 0:
-        n &= 2**64 - 1
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            break
-    if pad:
-        out[-1] |= 0x80
-        out += b"\x80" * (pad - 1) + b"\x00"
+    if not pad:
+        if 0 <= n < 1 << 14:
+            return _SHORT[n]
+        return _plain_varint(n & (2**64 - 1) if n < 0 else n)
+    out = bytearray(_plain_varint(n & (2**64 - 1) if n < 0 else n))
+    out[-1] |= 0x80
+    out += b"\x80" * (pad - 1) + b"\x00"
     return bytes(out)
 
 
@@ -219,9 +222,11 @@ def small_int(r: random.Random) -> int:
 
 
 def float_bytes(r: random.Random, n: int) -> bytes:
-    return b"".join(
-        struct.pack("<I", r.choice(FLOAT_BITS) if r.random() < 0.3 else r.getrandbits(32)) for _ in range(n)
-    )
+    bits = [r.choice(FLOAT_BITS) if r.random() < 0.3 else r.getrandbits(32) for _ in range(n)]
+    return struct.pack(f"<{n}I", *bits)
+
+
+VALUE_PADS = [0] * 20 + [1, 3]  # a packed value is overlong now and then
 
 
 def list_fields(r: random.Random, kind: int) -> list[F]:
@@ -234,7 +239,7 @@ def list_fields(r: random.Random, kind: int) -> list[F]:
         elif kind == 2:
             out.append(F(1, 2, float_bytes(r, n)) if r.random() < 0.7 else F(1, 5, float_bytes(r, 1)))
         elif r.random() < 0.7:
-            out.append(F(1, 2, b"".join(varint(small_int(r), r.choice([0] * 20 + [1, 3])) for _ in range(n))))
+            out.append(F(1, 2, b"".join(varint(small_int(r), r.choice(VALUE_PADS)) for _ in range(n))))
         else:
             out.append(F(1, 0, small_int(r)))
     return out
@@ -493,10 +498,15 @@ def test_decoder_agrees_with_protobuf_on_a_larger_corpus(message: str) -> None:
 
 def groups(depth: int) -> F:
     """Unknown groups nested ``depth`` levels deep, each holding a fixed32; the innermost a varint and a string too."""
+    return raw(group_bytes(depth))
+
+
+@cache  # the corpora draw 1,000 and 10,000 levels again and again
+def group_bytes(depth: int) -> bytes:
     numbers = [7 + level % 2 for level in range(depth)]
     opening = b"".join(varint(n << 3 | 3) + b"\x1d\0\0\0\0" for n in numbers)
     closing = b"".join(varint(n << 3 | 4) for n in reversed(numbers))
-    return raw(opening + b"\x08\x05\x12\x01x" + closing)
+    return opening + b"\x08\x05\x12\x01x" + closing
 
 
 def with_field_at(message: str, level: int, extra: F) -> bytes:

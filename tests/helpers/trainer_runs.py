@@ -59,13 +59,17 @@ class RankServer:
             raise AssertionError(f"the rank server ended: {Path(self.log.name).read_text()[-3000:]}")
         return json.loads(line)
 
-    def launch(self, args: list[str], timeout: int, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    def launch(
+        self, args: list[str], timeout: int, ranks: int = 2, grace: float | None = None
+    ) -> subprocess.CompletedProcess[str]:
         assert self.process.stdin is not None
         self.runs += 1
         out = Path(self.folder) / f"run{self.runs}"
         out.mkdir()
         request = {"script": str(Path(args[0]).resolve()), "args": args[1:], "out": str(out), "timeout": timeout}
         request["ranks"] = ranks
+        if grace is not None:
+            request["grace"] = grace
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -100,12 +104,15 @@ def ended(code: int) -> str:
 _server: list[RankServer] = []
 
 
-def launch_ranks(args: list[str], timeout: int = 180, ranks: int = 2) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node=2 *args``, the ranks forked from the rank server (see above)."""
+def launch_ranks(
+    args: list[str], timeout: int = 180, ranks: int = 2, grace: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc_per_node=2 *args``, the ranks forked from the rank server (see above);
+    ``grace``: seconds the other ranks get to end by themselves after one failed (the server's default)."""
     if not _server:
         _server.append(RankServer())
         atexit.register(_server[0].close)
-    return _server[0].launch(args, timeout, ranks)
+    return _server[0].launch(args, timeout, ranks, grace)
 
 
 def write_example_data(example: Path, folder: Path, records: int) -> None:

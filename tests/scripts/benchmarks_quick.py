@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 import traceback
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
@@ -46,9 +47,13 @@ def main() -> None:
         script, *extra = spec.split(":")
         for stream in (sys.stdout, sys.stderr):
             print(f"{BEGIN}{script}", file=stream, flush=True)
+        began = time.perf_counter()
         status = run(script, [arg for part in extra for arg in part.split(",") if arg])
         for stream in (sys.stdout, sys.stderr):
             print(f"\n{END}{script} exit {status}", file=stream, flush=True)
+        print(
+            f"{script}: {time.perf_counter() - began:.1f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ imported objects are frozen out of the garbage collector (``gc.freeze``) and a
 rank ends as multiprocessing's forked processes do (atexit handlers, then
 ``os._exit``), so no rank copies the server's heap page by page to collect it.
 
-A request: ``{"script", "args", "ranks", "out", "timeout"}``. Rank ``r``
-writes its stdout and stderr to ``out/rank{r}.stdout`` and ``.stderr``. As
-under torchrun, when one rank fails the others are ended (after a grace
+A request: ``{"script", "args", "ranks", "out", "timeout", "grace"}`` (``grace``: seconds,
+:data:`GRACE` if left out). Rank ``r`` writes its stdout and stderr to ``out/rank{r}.stdout``
+and ``.stderr``. As under torchrun, when one rank fails the others are ended (after a grace
 period in which a rank that is about to end by itself can); a run past its
 timeout gets SIGABRT (each rank prints its Python stacks) and then SIGKILL, as
 does a run the client gives up on (it sends SIGINT; the server then ends).
@@ -112,7 +112,7 @@ def exit_as_a_script(code: int) -> None:
     os._exit(code)
 
 
-def wait_all(pids: list[int], timeout: float) -> list[int]:
+def wait_all(pids: list[int], timeout: float, grace: float = GRACE) -> list[int]:
     """The ranks' exit codes (``-N`` for signal N); ends the others after a failure or at the timeout."""
     codes: dict[int, int] = {}
     deadline, failed_at = time.monotonic() + timeout, None
@@ -125,7 +125,7 @@ def wait_all(pids: list[int], timeout: float) -> list[int]:
                     if codes[pid] != 0 and failed_at is None:
                         failed_at = time.monotonic()
         now = time.monotonic()
-        if now > deadline or (failed_at is not None and now > failed_at + GRACE):
+        if now > deadline or (failed_at is not None and now > failed_at + grace):
             end([pid for pid in pids if pid not in codes], abort=now > deadline)
             deadline = failed_at = float("inf")
         time.sleep(POLL)
@@ -154,7 +154,7 @@ def serve(request: dict) -> dict:
             run_rank(request["script"], request["args"], rank_environment(rank, ranks, port), request["out"], rank)
         pids.append(pid)
     try:
-        codes = wait_all(pids, request.get("timeout", 300))
+        codes = wait_all(pids, request.get("timeout", 300), request.get("grace", GRACE))
     except KeyboardInterrupt:  # the test gave up on this run (its own timeout): no rank outlives it
         end(pids, abort=True)
         raise
