@@ -488,10 +488,8 @@ HANG_TIMEOUT = 2
 @pytest.mark.slow
 def test_control_without_even_batches_the_same_run_hangs_until_the_collective_timeout():
     start = time.monotonic()
-    done = run_python(
-        str(CHECK), "--case", "filter", "--wrap", "none", "--collective-timeout", str(HANG_TIMEOUT), check=False,
-        timeout=RUN_TIMEOUT,
-    )
+    args = ("--case", "filter", "--wrap", "none", "--collective-timeout", str(HANG_TIMEOUT))
+    done = run_python(str(CHECK), *args, check=False, timeout=RUN_TIMEOUT)
     assert done.returncode != 0 and not done.stdout.strip()
     # It waited out the timeout (a hang), then gloo gave up on one rank and the other lost its peer.
     assert time.monotonic() - start > HANG_TIMEOUT

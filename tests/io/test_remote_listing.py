@@ -179,9 +179,7 @@ def _rank_fails_to_list(rank: int, world_size: int, pattern: str, out_dir: str) 
 def test_a_shared_listing_that_fails_fails_on_every_rank_instead_of_hanging(tmp_path) -> None:
     from tests.helpers.processes import gloo_ranks
 
-    gloo_ranks(
-        _rank_fails_to_list, 2, str(tmp_path / "nothing" / "*.tfrecord"), str(tmp_path), start_method="fork"
-    )
+    gloo_ranks(_rank_fails_to_list, 2, str(tmp_path / "nothing" / "*.tfrecord"), str(tmp_path), start_method="fork")
     results = sorted(json.load(open(tmp_path / f"{rank}.json")) for rank in range(2))
     assert results[0].startswith("ShardListError: another rank listed")  # the rank that waited ...
     assert results[1].startswith("ShardListError: no files match")  # ... learns the lister's error
