@@ -335,16 +335,19 @@ def test_two_ranks_of_two_spawned_workers_probe_each_index_once_per_job_and_list
         shardkit.build_index(url)
     with FaultServer(str(tmp_path)) as server:
         pattern = f"{server.url}/data/part-*.tfrecord"
+        # The ranks are forked (their DataLoader workers are the spawned ones), before this process
+        # lists or probes anything: they inherit nothing it learnt, as spawned ranks would.
+        gloo_ranks(_read_with_spawned_workers, 2, pattern, str(tmp_path), start_method="fork")
+        job_probes = sorted(r.path for r in server.log if r.path.endswith(".idx"))
+        job_listings = [r.method for r in server.log if r.method == "LIST"]
+        server.log.clear()
         shards = ShardList.from_glob(pattern)
         one_listing = [r.method for r in server.log if r.method == "LIST"]
         server.log.clear()
         assert counts_from_indexes(shards, TFRecordFormat().stored_count, cache_dir="").num_records.tolist() == [5] * 4
         one_probe = sorted(r.path for r in server.log if r.path.endswith(".idx"))
-        server.log.clear()
-        # Spawned ranks, not forked: a fork would inherit what this process looked up just above (fewer probes).
-        gloo_ranks(_read_with_spawned_workers, 2, pattern, str(tmp_path))
-        assert sorted(r.path for r in server.log if r.path.endswith(".idx")) == one_probe  # before: once per reader
-        assert [r.method for r in server.log if r.method == "LIST"] == one_listing  # workers list nothing
+        assert one_probe and job_probes == one_probe  # before: once per reader
+        assert one_listing and job_listings == one_listing  # workers list nothing
     ranks = [json.load(open(tmp_path / f"{rank}.json")) for rank in range(2)]
     assert sorted(ranks[0] + ranks[1]) == [f"r{k:05d}" for k in range(20)] and len(ranks[0]) == len(ranks[1]) == 10
 
