@@ -335,15 +335,19 @@ def test_two_ranks_of_two_spawned_workers_probe_each_index_once_per_job_and_list
         shardkit.build_index(url)
     with FaultServer(str(tmp_path)) as server:
         pattern = f"{server.url}/data/part-*.tfrecord"
+        # The ranks are forked (their DataLoader workers are the spawned ones), before this process
+        # lists or probes anything: they inherit nothing it learnt, as spawned ranks would.
+        gloo_ranks(_read_with_spawned_workers, 2, pattern, str(tmp_path), start_method="fork")
+        job_probes = sorted(r.path for r in server.log if r.path.endswith(".idx"))
+        job_listings = [r.method for r in server.log if r.method == "LIST"]
+        server.log.clear()
         shards = ShardList.from_glob(pattern)
         one_listing = [r.method for r in server.log if r.method == "LIST"]
         server.log.clear()
         assert counts_from_indexes(shards, TFRecordFormat().stored_count, cache_dir="").num_records.tolist() == [5] * 4
         one_probe = sorted(r.path for r in server.log if r.path.endswith(".idx"))
-        server.log.clear()
-        gloo_ranks(_read_with_spawned_workers, 2, pattern, str(tmp_path))
-        assert sorted(r.path for r in server.log if r.path.endswith(".idx")) == one_probe  # before: once per reader
-        assert [r.method for r in server.log if r.method == "LIST"] == one_listing  # workers list nothing
+        assert one_probe and job_probes == one_probe  # before: once per reader
+        assert one_listing and job_listings == one_listing  # workers list nothing
     ranks = [json.load(open(tmp_path / f"{rank}.json")) for rank in range(2)]
     assert sorted(ranks[0] + ranks[1]) == [f"r{k:05d}" for k in range(20)] and len(ranks[0]) == len(ranks[1]) == 10
 
@@ -372,7 +376,7 @@ def test_an_index_written_after_the_first_rank_built_its_dataset_leaves_every_re
     from tests.helpers.processes import gloo_ranks
 
     urls = _write_tfrecords(str(tmp_path), SIZES)
-    gloo_ranks(_index_written_between_ranks, 2, urls, str(tmp_path))
+    gloo_ranks(_index_written_between_ranks, 2, urls, str(tmp_path), start_method="fork")
     ranks = [json.load(open(tmp_path / f"{rank}.json")) for rank in range(2)]
     assert sorted(ranks[0] + ranks[1]) == [f"r{k:05d}" for k in range(30)]  # before: records 15 to 19 read twice
     assert [len(rank) for rank in ranks] == [20, 10]  # the first rank found no index: whole shards on both
@@ -402,7 +406,7 @@ def test_a_stale_index_fails_the_rank_that_looked_and_every_rank_that_waits_for_
         shardkit.build_index(url)
     with open(urls[1], "ab") as f:  # the shard grew after it was indexed
         f.write(open(urls[1], "rb").read())
-    gloo_ranks(_build_over_a_stale_index, 2, urls, str(tmp_path))
+    gloo_ranks(_build_over_a_stale_index, 2, urls, str(tmp_path), start_method="fork")
     results = sorted(json.load(open(tmp_path / f"{rank}.json")) for rank in range(2))
     assert results[0].startswith("CountsUnavailableError: another rank looked up the record counts of 2 shards")
     assert results[1].startswith(f"IndexFileError: index file {urls[1]}.idx does not fit {urls[1]}")

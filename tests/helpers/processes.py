@@ -143,3 +143,29 @@ def _gloo_rank(
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+
+
+def end_loader_workers() -> int:
+    """Shut down, now, the worker processes of every DataLoader iterator this process still holds;
+    returns how many iterators had some. Call it between runs whose loaders are done with.
+
+    A loader left mid-epoch (a run stopped early, a rank that stopped under ``at_end="stop"``, a
+    worker's error kept in a traceback) sits in reference cycles, so only the cyclic GC frees it,
+    at whatever moment it next runs. The GC finalizes the iterator's queues before the iterator:
+    its ``None`` never reaches the workers, and DataLoader waits 5 s per worker before it
+    terminates them (see ``shardkit/loader/mixer.py``, ``_stop_workers``). Shut down here, while
+    the queues live, the workers exit at once.
+    """
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    ended = 0
+    for obj in gc.get_objects():
+        # type(), not isinstance(): that would ask every object its __class__ (torch's lazy modules warn)
+        if type(obj) is _MultiProcessingDataLoaderIter and not obj._shutdown:
+            if any(worker._parent_pid == os.getpid() for worker in obj._workers):  # not one a fork inherited
+                obj._shutdown_workers()
+                ended += 1
+    gc.collect()
+    return ended

@@ -348,7 +348,7 @@ def _save_after_three_batches_and_gather(rank: int, world_size: int, strategy: s
 def test_two_gloo_ranks_of_two_workers_gather_a_state_that_resumes_on_one_and_three_ranks(strategy, tmp_path):
     from tests.helpers.processes import gloo_ranks
 
-    gloo_ranks(_save_after_three_batches_and_gather, 2, strategy, str(tmp_path))
+    gloo_ranks(_save_after_three_batches_and_gather, 2, strategy, str(tmp_path), start_method="fork")
     saved = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     assert saved[0]["state"] == saved[1]["state"], "every rank gathers the same global state"
     dataset_state = saved[0]["state"]["workers"][0]  # the global state of the pipeline

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import os
 import sys
@@ -37,7 +36,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import shardkit  # noqa: E402
-from tests.helpers.processes import gloo_ranks
+from tests.helpers.processes import end_loader_workers, gloo_ranks
 from tests.helpers.shards import synthetic_read, synthetic_shards
 
 COUNTS = [17, 3, 0, 25, 9, 30, 11, 6, 12]
@@ -84,7 +83,7 @@ def natural(case: str, rank: int, urls: list[str]) -> list[list[str]] | str:
             return [ids(batch) for batch in build(case, rank, urls)]
     except Exception as error:  # noqa: BLE001 - the "raise" case
         failed = repr(error)
-    gc.collect()  # the failed DataLoader iterator sat in the error's traceback: its workers are shut down now
+    end_loader_workers()  # the failed DataLoader iterator sits in the error's traceback, in a cycle
     return failed
 
 
@@ -179,6 +178,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
         for spec in args.runs:
             case, wrap, every = spec.split("/")
             result[spec] = run_case(rank, case, wrap, int(every), args.urls)
+            end_loader_workers()  # loaders left mid-epoch: ended now, not 5 s per worker at a later GC
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
     if rank == 0 and args.runs:

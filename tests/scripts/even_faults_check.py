@@ -2,8 +2,9 @@
 
 Two ranks join a gloo process group with ``--timeout`` seconds (the job's
 timeout) and iterate ``even_batches`` over 10 batches each. After 2 batches
-rank 1 either sleeps (``--fault stall``: alive, no longer iterating), then
-tries to go on, or exits at once (``--fault die``: ``os._exit``). Each rank
+rank 1 either stalls (``--fault stall``: alive, no longer iterating) until
+rank 0 has given up and written its report, then tries to go on, or exits at
+once (``--fault die``: ``os._exit``). Each rank
 writes one JSON line (its error and its longest wait in ``next()``)
 to a file in ``--out``; the script prints them, rank by rank, as one JSON line.
 
@@ -23,8 +24,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import shardkit  # noqa: E402
 from tests.helpers.processes import gloo_ranks
 
-#: How long a stalled rank sleeps before it tries to go on: past the job's timeout.
-STALL_BEYOND = 6.0
+#: Seconds between a stalled rank's looks for the waiting rank's report.
+POLL = 0.05
+
+
+def stall_until_reported(out: str, timeout: float) -> None:
+    """Stall (alive, not iterating) until rank 0 has raised and written its report, so that going on
+    afterwards cannot complete the agreement it waited for; a bound of the job's timeout plus 60 s."""
+    deadline = time.monotonic() + timeout + 60
+    while not os.path.exists(os.path.join(out, "rank0.json")) and time.monotonic() < deadline:
+        time.sleep(POLL)
 
 
 def run(rank: int, world_size: int, fault: str, timeout: float, out: str) -> None:
@@ -37,7 +46,7 @@ def run(rank: int, world_size: int, fault: str, timeout: float, out: str) -> Non
             if rank == 1 and report["batches"] == 2:
                 if fault == "die":
                     os._exit(0)  # abrupt, no cleanup; status 0, else start_processes kills rank 0 at once
-                time.sleep(timeout + STALL_BEYOND)
+                stall_until_reported(out, timeout)
             started = time.monotonic()
             try:
                 next(iterator)
@@ -47,8 +56,10 @@ def run(rank: int, world_size: int, fault: str, timeout: float, out: str) -> Non
     except Exception as error:  # noqa: BLE001 - reported to the test
         report["error"] = f"{type(error).__name__}: {error}"
     report["seconds"] = longest
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+    path = os.path.join(out, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as file:
         json.dump(report, file)
+    os.replace(path + ".tmp", path)  # whole when it appears: rank 1 waits for rank 0's
 
 
 def main() -> None:
