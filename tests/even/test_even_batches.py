@@ -26,6 +26,7 @@ from shardkit.even import wrapper as even_module
 from shardkit.ranks import ranks_node
 from shardkit.state import StateError
 from tests.helpers.even import Batches, expected, rank_batches, run_ranks
+from tests.helpers.once import once
 from tests.helpers.processes import EXAMPLES, REPO, free_port, last_json_line, run_python
 from tests.sources.test_tfrecord_dataset import corrupt_data_byte, write_shards
 
@@ -366,15 +367,19 @@ TWO_RANKS = (
 THREE_RANKS = ("filter/pad/1", "mixed/stop/1", "subgroup/pad/1")
 
 
+# Each launch runs once per session (tests.helpers.once), however worksteal splits this module's tests.
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
-    urls = corrupt_shards(tmp_path_factory.mktemp("corrupt"))
-    return check_ranks("--world-size", "2", "--runs", *TWO_RANKS, "--", *urls)
+    def launch() -> dict[str, list[dict[str, Any]]]:
+        urls = corrupt_shards(tmp_path_factory.mktemp("corrupt"))
+        return check_ranks("--world-size", "2", "--runs", *TWO_RANKS, "--", *urls)
+
+    return once(tmp_path_factory, "even-two-ranks", launch)
 
 
 @pytest.fixture(scope="module")
-def three_ranks() -> dict[str, list[dict[str, Any]]]:
-    return check_ranks("--world-size", "3", "--runs", *THREE_RANKS)
+def three_ranks(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
+    return once(tmp_path_factory, "even-three-ranks", lambda: check_ranks("--world-size", "3", "--runs", *THREE_RANKS))
 
 
 def corrupt_shards(root: Path) -> list[str]:
