@@ -102,18 +102,16 @@ _torchruns: dict[str, dict[tuple[str, int], Any]] = {}
 
 
 def torchrun_worlds(root: Path) -> dict[tuple[str, int], Any]:
-    """tests/scripts/elastic_check.py under torchrun once per world of :data:`WORLDS`, writing into
-    ``root``: each run's JSON line by (mode, ranks). Run once per test process (the first caller's
-    ``root``) and shared by tests/state/test_elastic.py and test_elastic_stages.py: a torchrun start is
-    a launcher and a Python per rank importing torch."""
+    """tests/scripts/elastic_check.py's worlds of :data:`WORLDS`, writing into ``root``: each world's
+    JSON line by (mode, ranks). The script forks each world's gloo ranks with torchrun's environment
+    from one interpreter that imported torch once. Run once per test process (the first caller's
+    ``root``) and shared by tests/state/test_elastic.py and test_elastic_stages.py."""
     if "results" not in _torchruns:
         script = REPO / "tests" / "scripts" / "elastic_check.py"
-        results = {}
-        for mode, ranks, workers in WORLDS:
-            env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORKERS": str(workers)}
-            command = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-            done = run_python(*command, str(script), mode, str(root), timeout=400, env=env)
-            results[mode, ranks] = json.loads(done.stdout.strip().splitlines()[-1])
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        done = run_python(str(script), "worlds", str(root), timeout=400, env=env)
+        lines = json.loads(done.stdout.strip().splitlines()[-1])
+        results = {(mode, ranks): lines[f"{mode} {ranks}"] for mode, ranks, _ in WORLDS}
         _torchruns["results"], _torchruns["root"] = results, root
     return _torchruns["results"]
 

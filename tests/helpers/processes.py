@@ -4,6 +4,7 @@ Module level, so that DataLoader workers and ranks started with spawn can unpick
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -13,7 +14,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,3 +172,58 @@ def end_loader_workers() -> int:
                 ended += 1
     gc.collect()
     return ended
+
+
+def torchrun_environment(rank: int, ranks: int, port: int) -> dict[str, str]:
+    """What ``torchrun --standalone --nproc-per-node=ranks`` sets for one of its ranks."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "ROLE_WORLD_SIZE": str(ranks),
+        "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": f"forked-{port}", "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+
+
+def fork_ranks(fn: Callable[[], None], ranks: int, environment: dict[str, str] | None = None) -> list[int]:
+    """Run ``fn()`` in ``ranks`` processes forked from this one, each with torchrun's environment for its
+    rank (plus ``environment``), as torchrun would run a script's ``main``; their exit codes (``-N``:
+    signal N). For a check script that imported torch once and then runs several worlds one after
+    another (tests/scripts/elastic_check.py): a torchrun start costs a launcher and a Python per rank
+    importing torch, seconds each. The caller must have run no torch operation and started no thread
+    (a forked rank must be as fresh as a new interpreter). When a rank fails, the others are killed
+    (they would wait on it in a collective); the caller's own bound (:func:`run_python`'s timeout,
+    which ends the whole session) bounds a hang."""
+    assert threading.active_count() == 1, "a thread of this process would be copied into no rank: fork is unsafe"
+    port, pids = free_port(), []
+    for rank in range(ranks):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns
+            code = 0
+            try:
+                os.environ.update({**torchrun_environment(rank, ranks, port), **(environment or {})})
+                fn()
+            except BaseException:  # noqa: BLE001  (a rank's error is its stderr and exit status)
+                traceback.print_exc()
+                code = 1
+            _end_forked_rank(code)
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    while len(codes) < len(pids):
+        pid, status = os.wait()
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid] != 0:
+            for other in set(pids) - set(codes):
+                os.kill(other, signal.SIGKILL)
+    return [codes[pid] for pid in pids]
+
+
+def _end_forked_rank(code: int) -> None:
+    """End a forked rank as a script ends (atexit handlers: DataLoader workers, process groups), then
+    ``os._exit``: the rest of the finalization only frees a heap copied from the parent."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

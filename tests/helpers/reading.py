@@ -122,6 +122,30 @@ def read_all(loader: Iterable[Any]) -> list[Any]:
         raise
 
 
+def read_all_or_shut_down(loader: Iterable[Any]) -> list[Any]:
+    """:func:`read_all`, also when the error comes out of ``iter(loader)``: a StatefulDataLoader that loaded
+    a state hands it to its workers while its iterator starts, so a worker's error about the state is
+    raised from there, and no caller holds that iterator yet. On any error this shuts down the workers
+    of every DataLoader iterator the traceback's frames hold (:func:`shut_down_workers`)."""
+    try:
+        return read_all(loader)
+    except BaseException as error:
+        shut_down_workers(error.__traceback__)
+        raise
+
+
+def shut_down_workers(traceback: Any) -> None:
+    """Shut down the workers of every DataLoader iterator that a frame of ``traceback`` holds as ``self``
+    (a started or half-started one), before the cycle collector would: it finalizes their queues first,
+    and DataLoader then waits 5 s per worker for an exit message that never comes."""
+    while traceback is not None:
+        holder = traceback.tb_frame.f_locals.get("self")
+        shutdown = getattr(holder, "_shutdown_workers", None)
+        if callable(shutdown) and hasattr(holder, "_workers"):
+            shutdown()
+        traceback = traceback.tb_next
+
+
 @contextlib.contextmanager
 def as_worker(worker: int, workers: int) -> Iterator[None]:
     """Run in this process as DataLoader worker ``worker`` of ``workers``: ``torch.utils.data.get_worker_info``

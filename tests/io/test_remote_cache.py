@@ -104,7 +104,9 @@ def _read_cached(url: str, cache_dir: str, out: multiprocessing.Queue) -> None: 
 def test_concurrent_workers_filling_one_entry_fetch_it_once_and_agree(server: FaultServer, tmp_path) -> None:
     records = write_shard(str(tmp_path / "data" / "a.tfrecord"), count=600)
     server.latency = 0.02  # the first filler is still fetching when the others arrive
-    context = multiprocessing.get_context("spawn")
+    # fork: what is tested is processes sharing one cache folder, not how they start (a spawned one
+    # imports torch again, seconds each; forked ones also start together, so they meet mid-fill)
+    context = multiprocessing.get_context("fork")
     out = context.Queue()
     workers = [
         context.Process(target=_read_cached, args=(f"{server.url}/a.tfrecord", str(tmp_path / "cache"), out))
@@ -277,7 +279,7 @@ def test_four_processes_evicting_each_others_entries_all_read_every_shard_whole(
         write_shard(str(data / f"s{i}.tfrecord"), count=60, seed=i)
         urls.append(f"{server.url}/s{i}.tfrecord")
     limit = os.path.getsize(data / "s0.tfrecord") + 100  # one entry: every fill evicts the others
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # as above: processes sharing a cache, however started
     out = context.Queue()
     workers = [
         context.Process(target=_read_all_cached, args=(urls, str(tmp_path / "cache"), limit, 6, seed, out))

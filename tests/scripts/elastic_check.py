@@ -12,10 +12,13 @@ plain ShardedDataset through a MixedLoader of that many workers, saved by rank `
 ``25 + 7 r`` with a state at every micro-batch and merged with ``merge_ranks``; loaded through a
 DataLoader of that many workers. Each rank writes what it delivered to ``DIR/run.BALANCE.save.RANK``
 (``...loadRANKSxWORKERS.RANK`` when loading).
-Both tests' worlds share these torchruns: each start costs a launcher and a Python per rank
-importing torch.
+Both tests' worlds share one run of ``worlds``: it imports torch once and forks each world's ranks
+with torchrun's environment, one world after another (three torchruns cost a launcher and a Python
+per rank importing torch: the module's setup took 76 s, now 29 s, both at load 10). Under torchrun,
+one world:
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/scripts/elastic_check.py save DIR 2
+    python tests/scripts/elastic_check.py worlds DIR
+    WORKERS=2 python -m torch.distributed.run --standalone --nproc-per-node=2 tests/scripts/elastic_check.py save DIR
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from shardkit import MixedLoader, ShardedDataset  # noqa: E402
 from shardkit.state import gather, merge_ranks  # noqa: E402
-from tests.helpers.elastic import COUNTS_A, pipeline  # noqa: E402
+from tests.helpers.elastic import COUNTS_A, WORLDS, pipeline  # noqa: E402
+from tests.helpers.processes import fork_ranks  # noqa: E402
 from tests.helpers.shards import positional_read, positional_shards  # noqa: E402
 
 BALANCES = ("none", "pad", "drop")
@@ -107,8 +111,8 @@ def merged_case(mode: str, balance: str, workers: int, out: str) -> None:
     dist.barrier()
 
 
-def main() -> None:
-    mode, folder = sys.argv[1], Path(sys.argv[2])
+def run(mode: str, folder: Path) -> None:
+    """One rank of a ``mode`` world (under torchrun, or forked by :func:`worlds`)."""
     dist.init_process_group("gloo")
     result: dict[str, Any] = {"delivered": {}, "batches": {}, "carried": []}
     for balance in BALANCES:
@@ -123,9 +127,25 @@ def main() -> None:
         for balance in BALANCES:
             merged_case(mode, balance, int(os.environ["WORKERS"]), str(folder / "run"))
     if dist.get_rank() == 0:
+        (folder / f"{mode}.{dist.get_world_size()}.json").write_text(json.dumps(result))
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 
+def worlds(folder: Path) -> None:
+    """Every world of tests/helpers/elastic.py's ``WORLDS`` one after another, its ranks forked from this
+    process (torch imported once, here, not by a launcher and each rank of three torchruns); prints one
+    JSON line: each world's rank 0 result by ``"MODE RANKS"``."""
+    results = {}
+    for mode, ranks, workers in WORLDS:
+        codes = fork_ranks(lambda mode=mode: run(mode, folder), ranks, {"WORKERS": str(workers)})
+        assert codes == [0] * ranks, f"the {mode} world of {ranks} ranks ended with {codes}"
+        results[f"{mode} {ranks}"] = json.loads((folder / f"{mode}.{ranks}.json").read_text())
+    print(json.dumps(results), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "worlds":
+        worlds(Path(sys.argv[2]))
+    else:
+        run(sys.argv[1], Path(sys.argv[2]))

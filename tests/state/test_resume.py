@@ -28,6 +28,7 @@ from shardkit import MixedLoader, ShardedDataset, interleave, wrap
 from shardkit.errors import CorruptRecordError
 from shardkit.pipeline import Pipeline, Shuffle
 from shardkit.state import StateError, merge
+from tests.helpers.processes import last_json_line, run_python
 from tests.helpers.reading import CountingStream
 from tests.helpers.shards import synthetic_read, synthetic_shards
 
@@ -318,7 +319,7 @@ def test_skipped_records_count_as_read() -> None:
 
 KILL_SCRIPT = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import atexit, json, os, signal, sys, traceback
     sys.path.insert(0, {repo!r})
     from shardkit import MixedLoader
     from shardkit.pipeline import Shuffle
@@ -330,25 +331,46 @@ KILL_SCRIPT = textwrap.dedent(
         with open(f"{{out}}/worker{{worker_id}}.pid", "w") as file:
             file.write(str(os.getpid()))
 
-    # Micro-batches of one sample: the worker killed at batch 7 still has micro-batches to send (a state_dict()
-    # receives a worker's micro-batches up to its next state, at most 16 of them).
-    loader = MixedLoader(Shuffle(source(), 6), 4, num_workers=2, micro_batch_size=1, worker_init_fn=record_pid)
-    if os.path.exists(out + "/state.json"):  # resume
-        with open(out + "/state.json") as file:
-            loader.load_state_dict(json.load(file)["state"])
-        with open(out + "/resumed.json", "w") as file:
-            json.dump([s for batch in loader for s in batch], file)
-        sys.exit(0)
-    delivered = []
-    for count, batch in enumerate(loader, 1):
-        delivered += batch
-        if count % 3 == 0:  # checkpoint: model and loader state together
-            with open(out + "/tmp.json", "w") as file:
-                json.dump({{"state": loader.state_dict(), "delivered": delivered}}, file)
-            os.replace(out + "/tmp.json", out + "/state.json")
-        if count == 7:  # preemption: a worker dies mid-epoch
-            with open(out + "/worker0.pid") as file:
-                os.kill(int(file.read()), signal.SIGKILL)
+    def train():
+        # Micro-batches of one sample: the worker killed at batch 7 still has micro-batches to send (a
+        # state_dict() receives a worker's micro-batches up to its next state, at most 16 of them).
+        loader = MixedLoader(Shuffle(source(), 6), 4, num_workers=2, micro_batch_size=1, worker_init_fn=record_pid)
+        if os.path.exists(out + "/state.json"):  # resume
+            with open(out + "/state.json") as file:
+                loader.load_state_dict(json.load(file)["state"])
+            with open(out + "/resumed.json", "w") as file:
+                json.dump([s for batch in loader for s in batch], file)
+            return
+        delivered = []
+        for count, batch in enumerate(loader, 1):
+            delivered += batch
+            if count % 3 == 0:  # checkpoint: model and loader state together
+                with open(out + "/tmp.json", "w") as file:
+                    json.dump({{"state": loader.state_dict(), "delivered": delivered}}, file)
+                os.replace(out + "/tmp.json", out + "/state.json")
+            if count == 7:  # preemption: a worker dies mid-epoch
+                with open(out + "/worker0.pid") as file:
+                    os.kill(int(file.read()), signal.SIGKILL)
+
+    def job(name):
+        # Each run a process of its own, as a preempted and a restarted job are: forked from this one,
+        # which imported torch and shardkit once and ran nothing (not two interpreters importing torch).
+        # Its exit status; its stderr in OUT/NAME.stderr.
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(os.open(f"{{out}}/{{name}}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+            code = 0
+            try:
+                train()
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            atexit._run_exitfuncs()
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    print(json.dumps([job("crashed"), job("resumed")]), flush=True)
     """
 )
 
@@ -357,13 +379,13 @@ KILL_SCRIPT = textwrap.dedent(
 def test_killed_worker_resumes_from_the_last_saved_state(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(KILL_SCRIPT.format(repo=str(REPO)))
-    crashed = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert crashed.returncode != 0 and "killed by signal" in crashed.stderr, crashed.stderr[-2000:]
+    crashed, resumed = last_json_line(run_python(str(script), str(tmp_path), timeout=240).stdout)
+    stderr = (tmp_path / "crashed.stderr").read_text()
+    assert crashed != 0 and "killed by signal" in stderr, stderr[-2000:]
     saved = json.loads((tmp_path / "state.json").read_text())
     # The last checkpoint: some multiple of 3 batches, from before the crash surfaced.
     assert len(saved["delivered"]) % 12 == 0 and 0 < len(saved["delivered"]) < sum(COUNTS)
-    resumed = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed == 0, (tmp_path / "resumed.stderr").read_text()[-2000:]
     rest = json.loads((tmp_path / "resumed.json").read_text())
     assert sorted(saved["delivered"] + rest) == sorted(source())
 
