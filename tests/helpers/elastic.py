@@ -14,8 +14,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from shardkit import ShardedDataset, interleave
 from shardkit.pipeline import Pipeline
+from tests.helpers.once import once
 from tests.helpers.processes import REPO, run_python
 from tests.helpers.shards import positional_read, positional_shards
 
@@ -98,24 +101,30 @@ def equal_counts(counts: list[Any]) -> bool:
 
 #: (mode, ranks, MixedLoader/DataLoader workers of test_elastic.py's case) of each torchrun.
 WORLDS = (("save", 2, 2), ("load", 3, 1), ("load", 1, 3))
-_torchruns: dict[str, dict[tuple[str, int], Any]] = {}
+_torchruns: dict[str, Any] = {}
 
 
-def torchrun_worlds(root: Path) -> dict[tuple[str, int], Any]:
-    """tests/scripts/elastic_check.py's worlds of :data:`WORLDS`, writing into ``root``: each world's
-    JSON line by (mode, ranks). The script forks each world's gloo ranks with torchrun's environment
-    from one interpreter that imported torch once. Run once per test process (the first caller's
-    ``root``) and shared by tests/state/test_elastic.py and test_elastic_stages.py."""
+def torchrun_worlds(factory: pytest.TempPathFactory) -> dict[tuple[str, int], Any]:
+    """tests/scripts/elastic_check.py's worlds of :data:`WORLDS`, each world's JSON line by (mode, ranks).
+    The script forks each world's gloo ranks with torchrun's environment from one interpreter that
+    imported torch once. Run once per session, for every xdist worker (:func:`tests.helpers.once.once`),
+    and shared by tests/state/test_elastic.py and test_elastic_stages.py."""
     if "results" not in _torchruns:
-        script = REPO / "tests" / "scripts" / "elastic_check.py"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        done = run_python(str(script), "worlds", str(root), timeout=400, env=env)
-        lines = json.loads(done.stdout.strip().splitlines()[-1])
-        results = {(mode, ranks): lines[f"{mode} {ranks}"] for mode, ranks, _ in WORLDS}
-        _torchruns["results"], _torchruns["root"] = results, root
+
+        def launch() -> dict[str, Any]:
+            root = factory.mktemp("elastic")
+            script = REPO / "tests" / "scripts" / "elastic_check.py"
+            env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+            done = run_python(str(script), "worlds", str(root), timeout=400, env=env)
+            return {"root": str(root), "lines": json.loads(done.stdout.strip().splitlines()[-1])}
+
+        shared = once(factory, "elastic-worlds", launch)
+        lines = shared["lines"]
+        _torchruns["results"] = {(mode, ranks): lines[f"{mode} {ranks}"] for mode, ranks, _ in WORLDS}
+        _torchruns["root"] = Path(shared["root"])
     return _torchruns["results"]
 
 
 def torchrun_root() -> Path:
-    """The folder :func:`torchrun_worlds` wrote into."""
+    """The folder :func:`torchrun_worlds` wrote into (files of every rank's run)."""
     return _torchruns["root"]

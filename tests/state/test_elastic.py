@@ -234,7 +234,7 @@ def _delivered(root: Path, balance: str, mode: str, ranks: int) -> list[list[int
 @pytest.fixture(scope="module")
 def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder the shared torchruns wrote into (tests/helpers/elastic.py: three, for both files)."""
-    torchrun_worlds(tmp_path_factory.mktemp("elastic"))
+    torchrun_worlds(tmp_path_factory)
     return torchrun_root()
 
 

@@ -294,12 +294,12 @@ def test_a_global_mixed_loader_state_is_checked_naming_the_field() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first test to ask waits for the three torchruns (tests/helpers/elastic.py)
-def test_two_torchrun_ranks_gathered_through_shuffle_and_interleave_resume_on_one_and_three(
+def test_two_gloo_ranks_gathered_through_shuffle_and_interleave_resume_on_one_and_three(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Saved through gather on 2 gloo ranks (MixedLoader of 2 workers, micro-batches cut), resumed in
     fresh torchruns of 1 and 3 ranks: the epoch's ids exactly once ("pad": only pad repeats)."""
-    results = torchrun_worlds(tmp_path_factory.mktemp("elastic"))
+    results = torchrun_worlds(tmp_path_factory)
     saved = results["save", 2]
     assert all(saved["carried"]), "every rank must save with cut micro-batches"
     for ranks in (1, 3):
