@@ -233,13 +233,13 @@ def _delivered(root: Path, balance: str, mode: str, ranks: int) -> list[list[int
 
 @pytest.fixture(scope="module")
 def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder the shared torchruns wrote into (tests/helpers/elastic.py: three, for both files)."""
+    """The folder the shared worlds wrote into (tests/helpers/elastic.py: three, for both files)."""
     torchrun_worlds(tmp_path_factory)
     return torchrun_root()
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the first case waits for the three torchruns of elastic_runs
+@pytest.mark.timeout(900)  # the first case waits for the three worlds of elastic_runs
 @pytest.mark.parametrize("balance", BALANCES)
 @pytest.mark.parametrize("new", NEW_WORLDS)
 def test_two_ranks_of_two_workers_resume_on_another_world(

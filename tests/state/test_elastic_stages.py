@@ -289,11 +289,11 @@ def test_a_global_mixed_loader_state_is_checked_naming_the_field() -> None:
         loader.load_state_dict({**state, "carry": [{**state["carry"][0], "repeat": "yes"}]})
 
 
-# -- real ranks: gloo under torchrun ------------------------------------------------------
+# -- real ranks: gloo, forked with torchrun's environment (tests/helpers/elastic.py) -----------
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the first test to ask waits for the three torchruns (tests/helpers/elastic.py)
+@pytest.mark.timeout(900)  # the first test to ask waits for the three worlds (tests/helpers/elastic.py)
 def test_two_gloo_ranks_gathered_through_shuffle_and_interleave_resume_on_one_and_three(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
