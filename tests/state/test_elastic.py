@@ -220,7 +220,7 @@ def test_per_worker_states_merge_before_ranks() -> None:
 
 # -- real ranks: gloo process groups ---------------------------------------------
 
-# The torchruns are tests/scripts/elastic_check.py's, shared with test_elastic_stages.py: two ranks of
+# The worlds are tests/scripts/elastic_check.py's, shared with test_elastic_stages.py: two ranks of
 # two workers save every balance mid-epoch, then 3 ranks of 1 worker and 1 rank of 3 workers resume.
 BALANCES = ("none", "pad", "drop")
 NEW_WORLDS = [(ranks, workers) for mode, ranks, workers in WORLDS if mode == "load"]

@@ -4,7 +4,7 @@ MixedLoader's cut micro-batches.
 
 Ranks are simulated in one process (the datasets take ``rank=``/``world_size=``, DataLoader
 workers are patched in), so hypothesis can try many save points and worlds; the real thing,
-under torchrun, is the slow test at the end. Every sample is its id (tests/helpers/elastic.py).
+gloo ranks with torchrun's environment, is the slow test at the end. Every sample is its id (tests/helpers/elastic.py).
 Before this, ``merge_ranks`` refused all four ("a 'shuffle' stage keeps its position per rank
 and cannot be split over another world size"; "... cut out of micro-batches ...") and
 MixedLoader refused a gathered state ("the state is of a 'filter' stage but this stage is
@@ -298,7 +298,7 @@ def test_two_gloo_ranks_gathered_through_shuffle_and_interleave_resume_on_one_an
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Saved through gather on 2 gloo ranks (MixedLoader of 2 workers, micro-batches cut), resumed in
-    fresh torchruns of 1 and 3 ranks: the epoch's ids exactly once ("pad": only pad repeats)."""
+    fresh worlds of 1 and 3 ranks: the epoch's ids exactly once ("pad": only pad repeats)."""
     results = torchrun_worlds(tmp_path_factory)
     saved = results["save", 2]
     assert all(saved["carried"]), "every rank must save with cut micro-batches"
