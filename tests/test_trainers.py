@@ -28,6 +28,7 @@ from shardkit.pipeline import UnknownLengthError
 from shardkit.planning import plan
 from shardkit.topology import Topology
 from shardkit.trainers import TrainerError, reader_lengths
+from tests.helpers.reading import shut_down_workers
 from tests.helpers.shards import all_ids, synthetic_read, synthetic_shards
 from tests.helpers.trainer_runs import launch, launch_ranks, write_example_data
 
@@ -258,8 +259,9 @@ def test_accelerate_skip_first_batches_on_a_shardkit_loader_is_refused_even_on_o
     loader = shardkit.MixedLoader(source().map(str.upper), batch_size=8, num_workers=workers, collate_fn=list)
     skipped = Accelerator(cpu=True).skip_first_batches(loader, 3)
     with pytest.raises(TrainerError, match=r"skip_first_batches\(loader, 3\).*reads the first 3 batches again.*"
-                       r"register_for_checkpointing\(loader\)"):  # fmt: skip
+                       r"register_for_checkpointing\(loader\)") as raised:  # fmt: skip
         next(iter(skipped))
+    shut_down_workers(raised.value.__traceback__)  # now: left to the cycle collector, 5 s per worker
     assert len(list(loader)) == 19, "the loader itself still reads its epoch"
 
 
