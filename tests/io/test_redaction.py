@@ -21,6 +21,7 @@ from shardkit.formats.tfrecord import read_tfrecord
 from shardkit.listing import shared_listing
 from shardkit.shardlist import ShardList
 from tests.helpers.fault_server import FaultServer
+from tests.helpers.reading import shut_down_workers
 from tests.helpers.shards import record_offsets
 from tests.io.test_remote_reads import write_shard
 from tests.sources.test_faults_reading import flip_data_byte
@@ -141,6 +142,7 @@ def test_an_error_re_raised_from_a_dataloader_worker_names_the_url_without_its_c
         )
         with pytest.raises(error) as info:
             list(loader)
+        shut_down_workers(info.value.__traceback__)  # now: left to the cycle collector, 5 s for the worker
         assert "DataLoader worker" in str(info.value)
         assert_clean(full_text(info.value))
 
