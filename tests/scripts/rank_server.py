@@ -35,7 +35,6 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ import transformers  # noqa: F401
 from transformers import Trainer  # noqa: F401
 
 import shardkit  # noqa: F401
+from tests.helpers.processes import free_port, torchrun_environment
 
 #: Seconds the other ranks get to end by themselves after one rank failed (torchrun ends them at once;
 #: a rank that ends itself on purpose, as the killed runs do, may be a moment ahead of the others).
@@ -55,21 +55,10 @@ GRACE = 5.0
 POLL = 0.05
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_environment(rank: int, ranks: int, port: int) -> dict[str, str]:
-    """What ``torchrun --nproc_per_node=ranks`` sets for one of its ranks."""
-    return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-        "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "ROLE_WORLD_SIZE": str(ranks),
-        "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TORCHELASTIC_RUN_ID": f"rank-server-{port}", "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
-    }  # fmt: skip
+    """What ``torchrun --nproc_per_node=ranks`` sets for one of its ranks, and faulthandler on."""
+    environment = torchrun_environment(rank, ranks, port)
+    return {**environment, "TORCHELASTIC_RUN_ID": f"rank-server-{port}", "PYTHONFAULTHANDLER": "1"}
 
 
 def run_rank(script: str, args: list[str], environment: dict[str, str], out: str, rank: int) -> None:
