@@ -111,24 +111,13 @@ def read_all(loader: Iterable[Any]) -> list[Any]:
     collector, which finalizes its queues first: the workers never get their
     exit message and DataLoader waits 5 s per worker before terminating them.
     (MixedLoader shuts its own workers down; a plain DataLoader needs this.)
+    The error may also come out of ``iter(loader)``: a StatefulDataLoader that
+    loaded a state hands it to its workers while its iterator starts, and no
+    caller holds that iterator yet; its workers are found through the
+    traceback (:func:`shut_down_workers`).
     """
-    iterator = iter(loader)
     try:
-        return list(iterator)
-    except BaseException:
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        raise
-
-
-def read_all_or_shut_down(loader: Iterable[Any]) -> list[Any]:
-    """:func:`read_all`, also when the error comes out of ``iter(loader)``: a StatefulDataLoader that loaded
-    a state hands it to its workers while its iterator starts, so a worker's error about the state is
-    raised from there, and no caller holds that iterator yet. On any error this shuts down the workers
-    of every DataLoader iterator the traceback's frames hold (:func:`shut_down_workers`)."""
-    try:
-        return read_all(loader)
+        return list(loader)
     except BaseException as error:
         shut_down_workers(error.__traceback__)
         raise

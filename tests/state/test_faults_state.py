@@ -31,7 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from shardkit import MixedLoader, ShardedDataset, interleave, wrap
 from shardkit.pipeline import Pipeline, Shuffle
 from shardkit.state import StateError, decode, encode, merge
-from tests.helpers.reading import CountingStream, read_all_or_shut_down
+from tests.helpers.reading import CountingStream, read_all
 from tests.helpers.shards import synthetic_read, synthetic_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning", "ignore:'set_vital'")
@@ -636,7 +636,7 @@ def test_fields_checked_against_the_dataset_fail_in_the_workers_as_state_errors(
         loader = StatefulDataLoader(Shuffle(source(), 10), batch_size=None, num_workers=2)
         with pytest.raises(StateError, match=message):
             loader.load_state_dict(state)
-            read_all_or_shut_down(loader)
+            read_all(loader)
 
 
 # -- ints past int64, a finished state that still holds samples, an overfull shuffle buffer --
