@@ -208,7 +208,7 @@ def fork_ranks(fn: Callable[[], None], ranks: int, environment: dict[str, str] |
             except BaseException:  # noqa: BLE001  (a rank's error is its stderr and exit status)
                 traceback.print_exc()
                 code = 1
-            _end_forked_rank(code)
+            exit_as_a_script(code)
         pids.append(pid)
     codes: dict[int, int] = {}
     while len(codes) < len(pids):
@@ -220,9 +220,15 @@ def fork_ranks(fn: Callable[[], None], ranks: int, environment: dict[str, str] |
     return [codes[pid] for pid in pids]
 
 
-def _end_forked_rank(code: int) -> None:
-    """End a forked rank as a script ends (atexit handlers: DataLoader workers, process groups), then
-    ``os._exit``: the rest of the finalization only frees a heap copied from the parent."""
+def exit_as_a_script(code: int) -> None:
+    """End a forked child as ``python script`` ends, as multiprocessing's forked processes do: join the
+    threads that are not daemons, run the atexit handlers (shutting down DataLoader workers, process
+    groups, ...), flush. Then ``os._exit``: the rest of the interpreter's finalization would only free
+    the heap, and in a child forked from an interpreter that imported torch (and Lightning,
+    transformers) that takes seconds (each object's page is copied on write)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -28,7 +28,6 @@ The reply, one JSON line: ``{"returncodes": [...]}`` (``-N``: ended by signal N)
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import gc
 import json
@@ -47,7 +46,7 @@ import transformers  # noqa: F401
 from transformers import Trainer  # noqa: F401
 
 import shardkit  # noqa: F401
-from tests.helpers.processes import free_port, torchrun_environment
+from tests.helpers.processes import exit_as_a_script, free_port, torchrun_environment
 
 #: Seconds the other ranks get to end by themselves after one rank failed (torchrun ends them at once;
 #: a rank that ends itself on purpose, as the killed runs do, may be a moment ahead of the others).
@@ -84,21 +83,6 @@ def run_rank(script: str, args: list[str], environment: dict[str, str], out: str
         traceback.print_exc()
         code = 1
     exit_as_a_script(code)
-
-
-def exit_as_a_script(code: int) -> None:
-    """What the end of ``python script`` does that a program can see, as multiprocessing's forked
-    processes end: join the threads that are not daemons, run the atexit handlers (shutting down
-    DataLoader workers, process groups, ...), flush. Then ``os._exit``: the rest of the interpreter's
-    finalization would only free the heap, and in a child forked from an interpreter that imported
-    torch, Lightning and transformers that takes seconds (each object's page is copied on write)."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def wait_all(pids: list[int], timeout: float, grace: float = GRACE) -> list[int]:

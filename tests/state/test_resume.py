@@ -319,8 +319,9 @@ def test_skipped_records_count_as_read() -> None:
 
 KILL_SCRIPT = textwrap.dedent(
     """
-    import atexit, json, os, signal, sys, traceback
+    import json, os, signal, sys, traceback
     sys.path.insert(0, {repo!r})
+    from tests.helpers.processes import exit_as_a_script
     from shardkit import MixedLoader
     from shardkit.pipeline import Shuffle
     from tests.state.test_resume import source
@@ -365,9 +366,7 @@ KILL_SCRIPT = textwrap.dedent(
             except BaseException:
                 traceback.print_exc()
                 code = 1
-            atexit._run_exitfuncs()
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(code)
+            exit_as_a_script(code)
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
     print(json.dumps([job("crashed"), job("resumed")]), flush=True)
