@@ -71,6 +71,7 @@ def test_s3_shard_writer_manifest(s3_server) -> None:
 class _RangeHandler(SimpleHTTPRequestHandler):
     """Static files with single-range GET support; logs the byte ranges served."""
 
+    disable_nagle_algorithm = True  # TCP_NODELAY: else 40 ms a response (delayed ACK of the headers)
     served: list[tuple[str, int]]
 
     def send_head(self):  # type: ignore[no-untyped-def]
