@@ -34,6 +34,9 @@ REMOTE = RemoteOptions(retry=BOUNDED)
 WORST = BOUNDED.max_seconds + 2 * TIMEOUT  # the last try is started within the budget and runs its timeout
 MARGIN = 3.0  # a loaded machine's scheduling, fsspec's loop hand-off
 STALLS = ["stall"] * 10
+# Where every try stalls, no answer has to fit in the timeout: a shorter one shows the bound as well, sooner.
+NEVER = RetryPolicy(attempts=2, max_seconds=1.0, backoff=0.01, max_backoff=0.02, timeout=0.2)
+NEVER_WORST = NEVER.max_seconds + 2 * NEVER.timeout
 
 
 @pytest.fixture
@@ -84,26 +87,27 @@ def _pair(tmp_path) -> str:
     return "data/x"
 
 
-# Each case: (write the files and return (path the stall is queued on, the call's url), the call, its answer).
+# Each case: (write the files and return (path the stall is queued on, the call's url), the call (url, remote
+# options), its answer).
 CASES = {
     "record bound (size)": (
         lambda tmp: (_tfrecord(tmp),) * 2,
-        lambda url: TFRecordFormat(remote=REMOTE).record_bound(url).size,
+        lambda url, remote: TFRecordFormat(remote=remote).record_bound(url).size,
         lambda tmp: (tmp / "data" / "part-0.tfrecord").stat().st_size,
     ),
     "tar/jsonl index (data size)": (
         lambda tmp: (_jsonl(tmp),) * 2,
-        lambda url: JsonlFormat(remote=REMOTE).index_offsets(url).tolist(),
+        lambda url, remote: JsonlFormat(remote=remote).index_offsets(url).tolist(),
         lambda tmp: [len("".join(json.dumps({"i": i}) + "\n" for i in range(k))) for k in range(20)],
     ),
     "tfrecord index (identity)": (
         lambda tmp: (_tfrecord(tmp, indexed=True) + ".idx", _tfrecord(tmp, indexed=True)),
-        lambda url: len(load_index(url, remote=REMOTE)),
+        lambda url, remote: len(load_index(url, remote=remote)),
         lambda tmp: 20,
     ),
     "megatron .idx (size)": (
         lambda tmp: (_pair(tmp) + ".idx", _pair(tmp) + ".bin"),
-        lambda url: MegatronFormat(remote=REMOTE).stored_count(url),
+        lambda url, remote: MegatronFormat(remote=remote).stored_count(url),
         lambda tmp: len(DOCS),
     ),
 }
@@ -116,11 +120,11 @@ def test_a_size_or_identity_the_server_never_answers_fails_within_the_formats_bo
     write, call, _ = CASES[case]
     stalled, path = write(tmp_path)
     server.inject(stalled, *STALLS, method="HEAD")
-    waited, error = _elapsed(lambda: call(f"{server.url}/{path}"))
+    waited, error = _elapsed(lambda: call(f"{server.url}/{path}", RemoteOptions(retry=NEVER)))
     assert isinstance(error, RemoteReadError), error
     assert f"looking up {server.url}/{stalled}: still failing after 2 tries" in str(error)
-    assert "no answer in 0.5 s" in str(error) and "RetryPolicy(timeout=" in str(error)
-    assert waited < WORST + MARGIN
+    assert "no answer in 0.2 s" in str(error) and "RetryPolicy(timeout=" in str(error)
+    assert waited < NEVER_WORST + MARGIN
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -128,7 +132,7 @@ def test_a_size_or_identity_stalled_once_is_asked_again_and_answered(server, tmp
     write, call, expected = CASES[case]
     stalled, path = write(tmp_path)
     server.inject(stalled, "stall", method="HEAD")
-    waited, answer = _elapsed(lambda: call(f"{server.url}/{path}"))
+    waited, answer = _elapsed(lambda: call(f"{server.url}/{path}", REMOTE))
     assert answer == expected(tmp_path)
     assert [r.status for r in server.log if r.method == "HEAD" and r.path == "/" + stalled][:2] == [0, 200]
     assert waited < TIMEOUT + MARGIN
@@ -138,8 +142,10 @@ def test_a_size_or_identity_stalled_once_is_asked_again_and_answered(server, tmp
 
 
 DATASETS = {
-    "TFRecordDataset(retry=)": lambda pattern: shardkit.TFRecordDataset(pattern, retry=BOUNDED),
-    "FormatDataset(fmt with remote=)": lambda pattern: shardkit.FormatDataset(pattern, TFRecordFormat(remote=REMOTE)),
+    "TFRecordDataset(retry=)": lambda pattern: shardkit.TFRecordDataset(pattern, retry=NEVER),
+    "FormatDataset(fmt with remote=)": lambda pattern: shardkit.FormatDataset(
+        pattern, TFRecordFormat(remote=RemoteOptions(retry=NEVER))
+    ),
 }
 
 
@@ -153,8 +159,8 @@ def test_a_dataset_whose_retry_has_a_small_timeout_fails_its_stalled_listing_in_
     assert isinstance(error, RemoteReadError), error
     message = str(error)
     assert f"listing {server.url}/data" in message and "still failing after 2 tries" in message
-    assert "no answer in 0.5 s" in message and "a dataset lists its glob under its own retry=" in message
-    assert waited < WORST + MARGIN
+    assert "no answer in 0.2 s" in message and "a dataset lists its glob under its own retry=" in message
+    assert waited < NEVER_WORST + MARGIN
 
 
 def test_a_dataset_listing_stalled_once_is_tried_again_and_holds_every_shard(server, tmp_path) -> None:
