@@ -31,8 +31,9 @@ from shardkit import CorruptRecordError
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.tfrecord import TFRecordWriter, build_index, kernel, read_tfrecord, read_tfrecord_batches
 from shardkit.formats.tfrecord import arrays as arrays_module
+from shardkit.formats.tfrecord import buffers as buffers_module
 from shardkit.formats.tfrecord import framing as tfr
-from shardkit.formats.tfrecord.buffers import BlockBuffers
+from shardkit.formats.tfrecord.buffers import BlockBuffers, shared_buffers
 from shardkit.io import files as skio
 
 try:
@@ -735,9 +736,10 @@ def test_small_large_binary_batches_hold_buffers_of_their_own_size_not_a_pooled_
 
     records = [bytes([i]) * 100 for i in range(40)]
     path = write(str(tmp_path / "a.tfrecord"), records)
+    list(read_tfrecord_batches(path, batch_records=3))  # the process's pool has its buffer before the count starts
     tracemalloc.start()
     try:
-        kept = list(read_tfrecord_batches(path, batch_records=3))  # 14 arrays; the reader and its pool are gone
+        kept = list(read_tfrecord_batches(path, batch_records=3))  # 14 arrays; the reader is gone
         held = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
@@ -767,3 +769,23 @@ def test_the_block_buffer_taken_last_is_taken_again_first_while_it_is_in_the_cac
     assert len(BlockBuffers(256 * 1024)._pool) == 0 and BlockBuffers(256 * 1024)._keep == 4 * skio.BLOCK_SIZE // (
         256 * 1024
     )
+
+
+def test_a_second_file_is_read_into_the_buffers_the_reader_of_the_first_left(tmp_path) -> None:
+    records = [bytes([i % 256]) * 1100 for i in range(2048)]  # batches of 1,024 grow the values to 2 MiB
+    paths = [write(str(tmp_path / f"{i}.tfrecord"), records) for i in range(2)]
+    first = list(read_tfrecord_batches(paths[0], batch_records=1024))
+    assert len(first[0].buffers()[2]) > 1 << 20
+    del first  # its buffers free again
+    pooled = {buf.ctypes.data for buf in shared_buffers(2 << 20)._pool}
+    kept = list(read_tfrecord_batches(paths[1], batch_records=1024))
+    assert [r for a in kept for r in a.to_pylist()] == records
+    assert {a.buffers()[2].address for a in kept} <= pooled  # no buffer mapped afresh for the second file
+
+
+def test_the_process_keeps_pools_of_the_buffer_sizes_used_last() -> None:
+    first = shared_buffers(12_345)
+    assert shared_buffers(12_345) is first
+    for size in range(1, buffers_module._SHARED_SIZES + 1):
+        shared_buffers(size)
+    assert shared_buffers(12_345) is not first  # used longest ago: dropped, with its buffers

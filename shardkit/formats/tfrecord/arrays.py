@@ -22,8 +22,8 @@ the tests compare the two ways on damaged files at every cut. Two layouts
   the OS, plus a move of cache-hot bytes: reading into a scratch buffer and
   copying out of it was about 15% slower); reads stop about where the batch's records end, since what is
   read past them moves to the next values buffer. The values buffers are reused
-  once the caller drops their arrays
-  (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`).
+  once the caller drops their arrays, by the readers of later files too
+  (:func:`~shardkit.formats.tfrecord.buffers.shared_buffers`).
 - ``"binary_view"``: a 16-byte view per record (length, first bytes, buffer,
   offset), the data left where it was read: the buffers read into are the
   arrays' data buffers (:data:`_VIEW_BUFFER` bytes each, shared by consecutive
@@ -43,7 +43,7 @@ from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.tfrecord import framing, kernel
-from shardkit.formats.tfrecord.buffers import BlockBuffers
+from shardkit.formats.tfrecord.buffers import BlockBuffers, shared_buffers
 from shardkit.formats.tfrecord.framing import (
     _FIRST_LOCAL_READ,  # pyright: ignore[reportPrivateUsage]
     OVERHEAD_BYTES,
@@ -309,7 +309,7 @@ class _CopiedBatches(_Batches):
         super().__init__(src, verify, batch_records)
         self._reader: _Reader | None = None  # once read_pack reads into the values buffers
         self._capacity = _FIRST_VALUES  # of the values buffers
-        self._spare = BlockBuffers(self._capacity)  # values buffers, reused once the caller drops their arrays
+        self._spare = shared_buffers(self._capacity)  # values buffers, reused once the caller drops their arrays
         self._begin()
 
     def _begin(self) -> None:
@@ -352,7 +352,7 @@ class _CopiedBatches(_Batches):
         the values' first ``keep`` bytes kept (default: the batch's data)."""
         if len(self._values) < size:  # a batch larger than any before: so are the buffers from now on
             self._capacity = max(size, 2 * self._capacity)
-            self._spare = BlockBuffers(self._capacity)
+            self._spare = shared_buffers(self._capacity)
             grown = self._spare.take(self._capacity)
             at = int(self._offsets[self.count]) if keep is None else keep
             grown[:at] = self._values[:at]
@@ -455,7 +455,7 @@ class _ViewBatches(_Batches):
         self._seal()
         size = min(framing.BLOCK_SIZE, _VIEW_BUFFER)
         if self._pool is None:
-            self._pool = BlockBuffers(size)
+            self._pool = shared_buffers(size)
         reader.restart(position, index, self._pool.take(size)[:size])
 
     def _seal(self) -> None:
