@@ -266,13 +266,13 @@ def _pieces(blocks: Iterator[_Block], want: _Wanted, count: int) -> Iterator[tup
             return
 
 
-def _binary_array(values: np.ndarray, offsets: np.ndarray, base: int) -> pa.LargeBinaryArray:
-    """An Arrow ``large_binary`` array over ``values[base:]`` and the offsets (from ``base``), without a copy."""
-    if base:
-        offsets -= base
-    used = values[base : base + int(offsets[-1])]
-    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(used)]
-    return cast(pa.LargeBinaryArray, pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1, buffers))
+_LARGE_BINARY: Final = pa.large_binary()
+
+
+def _binary_array(values: np.ndarray, offsets: np.ndarray, used: int) -> pa.LargeBinaryArray:
+    """An Arrow ``large_binary`` array over ``values[:used]`` and the offsets, without a copy."""
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(values[:used])]
+    return cast(pa.LargeBinaryArray, pa.LargeBinaryArray.from_buffers(_LARGE_BINARY, len(offsets) - 1, buffers))
 
 
 class _Batches:
@@ -310,11 +310,17 @@ class _CopiedBatches(_Batches):
         self._reader: _Reader | None = None  # once read_pack reads into the values buffers
         self._capacity = _FIRST_VALUES  # of the values buffers
         self._spare = shared_buffers(self._capacity)  # values buffers, reused once the caller drops their arrays
+        self._read_pack = cast(kernel._ReadPack, kernel.KERNEL.read_pack)  # (None for the Python kernel: unused)
         self._begin()
 
     def _begin(self) -> None:
         self._values = self._spare.take(self._capacity)
-        self._offsets = np.zeros(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
+        self._new_offsets()
+
+    def _new_offsets(self) -> None:
+        """The next batch's offsets, the first 0 (the rest written by the kernel as it packs)."""
+        self._offsets = np.empty(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
+        self._offsets[0] = 0
         self.count = 0
 
     def add(self, piece: _Piece, last: bool) -> Iterator[pa.LargeBinaryArray]:
@@ -330,11 +336,12 @@ class _CopiedBatches(_Batches):
         if self._reader is None:  # the first read: the records from here on are read into the values
             self._reader = reader
             self.resume(reader, reader.position, reader.index)
-        take = min(left, max(_FIRST_RECORDS, self.count))  # offsets grown by doubling, not a whole batch's at once
-        self._reserve(0, self.count + take + 1)
-        read_pack = cast(kernel._ReadPack, kernel.KERNEL.read_pack)
-        count, status = read_pack(reader.fd, reader.buf, reader.state, take, self.verify, self._offsets[self.count :])
-        self.count += count
+        count = self.count
+        take = min(left, max(_FIRST_RECORDS, count))  # offsets grown by doubling, not a whole batch's at once
+        if len(self._offsets) <= count + take:
+            self._reserve(0, count + take + 1)
+        got, status = self._read_pack(reader.fd, reader.buf, reader.state, take, self.verify, self._offsets[count:])
+        self.count = count + got
         return status
 
     def make_room(self, reader: _Reader) -> None:
@@ -372,19 +379,19 @@ class _CopiedBatches(_Batches):
         reader's, with the bytes read after the records (``read_pack``'s);
         else they move to the start of the next one.
         """
-        values, offsets, count = self._values, self._offsets, self.count
-        used = int(offsets[count])
+        values, count = self._values, self.count
         if not count:
             return
+        offsets = self._offsets[: count + 1]
+        used = int(offsets[count])
         held = 2 * used >= len(values)
-        array = _binary_array(values if held else values[:used].copy(), offsets[: count + 1], 0)
+        array = _binary_array(values if held else values[:used].copy(), offsets, used)
         if held:
             del values, self._values  # before _begin takes a buffer: one an array holds is not free until dropped
             self._begin()
             self._carry_over()
         else:
-            self._offsets = np.zeros(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
-            self.count = 0
+            self._new_offsets()
         yield array
 
     def _carry_over(self) -> None:
@@ -392,7 +399,7 @@ class _CopiedBatches(_Batches):
         reader = self._reader
         if reader is None:
             return
-        start, filled = reader.state[_START], reader.state[_FILLED]
+        start, filled = reader.state[:2].tolist()  # (_START, _FILLED)
         self._values[: filled - start] = reader.buf[start:filled]
         reader.state[_START], reader.state[_FILLED] = 0, filled - start
         reader.buf = self._values
