@@ -448,6 +448,57 @@ def test_mutated_files_read_alike_under_both_kernels_with_the_same_located_error
     assert c[0] == c[1] == c[2]  # read_tfrecord and read_tfrecord_batches (both layouts): the same records and error
 
 
+def long_records(seed: int, count: int) -> list[bytes]:
+    """Records of 64 to 127 bytes: long enough for the compiled ``read_pack`` to check and move four at once."""
+    rng = random.Random(seed)
+    return [rng.randbytes(rng.randrange(64, 128)) for _ in range(count)]
+
+
+def in_large_batches(path: str) -> list[tuple[list[bytes], tuple[object, ...] | None]]:
+    """``read_tfrecord`` beside ``large_binary`` batches of 1,000: past its first records, a batch's framing leaves
+    room below the next four for the compiled reader to move them as it checks them (batches of 3 never do)."""
+    return [
+        read_all(lambda: read_tfrecord(path)),
+        read_all(lambda: read_tfrecord_batches(path, batch_records=1000)),
+    ]
+
+
+@needs_c
+def test_a_bad_data_crc_at_each_record_of_a_file_of_long_records_is_found_alike_by_both_kernels(
+    tmp_path, monkeypatch
+) -> None:
+    records = long_records(0, 80)
+    starts = np.cumsum([0, *map(len, map(framed, records))]).tolist()
+    path = str(tmp_path / "bad.tfrecord")
+    for bad in range(len(records)):  # every place in a group of four checked and moved at once
+        data = bytearray(b"".join(map(framed, records)))
+        data[starts[bad] + 12 + bad % 64] ^= 0x10
+        with open(path, "wb") as f:
+            f.write(data)
+        python, c = under_each_kernel(monkeypatch, lambda: in_large_batches(path))
+        assert python == c, bad
+        assert c[0] == c[1], bad
+        got, error = c[1]
+        assert got == records[:bad] and error is not None and error[:2] == (bad, starts[bad]), bad
+
+
+@needs_c
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 150))
+def test_mutated_files_of_long_records_read_alike_in_large_batches_under_both_kernels(
+    tmp_path_factory, seed, count
+) -> None:
+    records = long_records(seed, count)
+    data = mutate(b"".join(map(framed, records)), random.Random(seed))
+    path = str(tmp_path_factory.mktemp("mutated") / "m.tfrecord")
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        python, c = under_each_kernel(monkeypatch, lambda: in_large_batches(path))
+    assert python == c
+    assert c[0] == c[1]
+
+
 # --------------------------------------------------------------------------- read_tfrecord_batches
 
 
