@@ -21,10 +21,7 @@
  *          down over the framing, in the values buffer read into) each read's
  *          records while they are cached; they stop at whatever needs Python
  *          (the file's end, a bad CRC, a record cut off or too long for the
- *          buffer), with the reader's state in an int64 array Python keeps;
- *          read_pack checks and moves four records in one pass where the
- *          batch's removed framing leaves room for their data below them
- *          (check_move_group), so that nothing of theirs is written over.
+ *          buffer), with the reader's state in an int64 array Python keeps.
  *
  * Memory safety comes first: every offset is checked against the buffer's
  * length before a read; a record fits only when `end - pos >= 16` and
@@ -275,50 +272,27 @@ VECTOR_TARGET static inline uint32_t reduce_vector(__m512i x) {
  * the four steps interleaved. One buffer of 1 KB has too few steps to hide the carry-less multiplication's
  * latency (crc_vector is slower than the crc32 instruction there); four independent chains keep the multiplier
  * busy, about three times the crc32 instruction's speed on records of 1 KB. */
-VECTOR_TARGET static inline __m512i load_copy(const uint8_t *p, uint8_t *dst) {
-    __m512i v = _mm512_loadu_si512(p);
-    if (dst) _mm512_storeu_si512(dst, v);
-    return v;
-}
-
-/* The body of crc_vector4 and crc_vector4_move: with `dst`, each 64 bytes loaded are also stored to dst[j] (the
- * tails copied after), so that one pass over the data checks and moves it. */
-VECTOR_TARGET static inline __attribute__((always_inline)) void crc_vector4_body(const uint8_t *const p[4],
-                                                                                const size_t len[4],
-                                                                                uint8_t *const *dst,
-                                                                                uint32_t out[4]) {
+VECTOR_TARGET static void crc_vector4(const uint8_t *const p[4], const size_t len[4], uint32_t out[4]) {
     size_t common = len[0];
     for (int j = 1; j < 4; j++) common = len[j] < common ? len[j] : common;
     common &= ~(size_t)63;
     const __m512i k = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fold_512));
     const __m512i start = _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)0xFFFFFFFFu));
-    __m512i x0 = _mm512_xor_si512(load_copy(p[0], dst ? dst[0] : NULL), start);
-    __m512i x1 = _mm512_xor_si512(load_copy(p[1], dst ? dst[1] : NULL), start);
-    __m512i x2 = _mm512_xor_si512(load_copy(p[2], dst ? dst[2] : NULL), start);
-    __m512i x3 = _mm512_xor_si512(load_copy(p[3], dst ? dst[3] : NULL), start);
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p[0]), start);
+    __m512i x1 = _mm512_xor_si512(_mm512_loadu_si512(p[1]), start);
+    __m512i x2 = _mm512_xor_si512(_mm512_loadu_si512(p[2]), start);
+    __m512i x3 = _mm512_xor_si512(_mm512_loadu_si512(p[3]), start);
     for (size_t at = 64; at < common; at += 64) {
-        x0 = fold(x0, k, load_copy(p[0] + at, dst ? dst[0] + at : NULL));
-        x1 = fold(x1, k, load_copy(p[1] + at, dst ? dst[1] + at : NULL));
-        x2 = fold(x2, k, load_copy(p[2] + at, dst ? dst[2] + at : NULL));
-        x3 = fold(x3, k, load_copy(p[3] + at, dst ? dst[3] + at : NULL));
+        x0 = fold(x0, k, _mm512_loadu_si512(p[0] + at));
+        x1 = fold(x1, k, _mm512_loadu_si512(p[1] + at));
+        x2 = fold(x2, k, _mm512_loadu_si512(p[2] + at));
+        x3 = fold(x3, k, _mm512_loadu_si512(p[3] + at));
     }
-    if (dst)
-        for (int j = 0; j < 4; j++) memcpy(dst[j] + common, p[j] + common, len[j] - common);
     out[0] = crc_hardware_on(reduce_vector(x0), p[0] + common, len[0] - common) ^ 0xFFFFFFFFu;
     out[1] = crc_hardware_on(reduce_vector(x1), p[1] + common, len[1] - common) ^ 0xFFFFFFFFu;
     out[2] = crc_hardware_on(reduce_vector(x2), p[2] + common, len[2] - common) ^ 0xFFFFFFFFu;
     out[3] = crc_hardware_on(reduce_vector(x3), p[3] + common, len[3] - common) ^ 0xFFFFFFFFu;
     _mm256_zeroupper(); /* GCC leaves the upper halves dirty: the SSE code after would stall on them */
-}
-
-VECTOR_TARGET static void crc_vector4(const uint8_t *const p[4], const size_t len[4], uint32_t out[4]) {
-    crc_vector4_body(p, len, NULL, out);
-}
-
-/* crc_vector4, the data also copied to dst[j]; no destination may overlap any source. */
-VECTOR_TARGET static void crc_vector4_move(const uint8_t *const p[4], const size_t len[4], uint8_t *const dst[4],
-                                           uint32_t out[4]) {
-    crc_vector4_body(p, len, dst, out);
 }
 #endif
 
@@ -713,51 +687,9 @@ typedef struct {
     int64_t *offsets; /* read_pack: the data of record k at buf[offsets[k]:offsets[k + 1]] */
 } Out;
 
-#define NOT_MOVED (-2)
-
-/* read_pack's GROUP records from `start` checked and moved down to off[0] in one pass (crc_vector4_move), when the
- * CPU has it, each has at least GROUP_MIN bytes and all of their data fits below `start`: nothing is written over
- * a byte of theirs, so a bad record stays as read, for Python's message (what is stored after it lands below
- * `start`, past the batch's data). Else NOT_MOVED, and nothing is written. The first bad record, or -1. */
-static Py_ssize_t check_move_group(uint8_t *b, const int64_t *ends, int64_t start, int64_t *off) {
-#if HAVE_SSE42
-    const uint8_t *data[GROUP];
-    uint8_t *dst[GROUP];
-    size_t len[GROUP];
-    uint32_t crc[GROUP];
-    int64_t to = off[0];
-    for (int j = 0; j < GROUP; j++) {
-        data[j] = b + start + HEADER;
-        len[j] = (size_t)(ends[j] - start - OVERHEAD);
-        dst[j] = b + to;
-        to += (int64_t)len[j];
-        start = ends[j];
-        if (len[j] < GROUP_MIN) return NOT_MOVED;
-    }
-    if (!vector || to > (int64_t)(data[0] - HEADER - b)) return NOT_MOVED;
-    crc_vector4_move(data, len, dst, crc);
-    for (int j = 0; j < GROUP; j++) {
-        if (mask(crc[j]) != load32(data[j] + len[j])) return j;
-        off[j + 1] = off[j] + (int64_t)len[j];
-    }
-    return -1;
-#else
-    return NOT_MOVED;
-#endif
-}
-
 /* Check the data CRCs of the k records framed from START and hand out the good ones; the first bad one, or -1. */
 static Py_ssize_t emit(Reader *r, Out *o, Py_ssize_t count, const int64_t *ends, int k) {
     int64_t start = r->s[START];
-    if (o->offsets && r->verify && k == GROUP) { /* one pass, not a check and a move */
-        Py_ssize_t bad = check_move_group(r->buf, ends, start, o->offsets + count);
-        if (bad != NOT_MOVED) {
-            int good = bad >= 0 ? (int)bad : k;
-            if (good) r->s[START] = ends[good - 1];
-            r->s[INDEX] += good;
-            return bad;
-        }
-    }
     Py_ssize_t bad = r->verify ? check_group(r->buf, ends, start, 0, k) : -1;
     int good = bad >= 0 ? (int)bad : k;
     for (int j = 0; j < good; j++, count++) {

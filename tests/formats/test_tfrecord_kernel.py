@@ -449,14 +449,14 @@ def test_mutated_files_read_alike_under_both_kernels_with_the_same_located_error
 
 
 def long_records(seed: int, count: int) -> list[bytes]:
-    """Records of 64 to 127 bytes: long enough for the compiled ``read_pack`` to check and move four at once."""
+    """Records of 64 to 127 bytes: long enough for the compiled kernel's folding CRC of four records at once."""
     rng = random.Random(seed)
     return [rng.randbytes(rng.randrange(64, 128)) for _ in range(count)]
 
 
 def in_large_batches(path: str) -> list[tuple[list[bytes], tuple[object, ...] | None]]:
-    """``read_tfrecord`` beside ``large_binary`` batches of 1,000: past its first records, a batch's framing leaves
-    room below the next four for the compiled reader to move them as it checks them (batches of 3 never do)."""
+    """``read_tfrecord`` beside ``large_binary`` batches of 1,000: the compiled ``read_pack`` checks four records at
+    a time and moves each down over the framing of those before it (batches of 3 never check four at once)."""
     return [
         read_all(lambda: read_tfrecord(path)),
         read_all(lambda: read_tfrecord_batches(path, batch_records=1000)),
@@ -470,7 +470,7 @@ def test_a_bad_data_crc_at_each_record_of_a_file_of_long_records_is_found_alike_
     records = long_records(0, 80)
     starts = np.cumsum([0, *map(len, map(framed, records))]).tolist()
     path = str(tmp_path / "bad.tfrecord")
-    for bad in range(len(records)):  # every place in a group of four checked and moved at once
+    for bad in range(len(records)):  # every place in a group of four checked at once
         data = bytearray(b"".join(map(framed, records)))
         data[starts[bad] + 12 + bad % 64] ^= 0x10
         with open(path, "wb") as f:
