@@ -31,8 +31,9 @@ from shardkit import CorruptRecordError
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.tfrecord import TFRecordWriter, build_index, kernel, read_tfrecord, read_tfrecord_batches
 from shardkit.formats.tfrecord import arrays as arrays_module
+from shardkit.formats.tfrecord import buffers as buffers_module
 from shardkit.formats.tfrecord import framing as tfr
-from shardkit.formats.tfrecord.buffers import BlockBuffers
+from shardkit.formats.tfrecord.buffers import BlockBuffers, shared_buffers
 from shardkit.io import files as skio
 
 try:
@@ -447,6 +448,57 @@ def test_mutated_files_read_alike_under_both_kernels_with_the_same_located_error
     assert c[0] == c[1] == c[2]  # read_tfrecord and read_tfrecord_batches (both layouts): the same records and error
 
 
+def long_records(seed: int, count: int) -> list[bytes]:
+    """Records of 64 to 127 bytes: long enough for the compiled kernel's folding CRC of four records at once."""
+    rng = random.Random(seed)
+    return [rng.randbytes(rng.randrange(64, 128)) for _ in range(count)]
+
+
+def in_large_batches(path: str) -> list[tuple[list[bytes], tuple[object, ...] | None]]:
+    """``read_tfrecord`` beside ``large_binary`` batches of 1,000: the compiled ``read_pack`` checks four records at
+    a time and moves each down over the framing of those before it (batches of 3 never check four at once)."""
+    return [
+        read_all(lambda: read_tfrecord(path)),
+        read_all(lambda: read_tfrecord_batches(path, batch_records=1000)),
+    ]
+
+
+@needs_c
+def test_a_bad_data_crc_at_each_record_of_a_file_of_long_records_is_found_alike_by_both_kernels(
+    tmp_path, monkeypatch
+) -> None:
+    records = long_records(0, 80)
+    starts = np.cumsum([0, *map(len, map(framed, records))]).tolist()
+    path = str(tmp_path / "bad.tfrecord")
+    for bad in range(len(records)):  # every place in a group of four checked at once
+        data = bytearray(b"".join(map(framed, records)))
+        data[starts[bad] + 12 + bad % 64] ^= 0x10
+        with open(path, "wb") as f:
+            f.write(data)
+        python, c = under_each_kernel(monkeypatch, lambda: in_large_batches(path))
+        assert python == c, bad
+        assert c[0] == c[1], bad
+        got, error = c[1]
+        assert got == records[:bad] and error is not None and error[:2] == (bad, starts[bad]), bad
+
+
+@needs_c
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 150))
+def test_mutated_files_of_long_records_read_alike_in_large_batches_under_both_kernels(
+    tmp_path_factory, seed, count
+) -> None:
+    records = long_records(seed, count)
+    data = mutate(b"".join(map(framed, records)), random.Random(seed))
+    path = str(tmp_path_factory.mktemp("mutated") / "m.tfrecord")
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        python, c = under_each_kernel(monkeypatch, lambda: in_large_batches(path))
+    assert python == c
+    assert c[0] == c[1]
+
+
 # --------------------------------------------------------------------------- read_tfrecord_batches
 
 
@@ -735,9 +787,10 @@ def test_small_large_binary_batches_hold_buffers_of_their_own_size_not_a_pooled_
 
     records = [bytes([i]) * 100 for i in range(40)]
     path = write(str(tmp_path / "a.tfrecord"), records)
+    list(read_tfrecord_batches(path, batch_records=3))  # the process's pool has its buffer before the count starts
     tracemalloc.start()
     try:
-        kept = list(read_tfrecord_batches(path, batch_records=3))  # 14 arrays; the reader and its pool are gone
+        kept = list(read_tfrecord_batches(path, batch_records=3))  # 14 arrays; the reader is gone
         held = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
@@ -767,3 +820,23 @@ def test_the_block_buffer_taken_last_is_taken_again_first_while_it_is_in_the_cac
     assert len(BlockBuffers(256 * 1024)._pool) == 0 and BlockBuffers(256 * 1024)._keep == 4 * skio.BLOCK_SIZE // (
         256 * 1024
     )
+
+
+def test_a_second_file_is_read_into_the_buffers_the_reader_of_the_first_left(tmp_path) -> None:
+    records = [bytes([i % 256]) * 1100 for i in range(2048)]  # batches of 1,024 grow the values to 2 MiB
+    paths = [write(str(tmp_path / f"{i}.tfrecord"), records) for i in range(2)]
+    first = list(read_tfrecord_batches(paths[0], batch_records=1024))
+    assert len(first[0].buffers()[2]) > 1 << 20
+    del first  # its buffers free again
+    pooled = {buf.ctypes.data for buf in shared_buffers(2 << 20)._pool}
+    kept = list(read_tfrecord_batches(paths[1], batch_records=1024))
+    assert [r for a in kept for r in a.to_pylist()] == records
+    assert {a.buffers()[2].address for a in kept} <= pooled  # no buffer mapped afresh for the second file
+
+
+def test_the_process_keeps_pools_of_the_buffer_sizes_used_last() -> None:
+    first = shared_buffers(12_345)
+    assert shared_buffers(12_345) is first
+    for size in range(1, buffers_module._SHARED_SIZES + 1):
+        shared_buffers(size)
+    assert shared_buffers(12_345) is not first  # used longest ago: dropped, with its buffers

@@ -22,8 +22,8 @@ the tests compare the two ways on damaged files at every cut. Two layouts
   the OS, plus a move of cache-hot bytes: reading into a scratch buffer and
   copying out of it was about 15% slower); reads stop about where the batch's records end, since what is
   read past them moves to the next values buffer. The values buffers are reused
-  once the caller drops their arrays
-  (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`).
+  once the caller drops their arrays, by the readers of later files too
+  (:func:`~shardkit.formats.tfrecord.buffers.shared_buffers`).
 - ``"binary_view"``: a 16-byte view per record (length, first bytes, buffer,
   offset), the data left where it was read: the buffers read into are the
   arrays' data buffers (:data:`_VIEW_BUFFER` bytes each, shared by consecutive
@@ -43,7 +43,7 @@ from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.tfrecord import framing, kernel
-from shardkit.formats.tfrecord.buffers import BlockBuffers
+from shardkit.formats.tfrecord.buffers import BlockBuffers, shared_buffers
 from shardkit.formats.tfrecord.framing import (
     _FIRST_LOCAL_READ,  # pyright: ignore[reportPrivateUsage]
     OVERHEAD_BYTES,
@@ -266,13 +266,13 @@ def _pieces(blocks: Iterator[_Block], want: _Wanted, count: int) -> Iterator[tup
             return
 
 
-def _binary_array(values: np.ndarray, offsets: np.ndarray, base: int) -> pa.LargeBinaryArray:
-    """An Arrow ``large_binary`` array over ``values[base:]`` and the offsets (from ``base``), without a copy."""
-    if base:
-        offsets -= base
-    used = values[base : base + int(offsets[-1])]
-    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(used)]
-    return cast(pa.LargeBinaryArray, pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1, buffers))
+_LARGE_BINARY: Final = pa.large_binary()
+
+
+def _binary_array(values: np.ndarray, offsets: np.ndarray, used: int) -> pa.LargeBinaryArray:
+    """An Arrow ``large_binary`` array over ``values[:used]`` and the offsets, without a copy."""
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(values[:used])]
+    return cast(pa.LargeBinaryArray, pa.LargeBinaryArray.from_buffers(_LARGE_BINARY, len(offsets) - 1, buffers))
 
 
 class _Batches:
@@ -309,12 +309,18 @@ class _CopiedBatches(_Batches):
         super().__init__(src, verify, batch_records)
         self._reader: _Reader | None = None  # once read_pack reads into the values buffers
         self._capacity = _FIRST_VALUES  # of the values buffers
-        self._spare = BlockBuffers(self._capacity)  # values buffers, reused once the caller drops their arrays
+        self._spare = shared_buffers(self._capacity)  # values buffers, reused once the caller drops their arrays
+        self._read_pack = cast(kernel._ReadPack, kernel.KERNEL.read_pack)  # (None for the Python kernel: unused)
         self._begin()
 
     def _begin(self) -> None:
         self._values = self._spare.take(self._capacity)
-        self._offsets = np.zeros(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
+        self._new_offsets()
+
+    def _new_offsets(self) -> None:
+        """The next batch's offsets, the first 0 (the rest written by the kernel as it packs)."""
+        self._offsets = np.empty(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
+        self._offsets[0] = 0
         self.count = 0
 
     def add(self, piece: _Piece, last: bool) -> Iterator[pa.LargeBinaryArray]:
@@ -330,11 +336,12 @@ class _CopiedBatches(_Batches):
         if self._reader is None:  # the first read: the records from here on are read into the values
             self._reader = reader
             self.resume(reader, reader.position, reader.index)
-        take = min(left, max(_FIRST_RECORDS, self.count))  # offsets grown by doubling, not a whole batch's at once
-        self._reserve(0, self.count + take + 1)
-        read_pack = cast(kernel._ReadPack, kernel.KERNEL.read_pack)
-        count, status = read_pack(reader.fd, reader.buf, reader.state, take, self.verify, self._offsets[self.count :])
-        self.count += count
+        count = self.count
+        take = min(left, max(_FIRST_RECORDS, count))  # offsets grown by doubling, not a whole batch's at once
+        if len(self._offsets) <= count + take:
+            self._reserve(0, count + take + 1)
+        got, status = self._read_pack(reader.fd, reader.buf, reader.state, take, self.verify, self._offsets[count:])
+        self.count = count + got
         return status
 
     def make_room(self, reader: _Reader) -> None:
@@ -352,7 +359,7 @@ class _CopiedBatches(_Batches):
         the values' first ``keep`` bytes kept (default: the batch's data)."""
         if len(self._values) < size:  # a batch larger than any before: so are the buffers from now on
             self._capacity = max(size, 2 * self._capacity)
-            self._spare = BlockBuffers(self._capacity)
+            self._spare = shared_buffers(self._capacity)
             grown = self._spare.take(self._capacity)
             at = int(self._offsets[self.count]) if keep is None else keep
             grown[:at] = self._values[:at]
@@ -372,19 +379,19 @@ class _CopiedBatches(_Batches):
         reader's, with the bytes read after the records (``read_pack``'s);
         else they move to the start of the next one.
         """
-        values, offsets, count = self._values, self._offsets, self.count
-        used = int(offsets[count])
+        values, count = self._values, self.count
         if not count:
             return
+        offsets = self._offsets[: count + 1]
+        used = int(offsets[count])
         held = 2 * used >= len(values)
-        array = _binary_array(values if held else values[:used].copy(), offsets[: count + 1], 0)
+        array = _binary_array(values if held else values[:used].copy(), offsets, used)
         if held:
             del values, self._values  # before _begin takes a buffer: one an array holds is not free until dropped
             self._begin()
             self._carry_over()
         else:
-            self._offsets = np.zeros(min(self.batch_records, _FIRST_RECORDS) + 1, dtype=np.int64)
-            self.count = 0
+            self._new_offsets()
         yield array
 
     def _carry_over(self) -> None:
@@ -392,7 +399,7 @@ class _CopiedBatches(_Batches):
         reader = self._reader
         if reader is None:
             return
-        start, filled = reader.state[_START], reader.state[_FILLED]
+        start, filled = reader.state[:2].tolist()  # (_START, _FILLED)
         self._values[: filled - start] = reader.buf[start:filled]
         reader.state[_START], reader.state[_FILLED] = 0, filled - start
         reader.buf = self._values
@@ -455,7 +462,7 @@ class _ViewBatches(_Batches):
         self._seal()
         size = min(framing.BLOCK_SIZE, _VIEW_BUFFER)
         if self._pool is None:
-            self._pool = BlockBuffers(size)
+            self._pool = shared_buffers(size)
         reader.restart(position, index, self._pool.take(size)[:size])
 
     def _seal(self) -> None:

@@ -28,9 +28,9 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   from here and the kernel checks and copies (``large_binary``) or just checks
   and points at (``binary_view``) each block's records as soon as it is read.
 - Local uncompressed files are read with one ``os.preadv`` per block, at a
-  record boundary, into buffers reused once nothing holds them
-  (:class:`~shardkit.formats.tfrecord.buffers.BlockBuffers`: a fresh buffer per block cost about what the read
-  does, in page faults). Not memory-mapped: a mapped file truncated under the
+  record boundary, into buffers reused once nothing holds them, by every reader
+  of the process (:func:`~shardkit.formats.tfrecord.buffers.shared_buffers`: a fresh buffer per block cost about
+  what the read does, in page faults). Not memory-mapped: a mapped file truncated under the
   reader kills the process with SIGBUS, and the map bought nothing measurable:
   on 100k 1 KB records, ``pread`` took 0.86-1.03x the map's CPU time with CRCs
   and 0.75-0.92x without, over three runs.
@@ -65,7 +65,7 @@ from shardkit.errors import CorruptRecordError
 from shardkit.formats.crc import masked_crc32c
 from shardkit.formats.sniff import describe_file
 from shardkit.formats.tfrecord import kernel
-from shardkit.formats.tfrecord.buffers import BlockBuffers
+from shardkit.formats.tfrecord.buffers import shared_buffers
 from shardkit.io.files import (
     BLOCK_SIZE,
     CompressedStreamError,
@@ -303,7 +303,7 @@ def _file_blocks(
     size = _first_read(offset, end, block_size) if end is not None else min(_FIRST_LOCAL_READ, block_size)
     handed_over = opened_size is not None
     opened_size = os.fstat(fd).st_size if opened_size is None else opened_size
-    buffers = BlockBuffers(block_size)
+    buffers = shared_buffers(block_size)
     while True:
         buf = buffers.read(fd, size, pos)
         ends, bad_header = _frame(buf, check_headers)
