@@ -12,6 +12,19 @@ from typing import Any
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Property tests draw every example in the full suite and a third in the inner loop
+    (``tests/helpers/examples.py``); set before any test module is imported."""
+    from hypothesis import settings
+
+    from tests.helpers import examples
+
+    examples.FULL = examples.full_run(config.option.markexpr or "", os.environ.get("CI"))
+    if not examples.FULL:  # tests that name no count: a third of Hypothesis's 100
+        settings.register_profile("inner-loop", max_examples=examples.examples(100))
+        settings.load_profile("inner-loop")
+
+
 @dataclass(frozen=True)
 class S3Server:
     """A local S3-compatible server (moto in server mode) on 127.0.0.1."""

@@ -28,6 +28,7 @@ from shardkit.pipeline import UnknownLengthError
 from shardkit.planning import plan
 from shardkit.topology import Topology
 from shardkit.trainers import TrainerError, reader_lengths
+from tests.helpers.examples import examples
 from tests.helpers.reading import shut_down_workers
 from tests.helpers.shards import all_ids, synthetic_read, synthetic_shards
 from tests.helpers.trainer_runs import launch, launch_ranks, write_example_data
@@ -211,7 +212,7 @@ def test_batch_stage_len_counts_every_workers_last_batch(drop_last):
     assert len(batched) == (18 if drop_last else 19)  # outside a DataLoader: one reader
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     counts=st.lists(st.integers(0, 40), min_size=1, max_size=6),
     world_size=st.integers(1, 3),

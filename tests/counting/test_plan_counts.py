@@ -18,6 +18,7 @@ from shardkit.formats.base import FormatBase
 from shardkit.formats.registry import format_for
 from shardkit.planning import plan_whole_shards
 from shardkit.sources import BalanceError, ShardedDataset
+from tests.helpers.examples import examples
 from tests.helpers.reading import sample_id, tag_worker
 from tests.helpers.shards import format_ids, write_jsonl_shards, write_parquet_shards
 
@@ -182,7 +183,7 @@ CALLS = {
 }
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     counts=st.lists(st.integers(0, 40), min_size=1, max_size=6),
     world=st.integers(1, 3),

@@ -22,6 +22,7 @@ from shardkit.even import auto
 from shardkit.state import StateError
 from tests.helpers import even as even_helpers
 from tests.helpers.even import Batches, expected, rank_batches
+from tests.helpers.examples import examples
 from tests.helpers.processes import last_json_line, run_python
 
 
@@ -100,7 +101,7 @@ def test_a_slow_round_trip_against_slow_steps_picks_a_window_in_between(monkeypa
 
 
 @pytest.mark.filterwarnings("ignore:even_batches. epoch")
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     counts=st.lists(st.integers(0, 40), min_size=2, max_size=3),
     at_end=st.sampled_from(["stop", "pad"]),

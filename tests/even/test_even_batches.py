@@ -26,6 +26,7 @@ from shardkit.even import wrapper as even_module
 from shardkit.ranks import ranks_node
 from shardkit.state import StateError
 from tests.helpers.even import Batches, expected, rank_batches, run_ranks
+from tests.helpers.examples import examples
 from tests.helpers.once import once
 from tests.helpers.processes import EXAMPLES, REPO, free_port, last_json_line, run_python
 from tests.sources.test_tfrecord_dataset import corrupt_data_byte, write_shards
@@ -34,7 +35,7 @@ from tests.sources.test_tfrecord_dataset import corrupt_data_byte, write_shards
 
 
 @pytest.mark.filterwarnings("ignore:even_batches. epoch")
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     counts=st.lists(st.integers(0, 12), min_size=2, max_size=4),
     at_end=st.sampled_from(["stop", "pad"]),

@@ -33,6 +33,7 @@ from tests.formats.test_example import (
     garbage_records,
     with_both_backends,
 )
+from tests.helpers.examples import examples
 from tests.helpers.shards import COLUMN_FEATURES as FEATURES
 from tests.helpers.shards import column_rows as rows
 from tests.helpers.shards import per_record_rows, record_offsets
@@ -91,7 +92,7 @@ def block(draw: st.DrawFn) -> tuple[list[bytes], dict]:
     return records, {name: SPECS[name][:2] for name in names}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block())
 def test_columns_equal_decode_example_and_protobuf_value_for_value(case: tuple) -> None:
     records, features = case
@@ -110,7 +111,7 @@ def test_columns_equal_decode_example_and_protobuf_value_for_value(case: tuple) 
             assert flat(column) == [v for r in records for v in protobuf_values(r, name)], backend
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(example_record())
 def test_columns_take_every_wire_form_as_decode_example_does(record: bytes) -> None:
     """Repeated keys, merged messages, replaced oneof members, unpacked values: each feature read as one column."""
@@ -133,7 +134,7 @@ def column_outcome(backend: str, records: list, features: dict) -> object:
         return str(error).split(": ")[0]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     garbage_records(),
     st.sampled_from([{"a": ("int64", (1,))}, {"b": ("bytes", ())}, {"": ("float32", (0,))}, {"a": ("bytes", (2,))}]),

@@ -26,6 +26,7 @@ from shardkit import ShardkitError
 from shardkit.formats import example as example_module
 from shardkit.formats.example import decode_example_python, decode_sequence_example_python, encode_example
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
+from tests.helpers.examples import examples
 
 try:
     from shardkit.formats import _example as compiled  # pyright: ignore[reportAttributeAccessIssue]
@@ -185,7 +186,7 @@ def garbage_records() -> st.SearchStrategy[bytes]:
 # --------------------------------------------------------------------------- decoding
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(example_record())
 def test_decode_matches_protobuf_on_any_wire_form(record: bytes) -> None:
     expected = reference_example(record)
@@ -193,7 +194,7 @@ def test_decode_matches_protobuf_on_any_wire_form(record: bytes) -> None:
         assert normal_example(decode_example(record)) == expected, backend
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.dictionaries(
         KEYS,
@@ -241,7 +242,7 @@ def map_entry_with_other_fields(record: bytes) -> bool:
         return False
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(garbage_records())
 def test_garbage_and_truncated_records_fail_exactly_when_protobuf_fails(record: bytes) -> None:
     assume(not map_entry_with_other_fields(record))
@@ -321,7 +322,7 @@ def test_nan_payload_round_trips(backend: str) -> None:
 # --------------------------------------------------------------------------- SequenceExample
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(feature_message(), max_size=4), st.lists(feature_message(), max_size=4), KEYS, unknown_fields())
 def test_sequence_example_matches_protobuf(context_features, list_features, key, noise) -> None:
     context = b"".join(
@@ -386,7 +387,7 @@ def test_encode_value_kinds(backend: str) -> None:
         encode_example({"bad": {1: 2}})
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(
         st.dictionaries(

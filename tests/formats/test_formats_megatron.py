@@ -18,6 +18,7 @@ import shardkit
 from shardkit.errors import CorruptRecordError
 from shardkit.formats.base import BadRecord
 from shardkit.formats.megatron import MegatronFormat, PairWriter
+from tests.helpers.examples import examples
 from tests.helpers.tokens import DOCS, IDX_AT, read_tokens, write_pair
 
 
@@ -241,7 +242,7 @@ def test_a_bin_truncated_under_the_reader_is_a_located_error_not_a_sigbus(tmp_pa
     assert all((tokens == i).all() for i, tokens in enumerate(early))  # what was read stays valid
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(at=st.integers(0, IDX_AT["indices"] + 8 * (S + 1) - 1), value=st.integers(0, 255))
 def test_any_byte_of_the_idx_changed_reads_true_documents_or_raises_located_errors(tmp_path, at, value) -> None:
     prefix = write_pair(tmp_path)

@@ -35,6 +35,7 @@ from shardkit.formats.tfrecord import buffers as buffers_module
 from shardkit.formats.tfrecord import framing as tfr
 from shardkit.formats.tfrecord.buffers import BlockBuffers, shared_buffers
 from shardkit.io import files as skio
+from tests.helpers.examples import examples
 
 try:
     from shardkit.formats import _tfrecord as compiled  # pyright: ignore[reportAttributeAccessIssue]
@@ -93,7 +94,7 @@ def test_shardkit_pure_python_forces_the_python_kernel() -> None:
 
 
 @needs_c
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.binary(max_size=3 * 8192 * 2 + 40), skip=st.integers(0, 7))
 def test_the_c_crc32c_matches_the_crc32c_package_in_hardware_and_in_tables(data: bytes, skip: int) -> None:
     view = memoryview(data)[skip:]
@@ -127,7 +128,7 @@ def test_the_c_crc32c_matches_on_every_length_around_its_folding_steps_with_and_
 
 
 @needs_c
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     sizes=st.lists(st.one_of(st.integers(0, 80), st.integers(0, 1200)), max_size=11),
     skip=st.integers(0, 63),
@@ -197,7 +198,7 @@ record_lists = st.lists(st.binary(max_size=300), max_size=20)
 
 
 @needs_c
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(records=record_lists, lead=st.binary(max_size=20))
 def test_both_kernels_frame_cut_and_pack_valid_files_alike(records: list[bytes], lead: bytes) -> None:
     buf = lead + b"".join(map(framed, records))
@@ -226,7 +227,7 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
 
 
 @needs_c
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(records=record_lists.filter(bool), seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 3))
 def test_both_kernels_agree_on_mutated_bytes(records: list[bytes], seed: int, rounds: int) -> None:
     rng = random.Random(seed)
@@ -430,7 +431,7 @@ def test_every_cut_of_a_small_file_reads_alike_under_both_kernels_and_both_reade
 
 
 @needs_c
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(records=record_lists.filter(bool), seed=st.integers(0, 2**32 - 1), block=st.sampled_from([7, 64, 4 << 20]))
 def test_mutated_files_read_alike_under_both_kernels_with_the_same_located_error(
     tmp_path_factory, records, seed, block
@@ -483,7 +484,7 @@ def test_a_bad_data_crc_at_each_record_of_a_file_of_long_records_is_found_alike_
 
 
 @needs_c
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 150))
 def test_mutated_files_of_long_records_read_alike_in_large_batches_under_both_kernels(
     tmp_path_factory, seed, count

@@ -16,6 +16,7 @@ import shardkit
 from shardkit.loader import autotune
 from shardkit.loader.autotune import Autotune, Limits, Tuner, Window, decide, prefetch_for
 from shardkit.loader.mixed import LoaderError
+from tests.helpers.examples import examples
 
 SETTINGS = Autotune()
 LIMITS = Limits(max_workers=8, memory_bytes=None)
@@ -127,7 +128,7 @@ def test_a_worker_busy_most_of_each_step_is_not_replaced_but_joined():
     assert decide(window(1, wait=0.5, rate=10, busy=1.2), None, SETTINGS, LIMITS).workers == 2
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     st.lists(
         st.tuples(

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.data import default_collate
 
 from shardkit.loader.collate import collated_length, concat, join, own_memory, same_mapping_type, tail
+from tests.helpers.examples import examples
 from tests.helpers.reading import assert_same
 
 
@@ -65,7 +66,7 @@ def test_ragged_slices_of_micro_batches_join_in_order() -> None:
     assert_same(joined, default_collate(samples[2:6] + samples[10:12]))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5),
     data=st.data(),

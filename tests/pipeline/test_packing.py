@@ -26,6 +26,7 @@ import shardkit
 from shardkit import MixedLoader
 from shardkit.pipeline import Pack, PackError, Pipeline, PipelineError, UnknownLengthError
 from shardkit.state import StateError, merge, merge_ranks
+from tests.helpers.examples import examples
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -64,7 +65,7 @@ def segments(block: dict[str, torch.Tensor]) -> list[tuple[np.ndarray, np.ndarra
 # -- concat ----------------------------------------------------------------------------
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(lengths=st.lists(st.integers(0, 300), max_size=40), seq_len=st.integers(1, 97))
 def test_concat_reproduces_the_token_stream_exactly_with_positions_restarting_at_each_document(lengths, seq_len):
     blocks = list(shardkit.wrap(documents(lengths)).pack(seq_len))
@@ -143,7 +144,7 @@ def test_token_list_columns_of_jsonl_and_parquet_files_pack_to_the_same_blocks(t
 # -- best_fit --------------------------------------------------------------------------
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 200), max_size=40),
     seq_len=st.integers(1, 64),

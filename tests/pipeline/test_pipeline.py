@@ -15,6 +15,7 @@ from shardkit.errors import ShardkitError
 from shardkit.pipeline import Pipeline, UnknownLengthError, interleave
 from shardkit.seeding import seed_iteration
 from shardkit.topology import Topology
+from tests.helpers.examples import examples
 
 
 class RangeSource(Pipeline):
@@ -247,7 +248,7 @@ def test_shuffle_changes_with_epoch_seed_and_reader():
     assert sorted(worker0) == sorted(worker1) and worker0 != worker1
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     n=st.integers(0, 300),
     buffer_size=st.integers(1, 400),
@@ -266,7 +267,7 @@ def test_shuffle_properties(n, buffer_size, seed, epoch, readers):
     assert orders == [order(w) for w in range(readers)]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=4),
     weights=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4),

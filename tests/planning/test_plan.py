@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from shardkit import Range, Topology, plan
 from shardkit.planning import PlanError, plan_whole_shards, reader_counts
+from tests.helpers.examples import examples
 
 
 def all_plans(counts, world, workers, **kwargs):
@@ -44,7 +45,7 @@ worlds = st.integers(1, 16)
 worker_counts = st.integers(1, 8)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(shard_counts, worlds, worker_counts, st.booleans(), st.integers(0, 2**32 - 1), st.integers(0, 5))
 def test_none_reads_every_record_exactly_once(counts, world, workers, shuffle, seed, epoch):
     plans = all_plans(counts, world, workers, balance="none", shuffle=shuffle, seed=seed, epoch=epoch)
@@ -58,7 +59,7 @@ def test_none_reads_every_record_exactly_once(counts, world, workers, shuffle, s
         assert per_reader.min() >= 1
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(shard_counts, worlds, worker_counts, st.booleans(), st.integers(0, 2**32 - 1))
 def test_pad_gives_every_rank_ceil_and_equal_workers(counts, world, workers, shuffle, seed):
     plans = all_plans(counts, world, workers, balance="pad", shuffle=shuffle, seed=seed)
@@ -74,7 +75,7 @@ def test_pad_gives_every_rank_ceil_and_equal_workers(counts, world, workers, shu
         assert np.all(mult <= 2)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(shard_counts, worlds, worker_counts, st.booleans(), st.integers(0, 2**32 - 1))
 def test_drop_gives_every_rank_floor_and_leaves_out_the_fewest(counts, world, workers, shuffle, seed):
     total = sum(counts)
@@ -91,7 +92,7 @@ def test_drop_gives_every_rank_floor_and_leaves_out_the_fewest(counts, world, wo
     assert int((mult == 0).sum()) == total % world
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(shard_counts, worlds, worker_counts, st.sampled_from(["none", "pad"]), st.integers(0, 1000))
 def test_plan_is_deterministic_and_matches_reader_counts(counts, world, workers, balance, seed):
     first = all_plans(counts, world, workers, balance=balance, shuffle=True, seed=seed, epoch=3)
@@ -101,7 +102,7 @@ def test_plan_is_deterministic_and_matches_reader_counts(counts, world, workers,
     assert np.array_equal(sizes(first, world, workers), expected)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(1, 50), min_size=10, max_size=200), worlds, worker_counts)
 def test_epoch_changes_the_shuffle_identically_on_every_rank(counts, world, workers):
     def global_order(epoch):
@@ -113,7 +114,7 @@ def test_epoch_changes_the_shuffle_identically_on_every_rank(counts, world, work
     assert global_order(1) == global_order(1)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.one_of(st.none(), st.integers(0, 100)), max_size=100), worlds, worker_counts, st.booleans())
 def test_unknown_counts_deal_whole_shards_exactly_once(counts, world, workers, shuffle):
     assume(None in counts)
@@ -136,7 +137,7 @@ def old_whole_shard_plan(counts, topology, seed, epoch, shuffle):
     return [Range(int(i), 0, None if values[i] < 0 else int(values[i])) for i in mine.tolist()]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.lists(st.one_of(st.none(), st.integers(0, 2**40)), max_size=300),
     worlds,
@@ -242,7 +243,7 @@ intervals_strategy = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 60))
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(intervals_strategy, worker_counts)
 def test_share_splits_the_union_evenly_and_exactly(intervals, workers):
     from shardkit.planning import share, union
@@ -255,7 +256,7 @@ def test_share_splits_the_union_evenly_and_exactly(intervals, workers):
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(shard_counts, worlds, worker_counts, st.sampled_from(["none", "pad", "drop"]), st.booleans(), st.integers(0, 99))
 def test_plan_intervals_of_a_worker_share_is_the_plan(counts, world, workers, balance, shuffle, seed):
     from shardkit.planning import plan_intervals, rank_span, share
@@ -316,7 +317,7 @@ def per_range_plan_intervals(counts, topology, intervals, **kwargs):
     return out
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     shard_counts,
     worlds,
@@ -359,7 +360,7 @@ def test_a_million_shards_are_planned_without_an_object_per_shard():
     assert planned.ranges[0] == Range(500_000, 0, 100) and planned.positions[-1] == 49_999_900
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(shard_counts, worlds, st.booleans(), st.integers(0, 99), st.data())
 def test_what_a_planned_reader_has_left_is_the_union_of_its_unread_ranges(counts, world, shuffle, seed, data):
     from shardkit.planning import plan_intervals, rank_span, union

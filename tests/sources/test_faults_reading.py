@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit import CorruptRecordError, ShardedDataset, TFRecordDataset
 from shardkit.sources import BalanceError
+from tests.helpers.examples import examples
 from tests.helpers.reading import read_all
 from tests.helpers.shards import record_offsets, synthetic_read
 
@@ -125,7 +126,7 @@ def _planned_reads(planned: list[int], world_size: int, balance: str) -> list[in
     return reads
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     sizes=st.lists(st.tuples(st.integers(0, 12), st.integers(-4, 4)), min_size=1, max_size=6),
     world_size=st.integers(1, 3),

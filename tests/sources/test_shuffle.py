@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from shardkit import MixedLoader, ShardedDataset, shuffle_quality
 from shardkit.state import merge
+from tests.helpers.examples import examples
 from tests.helpers.shards import holey_positional_read, positional_read, positional_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -121,7 +122,7 @@ def read_all(
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     counts=st.lists(st.integers(0, 60), min_size=1, max_size=8).filter(lambda c: sum(c) > 0),
     world_size=st.integers(1, 4),

@@ -23,6 +23,7 @@ from shardkit import ShardedDataset, Topology
 from shardkit.planning import plan_intervals, split_remaining, union
 from shardkit.state import StateError, merge, merge_ranks
 from tests.helpers.elastic import COUNTS_A, WORLDS, torchrun_root, torchrun_worlds
+from tests.helpers.examples import examples
 from tests.helpers.shards import positional_read, positional_shards
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +97,7 @@ def resume_on(state: Any, world_size: int, workers: int, balance: str, shuffle: 
     return out
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     old=st.tuples(st.integers(1, 3), st.integers(1, 3)),
     new=st.tuples(st.integers(1, 4), st.integers(1, 3)),
@@ -127,7 +128,7 @@ def test_a_gathered_state_resumes_on_any_world_with_exactly_the_rest(
         assert max(after.values(), default=0) <= 1 and set(after) <= owed and len(owed) - len(after) < new[0]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     lengths=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 9)), max_size=6),
     world_size=st.integers(1, 6),

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from shardkit import MixedLoader
 from shardkit.state import StateError, encode, merge_ranks
 from tests.helpers.elastic import KINDS, check_delivered, equal_counts, pipeline, torchrun_worlds
+from tests.helpers.examples import examples
 
 World = tuple[int, int]  # (ranks, DataLoader workers per rank; 0 is the main process)
 
@@ -106,7 +107,7 @@ def held(state: Any) -> int:
 WORLDS = [(ranks, workers) for ranks in (1, 2, 3) for workers in (0, 2)]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     kind=st.sampled_from(KINDS),
     old_workers=st.sampled_from([0, 2]),

@@ -31,6 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from shardkit import MixedLoader, ShardedDataset, interleave, wrap
 from shardkit.pipeline import Pipeline, Shuffle
 from shardkit.state import StateError, decode, encode, merge
+from tests.helpers.examples import examples
 from tests.helpers.reading import CountingStream, read_all
 from tests.helpers.shards import synthetic_read, synthetic_shards
 
@@ -525,7 +526,7 @@ def every_kind_run() -> str:
     return json.dumps({"full": full, "states": states})
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_mutated_stateful_dataloader_state_fails_cleanly_or_continues_validly(data: Any) -> None:
     """Dropped keys and retyped fields are StateErrors; where another value is
@@ -568,7 +569,7 @@ def block_order_run(shuffled: bool) -> str:
     return json.dumps({"full": full, "state": state})
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     intervals=st.lists(st.tuples(st.integers(-3, TOTAL + 3), st.integers(-3, TOTAL + 3)), max_size=5),
     shuffled=st.booleans(),
@@ -599,7 +600,7 @@ def deferred(path: Path_) -> bool:
     return "fingerprint" in path[:-1]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_mixed_loader_state_missing_or_retyping_a_field_is_refused_before_workers_start(data: Any) -> None:
     state = mixed_state()
@@ -679,7 +680,7 @@ def named(path: Path_) -> str:
     return re.escape(key)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_int_of_a_state_set_past_int64_is_a_state_error(data: Any) -> None:
     run = json.loads(every_kind_run())
@@ -693,7 +694,7 @@ def test_any_int_of_a_state_set_past_int64_is_a_state_error(data: Any) -> None:
         list(loader)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_int_of_a_mixed_loader_state_set_past_int64_is_refused_when_loaded(data: Any) -> None:
     state = mixed_state()
