@@ -180,6 +180,7 @@ class RemoteFile:
                 self.options.retry,
                 f"{self.url} bytes {have}-{stop - 1}",
                 self.check_identity,
+                lambda: self._closed or block < self._pos // bs,  # closed, or dropped behind the reads
             )
             parts.append(data)
             have += len(data)

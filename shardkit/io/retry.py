@@ -191,11 +191,19 @@ def is_transient(error: BaseException) -> bool:
 
 
 def with_retries(
-    call: Callable[[], T], policy: RetryPolicy, what: str, on_retry: Callable[[], None] | None = None
+    call: Callable[[], T],
+    policy: RetryPolicy,
+    what: str,
+    on_retry: Callable[[], None] | None = None,
+    abandoned: Callable[[], bool] | None = None,
 ) -> T:
     """``call()``, retried on transient errors under ``policy``; waits and retries are counted.
 
     ``on_retry`` runs before each retry (to check the object did not change).
+    ``abandoned`` is asked after a transient error: if it says nobody waits for the answer any
+    more (a readahead block of a file closed or read past), the error is raised as it is, neither
+    retried nor counted, so a reader that is gone neither keeps asking the store nor adds its
+    retries to the stats of whatever dataset this process reads next.
     Raises :class:`RemoteReadError` naming ``what``, the tries and the last error.
     """
     began = time.monotonic()
@@ -208,7 +216,7 @@ def with_retries(
         except (ObjectChangedError, FileNotFoundError):
             raise
         except Exception as error:
-            if not is_transient(error):
+            if not is_transient(error) or (abandoned is not None and abandoned()):
                 raise
             wait = policy.wait(attempt)
             if attempt >= policy.attempts or time.monotonic() + wait > deadline:

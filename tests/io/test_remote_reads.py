@@ -7,12 +7,22 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import wait
 
+import fsspec
 import pytest
 
 import shardkit
 from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord
-from shardkit.io.remote import ObjectChangedError, RemoteOptions, RemoteReadError, RetryPolicy, prefetch, remote_stats
+from shardkit.io.remote import (
+    ObjectChangedError,
+    RemoteOptions,
+    RemoteReadError,
+    RetryPolicy,
+    open_remote,
+    prefetch,
+    remote_stats,
+)
 from tests.helpers.fault_server import FaultServer
 
 FAST_RETRY = RetryPolicy(attempts=6, max_seconds=5.0, backoff=0.001, max_backoff=0.01)
@@ -271,6 +281,33 @@ def test_an_object_replaced_after_a_head_free_open_is_caught_by_its_etag(
         list(records)
     assert requests_of(server, "a.tfrecord")[0] == 0
     assert [r.status for r in server.gets("a.tfrecord")][-1] == (412 if honour_if_match else 206)
+
+
+@pytest.mark.parametrize("leave", ["close", "seek past"])
+def test_readahead_nobody_waits_for_is_neither_retried_nor_counted_in_the_next_datasets_stats(
+    server: FaultServer, tmp_path, leave: str
+) -> None:
+    write_shard(os.path.join(tmp_path, "a.tfrecord"))  # about 210 KB: 13 blocks of 16 KiB
+    url = f"{server.url}/a.tfrecord"
+    fs, path = fsspec.core.url_to_fs(url)
+    options = RemoteOptions(block_size=16 << 10, readahead_bytes=0, retry=FAST_RETRY)
+    remote = open_remote(fs, path, url, options)
+    server.inject("a.tfrecord", "stall", "stall", "stall", "stall")
+    remote.start(4 * (16 << 10), readahead=3 * (16 << 10))  # blocks 4-7, each fetched by a pool thread
+    fetches = list(remote._blocks.values())  # to wait for the threads, which close() cannot stop
+    deadline = time.monotonic() + 10
+    while len([r for r in server.gets("a.tfrecord") if r.status == 0]) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    retries, gets = remote_stats()["retries"], len(server.gets("a.tfrecord"))
+    if leave == "close":
+        remote.close()
+    else:
+        remote.seek(12 * (16 << 10))  # drops blocks 4-7 behind the reads
+    server.released.set()  # each stalled GET now ends without an answer: a transient error
+    wait(fetches, timeout=10)
+    assert all(future.done() for future in fetches)
+    assert remote_stats()["retries"] == retries  # before: 4, added to the next dataset that swept them
+    assert len(server.gets("a.tfrecord")) == gets  # and 4 GETs more of a file nobody reads
 
 
 def test_a_keep_alive_connection_the_server_closed_is_replaced_without_a_retry(server: FaultServer, tmp_path) -> None:
