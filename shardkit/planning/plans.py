@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from shardkit.arrays import int64_values, valid_mask
 from shardkit.errors import check_int
 from shardkit.planning.intervals import BALANCES, Balance, PlanError, rank_span, through, worker_span
 from shardkit.planning.ranges import PlannedRanges, Range, WholeShards
@@ -189,8 +190,7 @@ def _normalise_counts(num_records: RecordCounts) -> tuple[np.ndarray, bool]:
     """An int64 array with -1 for unknown counts, and whether all are known."""
     if hasattr(num_records, "to_numpy") and hasattr(num_records, "null_count"):  # pyarrow
         column: Any = num_records
-        known_mask = np.asarray(column.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-        values = np.asarray(column.fill_null(-1).to_numpy(zero_copy_only=False))
+        known_mask, values = valid_mask(column), int64_values(column, -1)
     elif isinstance(num_records, np.ndarray):
         values, known_mask = num_records, None
     else:

@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as _compute
 from fsspec.implementations.local import LocalFileSystem
 
+from shardkit.arrays import valid_mask
 from shardkit.errors import ShardkitError, redact_url, reraise_redacted
 from shardkit.io.glob import glob_files
 from shardkit.io.retry import RetryPolicy
@@ -338,7 +339,7 @@ class ShardList:
     @property
     def known_counts(self) -> np.ndarray:
         """Boolean array: True where the shard's record count is known."""
-        return self.table.column(NUM_RECORDS).is_valid().to_numpy(zero_copy_only=False)
+        return valid_mask(self.table.column(NUM_RECORDS))
 
     @property
     def total_records(self) -> int | None:

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as _compute
 
+from shardkit.arrays import int64_values, valid_mask
 from shardkit.errors import ShardkitError
 
 __all__ = [
@@ -87,12 +88,16 @@ def _python_urls(urls: Sequence[Any]) -> pa.Array:
 
 
 def check_urls(column: pa.Array | pa.ChunkedArray, label: str) -> None:
-    """Refuse a missing (null) or empty url, naming its position under ``label``."""
-    missing = pc.index(column.is_null(), True).as_py()
-    if missing != -1:
+    """Refuse a missing (null) or empty url, naming its position under ``label``.
+
+    No Python scalar is handed to pyarrow (that would import pandas: :mod:`shardkit.arrays`)
+    unless a url is bad."""
+    if column.null_count:
+        missing = int(np.flatnonzero(~valid_mask(column))[0])
         raise ShardListError(f"{label}[{missing}] is missing (None); every shard needs a url")
-    empty = pc.index(pc.equal(pc.binary_length(column), 0), True).as_py()
-    if empty != -1:
+    lengths = pc.binary_length(column)
+    if len(column) and pc.min(lengths).as_py() == 0:
+        empty = pc.index(pc.equal(lengths, 0), True).as_py()
         raise ShardListError(f"{label}[{empty}] is an empty string; every shard needs a url")
 
 
@@ -146,9 +151,7 @@ def int64_array(column: pa.ChunkedArray) -> np.ndarray | None:
     or None if any value is null."""
     if column.null_count:
         return None
-    if column.num_chunks == 0:
-        return np.empty(0, np.int64)
-    return column.to_numpy()
+    return int64_values(column)
 
 
 def same_values(a: pa.ChunkedArray, b: pa.ChunkedArray) -> bool:

@@ -12,6 +12,13 @@ import torch
 from torch.utils.data import get_worker_info
 
 
+def pandas_is_loaded(sample: object) -> bool:
+    """Whether this process has imported pandas (pyarrow does on its first conversion to or from Python)."""
+    import sys
+
+    return "pandas" in sys.modules
+
+
 def tag_worker(sample: object) -> tuple[int, object]:
     info = get_worker_info()
     return (-1 if info is None else info.id), sample

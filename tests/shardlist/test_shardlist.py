@@ -349,3 +349,24 @@ def test_missing_backing_file_is_explained() -> None:
     assert not os.path.exists(path)
     with pytest.raises(ShardListError, match="garbage-collected"):
         len(pickle.loads(payload))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", ["DataLoader", "MixedLoader"])
+def test_a_spawned_worker_reads_its_shards_without_importing_pandas(tmp_path, loader: str) -> None:
+    """pyarrow imports pandas (44 MiB, 0.3-0.9 s) on its first ``pa.array``, ``to_numpy`` or Python
+    scalar; a worker's plan and reads use buffers and compute kernels instead."""
+    from shardkit import MixedLoader, TFRecordDataset, TFRecordWriter
+    from tests.helpers.reading import pandas_is_loaded  # not this module: its import builds arrays
+
+    for i in range(4):
+        with TFRecordWriter(str(tmp_path / f"s{i}.tfrecord")) as writer:
+            for j in range(5):
+                writer.write(b"%d-%d" % (i, j))
+    dataset = TFRecordDataset(str(tmp_path / "s*.tfrecord"), decode="raw").map(pandas_is_loaded)
+    if loader == "DataLoader":
+        batches = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    else:
+        batches = MixedLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context="spawn")
+    loaded = [bool(x) for batch in batches for x in (batch if loader == "MixedLoader" else [batch])]
+    assert len(loaded) == 20 and not any(loaded)
