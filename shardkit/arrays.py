@@ -33,6 +33,9 @@ def int64_values(column: Any, fill: int = 0) -> np.ndarray:
         return np.asarray(column.fill_null(fill).to_numpy(zero_copy_only=False), dtype=np.int64)
     parts = []
     for chunk in _chunks(column):
+        if chunk.null_count == len(chunk):  # no value to read (nor, for an empty chunk, a buffer to read it from)
+            parts.append(np.full(len(chunk), fill, np.int64))
+            continue
         values = np.frombuffer(chunk.buffers()[1], np.int64, count=len(chunk), offset=chunk.offset * 8)
         values.flags.writeable = False  # as pyarrow's zero-copy to_numpy: the column is not changed through it
         if chunk.null_count:
