@@ -223,11 +223,13 @@ def test_workers_orphaned_while_filling_the_cache_leave_no_temporary_file_or_loc
         main = subprocess.Popen([sys.executable, str(script), server.url, str(cache)], env=env)
         try:
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not any(".tmp." in name for name in _names(cache)):
+            # Both workers filling (one shard each), so that every file left behind is a watched filler's:
+            # with one seen, the other could start its fill after the main process was killed (seen under load).
+            while time.monotonic() < deadline and sum(".tmp." in name for name in _names(cache)) < 2:
                 time.sleep(0.05)
             locks = [cache / name for name in _names(cache) if name.endswith(".lock")]
             fillers = [int(lock.read_text()) for lock in locks]
-            assert fillers and all(alive(pid) for pid in fillers)
+            assert len(fillers) == 2 and all(alive(pid) for pid in fillers)
             main.send_signal(signal.SIGKILL)
             main.wait(timeout=10)
             killed = time.monotonic()  # poll: the fillers end within a second or two of their main process
