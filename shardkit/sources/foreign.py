@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from torch.utils.data import get_worker_info
 from torch.utils.data._utils import worker as _torch_worker  # pyright: ignore[reportPrivateUsage]
 
 from shardkit.planning import Balance
@@ -42,20 +43,23 @@ class OutsideWorker:
     """
 
     def __init__(self, iterable: Iterable[Any]) -> None:
-        self._iterator: Iterator[Any] = self._call(iter, iterable)
+        saved = _torch_worker._worker_info  # pyright: ignore[reportPrivateUsage]
+        _torch_worker._worker_info = None  # pyright: ignore[reportPrivateUsage]
+        try:
+            self._iterator: Iterator[Any] = iter(iterable)
+        finally:
+            _torch_worker._worker_info = saved  # pyright: ignore[reportPrivateUsage]
 
     def __iter__(self) -> OutsideWorker:
         return self
 
     def __next__(self) -> Any:
-        return self._call(next, self._iterator)
-
-    @staticmethod
-    def _call(function: Any, argument: Any) -> Any:
         saved = _torch_worker._worker_info  # pyright: ignore[reportPrivateUsage]
+        if saved is None:  # not in a worker: nothing to hide
+            return next(self._iterator)
         _torch_worker._worker_info = None  # pyright: ignore[reportPrivateUsage]
         try:
-            return function(argument)
+            return next(self._iterator)
         finally:
             _torch_worker._worker_info = saved  # pyright: ignore[reportPrivateUsage]
 
@@ -108,20 +112,21 @@ def refuse_self_split(iterable: object, topology: Topology) -> None:
 def _webdataset_splits_by_node(pipeline: object) -> bool:
     """Whether a WebDataset ``DataPipeline`` has a ``split_by_node`` stage."""
     stages = getattr(pipeline, "pipeline", None) or []
-    return any(getattr(stage, "__name__", None) == "split_by_node" for stage in stages)
+    names = {getattr(getattr(stage, "func", stage), "__name__", None) for stage in stages}  # a partial too
+    return "split_by_node" in names
 
 
 def hf_reader_items(dataset: Any, topology: Topology, balance: Balance, epoch: int) -> tuple[Any, bool]:
     """What reader ``topology.reader_index`` of a Hugging Face ``IterableDataset`` iterates, and whether it
     is its whole share (its own shards) rather than the whole dataset to keep every ``n``-th item of."""
     readers, slot = topology.num_readers, topology.reader_index
-    whole_shards = balance == "none" and dataset.num_shards >= readers
+    whole_shards = balance == "none" and dataset.n_shards >= readers  # n_shards: every datasets version
     if whole_shards:  # shards slot, slot + readers, ...: no item read by two readers
         copy = dataset.shard(num_shards=readers, index=slot, contiguous=False)
     else:  # the same sequence in every reader, each keeping its items
         copy = dataset.shard(num_shards=1, index=0)
     copy.set_epoch(epoch)  # a copy starts at HF epoch 0; the user's dataset keeps its own
-    if topology.num_workers > 1:
+    if get_worker_info() is not None:
         import fsspec.asyn  # as datasets does in a worker: fsspec's lock may be held by the forked parent
 
         fsspec.asyn.reset_lock()

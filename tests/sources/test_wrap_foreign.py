@@ -8,6 +8,7 @@ worker's share of what ``wrap`` then split again (9 of 17 items over 2 ranks x 2
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -289,15 +290,19 @@ def test_a_wrapped_webdataset_resumes_exactly_mid_epoch(workers: int, tar_shards
 
 
 def test_a_webdataset_that_splits_by_node_is_refused_at_the_first_item(tar_shards: list[str]) -> None:
-    pipeline = wds.WebDataset(tar_shards, shardshuffle=False, nodesplitter=wds.split_by_node)
-    wrapped = shardkit.wrap(pipeline, rank=0, world_size=WORLD)
-    with pytest.raises(DatasetError, match=r"WebDataset .*split_by_node.*nodesplitter=None"):
-        next(iter(wrapped))
-    assert len(list(shardkit.wrap(pipeline, rank=0, world_size=1))) == sum(
-        WDS_SIZES
-    )  # one rank: nothing to split twice
+    splitting = [
+        wds.WebDataset(tar_shards, shardshuffle=False, nodesplitter=wds.split_by_node),
+        wds.DataPipeline(wds.SimpleShardList(tar_shards), functools.partial(wds.split_by_node, group=None)),
+    ]
+    for pipeline in splitting:
+        wrapped = shardkit.wrap(pipeline, rank=0, world_size=WORLD)
+        with pytest.raises(DatasetError, match=r"WebDataset .*split_by_node.*nodesplitter=None"):
+            next(iter(wrapped))
+    one_rank = shardkit.wrap(splitting[0], rank=0, world_size=1)  # nothing is split twice
+    assert sorted(sample_id(s) for s in one_rank) == list(range(sum(WDS_SIZES)))
 
 
+@pytest.mark.slow  # imports accelerate
 def test_iterables_known_to_split_by_rank_are_refused_naming_the_library() -> None:
     from accelerate.data_loader import IterableDatasetShard
 
