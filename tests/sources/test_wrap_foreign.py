@@ -227,6 +227,27 @@ def check_resume(make: Callable[[int], Pipeline], loader: str, workers: int, whe
     assert delivered + rest == full, f"{where}: {delivered} + {rest} != {full}"
 
 
+@pytest.mark.slow
+def test_a_shuffled_hf_dataset_is_read_exactly_once_in_a_new_order_every_epoch(
+    json_shards: dict[int, list[str]], tmp_path: Path
+) -> None:
+    """HF's ``shuffle(seed=...)`` over 4 shards (each reader its own) and 3 (every reader the same
+    sequence): shardkit's epoch reaches it, and resuming replays the epoch's order."""
+    for shards in (4, 3):
+        ds = hf_dataset("streaming", shards, json_shards, tmp_path).shuffle(seed=3, buffer_size=4)
+        epochs = []
+        for epoch in (0, 1):
+            ranks = []
+            for rank in range(WORLD):
+                pipeline = wrapped(ds, "none")(rank)
+                pipeline.set_epoch(epoch)
+                ranks.append(_ids(list(make_loader("DataLoader", pipeline, 2))))
+            assert_exactly_once(ranks, ITEMS, f"shuffled, {shards} shards, epoch {epoch}")
+            epochs.append(ranks)
+        assert epochs[0] != epochs[1], f"{shards} shards: the same order in epochs 0 and 1"
+    check_resume(wrapped(ds, "none"), "StatefulDataLoader", 2, "shuffled, 3 shards")
+
+
 # WebDataset: tar shards, a pipeline with its own split_by_worker (WebDataset's default workersplitter).
 
 WDS_SIZES = [6, 4, 5, 2]  # 17 samples in 4 tar shards
