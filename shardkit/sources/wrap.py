@@ -1,11 +1,16 @@
-"""``wrap``: an existing dataset as a shardkit source, split over ranks and workers.
+"""``wrap``: an existing dataset as a shardkit source, split over ranks and workers, exactly once.
 
-A map-style dataset (``__len__`` and ``__getitem__``) becomes a planned source over
-its indices (:class:`MapSource`): plans, shuffling and resuming work as for shards.
-Any other iterable becomes a :class:`StreamSource`, whose readers each keep every
-``n``-th item (:class:`_StrideIterator`): the only split possible without random
-access, so a state of it saves how many items its reader stepped past and resumes
-into the same reader slot only.
+A map-style dataset (``__len__`` and ``__getitem__``, a Hugging Face ``datasets.Dataset`` among
+them) becomes a planned source over its indices (:class:`MapSource`): plans, shuffling and
+resuming work as for shards. Any other iterable becomes a :class:`StreamSource`, whose readers
+each keep every ``n``-th item (:class:`_StrideIterator`): the only split possible without random
+access, so a state of it saves how many items its reader stepped past and resumes into the same
+reader slot only.
+
+An iterable may split itself by worker (it reads ``get_worker_info()``): it is iterated as if
+outside any worker, so that ``wrap`` alone splits it; one that splits itself by rank is refused
+when ``wrap`` splits over ranks; a Hugging Face ``IterableDataset`` gives each reader its own
+whole shards where it can (see :mod:`shardkit.sources.foreign`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from shardkit.pipeline import Pipeline
 from shardkit.planning import Balance
 from shardkit.sources.base import _Source
 from shardkit.sources.errors import DatasetError
+from shardkit.sources.foreign import OutsideWorker, hf_reader_items, is_hf_iterable, refuse_self_split
 from shardkit.sources.planned import _PlannedSource
 from shardkit.stateful import (
     EPOCH,
@@ -46,18 +52,45 @@ def wrap(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> Pipeline:
-    """Make an existing dataset a shardkit source, split over ranks and workers.
+    """Make an existing dataset a shardkit source, split over ranks and workers, every item once.
 
-    * A map-style dataset (``__len__`` and ``__getitem__``) becomes a source
-      over its indices, split by :func:`plan` exactly like shards of one record
-      each: ``shuffle=True`` permutes every index from ``(seed, epoch)``.
-    * Any other iterable (an ``IterableDataset``, a generator factory's
-      result, a list) becomes a source in which reader ``k`` of ``n`` keeps
-      items ``k, k + n, ...``. Every reader still iterates past the others'
-      items, so the cost of producing an item is paid ``n`` times: prefer a
-      map-style dataset or shards when producing items is expensive. Under
-      ``"pad"``/``"drop"`` every reader keeps ``ceil``/``floor`` of
+    * A map-style dataset (``__len__`` and ``__getitem__``; a Hugging Face
+      ``datasets.Dataset``) becomes a source over its indices, split by
+      :func:`plan` exactly like shards of one record each: ``shuffle=True``
+      permutes every index from ``(seed, epoch)``; ``"pad"``/``"drop"`` give
+      every rank ``ceil``/``floor`` of ``len / world_size`` items.
+    * A Hugging Face ``datasets.IterableDataset`` (``load_dataset(...,
+      streaming=True)``, ``Dataset.to_iterable_dataset(num_shards=k)``): under
+      ``balance="none"``, when it has at least as many shards (``num_shards``)
+      as there are readers (ranks x DataLoader workers), each reader iterates
+      its own whole shards (``shard(readers, reader, contiguous=False)``) and no
+      item is read twice; otherwise, as any iterable below. Its own split by
+      worker is not applied (it would split a second time), it is given
+      shardkit's epoch (``set_epoch``, so its ``shuffle`` changes per epoch),
+      and a dataset already split by ``split_dataset_by_node`` is refused:
+      wrap the one from before the split.
+    * Any other iterable (an ``IterableDataset``, a WebDataset pipeline, a
+      generator factory's result) becomes a source in which reader ``k`` of
+      ``n`` keeps items ``k, k + n, ...``. Every reader still iterates past the
+      others' items, so the cost of producing an item is paid ``n`` times:
+      prefer a map-style dataset or shards when producing items is expensive.
+      Under ``"pad"``/``"drop"`` every reader keeps ``ceil``/``floor`` of
       ``items / n``; ``shuffle`` is not available (chain ``.shuffle(buffer)``).
+      The iterable is iterated as if outside any DataLoader worker
+      (``torch.utils.data.get_worker_info()`` answers ``None`` inside it), so
+      one that splits itself by worker (WebDataset's ``split_by_worker``) yields
+      every item and is split once, by ``wrap``. Every reader must see the same
+      sequence: its order may not depend on the worker or the rank.
+
+    An iterable that splits itself by rank cannot be split again without loss:
+    over more than one rank, a WebDataset pipeline with ``split_by_node``,
+    LitData's ``StreamingDataset`` and an ``IterableDatasetShard`` of more than
+    one process raise :class:`DatasetError` at the first item, naming the fix.
+
+    Resuming (``state_dict``): a map-style source saves the positions left; an
+    iterable's reader saves how many items it stepped past, and resuming
+    iterates it again and skips them (exact, as long as the iterable yields the
+    same sequence again), into the same reader slot only.
     """
     if isinstance(dataset, Pipeline):
         raise DatasetError(f"{dataset!r} is already a shardkit pipeline; use it directly")
@@ -121,10 +154,14 @@ class _StrideIterator(StageIterator):
     ITEMS = "items"  #: state key: items stepped past
     DONE = "done"  #: state key: the last group was handled
 
-    def __init__(self, items: Iterator[Any], slot: int, readers: int, balance: Balance, epoch: int) -> None:
+    def __init__(
+        self, items: Iterator[Any], slot: int, readers: int, balance: Balance, epoch: int, *, own: bool = False
+    ) -> None:
         self._items = items
         self._slot = slot
         self._readers = readers
+        # ``own``: ``items`` are this reader's alone (its whole shards), every one of them kept
+        self._group, self._pick = (1, 0) if own else (readers, slot)
         self._balance = balance
         self._done = False
         self._epoch = epoch
@@ -142,13 +179,13 @@ class _StrideIterator(StageIterator):
         for item in self._items:
             self.items_seen += 1
             group.append(item)
-            if len(group) == self._readers:
-                return group[self._slot]
+            if len(group) == self._group:
+                return group[self._pick]
         self._done = True
         if group and self._balance == "pad":
-            return group[self._slot % len(group)]
-        if group and self._balance == "none" and self._slot < len(group):
-            return group[self._slot]
+            return group[self._pick % len(group)]
+        if group and self._balance == "none" and self._pick < len(group):
+            return group[self._pick]
         raise StopIteration
 
     def state_dict(self) -> State:
@@ -206,9 +243,12 @@ class StreamSource(_Source):
 
     def _open(self, resume: Resume | None) -> Iterator[Any]:
         topology, epoch = self._start()
-        iterator = _StrideIterator(
-            iter(self.iterable), topology.reader_index, topology.num_readers, self.balance, epoch
-        )
+        refuse_self_split(self.iterable, topology)
+        iterable, own = self.iterable, False
+        if is_hf_iterable(iterable):
+            iterable, own = hf_reader_items(iterable, topology, self.balance, epoch)
+        items = OutsideWorker(iterable)  # the iterable does not split itself by worker: wrap splits it
+        iterator = _StrideIterator(items, topology.reader_index, topology.num_readers, self.balance, epoch, own=own)
         if resume is not None:
             iterator.restore(resume)
         return iterator
