@@ -143,7 +143,8 @@ def _add_plan(sub: Any) -> None:
         "print who reads what: each rank's and worker's record ranges",
         "Print each rank's and DataLoader worker's record ranges.\n\n" + _MANIFEST_HELP,
         "0 the plan was printed; 2 bad arguments, SOURCE cannot be read (missing, a directory, "
-        "malformed, a glob matching nothing), or a balanced plan lacks record counts. "
+        "malformed, a glob matching nothing), a balanced plan lacks record counts, or --picture cannot be "
+        "written. "
         "plan reads no shard data, so it never exits 1.",
     )
     plan_cmd.add_argument(
@@ -158,6 +159,12 @@ def _add_plan(sub: Any) -> None:
     plan_cmd.add_argument("--epoch", type=_int_at_least(0), default=0)
     plan_cmd.add_argument("--shuffle", action="store_true")
     plan_cmd.add_argument("--show", type=_int_at_least(0), default=3, help="ranges to print per reader (default 3)")
+    plan_cmd.add_argument(
+        "--picture",
+        metavar="OUT.svg",
+        help="also draw the plan: which records of each shard each (rank, worker) reads, padding and "
+        "dropped records marked (SVG, written atomically; its folder is checked before planning)",
+    )
     plan_cmd.set_defaults(func=cmd_plan)
 
 
