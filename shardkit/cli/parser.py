@@ -275,13 +275,19 @@ def _add_profile(sub: Any) -> None:
         "module:function (importable from the working directory or PYTHONPATH) returning a MixedLoader or a "
         "dataset, or a quoted glob of shard files read with their format's dataset (balance='none').",
         "0 profiled; 1 corrupt data met while reading; 2 bad arguments, PIPELINE cannot be imported, "
-        "called or read (a glob matching nothing), or --trace cannot be written.",
+        "called or read (a glob matching nothing), or --trace or --picture cannot be written.",
     )
     profile_cmd.add_argument("pipeline", metavar="PIPELINE", help="module:function, or a quoted glob of shards")
     length = profile_cmd.add_mutually_exclusive_group()
     length.add_argument("--seconds", type=_positive_float, default=None, help="run this long (default 10)")
     length.add_argument("--batches", type=_int_at_least(1), default=None, help="run this many batches")
     profile_cmd.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace / Perfetto timeline")
+    profile_cmd.add_argument(
+        "--picture",
+        metavar="OUT.svg",
+        help="also draw where the time went: the main loop's wait against compute, each worker's stages "
+        "against idle, and the timeline of every stage (SVG; its folder is checked before the run)",
+    )
     profile_cmd.add_argument(
         "--batch-size", type=_int_at_least(1), default=64, help="batch size for a dataset (default 64)"
     )
