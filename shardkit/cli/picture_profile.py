@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 from xml.sax.saxutils import quoteattr
 
-from shardkit.cli.svg import document, line, rect, text
+from shardkit.cli.svg import document, line, rect, text, text_colour
 
 _LEFT, _LABEL, _WIDTH, _LANE, _BAR = 16, 190, 700, 14, 18
 WAIT, COMPUTE, IDLE, OTHER = "#d62728", "#9e9e9e", "#e8e8e8", "#f6f6f6"
@@ -78,8 +78,7 @@ def _bars(stats: Any, colours: dict[str, str], y: float) -> tuple[list[str], flo
             data = {"part": name, "seconds": f"{seconds:.6f}", "share": f"{share:.4f}", "row": label}
             out.append(rect(x, y, w, _BAR, colours[name], data, title=f"{label}: {name} {seconds:.3f} s ({share:.0%})"))
             if w >= 70:
-                fill = "#000" if name in ("idle", "compute") else "#fff"
-                out.append(text(x + 4, y + 13, f"{name} {share:.0%}", size=11, fill=fill))
+                out.append(text(x + 4, y + 13, f"{name} {share:.0%}", size=11, fill=text_colour(colours[name])))
             x += w
         y += _BAR + 6
     legend, y = _legend(colours, y + 8)
