@@ -33,6 +33,26 @@ def test_the_plan_pictures_and_the_path_diagram_are_what_the_code_draws_today():
         )
 
 
+def test_the_benchmark_charts_are_drawn_from_the_tables_benchmarks_md_states():
+    charts = runpy.run_path(str(REPO / "benchmarks" / "charts.py"))
+    drawn = charts["benchmarks_charts"]((REPO / "BENCHMARKS.md").read_text(encoding="utf-8"))
+    assert set(drawn) == {"bench-compare.svg", "bench-mixing.svg", "bench-formats.svg", "bench-shuffle.svg"}
+    for name, svg in drawn.items():
+        assert (PICTURES / name).read_text(encoding="utf-8") == svg, (
+            f"docs/pictures/{name} no longer matches BENCHMARKS.md: run `python benchmarks/charts.py` and commit it"
+        )
+
+
+def test_a_chart_labels_each_bar_with_its_table_cell_and_leaves_out_rows_without_numbers():
+    charts = runpy.run_path(str(REPO / "benchmarks" / "charts.py"))
+    table = ["| case | rate | ratio |", "|---|---:|---:|", "| a `x` | 1,234/s | **2.50x** |", "| b | | - |", "| c | 99 | 0.50x |"]
+    svg = charts["table_chart"](table, ["rate", "ratio"], title="t", xlabel="x", caption="c")
+    labels = re.findall(r">([^<>]+)</text>", svg)
+    assert {"1,234/s", "2.50x", "99", "0.50x", "a x", "c"} <= set(labels) and "b" not in labels
+    with pytest.raises(ValueError, match="no column"):
+        charts["table_chart"](table, ["speed"], title="t", xlabel="x", caption="c")
+
+
 def test_the_path_diagram_draws_every_record_once_at_each_step():
     cells = Counter((rect["data-shard"], rect["data-record"]) for rect in rects(PICTURES / "path.svg") if "data-record" in rect)
     counts = [5, 3, 4, 4]  # docs/_ext/pictures.py's PATH_COUNTS
