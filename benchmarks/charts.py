@@ -94,8 +94,16 @@ def section_lines(text: str, section: str) -> list[str]:
     return lines[start:end]
 
 
-def table_chart(lines: Sequence[str], columns: Sequence[str], *, title: str, xlabel: str, caption: str,
-                log: bool = False, names: Sequence[str] = ()) -> str:
+def table_chart(
+    lines: Sequence[str],
+    columns: Sequence[str],
+    *,
+    title: str,
+    xlabel: str,
+    caption: str,
+    log: bool = False,
+    names: Sequence[str] = (),
+) -> str:
     """The SVG text of a horizontal bar chart of ``columns`` of the markdown table in ``lines``, one
     group of bars per row, labelled by the row's first cell (rows without a number are left out)."""
     header, rows = markdown_table(lines)
@@ -115,8 +123,17 @@ def table_chart(lines: Sequence[str], columns: Sequence[str], *, title: str, xla
     return _bars(labels, values, texts, series, title=title, xlabel=xlabel, caption=caption, log=log)
 
 
-def _bars(labels: list[str], values: list[list[float]], texts: list[list[str]], series: list[str], *, title: str,
-          xlabel: str, caption: str, log: bool) -> str:
+def _bars(
+    labels: list[str],
+    values: list[list[float]],
+    texts: list[list[str]],
+    series: list[str],
+    *,
+    title: str,
+    xlabel: str,
+    caption: str,
+    log: bool,
+) -> str:
     """Grouped horizontal bars, each labelled with its table cell as written."""
     import matplotlib
 
@@ -130,8 +147,9 @@ def _bars(labels: list[str], values: list[list[float]], texts: list[list[str]], 
         bar = 0.8 / len(series)
         for k, name in enumerate(series):
             positions = [i + (k - (len(series) - 1) / 2) * bar for i in range(len(labels))]
-            drawn = axes.barh(positions, [row[k] for row in values], height=bar, color=COLOURS[k % len(COLOURS)],
-                              label=name)
+            drawn = axes.barh(
+                positions, [row[k] for row in values], height=bar, color=COLOURS[k % len(COLOURS)], label=name
+            )
             axes.bar_label(drawn, labels=[row[k] for row in texts], padding=3, fontsize=8)
         axes.set_yticks(range(len(labels)), labels)
         axes.invert_yaxis()  # the table's order, top to bottom
@@ -158,8 +176,15 @@ def benchmarks_charts(text: str) -> dict[str, str]:
     """Every chart of :data:`CHARTS`, drawn from the BENCHMARKS.md ``text``: file name -> SVG text."""
     caption = "From the table in BENCHMARKS.md (its run, load and commit are stated there); drawn, not re-run."
     return {
-        chart.file: table_chart(section_lines(text, chart.section), chart.columns, title=chart.title,
-                                xlabel=chart.xlabel, caption=caption, log=chart.log, names=chart.names)
+        chart.file: table_chart(
+            section_lines(text, chart.section),
+            chart.columns,
+            title=chart.title,
+            xlabel=chart.xlabel,
+            caption=caption,
+            log=chart.log,
+            names=chart.names,
+        )
         for chart in CHARTS
     }
 

@@ -637,7 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-repeat", type=int, default=3, help="ShardList memory runs per start method (median)")
     parser.add_argument("--dir", help="where to write the content (default: a temporary directory, removed at the end)")
     parser.add_argument("--only", help="comma-separated substrings: run only the loaders whose name contains one")
-    parser.add_argument("--chart", metavar="OUT.svg", help="also draw the table's samples/s as a bar chart (matplotlib)")
+    parser.add_argument(
+        "--chart", metavar="OUT.svg", help="also draw the table's samples/s as a bar chart (matplotlib)"
+    )
     args = parser.parse_args(argv)
     if args.chart and not os.path.isdir(os.path.dirname(os.path.abspath(args.chart))):
         parser.error(f"--chart {args.chart}: its folder does not exist")  # before minutes of measuring

@@ -45,7 +45,13 @@ def test_the_benchmark_charts_are_drawn_from_the_tables_benchmarks_md_states():
 
 def test_a_chart_labels_each_bar_with_its_table_cell_and_leaves_out_rows_without_numbers():
     charts = runpy.run_path(str(REPO / "benchmarks" / "charts.py"))
-    table = ["| case | rate | ratio |", "|---|---:|---:|", "| a `x` | 1,234/s | **2.50x** |", "| b | | - |", "| c | 99 | 0.50x |"]
+    table = [
+        "| case | rate | ratio |",
+        "|---|---:|---:|",
+        "| a `x` | 1,234/s | **2.50x** |",
+        "| b | | - |",
+        "| c | 99 | 0.50x |",
+    ]
     svg = charts["table_chart"](table, ["rate", "ratio"], title="t", xlabel="x", caption="c")
     labels = re.findall(r">([^<>]+)</text>", svg)
     assert {"1,234/s", "2.50x", "99", "0.50x", "a x", "c"} <= set(labels) and "b" not in labels
@@ -54,7 +60,9 @@ def test_a_chart_labels_each_bar_with_its_table_cell_and_leaves_out_rows_without
 
 
 def test_the_path_diagram_draws_every_record_once_at_each_step():
-    cells = Counter((rect["data-shard"], rect["data-record"]) for rect in rects(PICTURES / "path.svg") if "data-record" in rect)
+    cells = Counter(
+        (rect["data-shard"], rect["data-record"]) for rect in rects(PICTURES / "path.svg") if "data-record" in rect
+    )
     counts = [5, 3, 4, 4]  # docs/_ext/pictures.py's PATH_COUNTS
     assert cells == Counter({(str(shard), str(i)): 4 for shard, count in enumerate(counts) for i in range(count)})
 
@@ -76,7 +84,9 @@ def test_the_profile_picture_in_the_docs_is_a_real_run_of_the_command():
 
 def shown_pictures() -> set[str]:
     pages = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
-    return {Path(target).name for page in pages for target in re.findall(r"!\[[^\]]*\]\(([^)]+\.svg)\)", page.read_text())}
+    return {
+        Path(target).name for page in pages for target in re.findall(r"!\[[^\]]*\]\(([^)]+\.svg)\)", page.read_text())
+    }
 
 
 def test_every_picture_is_shown_on_a_page():
@@ -84,7 +94,9 @@ def test_every_picture_is_shown_on_a_page():
     assert committed and committed <= shown_pictures()
 
 
-@pytest.mark.parametrize(("page", "target"), [("README.md", "docs/pictures/path.svg"), ("docs/index.md", "pictures/path.svg")])
+@pytest.mark.parametrize(
+    ("page", "target"), [("README.md", "docs/pictures/path.svg"), ("docs/index.md", "pictures/path.svg")]
+)
 def test_the_path_diagram_is_on_the_first_screen(page, target):
     lines = (REPO / page).read_text().splitlines()
     images = [i for i, line in enumerate(lines) if line.startswith("![")]

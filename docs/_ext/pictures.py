@@ -64,6 +64,10 @@ def _working_directory(path: str) -> Iterator[None]:
         os.chdir(before)
 
 
+_CELL, _LEFT, _GAP = 28, 150, 44
+Readers = dict[tuple[int, int], list[Any]]
+
+
 def path_picture() -> str:
     """Glob -> shards -> one stream cut per rank, then per worker -> each worker's records -> a
     MixedLoader batch, every record drawn where :func:`shardkit.plan` puts it."""
@@ -74,41 +78,65 @@ def path_picture() -> str:
         for r in range(PATH_WORLD)
         for w in range(PATH_WORKERS)
     }
-    cell, left, gap = 28, 150, 44
     body = [text(16, 26, "From a glob to a batch", size=16, weight="bold")]
-    y = 50
-    body += _step(y, "1  list", '"data/train-*.tfrecord", listed once per job: 4 shards and their record counts')
-    x = left
+    y = 50.0
+    for step in (_listed, _planned, _read, _batched):
+        lines, y = step(readers, y)
+        body += lines
+    body.append(
+        text(16, y, "A cell is a record: its colour the shard, its number the record in the shard. Every "
+                    "record is read once; a batch's samples are", size=11, fill="#555")
+    )  # fmt: skip
+    body.append(
+        text(16, y + 15, "drawn here by worker, MixedLoader places them by a seeded hash. "
+                         "Drawn from plan() for 2 ranks x 2 workers.", size=11, fill="#555")
+    )  # fmt: skip
+    return document(_WIDTH, y + 26, body, "shardkit: from a glob to a batch")
+
+
+def _listed(readers: Readers, y: float) -> tuple[list[str], float]:
+    body = _step(y, "1  list", '"data/train-*.tfrecord", listed once per job: 4 shards and their record counts')
+    x = _LEFT
     for shard, count in enumerate(PATH_COUNTS):
-        body += _cells(x, y + 26, [(shard, i) for i in range(count)], cell)
+        body += _cells(x, y + 26, [(shard, i) for i in range(count)])
         body.append(text(x, y + 70, f"shard {shard}: {count}", size=11, fill="#444"))
-        x += count * cell + 14
-    y += 96
-    body += _step(y, "2  plan", "plan(): the shards end to end in one stream, cut into equal chunks per rank, then per worker")
-    stream = [(shard, i) for shard, count in enumerate(PATH_COUNTS) for i in range(count)]
-    body += _cells(left, y + 26, stream, cell)
-    at = left
+        x += count * _CELL + 14
+    return body, y + 96
+
+
+def _planned(readers: Readers, y: float) -> tuple[list[str], float]:
+    note = "plan(): the shards end to end in one stream, cut into equal chunks per rank, then per worker"
+    body = _step(y, "2  plan", note)
+    body += _cells(_LEFT, y + 26, [(shard, i) for shard, count in enumerate(PATH_COUNTS) for i in range(count)])
+    at = _LEFT
     for (rank, worker), ranges in readers.items():
         size = sum(r.stop - r.start for r in ranges)
         hue = RANK_HUES[rank]
-        body.append(rect(at + 1, y + 62, size * cell - 4, 5, hue))
-        body.append(text(at + size * cell / 2, y + 80, f"rank {rank} worker {worker}", size=11, anchor="middle", fill=hue))
-        at += size * cell
-    y += 106
-    body += _step(y, "3  read", "each DataLoader worker of each DDP rank reads its own ranges, sequentially: no duplicates")
-    x = left
+        body.append(rect(at + 1, y + 62, size * _CELL - 4, 5, hue))
+        label = f"rank {rank} worker {worker}"
+        body.append(text(at + size * _CELL / 2, y + 80, label, size=11, anchor="middle", fill=hue))
+        at += size * _CELL
+    return body, y + 106
+
+
+def _read(readers: Readers, y: float) -> tuple[list[str], float]:
+    note = "each DataLoader worker of each DDP rank reads its own ranges, sequentially: no duplicates"
+    body = _step(y, "3  read", note)
+    x = _LEFT
     for (rank, worker), ranges in readers.items():
-        records = [(r.shard, i) for r in ranges for i in range(r.start, r.stop)]
-        body.append(rect(x - 4, y + 20, len(records) * cell + 8, cell + 12, "none",
-                         extra=f' stroke="{RANK_HUES[rank]}" stroke-width="2" rx="4"'))
-        body += _cells(x, y + 26, records, cell)
+        records = _records(ranges)
+        body += _boxed(x, y, rank, records)
         body.append(text(x - 4, y + 74, f"rank {rank} worker {worker}", size=10, fill="#444"))
-        body.append(text(x - 4, y + 87, ", ".join(f"shard {r.shard}[{r.start}:{r.stop}]" for r in ranges), size=10,
-                         fill="#444"))
-        x += len(records) * cell + gap
-    y += 106
-    body += _step(y, "4  batch", f"MixedLoader, batch_size={PATH_BATCH}: every batch takes an equal share from every worker of its rank")
-    x = left
+        where = ", ".join(f"shard {r.shard}[{r.start}:{r.stop}]" for r in ranges)
+        body.append(text(x - 4, y + 87, where, size=10, fill="#444"))
+        x += len(records) * _CELL + _GAP
+    return body, y + 106
+
+
+def _batched(readers: Readers, y: float) -> tuple[list[str], float]:
+    note = f"MixedLoader, batch_size={PATH_BATCH}: every batch takes an equal share from every worker of its rank"
+    body = _step(y, "4  batch", note)
+    x = _LEFT
     share = PATH_BATCH // PATH_WORKERS
     for rank in range(PATH_WORLD):
         for batch in range(2):
@@ -117,17 +145,16 @@ def path_picture() -> str:
                 for worker in range(PATH_WORKERS)
                 for record in _records(readers[(rank, worker)])[batch * share : (batch + 1) * share]
             ]
-            body.append(rect(x - 4, y + 20, len(records) * cell + 8, cell + 12, "none",
-                             extra=f' stroke="{RANK_HUES[rank]}" stroke-width="2" rx="4"'))
-            body += _cells(x, y + 26, records, cell)
+            body += _boxed(x, y, rank, records)
             body.append(text(x - 4, y + 74, f"rank {rank}, batch {batch}", size=10, fill="#444"))
-            x += len(records) * cell + gap
-    y += 92
-    body.append(text(16, y, "A cell is a record: its colour the shard, its number the record in the shard. Every "
-                            "record is read once; a batch's samples are", size=11, fill="#555"))
-    body.append(text(16, y + 15, "drawn here by worker, MixedLoader places them by a seeded hash. "
-                                 "Drawn from plan() for 2 ranks x 2 workers.", size=11, fill="#555"))
-    return document(_WIDTH, y + 26, body, "shardkit: from a glob to a batch")
+            x += len(records) * _CELL + _GAP
+    return body, y + 92
+
+
+def _boxed(x: float, y: float, rank: int, records: list[tuple[int, int]]) -> list[str]:
+    """``records`` as cells in a box of the rank's hue."""
+    frame = f' stroke="{RANK_HUES[rank]}" stroke-width="2" rx="4"'
+    return [rect(x - 4, y + 20, len(records) * _CELL + 8, _CELL + 12, "none", extra=frame), *_cells(x, y + 26, records)]
 
 
 def _records(ranges: list[Any]) -> list[tuple[int, int]]:
@@ -135,17 +162,20 @@ def _records(ranges: list[Any]) -> list[tuple[int, int]]:
 
 
 def _step(y: float, title: str, note: str) -> list[str]:
-    return [text(16, y + 46, title, size=13, weight="bold"), text(150, y + 12, note, size=12, fill="#333"),
-            line(16, y - 6, _WIDTH - 16, y - 6, "#eee")]
+    return [
+        text(16, y + 46, title, size=13, weight="bold"),
+        text(150, y + 12, note, size=12, fill="#333"),
+        line(16, y - 6, _WIDTH - 16, y - 6, "#eee"),
+    ]
 
 
-def _cells(x: float, y: float, records: list[tuple[int, int]], cell: float) -> list[str]:
+def _cells(x: float, y: float, records: list[tuple[int, int]]) -> list[str]:
     out = []
     for k, (shard, index) in enumerate(records):
         fill = SHARD_HUES[shard % len(SHARD_HUES)]
-        out.append(rect(x + k * cell, y, cell - 2, cell - 2, fill, {"shard": shard, "record": index}))
-        out.append(text(x + k * cell + (cell - 2) / 2, y + cell / 2 + 3, str(index), size=11, anchor="middle",
-                        fill=text_colour(fill)))
+        out.append(rect(x + k * _CELL, y, _CELL - 2, _CELL - 2, fill, {"shard": shard, "record": index}))
+        centre = x + k * _CELL + (_CELL - 2) / 2
+        out.append(text(centre, y + _CELL / 2 + 3, str(index), size=11, anchor="middle", fill=text_colour(fill)))
     return out
 
 

@@ -98,9 +98,7 @@ def _dropped(counts: np.ndarray, segments: Sequence[Segment]) -> list[Segment]:
     return out
 
 
-def plan_picture(
-    counts: np.ndarray, labels: Sequence[str], world_size: int, num_workers: int, **options: Any
-) -> str:
+def plan_picture(counts: np.ndarray, labels: Sequence[str], world_size: int, num_workers: int, **options: Any) -> str:
     """The SVG text of the plan's picture (see the module docstring). ``labels`` names each shard."""
     segments = plan_segments(counts, world_size, num_workers, **options)
     known = bool((counts >= 0).all())
@@ -121,14 +119,23 @@ def plan_picture(
         rows, y = _shard_row(segments, shard, labels[shard], int(counts[shard]), bar_left, scale, y, num_workers)
         body += rows
     if len(counts) > shown:
-        body.append(text(_LEFT, y + 14, f"... and {len(counts) - shown} more shards, not drawn "
-                                          f"(the first {shown} are); `shardkit plan` prints every reader's ranges",
-                         size=12, fill="#555"))
+        body.append(
+            text(
+                _LEFT,
+                y + 14,
+                f"... and {len(counts) - shown} more shards, not drawn "
+                f"(the first {shown} are); `shardkit plan` prints every reader's ranges",
+                size=12,
+                fill="#555",
+            )
+        )
         y += 24
     return document(width, y + 10, body, f"shardkit plan: {headline}")
 
 
-def _legend(segments: Sequence[Segment], world_size: int, num_workers: int, width: float, y: float) -> tuple[list[str], float]:
+def _legend(
+    segments: Sequence[Segment], world_size: int, num_workers: int, width: float, y: float
+) -> tuple[list[str], float]:
     """A swatch per reader with its record count, then what the hatching means."""
     totals: dict[tuple[int, int], int] = {}
     for segment in segments:
@@ -136,9 +143,13 @@ def _legend(segments: Sequence[Segment], world_size: int, num_workers: int, widt
             key = (segment.rank, segment.worker)
             totals[key] = totals.get(key, 0) + (segment.stop - segment.start if segment.stop is not None else 0)
     entries = [
-        (reader_colour(rank, worker, num_workers), False,
-         f"rank {rank} worker {worker}: {totals.get((rank, worker), 0):,} records")
-        for rank in range(world_size) for worker in range(num_workers)
+        (
+            reader_colour(rank, worker, num_workers),
+            False,
+            f"rank {rank} worker {worker}: {totals.get((rank, worker), 0):,} records",
+        )
+        for rank in range(world_size)
+        for worker in range(num_workers)
     ]
     kinds = {segment.kind for segment in segments}
     if "pad" in kinds:
@@ -157,13 +168,23 @@ def _legend(segments: Sequence[Segment], world_size: int, num_workers: int, widt
     return out, y + 26
 
 
-def _shard_row(segments: Sequence[Segment], shard: int, label: str, count: int, bar_left: float, scale: float,
-               y: float, num_workers: int) -> tuple[list[str], float]:
+def _shard_row(
+    segments: Sequence[Segment],
+    shard: int,
+    label: str,
+    count: int,
+    bar_left: float,
+    scale: float,
+    y: float,
+    num_workers: int,
+) -> tuple[list[str], float]:
     """One shard: its label, its bar of first reads and drops, and under it the lane of repeats if any."""
     mine = [segment for segment in segments if segment.shard == shard]
     count_text = "count unknown" if count < 0 else f"{count:,} records"
-    out = [text(_LEFT, y + 14, _shortened(label), size=12), text(bar_left - 8, y + 14, count_text, size=11,
-                                                                anchor="end", fill="#555")]
+    out = [
+        text(_LEFT, y + 14, _shortened(label), size=12),
+        text(bar_left - 8, y + 14, count_text, size=11, anchor="end", fill="#555"),
+    ]
     if count >= 0:
         out.append(rect(bar_left, y, count * scale, _BAR, "#f4f4f4"))
     lane_y = y + _BAR + 2
@@ -179,8 +200,12 @@ def _shard_row(segments: Sequence[Segment], shard: int, label: str, count: int, 
 
 
 def _segment_rects(segment: Segment, x: float, y: float, width: float, height: float, num_workers: int) -> list[str]:
-    data: dict[str, object] = {"kind": segment.kind, "shard": segment.shard, "start": segment.start,
-                               "stop": "" if segment.stop is None else segment.stop}
+    data: dict[str, object] = {
+        "kind": segment.kind,
+        "shard": segment.shard,
+        "start": segment.start,
+        "stop": "" if segment.stop is None else segment.stop,
+    }
     if segment.rank is not None and segment.worker is not None:
         data.update(rank=segment.rank, worker=segment.worker, order=segment.order)
         fill = reader_colour(segment.rank, segment.worker, num_workers)
@@ -204,4 +229,4 @@ def _segment_rects(segment: Segment, x: float, y: float, width: float, height: f
 
 def _shortened(label: str, keep: int = 40) -> str:
     """A long url cut from the left (its end names the shard)."""
-    return label if len(label) <= keep else "…" + label[-(keep - 1):]
+    return label if len(label) <= keep else "…" + label[-(keep - 1) :]

@@ -97,7 +97,9 @@ def _legend(colours: dict[str, str], y: float) -> tuple[list[str], float]:
     return out, y
 
 
-def _lanes(trace: dict[str, Any]) -> tuple[list[tuple[int, int, str]], dict[tuple[int, int], list[tuple[float, float, str]]]]:
+def _lanes(
+    trace: dict[str, Any],
+) -> tuple[list[tuple[int, int, str]], dict[tuple[int, int], list[tuple[float, float, str]]]]:
     """The lanes ``(pid, tid, label)`` in the trace's order and each lane's spans ``(start, duration, name)``."""
     processes: dict[int, str] = {}
     threads: dict[tuple[int, int], str] = {}
@@ -121,12 +123,23 @@ def _lanes(trace: dict[str, Any]) -> tuple[list[tuple[int, int, str]], dict[tupl
     return labels, spans
 
 
-def _timeline(lanes: Sequence[tuple[int, int, str]], spans: dict[tuple[int, int], list[tuple[float, float, str]]],
-              colours: dict[str, str], y: float) -> tuple[list[str], float]:
+def _timeline(
+    lanes: Sequence[tuple[int, int, str]],
+    spans: dict[tuple[int, int], list[tuple[float, float, str]]],
+    colours: dict[str, str],
+    y: float,
+) -> tuple[list[str], float]:
     """The spans over time, one lane each, with a seconds axis."""
     end = max((start + duration for lane in spans.values() for start, duration, _ in lane), default=0.0)
-    out = [text(_LEFT, y + 12, "timeline (a colour's strength: the share of that moment the lane spent there)",
-                size=13, weight="bold")]
+    out = [
+        text(
+            _LEFT,
+            y + 12,
+            "timeline (a colour's strength: the share of that moment the lane spent there)",
+            size=13,
+            weight="bold",
+        )
+    ]
     y += 24
     left = _LEFT + _LABEL
     for pid, tid, label in lanes:
@@ -135,8 +148,9 @@ def _timeline(lanes: Sequence[tuple[int, int, str]], spans: dict[tuple[int, int]
         out.append(rect(left, y, _WIDTH, _LANE, "#fafafa"))
         for first, stop, name, share in _occupancy(spans.get((pid, tid), []), end):
             colour = colours.get(name, STAGE_COLOURS[0])
-            out.append(rect(left + first, y, stop - first, _LANE, colour, {"span": name},
-                            extra=f' fill-opacity="{share:g}"'))
+            out.append(
+                rect(left + first, y, stop - first, _LANE, colour, {"span": name}, extra=f' fill-opacity="{share:g}"')
+            )
         out.append("</g>")
         y += _LANE + 3
     out += _axis(left, y + 2, end / 1e6)
@@ -182,8 +196,9 @@ def _axis(left: float, y: float, seconds: float) -> list[str]:
     out = [line(left, y, left + _WIDTH, y, "#666")]
     if seconds <= 0:
         return out
-    step = next(s for s in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1e9)
-                if seconds / s <= 10)
+    step = next(
+        s for s in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1e9) if seconds / s <= 10
+    )
     tick = 0.0
     while tick <= seconds + 1e-9:
         x = left + tick / seconds * _WIDTH

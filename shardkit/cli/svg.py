@@ -13,9 +13,9 @@ Everything here escapes what it writes (a shard's url may hold ``<`` or ``&``).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from xml.sax.saxutils import quoteattr
+from collections.abc import Mapping, Sequence
 from xml.sax.saxutils import escape as _escape
+from xml.sax.saxutils import quoteattr
 
 from shardkit.errors import ShardkitError
 
@@ -54,8 +54,15 @@ def escape(text: str) -> str:
 
 
 def rect(
-    x: float, y: float, width: float, height: float, fill: str, data: dict[str, object] | None = None,
-    *, title: str | None = None, extra: str = "",
+    x: float,
+    y: float,
+    width: float,
+    height: float,
+    fill: str,
+    data: Mapping[str, object] | None = None,
+    *,
+    title: str | None = None,
+    extra: str = "",
 ) -> str:
     """A ``<rect>``; ``data`` becomes ``data-*`` attributes (what a test reads back), ``title`` its tooltip."""
     attributes = "".join(f" data-{key}={quoteattr(str(value))}" for key, value in (data or {}).items())
@@ -66,8 +73,16 @@ def rect(
     return f"{opening}/>" if title is None else f"{opening}><title>{escape(title)}</title></rect>"
 
 
-def text(x: float, y: float, content: str, *, size: float = 12, anchor: str = "start", fill: str = "#222",
-         weight: str = "normal") -> str:
+def text(
+    x: float,
+    y: float,
+    content: str,
+    *,
+    size: float = 12,
+    anchor: str = "start",
+    fill: str = "#222",
+    weight: str = "normal",
+) -> str:
     return (
         f'<text x="{num(x)}" y="{num(y)}" font-size="{num(size)}" text-anchor="{anchor}" fill="{fill}" '
         f'font-weight="{weight}">{escape(content)}</text>'
@@ -108,7 +123,9 @@ def check_writable(path: str) -> None:
     if not path.lower().endswith(".svg"):
         raise PictureError(f"cannot write the picture to {path}: give a name ending in .svg (the pictures are SVG)")
     if os.path.isdir(path):
-        raise PictureError(f"cannot write the picture to {path}: it is a directory; give a file name such as {path.rstrip('/')}/plan.svg")
+        raise PictureError(
+            f"cannot write the picture to {path}: it is a directory; give a file name such as {path.rstrip('/')}/plan.svg"
+        )
     probe = _partial(path)
     try:
         with open(probe, "x"):

@@ -122,7 +122,9 @@ def test_unknown_counts_are_drawn_as_whole_shards():
 
 def test_a_plan_of_many_shards_draws_the_first_ones_and_says_how_many_more():
     counts = np.full(MAX_SHARDS + 7, 3)
-    svg = plan_picture(counts, [f"s{i}" for i in range(len(counts))], 2, 2, seed=0, epoch=0, shuffle=False, balance="pad")
+    svg = plan_picture(
+        counts, [f"s{i}" for i in range(len(counts))], 2, 2, seed=0, epoch=0, shuffle=False, balance="pad"
+    )
     assert max(int(seg["shard"]) for seg in drawn_segments(svg)) == MAX_SHARDS - 1
     assert f"... and 7 more shards, not drawn (the first {MAX_SHARDS} are)" in svg
 
@@ -146,10 +148,14 @@ def test_plan_writes_the_picture_it_is_asked_for_the_same_bytes_every_run(tmp_pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "picture: plan.svg"
     first = (tmp_path / "plan.svg").read_bytes()
-    assert run_cli("plan", manifest, "--world-size", "2", "--num-workers", "2", "--picture", "again.svg").returncode == 0
+    assert (
+        run_cli("plan", manifest, "--world-size", "2", "--num-workers", "2", "--picture", "again.svg").returncode == 0
+    )
     assert (tmp_path / "again.svg").read_bytes() == first
     ranges = sum(len(plan([700, 450, 900], Topology(r, 2, w, 2))) for r in range(2) for w in range(2))
-    assert Counter(seg["kind"] for seg in drawn_segments(first.decode())) == Counter(read=ranges)  # 2,050 records: no padding
+    assert Counter(seg["kind"] for seg in drawn_segments(first.decode())) == Counter(
+        read=ranges
+    )  # 2,050 records: no padding
     assert sorted(os.listdir(tmp_path)) == ["again.svg", "plan.svg", "train.manifest.arrow"]  # no temporary left
 
 

@@ -161,7 +161,9 @@ def test_the_picture_of_a_real_run_shows_each_workers_stages_and_the_main_loops_
     assert main_parts == {"wait", "compute"}
     waited = re.search(r"main process: waited (\d+)% of the loop", out)
     assert waited is not None
-    wait_share = next(float(r["data-share"]) for r in bars if r["data-row"] == "main process" and r["data-part"] == "wait")
+    wait_share = next(
+        float(r["data-share"]) for r in bars if r["data-row"] == "main process" and r["data-part"] == "wait"
+    )
     assert round(wait_share * 100) == int(waited.group(1))  # the picture's figure is the report's
     worker_parts = {rect["data-part"] for rect in bars if rect["data-row"] == "worker 0"}
     assert {"map(slow_decode)", "read MapSource", "collate", "idle"} <= worker_parts
@@ -185,7 +187,9 @@ def test_the_timeline_colours_a_pixel_by_the_share_of_its_time_a_stage_took():
 
     # One lane: "read" runs the whole first second, then 1 ms at the end of every 100 ms of the next.
     events = [{"name": "read", "ph": "X", "pid": 1, "tid": 0, "ts": 0.0, "dur": 1e6}]
-    events += [{"name": "read", "ph": "X", "pid": 1, "tid": 0, "ts": 1e6 + k * 1e5 + 99e3, "dur": 1e3} for k in range(10)]
+    events += [
+        {"name": "read", "ph": "X", "pid": 1, "tid": 0, "ts": 1e6 + k * 1e5 + 99e3, "dur": 1e3} for k in range(10)
+    ]
     events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "read"}}]
     svg = profile_picture({"traceEvents": events}, stats(0.5, 0.1, 0.0), "headline", "bound")
     spans = [rect for rect in svg_rects(svg) if rect.get("data-span") == "read"]
