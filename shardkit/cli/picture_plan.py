@@ -31,6 +31,8 @@ from shardkit.cli.svg import document, line, reader_colour, rect, text, text_col
 
 #: Shards drawn at most; a note says how many more the plan has (the printed table lists every reader).
 MAX_SHARDS = 100
+#: Readers given a swatch each at most (else one per rank), and ranks at most.
+MAX_LEGEND_READERS, MAX_LEGEND_RANKS = 24, 24
 _LEFT, _BAR_WIDTH, _BAR, _PAD_LANE, _GAP = 16, 640, 20, 13, 8
 
 
@@ -101,9 +103,12 @@ def _dropped(counts: np.ndarray, segments: Sequence[Segment]) -> list[Segment]:
 def plan_picture(counts: np.ndarray, labels: Sequence[str], world_size: int, num_workers: int, **options: Any) -> str:
     """The SVG text of the plan's picture (see the module docstring). ``labels`` names each shard."""
     segments = plan_segments(counts, world_size, num_workers, **options)
+    by_shard: dict[int, list[Segment]] = {}
+    for segment in segments:
+        by_shard.setdefault(segment.shard, []).append(segment)
     known = bool((counts >= 0).all())
     shown = min(len(counts), MAX_SHARDS)
-    label_width = min(max((len(label) for label in labels[:shown]), default=8) * 6.6 + 70, 300)
+    label_width = min(max((len(label) for label in labels[:shown]), default=8) * 6.6 + 100, 330)  # + the count
     bar_left = _LEFT + label_width
     width = bar_left + _BAR_WIDTH + _LEFT
     headline = (
@@ -116,7 +121,8 @@ def plan_picture(counts: np.ndarray, labels: Sequence[str], world_size: int, num
     body += legend
     scale = _BAR_WIDTH / max(int(counts[:shown].max()) if known and shown else 1, 1)
     for shard in range(shown):
-        rows, y = _shard_row(segments, shard, labels[shard], int(counts[shard]), bar_left, scale, y, num_workers)
+        mine = by_shard.get(shard, [])
+        rows, y = _shard_row(mine, shard, labels[shard], int(counts[shard]), bar_left, scale, y, num_workers)
         body += rows
     if len(counts) > shown:
         body.append(
@@ -142,15 +148,7 @@ def _legend(
         if segment.rank is not None and segment.worker is not None:
             key = (segment.rank, segment.worker)
             totals[key] = totals.get(key, 0) + (segment.stop - segment.start if segment.stop is not None else 0)
-    entries = [
-        (
-            reader_colour(rank, worker, num_workers),
-            False,
-            f"rank {rank} worker {worker}: {totals.get((rank, worker), 0):,} records",
-        )
-        for rank in range(world_size)
-        for worker in range(num_workers)
-    ]
+    entries = _reader_entries(totals, world_size, num_workers)
     kinds = {segment.kind for segment in segments}
     if "pad" in kinds:
         entries.append(("#bbb", True, "padding: read again"))
@@ -168,8 +166,29 @@ def _legend(
     return out, y + 26
 
 
+def _reader_entries(
+    totals: dict[tuple[int, int], int], world_size: int, num_workers: int
+) -> list[tuple[str, bool, str]]:
+    """A swatch per reader; for many readers one per rank (its workers are lighter shades of it)."""
+    ranks = range(min(world_size, MAX_LEGEND_RANKS))
+    if world_size * num_workers <= MAX_LEGEND_READERS:
+        return [
+            (reader_colour(r, w, num_workers), False, f"rank {r} worker {w}: {totals.get((r, w), 0):,} records")
+            for r in ranks
+            for w in range(num_workers)
+        ]
+    entries = [
+        (reader_colour(r, 0, num_workers), False,
+         f"rank {r}: {sum(totals.get((r, w), 0) for w in range(num_workers)):,} records")
+        for r in ranks
+    ]  # fmt: skip
+    if world_size > MAX_LEGEND_RANKS:
+        entries.append(("#fff", False, f"... and {world_size - MAX_LEGEND_RANKS} more ranks"))
+    return entries
+
+
 def _shard_row(
-    segments: Sequence[Segment],
+    mine: Sequence[Segment],
     shard: int,
     label: str,
     count: int,
@@ -179,7 +198,6 @@ def _shard_row(
     num_workers: int,
 ) -> tuple[list[str], float]:
     """One shard: its label, its bar of first reads and drops, and under it the lane of repeats if any."""
-    mine = [segment for segment in segments if segment.shard == shard]
     count_text = "count unknown" if count < 0 else f"{count:,} records"
     out = [
         text(_LEFT, y + 14, _shortened(label), size=12),

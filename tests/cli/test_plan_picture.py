@@ -4,6 +4,7 @@ cannot write is one error line before anything is planned."""
 from __future__ import annotations
 
 import os
+import re
 import xml.etree.ElementTree as ET
 from collections import Counter
 
@@ -179,3 +180,12 @@ def test_a_picture_path_that_cannot_be_written_is_one_error_line_before_planning
         assert done.stdout == ""  # found before the plan was printed
         assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"shardkit plan: error: {message}"), done.stderr
     assert sorted(os.listdir(tmp_path)) == ["a-dir", "a-file", "dir.svg", "train.manifest.arrow"]
+
+
+def test_a_plan_of_many_readers_keeps_a_swatch_per_rank_and_every_segment():
+    counts = np.full(40, 50)
+    svg = plan_picture(counts, [f"s{i}" for i in range(40)], 30, 2, seed=0, epoch=0, shuffle=False, balance="pad")
+    assert "rank 0: 67 records" in svg and "rank 0 worker 0" not in re.sub(r"<title>.*?</title>", "", svg)
+    assert "... and 6 more ranks" in svg
+    readers = {(int(seg["rank"]), int(seg["worker"])) for seg in drawn_segments(svg) if seg["kind"] != "drop"}
+    assert readers == {(r, w) for r in range(30) for w in range(2)}  # only the legend is shortened
