@@ -538,20 +538,40 @@ def note_for(loader: Loader, result: Result, reference: Result, total: int) -> s
     return "; ".join(notes)
 
 
-def print_table(results: dict[str, Result], total: int) -> None:
+def print_table(results: dict[str, Result], total: int) -> list[str]:
+    """Print the markdown table of ``results``; return its lines (what ``--chart`` draws)."""
     reference = results[REFERENCE]
-    print(TABLE_HEADER)
-    print("|" + "---|" * TABLE_HEADER.count(" | ") + "---|")
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
     for loader in LOADERS:
         r = results[loader.name]
         ratio = f"{reference.rate / r.rate:.2f}x" if r.rate and reference.rate else "-"
         list_ratio = f"{reference.list_rate / r.list_rate:.2f}x" if r.list_rate and reference.list_rate else "-"
         batches = " / ".join(f"{b:,}" for b in r.batches) or "-"
-        print(
+        lines.append(
             f"| {loader.name} | {r.rate:,.0f} | {ratio} | {r.list_rate:,.0f} | {list_ratio} | {_seconds(r.first_1)} | {_seconds(r.first_2)} "
             f"| {_dup_missing(r.dup_1, r.missing_1)} | {_dup_missing(r.dup_2, r.missing_2)} | {batches} "
             f"| {note_for(loader, r, reference, total)} |"
         )
+    print("\n".join(lines))
+    return lines
+
+
+def write_chart(path: str, lines: list[str], args: argparse.Namespace) -> None:
+    """The table as a bar chart (``benchmarks/charts.py``, matplotlib: the ``bench`` extra)."""
+    spec = importlib.util.spec_from_file_location("_charts", os.path.join(_HERE, "charts.py"))
+    charts = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["_charts"] = charts  # its dataclasses look their module up there
+    spec.loader.exec_module(charts)  # type: ignore[union-attr]
+    caption = (
+        f"benchmarks/compare.py, this run: {args.shards} shards x {args.records} records, {args.workers} workers, "
+        f"batch {args.batch}, best of {args.repeat}; load average at the end {_loadavg()}"
+    )
+    chart = charts.CHARTS[0]
+    svg = charts.table_chart(
+        lines, chart.columns, title=chart.title, xlabel=chart.xlabel, caption=caption, names=chart.names
+    )
+    charts.write_svg(path, svg)
+    print(f"chart: {path}")
 
 
 def _one_line(error: Exception) -> str:
@@ -617,7 +637,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-repeat", type=int, default=3, help="ShardList memory runs per start method (median)")
     parser.add_argument("--dir", help="where to write the content (default: a temporary directory, removed at the end)")
     parser.add_argument("--only", help="comma-separated substrings: run only the loaders whose name contains one")
+    parser.add_argument(
+        "--chart", metavar="OUT.svg", help="also draw the table's samples/s as a bar chart (matplotlib)"
+    )
     args = parser.parse_args(argv)
+    if args.chart and not os.path.isdir(os.path.dirname(os.path.abspath(args.chart))):
+        parser.error(f"--chart {args.chart}: its folder does not exist")  # before minutes of measuring
     if args.quick:
         args.shards, args.records, args.repeat, args.list_entries, args.methods = 8, 128, 1, 50_000, "fork"
         args.memory_repeat = 1
@@ -666,7 +691,9 @@ def main(argv: list[str] | None = None) -> int:
                     results[loader.name].error = "correctness pass: " + _one_line(error)
 
         print()
-        print_table({entry.name: results[entry.name] for entry in LOADERS}, content.total)
+        table = print_table({entry.name: results[entry.name] for entry in LOADERS}, content.total)
+        if args.chart:
+            write_chart(args.chart, table, args)
         print()
         reference = results[REFERENCE]
         others = [entry for entry in loaders if not entry.shardkit and results[entry.name].rate]

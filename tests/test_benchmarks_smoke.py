@@ -37,7 +37,7 @@ def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int,
         "PYTHONUNBUFFERED": "1",
     }
     scripts = [
-        f"compare.py:--dir={tmp / 'content'}",
+        f"compare.py:--dir={tmp / 'content'},--chart={tmp / 'compare.svg'}",
         "shuffle.py",
         "formats.py",
         "packing.py",
@@ -72,6 +72,11 @@ def test_compare_quick_runs_and_prints_the_table(quick_runs) -> None:
     out = output_of(quick_runs, "compare.py")
     assert HEADER in out, out[-4000:]
     assert "| start method |" in out, out[-4000:]
+    chart = re.search(r"^chart: (\S+\.svg)$", out, re.M)
+    assert chart is not None, out[-4000:]
+    svg = Path(chart.group(1)).read_text()
+    assert svg.startswith("<?xml") and "<svg" in svg
+    assert "shardkit TFRecordDataset, decoded" in svg and "webdataset WebDataset, split_by_worker" in svg
 
 
 def test_shuffle_benchmark_quick_runs_and_scores_every_loader(quick_runs) -> None:

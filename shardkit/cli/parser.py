@@ -143,7 +143,8 @@ def _add_plan(sub: Any) -> None:
         "print who reads what: each rank's and worker's record ranges",
         "Print each rank's and DataLoader worker's record ranges.\n\n" + _MANIFEST_HELP,
         "0 the plan was printed; 2 bad arguments, SOURCE cannot be read (missing, a directory, "
-        "malformed, a glob matching nothing), or a balanced plan lacks record counts. "
+        "malformed, a glob matching nothing), a balanced plan lacks record counts, or --picture cannot be "
+        "written. "
         "plan reads no shard data, so it never exits 1.",
     )
     plan_cmd.add_argument(
@@ -158,6 +159,12 @@ def _add_plan(sub: Any) -> None:
     plan_cmd.add_argument("--epoch", type=_int_at_least(0), default=0)
     plan_cmd.add_argument("--shuffle", action="store_true")
     plan_cmd.add_argument("--show", type=_int_at_least(0), default=3, help="ranges to print per reader (default 3)")
+    plan_cmd.add_argument(
+        "--picture",
+        metavar="OUT.svg",
+        help="also draw the plan: which records of each shard each (rank, worker) reads, padding and "
+        "dropped records marked (SVG, written atomically; its folder is checked before planning)",
+    )
     plan_cmd.set_defaults(func=cmd_plan)
 
 
@@ -268,13 +275,19 @@ def _add_profile(sub: Any) -> None:
         "module:function (importable from the working directory or PYTHONPATH) returning a MixedLoader or a "
         "dataset, or a quoted glob of shard files read with their format's dataset (balance='none').",
         "0 profiled; 1 corrupt data met while reading; 2 bad arguments, PIPELINE cannot be imported, "
-        "called or read (a glob matching nothing), or --trace cannot be written.",
+        "called or read (a glob matching nothing), or --trace or --picture cannot be written.",
     )
     profile_cmd.add_argument("pipeline", metavar="PIPELINE", help="module:function, or a quoted glob of shards")
     length = profile_cmd.add_mutually_exclusive_group()
     length.add_argument("--seconds", type=_positive_float, default=None, help="run this long (default 10)")
     length.add_argument("--batches", type=_int_at_least(1), default=None, help="run this many batches")
     profile_cmd.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace / Perfetto timeline")
+    profile_cmd.add_argument(
+        "--picture",
+        metavar="OUT.svg",
+        help="also draw where the time went: the main loop's wait against compute, each worker's stages "
+        "against idle, and the timeline of every stage (SVG; its folder is checked before the run)",
+    )
     profile_cmd.add_argument(
         "--batch-size", type=_int_at_least(1), default=64, help="batch size for a dataset (default 64)"
     )

@@ -11,19 +11,40 @@ from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail
 from shardkit.cli.files import GLOB_CHARS, index_counts
-from shardkit.cli.render import format_plan, plural
+from shardkit.cli.picture_plan import MAX_SHARDS, plan_picture
+from shardkit.cli.render import format_plan, plural, shown_path
+from shardkit.cli.svg import PictureError, check_writable, write_atomic
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     try:
+        if args.picture:
+            check_writable(args.picture)  # before the plan: a wrong path costs nothing to find
         shards, counts_from = _load_shards(args.source)
+    except PictureError as error:
+        return fail(args, error)
     except Exception as error:  # noqa: BLE001 - named after the source, then main's one line
         return fail(args, error, args.source)
     options = {"seed": args.seed, "epoch": args.epoch, "shuffle": args.shuffle, "balance": args.balance}
     text = format_plan(shards, args.world_size, args.num_workers, show=args.show, **options)
     print(f"record counts: {counts_from}")
     print(text)
+    if args.picture:
+        try:
+            _write_picture(args.picture, shards, args.world_size, args.num_workers, options)
+        except PictureError as error:
+            return fail(args, error)
+        print(f"picture: {args.picture}")
     return EXIT_OK
+
+
+def _write_picture(path: str, shards: Any, world_size: int, num_workers: int, options: dict[str, Any]) -> None:
+    import numpy as np
+
+    column = shards.table.column("num_records")
+    counts = np.asarray(column.fill_null(-1).to_numpy(), dtype=np.int64)
+    labels = [shown_path(url) for url in shards.urls()[:MAX_SHARDS]]
+    write_atomic(path, plan_picture(counts, labels, world_size, num_workers, **options))
 
 
 def _load_shards(source: str) -> tuple[Any, str]:

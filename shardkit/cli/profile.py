@@ -22,6 +22,8 @@ from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail, one_line
 from shardkit.cli.files import GLOB_CHARS
+from shardkit.cli.picture_profile import profile_picture
+from shardkit.cli.svg import PictureError, check_writable, write_atomic
 from shardkit.errors import ShardkitError
 
 #: A ``module:function`` spec (a url or a Windows drive has "://" or a single letter before its colon).
@@ -36,16 +38,28 @@ class ProfileError(ShardkitError, ValueError):
 
 def cmd_profile(args: argparse.Namespace) -> int:
     try:
+        if args.picture:
+            check_writable(args.picture)  # before the run: a wrong path should not cost the run
         loader = _loader(args.pipeline, args.batch_size, args.num_workers)
+    except PictureError as error:
+        return fail(args, error)
     except Exception as error:  # noqa: BLE001 - one line naming PIPELINE, then main's exit code
         return fail(args, error, None if isinstance(error, ProfileError) else args.pipeline)
     loader.record_timeline()
     run = _run(loader, args.seconds, args.batches)
     stats = loader.stats()
-    print(report(stats, *run))
+    text = report(stats, *run)
+    print(text)
+    timeline = loader.timeline()
     if args.trace:
-        _write_json(args.trace, loader.timeline())
+        _write_json(args.trace, timeline)
         print(f"timeline: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.picture:
+        try:
+            write_atomic(args.picture, profile_picture(timeline, stats, text.splitlines()[0], diagnose(stats)[0]))
+        except PictureError as error:
+            return fail(args, error)
+        print(f"picture: {args.picture}")
     return EXIT_OK
 
 

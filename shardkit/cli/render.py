@@ -30,7 +30,7 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
             sizes = [r.stop - r.start for r in ranges if r.stop is not None]
             rank_total += sum(sizes)
             shown = ", ".join(
-                f"{_shown_path(shards[r.shard])}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
+                f"{shown_path(shards[r.shard])}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
             )
             more = f" ... (+{len(ranges) - show})" if len(ranges) > show else ""
             records = str(sum(sizes)) if len(sizes) == len(ranges) else "?"
@@ -41,7 +41,7 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
     return "\n".join(lines)
 
 
-def _shown_path(url: str) -> str:
+def shown_path(url: str) -> str:
     """``url`` as the plan prints it: a local file relative to the working directory when under it, so
     that a wrong directory shows (``data/data/t-00000.tfrecord``); anything else in full."""
     if "://" in url or not os.path.isabs(url):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import numpy as np
@@ -137,3 +138,64 @@ def test_idle_workers_put_the_bound_on_transport_or_on_the_main_process():
     heavy_state.stages["state"] = 5.0
     bound, advice = diagnose(heavy_state)
     assert bound.startswith("transport of the dataset state") and "resumable=False" in advice
+
+
+def svg_rects(svg: str) -> list[dict[str, str]]:
+    import xml.etree.ElementTree as ET
+
+    return [node.attrib for node in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}rect")]
+
+
+def test_the_picture_of_a_real_run_shows_each_workers_stages_and_the_main_loops_wait(pipelines, capsys):
+    out = profiled(
+        capsys, "pipelines_for_profile:slow_map", "--batches", "12", "--batch-size", "16", "--picture", "run.svg"
+    )
+    assert out.splitlines()[-1] == "picture: run.svg"
+    svg = (pipelines / "run.svg").read_text()
+    bars = [rect for rect in svg_rects(svg) if "data-part" in rect]
+    rows = {rect["data-row"] for rect in bars}
+    assert rows == {"main process", "worker 0", "worker 1"}
+    for row in rows:  # each bar is its row's whole wall time, split
+        assert sum(float(rect["data-share"]) for rect in bars if rect["data-row"] == row) == pytest.approx(1, abs=0.01)
+    main_parts = {rect["data-part"] for rect in bars if rect["data-row"] == "main process"}
+    assert main_parts == {"wait", "compute"}
+    waited = re.search(r"main process: waited (\d+)% of the loop", out)
+    assert waited is not None
+    wait_share = next(
+        float(r["data-share"]) for r in bars if r["data-row"] == "main process" and r["data-part"] == "wait"
+    )
+    assert round(wait_share * 100) == int(waited.group(1))  # the picture's figure is the report's
+    worker_parts = {rect["data-part"] for rect in bars if rect["data-row"] == "worker 0"}
+    assert {"map(slow_decode)", "read MapSource", "collate", "idle"} <= worker_parts
+    lanes = re.findall(r'<g data-lane="([^"]+)">', svg)
+    assert lanes[0] == "main process: loop" and "worker 1: map(slow_decode)" in lanes
+    spans = {rect["data-span"] for rect in svg_rects(svg) if "data-span" in rect}
+    assert {"wait", "map(slow_decode)"} <= spans
+    assert "bound: a map: map(slow_decode)" in svg
+    assert not list(pipelines.glob("run.svg.partial*"))
+
+
+def test_a_picture_path_that_cannot_be_written_fails_before_the_run(pipelines, capsys):
+    line = one_error_line(capsys, "pipelines_for_profile:slow_map", "--batches", "2", "--picture", "no/such/dir.svg")
+    assert line == "shardkit profile: error: cannot write the picture to no/such/dir.svg: No such file or directory"
+    assert capsys.readouterr().out == ""  # no report: the run never started
+    assert "name ending in .svg" in one_error_line(capsys, "pipelines_for_profile:slow_map", "--picture", "run.png")
+
+
+def test_the_timeline_colours_a_pixel_by_the_share_of_its_time_a_stage_took():
+    from shardkit.cli.picture_profile import _WIDTH, profile_picture
+
+    # One lane: "read" runs the whole first second, then 1 ms at the end of every 100 ms of the next.
+    events = [{"name": "read", "ph": "X", "pid": 1, "tid": 0, "ts": 0.0, "dur": 1e6}]
+    events += [
+        {"name": "read", "ph": "X", "pid": 1, "tid": 0, "ts": 1e6 + k * 1e5 + 99e3, "dur": 1e3} for k in range(10)
+    ]
+    events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "read"}}]
+    svg = profile_picture({"traceEvents": events}, stats(0.5, 0.1, 0.0), "headline", "bound")
+    spans = [rect for rect in svg_rects(svg) if rect.get("data-span") == "read"]
+    full = [rect for rect in spans if rect["fill-opacity"] == "1"]
+    assert len(full) == 1 and float(full[0]["width"]) == _WIDTH / 2  # the first half, one rect
+    faint = [rect for rect in spans if rect["fill-opacity"] != "1"]
+    # A pixel is 2.86 ms: 1 ms is 0.35 of one, or split over two; every one is faint, none left out.
+    assert 10 <= sum(float(rect["width"]) for rect in faint) <= 20
+    assert {rect["fill-opacity"] for rect in faint} <= {"0.1", "0.2", "0.3", "0.4"}
