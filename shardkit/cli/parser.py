@@ -64,6 +64,15 @@ def _add_compression_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--format",
+        default=None,
+        choices=("tfrecord", "tar", "parquet", "jsonl", "megatron"),
+        help="read every file in this format (default: detect it by extension, then by the first bytes)",
+    )
+
+
 def _add_urls(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "urls",
@@ -177,6 +186,7 @@ def _add_inspect(sub: Any) -> None:
     )
     inspect_cmd.add_argument("--no-verify", action="store_true", help="skip the CRC checks (faster; says so)")
     _add_compression_option(inspect_cmd)
+    _add_format_option(inspect_cmd)
     inspect_cmd.set_defaults(func=cmd_inspect)
 
 
@@ -198,6 +208,7 @@ def _add_verify(sub: Any) -> None:
         "and byte size the manifest gives",
     )
     _add_compression_option(verify_cmd)
+    _add_format_option(verify_cmd)
     verify_cmd.set_defaults(func=cmd_verify)
 
 
@@ -213,6 +224,7 @@ def _add_index(sub: Any) -> None:
     )
     _add_urls(index_cmd)
     _add_compression_option(index_cmd)
+    _add_format_option(index_cmd)
     index_cmd.set_defaults(func=cmd_index)
 
 

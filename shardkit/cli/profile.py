@@ -22,6 +22,7 @@ from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail, one_line
 from shardkit.cli.files import GLOB_CHARS
+from shardkit.cli.outputs import check_trace_path
 from shardkit.errors import ShardkitError
 
 #: A ``module:function`` spec (a url or a Windows drive has "://" or a single letter before its colon).
@@ -35,6 +36,11 @@ class ProfileError(ShardkitError, ValueError):
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.trace:  # an input shard, or a path that cannot be written, is refused before the run
+        try:
+            check_trace_path(args.trace, _inputs(args.pipeline))
+        except Exception as error:  # noqa: BLE001 - one line naming the trace, exit 2
+            return fail(args, error, args.trace)
     try:
         loader = _loader(args.pipeline, args.batch_size, args.num_workers)
     except Exception as error:  # noqa: BLE001 - one line naming PIPELINE, then main's exit code
@@ -47,6 +53,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
         _write_json(args.trace, loader.timeline())
         print(f"timeline: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     return EXIT_OK
+
+
+def _inputs(spec: str) -> list[str]:
+    """The shard files a glob PIPELINE reads (none known for a module:function, nor for a bad glob,
+    which the loader reports)."""
+    if _SPEC.match(spec) or not (GLOB_CHARS.search(spec) or os.path.isfile(spec)):
+        return []
+    import shardkit
+
+    try:
+        return shardkit.ShardList.from_glob(spec).urls()
+    except ShardkitError:
+        return []
 
 
 def _loader(spec: str, batch_size: int, num_workers: int) -> Any:
