@@ -44,8 +44,14 @@ class MismatchError(ShardkitError):
 
 
 def one_line(text: str) -> str:
-    """``text`` with its line breaks folded, so that one error stays one line."""
-    return re.sub(r"\s*[\r\n]+\s*", " | ", text.strip()) or "(no message)"
+    """``text`` with its line breaks folded, so that one error stays one line. An error re-raised from a
+    DataLoader worker carries the worker's traceback in its message: only its first and last lines stay."""
+    lines = text.strip().splitlines()
+    if any(line.startswith("Original Traceback") for line in lines):
+        raised = [i for i, line in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*: ", line)]
+        if raised:  # the exception's own line (and the lines of its message after it)
+            lines = [lines[0], re.sub(r"^[\w.]+: ", "", lines[raised[-1]]), *lines[raised[-1] + 1 :]]
+    return re.sub(r"\s*[\r\n]+\s*", " | ", "\n".join(lines).strip()) or "(no message)"
 
 
 _OS_REASONS: dict[type, str] = {

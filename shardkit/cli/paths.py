@@ -25,7 +25,11 @@ def is_url(text: str) -> bool:
 
 def shown(url: str, typed: str) -> str:
     """``url`` (a file that the argument ``typed`` named) as the user would write it (see the module doc)."""
-    if is_url(url) or is_url(typed):
+    if is_url(url):
+        return url
+    if typed.startswith("file://"):  # a local listing drops the protocol the user gave
+        return f"file://{os.path.normpath(url)}"
+    if is_url(typed):
         return url
     if os.path.isabs(typed):
         return os.path.normpath(os.path.abspath(url))
