@@ -210,9 +210,10 @@ def _check_tfrecord_head(url: str, head: bytes, option: bool) -> None:
     from shardkit.formats.sniff import kind_of
 
     everything = formats()
-    if not head or everything["tfrecord"].sniff(head) or _compressed(head) or kind_of(head) is None:
+    kind = kind_of(head)
+    if kind is None or everything["tfrecord"].sniff(head) or _compressed(head):
         return  # a TFRecord, perhaps damaged: its reader says where
-    what = kind_of(head)[0]  # type: ignore[index]  # not None: checked above
+    what = kind[0]
     other = next((f.name for f in everything.values() if f.name != "tfrecord" and f.sniff(head)), None)
     if other is None:
         raise FormatError(f"{url}: its name says TFRecord, but this is {what}")

@@ -29,7 +29,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 
-from shardkit.cli.paths import is_url
+from shardkit.cli.paths import is_url, shown
 from shardkit.errors import ShardkitError
 
 _FIELD = re.compile(r"%[-+ #0]*\d*[diu]")  # the integer field of a ShardWriter pattern
@@ -67,13 +67,13 @@ def _produces(base: str, name: str) -> bool:
     return base % int(middle) == name
 
 
-def _sampled_outputs(pattern: str, manifest: str) -> Iterator[str]:
-    """Output names to try against a glob: shards 0 to 9,999, the round numbers beyond, their companions,
-    and the manifest."""
+def _sampled_names(base: str, manifest: str) -> Iterator[str]:
+    """Output file names to try against a glob: shards 0 to 9,999, the round numbers beyond, their
+    companions, and the manifest."""
     yield manifest
     numbers = [*range(_SAMPLED), *(d * 10**k for k in range(4, 16) for d in range(1, 10))]
     for n in numbers:
-        name = pattern % n
+        name = base % n
         yield name
         yield from _companions(name)
 
@@ -105,21 +105,39 @@ def _glob_parts(glob: str) -> list[str]:
     return [*folder.split("/"), *parts[literal:]] if folder != "/" else ["", *parts[literal:]]
 
 
-def _glob_matches(glob: str, outputs: Iterable[str]) -> str | None:
-    """The first of ``outputs`` that ``glob`` (brace groups expanded) matches, component by component."""
+def _glob_matches(glob: str, pattern: str, manifest: str) -> str | None:
+    """The first output (a sampled shard name, a companion, the manifest) that ``glob`` matches, component
+    by component (brace groups expanded), None when there is none."""
     from shardkit.io.glob import expand_braces
 
-    globs = [_glob_parts(part) for part in expand_braces(glob)]
-    for output in outputs:
-        for spelling in _resolved(output):
-            parts = spelling.split("/") if is_url(spelling) else spelling.split("/")
-            for glob_parts in globs:
-                if "**" in glob_parts:
-                    if fnmatch.fnmatchcase("/".join(parts), "/".join(glob_parts)):
-                        return output
-                elif len(parts) == len(glob_parts) and all(map(fnmatch.fnmatchcase, parts, glob_parts)):
-                    return output
+    folders, base = _folder_and_name(pattern)
+    manifest_folders, manifest_name = _folder_and_name(manifest)
+    for part in expand_braces(glob):
+        *glob_folder, glob_name = _glob_parts(part)
+        if "**" in part:  # any depth: match whole paths (rare; the sampled names only)
+            whole = "/".join([*glob_folder, glob_name])
+            candidates = [f"{folder}/{name}" for folder in folders for name in _sampled_names(base, "") if name]
+            candidates += [f"{folder}/{manifest_name}" for folder in manifest_folders]
+            hit = next((c for c in candidates if fnmatch.fnmatchcase(c, whole)), None)
+        else:
+            hit = _name_match(glob_folder, glob_name, folders, _sampled_names(base, ""))
+            hit = hit or _name_match(glob_folder, glob_name, manifest_folders, iter([manifest_name]))
+        if hit is not None:
+            return hit
     return None
+
+
+def _name_match(glob_folder: list[str], glob_name: str, folders: set[str], names: Iterator[str]) -> str | None:
+    """``folder/name`` for the first name ``glob_name`` matches in a folder ``glob_folder`` matches."""
+    matching = [f for f in folders if _components_match(f.split("/"), glob_folder)]
+    if not matching:
+        return None
+    name = next((n for n in names if n and fnmatch.fnmatchcase(n, glob_name)), None)
+    return None if name is None else f"{matching[0]}/{name}"
+
+
+def _components_match(parts: list[str], globs: list[str]) -> bool:
+    return len(parts) == len(globs) and all(map(fnmatch.fnmatchcase, parts, globs))
 
 
 def check_outputs(source: str, inputs: list[str], pattern: str, manifest: str) -> None:
@@ -136,8 +154,9 @@ def check_outputs(source: str, inputs: list[str], pattern: str, manifest: str) -
             "output back); write to another folder or name"
         )
     if re.search(r"[*?\[{]", source):
-        output = _glob_matches(source, _sampled_outputs(pattern, manifest))
+        output = _glob_matches(source, pattern, manifest)
         if output is not None:
+            output = shown(output, pattern)
             raise OutputError(
                 f"the source glob {source!r} matches the output {output}, so the outputs would be read as "
                 "inputs on the next run; write to another folder or name, or narrow the glob"

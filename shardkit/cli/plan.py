@@ -27,7 +27,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return fail(args, error, args.source)
     options = {"seed": args.seed, "epoch": args.epoch, "shuffle": args.shuffle, "balance": args.balance}
     text = format_plan(
-        shards, args.world_size, args.num_workers, show=args.show, shown_as=lambda url: shown(url, args.source), **options
+        shards,
+        args.world_size,
+        args.num_workers,
+        show=args.show,
+        shown_as=lambda url: shown(url, args.source),
+        **options,
     )
     print(f"record counts: {counts_from}")
     print(text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,10 +16,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shardkit
 from shardkit.formats.tfrecord import read_tfrecord
 from tests.helpers.cli import run_cli
+from tests.helpers.examples import examples
 
 
 def write_shards(folder: Path, counts: list[int], name: str = "part") -> list[str]:
@@ -134,7 +138,9 @@ def test_profile_refuses_a_trace_path_that_is_one_of_its_input_shards_before_the
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("trace, reason", [("nodir/t.json", "no such file or directory"), ("afile/t.json", "not a directory")])
+@pytest.mark.parametrize(
+    "trace, reason", [("nodir/t.json", "no such file or directory"), ("afile/t.json", "not a directory")]
+)
 def test_profile_finds_an_unwritable_trace_path_before_the_run(tmp_path, monkeypatch, trace, reason):
     monkeypatch.chdir(tmp_path)
     write_shards(tmp_path / "d", [8])
@@ -162,9 +168,7 @@ def test_a_file_in_no_known_format_is_format_not_recognised_with_exit_2(tmp_path
 
 
 @pytest.mark.parametrize("command", ["verify", "inspect", "index"])
-def test_a_parquet_file_named_tfrecord_names_the_format_option_and_that_option_reads_it(
-    tmp_path, monkeypatch, command
-):
+def test_a_parquet_file_named_tfrecord_names_the_format_option_and_that_option_reads_it(tmp_path, monkeypatch, command):
     monkeypatch.chdir(tmp_path)
     with shardkit.ShardWriter("p/x-%05d.parquet") as writer:
         for n in range(6):
@@ -276,5 +280,31 @@ def test_plan_prints_shards_as_the_user_typed_the_source(two_folders):
 def test_an_error_names_the_file_as_the_user_typed_it(two_folders):
     os.symlink(two_folders / "missing.tfrecord", two_folders / "data" / "train-00009.tfrecord")
     done = run_cli("verify", "../data/*.tfrecord")
-    assert done.stderr.splitlines() == ["shardkit verify: error: ../data/train-00009.tfrecord: no such file or directory"]
+    assert done.stderr.splitlines() == [
+        "shardkit verify: error: ../data/train-00009.tfrecord: no such file or directory"
+    ]
     assert done.returncode == 2
+
+
+# --------------------------------------------------------------------------- which names a pattern can produce
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    base=st.sampled_from(["part-%05d.tfrecord", "part-%d.tfrecord", "%03d.tar", "x_%2d.parquet", "p-%05d.bin"]),
+    n=st.integers(0, 10**15),
+)
+def test_a_name_is_an_output_exactly_when_the_pattern_formats_some_number_to_it(base, n):
+    from shardkit.cli.outputs import _produces
+
+    made = base % n
+    assert _produces(base, made)
+    if base.endswith(".bin"):
+        assert _produces(base, made[: -len(".bin")] + ".idx")  # a Megatron pair's index
+    field = re.search(r"%\d*d", base)
+    assert field is not None
+    prefix, suffix = base[: field.start()], base[field.end() :]
+    digits = made[len(prefix) : len(made) - len(suffix)]
+    assert not _produces(base, f"{prefix}0{digits}{suffix}")  # the same number, spelled with one more 0
+    assert not _produces(base, f"y{made}")
+    assert not _produces(base, f"{made}.gz")
