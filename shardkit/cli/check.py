@@ -14,6 +14,7 @@ from typing import Any
 
 from shardkit.cli.exits import MismatchError, fail
 from shardkit.cli.files import detect_compression, each_file, format_of, index_counts, with_progress
+from shardkit.cli.paths import key, shown
 from shardkit.errors import ShardkitError
 
 Schema = dict[str, tuple[str, int, int]]  # feature name -> (kind, fewest values, most values)
@@ -142,7 +143,7 @@ def _describe(record: Any) -> str:
 def _inspect_one(url: str, args: argparse.Namespace) -> None:
     from shardkit.formats.tfrecord import read_tfrecord
 
-    fmt = format_of(url)
+    fmt = format_of(url, args.format, args.compression)
     if fmt is not None:
         return _inspect_format(url, fmt, args)
 
@@ -179,15 +180,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from shardkit.shardlist import ShardList
 
-    expected: dict[str, tuple[int | None, int | None]] = {}
+    expected: dict[str, tuple[int | None, int | None]] = {}  # by paths.key: a file named in any form
+    listed: list[str] = []
     if args.manifest:
         try:
             shards = ShardList.from_manifest(args.manifest)
         except Exception as error:  # noqa: BLE001 - one line, exit 2
             return fail(args, error, args.manifest)
         counts, sizes = (shards.table.column(name).to_pylist() for name in ("num_records", "size"))
-        expected = dict(zip(shards.urls(), zip(counts, sizes)))
-    return each_file(args, lambda url: _verify_one(url, args, *expected.get(url, (None, None))), listed=list(expected))
+        listed = [shown(url, args.manifest) for url in shards.urls()]
+        expected = {key(url): pair for url, pair in zip(shards.urls(), zip(counts, sizes))}
+
+    def verify(url: str) -> None:
+        _verify_one(url, args, *expected.get(key(url), (None, None)))
+
+    return each_file(args, verify, listed=listed)
 
 
 def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int | None) -> None:
@@ -201,7 +208,7 @@ def _verify_one(url: str, args: argparse.Namespace, count: int | None, size: int
     fs, path = fsspec.core.url_to_fs(url)
     if size is not None and (actual := retried_call(fs, "size", path)) != size:
         raise MismatchError(f"{url}: {actual} bytes, but {where} says {size}; the file changed since it was listed")
-    fmt = format_of(url)
+    fmt = format_of(url, args.format, args.compression)
     if fmt is not None:  # tar, Parquet, JSON lines: reading every record checks it
         found = sum(1 for _ in fmt.read(url))
     else:
@@ -227,7 +234,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def _index_one(url: str, args: argparse.Namespace) -> None:
     """Write ``url``'s index (each format writes its own by rename); Parquet needs none."""
-    fmt = format_of(url)
+    fmt = format_of(url, args.format, args.compression)
     if fmt is None:
         print(f"{url} -> {_write_index(url, args.compression)}")
         return

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail
-from shardkit.cli.files import expand
+from shardkit.cli.files import expand, format_of
+from shardkit.cli.outputs import OutputError, check_outputs
+from shardkit.cli.paths import shown
 from shardkit.errors import ShardkitError
 
 
@@ -22,17 +24,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Read every record of SRC's files in order and write them as DST shards, with a manifest."""
     from tqdm import tqdm
 
-    from shardkit.formats.registry import format_for, formats
-    from shardkit.writer import ShardWriter
+    from shardkit.formats.registry import formats
+    from shardkit.writer import ShardWriter, default_manifest_path
 
     # A local pattern is made absolute so that the manifest's urls do not depend on where it is read from.
     pattern = args.pattern if "://" in args.pattern else os.path.abspath(args.pattern)
     try:
         urls = expand(args.source)
-        readers = [(url, format_for(url)) for url in urls]
+        check_outputs(args.source, urls, args.pattern, default_manifest_path(args.pattern))
+        readers = [(url, _source_format(url)) for url in urls]
         writer = ShardWriter(pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes)
     except Exception as error:  # noqa: BLE001 - one line, exit 2
-        return fail(args, error, args.source)
+        return fail(args, error, None if isinstance(error, OutputError) else args.source)
     target = formats()[args.format]
     try:
         convert = _record_converter(args.decode, readers, target.name)
@@ -47,8 +50,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 bar.update()
     shards = writer.shards
     assert shards is not None
-    print(f"{count} records from {len(urls)} files -> {len(shards)} {args.format} shards; manifest {writer.manifest}")
+    manifest = shown(writer.manifest, args.pattern)
+    print(f"{count} records from {len(urls)} files -> {len(shards)} {args.format} shards; manifest {manifest}")
     return EXIT_OK
+
+
+def _source_format(url: str) -> Any:
+    """The format to read ``url`` with: :func:`~shardkit.cli.files.format_of`'s checks (a file in no
+    known format, or named TFRecord but holding another format, is an error), TFRecord included."""
+    from shardkit.formats.registry import formats
+
+    return format_of(url, option=False) or formats()["tfrecord"]
 
 
 class ConvertError(ShardkitError):

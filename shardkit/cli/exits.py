@@ -31,7 +31,8 @@ exit codes:
        (each bad file is reported with its url, record index and byte offset)
   {EXIT_USAGE}    usage error or unreadable input: bad arguments, a missing file, a
        directory, a glob matching nothing, an unreadable or malformed manifest
-       or index; 2 wins over 1 when both happen
+       or index, a file in no known format (or not the one its name says), an
+       output that could overwrite an input; 2 wins over 1 when both happen
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
   {EXIT_PIPE}  the output pipe closed early (`shardkit verify ... | head`): stops quietly
 errors are single lines on stderr: "shardkit <command>: error: <message>"
@@ -43,8 +44,14 @@ class MismatchError(ShardkitError):
 
 
 def one_line(text: str) -> str:
-    """``text`` with its line breaks folded, so that one error stays one line."""
-    return re.sub(r"\s*[\r\n]+\s*", " | ", text.strip()) or "(no message)"
+    """``text`` with its line breaks folded, so that one error stays one line. An error re-raised from a
+    DataLoader worker carries the worker's traceback in its message: only its first and last lines stay."""
+    lines = text.strip().splitlines()
+    if any(line.startswith("Original Traceback") for line in lines):
+        raised = [i for i, line in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*: ", line)]
+        if raised:  # the exception's own line (and the lines of its message after it)
+            lines = [lines[0], re.sub(r"^[\w.]+: ", "", lines[raised[-1]]), *lines[raised[-1] + 1 :]]
+    return re.sub(r"\s*[\r\n]+\s*", " | ", "\n".join(lines).strip()) or "(no message)"
 
 
 _OS_REASONS: dict[type, str] = {
@@ -60,7 +67,9 @@ def describe_error(error: BaseException, where: str | None = None) -> str:
     """One line saying what went wrong and where: the url, and for corrupt data the
     record index and byte offset the error carries."""
     if isinstance(error, OSError) and not isinstance(error, ShardkitError):
-        where = getattr(error, "filename", None) or where
+        filename = getattr(error, "filename", None)
+        if filename and not (where and _same_path(str(filename), str(where))):  # where: as the user named it
+            where = filename
         reason = _OS_REASONS.get(type(error)) or error.strerror or f"{type(error).__name__}: {error}"
     elif isinstance(error, ShardkitError):
         reason = str(error)
@@ -69,6 +78,10 @@ def describe_error(error: BaseException, where: str | None = None) -> str:
     if where and str(where) not in reason:
         reason = f"{where}: {reason}"
     return one_line(reason)
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or ("://" not in a + b and os.path.abspath(a) == os.path.abspath(b))
 
 
 def exit_code_of(error: BaseException) -> int:

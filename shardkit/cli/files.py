@@ -13,18 +13,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail, stdout_closed
+from shardkit.cli.paths import is_url, shown
 
 GLOB_CHARS = re.compile(r"[*?\[{]")
 
 
 def expand(pattern: str) -> list[str]:
-    """The files ``pattern`` names: itself, or the sorted matches of a glob (``*?[`` or ``{a,b}``), where a
-    Megatron ``X.bin`` and ``X.idx`` are one pair, named once by its ``.bin``."""
+    """The files ``pattern`` names, as the user typed it (:func:`~shardkit.cli.paths.shown`): itself, or the
+    sorted matches of a glob (``*?[`` or ``{a,b}``), where a Megatron ``X.bin`` and ``X.idx`` are one pair,
+    named once by its ``.bin``."""
     if not GLOB_CHARS.search(pattern):
-        return [pattern]
+        return [shown(pattern, pattern)]
     from shardkit.shardlist import ShardList
 
-    urls = ShardList.from_glob(pattern).urls()
+    urls = [shown(url, pattern) for url in ShardList.from_glob(pattern).urls()]
     pairs = {url[:-4] for url in urls if url.endswith(".bin")}
     return [url for url in urls if not (url.endswith(".idx") and url[:-4] in pairs)]  # a Megatron pair once
 
@@ -133,16 +135,90 @@ def _named_format(url: str) -> Any:
     return None if fmt.name == "tfrecord" else fmt
 
 
-def format_of(url: str) -> Any:
-    """The format of the file at ``url`` (suffix, then first bytes), None for TFRecord or unknown."""
+def format_of(url: str, forced: str | None = None, compression: str | None = "auto", *, option: bool = True) -> Any:
+    """The format to read ``url`` with, None for TFRecord (which the commands read themselves): ``forced``
+    (``--format``) when given, else the one its suffix names, else the one its first bytes show.
+
+    A file whose first bytes show no format is read as TFRecord only when it is a compressed stream (or
+    ``compression`` says so); a file named TFRecord whose first bytes are another format's is read as
+    neither. Both are errors (exit 2) before any record is read, not a corrupt record 0, whose fix names the
+    command's ``--format`` option (``option``), else the file name's suffix.
+
+    Raises:
+        FormatError: the format is not recognised, or the name contradicts the first bytes.
+    """
+    from shardkit.formats.base import FormatError
+    from shardkit.formats.registry import format_for, formats
+
+    if forced is not None:
+        fmt = formats()[forced]
+        return None if fmt.name == "tfrecord" else fmt
+    by_name = _named(url)
+    if by_name is not None and (by_name.name != "tfrecord" or is_url(url)):
+        return None if by_name.name == "tfrecord" else by_name  # a remote file is not opened twice
+    head = _head(url)
+    if head is None:
+        return None  # unreadable: the TFRecord reader reports why, as for any file
+    if by_name is not None:
+        _check_tfrecord_head(url, head, option)
+        return None
+    try:
+        fmt = format_for(url, head)
+    except FormatError:
+        if compression in ("gzip", "zlib") or _compressed(head):
+            return None  # a compressed TFRecord stream: its reader checks it
+        how = "if it is one, say which with --format" if option else "if it is one, name it with its suffix"
+        raise FormatError(
+            f"{url}: format not recognised: neither its name nor its first bytes match a shard format "
+            f"({', '.join(formats())}); {how}"
+        ) from None
+    return None if fmt.name == "tfrecord" else fmt
+
+
+def _named(url: str) -> Any:
+    """The format ``url``'s suffix names, None when no suffix matches."""
     from shardkit.formats.base import FormatError
     from shardkit.formats.registry import format_for
 
     try:
-        fmt = format_for(url)
+        return format_for(url, head=b"")
     except FormatError:
-        return None  # TFRecord, perhaps compressed: its reader says what is wrong
-    return None if fmt.name == "tfrecord" else fmt
+        return None
+
+
+def _head(url: str) -> bytes | None:
+    from shardkit.formats.sniff import SNIFF_BYTES
+    from shardkit.io.files import open_raw
+
+    try:
+        with open_raw(url, "rb") as f:
+            return f.read(SNIFF_BYTES)
+    except OSError:
+        return None
+
+
+def _compressed(head: bytes) -> bool:
+    from shardkit.io.files import sniff_compression
+
+    return sniff_compression(head) is not None
+
+
+def _check_tfrecord_head(url: str, head: bytes, option: bool) -> None:
+    """Refuse a file named TFRecord that starts like another format (and not like a TFRecord record)."""
+    from shardkit.formats.base import FormatError
+    from shardkit.formats.registry import formats
+    from shardkit.formats.sniff import kind_of
+
+    everything = formats()
+    kind = kind_of(head)
+    if kind is None or everything["tfrecord"].sniff(head) or _compressed(head):
+        return  # a TFRecord, perhaps damaged: its reader says where
+    what = kind[0]
+    other = next((f.name for f in everything.values() if f.name != "tfrecord" and f.sniff(head)), None)
+    if other is None:
+        raise FormatError(f"{url}: its name says TFRecord, but this is {what}")
+    how = f"read it with --format {other}" if option else f"name it with a {everything[other].suffixes[-1]} suffix"
+    raise FormatError(f"{url}: its name says TFRecord, but this is {what}; {how}")
 
 
 def _progress_bar(url: str, compression: str | None, storage_options: dict | None = None) -> Any:

@@ -64,6 +64,15 @@ def _add_compression_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--format",
+        default=None,
+        choices=("tfrecord", "tar", "parquet", "jsonl", "megatron"),
+        help="read every file in this format (default: detect it by extension, then by the first bytes)",
+    )
+
+
 def _add_urls(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "urls",
@@ -176,7 +185,8 @@ def _add_inspect(sub: Any) -> None:
         "Read every record (checking CRCs unless --no-verify); print the count, sizes and compression, and "
         "whether the first records are tf.Example or tf.SequenceExample messages, with their features.",
         "0 every file was read; 1 corrupt data found (url, record index, byte offset on stderr); "
-        "2 bad arguments or an input cannot be read. Every file is inspected even after a failure.",
+        "2 bad arguments, an input cannot be read, or its format is not recognised. Every file is inspected "
+        "even after a failure.",
     )
     _add_urls(inspect_cmd)
     inspect_cmd.add_argument(
@@ -184,6 +194,7 @@ def _add_inspect(sub: Any) -> None:
     )
     inspect_cmd.add_argument("--no-verify", action="store_true", help="skip the CRC checks (faster; says so)")
     _add_compression_option(inspect_cmd)
+    _add_format_option(inspect_cmd)
     inspect_cmd.set_defaults(func=cmd_inspect)
 
 
@@ -196,7 +207,8 @@ def _add_verify(sub: Any) -> None:
         "manifest (--manifest) or index file gives. Each bad file is reported on its own line with "
         "the record index and byte offset of the damage, and the remaining files are still checked.",
         "0 every file is sound; 1 at least one file is corrupt, or contradicts its manifest or index "
-        "file (record count, byte size); 2 bad arguments or an input cannot be read (2 wins over 1).",
+        "file (record count, byte size); 2 bad arguments, an input cannot be read, or its format is not "
+        "recognised (2 wins over 1).",
     )
     _add_urls(verify_cmd, required=False)
     verify_cmd.add_argument(
@@ -205,6 +217,7 @@ def _add_verify(sub: Any) -> None:
         "and byte size the manifest gives",
     )
     _add_compression_option(verify_cmd)
+    _add_format_option(verify_cmd)
     verify_cmd.set_defaults(func=cmd_verify)
 
 
@@ -215,11 +228,13 @@ def _add_index(sub: Any) -> None:
         "write an index file (record byte offsets) beside each shard file (tar, JSON lines, TFRecord)",
         "Write <file>.idx beside each file: the byte offset of every record (length CRCs checked), "
         "written under a temporary name and renamed into place.",
-        "0 every index was written; 1 a file is corrupt (no index written for it); 2 bad arguments or "
-        "an input cannot be read (2 wins over 1). Every file is indexed even after a failure.",
+        "0 every index was written; 1 a file is corrupt (no index written for it); 2 bad arguments, an "
+        "input cannot be read, or its format is not recognised (2 wins over 1). Every file is indexed even "
+        "after a failure.",
     )
     _add_urls(index_cmd)
     _add_compression_option(index_cmd)
+    _add_format_option(index_cmd)
     index_cmd.set_defaults(func=cmd_index)
 
 
@@ -234,7 +249,9 @@ def _add_convert(sub: Any) -> None:
         "manifest with the record counts. Tar samples keep their keys; rows and lines get their running "
         "number as key. tf.Example features become columns, fields or members (see --decode), and back.",
         "0 converted; 1 a source file is corrupt (url, record index, byte offset on stderr; no manifest "
-        "is written); 2 bad arguments, an unreadable source, or a record the target format cannot hold.",
+        "is written); 2 bad arguments, an unreadable source, a source in no known format, a record the "
+        "target format cannot hold, or an output that could overwrite a source (SRC a name DST_PATTERN can "
+        "produce, or a glob that would pick up the outputs): refused before anything is written.",
     )
     convert_cmd.add_argument("source", metavar="SRC", help="a shard file or a quoted glob of them")
     convert_cmd.add_argument(
@@ -275,7 +292,8 @@ def _add_profile(sub: Any) -> None:
         "module:function (importable from the working directory or PYTHONPATH) returning a MixedLoader or a "
         "dataset, or a quoted glob of shard files read with their format's dataset (balance='none').",
         "0 profiled; 1 corrupt data met while reading; 2 bad arguments, PIPELINE cannot be imported, "
-        "called or read (a glob matching nothing), or --trace or --picture cannot be written.",
+        "called or read (a glob matching nothing), or --trace or --picture cannot be written, or --trace "
+        "is a shard file (all found before the run).",
     )
     profile_cmd.add_argument("pipeline", metavar="PIPELINE", help="module:function, or a quoted glob of shards")
     length = profile_cmd.add_mutually_exclusive_group()

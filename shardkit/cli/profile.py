@@ -22,6 +22,7 @@ from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail, one_line
 from shardkit.cli.files import GLOB_CHARS
+from shardkit.cli.outputs import check_trace_path
 from shardkit.cli.picture_profile import profile_picture
 from shardkit.cli.svg import PictureError, check_writable, write_atomic
 from shardkit.errors import ShardkitError
@@ -37,6 +38,11 @@ class ProfileError(ShardkitError, ValueError):
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.trace:  # an input shard, or a path that cannot be written, is refused before the run
+        try:
+            check_trace_path(args.trace, _inputs(args.pipeline))
+        except Exception as error:  # noqa: BLE001 - one line naming the trace, exit 2
+            return fail(args, error, args.trace)
     try:
         if args.picture:
             check_writable(args.picture)  # before the run: a wrong path should not cost the run
@@ -61,6 +67,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
             return fail(args, error)
         print(f"picture: {args.picture}")
     return EXIT_OK
+
+
+def _inputs(spec: str) -> list[str]:
+    """The shard files a glob PIPELINE reads (none known for a module:function, nor for a bad glob,
+    which the loader reports)."""
+    if _SPEC.match(spec) or not (GLOB_CHARS.search(spec) or os.path.isfile(spec)):
+        return []
+    import shardkit
+
+    try:
+        return shardkit.ShardList.from_glob(spec).urls()
+    except ShardkitError:
+        return []
 
 
 def _loader(spec: str, batch_size: int, num_workers: int) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -10,8 +11,18 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3, **options: Any) -> str:
-    """A table of who reads what: each reader's record count and first ranges."""
+def format_plan(
+    shards: Any,
+    world_size: int,
+    num_workers: int,
+    *,
+    show: int = 3,
+    shown_as: Callable[[str], str] | None = None,
+    **options: Any,
+) -> str:
+    """A table of who reads what: each reader's record count and first ranges, each shard named by
+    ``shown_as(url)`` (default: relative to the working directory when under it)."""
+    name = shown_as or shown_path
     from shardkit.planning import plan
     from shardkit.topology import Topology
 
@@ -30,7 +41,7 @@ def format_plan(shards: Any, world_size: int, num_workers: int, *, show: int = 3
             sizes = [r.stop - r.start for r in ranges if r.stop is not None]
             rank_total += sum(sizes)
             shown = ", ".join(
-                f"{shown_path(shards[r.shard])}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
+                f"{name(shards[r.shard])}[{r.start}:{'' if r.stop is None else r.stop}]" for r in ranges[:show]
             )
             more = f" ... (+{len(ranges) - show})" if len(ranges) > show else ""
             records = str(sum(sizes)) if len(sizes) == len(ranges) else "?"
