@@ -3,7 +3,9 @@ and whose ``len()`` is exact, so a trainer's own checkpoints resume it exactly.
 
 torchdata's loader saves the calling rank's state, and a trainer writes rank
 0's, so every rank would resume from rank 0's position. This subclass
-changes nothing but that and its length (import it instead of torchdata's):
+changes nothing but that and its length (import it instead of torchdata's;
+like torchdata's it is generic in its batch type, so
+``shardkit.StatefulDataLoader[list[Tensor]]`` annotates as torchdata's does):
 
 * ``state_dict()`` under a process group of more than one rank returns every
   rank's state in one ``"ranks"`` node (:mod:`shardkit.ranks`), and
@@ -27,7 +29,7 @@ torchdata is an optional dependency: this module imports it, and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader as _TorchdataLoader
@@ -41,11 +43,13 @@ from shardkit.trainers import loader_batches, reader_lengths
 
 __all__ = ["StatefulDataLoader"]
 
+_T_co = TypeVar("_T_co", covariant=True)  # the batch type, as torchdata's (and DataLoader's) class is generic in it
+
 _SNAPSHOT, _WORKERS, _SINCE = "_snapshot", "_worker_snapshots", "_steps_since_snapshot"  # torchdata's state keys
 _DATASET_STATE = "dataset_state"
 
 
-class StatefulDataLoader(_TorchdataLoader):
+class StatefulDataLoader(_TorchdataLoader[_T_co]):
     """torchdata's ``StatefulDataLoader``, with every rank's state in ``state_dict()``
     and an exact ``len()`` over a shardkit pipeline; see the module docstring.
 

@@ -170,3 +170,22 @@ def test_stateful_dataloader_takes_its_own_entry_of_a_ranks_node_on_the_same_wor
     resumed = stateful(rank_source(1, 2))
     resumed.load_state_dict(node)
     assert head + flat(resumed) == flat(stateful(rank_source(1, 2)))
+
+
+def test_stateful_dataloader_is_generic_in_its_batch_type_as_torchdatas_is():
+    # torchdata's test_dataloader.py::test_typing, with shardkit's class: "change only the import" holds.
+    from typing import List, get_args, get_origin  # noqa: UP035  (typing.List is what that test subscripts with)
+
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader as TorchdataLoader
+
+    alias = shardkit.StatefulDataLoader[List[torch.Tensor]]  # noqa: UP006
+    assert get_origin(alias) is shardkit.StatefulDataLoader and get_args(alias) == (List[torch.Tensor],)  # noqa: UP006
+    assert get_args(shardkit.StatefulDataLoader[list[torch.Tensor]]) == get_args(TorchdataLoader[list[torch.Tensor]])
+
+    class Typed(shardkit.StatefulDataLoader[list[str]]):
+        pass
+
+    loader = Typed(rank_source(0, 1), batch_size=8, collate_fn=list)
+    assert isinstance(loader, TorchdataLoader)
+    assert sorted(flat(loader)) == sorted(s.upper() for s in all_ids(synthetic_shards(COUNTS)))
