@@ -28,6 +28,7 @@ from shardkit.stateful import (
     check_positions,
     check_share,
     expect_equal,
+    expect_own_rank,
     field,
     node,
     same_value,
@@ -255,7 +256,7 @@ class _RangeIterator(StageIterator):
             return _Start(share([(0, size)], topology.num_workers, topology.worker_id), 0, False)
         state, owner = resume.state, resume.owner
         expect_equal(owner, "world_size", state[cls.WORLD_SIZE], topology.world_size)
-        expect_equal(owner, "rank", state[cls.RANK], topology.rank)
+        expect_own_rank(owner, state[cls.RANK], topology.rank)
         remaining = state[cls.REMAINING]
         check_positions(owner, remaining, size)
         window = state.get(cls.WINDOW) if windowed else None
