@@ -15,6 +15,15 @@ like torchdata's it is generic in its batch type, so
   (:func:`shardkit.state.merge_ranks`) and loaded into the dataset, so the
   next epoch's iteration resumes from it on any world size the pipeline's
   stages can be split over.
+* its position outlives the iterator: a trainer that drops the loader's
+  iterator when ``fit`` ends (Lightning sets ``_iterator = None`` in its
+  teardown) and saves a checkpoint afterwards (``fit(max_steps=2)``, then
+  ``trainer.save_checkpoint(...)``) would get torchdata's state of a fresh
+  iterator, the epoch's start, and the resumed run would train the first
+  batches again. The state of the dropped iterator is kept instead and is
+  what ``state_dict()`` returns until the next iteration starts or a state
+  is loaded (as :class:`shardkit.MixedLoader` keeps its position until its
+  next epoch); the next ``iter()`` starts an epoch as torchdata's does.
 * ``len()`` counts the batches the workers really yield: each worker batches
   its own share and ends with its own partial batch, so
   ``ceil(samples / batch_size)`` (DataLoader's length, which shardkit refuses
@@ -65,8 +74,23 @@ class StatefulDataLoader(_TorchdataLoader[_T_co]):
     def __init__(self, dataset: Any, *args: Any, gather_states: bool = True, **kwargs: Any) -> None:
         if not isinstance(gather_states, bool):
             raise TypeError(f"gather_states must be a bool (True or False), got {gather_states!r}")
+        self._kept_state: dict[str, Any] | None = None  # the dropped iterator's state (module docstring)
         super().__init__(dataset, *args, **kwargs)
         self.gather_states = gather_states
+
+    @property
+    def _iterator(self) -> Any:
+        """torchdata's current iterator; set to None from outside (a trainer's teardown), its state is kept."""
+        return self.__dict__.get("_current_iterator")
+
+    @_iterator.setter
+    def _iterator(self, iterator: Any) -> None:
+        dropped = self.__dict__.get("_current_iterator")
+        if iterator is None and dropped is not None:
+            self._kept_state = dropped.state_dict()  # read from the main process's snapshot: no worker is asked
+        elif iterator is not None:
+            self._kept_state = None
+        self.__dict__["_current_iterator"] = iterator
 
     def __iter__(self) -> Any:
         if self.num_workers > 0:
@@ -91,12 +115,24 @@ class StatefulDataLoader(_TorchdataLoader[_T_co]):
         rank, every rank's (see :meth:`shardkit.MixedLoader.state_dict`), unless
         ``gather`` (default: ``gather_states``) is False."""
         if self.gather_states if gather is None else gather:
-            return gather_ranks(super().state_dict, "StatefulDataLoader.state_dict()")
+            return gather_ranks(self._rank_state, "StatefulDataLoader.state_dict()")
+        return self._rank_state()
+
+    def _rank_state(self) -> dict[str, Any]:
+        """This rank's torchdata state: the dropped iterator's while no other has started."""
+        if self._iterator is None and self._kept_state is not None:
+            return self._kept_state
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict``; a state of every rank resumes each rank from its own
         entry on the same world size, else from the global state of all (module docstring)."""
+        try:
+            self._load(state_dict)
+        finally:
+            self._kept_state = None  # the loaded state replaces a dropped iterator's
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         if not is_ranks(state_dict):
             super().load_state_dict(state_dict)
             return
