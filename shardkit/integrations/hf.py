@@ -68,6 +68,7 @@ import logging
 import os
 import sys
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 # From the defining modules, not the package: the same classes, but a type checker that
@@ -273,7 +274,7 @@ def _header(record: dict[str, Any], ranks: list[int]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _check_one_save(folder: str, headers: list[dict[str, Any] | None], *, across_ranks: bool = True) -> None:
+def _check_one_save(folder: str, headers: Sequence[dict[str, Any] | None], *, across_ranks: bool = True) -> None:
     """Every file in ``headers`` (what each rank loaded, by rank; or, ``across_ranks`` False, each file
     one rank read) is of one save: the same run, version, world size and step; else a StateError
     naming each save's files."""

@@ -78,13 +78,14 @@ class StatefulDataLoader(_TorchdataLoader[_T_co]):
         super().__init__(dataset, *args, **kwargs)
         self.gather_states = gather_states
 
+    # A property over torchdata's attribute, so every place torchdata or a trainer sets it is seen.
     @property
     def _iterator(self) -> Any:
         """torchdata's current iterator; set to None from outside (a trainer's teardown), its state is kept."""
         return self.__dict__.get("_current_iterator")
 
     @_iterator.setter
-    def _iterator(self, iterator: Any) -> None:
+    def _iterator(self, iterator: Any) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
         dropped = self.__dict__.get("_current_iterator")
         if iterator is None and dropped is not None:
             self._kept_state = dropped.state_dict()  # read from the main process's snapshot: no worker is asked

@@ -51,22 +51,6 @@ def expect_equal(owner: object, what: str, saved: object, actual: object) -> Non
         raise StateError(f"{owner!r}: the state was saved with {what} {saved!r}, but here it is {actual!r}")
 
 
-def expect_own_rank(owner: object, saved: object, actual: int) -> None:
-    """Raise :class:`StateError` if a rank's state was saved by another rank, saying why that happens
-    (a trainer keeps rank 0's loader state alone) and which loaders save every rank's."""
-    if same_data(saved, actual):
-        return
-    raise StateError(
-        f"{owner!r}: the state was saved with rank {saved!r}, but here it is {actual!r}: it holds rank {saved!r}'s "
-        "position, not this rank's. Trainers save rank 0's checkpoint only (Lightning's save_checkpoint, "
-        "Accelerate's save_state), and a loader that saves the calling rank's state alone (torchdata's "
-        "StatefulDataLoader, a plain DataLoader) puts rank 0's loader state in it, which every rank then loads "
-        "(loaded anyway, each rank would train rank 0's records again). Fix: build the loader with "
-        "shardkit.StatefulDataLoader (import it instead of torchdata's; it takes the same arguments) or "
-        "shardkit.MixedLoader: their state_dict() holds every rank's state, and each rank loads its own"
-    )
-
-
 def applies(state: State, epoch: int, owner: object) -> bool:
     """Whether a loaded ``state`` resumes an iteration of ``epoch``.
 
@@ -593,7 +577,6 @@ __all__ = [
     "combine_ranks",
     "deal",
     "expect_equal",
-    "expect_own_rank",
     "field",
     "is_own",
     "merge",
