@@ -68,7 +68,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # From the defining modules, not the package: the same classes, but a type checker that
@@ -159,7 +159,7 @@ class ResumeCallback(TrainerCallback):
             self.loader.load_state_dict(loaded[0])
 
 
-def _agreed_run(headers: list[dict[str, Any] | None], load: Any = None) -> str:
+def _agreed_run(headers: list[dict[str, Any] | None], load: Callable[[], dict[str, Any] | None] | None = None) -> str:
     """A new run identity, rank 0's on every rank (through the job's store; without a process group,
     this process's). ``load()`` runs on every rank inside the same gather: what each rank loaded
     (None: nothing) is appended to ``headers`` in rank order."""
