@@ -22,7 +22,10 @@ The ``LightningModule``'s ``train_dataloader`` returns a shardkit loader over a
   worker ends with its own partial batch), so shardkit gives it no ``len()``
   and Lightning runs it to exhaustion: nothing is lost.
   ``--loader stateful``: :class:`shardkit.StatefulDataLoader` (torchdata's, with
-  an exact ``len()``).
+  an exact ``len()``). ``--loader torchdata``: torchdata's own
+  ``StatefulDataLoader``, which saves the calling rank's state alone: Lightning
+  writes rank 0's, so a resume is refused on rank 1 with the fix (import
+  shardkit's instead).
 
 Resuming from Lightning's own checkpoints needs no code either:
 ``ModelCheckpoint(every_n_train_steps=k, save_on_train_epoch_end=False)`` and
@@ -40,6 +43,13 @@ Build the dataset once (here in ``setup``), not inside ``train_dataloader``:
 its pass counter then survives a loader rebuilt every epoch (``--reload``,
 Lightning's ``reload_dataloaders_every_n_epochs=1``); a dataset built anew
 each epoch would start again from epoch 0 (or call its ``set_epoch(self.current_epoch)``).
+
+``--max-steps N --save CKPT`` stops ``fit`` after N steps and then saves
+``trainer.save_checkpoint(CKPT)``: the loader's position when ``fit`` ended,
+which ``--resume CKPT --epochs -1 --max-steps M`` goes on from. (Lightning
+loads a loader's state from such a checkpoint only in iteration-based
+training: with ``max_epochs`` it counts the epoch ``fit`` ended in as
+finished and starts the next without loading it.)
 
 ``--record DIR`` writes the sample ids each rank trained on, per epoch, to
 ``DIR/rank{r}-epoch{e}.json`` (the tests check them): ``ids`` in order,
@@ -131,6 +141,10 @@ class Regression(L.LightningModule):
             return shardkit.MixedLoader(dataset, batch_size=BATCH_SIZE, num_workers=2, persistent_workers=True)
         if self.loader == "stateful":
             return shardkit.StatefulDataLoader(dataset, batch_size=BATCH_SIZE, num_workers=2, persistent_workers=True)
+        if self.loader == "torchdata":
+            from torchdata.stateful_dataloader import StatefulDataLoader as TorchdataLoader
+
+            return TorchdataLoader(dataset, batch_size=BATCH_SIZE, num_workers=2, persistent_workers=True)
         return DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=2, persistent_workers=True)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_index: int) -> torch.Tensor:
@@ -152,7 +166,7 @@ class Regression(L.LightningModule):
         self.seen, self.steps, self.sizes, self.batches = [], [], [], 0
 
     def write_record(self) -> None:
-        if self.record:
+        if self.record and self.batches:  # not again after the epoch's end wrote (and cleared) it
             path = Path(self.record) / f"rank{self.global_rank}-epoch{self.current_epoch}.json"
             record = {"ids": self.seen, "steps": self.steps, "sizes": self.sizes, "batches": self.batches}
             path.write_text(json.dumps(record))
@@ -163,8 +177,8 @@ class Regression(L.LightningModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--loader", choices=("mixed", "stateful", "dataloader"), default="mixed")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--loader", choices=("mixed", "stateful", "dataloader", "torchdata"), default="mixed")
+    parser.add_argument("--epochs", type=int, default=2, help="max_epochs (-1: until --max-steps)")
     parser.add_argument("--record", help="write each rank's sample ids per epoch here")
     parser.add_argument("--reload", action="store_true", help="rebuild the loader every epoch")
     parser.add_argument("--records", type=int, default=RECORDS, help="records in the dataset written")
@@ -173,6 +187,8 @@ def main() -> None:
     parser.add_argument("--checkpoints", help="the folder of the checkpoints")
     parser.add_argument("--kill-at", type=int, help="end both ranks with SIGKILL after this global step")
     parser.add_argument("--resume", metavar="CKPT", help="resume from this checkpoint")
+    parser.add_argument("--max-steps", type=int, default=-1, help="end fit() after this many steps")
+    parser.add_argument("--save", metavar="CKPT", help="after fit(), trainer.save_checkpoint(CKPT)")
     args = parser.parse_args()
     root = data_folder(args.data, args.records)
     torch.manual_seed(0)
@@ -191,6 +207,7 @@ def main() -> None:
         devices=2,
         strategy="ddp",
         max_epochs=args.epochs,
+        max_steps=args.max_steps,
         logger=False,
         enable_checkpointing=bool(callbacks),
         callbacks=callbacks,
@@ -200,6 +217,9 @@ def main() -> None:
     )
     module = Regression(root, args.loader, args.record, args.kill_at)
     trainer.fit(module, ckpt_path=args.resume)
+    module.write_record()  # the batches of an epoch fit() ended in (max_steps), if any
+    if args.save:
+        trainer.save_checkpoint(args.save)  # on every rank: each joins in gathering the loader's state
     weight, bias = (p.item() for p in module.model.parameters())
     if trainer.global_rank == 0:
         print(f"learned y = {weight:.2f} x {bias:+.2f} (true: y = 3.00 x -1.00)")

@@ -130,3 +130,65 @@ def test_after_a_resume_in_epoch_0_epoch_1_is_the_uninterrupted_runs(runs):
         assert len(resumed) == PER_EPOCH[loader]
         whole += ids(resumed)
     assert sorted(whole) == list(range(RECORDS)), f"{loader}: epoch 1 after the resume is not every record once"
+
+
+# -- a checkpoint saved after fit() ended, and torchdata's own loader (issue 36) ------------------------
+
+SMALL = 64  # records: 32 per rank, 4 batches of 8 a rank and epoch under either loader
+
+
+def small_run(root: Path, name: str, loader: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """One launch of the example over ``root/data`` (``SMALL`` records), recording in ``root/name``."""
+    if not (root / "data").exists():
+        write_example_data(EXAMPLES / "lightning_train.py", root / "data", SMALL)
+    (root / name).mkdir()
+    common = ["--loader", loader, "--data", str(root / "data"), "--records", str(SMALL)]
+    script = str(EXAMPLES / "lightning_train.py")
+    return launch_ranks([script, *common, "--record", str(root / name), *args], timeout=300)
+
+
+def trained(folder: Path, rank: int) -> list[tuple[int, list[int]]]:
+    """``(global step, ids)`` of every batch a rank trained on in a run, in every epoch file."""
+    epochs = sorted(int(path.stem.rsplit("epoch", 1)[1]) for path in folder.glob(f"rank{rank}-epoch*.json"))
+    return [batch for epoch in epochs for batch in batches(folder, rank, epoch)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("loader", ["mixed", "stateful"])
+def test_a_checkpoint_saved_after_fit_ended_at_max_steps_resumes_after_its_last_batch(tmp_path, loader):
+    # fit(max_steps=2) ends, Lightning's teardown drops the loader's iterator, then
+    # trainer.save_checkpoint(...): the resumed fit must go on with the epoch's batch 3.
+    checkpoint = str(tmp_path / "after-fit.ckpt")
+    first = small_run(tmp_path, "first", loader, "--epochs", "-1", "--max-steps", "2", "--save", checkpoint)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = small_run(tmp_path, "resumed", loader, "--epochs", "-1", "--max-steps", "4", "--resume", checkpoint)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole = []
+    for rank in range(2):
+        before, after = trained(tmp_path / "first", rank), trained(tmp_path / "resumed", rank)
+        assert [step for step, _ in before] == [1, 2] and [step for step, _ in after] == [3, 4], f"rank {rank}"
+        epoch_ids = ids(before) + ids(after)
+        assert len(epoch_ids) == len(set(epoch_ids)) == SMALL // 2, f"{loader}, rank {rank}: repeated or missing"
+        whole += epoch_ids
+    assert sorted(whole) == list(range(SMALL))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchdatas_own_loader_under_lightning_is_refused_on_rank_1_saying_why_and_naming_the_fix(tmp_path):
+    # torchdata's StatefulDataLoader saves the calling rank's state; Lightning writes rank 0's checkpoint.
+    checkpoints = tmp_path / "checkpoints"
+    saving = ("--epochs", "1", "--checkpoint-every", "2", "--checkpoints", str(checkpoints), "--max-steps", "3")
+    first = small_run(tmp_path, "first", "torchdata", *saving)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = small_run(tmp_path, "resumed", "torchdata", "--epochs", "1", "--resume", str(checkpoints / "step=2.ckpt"))
+    assert resumed.returncode != 0
+    why = (
+        "the state was saved with rank 0, but here it is 1: it holds rank 0's position, not this rank's. Trainers "
+        "save rank 0's checkpoint only (Lightning's save_checkpoint"
+    )
+    fix = "Fix: build the loader with shardkit.StatefulDataLoader (import it instead of torchdata's"
+    assert why in resumed.stderr and fix in resumed.stderr and "or shardkit.MixedLoader" in resumed.stderr, (
+        resumed.stderr[-3000:]
+    )

@@ -34,6 +34,7 @@ from tests.helpers.trainer_runs import launch_ranks, recorded_reads, recorded_st
 RECORDS, STEPS_PER_EPOCH, EPOCHS, KILL_AT = 300, 19, 2, 35
 CHECKPOINTS = {0: 8, 1: 24}  # epoch: a checkpoint in it
 TRAINERS = ["accelerate_train.py", "hf_trainer.py"]
+RUN = "run-a"  # the run identity the in-process tests save under
 
 
 # -- ResumeCallback's files, in process ------------------------------------------------
@@ -50,7 +51,7 @@ def test_a_rank_state_file_is_plain_json_written_whole_and_loads_back_into_a_fre
     loader, fresh = small_loader(), small_loader()
     batches = iter(loader)
     head = [next(batches) for _ in range(3)]
-    path = write_loader_state(str(tmp_path / "checkpoint-3"), loader.state_dict(), 3, rank=0, world_size=1)
+    path = write_loader_state(str(tmp_path / "checkpoint-3"), loader.state_dict(), 3, rank=0, world_size=1, run=RUN)
     assert os.listdir(tmp_path / "checkpoint-3") == [Path(path).name] == ["shardkit_loader_rank0.json"]
     record = json.loads(Path(path).read_text())  # plain JSON: no pickle anywhere
     assert (record["global_step"], record["rank"], record["world_size"]) == (3, 0, 1)
@@ -65,10 +66,10 @@ def test_a_missing_or_foreign_rank_file_is_an_error_naming_the_file_not_a_silent
     folder = str(tmp_path / "checkpoint-8")
     with pytest.raises(StateError, match=r"shardkit_loader_rank1\.json is missing.*ResumeCallback"):
         read_loader_state(folder, 8, rank=1, world_size=2)
-    write_loader_state(folder, {"x": 1}, 16, rank=1, world_size=2)  # copied from checkpoint-16
+    write_loader_state(folder, {"x": 1}, 16, rank=1, world_size=2, run=RUN)  # copied from checkpoint-16
     with pytest.raises(StateError, match=r"global step 16, rank 1 of 2, but the Trainer resumes global step 8"):
         read_loader_state(folder, 8, rank=1, world_size=2)
-    write_loader_state(folder, {"x": 1}, 8, rank=0, world_size=2)
+    write_loader_state(folder, {"x": 1}, 8, rank=0, world_size=2, run=RUN)
     os.replace(f"{folder}/shardkit_loader_rank0.json", f"{folder}/shardkit_loader_rank1.json")  # rank 0's, renamed
     with pytest.raises(StateError, match=r"rank 0 of 2.*must be rank 1's"):
         read_loader_state(folder, 8, rank=1, world_size=2)
@@ -82,7 +83,7 @@ def test_on_another_world_size_every_rank_file_is_read_into_one_ranks_node(tmp_p
 
     folder = str(tmp_path / "checkpoint-8")
     for rank in range(2):
-        write_loader_state(folder, {"rank": rank}, 8, rank=rank, world_size=2)
+        write_loader_state(folder, {"rank": rank}, 8, rank=rank, world_size=2, run=RUN)
     node = read_loader_state(folder, 8, rank=0, world_size=1)
     assert node["kind"] == "ranks" and node["states"] == [{"rank": 0}, {"rank": 1}]
     os.remove(f"{folder}/shardkit_loader_rank1.json")
@@ -90,11 +91,50 @@ def test_on_another_world_size_every_rank_file_is_read_into_one_ranks_node(tmp_p
         read_loader_state(folder, 8, rank=0, world_size=3)
 
 
+def test_files_of_two_runs_read_as_one_ranks_node_are_a_state_error_naming_both_runs(tmp_path):
+    from shardkit.integrations.hf import read_loader_state, write_loader_state
+
+    folder = str(tmp_path / "checkpoint-8")
+    for rank in range(2):  # run-a saves on 2 ranks; run-b's rank 0 saves into the same folder, its rank 1 is killed
+        write_loader_state(folder, {"rank": rank}, 8, rank=rank, world_size=2, run=RUN)
+    write_loader_state(folder, {"rank": 0}, 8, rank=0, world_size=2, run="run-b")
+    with pytest.raises(StateError, match=r"holds the loader states of 2 saves") as info:
+        read_loader_state(folder, 8, rank=0, world_size=1)
+    message = str(info.value)
+    assert "shardkit_loader_rank0.json of run run-b, 2 ranks, step 8" in message
+    assert "shardkit_loader_rank1.json of run run-a, 2 ranks, step 8" in message and "twice" in message
+
+
+def older_file(folder: Path, rank: int, world_size: int, step: int = 8) -> None:
+    """A loader state as shardkit wrote it before the run was saved (version 1)."""
+    record = {"format": "shardkit.integrations.hf.loader_state", "version": 1, "global_step": step, "rank": rank,
+              "world_size": world_size, "state": {"rank": rank}}  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"shardkit_loader_rank{rank}.json").write_text(json.dumps(record))
+
+
+def test_older_files_without_a_run_load_when_they_agree_and_beside_a_newer_file_are_refused(tmp_path):
+    from shardkit.integrations.hf import read_loader_state, write_loader_state
+
+    folder = tmp_path / "checkpoint-8"
+    for rank in range(2):
+        older_file(folder, rank, world_size=2)
+    assert read_loader_state(str(folder), 8, rank=1, world_size=2) == {"rank": 1}
+    assert read_loader_state(str(folder), 8, rank=0, world_size=1)["states"] == [{"rank": 0}, {"rank": 1}]
+    write_loader_state(str(folder), {"rank": 1}, 8, rank=1, world_size=2, run=RUN)
+    with pytest.raises(StateError, match=r"rank0\.json of an older shardkit's run \(version 1, no run saved\)"):
+        read_loader_state(str(folder), 8, rank=0, world_size=1)
+    newer = folder / "shardkit_loader_rank1.json"
+    newer.write_text(json.dumps({**json.loads(newer.read_text()), "run": 5}))
+    with pytest.raises(StateError, match=r"field 'run' must be a non-empty str"):
+        read_loader_state(str(folder), 8, rank=1, world_size=2)
+
+
 def test_a_state_that_is_not_plain_data_is_refused_and_leaves_no_file(tmp_path):
     from shardkit.integrations.hf import write_loader_state
 
     with pytest.raises(StateError, match="not plain JSON data.*never pickle"):
-        write_loader_state(str(tmp_path), {"x": object()}, 1, rank=0, world_size=1)
+        write_loader_state(str(tmp_path), {"x": object()}, 1, rank=0, world_size=1, run=RUN)
     assert os.listdir(tmp_path) == []
 
 
@@ -181,3 +221,26 @@ def test_a_killed_run_resumed_from_its_checkpoint_trains_exactly_what_it_would_h
     else:  # Accelerate pickles what state_dict() returns; shardkit's part is plain data, every rank's
         state = torch.load(saved / "custom_checkpoint_0.pkl", weights_only=True)
         assert state["kind"] == "ranks" and state["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_checkpoint_folder_two_runs_saved_into_is_refused_on_every_rank_not_loaded_half_from_each(tmp_path):
+    # A 4-rank run saves checkpoint-2, then a 2-rank run saves its checkpoint-2 into the same folder: the
+    # folder holds rank 0-1 files of the second run and rank 2-3 files of the first. Loaded as they were,
+    # ranks 0-1 resumed from the 2-rank run's position and ranks 2-3 from the 4-rank run's: records twice.
+    folder = tmp_path / "checkpoints" / "checkpoint-2"
+    common = [str(EXAMPLES / "hf_trainer.py"), "--records", "40", "--epochs", "1", "--data", str(tmp_path / "data"),
+              "--checkpoints", str(tmp_path / "checkpoints"), "--checkpoint-every", "2"]  # fmt: skip
+    for ranks in (4, 2):
+        done = launch_ranks([*common, "--kill-at", "2"], timeout=300, ranks=ranks)
+        assert done.returncode != 0 and "SIGKILL" in done.stderr, done.stderr[-3000:]
+    saved = [json.loads((folder / f"shardkit_loader_rank{r}.json").read_text()) for r in range(4)]
+    assert [s["world_size"] for s in saved] == [2, 2, 4, 4] and saved[0]["run"] == saved[1]["run"] != saved[2]["run"]
+    resumed = launch_ranks([*common, "--resume", str(folder)], timeout=300, ranks=4)
+    assert resumed.returncode != 0, resumed.stdout[-3000:]
+    refusal = f"checkpoint {folder} holds the loader states of 2 saves"
+    assert resumed.stderr.count(refusal) >= 4, resumed.stderr[-3000:]  # every rank refuses; none trains
+    for ranks, run, world in (("0, 1", saved[0]["run"], 2), ("2, 3", saved[2]["run"], 4)):
+        files = ", ".join(f"shardkit_loader_rank{r}.json" for r in ranks.split(", "))
+        assert f"{files} (loaded by rank {ranks}) of run {run}, {world} ranks, step 2" in resumed.stderr

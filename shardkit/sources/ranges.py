@@ -30,6 +30,7 @@ from shardkit.stateful import (
     expect_equal,
     field,
     node,
+    same_data,
     same_value,
     share_field,
     whole_number,
@@ -255,7 +256,7 @@ class _RangeIterator(StageIterator):
             return _Start(share([(0, size)], topology.num_workers, topology.worker_id), 0, False)
         state, owner = resume.state, resume.owner
         expect_equal(owner, "world_size", state[cls.WORLD_SIZE], topology.world_size)
-        expect_equal(owner, "rank", state[cls.RANK], topology.rank)
+        _expect_own_rank(owner, state[cls.RANK], topology.rank)
         remaining = state[cls.REMAINING]
         check_positions(owner, remaining, size)
         window = state.get(cls.WINDOW) if windowed else None
@@ -353,3 +354,19 @@ class _RangeIterator(StageIterator):
         for a, b in state[cls.REMAINING]:
             pieces += [(x, min(y, total)) for x, y in through(chunk, a, b) if x < total]
         return pieces
+
+
+def _expect_own_rank(owner: object, saved: object, actual: int) -> None:
+    """Raise :class:`StateError` if a rank's state was saved by another rank, saying why that happens
+    (a trainer keeps rank 0's loader state alone) and which loaders save every rank's."""
+    if same_data(saved, actual):
+        return
+    raise StateError(
+        f"{owner!r}: the state was saved with rank {saved!r}, but here it is {actual!r}: it holds rank {saved!r}'s "
+        "position, not this rank's. Trainers save rank 0's checkpoint only (Lightning's save_checkpoint, "
+        "Accelerate's save_state), and a loader that saves the calling rank's state alone (torchdata's "
+        "StatefulDataLoader, a plain DataLoader) puts rank 0's loader state in it, which every rank then loads "
+        "(loaded anyway, each rank would train rank 0's records again). Fix: build the loader with "
+        "shardkit.StatefulDataLoader (import it instead of torchdata's; it takes the same arguments) or "
+        "shardkit.MixedLoader: their state_dict() holds every rank's state, and each rank loads its own"
+    )

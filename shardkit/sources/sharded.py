@@ -277,24 +277,35 @@ class ShardedDataset(_PlannedSource):
 
     def _stand_in(self, counts: np.ndarray, topology: Topology, kwargs: dict[str, Any]) -> Any:
         """The first readable record of this rank's chunk (the record ``"pad"`` wraps round to),
-        else of the dataset's shards in order."""
+        else of the dataset's shards in order.
+
+        Raises:
+            BalanceError: no record of any shard can be read; it names the first failure met
+                (the file and its cause), which is why the epoch cannot end with equal counts.
+        """
         if kwargs.get("chunk") is not None:
             size = sum(b - a for a, b in kwargs["chunk"])
         else:
             size = rank_span(int(counts.sum()), topology.world_size, topology.rank, kwargs["balance"])[1]
         ranges = [piece for _, piece in plan_intervals(counts, topology, [(0, size)], **kwargs)]
         ranges += [Range(shard, 0, None) for shard in range(len(counts))]
+        first_failure: str | None = None
         for shard, start, stop in ranges:
+            url = self.shards[shard]
             try:
-                for sample in self.read_fn(self.shards[shard], start, stop):
+                for sample in self.read_fn(url, start, stop):
                     if not isinstance(sample, BadRecord):
                         return sample
-            except Exception:  # noqa: S112 - this range is unreadable as well: try the next one
+                    first_failure = first_failure or _failure(url, sample.error)
+            except Exception as error:  # this range is unreadable as well: try the next one
+                first_failure = first_failure or _failure(url, error)
                 continue
+            first_failure = first_failure or f"{redact_url(url)} yielded no record from record {start}"
         raise BalanceError(
             f"{self!r}: records were skipped (on_error='skip') and no record of any shard can be read "
-            f"to stand in for them, so rank {topology.rank} cannot yield its planned {size} samples; "
-            "see stats() and the warnings for what failed"
+            f"to stand in for them, so rank {topology.rank} cannot yield its planned {size} samples. "
+            f"The first failure: {first_failure}. Fix: repair or remove that file (stats() and the "
+            "warnings list every shard skipped)"
         )
 
     def _planned_count(self, shard: int) -> int | None:
@@ -453,3 +464,9 @@ class ShardedDataset(_PlannedSource):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffled}, balance={self.balance!r})"
+
+
+def _failure(url: str, error: Exception) -> str:
+    """One failure for a message: its class, the file (unless the error's message names it) and the cause."""
+    message, where = _plain_message(error), redact_url(url)
+    return f"{type(error).__name__}: {message}" if where in message else f"{type(error).__name__}: {where}: {message}"

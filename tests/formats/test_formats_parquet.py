@@ -15,6 +15,7 @@ import shardkit
 from shardkit import CorruptRecordError, ParquetDataset
 from shardkit.formats.parquet import ParquetFormat, ParquetWriter
 from shardkit.formats.registry import format_for
+from shardkit.sources import BalanceError
 from tests.helpers.reading import ids_per_rank, rank_factory, sample_id
 from tests.helpers.shards import format_ids, parquet_row, write_parquet_shards
 
@@ -400,3 +401,19 @@ def test_a_footer_whose_row_count_lies_is_skipped_and_counted_and_the_padded_epo
         seen += [i for sample in got for i in (batch_ids(sample) if batch_size else [sample["id"]])]
         assert dataset.stats().skipped.tolist()[0] > 0
     assert set(seen) == set(good)  # every row of the sound shard, none from the one whose footer lies
+
+
+@pytest.mark.filterwarnings("ignore:skipping")
+@pytest.mark.parametrize("balance", ["pad", "drop"])
+def test_a_shard_skipped_whole_that_leaves_nothing_to_stand_in_is_a_balance_error_naming_its_file_and_cause(
+    tmp_path, monkeypatch, balance
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no counts cached from another test
+    urls = write_shards(str(tmp_path), [30], row_group_size=4)
+    rewrite_footer_num_rows(urls[0], 2**62)
+    dataset = ParquetDataset(urls, balance=balance, on_error="skip", rank=1, world_size=2)
+    with pytest.raises(BalanceError, match="rank 1 cannot yield its planned 15 samples") as info:
+        list(dataset)
+    first = f"The first failure: CorruptRecordError: {urls[0]}: record 15 at byte offset"  # rank 1 reads from 15
+    assert first in str(info.value) and f"footer says it holds {2**62} rows, its 8 row groups 30" in str(info.value)
+    assert "Fix: repair or remove that file" in str(info.value)

@@ -170,3 +170,57 @@ def test_stateful_dataloader_takes_its_own_entry_of_a_ranks_node_on_the_same_wor
     resumed = stateful(rank_source(1, 2))
     resumed.load_state_dict(node)
     assert head + flat(resumed) == flat(stateful(rank_source(1, 2)))
+
+
+def test_stateful_dataloader_is_generic_in_its_batch_type_as_torchdatas_is():
+    # torchdata's test_dataloader.py::test_typing, with shardkit's class: "change only the import" holds.
+    from typing import List, get_args, get_origin  # noqa: UP035  (typing.List is what that test subscripts with)
+
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader as TorchdataLoader
+
+    alias = shardkit.StatefulDataLoader[List[torch.Tensor]]  # noqa: UP006
+    assert get_origin(alias) is shardkit.StatefulDataLoader and get_args(alias) == (List[torch.Tensor],)  # noqa: UP006
+    assert get_args(shardkit.StatefulDataLoader[list[torch.Tensor]]) == get_args(TorchdataLoader[list[torch.Tensor]])
+
+    class Typed(shardkit.StatefulDataLoader[list[str]]):
+        pass
+
+    loader = Typed(rank_source(0, 1), batch_size=8, collate_fn=list)
+    assert isinstance(loader, TorchdataLoader)
+    assert sorted(flat(loader)) == sorted(s.upper() for s in all_ids(synthetic_shards(COUNTS)))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_stateful_dataloader_saved_after_a_trainer_dropped_its_iterator_resumes_where_it_was(persistent):
+    # Lightning's teardown when fit() ends: workers shut down, loader._iterator = None. A checkpoint saved
+    # after it (trainer.save_checkpoint) held torchdata's state of a fresh iterator: the epoch began again.
+    from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
+
+    loader = stateful(rank_source(0, 1), persistent_workers=persistent)
+    iterator = iter(loader)
+    head = flat(next(iterator) for _ in range(TAKEN))
+    _shutdown_workers_and_reset_iterator(loader)
+    saved = json.loads(json.dumps(loader.state_dict()))
+    assert saved == loader.state_dict()  # asked again, still the dropped iterator's position
+    resumed = stateful(rank_source(0, 1), persistent_workers=persistent)
+    resumed.load_state_dict(saved)
+    rest = flat(resumed)
+    assert head + rest == flat(stateful(rank_source(0, 1))) and len(rest) == sum(COUNTS) - TAKEN * 8
+    assert len(flat(loader)) == sum(COUNTS)  # the next iteration of the loader itself is a whole epoch
+
+
+def test_rank_0s_state_of_torchdatas_own_loader_loaded_on_rank_1_says_why_and_names_the_fix():
+    from torchdata.stateful_dataloader import StatefulDataLoader as TorchdataLoader
+
+    saving = TorchdataLoader(rank_source(0, 2), batch_size=8, num_workers=2, collate_fn=list)
+    iterator = iter(saving)
+    [next(iterator) for _ in range(TAKEN)]
+    rank_0s = json.loads(json.dumps(saving.state_dict()))  # what a trainer writes: rank 0's alone
+    loading = TorchdataLoader(rank_source(1, 2), batch_size=8, num_workers=2, collate_fn=list)
+    loading.load_state_dict(rank_0s)
+    with pytest.raises(StateError, match=r"saved with rank 0, but here it is 1: it holds rank 0's position") as info:
+        list(loading)
+    assert "Trainers save rank 0's checkpoint only" in str(info.value)
+    assert "Fix: build the loader with shardkit.StatefulDataLoader" in str(info.value)
+    assert "or shardkit.MixedLoader" in str(info.value)
