@@ -10,14 +10,13 @@ map its buffers afresh either.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Final
 
 import numpy as np
 
 from shardkit.formats.tfrecord import kernel
-from shardkit.io.files import BLOCK_SIZE
+from shardkit.io.files import BLOCK_SIZE, pread_exactly, preadv_exactly
 
 __all__ = ["BlockBuffers", "shared_buffers"]
 
@@ -61,12 +60,12 @@ class BlockBuffers:
         self._pool: list[np.ndarray] = []  # the buffer taken last at the end
 
     def read(self, fd: int, size: int, pos: int) -> bytes | memoryview:
-        """Up to ``size`` bytes of the file at ``pos``: writable (read_arrays compacts records in place)."""
+        """``size`` bytes of the file at ``pos``, fewer only where it ends (a read over 2 GiB takes several
+        ``pread`` calls): writable (read_arrays compacts records in place)."""
         if kernel.KERNEL is kernel.PYTHON:  # the Python kernel slices ``bytes`` faster than a memoryview
-            return os.pread(fd, size, pos)
+            return pread_exactly(fd, size, pos)
         buf = self.take(size)
-        # numpy arrays are buffers; its stubs do not say so to the type checker
-        return memoryview(buf)[: os.preadv(fd, [buf[:size]], pos)]  # pyright: ignore[reportArgumentType]
+        return memoryview(buf)[: preadv_exactly(fd, buf[:size], pos)]
 
     def take(self, size: int) -> np.ndarray:
         """A free buffer of at least ``size`` bytes (held, it is busy: so is any view of it).
