@@ -17,7 +17,8 @@ import pytest
 
 from shardkit import CorruptRecordError, ShardkitError
 from shardkit.formats.megatron import MegatronFormat
-from shardkit.formats.tfrecord import read_tfrecord, read_tfrecord_batches
+from shardkit.formats.tfrecord import buffers, read_tfrecord, read_tfrecord_batches
+from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.io.files import pread_exactly, preadv_exactly
 from tests.helpers.sparse import HEAD, OVER_2_GIB, PREAD_LIMIT, TAIL, sparse_file, sparse_megatron, sparse_tfrecord
 
@@ -71,6 +72,9 @@ def test_tfrecord_batches_hold_a_record_over_2_gib_in_a_large_binary_array(big_t
     assert batch[1].as_py() == b"small"
     del big, batch
     assert list(batches) == []
+    # The buffers that record needed are not kept once it is dropped (they were: 4 GiB held for good).
+    kept = [len(buf) for pool in buffers._shared.values() for buf in pool._pool]  # pyright: ignore[reportPrivateUsage]
+    assert max(kept, default=0) <= BlockBuffers.LARGEST_KEPT
 
 
 def test_a_binary_view_batch_refuses_a_record_over_2_gib_naming_large_binary(big_tfrecord):

@@ -51,6 +51,9 @@ class BlockBuffers:
     """
 
     _POOL_BYTES: Final = 4 * BLOCK_SIZE  # kept per reader; while all are busy, blocks get one-off buffers
+    #: No buffer larger is kept: one a record over 2 GiB needed (its block, a batch's values) was kept by the
+    #: process's pools after the arrays were dropped, 4 GiB of 6 at the peak; such a buffer is one-off.
+    LARGEST_KEPT: Final = 256 << 20
 
     def __init__(self, block_size: int | None = None) -> None:
         """``block_size``: the size of the buffers kept (default :data:`~shardkit.io.files.BLOCK_SIZE`);
@@ -83,7 +86,7 @@ class BlockBuffers:
                 pool.append(pool.pop(i))  # taken last now
                 return buf
         buf = np.empty(max(size, self._block_size), dtype=np.uint8)
-        if len(pool) < self._keep and size <= self._block_size:
+        if len(pool) < self._keep and size <= self._block_size <= self.LARGEST_KEPT:
             pool.append(buf)
         return buf
 
