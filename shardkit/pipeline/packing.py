@@ -42,8 +42,8 @@ import torch
 from shardkit.errors import ShardkitError
 from shardkit.stateful import (
     EPOCH,
-    SEQUENCE,
     INT64_MAX,
+    SEQUENCE,
     SHARE,
     UPSTREAM,
     Resume,

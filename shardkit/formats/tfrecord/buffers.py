@@ -68,7 +68,8 @@ class BlockBuffers:
         if kernel.KERNEL is kernel.PYTHON:  # the Python kernel slices ``bytes`` faster than a memoryview
             return pread_exactly(fd, size, pos)
         buf = self.take(size)
-        return memoryview(buf)[: preadv_exactly(fd, buf[:size], pos)]
+        # numpy arrays are buffers; its stubs do not say so to the type checker
+        return memoryview(buf)[: preadv_exactly(fd, buf[:size], pos)]  # pyright: ignore[reportArgumentType]
 
     def take(self, size: int) -> np.ndarray:
         """A free buffer of at least ``size`` bytes (held, it is busy: so is any view of it).
