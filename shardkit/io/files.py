@@ -38,6 +38,8 @@ __all__ = [
     "open_input",
     "open_output",
     "open_raw",
+    "pread_exactly",
+    "preadv_exactly",
     "sniff_compression",
 ]
 
@@ -94,6 +96,36 @@ def open_raw(
             fix = f"is a directory; give files, or a glob such as '{url.rstrip('/')}/*.tfrecord'"
             raise IsADirectoryError(error.errno, f"{url} {fix}", url) from None
     return open_remote(fs, path, url, remote)  # type: ignore[no-any-return]
+
+
+def pread_exactly(fd: int, size: int, pos: int) -> bytes:
+    """``size`` bytes of the file ``fd`` at ``pos``; fewer only where the file ends.
+
+    One ``os.pread`` may return fewer bytes than asked before the end of the
+    file: Linux moves at most 0x7ffff000 (2 GiB - 4 KiB) per call, and a
+    signal or a network filesystem can cut a read short too. A reader that
+    took a short read for the end of the file reported a valid record over
+    2 GiB as truncated; this reads on until ``size`` bytes or the end.
+    """
+    data = os.pread(fd, size, pos)
+    if len(data) == size or not data:
+        return data
+    parts, have = [data], len(data)
+    while have < size and (data := os.pread(fd, size - have, pos + have)):
+        parts.append(data)
+        have += len(data)
+    return b"".join(parts)
+
+
+def preadv_exactly(fd: int, buffer: Any, pos: int) -> int:
+    """Fill ``buffer`` (writable, bytes-like) from the file ``fd`` at ``pos``: the bytes read,
+    fewer than its length only where the file ends (see :func:`pread_exactly`)."""
+    view = memoryview(buffer).cast("B")
+    size = len(view)
+    have = os.preadv(fd, [view], pos)
+    while 0 < have < size and (got := os.preadv(fd, [view[have:]], pos + have)):
+        have += got
+    return have
 
 
 def make_parent_dirs(url: str, storage_options: dict[str, Any] | None = None) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from shardkit.pipeline.scheduling import SCHEDULE, ScheduleCursor
+from shardkit.planning.schedule import scaled
 from shardkit.seeding import Uniforms
 from shardkit.stateful import (
     EPOCH,
@@ -82,14 +83,15 @@ class _InterleaveIterator(StageIterator):
         cursor: ScheduleCursor | None = None,
     ) -> None:
         self._cursor = cursor
-        self._weights = weights
+        # Scaled by a power of two (no ratio changes) so that their sum is finite: [1e308, 1e308] summed to inf.
+        self._weights = tuple(scaled(np.array(weights)).tolist()) if weights else weights
         self._uniforms = Uniforms(rng)
         self._stop_on_first = stop_on_first
         self._epoch = epoch
         self._topology = topology
         self._sources = [iter(d) if w > 0 else None for d, w in zip(datasets, weights)]
         self._live = [i for i, w in enumerate(weights) if w > 0]
-        self._cumulative = list(itertools.accumulate(weights[i] for i in self._live))
+        self._cumulative = list(itertools.accumulate(self._weights[i] for i in self._live))
         self._stopped = False
 
     def _set_live(self, live: list[int]) -> None:

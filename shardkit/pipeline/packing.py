@@ -42,6 +42,7 @@ import torch
 from shardkit.errors import ShardkitError
 from shardkit.stateful import (
     EPOCH,
+    INT64_MAX,
     SEQUENCE,
     SHARE,
     UPSTREAM,
@@ -393,6 +394,11 @@ def decode_pieces(state: State, where: str) -> list[Piece]:
         if type(tokens) is not np.ndarray or tokens.ndim != 1 or tokens.dtype.kind not in "iu" or not len(tokens):
             raise StateError(
                 f"{where}: state['pieces'][{index}] must hold a non-empty 1-D integer numpy array, got {short(tokens)}"
+            )
+        if first > INT64_MAX - len(tokens):  # its last token's position_ids entry would wrap round to negative
+            raise StateError(
+                f"{where}: state['pieces'][{index}] starts at position {first}, so its {len(tokens)} tokens' "
+                f"positions pass {INT64_MAX} (int64); the state was edited or is corrupt"
             )
         pieces.append((tokens, first))
     return pieces

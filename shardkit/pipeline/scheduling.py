@@ -79,7 +79,7 @@ class ScheduleCursor:
 
     def draw(self, live: Sequence[int]) -> int:
         """The slot in ``live`` (indices of the sources not yet exhausted) to read next."""
-        self._weights = self.weights()
+        self._weights = _scaled(self.weights())
         point = math.modf(self._start + self._draws * GOLDEN_STEP)[0]
         self._draws += 1
         cumulative, total = [], 0.0
@@ -215,3 +215,9 @@ def _collect(value: Any, nodes: list[State]) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _collect(item, nodes)
+
+
+def _scaled(weights: list[float]) -> list[float]:
+    """:func:`~shardkit.planning.schedule.scaled` for one row, in plain floats (it runs once per sample)."""
+    _, exponent = math.frexp(max(weights))
+    return [math.ldexp(w, -exponent) for w in weights]

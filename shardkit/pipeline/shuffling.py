@@ -73,6 +73,7 @@ class _ShuffleIterator(StageIterator):
 
     KIND = "shuffle"
     SAMPLES = "samples"  #: state key: the buffered samples, encoded
+    UNBOUNDED_FIELDS = frozenset({SAMPLES})
     #: state key (optional): how many buffers' worth of samples the node may hold (absent: one)
     POOLED = "pooled"
     REPEATS = "repeats"  #: state key (optional): indices into ``samples`` of ``"pad"`` repeats

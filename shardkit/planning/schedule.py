@@ -36,7 +36,7 @@ import numpy as np
 
 from shardkit.errors import ShardkitError
 
-__all__ = ["UNITS", "Schedule", "ScheduleError", "global_position", "weyl_uniforms"]
+__all__ = ["UNITS", "Schedule", "ScheduleError", "global_position", "normalised", "scaled", "weyl_uniforms"]
 
 #: What a schedule's positions count: samples yielded, or tokens of a key in them.
 UNITS = ("samples", "tokens")
@@ -90,14 +90,12 @@ class Schedule:
 
     def weights_at(self, position: float) -> np.ndarray:
         """The weights at ``position``, normalised to sum to 1."""
-        row = np.array([np.interp(position, self.positions, column) for column in self.weights.T])
-        return row / row.sum()
+        return normalised(np.array([np.interp(position, self.positions, column) for column in self.weights.T]))
 
     def shares(self, positions: np.ndarray) -> np.ndarray:
         """:meth:`weights_at` for many positions at once: one normalised row per position."""
         points = np.asarray(positions, dtype=np.float64)
-        rows = np.stack([np.interp(points, self.positions, column) for column in self.weights.T], axis=-1)
-        return rows / rows.sum(axis=-1, keepdims=True)
+        return normalised(np.stack([np.interp(points, self.positions, column) for column in self.weights.T], axis=-1))
 
     def to_plain(self) -> dict[str, Any]:
         """The schedule as plain data (what a state records to check it is resumed under the same one)."""
@@ -149,6 +147,28 @@ def _check_weights(weights: Any, index: int, count: int | None) -> list[float]:
     if not row or any(not math.isfinite(w) or w < 0 for w in row) or sum(row) == 0:
         raise ScheduleError(f"Schedule point {index}: weights must be finite, >= 0 and not all 0, got {row!r:.80}")
     return row
+
+
+def scaled(weights: np.ndarray) -> np.ndarray:
+    """``weights`` (rows on the last axis, each >= 0) times a power of two per row that brings its largest into [0.5, 1).
+
+    Any sum of a scaled row is then finite (at most its length), and small
+    weights leave the subnormal range, where a draw ``u * total`` could only
+    land on a few values: ``[1e308, 1e308]`` summed to infinity, so every
+    draw came from the last source. A power of two changes no ratio, so rows
+    that summed fine before scale to sums and draws bit-for-bit the same
+    (weights below 2**-1074 of the largest, shares under 1e-300, become 0).
+    A row of zeros stays zeros.
+    """
+    rows = np.asarray(weights, dtype=np.float64)
+    _, exponents = np.frexp(rows.max(axis=-1, keepdims=True))
+    return np.ldexp(rows, -exponents)
+
+
+def normalised(weights: np.ndarray) -> np.ndarray:
+    """``weights`` (rows on the last axis, each >= 0, not all 0) as shares summing to 1; finite for any finite weights."""
+    rows = scaled(weights)
+    return rows / rows.sum(axis=-1, keepdims=True)
 
 
 def global_position(base: int, own: int, readers: int) -> int:

@@ -99,6 +99,7 @@ class _RangeIterator(StageIterator):
     WORLD_SIZE = "world_size"  #: state key: the world size (of a global node: that its stream was planned for)
     RANK = "rank"  #: state key: the rank; None in a global node (all ranks')
     FINGERPRINT = "fingerprint"  #: state key: what the dataset must agree on (``_PlannedSource._fingerprint``)
+    UNBOUNDED_FIELDS = frozenset({FINGERPRINT})  # only compared with the dataset's: its seed may be any int >= 0
     REMAINING = "remaining"  #: state key: ``[start, stop)`` intervals of positions still to read
     BASE = "base"  #: state key: the global node (``world_size``, ``remaining``) this epoch resumed from
     WINDOW = "window"  #: state key: ``{"from": positions from the window's start, "yielded": its samples yielded}``

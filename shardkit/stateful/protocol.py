@@ -158,6 +158,10 @@ class StageIterator:
 
     #: The ``kind`` of this stage's state node; empty for an abstract base.
     KIND: ClassVar[str] = ""
+    #: Keys of the node whose ints may be of any size, which :func:`check_ints` leaves alone: encoded samples
+    #: (their decoder checks them) and what is only compared with the stage's settings (a dataset's
+    #: fingerprint holds its seed, any int >= 0). Every other int of the node must fit in 64 bits.
+    UNBOUNDED_FIELDS: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -283,6 +287,34 @@ def bounded(value: int, name: str) -> int:
     return check_int(
         name, value, minimum=INT64_MIN, maximum=INT64_MAX, error=StateError, hint="the state was edited or is corrupt"
     )
+
+
+#: The key a numpy generator's state is saved under (its 128-bit ints are checked by ``restore_generator``).
+_GENERATOR = "generator"
+
+
+def check_ints(state: State, where: str, unbounded: frozenset[str] = frozenset()) -> None:
+    """Raise :class:`StateError` naming the first int of the node ``state`` that does not fit in 64 bits.
+
+    Every count, position, index and epoch of a state goes through numpy or
+    shared memory, where a bigger int is an ``OverflowError`` or
+    ``UFuncTypeError`` long after loading, or wraps round to a negative. So
+    every int is checked here, at load, wherever it sits in the node (a
+    stage's own ``check_state`` checks what else each field must be): all but
+    the inputs' nodes (``upstream``: checked as nodes of their own), the keys
+    in ``unbounded`` (:attr:`StageIterator.UNBOUNDED_FIELDS`) and generator states. A
+    walk with a stack, not recursion: a tampered state may nest deep.
+    """
+    skipped = unbounded | {UPSTREAM}
+    stack: list[tuple[str, Any]] = [(f"[{k!r}]", v) for k, v in state.items() if k not in skipped]
+    while stack:
+        path, value = stack.pop()
+        if type(value) is int:
+            bounded(value, f"{where}: state{path}")
+        elif type(value) is dict:
+            stack.extend((f"{path}[{k!r}]", v) for k, v in value.items() if k != _GENERATOR)
+        elif type(value) in SEQUENCE:
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
 
 
 def whole_number(state: State, key: str, where: str, minimum: int = 0) -> int:
@@ -413,6 +445,7 @@ def _check_node(state: object, kind: str | None, where: str) -> State:
     if stage is None and kind is None:
         raise StateError(f"{where}: unknown state kind {short(saved)}; known: {', '.join(_STAGES)}")
     if stage is not None:
+        check_ints(state, where, stage.UNBOUNDED_FIELDS)  # first: no stage's own check meets an int past 64 bits
         stage.check_state(state, where)
     return state
 
@@ -551,41 +584,9 @@ def combine_ranks(states: Sequence[State]) -> State:
 
 
 __all__ = [
-    "BALANCES",
-    "DRAW_BLOCK",
-    "EPOCH",
-    "PassThroughIterator",
-    "RNG",
-    "Resume",
-    "SEQUENCE",
-    "SHARE",
-    "StageIterator",
-    "State",
-    "UPSTREAM",
-    "VERSION",
-    "applies",
-    "bounded",
-    "check",
-    "check_all_shares",
-    "check_balance",
-    "check_draws",
-    "check_indices",
-    "check_inputs_epoch",
-    "check_intervals",
-    "check_positions",
-    "check_share",
-    "combine_ranks",
-    "deal",
-    "expect_equal",
-    "field",
-    "is_own",
-    "merge",
-    "node",
-    "same_value",
-    "share_field",
-    "stage_of",
-    "stream_balance",
-    "upstream_state",
-    "validate",
-    "whole_number",
-]
+    "BALANCES", "DRAW_BLOCK", "EPOCH", "INT64_MAX", "PassThroughIterator", "RNG", "Resume", "SEQUENCE", "SHARE",
+    "StageIterator", "State", "UPSTREAM", "VERSION", "applies", "bounded", "check", "check_all_shares",
+    "check_balance", "check_draws", "check_indices", "check_inputs_epoch", "check_ints", "check_intervals",
+    "check_positions", "check_share", "combine_ranks", "deal", "expect_equal", "field", "is_own", "merge", "node",
+    "same_value", "share_field", "stage_of", "stream_balance", "upstream_state", "validate", "whole_number",
+]  # fmt: skip

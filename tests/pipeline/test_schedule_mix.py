@@ -207,3 +207,29 @@ def numbered(sample: dict) -> dict:
     """Tokens that name their document and place, so every token is told apart."""
     base = (sample["src"] * 1_000 + sample["i"]) * 1_000
     return {"input_ids": np.arange(base, base + len(sample["input_ids"]), dtype=np.int64)}
+
+
+@pytest.mark.parametrize("huge", [1e308, 1.7976931348623157e308])
+@pytest.mark.parametrize("scheduled", [False, True], ids=["fixed", "scheduled"])
+def test_huge_equal_weights_mix_both_sources_evenly(huge, scheduled):
+    weights = Schedule([(0, [huge, huge]), (100, [huge, huge])]) if scheduled else [huge, huge]
+    sources = [sample["src"] for sample in iter_take(mix(weights), 2000)]
+    assert abs(sources.count(1) - 1000) <= 20  # evenly: the sum overflowed to inf, and every draw was source 1
+
+
+def test_subnormal_equal_weights_mix_both_sources_evenly():
+    sources = [sample["src"] for sample in iter_take(mix([5e-324, 5e-324]), 2000)]
+    assert abs(sources.count(1) - 1000) <= 60  # was 1504: u * 1e-323 rounds to one of three values
+
+
+def test_huge_weights_mix_like_the_same_ratio_at_ordinary_scale():
+    ordinary = [sample["src"] for sample in iter_take(mix([3.0, 1.0]), 500)]
+    assert [sample["src"] for sample in iter_take(mix([3e307, 1e307]), 500)] == ordinary
+
+
+def test_mixture_shares_of_a_huge_scheduled_mix_are_finite_and_even():
+    pipeline = mix(Schedule([(0, [1e308, 1e308])]))
+    iterator = iter(pipeline)
+    take(iterator, 400)
+    report = mixture_shares(iterator.state_dict())
+    assert report["scheduled"] == pytest.approx([0.5, 0.5])

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.planning.schedule import GOLDEN_STEP, Schedule, ScheduleError, global_position, weyl_uniforms
+from shardkit.planning.schedule import (
+    GOLDEN_STEP,
+    Schedule,
+    ScheduleError,
+    global_position,
+    normalised,
+    scaled,
+    weyl_uniforms,
+)
+from tests.helpers.examples import examples
+
+#: Every finite weight a schedule accepts but 0: subnormals (5e-324) up to the largest float (1.8e308).
+POSITIVE = st.floats(min_value=5e-324, max_value=1.7976931348623157e308, allow_nan=False, allow_infinity=False)
 
 
 def test_weights_are_interpolated_linearly_between_points_and_constant_outside():
@@ -34,6 +46,46 @@ def test_shares_sum_to_one_and_match_weights_at_everywhere(positions, sources, d
         assert np.allclose(schedule.weights_at(int(probe)), row)
 
 
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(st.lists(POSITIVE, min_size=1, max_size=5), min_size=1, max_size=3), st.data())
+def test_any_positive_finite_weights_normalise_to_a_finite_distribution_summing_to_one(rows, data):
+    sources = len(rows[0])
+    rows = [(row * sources)[:sources] for row in rows]
+    schedule = Schedule([(10 * i, row) for i, row in enumerate(rows)])
+    probes = np.array(data.draw(st.lists(st.integers(0, 10 * len(rows)), min_size=1, max_size=10)))
+    for shares in [*schedule.shares(probes), *(schedule.weights_at(int(p)) for p in probes)]:
+        assert np.isfinite(shares).all() and (shares >= 0).all()
+        assert shares.sum() == pytest.approx(1.0)
+    for row in rows:  # at a point, the shares are the weights' ratios
+        shares = normalised(np.array(row))
+        largest = int(np.argmax(row))
+        for weight, share in zip(row, shares):
+            if weight / row[largest] > 1e-300:  # far above the underflow a ratio may round to
+                assert share / shares[largest] == pytest.approx(weight / row[largest], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "row, shares",
+    [
+        ([1e308, 1e308], [0.5, 0.5]),  # the sum overflowed to inf: shares [0, 0]
+        ([1.7976931348623157e308, 1.7976931348623157e308, 1.7976931348623157e308], [1 / 3] * 3),
+        ([5e-324, 5e-324], [0.5, 0.5]),  # subnormal: exact, not rounded to a few values
+        ([1e308, 5e-324], [1.0, 0.0]),  # a share below 1e-600 is 0
+        ([3.0, 1.0], [0.75, 0.25]),
+    ],
+)
+def test_huge_and_subnormal_weights_give_the_shares_of_their_ratios(row, shares):
+    schedule = Schedule([(0, row)])
+    assert schedule.weights_at(0).tolist() == pytest.approx(shares)
+    assert schedule.shares(np.array([0, 7])) == pytest.approx(np.array([shares, shares]))
+
+
+def test_scaling_weights_by_a_power_of_two_leaves_ordinary_weights_bit_for_bit_in_ratio():
+    row = np.array([0.9, 0.1, 3.0])
+    assert (scaled(row) * 4 == row).all()  # largest 3.0 -> 0.75: scaled by exactly 2**-2
+    assert scaled(np.zeros(2)).tolist() == [0.0, 0.0]
+
+
 @pytest.mark.parametrize(
     "points, kwargs, message",
     [
@@ -44,6 +96,8 @@ def test_shares_sum_to_one_and_match_weights_at_everywhere(positions, sources, d
         ([(0, [1, 1]), (5, [1])], {}, "point 1 has 1 weights, point 0 has 2"),
         ([(0, [0, 0])], {}, "not all 0"),
         ([(0, [1, float("nan")])], {}, "finite"),
+        ([(0, [1, float("inf")])], {}, "finite"),
+        ([(0, [float("inf"), float("inf")])], {}, "finite"),
         ([(0, [1, -1])], {}, ">= 0"),
         ([(0, "ab")], {}, "weights must be a list of numbers"),
         ([(0, [1])], {"unit": "steps"}, "unit) must be one of ('samples', 'tokens'), got 'steps'"),

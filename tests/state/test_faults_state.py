@@ -28,9 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from shardkit import MixedLoader, ShardedDataset, interleave, wrap
+from shardkit import MixedLoader, Schedule, ShardedDataset, interleave, wrap
 from shardkit.pipeline import Pipeline, Shuffle
-from shardkit.state import StateError, decode, encode, merge
+from shardkit.state import StateError, decode, encode, merge, merge_ranks
+from shardkit.stateful.protocol import _STAGES  # pyright: ignore[reportPrivateUsage]
 from tests.helpers.examples import examples
 from tests.helpers.reading import CountingStream, read_all
 from tests.helpers.shards import synthetic_read, synthetic_shards
@@ -784,3 +785,95 @@ def test_merged_worker_buffers_may_hold_more_than_one_buffer_and_resume_exactly_
 def _loaded(pipeline: Pipeline, state: Any) -> Pipeline:
     pipeline.load_state_dict(state)
     return pipeline
+
+
+# -- every int of every kind of node, past int64 and negative, refused at load --
+
+
+def _tokens(sample: Any) -> dict[str, Any]:
+    return {"input_ids": np.arange(5 + len(str(sample)) % 7, dtype=np.int32)}  # 5-11: blocks of 16 cut some
+
+
+def _keep(sample: Any) -> bool:
+    return True
+
+
+def packed_mix(rank: int | None = None, world_size: int | None = None, stream: bool = True) -> Pipeline:
+    """A pipeline with a node of every registered kind (a scheduled interleave, a pack) but ``stream``
+    (when False: a global state, merged over ranks, cannot hold one)."""
+    planned = Shuffle(source(rank=rank, world_size=world_size), 5).map(_tokens)
+    other = wrap(CountingStream(30)) if stream else source(seed=9, rank=rank, world_size=world_size)
+    schedule = Schedule([(0, [2, 1]), (20, [1, 1])])
+    mixed = interleave([planned, other.filter(_keep).map(_tokens)], weights=schedule, seed=3, stop="all_exhausted")
+    return mixed.repeat(2).pack(16).batch(2, list)
+
+
+@cache
+def packed_mix_states() -> str:
+    """JSON of: a state of ``packed_mix()`` mid-epoch, and a global one merged from two ranks."""
+    iterator = iter(packed_mix())
+    for _ in range(3):
+        next(iterator)
+    ranks = []
+    for rank in range(2):
+        per_rank = iter(packed_mix(rank, 2, stream=False))
+        for _ in range(3):
+            next(per_rank)
+        ranks.append(per_rank.state_dict())
+    return json.dumps({"local": iterator.state_dict(), "global": merge_ranks(ranks)})
+
+
+#: Ints that may be negative: none outside samples and generator states.
+NEGATIVE_ALLOWED: frozenset[str] = frozenset()
+
+
+def every_int_case() -> list[tuple[str, Path_, int]]:
+    states = json.loads(packed_mix_states())
+    return [
+        (which, path, value)
+        for which, state in states.items()
+        for path in int_paths(state)
+        for value in (2**63, -1)
+        if value >= 0 or path[-1] not in NEGATIVE_ALLOWED
+    ]
+
+
+def test_the_int_walk_covers_a_node_of_every_registered_kind() -> None:
+    states = json.loads(packed_mix_states())
+    kinds = {at(state, p) for state in states.values() for p in paths(state) if p[-1] == "kind"}
+    assert kinds == set(_STAGES)
+    fields = {next(k for k in reversed(path) if isinstance(k, str)) for _, path, _ in every_int_case()}
+    assert {"pieces", "realised", "reader", "ranks", "remaining", "next", "seed"} <= fields
+
+
+@pytest.mark.parametrize("which, path, value", every_int_case(), ids=lambda v: str(v).replace(" ", ""))
+def test_any_int_of_any_node_past_int64_or_negative_is_a_state_error_naming_it_at_load(
+    which: str, path: Path_, value: int
+) -> None:
+    """Before: a pack piece's position of 2**63 loaded, then failed in numpy (or gave negative position_ids);
+    a schedule's realised count and a stream's reader count of 2**63 loaded too."""
+    state = mutate(json.loads(packed_mix_states())[which], "shift", path, value)
+    pipeline = packed_mix() if which == "local" else packed_mix(0, 2, stream=False)
+    with pytest.raises(StateError, match=named(path)):
+        pipeline.load_state_dict(state)  # at load, not when iterated
+
+
+def test_a_pack_piece_whose_positions_would_pass_int64_is_a_state_error_at_load() -> None:
+    state = json.loads(packed_mix_states())["local"]
+    pack = nodes(state, "pack")[0]
+    assert pack["pieces"], "the save point must hold a piece"
+    pack["pieces"][0][1] = 2**63 - 2  # fits, but its tokens' positions 2**63 - 2 + k do not
+    with pytest.raises(StateError, match=r"state\['pieces'\]\[0\] starts at position 9223372036854775806"):
+        packed_mix().load_state_dict(state)
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64 - 1, 2**70])
+def test_a_state_of_a_dataset_seeded_past_int64_resumes_exactly(seed: int) -> None:
+    """A seed is any int >= 0; the dataset fingerprint a state holds is only compared, so it may hold one."""
+    full = list(Shuffle(source(seed=seed), 5))
+    loader = StatefulDataLoader(Shuffle(source(seed=seed), 5), batch_size=None, num_workers=0)
+    iterator = iter(loader)
+    first = [next(iterator) for _ in range(9)]
+    resumed = StatefulDataLoader(Shuffle(source(seed=seed), 5), batch_size=None, num_workers=0)
+    resumed.load_state_dict(roundtrip(loader.state_dict()))
+    assert first + list(resumed) == full

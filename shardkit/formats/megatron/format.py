@@ -15,7 +15,9 @@ reads remotely (:mod:`shardkit.io.reader`), a run of neighbouring documents
 view of that run in the file's dtype: no copy per document, no per-token work.
 Not a memory map: a ``.bin`` truncated while it is read would kill the worker
 with ``SIGBUS`` on the first page past the new end; ``pread`` returns short
-instead, which is reported like any truncation.
+instead, which is reported like any truncation. A short ``pread`` is read on
+from (:func:`~shardkit.io.files.preadv_exactly`): Linux moves at most 2 GiB - 4 KiB
+per call, so a valid document over 2 GiB read in one call looked truncated.
 
 Faults, each a :class:`~shardkit.CorruptRecordError`:
 
@@ -57,7 +59,7 @@ from shardkit.formats.megatron.index import (
     parse_index,
 )
 from shardkit.formats.megatron.writer import PairWriter
-from shardkit.io.files import open_raw
+from shardkit.io.files import open_raw, preadv_exactly
 from shardkit.io.remote import RemoteOptions
 from shardkit.io.retry import retried_call
 
@@ -259,7 +261,7 @@ def _spans(data: str, index: TokenIndex, f: Any, fd: int | None, start: int, lim
             continue
         stop = _run_end(index, d, limit)
         lo, hi = int(starts[d]), int(ends[stop - 1])
-        chunk = os.pread(fd, hi - lo, lo) if fd is not None else _ranged(f, lo, hi - lo)
+        chunk = _pread(fd, lo, hi - lo) if fd is not None else _ranged(f, lo, hi - lo)
         tokens = np.frombuffer(chunk, dtype=index.dtype, count=len(chunk) // index.dtype.itemsize)
         item = index.dtype.itemsize
         for doc in range(d, stop):
@@ -283,6 +285,15 @@ def _run_end(index: TokenIndex, d: int, limit: int) -> int:
     stop = d + max(1, min(far, stop - d))
     apart = np.flatnonzero(index.starts[d + 1 : stop] != index.ends[d : stop - 1])
     return d + 1 + int(apart[0]) if apart.size else stop
+
+
+def _pread(fd: int, offset: int, size: int) -> np.ndarray:
+    """``size`` bytes of the local ``.bin`` at ``offset`` (fewer where it ends), read into an array:
+    a document over 2 GiB takes several ``pread`` calls, and is then held once, not joined from parts."""
+    buf = np.empty(size, dtype=np.uint8)
+    read = preadv_exactly(fd, buf, offset)
+    buf.flags.writeable = False  # documents are read-only views, as of the bytes a pread returns
+    return buf[:read]
 
 
 def _ranged(f: Any, offset: int, size: int) -> bytes:

@@ -10,14 +10,13 @@ map its buffers afresh either.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Final
 
 import numpy as np
 
 from shardkit.formats.tfrecord import kernel
-from shardkit.io.files import BLOCK_SIZE
+from shardkit.io.files import BLOCK_SIZE, pread_exactly, preadv_exactly
 
 __all__ = ["BlockBuffers", "shared_buffers"]
 
@@ -52,6 +51,9 @@ class BlockBuffers:
     """
 
     _POOL_BYTES: Final = 4 * BLOCK_SIZE  # kept per reader; while all are busy, blocks get one-off buffers
+    #: No buffer larger is kept: one a record over 2 GiB needed (its block, a batch's values) was kept by the
+    #: process's pools after the arrays were dropped, 4 GiB of 6 at the peak; such a buffer is one-off.
+    LARGEST_KEPT: Final = 256 << 20
 
     def __init__(self, block_size: int | None = None) -> None:
         """``block_size``: the size of the buffers kept (default :data:`~shardkit.io.files.BLOCK_SIZE`);
@@ -61,12 +63,13 @@ class BlockBuffers:
         self._pool: list[np.ndarray] = []  # the buffer taken last at the end
 
     def read(self, fd: int, size: int, pos: int) -> bytes | memoryview:
-        """Up to ``size`` bytes of the file at ``pos``: writable (read_arrays compacts records in place)."""
+        """``size`` bytes of the file at ``pos``, fewer only where it ends (a read over 2 GiB takes several
+        ``pread`` calls): writable (read_arrays compacts records in place)."""
         if kernel.KERNEL is kernel.PYTHON:  # the Python kernel slices ``bytes`` faster than a memoryview
-            return os.pread(fd, size, pos)
+            return pread_exactly(fd, size, pos)
         buf = self.take(size)
         # numpy arrays are buffers; its stubs do not say so to the type checker
-        return memoryview(buf)[: os.preadv(fd, [buf[:size]], pos)]  # pyright: ignore[reportArgumentType]
+        return memoryview(buf)[: preadv_exactly(fd, buf[:size], pos)]  # pyright: ignore[reportArgumentType]
 
     def take(self, size: int) -> np.ndarray:
         """A free buffer of at least ``size`` bytes (held, it is busy: so is any view of it).
@@ -84,7 +87,7 @@ class BlockBuffers:
                 pool.append(pool.pop(i))  # taken last now
                 return buf
         buf = np.empty(max(size, self._block_size), dtype=np.uint8)
-        if len(pool) < self._keep and size <= self._block_size:
+        if len(pool) < self._keep and size <= self._block_size <= self.LARGEST_KEPT:
             pool.append(buf)
         return buf
 
