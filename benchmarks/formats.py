@@ -13,6 +13,12 @@ list collate so no loader pays for tensors):
   come), counted in rows, with all columns (the strings and lists become
   object arrays) and with the three numeric columns only.
 - JSON lines: ``shardkit.JsonlDataset`` vs ``datasets`` streaming ``json``.
+- LitData: ``shardkit.LitDataDataset`` vs ``litdata.StreamingDataset`` on the
+  same chunks (written by litdata's own ``BinaryWriter``), samples of an id, a
+  label, a 1 KB bytes leaf and a float32 array. Run only where litdata is
+  installed (it is not in the dev extra: see tests/helpers/litdata_samples.py);
+  LitData splits over ranks only under torch.distributed, so its
+  duplicates/missing column is not measured.
 
 Throughput is samples (rows) per second of wall time over one epoch, the
 workers started fresh (their start-up is in every case). Cases run
@@ -143,6 +149,30 @@ def hf_streaming(kind: str, urls: list[str]) -> Make:
     return make
 
 
+def write_litdata(root: str, chunks: int, per_chunk: int) -> str:
+    """A LitData dataset written by litdata's own writer: ``chunks`` chunks of ``per_chunk`` samples."""
+    from litdata.streaming.writer import BinaryWriter
+
+    out = os.path.join(root, "litdata")
+    writer = BinaryWriter(out, chunk_size=per_chunk)
+    rng = np.random.default_rng(0)
+    for i in range(chunks * per_chunk):
+        writer[i] = {"id": i, "label": i % 10, "payload": rng.bytes(1024), "features": rng.random(16, np.float32)}
+    writer.done()
+    writer.merge()
+    return out
+
+
+def shardkit_litdata(path: str) -> Make:
+    return lambda rank, world: shardkit.LitDataDataset(path, rank=rank, world_size=world, balance="none")
+
+
+def litdata_streaming(path: str) -> Make:
+    import litdata
+
+    return lambda rank, world: litdata.StreamingDataset(path)
+
+
 def shardkit_jsonl(urls: list[str]) -> Make:
     return lambda rank, world: shardkit.JsonlDataset(urls, balance="none", rank=rank, world_size=world)
 
@@ -198,7 +228,18 @@ def dup_missing(make: Make, workers: int, batch: int, total: int) -> tuple[int, 
     return dup, total - len(seen)
 
 
-def compare(title: str, cases: dict[str, Make], total: int, args: argparse.Namespace) -> list[str]:
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        print(f"  (no {name} here: its block is left out)", file=sys.stderr)
+        return False
+    return True
+
+
+def compare(
+    title: str, cases: dict[str, Make], total: int, args: argparse.Namespace, *, split: bool = True
+) -> list[str]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     firsts: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
@@ -213,11 +254,11 @@ def compare(title: str, cases: dict[str, Make], total: int, args: argparse.Names
     lines = [f"{title} ({total} samples, {args.workers} workers, median of {args.rounds} interleaved rounds)"]
     for name in names:
         median = statistics.median(times[name])
-        dup, missing = dup_missing(cases[name], args.workers, args.batch, total)
-        lines.append(
-            f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch {statistics.median(firsts[name]):6.3f}s"
-            f"  2 ranks x {args.workers} workers: {dup} duplicates, {missing} missing"
-        )
+        line = f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch {statistics.median(firsts[name]):6.3f}s"
+        if split:
+            dup, missing = dup_missing(cases[name], args.workers, args.batch, total)
+            line += f"  2 ranks x {args.workers} workers: {dup} duplicates, {missing} missing"
+        lines.append(line)
     return lines
 
 
@@ -227,12 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
-    parser.add_argument("--only", choices=["tar", "parquet", "jsonl"], action="append")
+    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "litdata"], action="append")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
     scale = 20 if args.quick else 1  # still more than one 1,024-row batch in every Parquet and JSONL shard
-    only = set(args.only or ["tar", "parquet", "jsonl"])
+    only = set(args.only or ["tar", "parquet", "jsonl", "litdata"])
     out: list[str] = []
     with tempfile.TemporaryDirectory() as root:
         if "tar" in only:
@@ -258,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
                 "HF datasets streaming json": hf_streaming("json", urls),
             }
             out += compare("JSON lines", cases, 8 * (25_000 // scale), args)
+        if "litdata" in only and _importable("litdata"):
+            path = write_litdata(root, 8, 5_000 // scale)
+            cases = {
+                "shardkit LitDataDataset": shardkit_litdata(path),
+                "litdata StreamingDataset": litdata_streaming(path),
+            }
+            out += compare("LitData", cases, 8 * (5_000 // scale), args, split=False)
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
     )

@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "ParquetDataset": "shardkit.sources",
     "JsonlDataset": "shardkit.sources",
     "TokenDataset": "shardkit.sources",
+    "LitDataDataset": "shardkit.sources.litdata",
     "TokenWriter": "shardkit.writer",
     "FormatDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
@@ -92,6 +93,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.quality import shuffle_quality
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import DuplicateShardWarning, ShardList
+    from shardkit.sources.litdata import LitDataDataset
     from shardkit.sources import (
         FormatDataset,
         JsonlDataset,
