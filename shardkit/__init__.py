@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "JsonlDataset": "shardkit.sources",
     "TokenDataset": "shardkit.sources",
     "LitDataDataset": "shardkit.sources.litdata",
+    "LanceDataset": "shardkit.sources.lance",
     "TokenWriter": "shardkit.writer",
     "FormatDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
@@ -93,7 +94,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.quality import shuffle_quality
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import DuplicateShardWarning, ShardList
-    from shardkit.sources.litdata import LitDataDataset
     from shardkit.sources import (
         FormatDataset,
         JsonlDataset,
@@ -104,6 +104,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
         TokenDataset,
         wrap,
     )
+    from shardkit.sources.lance import LanceDataset
+    from shardkit.sources.litdata import LitDataDataset
     from shardkit.topology import Topology
     from shardkit.trainers import TrainerError
     from shardkit.writer import ShardWriter, TokenWriter
