@@ -15,10 +15,17 @@ list collate so no loader pays for tensors):
 - JSON lines: ``shardkit.JsonlDataset`` vs ``datasets`` streaming ``json``.
 - LitData: ``shardkit.LitDataDataset`` vs ``litdata.StreamingDataset`` on the
   same chunks (written by litdata's own ``BinaryWriter``), samples of an id, a
-  label, a 1 KB bytes leaf and a float32 array. Run only where litdata is
+  label, a 1 KB uint8 array and a 4x4 float32 array (no bytes leaf: litdata
+  yields bytes as memoryviews, which cannot leave a DataLoader worker). Run only where litdata is
   installed (it is not in the dev extra: see tests/helpers/litdata_samples.py);
   LitData splits over ranks only under torch.distributed, so its
   duplicates/missing column is not measured.
+- Lance: ``shardkit.LanceDataset(batch_size=1024)`` (numpy column batches) vs
+  ``lance.torch.data.LanceDataset(batch_size=1024)`` (its batches as numpy
+  columns too) on the same dataset written by ``lance.write_dataset``: an id,
+  a label, a score and a 16-float vector per row. Lance's loader reads with its
+  own threads and does not split over DataLoader workers (each would read every
+  row), so it runs with 0 workers, shardkit with ``--workers``.
 
 Throughput is samples (rows) per second of wall time over one epoch, the
 workers started fresh (their start-up is in every case). Cases run
@@ -157,7 +164,8 @@ def write_litdata(root: str, chunks: int, per_chunk: int) -> str:
     writer = BinaryWriter(out, chunk_size=per_chunk)
     rng = np.random.default_rng(0)
     for i in range(chunks * per_chunk):
-        writer[i] = {"id": i, "label": i % 10, "payload": rng.bytes(1024), "features": rng.random(16, np.float32)}
+        payload = rng.integers(0, 256, 1024, dtype=np.uint8)  # an array: litdata yields bytes as unpicklable views
+        writer[i] = {"id": i, "label": i % 10, "payload": payload, "features": rng.random((4, 4), np.float32)}
     writer.done()
     writer.merge()
     return out
@@ -173,6 +181,35 @@ def litdata_streaming(path: str) -> Make:
     return lambda rank, world: litdata.StreamingDataset(path)
 
 
+def write_lance(root: str, fragments: int, per_fragment: int) -> str:
+    import lance
+    import pyarrow as pa
+
+    n = fragments * per_fragment
+    rng = np.random.default_rng(0)
+    vectors = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(n * 16, np.float32)), 16)
+    table = pa.table({"id": np.arange(n), "label": np.arange(n) % 10, "score": rng.random(n), "vector": vectors})
+    out = os.path.join(root, "table.lance")
+    lance.write_dataset(table, out, max_rows_per_file=per_fragment)
+    return out
+
+
+def shardkit_lance(uri: str) -> Make:
+    return lambda rank, world: shardkit.LanceDataset(uri, rank=rank, world_size=world, batch_size=1024, balance="none")
+
+
+def _numpy_columns(batch: Any, **_: Any) -> dict[str, np.ndarray]:
+    return {name: col.to_numpy(zero_copy_only=False) for name, col in zip(batch.schema.names, batch.columns)}
+
+
+def lance_torch(uri: str) -> Make:
+    from lance.torch.data import LanceDataset
+
+    return lambda rank, world: LanceDataset(
+        uri, batch_size=1024, rank=rank, world_size=world, to_tensor_fn=_numpy_columns
+    )
+
+
 def shardkit_jsonl(urls: list[str]) -> Make:
     return lambda rank, world: shardkit.JsonlDataset(urls, balance="none", rank=rank, world_size=world)
 
@@ -181,7 +218,7 @@ def shardkit_jsonl(urls: list[str]) -> Make:
 
 
 def loader_for(dataset: Any, workers: int, batch: int) -> DataLoader:
-    if isinstance(dataset, shardkit.ParquetDataset) and dataset.format.batch_size is not None:
+    if getattr(dataset, "column_batches", False) or type(dataset).__module__ == "lance.torch.data":
         # Column batches are batches already: the loader passes them on as they come.
         return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list)
     return DataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=_list)
@@ -238,13 +275,19 @@ def _importable(name: str) -> bool:
 
 
 def compare(
-    title: str, cases: dict[str, Make], total: int, args: argparse.Namespace, *, split: bool = True
+    title: str,
+    cases: dict[str, Make],
+    total: int,
+    args: argparse.Namespace,
+    *,
+    split: bool = True,
+    workers: dict[str, int] | None = None,
 ) -> list[str]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     firsts: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, make in cases.items():
-            seconds, first, n = epoch(make, args.workers, args.batch)
+            seconds, first, n = epoch(make, (workers or {}).get(name, args.workers), args.batch)
             if n != total:
                 print(f"  ! {name} yielded {n} samples of {total}", file=sys.stderr)
             times[name].append(seconds)
@@ -268,12 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
-    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "litdata"], action="append")
+    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "litdata", "lance"], action="append")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
     scale = 20 if args.quick else 1  # still more than one 1,024-row batch in every Parquet and JSONL shard
-    only = set(args.only or ["tar", "parquet", "jsonl", "litdata"])
+    only = set(args.only or ["tar", "parquet", "jsonl", "litdata", "lance"])
     out: list[str] = []
     with tempfile.TemporaryDirectory() as root:
         if "tar" in only:
@@ -306,6 +349,15 @@ def main(argv: list[str] | None = None) -> int:
                 "litdata StreamingDataset": litdata_streaming(path),
             }
             out += compare("LitData", cases, 8 * (5_000 // scale), args, split=False)
+        if "lance" in only and _importable("lance"):
+            uri = write_lance(root, 8, 25_000 // scale)
+            cases = {
+                "shardkit LanceDataset(batch_size=1024)": shardkit_lance(uri),
+                "lance.torch LanceDataset": lance_torch(uri),
+            }
+            out += compare(
+                "Lance", cases, 8 * (25_000 // scale), args, split=False, workers={"lance.torch LanceDataset": 0}
+            )
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
     )

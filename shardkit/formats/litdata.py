@@ -38,6 +38,7 @@ never by importing the types it names.
 from __future__ import annotations
 
 import json
+import math
 import os
 import posixpath
 import struct
@@ -227,6 +228,17 @@ def _build(spec: Any, leaves: Iterator[Any]) -> Any:
     return values if kind == "list" else tuple(values)
 
 
+def builder(spec: Any) -> Callable[[list[Any]], Any]:
+    """``build(leaves)``: the sample tree of ``spec`` around its decoded leaves; a flat dict (the usual
+    sample) without walking the tree."""
+    if spec is None:
+        return lambda leaves: leaves[0]
+    kind, keys, children = spec
+    if kind == "dict" and all(child is None for child in children):
+        return lambda leaves: dict(zip(keys, leaves))
+    return lambda leaves: _build(spec, iter(leaves))
+
+
 # --------------------------------------------------------------------------- leaves
 
 
@@ -241,7 +253,7 @@ def _numpy_dtype(code: int) -> np.dtype:
 
 
 def _array(data: memoryview, dtype: Any, shape: Sequence[int]) -> np.ndarray:
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if count * dtype.itemsize != len(data):
         raise ValueError(f"{len(data)} bytes do not hold {tuple(shape)} of {dtype}")
     return np.frombuffer(data, dtype=dtype, count=count).reshape(shape).copy()
@@ -452,7 +464,7 @@ class LitDataFormat(FormatBase):
                 yield from chunk.footer_rows(start, stop, len(offsets) - 1)
             else:
                 decoders = [leaf_decoder(leaf, self.images) for leaf in index.leaves]
-                yield from chunk.items(offsets, start, stop, decoders, index.spec, marked)
+                yield from chunk.items(offsets, start, stop, decoders, builder(index.spec), marked)
 
 
 def _check_range(start: int, stop: int | None) -> None:
@@ -536,22 +548,24 @@ class _Chunk:
         return (self.size - 12 - length, length) if length <= self.size - 12 else None
 
     def items(
-        self, offsets: np.ndarray, start: int, stop: int, decoders: list[Any], spec: Any, marked: bool
+        self, offsets: np.ndarray, start: int, stop: int, decoders: list[Any], build: Any, marked: bool
     ) -> Iterator[Any]:
         """Items ``[start, stop)`` decoded into their sample tree; one whose bytes are past the file's end ends the read."""
         span = 1 << 20
+        sizes = struct.Struct(f"<{len(decoders)}I")
         i = start
         while i < stop:
             j = min(stop, i + max(1, int(np.searchsorted(offsets[i + 1 : stop + 1], offsets[i] + span, side="right"))))
             lo, hi = int(offsets[i]), int(offsets[j])
             data = self.bytes_at(lo, hi - lo)
+            bounds = (offsets[i : j + 1] - lo).tolist()
             for k in range(i, j):
-                a, b = int(offsets[k]) - lo, int(offsets[k + 1]) - lo
+                a, b = bounds[k - i], bounds[k - i + 1]
                 if b > len(data):
                     reason = f"item {k} is bytes [{offsets[k]}, {offsets[k + 1]}) but the chunk ends at byte {lo + len(data)}"
                     raise CorruptRecordError(self.url, k, int(offsets[k]), reason)
                 try:
-                    yield _build(spec, iter(_leaves(data[a:b], decoders)))
+                    yield build(_leaves(data[a:b], decoders, sizes))
                 except (ValueError, struct.error, IndexError, UnicodeDecodeError, OverflowError) as error:
                     bad = CorruptRecordError(
                         self.url, k, int(offsets[k]), f"the item does not decode ({error})", framing_intact=True
@@ -611,13 +625,13 @@ class _Chunk:
             first = end
 
 
-def _leaves(item: memoryview, decoders: list[Any]) -> list[Any]:
-    """The decoded leaves of one item: ``uint32`` sizes, one per leaf, then the leaves' bytes."""
-    n = len(decoders)
-    sizes = struct.unpack_from(f"<{n}I", item)
-    if 4 * n + sum(sizes) != len(item):
-        raise ValueError(f"its {n} leaf sizes add up to {4 * n + sum(sizes)} bytes, the item has {len(item)}")
-    out, at = [], 4 * n
+def _leaves(item: memoryview, decoders: list[Any], header: struct.Struct) -> list[Any]:
+    """The decoded leaves of one item: ``uint32`` sizes (``header``), one per leaf, then the leaves' bytes."""
+    sizes = header.unpack_from(item)
+    at = header.size
+    if at + sum(sizes) != len(item):
+        raise ValueError(f"its {len(sizes)} leaf sizes add up to {at + sum(sizes)} bytes, the item has {len(item)}")
+    out = []
     for size, decode in zip(sizes, decoders):
         out.append(decode(item[at : at + size]))
         at += size
