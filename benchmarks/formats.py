@@ -21,11 +21,12 @@ list collate so no loader pays for tensors):
   LitData splits over ranks only under torch.distributed, so its
   duplicates/missing column is not measured.
 - Lance: ``shardkit.LanceDataset(batch_size=1024)`` (numpy column batches) vs
-  ``lance.torch.data.LanceDataset(batch_size=1024)`` (its batches as numpy
-  columns too) on the same dataset written by ``lance.write_dataset``: an id,
-  a label, a score and a 16-float vector per row. Lance's loader reads with its
-  own threads and does not split over DataLoader workers (each would read every
-  row), so it runs with 0 workers, shardkit with ``--workers``.
+  ``lance.torch.data.LanceDataset(batch_size=1024)`` (its batches as tensors,
+  its default; the vectors 2-D in both) on the same dataset written by
+  ``lance.write_dataset``: an id, a label, a score and a 16-float vector per
+  row. Lance's loader reads with its own threads and does not split over
+  DataLoader workers (each would read every row), so it runs with 0 workers;
+  shardkit with 0 and with ``--workers``.
 
 Throughput is samples (rows) per second of wall time over one epoch, the
 workers started fresh (their start-up is in every case). Cases run
@@ -198,16 +199,10 @@ def shardkit_lance(uri: str) -> Make:
     return lambda rank, world: shardkit.LanceDataset(uri, rank=rank, world_size=world, batch_size=1024, balance="none")
 
 
-def _numpy_columns(batch: Any, **_: Any) -> dict[str, np.ndarray]:
-    return {name: col.to_numpy(zero_copy_only=False) for name, col in zip(batch.schema.names, batch.columns)}
-
-
 def lance_torch(uri: str) -> Make:
     from lance.torch.data import LanceDataset
 
-    return lambda rank, world: LanceDataset(
-        uri, batch_size=1024, rank=rank, world_size=world, to_tensor_fn=_numpy_columns
-    )
+    return lambda rank, world: LanceDataset(uri, batch_size=1024, rank=rank, world_size=world)
 
 
 def shardkit_jsonl(urls: list[str]) -> Make:
@@ -350,14 +345,14 @@ def main(argv: list[str] | None = None) -> int:
             }
             out += compare("LitData", cases, 8 * (5_000 // scale), args, split=False)
         if "lance" in only and _importable("lance"):
-            uri = write_lance(root, 8, 25_000 // scale)
+            uri = write_lance(root, 8, 250_000 // scale)
             cases = {
+                "shardkit LanceDataset(batch_size=1024), 0 workers": shardkit_lance(uri),
                 "shardkit LanceDataset(batch_size=1024)": shardkit_lance(uri),
-                "lance.torch LanceDataset": lance_torch(uri),
+                "lance.torch LanceDataset, 0 workers": lance_torch(uri),
             }
-            out += compare(
-                "Lance", cases, 8 * (25_000 // scale), args, split=False, workers={"lance.torch LanceDataset": 0}
-            )
+            zero = {"shardkit LanceDataset(batch_size=1024), 0 workers": 0, "lance.torch LanceDataset, 0 workers": 0}
+            out += compare("Lance", cases, 8 * (250_000 // scale), args, split=False, workers=zero)
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
     )

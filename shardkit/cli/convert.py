@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail
-from shardkit.cli.files import expand
+from shardkit.cli.files import expand, in_place_format
 from shardkit.errors import ShardkitError
 
 
@@ -29,7 +29,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     pattern = args.pattern if "://" in args.pattern else os.path.abspath(args.pattern)
     try:
         urls = expand(args.source)
-        readers = [(url, format_for(url)) for url in urls]
+        readers = [(url, in_place_format(url) or format_for(url)) for url in urls]
         writer = ShardWriter(pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes)
     except Exception as error:  # noqa: BLE001 - one line, exit 2
         return fail(args, error, args.source)

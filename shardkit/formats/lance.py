@@ -13,7 +13,8 @@ state's shard urls).
 A record is a row, a dict of column to value as ``pyarrow``'s ``to_pylist``
 gives it (what ``lance.dataset(uri).to_table().to_pylist()`` holds, in that
 order), or with ``batch_size=b`` up to ``b`` rows of one fragment as a dict of
-column to numpy array, like :class:`~shardkit.formats.parquet.ParquetFormat`.
+column to numpy array, like :class:`~shardkit.formats.parquet.ParquetFormat`
+(a fixed-size list column without nulls, such as an embedding, as one 2-D array).
 ``columns=`` projects: other columns are never read.
 
 A fragment that yields fewer rows than its manifest says (a data file cut
@@ -233,4 +234,17 @@ def _recut(batches: Iterator[Any], size: int) -> Iterator[Any]:
 
 
 def _numpy(batch: Any) -> dict[str, np.ndarray]:
-    return {name: column.to_numpy(zero_copy_only=False) for name, column in zip(batch.schema.names, batch.columns)}
+    return {name: _column(column) for name, column in zip(batch.schema.names, batch.columns)}
+
+
+def _column(column: Any) -> np.ndarray:
+    """A column as numpy: a fixed-size list without nulls (an embedding) as one 2-D array, not an object
+    array of rows; any other as pyarrow converts it."""
+    import pyarrow as pa
+
+    if pa.types.is_fixed_size_list(column.type) and column.null_count == 0:
+        size = column.type.list_size
+        values = column.flatten()
+        if values.null_count == 0:
+            return values.to_numpy(zero_copy_only=False).reshape(len(column), size)
+    return column.to_numpy(zero_copy_only=False)

@@ -55,9 +55,9 @@ def test_columns_are_projected_and_batches_are_numpy_columns_of_one_fragment(uri
     batches = list(shardkit.LanceDataset(uri, balance="none", batch_size=5, columns=["id", "vector"]))
     assert [len(b["id"]) for b in batches] == [5, 5, 5, 1] * 3 + [2]
     assert np.concatenate([b["id"] for b in batches]).tolist() == list(range(ROWS))
-    assert np.array_equal(
-        np.stack(batches[1]["vector"]), np.stack(table()["vector"].to_numpy(zero_copy_only=False)[5:10])
-    )
+    vectors = table()["vector"].to_numpy(zero_copy_only=False)
+    assert batches[1]["vector"].shape == (5, 4) and batches[1]["vector"].dtype == np.float32  # an embedding: 2-D
+    assert np.array_equal(batches[1]["vector"], np.stack(vectors[5:10]))
 
 
 @pytest.mark.parametrize("balance", ["none", "pad", "drop"])
@@ -157,3 +157,18 @@ def test_without_pylance_the_error_names_the_extra(uri, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "lance", None)
     with pytest.raises(ShardkitError, match=r"pip install 'shardkit\[lance\]'"):
         shardkit.LanceDataset(uri)
+
+
+def test_inspect_plan_and_convert_take_the_dataset_directory_and_its_manifest_counts(uri, tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    inspected = run_cli("inspect", uri)
+    assert inspected.returncode == 0, inspected.stderr
+    assert inspected.stdout.count("16 records; format: lance") == 3 and "2 records; format: lance" in inspected.stdout
+    planned = run_cli("plan", uri, "--world-size", "2")
+    assert planned.returncode == 0 and "4 shards, 50 records" in planned.stdout and "25, 25" in planned.stdout
+    done = run_cli("convert", uri, str(tmp_path / "rows-%03d.parquet"), "--format", "parquet")
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(str(tmp_path / "rows-000.parquet")).to_pylist() == table().to_pylist()

@@ -247,3 +247,33 @@ def test_a_dataset_served_over_http_reads_the_same_samples_by_ranged_reads(tmp_p
         for a, b in zip(remote, local):
             assert_equal(a, b)
         assert server.gets("samples/index.json") and server.gets("samples/chunk-0-0.bin")
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_inspect_verify_and_plan_take_the_dataset_directory_and_its_index_counts(tmp_path) -> None:
+    from tests.helpers.cli import run_cli
+
+    inspected = run_cli("inspect", fixture("samples"))
+    assert inspected.returncode == 0, inspected.stderr
+    assert inspected.stdout.count("8 records; format: litdata; every record read") == 5
+    verified = run_cli("verify", fixture("rows"))
+    assert verified.returncode == 0 and verified.stdout.count(": 300 records") == 2
+    planned = run_cli("plan", fixture("samples"), "--world-size", "2", "--num-workers", "2")
+    assert planned.returncode == 0 and "from the dataset's own index" in planned.stdout
+    assert "5 shards, 40 records" in planned.stdout and "records per rank: 20, 20" in planned.stdout
+    path = copy(tmp_path, "samples")
+    os.truncate(_chunks(path)[1], 100)
+    damaged = run_cli("verify", path)
+    assert damaged.returncode != 0 and "chunk-0-1.bin" in damaged.stderr and damaged.stdout.count("ok ") == 4
+
+
+def test_convert_writes_the_rows_of_a_litdata_dataset_to_parquet_in_order(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    done = run_cli("convert", fixture("rows"), str(tmp_path / "rows-%03d.parquet"), "--format", "parquet")
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(str(tmp_path / "rows-000.parquet")).to_pylist() == [fx.row(i) for i in range(fx.ROWS)]
