@@ -1,5 +1,6 @@
-"""LitData optimized datasets read in place: the chunks litdata.optimize wrote (tests/data/litdata, see
-tests/helpers/litdata_samples.py), sample for sample, split, resumed, damaged and served over HTTP."""
+"""LitData optimized datasets read in place: chunks litdata's own writer wrote (BinaryWriter, what optimize
+writes with; tests/data/litdata, see tests/helpers/litdata_samples.py), sample for sample, split, resumed,
+damaged and served over HTTP."""
 
 from __future__ import annotations
 
@@ -49,11 +50,11 @@ def assert_equal(got, expected, where: str = "sample") -> None:
         assert type(got) is type(expected) and got == expected, f"{where}: {got!r} != {expected!r}"
 
 
-# --------------------------------------------------------------------------- what optimize was given, in order
+# --------------------------------------------------------------------------- what the writer was given, in order
 
 
 @pytest.mark.parametrize(("name", "count"), [("samples", fx.SAMPLES), ("zstd", 12)])
-def test_every_sample_equals_what_optimize_was_given_in_order(name, count) -> None:
+def test_every_sample_equals_what_litdatas_writer_was_given_in_order(name, count) -> None:
     got = list(shardkit.LitDataDataset(fixture(name), balance="none"))
     assert len(got) == count
     for i, sample in enumerate(got):
