@@ -13,6 +13,20 @@ list collate so no loader pays for tensors):
   come), counted in rows, with all columns (the strings and lists become
   object arrays) and with the three numeric columns only.
 - JSON lines: ``shardkit.JsonlDataset`` vs ``datasets`` streaming ``json``.
+- LitData: ``shardkit.LitDataDataset`` vs ``litdata.StreamingDataset`` on the
+  same chunks (written by litdata's own ``BinaryWriter``), samples of an id, a
+  label, a 1 KB uint8 array and a 4x4 float32 array (no bytes leaf: litdata
+  yields bytes as memoryviews, which cannot leave a DataLoader worker). Run only where litdata is
+  installed (it is not in the dev extra: see tests/helpers/litdata_samples.py);
+  LitData splits over ranks only under torch.distributed, so its
+  duplicates/missing column is not measured.
+- Lance: ``shardkit.LanceDataset(batch_size=1024)`` (numpy column batches) vs
+  ``lance.torch.data.LanceDataset(batch_size=1024)`` (its batches as tensors,
+  its default; the vectors 2-D in both) on the same dataset written by
+  ``lance.write_dataset``: an id, a label, a score and a 16-float vector per
+  row. Lance's loader reads with its own threads and does not split over
+  DataLoader workers (each would read every row), so it runs with 0 workers;
+  shardkit with 0 and with ``--workers``.
 
 Throughput is samples (rows) per second of wall time over one epoch, the
 workers started fresh (their start-up is in every case). Cases run
@@ -143,6 +157,54 @@ def hf_streaming(kind: str, urls: list[str]) -> Make:
     return make
 
 
+def write_litdata(root: str, chunks: int, per_chunk: int) -> str:
+    """A LitData dataset written by litdata's own writer: ``chunks`` chunks of ``per_chunk`` samples."""
+    from litdata.streaming.writer import BinaryWriter
+
+    out = os.path.join(root, "litdata")
+    writer = BinaryWriter(out, chunk_size=per_chunk)
+    rng = np.random.default_rng(0)
+    for i in range(chunks * per_chunk):
+        payload = rng.integers(0, 256, 1024, dtype=np.uint8)  # an array: litdata yields bytes as unpicklable views
+        writer[i] = {"id": i, "label": i % 10, "payload": payload, "features": rng.random((4, 4), np.float32)}
+    writer.done()
+    writer.merge()
+    return out
+
+
+def shardkit_litdata(path: str) -> Make:
+    return lambda rank, world: shardkit.LitDataDataset(path, rank=rank, world_size=world, balance="none")
+
+
+def litdata_streaming(path: str) -> Make:
+    import litdata
+
+    return lambda rank, world: litdata.StreamingDataset(path)
+
+
+def write_lance(root: str, fragments: int, per_fragment: int) -> str:
+    import lance
+    import pyarrow as pa
+
+    n = fragments * per_fragment
+    rng = np.random.default_rng(0)
+    vectors = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(n * 16, np.float32)), 16)
+    table = pa.table({"id": np.arange(n), "label": np.arange(n) % 10, "score": rng.random(n), "vector": vectors})
+    out = os.path.join(root, "table.lance")
+    lance.write_dataset(table, out, max_rows_per_file=per_fragment)
+    return out
+
+
+def shardkit_lance(uri: str) -> Make:
+    return lambda rank, world: shardkit.LanceDataset(uri, rank=rank, world_size=world, batch_size=1024, balance="none")
+
+
+def lance_torch(uri: str) -> Make:
+    from lance.torch.data import LanceDataset
+
+    return lambda rank, world: LanceDataset(uri, batch_size=1024, rank=rank, world_size=world)
+
+
 def shardkit_jsonl(urls: list[str]) -> Make:
     return lambda rank, world: shardkit.JsonlDataset(urls, balance="none", rank=rank, world_size=world)
 
@@ -151,7 +213,7 @@ def shardkit_jsonl(urls: list[str]) -> Make:
 
 
 def loader_for(dataset: Any, workers: int, batch: int) -> DataLoader:
-    if isinstance(dataset, shardkit.ParquetDataset) and dataset.format.batch_size is not None:
+    if getattr(dataset, "column_batches", False) or type(dataset).__module__ == "lance.torch.data":
         # Column batches are batches already: the loader passes them on as they come.
         return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list)
     return DataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=_list)
@@ -198,12 +260,29 @@ def dup_missing(make: Make, workers: int, batch: int, total: int) -> tuple[int, 
     return dup, total - len(seen)
 
 
-def compare(title: str, cases: dict[str, Make], total: int, args: argparse.Namespace) -> list[str]:
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        print(f"  (no {name} here: its block is left out)", file=sys.stderr)
+        return False
+    return True
+
+
+def compare(
+    title: str,
+    cases: dict[str, Make],
+    total: int,
+    args: argparse.Namespace,
+    *,
+    split: bool = True,
+    workers: dict[str, int] | None = None,
+) -> list[str]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     firsts: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, make in cases.items():
-            seconds, first, n = epoch(make, args.workers, args.batch)
+            seconds, first, n = epoch(make, (workers or {}).get(name, args.workers), args.batch)
             if n != total:
                 print(f"  ! {name} yielded {n} samples of {total}", file=sys.stderr)
             times[name].append(seconds)
@@ -213,11 +292,11 @@ def compare(title: str, cases: dict[str, Make], total: int, args: argparse.Names
     lines = [f"{title} ({total} samples, {args.workers} workers, median of {args.rounds} interleaved rounds)"]
     for name in names:
         median = statistics.median(times[name])
-        dup, missing = dup_missing(cases[name], args.workers, args.batch, total)
-        lines.append(
-            f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch {statistics.median(firsts[name]):6.3f}s"
-            f"  2 ranks x {args.workers} workers: {dup} duplicates, {missing} missing"
-        )
+        line = f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch {statistics.median(firsts[name]):6.3f}s"
+        if split:
+            dup, missing = dup_missing(cases[name], args.workers, args.batch, total)
+            line += f"  2 ranks x {args.workers} workers: {dup} duplicates, {missing} missing"
+        lines.append(line)
     return lines
 
 
@@ -227,12 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
-    parser.add_argument("--only", choices=["tar", "parquet", "jsonl"], action="append")
+    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "litdata", "lance"], action="append")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
     scale = 20 if args.quick else 1  # still more than one 1,024-row batch in every Parquet and JSONL shard
-    only = set(args.only or ["tar", "parquet", "jsonl"])
+    only = set(args.only or ["tar", "parquet", "jsonl", "litdata", "lance"])
     out: list[str] = []
     with tempfile.TemporaryDirectory() as root:
         if "tar" in only:
@@ -258,6 +337,22 @@ def main(argv: list[str] | None = None) -> int:
                 "HF datasets streaming json": hf_streaming("json", urls),
             }
             out += compare("JSON lines", cases, 8 * (25_000 // scale), args)
+        if "litdata" in only and _importable("litdata"):
+            path = write_litdata(root, 8, 5_000 // scale)
+            cases = {
+                "shardkit LitDataDataset": shardkit_litdata(path),
+                "litdata StreamingDataset": litdata_streaming(path),
+            }
+            out += compare("LitData", cases, 8 * (5_000 // scale), args, split=False)
+        if "lance" in only and _importable("lance"):
+            uri = write_lance(root, 8, 250_000 // scale)
+            cases = {
+                "shardkit LanceDataset(batch_size=1024), 0 workers": shardkit_lance(uri),
+                "shardkit LanceDataset(batch_size=1024)": shardkit_lance(uri),
+                "lance.torch LanceDataset, 0 workers": lance_torch(uri),
+            }
+            zero = {"shardkit LanceDataset(batch_size=1024), 0 workers": 0, "lance.torch LanceDataset, 0 workers": 0}
+            out += compare("Lance", cases, 8 * (250_000 // scale), args, split=False, workers=zero)
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
     )

@@ -33,6 +33,8 @@ _EXPORTS: dict[str, str] = {
     "ParquetDataset": "shardkit.sources",
     "JsonlDataset": "shardkit.sources",
     "TokenDataset": "shardkit.sources",
+    "LitDataDataset": "shardkit.sources.litdata",
+    "LanceDataset": "shardkit.sources.lance",
     "TokenWriter": "shardkit.writer",
     "FormatDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
@@ -102,6 +104,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
         TokenDataset,
         wrap,
     )
+    from shardkit.sources.lance import LanceDataset
+    from shardkit.sources.litdata import LitDataDataset
     from shardkit.topology import Topology
     from shardkit.trainers import TrainerError
     from shardkit.writer import ShardWriter, TokenWriter

@@ -21,14 +21,49 @@ GLOB_CHARS = re.compile(r"[*?\[{]")
 def expand(pattern: str) -> list[str]:
     """The files ``pattern`` names, as the user typed it (:func:`~shardkit.cli.paths.shown`): itself, or the
     sorted matches of a glob (``*?[`` or ``{a,b}``), where a Megatron ``X.bin`` and ``X.idx`` are one pair,
-    named once by its ``.bin``."""
+    named once by its ``.bin``; or the shards of the LitData or Lance dataset directory it names
+    (:func:`dataset_shards`)."""
     if not GLOB_CHARS.search(pattern):
-        return [shown(pattern, pattern)]
+        shards = dataset_shards(pattern)
+        return [shown(pattern, pattern)] if shards is None else shards.urls()
     from shardkit.shardlist import ShardList
 
     urls = [shown(url, pattern) for url in ShardList.from_glob(pattern).urls()]
     pairs = {url[:-4] for url in urls if url.endswith(".bin")}
     return [url for url in urls if not (url.endswith(".idx") and url[:-4] in pairs)]  # a Megatron pair once
+
+
+def dataset_shards(directory: str) -> Any:
+    """The ShardList, counts included, of the LitData dataset (an ``index.json`` in it) or Lance dataset
+    (a ``_versions`` folder in it, read at its latest version) at ``directory``; None for anything else.
+    Their shards are read in place: LitData chunks, Lance fragments (see :func:`format_of`)."""
+    import posixpath
+
+    import fsspec
+
+    from shardkit.formats.registry import formats
+    from shardkit.shardlist import ShardList
+
+    if any(directory.lower().endswith(s) for fmt in formats().values() for s in fmt.suffixes):
+        return None  # a shard file: not looked into
+    fs, path = fsspec.core.url_to_fs(directory)
+    try:
+        if fs.isfile(posixpath.join(path, "index.json")):
+            from shardkit.formats.litdata import LitDataFormat, chunk_urls
+
+            litdata = LitDataFormat()
+            urls = chunk_urls(litdata.index(posixpath.join(directory.rstrip("/"), "index.json")))
+            return ShardList(urls, num_records=[litdata.stored_count(url) for url in urls])
+        if not fs.isdir(posixpath.join(path, "_versions")):
+            return None
+    except OSError:  # not a directory that can be looked into: the command reads it as a file
+        return None
+    from shardkit.formats.lance import LanceFormat, fragment_url
+
+    lance = LanceFormat()
+    dataset = lance.dataset(directory.rstrip("/"))
+    urls = [fragment_url(directory, f.fragment_id, int(dataset.version)) for f in dataset.get_fragments()]
+    return ShardList(urls, num_records=[lance.count(url) for url in urls])
 
 
 def each_file(args: argparse.Namespace, job: Callable[[str], Any], listed: Sequence[str] = ()) -> int:
@@ -153,6 +188,9 @@ def format_of(url: str, forced: str | None = None, compression: str | None = "au
     if forced is not None:
         fmt = formats()[forced]
         return None if fmt.name == "tfrecord" else fmt
+    in_place = in_place_format(url)  # a Lance fragment, a LitData chunk beside its index.json
+    if in_place is not None:
+        return in_place
     by_name = _named(url)
     if by_name is not None and (by_name.name != "tfrecord" or is_url(url)):
         return None if by_name.name == "tfrecord" else by_name  # a remote file is not opened twice
@@ -219,6 +257,30 @@ def _check_tfrecord_head(url: str, head: bytes, option: bool) -> None:
         raise FormatError(f"{url}: its name says TFRecord, but this is {what}")
     how = f"read it with --format {other}" if option else f"name it with a {everything[other].suffixes[-1]} suffix"
     raise FormatError(f"{url}: its name says TFRecord, but this is {what}; {how}")
+
+
+def in_place_format(url: str) -> Any:
+    """The format of a shard of a dataset read in place (see :func:`dataset_shards`), None for any other."""
+    import posixpath
+
+    import fsspec
+
+    if "#fragment=" in url:
+        from shardkit.formats.lance import LanceFormat
+
+        return LanceFormat()
+    if not url.endswith(".bin"):
+        return None
+    fs, path = fsspec.core.url_to_fs(url)
+    try:  # a Megatron .bin has its .idx beside it; a LitData chunk, its dataset's index.json
+        litdata = fs.isfile(posixpath.join(posixpath.dirname(path), "index.json")) and not fs.isfile(path[:-4] + ".idx")
+    except OSError:
+        return None
+    if not litdata:
+        return None
+    from shardkit.formats.litdata import LitDataFormat
+
+    return LitDataFormat()
 
 
 def _progress_bar(url: str, compression: str | None, storage_options: dict | None = None) -> Any:

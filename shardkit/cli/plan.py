@@ -10,7 +10,7 @@ import argparse
 from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail
-from shardkit.cli.files import GLOB_CHARS, index_counts
+from shardkit.cli.files import GLOB_CHARS, dataset_shards, index_counts
 from shardkit.cli.paths import is_url, shown
 from shardkit.cli.picture_plan import MAX_SHARDS, plan_picture
 from shardkit.cli.render import format_plan, plural, shown_path
@@ -64,6 +64,9 @@ def _load_shards(source: str) -> tuple[Any, str]:
     """The ShardList ``source`` names (a glob, else a manifest) and where its counts came from."""
     from shardkit.shardlist import ShardList
 
+    in_place = None if GLOB_CHARS.search(source) else dataset_shards(source)
+    if in_place is not None:
+        return in_place, "from the dataset's own index (LitData index.json, Lance manifest)"
     if not GLOB_CHARS.search(source) and not _is_shard_file(source):
         return ShardList.from_manifest(source), "from the manifest"
     shards = ShardList.from_glob(source)

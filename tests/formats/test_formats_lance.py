@@ -1,0 +1,174 @@
+"""Lance datasets read in place: datasets pylance writes, row for row, split, resumed, pinned and damaged."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import shardkit
+from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.lance import LanceFormat, fragment_url
+from tests.helpers.reading import assert_split, ids_per_rank, rank_factory
+
+lance = pytest.importorskip("lance")
+
+ROWS = 50  # in fragments of 16, 16, 16 and 2
+
+
+def table(first: int = 0, count: int = ROWS) -> pa.Table:
+    """Rows ``first..first+count``: a column of each kind Lance users keep (nulls in some)."""
+    ids = list(range(first, first + count))
+    vector = pa.FixedSizeListArray.from_arrays(pa.array([float(i) / 8 for i in ids for _ in range(4)], pa.float32()), 4)
+    return pa.table({
+        "id": pa.array(ids, pa.int64()),
+        "score": pa.array([i * 0.5 for i in ids], pa.float64()),
+        "text": pa.array([None if i % 7 == 3 else f"row {i} é" for i in ids]),
+        "blob": pa.array([bytes([i % 256]) * (i % 5) for i in ids], pa.binary()),
+        "flag": pa.array([i % 2 == 0 for i in ids]),
+        "tags": pa.array([[f"t{j}" for j in range(i % 3)] for i in ids], pa.list_(pa.string())),
+        "vector": vector,
+        "meta": pa.array([{"a": i, "b": str(-i)} for i in ids]),
+    })  # fmt: skip
+
+
+@pytest.fixture
+def uri(tmp_path) -> str:
+    path = str(tmp_path / "table.lance")
+    lance.write_dataset(table(), path, max_rows_per_file=16)
+    return path
+
+
+def test_rows_equal_what_lance_reads_in_order_with_each_column_type(uri) -> None:
+    rows = list(shardkit.LanceDataset(uri, balance="none"))
+    assert rows == lance.dataset(uri).to_table().to_pylist() == table().to_pylist()
+    dataset = shardkit.LanceDataset(uri)
+    assert dataset.shards.num_records.tolist() == [16, 16, 16, 2]  # from the manifest
+
+
+def test_columns_are_projected_and_batches_are_numpy_columns_of_one_fragment(uri) -> None:
+    assert list(shardkit.LanceDataset(uri, balance="none", columns=["id", "text"]))[3] == {"id": 3, "text": None}
+    batches = list(shardkit.LanceDataset(uri, balance="none", batch_size=5, columns=["id", "vector"]))
+    assert [len(b["id"]) for b in batches] == [5, 5, 5, 1] * 3 + [2]
+    assert np.concatenate([b["id"] for b in batches]).tolist() == list(range(ROWS))
+    vectors = table()["vector"].to_numpy(zero_copy_only=False)
+    assert batches[1]["vector"].shape == (5, 4) and batches[1]["vector"].dtype == np.float32  # an embedding: 2-D
+    assert np.array_equal(batches[1]["vector"], np.stack(vectors[5:10]))
+
+
+@pytest.mark.parametrize("balance", ["none", "pad", "drop"])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_every_row_exactly_once_over_two_ranks_and_workers(uri, balance, num_workers) -> None:
+    make = rank_factory(shardkit.LanceDataset, uri, balance=balance, shuffle=True, seed=3, columns=["id"])
+    ranks = ids_per_rank(make, world_size=2, num_workers=num_workers, batch_size=3)
+    assert_split(ranks, [str(i) for i in range(ROWS)], balance)
+
+
+@pytest.mark.slow
+def test_spawned_workers_read_every_row_once(uri) -> None:
+    from torch.utils.data import DataLoader
+
+    dataset = shardkit.LanceDataset(uri, balance="none", shuffle=True, columns=["id"])
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    assert sorted(r["id"] for r in loader) == list(range(ROWS))
+
+
+def test_a_state_saved_mid_epoch_resumes_a_fresh_dataset_with_exactly_the_rest(uri) -> None:
+    def dataset() -> shardkit.LanceDataset:
+        return shardkit.LanceDataset(uri, shuffle=True, seed=5, rank=0, world_size=2, columns=["id"])
+
+    whole = [r["id"] for r in dataset()]
+    interrupted = dataset()
+    iterator = iter(interrupted)
+    delivered = [next(iterator)["id"] for _ in range(9)]
+    state = json.loads(json.dumps(interrupted.state_dict()))
+    fresh = dataset()
+    fresh.load_state_dict(state)
+    assert delivered + [r["id"] for r in fresh] == whole and len(whole) == ROWS // 2
+
+
+def test_an_append_or_delete_committed_mid_epoch_changes_nothing_the_epoch_or_its_resume_reads(uri) -> None:
+    dataset = shardkit.LanceDataset(uri, balance="none", columns=["id"])
+    iterator = iter(dataset)
+    first = [next(iterator)["id"] for _ in range(10)]
+    state = dataset.state_dict()
+    lance.write_dataset(table(ROWS, 30), uri, mode="append", max_rows_per_file=16)
+    lance.dataset(uri).delete("id < 40")
+    rest = [r["id"] for r in iterator]
+    assert first + rest == list(range(ROWS))
+    resumed = shardkit.LanceDataset(uri, balance="none", columns=["id"], version=dataset.version)
+    resumed.load_state_dict(state)
+    assert [r["id"] for r in resumed] == list(range(10, ROWS))
+    latest = shardkit.LanceDataset(uri, balance="none", columns=["id"])  # a new dataset sees the new version
+    assert latest.version > dataset.version and [r["id"] for r in latest] == list(range(40, ROWS + 30))
+
+
+def _data_files(uri: str) -> list[str]:
+    fragments = lance.dataset(uri).get_fragments()
+    return [os.path.join(uri, "data", f.metadata.files[0].path) for f in fragments]
+
+
+def test_a_truncated_data_file_is_a_located_error_or_a_counted_skip(uri) -> None:
+    second = _data_files(uri)[1]
+    with open(second, "r+b") as f:
+        f.truncate(os.path.getsize(second) // 2)
+    url = fragment_url(uri, lance.dataset(uri).get_fragments()[1].fragment_id, lance.dataset(uri).version)
+    with pytest.raises(CorruptRecordError, match=rf"{url}: record 0 .*the fragment does not read"):
+        list(shardkit.LanceDataset(uri, balance="none"))
+    lenient = shardkit.LanceDataset(uri, balance="none", on_error="skip", columns=["id"])
+    with pytest.warns(UserWarning, match="skipping 16 records"):
+        ids = [r["id"] for r in lenient]
+    assert ids == [i for i in range(ROWS) if not 16 <= i < 32]
+    assert lenient.stats().skipped.tolist() == [0, 16, 0, 0]
+
+
+def test_a_missing_data_file_is_a_located_error_or_a_counted_skip(uri) -> None:
+    os.remove(_data_files(uri)[2])
+    with pytest.raises(CorruptRecordError, match=r"#fragment=2&version=1: record 0 .*the fragment does not read"):
+        list(shardkit.LanceDataset(uri, balance="none"))
+    lenient = shardkit.LanceDataset(uri, balance="none", on_error="skip", columns=["id"])
+    with pytest.warns(UserWarning, match="skipping 16 records"):
+        ids = [r["id"] for r in lenient]
+    assert ids == [i for i in range(ROWS) if not 32 <= i < 48]
+
+
+def test_a_fragment_shorter_than_its_manifest_is_a_located_error_not_a_short_read(uri, monkeypatch) -> None:
+    fmt = LanceFormat(columns=["id"])
+    url = fragment_url(uri, 0, 1)
+    fragment = fmt.fragment(url)
+    short = type("Short", (), {"metadata": fragment.metadata, "to_batches": lambda self, **kw: iter([])})()
+    monkeypatch.setattr(fmt, "fragment", lambda url: short)  # the manifest says 16 rows; the data holds none
+    with pytest.raises(
+        CorruptRecordError, match=r"record 0 .*the fragment ended after 0 rows; version 1's manifest says 16"
+    ):
+        list(fmt.read(url))
+
+
+def test_a_url_that_names_no_fragment_says_how_to_read_a_lance_dataset(uri) -> None:
+    with pytest.raises(ShardkitError, match=r"names no Lance fragment .* shardkit.LanceDataset\(uri\)"):
+        list(LanceFormat().read(uri))
+
+
+def test_without_pylance_the_error_names_the_extra(uri, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "lance", None)
+    with pytest.raises(ShardkitError, match=r"pip install 'shardkit\[lance\]'"):
+        shardkit.LanceDataset(uri)
+
+
+def test_inspect_plan_and_convert_take_the_dataset_directory_and_its_manifest_counts(uri, tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    inspected = run_cli("inspect", uri)
+    assert inspected.returncode == 0, inspected.stderr
+    assert inspected.stdout.count("16 records; format: lance") == 3 and "2 records; format: lance" in inspected.stdout
+    planned = run_cli("plan", uri, "--world-size", "2")
+    assert planned.returncode == 0 and "4 shards, 50 records" in planned.stdout and "25, 25" in planned.stdout
+    done = run_cli("convert", uri, str(tmp_path / "rows-%03d.parquet"), "--format", "parquet")
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(str(tmp_path / "rows-000.parquet")).to_pylist() == table().to_pylist()
