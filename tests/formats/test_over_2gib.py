@@ -20,9 +20,17 @@ from shardkit.formats.megatron import MegatronFormat
 from shardkit.formats.tfrecord import buffers, read_tfrecord, read_tfrecord_batches
 from shardkit.formats.tfrecord.buffers import BlockBuffers
 from shardkit.io.files import pread_exactly, preadv_exactly
+from tests.helpers.once import one_at_a_time
 from tests.helpers.sparse import HEAD, OVER_2_GIB, PREAD_LIMIT, TAIL, sparse_file, sparse_megatron, sparse_tfrecord
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _alone(tmp_path_factory):
+    """Each test holds up to three times 2 GiB: one at a time over the whole session's workers."""
+    with one_at_a_time(tmp_path_factory, "over-2-gib"):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ not once per worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -42,3 +43,14 @@ def once(factory: pytest.TempPathFactory, name: str, produce: Callable[[], Any])
     if "error" in kept:
         raise RuntimeError(f"the shared launch {name!r} failed (in the worker that ran it): {kept['error']}")
     return kept["result"]
+
+
+@contextlib.contextmanager
+def one_at_a_time(factory: pytest.TempPathFactory, name: str) -> Iterator[None]:
+    """Hold the session's lock ``name`` (all xdist workers): tests that each need gigabytes of memory
+    run one after another, so three workers cannot together take more than the machine has."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    with FileLock(str(factory.getbasetemp().parent / f"exclusive-{name}.lock")):
+        yield
