@@ -13,6 +13,11 @@ list collate so no loader pays for tensors):
   come), counted in rows, with all columns (the strings and lists become
   object arrays) and with the three numeric columns only.
 - JSON lines: ``shardkit.JsonlDataset`` vs ``datasets`` streaming ``json``.
+- ArrayRecord: ``shardkit.ArrayRecordDataset`` vs Grain's own ``grain.DataLoader``
+  over its ``ArrayRecordDataSource`` (``worker_count=--workers``, ``ShardOptions``
+  per rank), on files the ``array-record`` package wrote (tf.Examples of a 1 KB
+  payload); both decode each record with ``shardkit.decode_example`` (Grain has
+  no tf.Example decoder of its own without TensorFlow).
 
 Throughput is samples (rows) per second of wall time over one epoch, the
 workers started fresh (their start-up is in every case). Cases run
@@ -106,6 +111,31 @@ def write_jsonl(root: str, shards: int, per_shard: int) -> list[str]:
     return urls
 
 
+def write_array_records(root: str, shards: int, per_shard: int) -> list[str]:
+    """Written in a spawned process: the package's writer leaves a thread pool that forked workers cannot use."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_write_array_records, (root, shards, per_shard))
+
+
+def _write_array_records(root: str, shards: int, per_shard: int) -> list[str]:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    urls = []
+    for s in range(shards):
+        url = f"{root}/records-{s:03d}.array_record"
+        writer = ArrayRecordWriter(url, "group_size:1024")
+        for n in range(s * per_shard, (s + 1) * per_shard):
+            payload = np.frombuffer(np.random.default_rng(n).bytes(1024), np.uint8).tobytes()
+            writer.write(
+                shardkit.encode_example({"id": np.array([n]), "label": np.array([n % 1000]), "payload": [payload]})
+            )
+        writer.close()
+        urls.append(url)
+    return urls
+
+
 # --------------------------------------------------------------------------- the loaders
 
 
@@ -147,10 +177,44 @@ def shardkit_jsonl(urls: list[str]) -> Make:
     return lambda rank, world: shardkit.JsonlDataset(urls, balance="none", rank=rank, world_size=world)
 
 
+def shardkit_array_record(urls: list[str]) -> Make:
+    return lambda rank, world: shardkit.ArrayRecordDataset(urls, balance="none", rank=rank, world_size=world)
+
+
+class Ready:
+    """A loader that is its own DataLoader (Grain's): ``loader_for`` passes it on as it is."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Any:
+        return iter(self.loader)
+
+
+class _DecodeExample:  # a grain.transforms.Map: a class at module level, picklable into Grain's workers
+    def map(self, record: bytes) -> Any:
+        return shardkit.decode_example(record)
+
+
+def grain_array_record(urls: list[str], workers: int, batch: int) -> Make:
+    def make(rank: int | None, world: int | None) -> Any:
+        import grain.python as gp
+
+        source = gp.ArrayRecordDataSource(urls)
+        shard = gp.ShardOptions(shard_index=rank or 0, shard_count=world or 1, drop_remainder=False)
+        sampler = gp.IndexSampler(len(source), shard, shuffle=False, num_epochs=1)
+        ops = [type("DecodeExample", (_DecodeExample, gp.MapTransform), {})(), gp.Batch(batch, batch_fn=_list)]
+        return Ready(gp.DataLoader(data_source=source, sampler=sampler, operations=ops, worker_count=workers))
+
+    return make
+
+
 # --------------------------------------------------------------------------- measuring
 
 
-def loader_for(dataset: Any, workers: int, batch: int) -> DataLoader:
+def loader_for(dataset: Any, workers: int, batch: int) -> Any:
+    if isinstance(dataset, Ready):
+        return dataset
     if isinstance(dataset, shardkit.ParquetDataset) and dataset.format.batch_size is not None:
         # Column batches are batches already: the loader passes them on as they come.
         return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list)
@@ -227,12 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
-    parser.add_argument("--only", choices=["tar", "parquet", "jsonl"], action="append")
+    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "array_record"], action="append")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
     scale = 20 if args.quick else 1  # still more than one 1,024-row batch in every Parquet and JSONL shard
-    only = set(args.only or ["tar", "parquet", "jsonl"])
+    only = set(args.only or ["tar", "parquet", "jsonl", "array_record"])
     out: list[str] = []
     with tempfile.TemporaryDirectory() as root:
         if "tar" in only:
@@ -258,6 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                 "HF datasets streaming json": hf_streaming("json", urls),
             }
             out += compare("JSON lines", cases, 8 * (25_000 // scale), args)
+        if "array_record" in only:
+            urls = write_array_records(root, 8, 10_000 // scale)
+            cases = {
+                "shardkit ArrayRecordDataset": shardkit_array_record(urls),
+                "grain DataLoader(ArrayRecordDataSource)": grain_array_record(urls, args.workers, args.batch),
+            }
+            out += compare("ArrayRecord, tf.Examples of 1 KB", cases, 8 * (10_000 // scale), args)
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
     )

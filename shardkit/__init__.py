@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "ParquetDataset": "shardkit.sources",
     "JsonlDataset": "shardkit.sources",
     "TokenDataset": "shardkit.sources",
+    "ArrayRecordDataset": "shardkit.sources",
     "TokenWriter": "shardkit.writer",
     "FormatDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import DuplicateShardWarning, ShardList
     from shardkit.sources import (
+        ArrayRecordDataset,
         FormatDataset,
         JsonlDataset,
         ParquetDataset,

@@ -25,6 +25,7 @@ Importing this package registers the ``"planned"`` and ``"stream"`` stage kinds
 
 from shardkit.sources.errors import MADE_UP_MISSING, BalanceError, DatasetError
 from shardkit.sources.formatted import (
+    ArrayRecordDataset,
     FormatDataset,
     JsonlDataset,
     ParquetDataset,
@@ -36,6 +37,7 @@ from shardkit.sources.sharded import ShardedDataset
 from shardkit.sources.wrap import MapSource, StreamSource, wrap
 
 __all__ = [
+    "ArrayRecordDataset",
     "MADE_UP_MISSING",
     "BalanceError",
     "DatasetError",

@@ -497,3 +497,54 @@ class TokenDataset(FormatDataset):
         elif not isinstance(paths, ShardList):
             paths = [bin_url(str(p)) for p in paths]
         self._build(paths, fmt, options)
+
+
+class ArrayRecordDataset(FormatDataset):
+    """An IterableDataset over ArrayRecord shards (Grain's format), read in place, split over ranks and workers.
+
+    Counts come from each file's footer (no scan), a range reads only the chunks it
+    overlaps, and records are what the ``array-record`` package's own reader returns.
+    See :mod:`shardkit.formats.array_record` for what is checked and how faults are
+    reported (a chunk that does not hash costs that chunk under ``on_error="skip"``).
+
+    Args:
+        paths: a :class:`ShardList`, a glob / fsspec pattern, or a list of urls
+            (Grain's ``name.array_record-00000-of-00004`` names too).
+        decode: ``"example"`` (:func:`~shardkit.decode_example`, the default: records
+            are usually serialized tf.Examples, decoded as :class:`TFRecordDataset`
+            decodes them), ``"raw"`` (the record bytes) or a callable on the bytes.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards are read,
+            as for :class:`TFRecordDataset`; a remote shard needs ``cache_dir`` (the package
+            reads local files: the shard is fetched whole into the cache and read there).
+
+    The other arguments are those of :class:`ShardedDataset`.
+    """
+
+    def __init__(
+        self,
+        paths: ShardList | str | Sequence[str],
+        *,
+        decode: str | Callable[[bytes], Any] = "example",
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        from shardkit.formats.array_record import DECODERS, ArrayRecordFormat
+
+        if not callable(decode) and decode not in DECODERS:
+            raise DatasetError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
+        options = SourceOptions.of(
+            shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size, on_error=on_error,
+            storage_options=storage_options, readahead_bytes=readahead_bytes, retry=retry, cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )  # fmt: skip
+        fmt = ArrayRecordFormat(decode=decode, storage_options=options.storage_options, remote=options.remote)
+        self._build(paths, fmt, options)
