@@ -15,9 +15,15 @@ list collate so no loader pays for tensors):
 - JSON lines: ``shardkit.JsonlDataset`` vs ``datasets`` streaming ``json``.
 - ArrayRecord: ``shardkit.ArrayRecordDataset`` vs Grain's own ``grain.DataLoader``
   over its ``ArrayRecordDataSource`` (``worker_count=--workers``, ``ShardOptions``
-  per rank), on files the ``array-record`` package wrote (tf.Examples of a 1 KB
-  payload); both decode each record with ``shardkit.decode_example`` (Grain has
+  per rank), on files the ``array-record`` package wrote with ``group_size:1``
+  (what Grain asks for), tf.Examples of a 1 KB payload; both decode each record with ``shardkit.decode_example`` (Grain has
   no tf.Example decoder of its own without TensorFlow).
+- MDS: ``shardkit.MDSDataset`` vs Mosaic's ``StreamingDataset`` (reading the
+  directory as ``local=``, no remote) on a dataset Mosaic's ``MDSWriter`` wrote
+  (zstd shards; an int, a str, a 1 KB bytes column and an int32 ndarray), each in
+  a torch DataLoader. mosaicml-streaming cannot be installed beside the dev
+  extra (it needs transformers<5): the row runs where it is installed, and
+  says so where it is not.
 
 Throughput is samples (rows) per second of wall time over one epoch, the
 workers started fresh (their start-up is in every case). Cases run
@@ -125,7 +131,7 @@ def _write_array_records(root: str, shards: int, per_shard: int) -> list[str]:
     urls = []
     for s in range(shards):
         url = f"{root}/records-{s:03d}.array_record"
-        writer = ArrayRecordWriter(url, "group_size:1024")
+        writer = ArrayRecordWriter(url, "group_size:1")  # what Grain asks for (random access)
         for n in range(s * per_shard, (s + 1) * per_shard):
             payload = np.frombuffer(np.random.default_rng(n).bytes(1024), np.uint8).tobytes()
             writer.write(
@@ -134,6 +140,20 @@ def _write_array_records(root: str, shards: int, per_shard: int) -> list[str]:
         writer.close()
         urls.append(url)
     return urls
+
+
+def write_mds(root: str, samples: int) -> str:
+    from streaming import MDSWriter
+
+    out = f"{root}/mds"
+    columns = {"id": "int", "text": "str", "payload": "bytes", "tokens": "ndarray:int32"}
+    with MDSWriter(out=out, columns=columns, compression="zstd", size_limit=1 << 22) as writer:
+        for n in range(samples):
+            payload = np.random.default_rng(n).bytes(1024)
+            writer.write(
+                {"id": n, "text": f"sample {n}", "payload": payload, "tokens": np.arange(n % 64 + 1, dtype=np.int32)}
+            )
+    return out
 
 
 # --------------------------------------------------------------------------- the loaders
@@ -205,6 +225,21 @@ def grain_array_record(urls: list[str], workers: int, batch: int) -> Make:
         sampler = gp.IndexSampler(len(source), shard, shuffle=False, num_epochs=1)
         ops = [type("DecodeExample", (_DecodeExample, gp.MapTransform), {})(), gp.Batch(batch, batch_fn=_list)]
         return Ready(gp.DataLoader(data_source=source, sampler=sampler, operations=ops, worker_count=workers))
+
+    return make
+
+
+def shardkit_mds(root: str) -> Make:
+    return lambda rank, world: shardkit.MDSDataset(root, balance="none", rank=rank, world_size=world)
+
+
+def mosaic_mds(root: str, batch: int) -> Make:
+    def make(rank: int | None, world: int | None) -> Any:
+        from streaming import StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        return StreamingDataset(local=root, shuffle=False, batch_size=batch, replication=None)
 
     return make
 
@@ -285,18 +320,28 @@ def compare(title: str, cases: dict[str, Make], total: int, args: argparse.Names
     return lines
 
 
+def compare_mds(root: str, total: int, args: argparse.Namespace) -> list[str]:
+    try:
+        import streaming  # noqa: F401
+    except ImportError:
+        return ["MDS: skipped, mosaicml-streaming is not installed (it cannot be beside the dev extra)"]
+    mds = write_mds(root, total)
+    cases = {"shardkit MDSDataset": shardkit_mds(mds), "mosaic StreamingDataset": mosaic_mds(mds, args.batch)}
+    return compare("MDS, zstd shards, 1 KB samples", cases, total, args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
-    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "array_record"], action="append")
+    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "array_record", "mds"], action="append")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
     scale = 20 if args.quick else 1  # still more than one 1,024-row batch in every Parquet and JSONL shard
-    only = set(args.only or ["tar", "parquet", "jsonl", "array_record"])
+    only = set(args.only or ["tar", "parquet", "jsonl", "array_record", "mds"])
     out: list[str] = []
     with tempfile.TemporaryDirectory() as root:
         if "tar" in only:
@@ -329,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                 "grain DataLoader(ArrayRecordDataSource)": grain_array_record(urls, args.workers, args.batch),
             }
             out += compare("ArrayRecord, tf.Examples of 1 KB", cases, 8 * (10_000 // scale), args)
+        if "mds" in only:
+            out += compare_mds(root, 80_000 // scale, args)
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
     )

@@ -106,7 +106,7 @@ def index_counts(urls: list[str]) -> list[int | None]:
 
 def _indexed_count(url: str, index: str, present: bool) -> int | None:
     """``url``'s record count without reading its records: its index file (checked against the file), or the
-    count the file itself holds (a Parquet or ArrayRecord footer)."""
+    count the file or its dataset holds (a Parquet or ArrayRecord footer, MDS's index.json)."""
     from shardkit.formats.tfrecord.index import load_index
 
     fmt = _named_format(url)
@@ -121,8 +121,8 @@ def _indexed_count(url: str, index: str, present: bool) -> int | None:
     return None if offsets is None else len(offsets)
 
 
-_COUNTS_INSIDE = ("parquet", "array_record")
-"""Formats whose files hold their own record counts (footers): no index file beside them."""
+_COUNTS_INSIDE = ("parquet", "array_record", "mds")
+"""Formats whose files (footers) or datasets (MDS's index.json) hold their record counts: no index file beside them."""
 
 
 def _named_format(url: str) -> Any:

@@ -65,6 +65,9 @@ SIGNATURE: Final = bytes.fromhex(
 )
 """The first bytes of every Riegeli file, ArrayRecord's included: a constant, checksummed start."""
 
+SPAN_RECORDS: Final = 256
+"""Records read by one call into the package (whole chunks): fewer calls where chunks are small (Grain's group_size:1)."""
+
 _READ_OPTIONS: Final = "readahead_buffer_size:0,max_parallelism:0"
 """Each chunk is read when asked for: a range is read chunk by chunk, one process per worker."""
 
@@ -168,13 +171,12 @@ class ArrayRecordFormat(FormatBase):
         decode = self._decoder()
         with _Opened(url, self) as reader:
             stop = reader.count if stop is None else min(stop, reader.count)
-            group = reader.group
             at = start
             while at < stop:
-                upto = min(stop, (at // group + 1) * group)  # to the end of this chunk
-                for position, record in enumerate(reader.chunk(at, upto), at):
+                records = reader.span(at, min(stop, reader.span_end(at)))
+                for position, record in enumerate(records, at):
                     yield record if decode is None else _decoded(decode, url, position, record)
-                at = upto
+                at += len(records)
 
     def _decoder(self) -> Callable[[bytes], Any] | None:
         if callable(self.decode):
@@ -220,14 +222,31 @@ class _Opened:
             return f"its footer cannot be read: {error}"
         return "its footer cannot be read"
 
-    def chunk(self, start: int, stop: int) -> list[bytes]:
-        """Records ``[start, stop)``, all in one chunk: a chunk that does not hash raises for the chunk."""
+    def span_end(self, start: int) -> int:
+        """Where a read from ``start`` ends: the end of a chunk, :data:`SPAN_RECORDS` records or more on."""
+        group = self.group
+        return (start + max(SPAN_RECORDS, group)) // group * group
+
+    def span(self, start: int, stop: int) -> list[bytes]:
+        """Records ``[start, stop)`` in one call; when a chunk in it does not hash, the chunks before it,
+        then the error for that chunk alone (``records``: its records from ``start`` on)."""
         try:
             return self._reader.read(start, stop)
-        except RuntimeError as error:
-            first = start - start % self.group
-            records = min(self.count, first + self.group) - start
-            raise _corrupt(self.url, start, str(error), intact=True, records=records) from None
+        except RuntimeError:
+            pass
+        good: list[bytes] = []
+        at = start
+        while at < stop:  # chunk by chunk, to find the bad one
+            upto = min(stop, (at // self.group + 1) * self.group)
+            try:
+                good += self._reader.read(at, upto)
+            except RuntimeError as error:
+                if good:
+                    return good  # the caller asks again from the bad chunk
+                records = min(self.count, (at // self.group + 1) * self.group) - at
+                raise _corrupt(self.url, at, str(error), intact=True, records=records) from None
+            at = upto
+        return good
 
     def close(self) -> None:
         try:

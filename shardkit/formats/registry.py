@@ -14,6 +14,7 @@ from typing import Any
 from shardkit.formats.array_record import ArrayRecordFormat
 from shardkit.formats.base import HEAD_BYTES, FormatError, ShardFormat, check_interface
 from shardkit.formats.jsonl import JsonlFormat
+from shardkit.formats.mds import MDSFormat
 from shardkit.formats.megatron import MegatronFormat
 from shardkit.formats.parquet import ParquetFormat
 from shardkit.formats.tar import TarFormat
@@ -62,9 +63,9 @@ def format_for(url: str, head: bytes | None = None, *, storage_options: dict[str
 
 
 def _builtins() -> None:
-    if {"tar", "parquet", "jsonl", "tfrecord", "megatron", "array_record"} <= _REGISTRY.keys():
+    if {"tar", "parquet", "jsonl", "tfrecord", "megatron", "array_record", "mds"} <= _REGISTRY.keys():
         return
     # Sniffed in this order: checksummed magic first, JSON's weak "starts with { or [" last. Megatron's
     # .idx magic is nine exact bytes; its .bin has none and is known by its suffix alone.
-    for fmt in (TFRecordFormat(), ParquetFormat(), MegatronFormat(), ArrayRecordFormat(), TarFormat(), JsonlFormat()):
+    for fmt in (TFRecordFormat(), ParquetFormat(), MegatronFormat(), ArrayRecordFormat(), TarFormat(), JsonlFormat(), MDSFormat()):
         _REGISTRY.setdefault(fmt.name, fmt)

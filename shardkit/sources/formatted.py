@@ -548,3 +548,55 @@ class ArrayRecordDataset(FormatDataset):
         )  # fmt: skip
         fmt = ArrayRecordFormat(decode=decode, storage_options=options.storage_options, remote=options.remote)
         self._build(paths, fmt, options)
+
+
+class MDSDataset(FormatDataset):
+    """An IterableDataset over a Mosaic Streaming (MDS) dataset, read in place, split over ranks and workers.
+
+    A sample is the dict Mosaic's ``StreamingDataset`` returns (images as their encoded bytes); see
+    :mod:`shardkit.formats.mds` for the encodings, the compressed shards and what is checked. Counts
+    come from ``index.json`` and are held to each shard (its size, its own header) when it is read.
+    A ``pkl`` column is refused when the dataset is built: nothing shardkit loads runs code.
+
+    Args:
+        path: the dataset's directory (local or remote, holding ``index.json``), or a list of them
+            (read one after another, as Mosaic's ``Stream`` list), or a :class:`ShardList` of shard urls.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards are read,
+            as for :class:`TFRecordDataset`.
+
+    The other arguments are those of :class:`ShardedDataset`.
+    """
+
+    def __init__(
+        self,
+        path: ShardList | str | Sequence[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        from shardkit.formats.mds import MDSFormat, dataset_shards
+
+        options = SourceOptions.of(
+            shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size, on_error=on_error,
+            storage_options=storage_options, readahead_bytes=readahead_bytes, retry=retry, cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )  # fmt: skip
+        fmt = MDSFormat(storage_options=options.storage_options, remote=options.remote)
+        if not isinstance(path, ShardList):
+            urls: list[str] = []
+            counts: list[int] = []
+            for root in [path] if isinstance(path, str) else list(path):
+                found = dataset_shards(str(root), options.storage_options, options.remote)
+                urls += found[0]
+                counts += found[1]
+            path = ShardList(urls, num_records=counts)
+        self._build(path, fmt, options)

@@ -100,7 +100,7 @@ def test_counts_come_from_the_footer_without_reading_a_record(tmp_path, monkeypa
     def no_reading(*args, **kwargs):
         raise AssertionError("a record was read to count")
 
-    monkeypatch.setattr("shardkit.formats.array_record._Opened.chunk", no_reading)
+    monkeypatch.setattr("shardkit.formats.array_record._Opened.span", no_reading)
     assert len(shardkit.ArrayRecordDataset(urls)) == sum(SIZES)
     assert len(shardkit.ArrayRecordDataset(urls, rank=1, world_size=2, balance="drop")) == sum(SIZES) // 2
 
