@@ -297,6 +297,10 @@ def dup_missing(make: Make, workers: int, batch: int, total: int) -> tuple[int, 
     return dup, total - len(seen)
 
 
+ONE_RANK_ONLY = {"mosaic StreamingDataset"}
+"""Loaders whose ranks need a real process group (Mosaic's barriers): their 2-rank split is not simulated here."""
+
+
 def compare(title: str, cases: dict[str, Make], total: int, args: argparse.Namespace) -> list[str]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     firsts: dict[str, list[float]] = {name: [] for name in cases}
@@ -312,10 +316,14 @@ def compare(title: str, cases: dict[str, Make], total: int, args: argparse.Names
     lines = [f"{title} ({total} samples, {args.workers} workers, median of {args.rounds} interleaved rounds)"]
     for name in names:
         median = statistics.median(times[name])
-        dup, missing = dup_missing(cases[name], args.workers, args.batch, total)
+        if name in ONE_RANK_ONLY:
+            split = "2 ranks: not run (its ranks need a process group)"
+        else:
+            dup, missing = dup_missing(cases[name], args.workers, args.batch, total)
+            split = f"2 ranks x {args.workers} workers: {dup} duplicates, {missing} missing"
         lines.append(
             f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch {statistics.median(firsts[name]):6.3f}s"
-            f"  2 ranks x {args.workers} workers: {dup} duplicates, {missing} missing"
+            f"  {split}"
         )
     return lines
 

@@ -25,13 +25,15 @@ Trust nothing; what the reader's checks turn into:
 - a record that does not decode under ``decode``: a
   :class:`~shardkit.formats.base.BadRecord` for that record alone.
 
-The package's writer leaves its C++ thread pool in a state a forked child
-cannot use: a DataLoader worker forked from a process that wrote ArrayRecord
-files (through :class:`ArrayRecordWriter`: ``ShardWriter``, ``convert``) and
-then reads one dies of a segmentation fault inside the package. Such a child
-is refused instead, with an error naming the fix (spawned workers, or writing
-in another process); a process that wrote with the package directly is not
-seen and keeps the package's behaviour.
+The package is not fork-safe: once a process has used it (reader or writer),
+its C++ thread pool exists there, and a DataLoader worker forked from that
+process can die of a segmentation fault inside the package when it reads
+(seen with ``num_workers=2``, now and then, more often on a loaded machine).
+So a forked child of a process in which shardkit used the package refuses to
+read, with an error naming the fix: DataLoader workers started with
+``multiprocessing_context="spawn"`` or ``"forkserver"``, whose processes start
+clean. (A parent that used the package directly, not through shardkit, is not
+seen.)
 
 The package reads local files only. A remote shard is read from the local
 cache (``cache_dir=``): the whole object is fetched once, bound to its
@@ -75,25 +77,25 @@ _GROUP: Final = re.compile(r"(?:^|,)group_size:(\d+)")
 _AT_BYTE: Final = re.compile(r"(?:chunk|block) at (\d+)|at byte (\d+)")
 
 
-_WRITER_PID: int | None = None
-"""The process that used the package's writer (its thread pool does not survive a fork); None: none yet."""
+_USED_BY: int | None = None
+"""The process in which shardkit first used the package (its thread pool does not survive a fork); None: none."""
 
 
-def _check_not_forked_from_a_writer(url: str) -> None:
-    if _WRITER_PID is not None and _WRITER_PID != os.getpid():
+def _module(url: str) -> Any:
+    """The package's module, for use in this process; refused in a child forked from a process that used it."""
+    global _USED_BY
+    if _USED_BY is not None and _USED_BY != os.getpid():
         raise ShardkitError(
-            f"{url}: this process was forked from one that wrote ArrayRecord files, and the array-record package's "
-            "thread pool does not survive a fork (its reader would crash this process): start DataLoader workers "
-            "with multiprocessing_context='spawn' or 'forkserver', or write the files in another process"
+            f"{url}: this process was forked from one that used the array-record package, whose thread pool does "
+            "not survive a fork (reading here can die of a segmentation fault inside the package): start the "
+            "DataLoader's workers with multiprocessing_context='spawn' or 'forkserver'"
         )
-
-
-def _module() -> Any:
+    _USED_BY = os.getpid()
     try:
         from array_record.python import array_record_module
     except ImportError:
         raise ShardkitError(
-            "reading or writing ArrayRecord files needs the 'array-record' package: pip install array-record"
+            f"{url}: reading or writing ArrayRecord files needs the 'array-record' package: pip install array-record"
         ) from None
     return array_record_module
 
@@ -194,8 +196,8 @@ class _Opened:
     """The package's reader over ``url`` (a local path, or the cached copy of a remote object), checked."""
 
     def __init__(self, url: str, fmt: ArrayRecordFormat) -> None:
-        _check_not_forked_from_a_writer(url)
         self.url = url
+        module = _module(url)
         self._file = open_raw(url, "rb", fmt.storage_options, remote=fmt.remote)
         if not isinstance(self._file, LocalFileOpener):
             self._file.close()
@@ -204,7 +206,7 @@ class _Opened:
                 "give cache_dir= to read a remote one from the local cache"
             )
         try:
-            self._reader = _module().ArrayRecordReader(_local_path(self._file), _READ_OPTIONS)
+            self._reader = module.ArrayRecordReader(_local_path(self._file), _READ_OPTIONS)
         except Exception as error:  # the package raises on a file too short to hold a postscript
             self._file.close()
             raise _corrupt(url, 0, str(error), intact=False) from None
@@ -307,9 +309,7 @@ class ArrayRecordWriter:
         self.num_records = 0
         self.num_bytes = 0
         make_parent_dirs(url)
-        global _WRITER_PID
-        _WRITER_PID = os.getpid()
-        self._writer: Any = _module().ArrayRecordWriter(path, options)
+        self._writer: Any = _module(url).ArrayRecordWriter(path, options)
 
     def write(self, record: Any) -> None:
         """Append one record: bytes as they are, a dict as a tf.Example."""
