@@ -92,7 +92,7 @@ def _module(url: str) -> Any:
         )
     _USED_BY = os.getpid()
     try:
-        from array_record.python import array_record_module
+        from array_record.python import array_record_module  # pyright: ignore[reportAttributeAccessIssue]  (a compiled module)
     except ImportError:
         raise ShardkitError(
             f"{url}: reading or writing ArrayRecord files needs the 'array-record' package: pip install array-record"

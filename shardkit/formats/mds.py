@@ -229,7 +229,7 @@ class MDSFormat(FormatBase):
         self.storage_options = storage_options
         self.remote = remote
         self._indexes: dict[str, dict[str, MDSShard]] = {}
-        self._inflated: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._inflated: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:

@@ -67,5 +67,13 @@ def _builtins() -> None:
         return
     # Sniffed in this order: checksummed magic first, JSON's weak "starts with { or [" last. Megatron's
     # .idx magic is nine exact bytes; its .bin has none and is known by its suffix alone.
-    for fmt in (TFRecordFormat(), ParquetFormat(), MegatronFormat(), ArrayRecordFormat(), TarFormat(), JsonlFormat(), MDSFormat()):
+    for fmt in (
+        TFRecordFormat(),
+        ParquetFormat(),
+        MegatronFormat(),
+        ArrayRecordFormat(),
+        TarFormat(),
+        JsonlFormat(),
+        MDSFormat(),
+    ):
         _REGISTRY.setdefault(fmt.name, fmt)

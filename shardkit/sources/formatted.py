@@ -502,10 +502,8 @@ class TokenDataset(FormatDataset):
 class ArrayRecordDataset(FormatDataset):
     """An IterableDataset over ArrayRecord shards (Grain's format), read in place, split over ranks and workers.
 
-    Counts come from each file's footer (no scan), a range reads only the chunks it
-    overlaps, and records are what the ``array-record`` package's own reader returns.
-    See :mod:`shardkit.formats.array_record` for what is checked and how faults are
-    reported (a chunk that does not hash costs that chunk under ``on_error="skip"``).
+    Counts come from each file's footer (no scan), a range reads only the chunks it overlaps, and
+    records are what the ``array-record`` package's reader returns; see :mod:`shardkit.formats.array_record`.
 
     Args:
         paths: a :class:`ShardList`, a glob / fsspec pattern, or a list of urls
@@ -553,10 +551,9 @@ class ArrayRecordDataset(FormatDataset):
 class MDSDataset(FormatDataset):
     """An IterableDataset over a Mosaic Streaming (MDS) dataset, read in place, split over ranks and workers.
 
-    A sample is the dict Mosaic's ``StreamingDataset`` returns (images as their encoded bytes); see
-    :mod:`shardkit.formats.mds` for the encodings, the compressed shards and what is checked. Counts
-    come from ``index.json`` and are held to each shard (its size, its own header) when it is read.
-    A ``pkl`` column is refused when the dataset is built: nothing shardkit loads runs code.
+    A sample is the dict Mosaic's ``StreamingDataset`` returns (images as their encoded bytes); counts come
+    from ``index.json``, held to each shard when it is read; a ``pkl`` column is refused (nothing shardkit
+    loads runs code). See :mod:`shardkit.formats.mds`.
 
     Args:
         path: the dataset's directory (local or remote, holding ``index.json``), or a list of them
