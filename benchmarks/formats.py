@@ -27,6 +27,17 @@ list collate so no loader pays for tensors):
   row. Lance's loader reads with its own threads and does not split over
   DataLoader workers (each would read every row), so it runs with 0 workers;
   shardkit with 0 and with ``--workers``.
+- ArrayRecord: ``shardkit.ArrayRecordDataset`` vs Grain's own ``grain.DataLoader``
+  over its ``ArrayRecordDataSource`` (``worker_count=--workers``, ``ShardOptions``
+  per rank), on files the ``array-record`` package wrote with ``group_size:1``
+  (what Grain asks for), tf.Examples of a 1 KB payload; both decode each record with ``shardkit.decode_example`` (Grain has
+  no tf.Example decoder of its own without TensorFlow).
+- MDS: ``shardkit.MDSDataset`` vs Mosaic's ``StreamingDataset`` (reading the
+  directory as ``local=``, no remote) on a dataset Mosaic's ``MDSWriter`` wrote
+  (zstd shards; an int, a str, a 1 KB bytes column and an int32 ndarray), each in
+  a torch DataLoader. mosaicml-streaming cannot be installed beside the dev
+  extra (it needs transformers<5): the row runs where it is installed, and
+  says so where it is not.
 
 Throughput is samples (rows) per second of wall time over one epoch, the
 workers started fresh (their start-up is in every case). Cases run
@@ -120,6 +131,45 @@ def write_jsonl(root: str, shards: int, per_shard: int) -> list[str]:
     return urls
 
 
+def write_array_records(root: str, shards: int, per_shard: int) -> list[str]:
+    """Written in a spawned process: the package's writer leaves a thread pool that forked workers cannot use."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_write_array_records, (root, shards, per_shard))
+
+
+def _write_array_records(root: str, shards: int, per_shard: int) -> list[str]:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    urls = []
+    for s in range(shards):
+        url = f"{root}/records-{s:03d}.array_record"
+        writer = ArrayRecordWriter(url, "group_size:1")  # what Grain asks for (random access)
+        for n in range(s * per_shard, (s + 1) * per_shard):
+            payload = np.frombuffer(np.random.default_rng(n).bytes(1024), np.uint8).tobytes()
+            writer.write(
+                shardkit.encode_example({"id": np.array([n]), "label": np.array([n % 1000]), "payload": [payload]})
+            )
+        writer.close()
+        urls.append(url)
+    return urls
+
+
+def write_mds(root: str, samples: int) -> str:
+    from streaming import MDSWriter
+
+    out = f"{root}/mds"
+    columns = {"id": "int", "text": "str", "payload": "bytes", "tokens": "ndarray:int32"}
+    with MDSWriter(out=out, columns=columns, compression="zstd", size_limit=1 << 22) as writer:
+        for n in range(samples):
+            payload = np.random.default_rng(n).bytes(1024)
+            writer.write(
+                {"id": n, "text": f"sample {n}", "payload": payload, "tokens": np.arange(n % 64 + 1, dtype=np.int32)}
+            )
+    return out
+
+
 # --------------------------------------------------------------------------- the loaders
 
 
@@ -209,10 +259,59 @@ def shardkit_jsonl(urls: list[str]) -> Make:
     return lambda rank, world: shardkit.JsonlDataset(urls, balance="none", rank=rank, world_size=world)
 
 
+def shardkit_array_record(urls: list[str]) -> Make:
+    return lambda rank, world: shardkit.ArrayRecordDataset(urls, balance="none", rank=rank, world_size=world)
+
+
+class Ready:
+    """A loader that is its own DataLoader (Grain's): ``loader_for`` passes it on as it is."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Any:
+        return iter(self.loader)
+
+
+class _DecodeExample:  # a grain.transforms.Map: a class at module level, picklable into Grain's workers
+    def map(self, record: bytes) -> Any:
+        return shardkit.decode_example(record)
+
+
+def grain_array_record(urls: list[str], workers: int, batch: int) -> Make:
+    def make(rank: int | None, world: int | None) -> Any:
+        import grain.python as gp
+
+        source = gp.ArrayRecordDataSource(urls)
+        shard = gp.ShardOptions(shard_index=rank or 0, shard_count=world or 1, drop_remainder=False)
+        sampler = gp.IndexSampler(len(source), shard, shuffle=False, num_epochs=1)
+        ops = [type("DecodeExample", (_DecodeExample, gp.MapTransform), {})(), gp.Batch(batch, batch_fn=_list)]
+        return Ready(gp.DataLoader(data_source=source, sampler=sampler, operations=ops, worker_count=workers))
+
+    return make
+
+
+def shardkit_mds(root: str) -> Make:
+    return lambda rank, world: shardkit.MDSDataset(root, balance="none", rank=rank, world_size=world)
+
+
+def mosaic_mds(root: str, batch: int) -> Make:
+    def make(rank: int | None, world: int | None) -> Any:
+        from streaming import StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        return StreamingDataset(local=root, shuffle=False, batch_size=batch, replication=None)
+
+    return make
+
+
 # --------------------------------------------------------------------------- measuring
 
 
-def loader_for(dataset: Any, workers: int, batch: int) -> DataLoader:
+def loader_for(dataset: Any, workers: int, batch: int) -> Any:
+    if isinstance(dataset, Ready):
+        return dataset
     if getattr(dataset, "column_batches", False) or type(dataset).__module__ == "lance.torch.data":
         # Column batches are batches already: the loader passes them on as they come.
         return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list)
@@ -269,6 +368,10 @@ def _importable(name: str) -> bool:
     return True
 
 
+ONE_RANK_ONLY = {"mosaic StreamingDataset"}
+"""Loaders whose ranks need a real process group (Mosaic's barriers): their 2-rank split is not simulated here."""
+
+
 def compare(
     title: str,
     cases: dict[str, Make],
@@ -293,11 +396,23 @@ def compare(
     for name in names:
         median = statistics.median(times[name])
         line = f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch {statistics.median(firsts[name]):6.3f}s"
-        if split:
+        if name in ONE_RANK_ONLY:
+            line += "  2 ranks: not run (its ranks need a process group)"
+        elif split:
             dup, missing = dup_missing(cases[name], args.workers, args.batch, total)
             line += f"  2 ranks x {args.workers} workers: {dup} duplicates, {missing} missing"
         lines.append(line)
     return lines
+
+
+def compare_mds(root: str, total: int, args: argparse.Namespace) -> list[str]:
+    try:
+        import streaming  # noqa: F401
+    except ImportError:
+        return ["MDS: skipped, mosaicml-streaming is not installed (it cannot be beside the dev extra)"]
+    mds = write_mds(root, total)
+    cases = {"shardkit MDSDataset": shardkit_mds(mds), "mosaic StreamingDataset": mosaic_mds(mds, args.batch)}
+    return compare("MDS, zstd shards, 1 KB samples", cases, total, args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,12 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
-    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "litdata", "lance"], action="append")
+    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "litdata", "lance", "array_record", "mds"], action="append")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
     scale = 20 if args.quick else 1  # still more than one 1,024-row batch in every Parquet and JSONL shard
-    only = set(args.only or ["tar", "parquet", "jsonl", "litdata", "lance"])
+    only = set(args.only or ["tar", "parquet", "jsonl", "litdata", "lance", "array_record", "mds"])
     out: list[str] = []
     with tempfile.TemporaryDirectory() as root:
         if "tar" in only:
@@ -353,6 +468,15 @@ def main(argv: list[str] | None = None) -> int:
             }
             zero = {"shardkit LanceDataset(batch_size=1024), 0 workers": 0, "lance.torch LanceDataset, 0 workers": 0}
             out += compare("Lance", cases, 8 * (250_000 // scale), args, split=False, workers=zero)
+        if "array_record" in only:
+            urls = write_array_records(root, 8, 10_000 // scale)
+            cases = {
+                "shardkit ArrayRecordDataset": shardkit_array_record(urls),
+                "grain DataLoader(ArrayRecordDataSource)": grain_array_record(urls, args.workers, args.batch),
+            }
+            out += compare("ArrayRecord, tf.Examples of 1 KB", cases, 8 * (10_000 // scale), args)
+        if "mds" in only:
+            out += compare_mds(root, 80_000 // scale, args)
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; ratios are over the last loader of each block"
     )

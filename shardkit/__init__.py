@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "TokenDataset": "shardkit.sources",
     "LitDataDataset": "shardkit.sources.litdata",
     "LanceDataset": "shardkit.sources.lance",
+    "ArrayRecordDataset": "shardkit.sources",
+    "MDSDataset": "shardkit.sources",
     "TokenWriter": "shardkit.writer",
     "FormatDataset": "shardkit.sources",
     "wrap": "shardkit.sources",
@@ -95,8 +97,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.seeding import worker_seed
     from shardkit.shardlist import DuplicateShardWarning, ShardList
     from shardkit.sources import (
+        ArrayRecordDataset,
         FormatDataset,
         JsonlDataset,
+        MDSDataset,
         ParquetDataset,
         ShardedDataset,
         TarDataset,

@@ -63,6 +63,11 @@ def _source_format(url: str) -> Any:
     return format_of(url, option=False) or formats()["tfrecord"]
 
 
+RECORD_FORMATS = ("tfrecord", "array_record")
+"""Formats whose records are opaque bytes, usually serialized tf.Examples: each converts to the other as is."""
+_NAMES = {"tfrecord": "TFRecord", "array_record": "ArrayRecord"}
+
+
 class ConvertError(ShardkitError):
     """A record has no faithful form in the target format."""
 
@@ -78,28 +83,26 @@ def _record_converter(decode: str | None, readers: list[tuple[str, Any]], target
 
     from shardkit.formats import example_rows as rows
 
-    first = next((url for url, fmt in readers if fmt.name == "tfrecord"), None)
+    first = next(((url, fmt) for url, fmt in readers if fmt.name in RECORD_FORMATS), None)
     peek: list[Any] = []
-    if target == "tfrecord":
+    if target in RECORD_FORMATS:
         examples = decode != "raw"
     elif first is None or decode == "raw":
         examples = False
     else:
-        from shardkit.formats.tfrecord import read_tfrecord
-
-        peek = list(itertools.islice(read_tfrecord(first), _PEEK))
+        peek = list(itertools.islice(first[1].read(first[0]), _PEEK))
         examples = decode == "example" or rows.looks_like_examples(peek[:10])
         if examples and not rows.looks_like_examples(peek):
-            raise ConvertError(f"{first}: the first records are not all tf.Examples; use --decode raw")
+            raise ConvertError(f"{first[0]}: the first records are not all tf.Examples; use --decode raw")
     scalars = rows.scalar_features(peek) if examples and target in ("parquet", "jsonl") else frozenset()
 
     def convert(record: Any, n: int, url: str, source: str) -> Any:
-        if not examples or (source == "tfrecord") == (target == "tfrecord"):
+        if not examples or (source in RECORD_FORMATS) == (target in RECORD_FORMATS):
             return _converted(record, n, url, target)
         try:
             if target == "tar":
                 return rows.sample_from_example(record, f"{n:09d}")
-            if target != "tfrecord":
+            if target not in RECORD_FORMATS:
                 return rows.row_from_example(record, scalars, json_lines=target == "jsonl")
             if source == "tar":
                 return rows.example_from_sample(record)
@@ -117,11 +120,12 @@ def _converted(record: Any, n: int, url: str, target: str) -> Any:
     that are neither bytes nor text go into a tar as JSON; a TFRecord record
     becomes ``{"record": bytes}`` in Parquet; JSON lines take text only.
     """
-    if target == "tfrecord":
+    if target in RECORD_FORMATS:
         if isinstance(record, (bytes, bytearray)):
             return record
         raise ConvertError(
-            f"{url}: record {n} is a {type(record).__name__}; TFRecord shards are written from TFRecord (bytes) only"
+            f"{url}: record {n} is a {type(record).__name__}; {_NAMES[target]} shards are written from TFRecord "
+            "or ArrayRecord (bytes) only"
         )
     if not isinstance(record, dict):
         record = {"record": record} if isinstance(record, (bytes, bytearray)) else {"value": record}

@@ -142,13 +142,13 @@ def index_counts(urls: list[str]) -> list[int | None]:
 
 
 def _indexed_count(url: str, index: str, present: bool) -> int | None:
-    """``url``'s record count without reading its records: its index file (checked against the file), or a
-    Parquet footer."""
+    """``url``'s record count without reading its records: its index file (checked against the file), or the
+    count the file or its dataset holds (a Parquet or ArrayRecord footer, MDS's index.json)."""
     from shardkit.formats.tfrecord.index import load_index
 
     fmt = _named_format(url)
-    if fmt is not None and fmt.name == "parquet":
-        return fmt.count(url)
+    if fmt is not None and fmt.name in _COUNTS_INSIDE:
+        return fmt.stored_count(url)
     if not present:
         return None
     if fmt is not None and hasattr(fmt, "index_offsets"):
@@ -156,6 +156,10 @@ def _indexed_count(url: str, index: str, present: bool) -> int | None:
         return None if offsets is None else len(offsets)
     offsets = load_index(url, index)
     return None if offsets is None else len(offsets)
+
+
+_COUNTS_INSIDE = ("parquet", "array_record", "mds")
+"""Formats whose files (footers) or datasets (MDS's index.json) hold their record counts: no index file beside them."""
 
 
 def _named_format(url: str) -> Any:

@@ -257,7 +257,7 @@ def _add_convert(sub: Any) -> None:
     convert_cmd.add_argument(
         "pattern", metavar="DST_PATTERN", help="output shards, with an integer field: 'out/train-%%05d.tar'"
     )
-    convert_cmd.add_argument("--format", required=True, choices=("tfrecord", "tar", "parquet", "jsonl"))
+    convert_cmd.add_argument("--format", required=True, choices=("tfrecord", "tar", "parquet", "jsonl", "array_record"))
     convert_cmd.add_argument(
         "--decode",
         choices=("example", "raw"),

@@ -1,7 +1,7 @@
 """The registry of shard formats: find the format of a file by its name or its first bytes.
 
 It sits above every format, built-in or not: a format knows nothing of the
-registry, and the registry knows the five built-in formats only to register
+registry, and the registry knows the built-in formats only to register
 them. They are registered on the first lookup, not at import, so that a format
 registered before it under a built-in name keeps its place and that name, and
 the sniffing order stays: formats registered first are asked first.
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardkit.formats.array_record import ArrayRecordFormat
 from shardkit.formats.base import HEAD_BYTES, FormatError, ShardFormat, check_interface
 from shardkit.formats.jsonl import JsonlFormat
+from shardkit.formats.mds import MDSFormat
 from shardkit.formats.megatron import MegatronFormat
 from shardkit.formats.parquet import ParquetFormat
 from shardkit.formats.tar import TarFormat
@@ -61,9 +63,17 @@ def format_for(url: str, head: bytes | None = None, *, storage_options: dict[str
 
 
 def _builtins() -> None:
-    if {"tar", "parquet", "jsonl", "tfrecord", "megatron"} <= _REGISTRY.keys():
+    if {"tar", "parquet", "jsonl", "tfrecord", "megatron", "array_record", "mds"} <= _REGISTRY.keys():
         return
     # Sniffed in this order: checksummed magic first, JSON's weak "starts with { or [" last. Megatron's
     # .idx magic is nine exact bytes; its .bin has none and is known by its suffix alone.
-    for fmt in (TFRecordFormat(), ParquetFormat(), MegatronFormat(), TarFormat(), JsonlFormat()):
+    for fmt in (
+        TFRecordFormat(),
+        ParquetFormat(),
+        MegatronFormat(),
+        ArrayRecordFormat(),
+        TarFormat(),
+        JsonlFormat(),
+        MDSFormat(),
+    ):
         _REGISTRY.setdefault(fmt.name, fmt)

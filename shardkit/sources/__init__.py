@@ -25,8 +25,10 @@ Importing this package registers the ``"planned"`` and ``"stream"`` stage kinds
 
 from shardkit.sources.errors import MADE_UP_MISSING, BalanceError, DatasetError
 from shardkit.sources.formatted import (
+    ArrayRecordDataset,
     FormatDataset,
     JsonlDataset,
+    MDSDataset,
     ParquetDataset,
     TarDataset,
     TFRecordDataset,
@@ -36,11 +38,13 @@ from shardkit.sources.sharded import ShardedDataset
 from shardkit.sources.wrap import MapSource, StreamSource, wrap
 
 __all__ = [
+    "ArrayRecordDataset",
     "MADE_UP_MISSING",
     "BalanceError",
     "DatasetError",
     "FormatDataset",
     "JsonlDataset",
+    "MDSDataset",
     "MapSource",
     "ParquetDataset",
     "ShardedDataset",

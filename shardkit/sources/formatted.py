@@ -497,3 +497,103 @@ class TokenDataset(FormatDataset):
         elif not isinstance(paths, ShardList):
             paths = [bin_url(str(p)) for p in paths]
         self._build(paths, fmt, options)
+
+
+class ArrayRecordDataset(FormatDataset):
+    """An IterableDataset over ArrayRecord shards (Grain's format), read in place, split over ranks and workers.
+
+    Counts come from each file's footer (no scan), a range reads only the chunks it overlaps, and
+    records are what the ``array-record`` package's reader returns; see :mod:`shardkit.formats.array_record`.
+
+    Args:
+        paths: a :class:`ShardList`, a glob / fsspec pattern, or a list of urls
+            (Grain's ``name.array_record-00000-of-00004`` names too).
+        decode: ``"example"`` (:func:`~shardkit.decode_example`, the default: records
+            are usually serialized tf.Examples, decoded as :class:`TFRecordDataset`
+            decodes them), ``"raw"`` (the record bytes) or a callable on the bytes.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards are read,
+            as for :class:`TFRecordDataset`; a remote shard needs ``cache_dir`` (the package
+            reads local files: the shard is fetched whole into the cache and read there).
+
+    The other arguments are those of :class:`ShardedDataset`.
+    """
+
+    def __init__(
+        self,
+        paths: ShardList | str | Sequence[str],
+        *,
+        decode: str | Callable[[bytes], Any] = "example",
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        from shardkit.formats.array_record import DECODERS, ArrayRecordFormat
+
+        if not callable(decode) and decode not in DECODERS:
+            raise DatasetError(f"decode must be one of {DECODERS} or a callable on the record bytes, got {decode!r}")
+        options = SourceOptions.of(
+            shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size, on_error=on_error,
+            storage_options=storage_options, readahead_bytes=readahead_bytes, retry=retry, cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )  # fmt: skip
+        fmt = ArrayRecordFormat(decode=decode, storage_options=options.storage_options, remote=options.remote)
+        self._build(paths, fmt, options)
+
+
+class MDSDataset(FormatDataset):
+    """An IterableDataset over a Mosaic Streaming (MDS) dataset, read in place, split over ranks and workers.
+
+    A sample is the dict Mosaic's ``StreamingDataset`` returns (images as their encoded bytes); counts come
+    from ``index.json``, held to each shard when it is read; a ``pkl`` column is refused (nothing shardkit
+    loads runs code). See :mod:`shardkit.formats.mds`.
+
+    Args:
+        path: the dataset's directory (local or remote, holding ``index.json``), or a list of them
+            (read one after another, as Mosaic's ``Stream`` list), or a :class:`ShardList` of shard urls.
+        readahead_bytes, retry, cache_dir, cache_limit_bytes: how remote shards are read,
+            as for :class:`TFRecordDataset`.
+
+    The other arguments are those of :class:`ShardedDataset`.
+    """
+
+    def __init__(
+        self,
+        path: ShardList | str | Sequence[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Balance = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: OnError = "raise",
+        storage_options: dict[str, Any] | None = None,
+        readahead_bytes: int | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | None = None,
+        cache_limit_bytes: int | None = None,
+    ) -> None:
+        from shardkit.formats.mds import MDSFormat, dataset_shards
+
+        options = SourceOptions.of(
+            shuffle=shuffle, seed=seed, balance=balance, rank=rank, world_size=world_size, on_error=on_error,
+            storage_options=storage_options, readahead_bytes=readahead_bytes, retry=retry, cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+        )  # fmt: skip
+        fmt = MDSFormat(storage_options=options.storage_options, remote=options.remote)
+        if not isinstance(path, ShardList):
+            urls: list[str] = []
+            counts: list[int] = []
+            for root in [path] if isinstance(path, str) else list(path):
+                found = dataset_shards(str(root), options.storage_options, options.remote)
+                urls += found[0]
+                counts += found[1]
+            path = ShardList(urls, num_records=counts)
+        self._build(path, fmt, options)
