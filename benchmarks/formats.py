@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
-    parser.add_argument("--only", choices=["tar", "parquet", "jsonl", "litdata", "lance", "array_record", "mds"], action="append")
+    parser.add_argument(
+        "--only", choices=["tar", "parquet", "jsonl", "litdata", "lance", "array_record", "mds"], action="append"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
