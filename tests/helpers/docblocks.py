@@ -5,7 +5,7 @@ A block is a fenced code block. Its language decides what the doc test does with
 - ``python``: a script, run as ``python block.py`` would run it (``__name__ == "__main__"``) in a
   folder holding the data the pages name (:func:`write_doc_data`);
 - ``bash`` / ``console``: its ``shardkit ...`` commands are run (a ``console`` block's after its
-  ``$`` prompt; the lines after a command are its output, compared by ``tests/cli``, not here).
+  ``$`` prompt; the lines after a command are its output, which this test does not compare).
   A shell block with no ``shardkit`` command (``pip install``, ``bash scripts/test.sh``,
   ``torchrun``) sets up or launches and is not run;
 - anything else (``text``, no language) is output or a diagram, not code.
