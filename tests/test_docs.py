@@ -7,8 +7,10 @@ failure, so a rename that breaks the docs breaks this test.
 
 from __future__ import annotations
 
+import concurrent.futures
 import doctest
 import importlib
+import json
 import os
 import re
 import shutil
@@ -20,6 +22,9 @@ import pytest
 import yaml
 
 import shardkit
+from tests.helpers import docblocks
+from tests.helpers.load import hang_bound
+from tests.helpers.processes import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -54,7 +59,7 @@ def mkdocs_build(site_dir: Path) -> subprocess.CompletedProcess[str]:
         "no_proxy": "",
     }
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_bound(300))
 
 
 # The test runner's own caches in the checkout: a test running beside this one under xdist (the first
@@ -96,7 +101,7 @@ def test_a_broken_link_fails_the_build(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=hang_bound(300),
     )
     assert done.returncode != 0
     assert "no-such-page.md" in done.stdout + done.stderr
@@ -154,25 +159,114 @@ def test_the_rest_of_docstrings_becomes_markdown_for_the_site():
     )
 
 
-def guide_scripts() -> list[tuple[str, str]]:
-    """``(page:title, code)`` of every code block in the guides titled like a script."""
-    fence = re.compile(r'^```python title="([\w.-]+\.py)"\n(.*?)^```$', flags=re.MULTILINE | re.DOTALL)
-    return [
-        (f"{page.name}:{title}", code)
-        for page in sorted(DOCS.glob("*.md"))
-        for title, code in fence.findall(page.read_text())
+# --------------------------------------------------------------------------- code blocks of the pages
+
+DATA_STATEMENT = "shardkit demo --workdir data"  # each page whose examples read data/ says how it is made
+
+
+def _runnable_blocks() -> list[docblocks.Block]:
+    return [block for block in docblocks.blocks() if block.runnable]
+
+
+def test_every_fragment_is_marked_next_to_the_complete_script_it_belongs_to():
+    """A block marked ``# fragment of X above`` (or ``below``) has a complete, runnable block there."""
+    runnable = _runnable_blocks()
+    wrong = []
+    for i, block in enumerate(runnable):
+        if not block.fragment:
+            continue
+        first = block.code.strip().splitlines()[0].lower()
+        step = -1 if first.rstrip().endswith("above") or " above" in first else 1
+        j = i + step
+        while 0 <= j < len(runnable) and runnable[j].page == block.page and runnable[j].fragment:
+            j += step
+        if not (0 <= j < len(runnable) and runnable[j].page == block.page):
+            wrong.append(f"{block.name}: no complete block {'above' if step < 0 else 'below'} it on its page")
+    assert wrong == []
+
+
+def test_every_page_whose_examples_read_data_says_how_the_data_is_made():
+    # docs/cli.md states its own dataset, from which its outputs were printed; its commands run on this one.
+    pages = {block.page for block in _runnable_blocks() if '"data/' in block.code or " data/" in block.code}
+    pages.discard("docs/cli.md")
+    silent = sorted(page for page in pages if DATA_STATEMENT not in (ROOT / page).read_text())
+    assert silent == [], f"say on these pages that the examples read what `{DATA_STATEMENT}` writes"
+
+
+def test_the_block_collector_finds_code_languages_fragments_and_commands(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport shardkit\n```\n\n"
+        "- a list item\n\n  ```bash\n  shardkit index 'data/*.tfrecord'  # the indexes\n  pip install x\n  ```\n\n"
+        "```console\n$ shardkit verify data/a.tfrecord\nok data/a.tfrecord: 3 records\n```\n\n"
+        "```python\n# fragment of page.py above\nloader = 1\n```\n\n```text\nshardkit plan\n```\n"
+    )
+    found = docblocks.blocks([page])
+    assert [(b.language, b.line, b.fragment, b.runnable) for b in found] == [
+        ("python", 1, False, True),
+        ("bash", 7, False, True),
+        ("console", 12, False, True),
+        ("python", 17, True, True),
+        ("text", 22, False, False),
     ]
+    assert found[1].commands == ["shardkit index 'data/*.tfrecord'"]
+    assert found[2].commands == ["shardkit verify data/a.tfrecord"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, code", guide_scripts(), ids=[name for name, _ in guide_scripts()])
-def test_the_scripts_shown_in_the_guides_run(name, code, tmp_path):
-    script = tmp_path / name.split(":")[1]
-    script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(script)]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+@pytest.mark.slow  # every block of every page, in one interpreter: about 40 s on 2 busy cores
+def test_every_code_block_of_the_readme_and_docs_runs_as_written_or_is_marked_a_fragment(tmp_path, capsys):
+    """Every Python block and every block of ``shardkit`` commands in README.md and docs/*.md runs
+    unchanged on the data the pages name (what ``shardkit demo --workdir data`` and the conversions of
+    docs/formats.md's set-up block write: the fixture runs that block), or is marked as a fragment of
+    the complete script next to it; at least 90% run unchanged. The count is printed:
+    ``N of M blocks ran unchanged``."""
+    runnable = _runnable_blocks()
+    setup = docblocks.setup_block(runnable)  # runs as the fixture: the data every other block reads
+    to_run = [block for block in runnable if not block.fragment and block != setup]
+    docblocks.write_doc_data(tmp_path)
+    files = {
+        page: {_title(b): b.code for b in runnable if b.page == page and _title(b)}
+        for page in {b.page for b in runnable}
+    }
+    spec = [
+        {
+            "name": b.name,
+            "language": b.language,
+            "code": b.code,
+            "title": _title(b),
+            "commands": b.commands,
+            "files": files[b.page],
+        }
+        for b in to_run
+    ]
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two interpreters: both cores of a 2-core machine
+        for found in pool.map(lambda half: _run_blocks(spec[half::2], tmp_path, half), range(2)):
+            results += found
+    failed = [f"{r['name']}:\n{r['error']}" for r in results if r["error"]]
+    ran = 1 + sum(r["error"] is None for r in results)  # 1: the set-up block, run by write_doc_data
+    fragments = sum(block.fragment for block in runnable)
+    with capsys.disabled():
+        print(f"\n{ran} of {len(runnable)} blocks ran unchanged ({fragments} marked as fragments)")
+    assert len(results) == len(to_run)
+    assert failed == [], "\n\n".join(failed)
+    assert ran >= 0.9 * len(runnable), f"only {ran} of {len(runnable)} blocks run unchanged"
+
+
+def _run_blocks(spec: list[dict], folder: Path, part: int) -> list[dict]:
+    """Run blocks in one interpreter (``tests/scripts/doc_blocks.py``): each block's result."""
+    (folder / f"blocks{part}.json").write_text(json.dumps(spec))
+    results = folder / f"results{part}.jsonl"
+    script = ROOT / "tests" / "scripts" / "doc_blocks.py"
+    run_python(str(script), str(folder / f"blocks{part}.json"), str(folder), str(results), timeout=600, cwd=ROOT)
+    return [json.loads(line) for line in results.read_text().splitlines()]
+
+
+def _title(block: docblocks.Block) -> str | None:
+    """The file name a page gives a script (```python title="quickstart.py"), if any."""
+    fence = (ROOT / block.page).read_text().splitlines()[block.line - 1]
+    titled = re.search(r'title="([\w.-]+\.py)"', fence)
+    return titled.group(1) if titled else None
 
 
 def test_the_cli_page_lists_every_subcommand_in_its_summary_and_has_a_section_for_each():

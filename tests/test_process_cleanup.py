@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.load import hang_bound
+
 LEFTOVERS = ("shardkit-", "pymp-")
 
 _EPOCHS = """
@@ -85,7 +87,11 @@ def run_in_fresh_tmpdir(tmp_path, script: str, *args: str) -> tuple[list[str], l
     env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.getcwd()}
     try:
         done = subprocess.run(
-            [sys.executable, "-c", script, str(data), *args], env=env, capture_output=True, text=True, timeout=240
+            [sys.executable, "-c", script, str(data), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=hang_bound(240),
         )
         assert done.returncode == 0, done.stderr
         left = sorted(name for name in os.listdir(tmpdir) if name.startswith(LEFTOVERS))
@@ -167,7 +173,7 @@ def test_workers_stop_within_a_second_or_two_after_their_main_process_is_killed(
         [sys.executable, str(script), str(pids_dir), loader, context], env=env, stdout=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + hang_bound(120)
         while len(os.listdir(pids_dir)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         workers = [int(name) for name in os.listdir(pids_dir)]
@@ -177,10 +183,10 @@ def test_workers_stop_within_a_second_or_two_after_their_main_process_is_killed(
         main.send_signal(signal.SIGKILL)
         main.wait(timeout=10)
         killed = time.monotonic()
-        while any(alive(pid) for pid in workers) and time.monotonic() - killed < 5:
+        while any(alive(pid) for pid in workers) and time.monotonic() - killed < hang_bound(5):
             time.sleep(0.05)
         assert not any(alive(pid) for pid in workers), "orphaned workers still running 5 s after"
-        assert time.monotonic() - killed < 2.0
+        assert time.monotonic() - killed < hang_bound(2.0)
     finally:
         main.kill()
         for name in os.listdir(pids_dir):
@@ -222,7 +228,7 @@ def test_workers_orphaned_while_filling_the_cache_leave_no_temporary_file_or_loc
         server.latency = 3.0  # each fill waits seconds for its bytes: the main process dies meanwhile
         main = subprocess.Popen([sys.executable, str(script), server.url, str(cache)], env=env)
         try:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + hang_bound(60)
             # Both workers filling (one shard each), so that every file left behind is a watched filler's:
             # with one seen, the other could start its fill after the main process was killed (seen under load).
             while time.monotonic() < deadline and sum(".tmp." in name for name in _names(cache)) < 2:
@@ -233,7 +239,7 @@ def test_workers_orphaned_while_filling_the_cache_leave_no_temporary_file_or_loc
             main.send_signal(signal.SIGKILL)
             main.wait(timeout=10)
             killed = time.monotonic()  # poll: the fillers end within a second or two of their main process
-            while any(alive(pid) for pid in fillers) and time.monotonic() - killed < 2.0:
+            while any(alive(pid) for pid in fillers) and time.monotonic() - killed < hang_bound(2.0):
                 time.sleep(0.05)
             assert not any(alive(pid) for pid in fillers), "orphaned fillers still running 2 s after"
             assert [name for name in _names(cache) if ".tmp." in name or name.endswith(".lock")] == []

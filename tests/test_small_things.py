@@ -7,6 +7,7 @@ import warnings
 
 import shardkit
 from shardkit.stats import SharedStats
+from tests.helpers.load import hang_bound
 
 
 def resource_warnings(make) -> list[str]:
@@ -73,7 +74,7 @@ def terminal_output(run) -> str:
             assert run()
         stderr.flush()
         finished.set()
-        reader.join(timeout=60)
+        reader.join(timeout=hang_bound(60))
     finally:
         finished.set()
         stderr.close()

@@ -13,6 +13,7 @@ import torch
 
 import shardkit
 from shardkit.cli import main
+from tests.helpers.load import hang_bound
 
 
 def test_plan_prints_every_reader_and_equal_rank_totals(tmp_path, capsys):
@@ -46,7 +47,7 @@ def test_demo_runs_end_to_end(tmp_path):
         [sys.executable, "-m", "shardkit", "demo", "--workdir", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=hang_bound(300),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
@@ -79,7 +80,9 @@ def test_a_clone_run_from_its_parent_folder_imports_the_package_not_the_folder(t
     root = Path(__file__).resolve().parents[2]
     (tmp_path / "shardkit").symlink_to(root)
     code = "import shardkit; print(shardkit.__file__); print(len(dir(shardkit)))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=hang_bound(60)
+    )
     assert done.returncode == 0, done.stderr
     path, names = done.stdout.split()
     assert path.endswith("__init__.py")

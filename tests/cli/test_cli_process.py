@@ -10,13 +10,14 @@ import pytest
 
 import shardkit
 from shardkit.cli import EXIT_PIPE
+from tests.helpers.load import hang_bound
 from tests.helpers.processes import run_python
 
 
 def shell(command: str, cwd) -> subprocess.CompletedProcess:
     """``command`` in bash with pipefail, so the exit code is shardkit's, not the reader's."""
     return subprocess.run(
-        ["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True, timeout=300, cwd=cwd
+        ["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True, timeout=hang_bound(300), cwd=cwd
     )
 
 

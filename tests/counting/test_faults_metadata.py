@@ -32,6 +32,7 @@ from shardkit.formats.tfrecord.index import load_index
 from shardkit.io.identity import identity
 from shardkit.shardlist import DuplicateShardWarning, ShardListError
 from shardkit.state import StateError
+from tests.helpers.load import hang_bound
 from tests.helpers.reading import read_all
 from tests.helpers.shards import all_ids, synthetic_read
 
@@ -453,7 +454,9 @@ def test_a_manifest_truncated_after_loading_cannot_kill_the_process(tmp_path, cu
     script.write_text(
         TRUNCATE_SCRIPT.format(repo=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     )
-    result = subprocess.run([sys.executable, str(script), path, cut], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(script), path, cut], capture_output=True, text=True, timeout=hang_bound(300)
+    )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])  # -7 was SIGBUS
     assert result.stdout.split() == ["600", str(sum(counts))]
 
@@ -534,7 +537,7 @@ def test_ranks_with_different_node_caches_count_together_without_hanging(tmp_pat
         DDP_COUNT_SCRIPT.format(repo=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     )
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(port)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), str(tmp_path), str(port)], capture_output=True, text=True, timeout=hang_bound(120)
     )  # before: rank 1's counting all-gather met rank 0's next collective: a crash or a hang
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[3, 1, 4, 1], [3, 1, 4, 1]]

@@ -32,6 +32,7 @@ from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count,
 from shardkit.formats.tfrecord import framing as tfr
 from shardkit.formats.tfrecord.index import INDEX_MAGIC, read_index
 from shardkit.io import files as skio
+from tests.helpers.load import hang_bound
 from tests.helpers.reading import read_all
 
 COMPRESS = {None: lambda data: data, "gzip": lambda data: gzip.compress(data, mtime=0), "zlib": zlib.compress}
@@ -294,7 +295,7 @@ def run_child_and_change_file(path: str, pause_after: int, change: Callable[[], 
     try:
         assert child.stdout.readline() == "paused\n"
         change()
-        out, err = child.communicate("go\n", timeout=120)
+        out, err = child.communicate("go\n", timeout=hang_bound(120))
     finally:
         child.kill()
         child.wait()

@@ -19,6 +19,7 @@ from shardkit.errors import CorruptRecordError
 from shardkit.formats.base import BadRecord
 from shardkit.formats.megatron import MegatronFormat, PairWriter
 from tests.helpers.examples import examples
+from tests.helpers.load import hang_bound
 from tests.helpers.tokens import DOCS, IDX_AT, read_tokens, write_pair
 
 
@@ -262,7 +263,9 @@ def test_any_byte_of_the_idx_changed_reads_true_documents_or_raises_located_erro
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardkit", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit", *args], capture_output=True, text=True, timeout=hang_bound(60)
+    )
 
 
 def test_inspect_shows_documents_tokens_and_dtype_of_a_pair_named_once_by_a_glob(tmp_path) -> None:

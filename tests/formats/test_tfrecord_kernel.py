@@ -36,6 +36,7 @@ from shardkit.formats.tfrecord import framing as tfr
 from shardkit.formats.tfrecord.buffers import BlockBuffers, shared_buffers
 from shardkit.io import files as skio
 from tests.helpers.examples import examples
+from tests.helpers.load import hang_bound
 
 try:
     from shardkit.formats import _tfrecord as compiled  # pyright: ignore[reportAttributeAccessIssue]
@@ -149,7 +150,7 @@ def run_python(code: str, **env: str) -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     full_env = {**os.environ, **env, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=full_env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], cwd=root, env=full_env, capture_output=True, text=True, timeout=hang_bound(120)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
@@ -362,7 +363,7 @@ def test_the_c_kernel_survives_mutated_files_and_nonsense_ends_in_a_subprocess(t
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=hang_bound(240),
     )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     seen = json.loads(done.stdout)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shardkit.even import wrapper as even_module
+from tests.helpers.load import hang_bound
 
 
 class FakeWorld:
@@ -31,7 +32,7 @@ class FakeWork:
     def wait(self) -> None:
         world = self.world
         with world.cond:
-            if not world.cond.wait_for(lambda: len(world.posted[self.seq]) == world.size, timeout=60):
+            if not world.cond.wait_for(lambda: len(world.posted[self.seq]) == world.size, timeout=hang_bound(60)):
                 raise TimeoutError(f"agreement {self.seq} never completed: the ranks would hang")
             self.tensor.copy_(torch.stack(list(world.posted[self.seq].values())).min(0).values)
 
@@ -71,7 +72,7 @@ def run_ranks(
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=hang_bound(120))
     assert not any(thread.is_alive() for thread in threads), "a rank hung"
     return results
 

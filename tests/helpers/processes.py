@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.helpers.load import hang_bound
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -38,11 +40,14 @@ def run_python(*args: str, timeout: float = 300, check: bool = True, **kwargs: A
     """``python *args`` in a new process, its output captured as text; with ``check``, it must exit 0
     (the end of its stderr is the failure message).
 
-    The timeout bounds any hang. The process runs in a session of its own with Python's fault
-    handler on, so at the timeout every process it started (ranks, DataLoader workers) is sent
-    SIGABRT, which prints each one's Python stacks, and then SIGKILL: the failure shows where each
-    process was stuck, and none is left running to load the machine for the tests after it.
+    The timeout bounds any hang: stretched by the machine's load when the process starts
+    (``tests/helpers/load.py``), so a busy machine fails no test. The process runs in a session of
+    its own with Python's fault handler on, so at the timeout every process it started (ranks,
+    DataLoader workers) is sent SIGABRT, which prints each one's Python stacks, and then SIGKILL:
+    the failure shows where each process was stuck, and none is left running to load the machine
+    for the tests after it.
     """
+    timeout = hang_bound(timeout)
     env = {**(kwargs.pop("env", None) or os.environ), "PYTHONFAULTHANDLER": "1"}
     _no_core_files()
     command = [sys.executable, *args]

@@ -17,6 +17,7 @@ from shardkit.formats.tfrecord import read_tfrecord
 from shardkit.io.cache import Cache
 from shardkit.io.remote import RemoteOptions, RetryPolicy, remote_stats
 from tests.helpers.fault_server import FaultServer
+from tests.helpers.load import hang_bound
 from tests.io.test_remote_reads import write_shard
 
 FAST_RETRY = RetryPolicy(attempts=6, max_seconds=5.0, backoff=0.001, max_backoff=0.01)
@@ -114,7 +115,7 @@ def test_concurrent_workers_filling_one_entry_fetch_it_once_and_agree(server: Fa
     ]
     for worker in workers:
         worker.start()
-    results = [out.get(timeout=60) for _ in workers]
+    results = [out.get(timeout=hang_bound(60)) for _ in workers]
     for worker in workers:
         worker.join(timeout=30)
     assert results == [records] * 3
@@ -141,7 +142,7 @@ def test_a_killed_writer_leaves_no_entry_that_is_read_as_whole(server: FaultServ
         [sys.executable, "-c", _FILLER, f"{server.url}/a.tfrecord", root], env=env, stdout=subprocess.PIPE
     )
     assert filler.stdout is not None and filler.stdout.readline().strip() == b"started"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + hang_bound(30)
     while len(server.gets()) < 5 and time.monotonic() < deadline:
         time.sleep(0.02)
     filler.send_signal(signal.SIGKILL)
@@ -289,7 +290,7 @@ def test_four_processes_evicting_each_others_entries_all_read_every_shard_whole(
         worker.start()
     results, done = [], 0
     while done < len(workers):
-        result = out.get(timeout=120)
+        result = out.get(timeout=hang_bound(120))
         assert result[0] != "error", result[1]
         done += result[0] == "done"
         results.append(result)

@@ -24,6 +24,7 @@ from shardkit.io.remote import (
     remote_stats,
 )
 from tests.helpers.fault_server import FaultServer
+from tests.helpers.load import hang_bound
 
 FAST_RETRY = RetryPolicy(attempts=6, max_seconds=5.0, backoff=0.001, max_backoff=0.01)
 SMALL = RemoteOptions(block_size=16 << 10, readahead_bytes=64 << 10, retry=FAST_RETRY)
@@ -83,7 +84,7 @@ def test_a_failure_that_does_not_pass_raises_after_the_bounded_tries(server: Fau
     began = time.monotonic()
     with pytest.raises(RemoteReadError, match=r"a\.tfrecord bytes 0-.*after 3 tries"):
         list(read_tfrecord(f"{server.url}/a.tfrecord", remote=options))
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < hang_bound(5)
     assert remote_stats()["retries"] == 2
     assert len(server.gets("a.tfrecord")) == 3
 
@@ -96,7 +97,7 @@ def test_retry_time_is_bounded_even_with_tries_left(server: FaultServer, tmp_pat
     began = time.monotonic()
     with pytest.raises(RemoteReadError, match="still failing"):
         list(read_tfrecord(f"{server.url}/a.tfrecord", remote=options))
-    assert time.monotonic() - began < 2
+    assert time.monotonic() - began < hang_bound(2)
     stats = remote_stats()
     assert stats["retries"] >= 1 and 0 < stats["retry_wait_seconds"] <= 0.3
 
@@ -150,7 +151,7 @@ def test_prefetch_opens_the_next_shard_before_it_is_read(server: FaultServer, tm
     url = f"{server.url}/b.tfrecord"
     remote_stats(reset=True)
     prefetch(url, None, SMALL)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + hang_bound(5)
     while not server.gets("b.tfrecord") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.gets("b.tfrecord"), "prefetch did not start fetching"
@@ -295,7 +296,7 @@ def test_readahead_nobody_waits_for_is_neither_retried_nor_counted_in_the_next_d
     server.inject("a.tfrecord", "stall", "stall", "stall", "stall")
     remote.start(4 * (16 << 10), readahead=3 * (16 << 10))  # blocks 4-7, each fetched by a pool thread
     fetches = list(remote._blocks.values())  # to wait for the threads, which close() cannot stop
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + hang_bound(10)
     while len([r for r in server.gets("a.tfrecord") if r.status == 0]) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     retries, gets = remote_stats()["retries"], len(server.gets("a.tfrecord"))
@@ -304,7 +305,7 @@ def test_readahead_nobody_waits_for_is_neither_retried_nor_counted_in_the_next_d
     else:
         remote.seek(12 * (16 << 10))  # drops blocks 4-7 behind the reads
     server.released.set()  # each stalled GET now ends without an answer: a transient error
-    wait(fetches, timeout=10)
+    wait(fetches, timeout=hang_bound(10))
     assert all(future.done() for future in fetches)
     assert remote_stats()["retries"] == retries  # before: 4, added to the next dataset that swept them
     assert len(server.gets("a.tfrecord")) == gets  # and 4 GETs more of a file nobody reads
@@ -430,7 +431,7 @@ def test_a_shard_opened_ahead_without_a_start_costs_a_one_byte_probe_not_a_block
     records = write_shard(os.path.join(tmp_path, "c.tfrecord"))
     url = f"{server.url}/c.tfrecord"
     prefetch(url, None, SMALL, offset=None)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + hang_bound(5)
     while not server.gets("c.tfrecord") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [(r.start, r.length) for r in server.gets("c.tfrecord")] == [(0, 1)]
@@ -440,7 +441,7 @@ def test_a_shard_opened_ahead_without_a_start_costs_a_one_byte_probe_not_a_block
 
 def _shard_gets(server: FaultServer, expected: int) -> list[str]:
     """The shard GETs logged, once ``expected`` of them are (the hinted ones finish in the background)."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + hang_bound(10)
     while True:
         gets = [r.path for r in server.gets() if r.path.endswith(".tfrecord")]
         if len(gets) >= expected or time.monotonic() > deadline:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.helpers.load import hang_bound
 from tests.helpers.processes import REPO, free_port
 
 TIMEOUT = 6  # the job's timeout (init_process_group), which bounds the wait for the other ranks
@@ -25,7 +26,7 @@ def ranks(tmp_path_factory) -> list[dict]:
         str(REPO / "tests" / "scripts" / "ranks_check.py"), "--timeout", str(TIMEOUT), "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=hang_bound(240), env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 

@@ -26,6 +26,7 @@ import shardkit
 from shardkit import CorruptRecordError, ShardedDataset, TFRecordDataset
 from shardkit.sources import BalanceError
 from tests.helpers.examples import examples
+from tests.helpers.load import hang_bound
 from tests.helpers.reading import read_all
 from tests.helpers.shards import record_offsets, synthetic_read
 
@@ -389,7 +390,7 @@ def run_ddp(on_error: str) -> subprocess.CompletedProcess:
         [sys.executable, str(SCRIPT), "--on-error", on_error],
         capture_output=True,
         text=True,
-        timeout=240,  # a hang (unequal batch counts) fails here instead of stalling CI
+        timeout=hang_bound(240),  # a hang (unequal batch counts) fails here instead of stalling CI
     )
 
 

@@ -28,6 +28,7 @@ from shardkit import MixedLoader, ShardedDataset, interleave, wrap
 from shardkit.errors import CorruptRecordError
 from shardkit.pipeline import Pipeline, Shuffle
 from shardkit.state import StateError, merge
+from tests.helpers.load import hang_bound
 from tests.helpers.processes import last_json_line, run_python
 from tests.helpers.reading import CountingStream
 from tests.helpers.shards import synthetic_read, synthetic_shards
@@ -395,7 +396,7 @@ def test_example_runs() -> None:
         [sys.executable, str(REPO / "examples" / "resume.py")],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=hang_bound(120),
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )

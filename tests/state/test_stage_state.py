@@ -26,6 +26,7 @@ import shardkit.stateful.protocol
 from shardkit import ShardedDataset, interleave, wrap
 from shardkit.pipeline import Pipeline, Shuffle
 from shardkit.state import StageIterator, StateError, merge, stage_of
+from tests.helpers.load import hang_bound
 from tests.helpers.reading import CountingStream
 from tests.helpers.shards import synthetic_read, synthetic_shards
 
@@ -131,7 +132,9 @@ def test_merge_in_a_fresh_process_that_imports_only_shardkit_state_knows_every_s
         print(json.dumps([merged["kind"], merged["samples"], merged["upstream"]["kind"]]))
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=hang_bound(120)
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == ["shuffle", ["s0", "s1"], "planned"]
 
@@ -205,7 +208,9 @@ def test_shardkit_interleave_is_the_function_whichever_module_was_imported_first
         print(sorted(mixed))
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=hang_bound(120)
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[1, 2, 3]"
     assert shardkit.interleave([wrap([1])], seed=0).__class__.__name__ == "Interleave"
