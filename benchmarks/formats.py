@@ -312,9 +312,11 @@ def mosaic_mds(root: str, batch: int) -> Make:
 def loader_for(dataset: Any, workers: int, batch: int) -> Any:
     if isinstance(dataset, Ready):
         return dataset
+    # Lance's runtime does not survive a fork: its workers are spawned (shardkit refuses forked ones).
+    spawn = {"multiprocessing_context": "spawn"} if workers and isinstance(dataset, shardkit.LanceDataset) else {}
     if getattr(dataset, "column_batches", False) or type(dataset).__module__ == "lance.torch.data":
         # Column batches are batches already: the loader passes them on as they come.
-        return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list)
+        return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list, **spawn)
     return DataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=_list)
 
 

@@ -80,12 +80,29 @@ def parse_fragment_url(url: str) -> FragmentUrl:
         ) from None
 
 
+_USED_BY: int | None = None
+"""The process in which shardkit first used Lance (its runtime's threads do not survive a fork); None: none."""
+
+
 def import_lance() -> Any:
-    """The ``lance`` module (``pylance``), or an error naming the extra that installs it."""
+    """The ``lance`` module (``pylance``), or an error naming the extra that installs it.
+
+    Refused in a child forked from a process that used it: Lance's runtime threads are not copied by a fork,
+    so a read there can wait forever (seen: a forked DataLoader worker stuck in ``to_batches``, its loader
+    with it). Spawned processes start clean.
+    """
+    global _USED_BY
+    if _USED_BY is not None and _USED_BY != os.getpid():
+        raise ShardkitError(
+            "this process was forked from one that used Lance, whose runtime does not survive a fork (a read "
+            "here can hang for ever): start the DataLoader's workers with multiprocessing_context='spawn' or "
+            "'forkserver'"
+        )
     try:
         import lance
     except ImportError:
         raise ShardkitError("reading Lance datasets needs pylance: pip install 'shardkit[lance]'") from None
+    _USED_BY = os.getpid()
     return lance
 
 
@@ -140,7 +157,7 @@ class LanceFormat(FormatBase):
         lance = import_lance()
         if version is None:
             return lance.dataset(uri, storage_options=self.storage_options)
-        key = (uri, version, os.getpid())  # a forked DataLoader worker opens its own: Lance is not fork-safe
+        key = (uri, version, os.getpid())  # one per process (a forked one is refused by import_lance)
         with self._lock:
             if key in self._open:
                 self._open.move_to_end(key)

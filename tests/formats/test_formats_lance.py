@@ -64,8 +64,18 @@ def test_columns_are_projected_and_batches_are_numpy_columns_of_one_fragment(uri
 @pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_every_row_exactly_once_over_two_ranks_and_workers(uri, balance, num_workers) -> None:
     make = rank_factory(shardkit.LanceDataset, uri, balance=balance, shuffle=True, seed=3, columns=["id"])
-    ranks = ids_per_rank(make, world_size=2, num_workers=num_workers, batch_size=3)
+    ranks = ids_per_rank(make, world_size=2, num_workers=num_workers, batch_size=3, context="spawn")
     assert_split(ranks, [str(i) for i in range(ROWS)], balance)
+
+
+@pytest.mark.slow
+def test_a_worker_forked_after_lance_was_used_is_refused_naming_spawn_not_left_hanging(uri) -> None:
+    from torch.utils.data import DataLoader
+
+    dataset = shardkit.LanceDataset(uri, balance="none", columns=["id"])  # pins its version: Lance used here
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120)
+    with pytest.raises(ShardkitError, match="forked from one that used Lance.*multiprocessing_context='spawn'"):
+        list(loader)
 
 
 @pytest.mark.slow

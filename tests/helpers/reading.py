@@ -61,9 +61,19 @@ def sample_id(sample: object) -> str:
     raise TypeError(f"no id in {sample!r}")
 
 
-def ids_per_rank(make, *, world_size: int, num_workers: int, batch_size: int = 4, env: bool = False, monkeypatch=None):
+def ids_per_rank(
+    make,
+    *,
+    world_size: int,
+    num_workers: int,
+    batch_size: int = 4,
+    env: bool = False,
+    monkeypatch=None,
+    context: str = "fork",
+):
     """Sample ids each rank's DataLoader yields, as lists of batches; ``make(rank, world)`` builds a rank's dataset
-    (``rank``/``world`` are None with ``env``: then RANK/WORLD_SIZE are set for each rank)."""
+    (``rank``/``world`` are None with ``env``: then RANK/WORLD_SIZE are set for each rank); workers start by
+    ``context``."""
     from torch.utils.data import DataLoader
 
     ranks = []
@@ -74,7 +84,7 @@ def ids_per_rank(make, *, world_size: int, num_workers: int, batch_size: int = 4
             dataset = make(None, None)
         else:
             dataset = make(rank, world_size)
-        kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
+        kwargs = {"multiprocessing_context": context} if num_workers else {}
         loader = DataLoader(dataset.map(sample_id), batch_size=batch_size, num_workers=num_workers, **kwargs)
         ranks.append([list(batch) for batch in loader])
     return ranks
