@@ -77,6 +77,19 @@ SOCKET_PATH_MAX = 107
 _PYMP, _LISTENER = len("/pymp-") + 8, len("/listener-") + 8
 
 
+def probe_writable(path: str) -> None:
+    """Create and remove a file beside ``path``: whether a temporary file renamed to ``path`` can be written
+    there, tried for real (permissions alone do not say, for root or on a read-only mount).
+
+    Raises:
+        OSError: the folder does not take a new file (the OS's reason).
+    """
+    probe = f"{path}.probe-{os.getpid()}"
+    with open(probe, "x"):
+        pass
+    os.remove(probe)
+
+
 def socket_folder_problem(who: str, sharing_strategy: str) -> str | None:
     """Why DataLoader workers of this process could not pass tensors, or None.
 

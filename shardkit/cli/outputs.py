@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 
 from shardkit.cli.paths import is_url, shown
 from shardkit.errors import ShardkitError
+from shardkit.tempfiles import probe_writable
 
 _FIELD = re.compile(r"%[-+ #0]*\d*[diu]")  # the integer field of a ShardWriter pattern
 _SAMPLED = 10_000  # shard numbers tried against a glob, plus the round numbers beyond
@@ -197,11 +198,8 @@ def _probe_writable(path: str) -> None:
     """
     if os.path.isdir(path):
         raise OutputError(f"--trace {path} is a directory; give a file name such as {path}/trace.json")
-    probe = f"{path}.probe-{os.getpid()}"
     try:
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
+        probe_writable(path)
     except OSError as error:
         reason = (error.strerror or type(error).__name__).lower()
         raise OutputError(f"cannot write the trace to {path}: {reason}") from None

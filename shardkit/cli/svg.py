@@ -18,6 +18,7 @@ from xml.sax.saxutils import escape as _escape
 from xml.sax.saxutils import quoteattr
 
 from shardkit.errors import ShardkitError
+from shardkit.tempfiles import probe_writable
 
 #: One hue per rank (ColorBrewer's Set1/Dark2 blend: told apart in print and by most colour-blind readers).
 RANK_HUES = ("#1f77b4", "#d95f02", "#1b9e77", "#7570b3", "#e7298a", "#66a61e", "#a6761d", "#e6ab02")
@@ -126,11 +127,8 @@ def check_writable(path: str) -> None:
         raise PictureError(
             f"cannot write the picture to {path}: it is a directory; give a file name such as {path.rstrip('/')}/plan.svg"
         )
-    probe = _partial(path)
     try:
-        with open(probe, "x"):
-            pass
-        os.remove(probe)
+        probe_writable(path)
     except OSError as error:
         raise PictureError(f"cannot write the picture to {path}: {error.strerror or error}") from None
 
