@@ -75,9 +75,16 @@ def forget_modules_of(folder: str) -> None:
             del sys.modules[name]
 
 
+CHECKOUT_DATA = ("tests/fixtures/mds", "tests/data/litdata")
+"""Folders of a checkout that docs/coming-from.md reads: files Mosaic's and LitData's own writers wrote."""
+
+
 def run_block(block: dict, data: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="shardkit-doc-block-") as folder:
         shutil.copytree(data / "data", Path(folder) / "data")
+        for fixtures in CHECKOUT_DATA:  # what a page reads "in a shardkit checkout" (other loaders' files)
+            if fixtures in block["code"]:
+                shutil.copytree(REPO / fixtures, Path(folder) / fixtures)
         for name, code in block["files"].items():
             (Path(folder) / name).write_text(code)
         os.chdir(folder)
