@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail
-from shardkit.cli.files import expand, format_of
+from shardkit.cli.files import GLOB_CHARS, expand, format_of, shard_indices
 from shardkit.cli.outputs import OutputError, check_outputs
 from shardkit.cli.paths import shown
 from shardkit.errors import ShardkitError
@@ -31,6 +31,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     pattern = args.pattern if "://" in args.pattern else os.path.abspath(args.pattern)
     try:
         urls = expand(args.source)
+        if GLOB_CHARS.search(args.source):  # a glob such as d/* picks up index and manifest files
+            urls = [urls[i] for i in shard_indices(urls, args.source)]
+        if not urls:
+            raise ConvertSourceError(f"{args.source}: matches only index and manifest files; give the shards")
         check_outputs(args.source, urls, args.pattern, default_manifest_path(args.pattern))
         readers = [(url, _source_format(url)) for url in urls]
         writer = ShardWriter(pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes)
@@ -70,6 +74,10 @@ _NAMES = {"tfrecord": "TFRecord", "array_record": "ArrayRecord"}
 
 class ConvertError(ShardkitError):
     """A record has no faithful form in the target format."""
+
+
+class ConvertSourceError(ShardkitError):
+    """SRC names no shard: only index and manifest files."""
 
 
 _PEEK = 100  # records of the first TFRecord file that decide --decode and the Parquet columns

@@ -97,7 +97,7 @@ def _run_each(args: argparse.Namespace, job: Callable[[str], Any], urls: Sequenc
 def _skipped(url: str) -> bool:
     """Whether ``url`` is an index or manifest file, not shard data (say so): a glob such as
     ``data/*`` picks them up beside the shards, and they are not corrupt shards."""
-    from shardkit.formats.sniff import SNIFF_BYTES, not_a_shard
+    from shardkit.formats.sniff import SNIFF_BYTES
     from shardkit.io.files import open_raw
 
     head = b""
@@ -107,10 +107,34 @@ def _skipped(url: str) -> bool:
                 head = f.read(SNIFF_BYTES)
         except OSError:
             return False  # the command's own reading reports it
-    what = not_a_shard(url, head)
+    what = companion(url, head)
     if what is not None:
         print(f"skipped {url}: {what}")
     return what is not None
+
+
+def companion(url: str, head: bytes = b"") -> str | None:
+    """What ``url`` is when it is an index or manifest file that a glob such as ``data/*`` picks up
+    beside the shards, by its name and, where known, its first bytes ``head``; None for shard data."""
+    from shardkit.formats.sniff import not_a_shard
+
+    what = not_a_shard(url, head)
+    if what is None and url.endswith("manifest.arrow"):
+        what = "a shard manifest"
+    return what
+
+
+def shard_indices(urls: Sequence[str], source: str, *, report: bool = True) -> list[int]:
+    """The indices of ``urls`` that are shard data, by name (:func:`companion`: nothing is opened);
+    each index or manifest file left out is reported as ``skipped`` (with ``report``), as verify does."""
+    kept = []
+    for i, url in enumerate(urls):
+        what = companion(url)
+        if what is None:
+            kept.append(i)
+        elif report:
+            print(f"skipped {shown(url, source)}: {what}")
+    return kept
 
 
 def index_counts(urls: list[str]) -> list[int | None]:

@@ -10,7 +10,7 @@ import argparse
 from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail
-from shardkit.cli.files import GLOB_CHARS, dataset_shards, index_counts
+from shardkit.cli.files import GLOB_CHARS, dataset_shards, index_counts, shard_indices
 from shardkit.cli.paths import is_url, shown
 from shardkit.cli.picture_plan import MAX_SHARDS, plan_picture
 from shardkit.cli.render import format_plan, plural, shown_path
@@ -82,15 +82,7 @@ def _load_shards(source: str) -> tuple[Any, str]:
 def _without_companions(shards: Any, source: str) -> Any:
     """``shards`` without the index and manifest files a glob such as ``data/*`` picks up (by name: plan
     reads no shard data), each reported as ``skipped``, as verify does."""
-    from shardkit.formats.sniff import not_a_shard
-
-    kept = []
-    for i, url in enumerate(shards.urls()):
-        what = not_a_shard(url, b"") or ("a shard manifest" if url.endswith(".manifest.arrow") else None)
-        if what is None:
-            kept.append(i)
-        else:
-            print(f"skipped {shown(url, source)}: {what}")
+    kept = shard_indices(shards.urls(), source)
     if not kept:
         raise PlanSourceError(f"{source}: matches only index and manifest files; give the shards or a manifest")
     return shards if len(kept) == len(shards) else shards.select(kept)

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from shardkit.cli.exits import EXIT_OK, fail, one_line
-from shardkit.cli.files import GLOB_CHARS
+from shardkit.cli.files import GLOB_CHARS, shard_indices
 from shardkit.cli.outputs import check_trace_path
 from shardkit.cli.picture_profile import profile_picture
 from shardkit.cli.svg import PictureError, check_writable, write_atomic
@@ -77,9 +77,12 @@ def _inputs(spec: str) -> list[str]:
     import shardkit
 
     try:
-        return shardkit.ShardList.from_glob(spec).urls()
+        urls = shardkit.ShardList.from_glob(spec).urls()
     except ShardkitError:
         return []
+    if not GLOB_CHARS.search(spec):
+        return urls
+    return [urls[i] for i in shard_indices(urls, spec, report=False)]  # _glob_dataset reports them
 
 
 def _loader(spec: str, batch_size: int, num_workers: int) -> Any:
@@ -126,6 +129,10 @@ def _glob_dataset(spec: str) -> Any:
     if not GLOB_CHARS.search(spec) and not os.path.isfile(spec):
         raise ProfileError(f"{spec}: not module:function, nor a glob or a file of shards")
     shards = shardkit.ShardList.from_glob(spec)
+    kept = shard_indices(shards.urls(), spec) if GLOB_CHARS.search(spec) else list(range(len(shards)))
+    if not kept:
+        raise ProfileError(f"{spec}: matches only index and manifest files; give the shards")
+    shards = shards if len(kept) == len(shards) else shards.select(kept)
     first = shards.urls()[0]
     with open_raw(first, "rb") as file:
         fmt = format_for(first, file.read(SNIFF_BYTES))

@@ -308,3 +308,30 @@ def test_a_name_is_an_output_exactly_when_the_pattern_formats_some_number_to_it(
     assert not _produces(base, f"{prefix}0{digits}{suffix}")  # the same number, spelled with one more 0
     assert not _produces(base, f"y{made}")
     assert not _produces(base, f"{made}.gz")
+
+
+def test_convert_of_a_folder_glob_skips_its_index_and_manifest_files_and_converts_every_record(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with shardkit.ShardWriter("d/part-%05d.tfrecord", max_records=5) as writer:
+        for n in range(10):
+            writer.write(b"rec%d" % n)
+    assert run_cli("index", "d/part-00000.tfrecord").returncode == 0
+    done = run_cli("convert", "d/*", "out/all-%d.tfrecord", "--format", "tfrecord")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "skipped d/part-00000.tfrecord.idx: a shardkit index file; read the data file it indexes "
+        "(the same name without .idx)",
+        "skipped d/part.manifest.arrow: a shard manifest",
+        "10 records from 2 files -> 1 tfrecord shards; manifest out/all.manifest.arrow",
+    ]
+    assert list(read_tfrecord("out/all-0.tfrecord")) == [b"rec%d" % n for n in range(10)]
+
+
+def test_convert_of_a_glob_of_only_index_and_manifest_files_is_one_line_with_exit_2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with shardkit.ShardWriter("d/part-%05d.tfrecord", max_records=5) as writer:
+        writer.write(b"rec")
+    done = run_cli("convert", "d/*.arrow", "out/all-%d.tfrecord", "--format", "tfrecord")
+    assert "d/*.arrow: matches only index and manifest files; give the shards" in one_error_line(done, "convert")
+    assert done.returncode == 2
+    assert not (tmp_path / "out").exists()

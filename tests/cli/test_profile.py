@@ -107,6 +107,17 @@ def test_a_glob_of_shards_is_read_with_its_formats_defaults(tmp_path, capsys):
     assert "16 samples in 2 batches" in out and "read TFRecordDataset" in out and "MB/s" in out
 
 
+def test_a_folder_glob_skips_the_manifest_and_index_files_beside_the_shards(tmp_path, capsys):
+    with shardkit.ShardWriter(str(tmp_path / "train-%05d.tfrecord"), max_records=50) as writer:
+        for i in range(100):
+            writer.write(shardkit.encode_example({"x": np.arange(4, dtype=np.int64) + i}))
+    shardkit.build_index(str(tmp_path / "train-00000.tfrecord"))
+    out = profiled(capsys, str(tmp_path / "*"), "--batches", "2", "--batch-size", "8")
+    assert f"skipped {tmp_path}/train-00000.tfrecord.idx: a shardkit index file" in out
+    assert f"skipped {tmp_path}/train.manifest.arrow: a shard manifest" in out
+    assert "16 samples in 2 batches" in out and "read TFRecordDataset" in out
+
+
 def test_errors_are_one_line_with_exit_code_2(pipelines, capsys):
     assert "cannot import 'no_such_module'" in one_error_line(capsys, "no_such_module:build")
     assert "has no function 'missing'" in one_error_line(capsys, "pipelines_for_profile:missing")
