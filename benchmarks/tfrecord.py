@@ -291,11 +291,11 @@ def kernel_ratios(path: str, rounds: int, batch_records: int) -> None:
     """Print the raw readers' CPU-time medians of interleaved rounds as ratios of the fastest plain read of the
     file's bytes (:func:`plain_reads`), all in this process."""
 
-    def per_record(kern: kernel.Kernel) -> Callable[[], int]:
+    def per_record(kern: kernel.Kernel, verify: bool = True) -> Callable[[], int]:
         def run() -> int:
             kernel.KERNEL = kern  # the framing module looks it up per block
             try:
-                for _ in read_tfrecord(path):  # the plainest loop a caller writes
+                for _ in read_tfrecord(path, verify=verify):  # the plainest loop a caller writes
                     pass
                 return 0
             finally:
@@ -303,11 +303,13 @@ def kernel_ratios(path: str, rounds: int, batch_records: int) -> None:
 
         return run
 
-    def batches(kern: kernel.Kernel, arrow_type: str) -> Callable[[], int]:
+    def batches(kern: kernel.Kernel, arrow_type: str, verify: bool = True) -> Callable[[], int]:
         def run() -> int:
             kernel.KERNEL = kern
             try:
-                arrays = read_tfrecord_batches(path, batch_records=batch_records, arrow_type=arrow_type)
+                arrays = read_tfrecord_batches(
+                    path, batch_records=batch_records, arrow_type=arrow_type, verify=verify
+                )
                 return sum(len(array) for array in arrays)
             finally:
                 kernel.KERNEL = chosen
@@ -320,6 +322,9 @@ def kernel_ratios(path: str, rounds: int, batch_records: int) -> None:
         runs[f"read_tfrecord, {kern.name} kernel"] = per_record(kern)
         runs[f"read_tfrecord_batches, {kern.name} kernel"] = batches(kern, "large_binary")
         runs[f"  same, binary_view, {kern.name} kernel"] = batches(kern, "binary_view")
+        if kern is chosen:  # what bounds the targets: the readers with no CRC checked
+            runs[f"  read_tfrecord, CRC off, {kern.name} kernel"] = per_record(kern, verify=False)
+            runs[f"  binary_view batches, CRC off, {kern.name} kernel"] = batches(kern, "binary_view", verify=False)
     for fn in runs.values():  # warms the page cache
         fn()
     cpu: dict[str, list[float]] = {name: [] for name in runs}
@@ -333,7 +338,8 @@ def kernel_ratios(path: str, rounds: int, batch_records: int) -> None:
     plain = [name for name in runs if name.startswith(PLAIN)]
     fastest = min(plain, key=median.__getitem__)
     base = median[fastest]
-    crc = "AVX-512 folding" if getattr(kernel.COMPILED, "VECTOR_CRC", 0) else "crc32 instruction or tables"
+    vector = getattr(kernel.COMPILED, "VECTOR_CRC", 0)
+    crc = {1: "AVX-512 folding", 2: "AVX2 VPCLMULQDQ folding"}.get(vector, "crc32 instruction or tables")
     print(
         f"raw path vs the bytes: {size / 1e6:.1f} MB, CPU s (median of {rounds} interleaved rounds), "
         f"batches of {batch_records}; kernel backend: {kernel.BACKEND} (data CRCs: {crc}); load {os.getloadavg()[0]:.1f}"
