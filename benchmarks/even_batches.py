@@ -126,7 +126,7 @@ def targets(results: dict[str, tuple[float, float]], plain: float) -> list[str]:
     ]
 
 
-class _Agreed:
+class _Finished:
     """A finished all-reduce."""
 
     def wait(self) -> bool:
@@ -138,9 +138,9 @@ class _AtOnce:
 
     rank, size, posted, round_trip = 0, 1, 0, 500e-6
 
-    def all_reduce_min(self, tensor: torch.Tensor) -> _Agreed:
+    def all_reduce_min(self, tensor: torch.Tensor) -> _Finished:
         self.posted += 1
-        return _Agreed()
+        return _Finished()
 
 
 def wrapper_python(batches: list[torch.Tensor], rounds: int = 7) -> dict[str, float]:
@@ -221,7 +221,7 @@ def run(rank: int, port: int, args: argparse.Namespace) -> None:
         lines.append(f"\n{'first batch':<52}{'us':>8}")
         lines += [f"{name:<52}{seconds * 1e6:>8.0f}" for name, seconds in waits.items()]
         own = wrapper_python(batches * 50)
-        lines.append(f"\nthe wrapper's own Python per batch (a side group that agrees at once, CPU time, one process):")
+        lines.append("\nthe wrapper's own Python per batch (a side group that agrees at once, CPU time, one process):")
         lines += [f"  {name:<26}{us:>6.1f} us" for name, us in own.items()]
         if rank == 0:
             print(

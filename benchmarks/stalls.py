@@ -292,7 +292,9 @@ def main() -> None:
     )
     step, batch, message, proxy = step_ns(), micro_batch_ns(), message_ns(), proxy_ns()
     print(f"the main process's clock adds {step:.0f} ns per step (batch of 64)")
-    print(f"the worker clock adds {batch:.0f} ns per micro-batch of 64, and its figures {message:.0f} ns to its message")
+    print(
+        f"the worker clock adds {batch:.0f} ns per micro-batch of 64, and its figures {message:.0f} ns to its message"
+    )
     print(
         f"a sampled micro-batch adds {sampled:,.0f} ns (a timing proxy: {proxy:.0f} ns per sample per stage, "
         f"on {SAMPLED} samples; one micro-batch in {SAMPLE_EVERY} is sampled, and the first of each iteration)"

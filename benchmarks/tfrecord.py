@@ -307,9 +307,7 @@ def kernel_ratios(path: str, rounds: int, batch_records: int) -> None:
         def run() -> int:
             kernel.KERNEL = kern
             try:
-                arrays = read_tfrecord_batches(
-                    path, batch_records=batch_records, arrow_type=arrow_type, verify=verify
-                )
+                arrays = read_tfrecord_batches(path, batch_records=batch_records, arrow_type=arrow_type, verify=verify)
                 return sum(len(array) for array in arrays)
             finally:
                 kernel.KERNEL = chosen
