@@ -29,6 +29,7 @@ median as the estimate least disturbed by other processes.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -41,6 +42,7 @@ from _common import free_port
 
 import shardkit
 from shardkit.even import group as even_module
+from shardkit.even import wrapper as wrapper_module
 
 
 def epoch_time(loader: Iterable[Any], step: Callable[[], None]) -> tuple[float, float]:
@@ -113,6 +115,58 @@ def per_batch(
     return {name: (statistics.median(values), min(values)) for name, values in times.items()}, chosen
 
 
+def targets(results: dict[str, tuple[float, float]], plain: float) -> list[str]:
+    """The two targets: every=1 adds at most 100 us a batch, or every="auto" at most 1% of the step."""
+    every1, auto, floor = (results[name][0] - plain for name in ("even_batches(every=1)", AUTO, FLOOR))
+    share = auto / plain
+    return [
+        f"target: every=1 adds <= 100 us a batch: {every1 * 1e6:.0f} us ({'met' if every1 <= 100e-6 else 'NOT met'}; "
+        f"the bare agreement alone adds {floor * 1e6:.0f} us)",
+        f"target: every='auto' adds <= 1% of the step: {share:.1%} ({'met' if share <= 0.01 else 'NOT met'})",
+    ]
+
+
+class _Finished:
+    """A finished all-reduce."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _AtOnce:
+    """A side group whose agreements finish at once: what is left is the wrapper's own Python."""
+
+    rank, size, posted, round_trip = 0, 1, 0, 500e-6
+
+    def all_reduce_min(self, tensor: torch.Tensor) -> _Finished:
+        self.posted += 1
+        return _Finished()
+
+
+def wrapper_python(batches: list[torch.Tensor], rounds: int = 7) -> dict[str, float]:
+    """Microseconds of CPU each variant adds to a batch over iterating the list, medians of interleaved rounds."""
+    side, made = _AtOnce(), wrapper_module._side_group
+    wrapper_module._side_group = lambda group: side  # type: ignore[assignment]
+    try:
+        runs: dict[str, Callable[[], Iterable[Any]]] = {
+            "plain loop": lambda: batches,
+            "even_batches(every=1)": lambda: shardkit.even_batches(batches),
+            "even_batches(every=8)": lambda: shardkit.even_batches(batches, every=8),
+            AUTO: lambda: shardkit.even_batches(batches, every="auto"),
+        }
+        cpu: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name, make in runs.items():
+                start = time.process_time()
+                for _ in make():
+                    pass
+                cpu[name].append(time.process_time() - start)
+    finally:
+        wrapper_module._side_group = made
+    plain = statistics.median(cpu.pop("plain loop"))
+    return {name: (statistics.median(times) - plain) / len(batches) * 1e6 for name, times in cpu.items()}
+
+
 def first_batch(batches: list[torch.Tensor], rounds: int) -> dict[str, float]:
     """Median seconds from iter() to the first batch, and what making the side group costs."""
     even_module._SIDE_GROUPS.clear()
@@ -162,11 +216,18 @@ def run(rank: int, port: int, args: argparse.Namespace) -> None:
                 )
             windows = sorted({w for w in chosen}, key=lambda w: -1 if w is None else w)
             lines.append(f"every='auto' chose window {' / '.join(map(str, windows))} (over {len(chosen)} epochs)")
+            lines += targets(results, plain)
         waits = first_batch(batches, args.rounds)
         lines.append(f"\n{'first batch':<52}{'us':>8}")
         lines += [f"{name:<52}{seconds * 1e6:>8.0f}" for name, seconds in waits.items()]
+        own = wrapper_python(batches * 50)
+        lines.append("\nthe wrapper's own Python per batch (a side group that agrees at once, CPU time, one process):")
+        lines += [f"  {name:<26}{us:>6.1f} us" for name, us in own.items()]
         if rank == 0:
-            print(f"2 gloo ranks, {args.batches} batches per epoch, medians of {args.rounds} interleaved rounds")
+            print(
+                f"2 gloo ranks, {args.batches} batches per epoch, medians of {args.rounds} interleaved rounds; "
+                f"load {os.getloadavg()[0]:.1f} at the end"
+            )
             print("\n".join(lines), flush=True)
     finally:
         dist.destroy_process_group()

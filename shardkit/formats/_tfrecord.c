@@ -33,11 +33,13 @@
  * CRC-32C, to the crc32c package's values (the tests compare every path):
  * - data CRCs are computed four records at a time (check_group): with
  *   AVX-512 VPCLMULQDQ (checked at run time; SHARDKIT_NO_AVX512=1 turns it
- *   off), each record folds 64 bytes a step by carry-less multiplication in a
+ *   and the AVX2 folding below off), each record folds 64 bytes a step by carry-less multiplication in a
  *   register of its own, the four chains interleaved, about three times the
- *   crc32 instruction's speed on records of 1 KB; else three records run as
- *   three interleaved crc32 streams (the instruction's latency is 3 cycles,
- *   its throughput 1);
+ *   crc32 instruction's speed on records of 1 KB; with AVX2 VPCLMULQDQ only
+ *   (AMD Zen 3, Intel Alder Lake), the same with 32 bytes a step in 256-bit
+ *   registers, about 1.1x four crc32 streams there; else four records run as
+ *   four interleaved crc32 streams (the instruction's latency is 3 cycles,
+ *   its throughput 1: three streams and a fourth record alone took 1.2x as long);
  * - one buffer alone: folding from 256 bytes, else the crc32 instruction
  *   with three streams combined by zero-shift tables (Mark Adler's method, as
  *   in the crc32c package), else slicing-by-8 tables.
@@ -68,7 +70,9 @@ static uint32_t table8[8][256];           /* slicing-by-8 */
 static uint32_t zeros_long[4][256];       /* shift a CRC over LONG_BLOCK zero bytes */
 static uint32_t zeros_short[4][256];      /* ... over SHORT_BLOCK zero bytes */
 static int hardware = 0;                  /* SSE4.2 present */
-static int vector = 0;                    /* AVX-512 with VPCLMULQDQ present (and enabled by the OS) */
+static int vector = 0;                    /* VECTOR_AVX512 or VECTOR_AVX2 (VPCLMULQDQ present, enabled by the OS) */
+#define VECTOR_AVX512 1                   /* 512-bit folding: crc_vector, crc_vector4 */
+#define VECTOR_AVX2 2                     /* 256-bit folding of four records at once: crc_vector4_avx2 */
 /* Folding constants (see crc_vector): per distance D bits, the pair (x^(D+31) mod P, x^(D-33) mod P). */
 static uint64_t fold_2048[2], fold_512[2], fold_lanes[8];
 
@@ -205,6 +209,27 @@ __attribute__((target("sse4.2"))) static void crc_hardware3(const uint8_t *const
     out[2] = crc_hardware_on((uint32_t)c2, c + common, len[2] - common) ^ 0xFFFFFFFFu;
 }
 
+/* crc_hardware3 with four buffers: the instruction's throughput (one a cycle) bounds four streams, where three
+ * streams and a fourth record alone left the fourth latency-bound (three cycles per 8 bytes). */
+__attribute__((target("sse4.2"))) static void crc_hardware4(const uint8_t *const p[4], const size_t len[4],
+                                                            uint32_t out[4]) {
+    size_t common = len[0];
+    for (int j = 1; j < 4; j++) common = len[j] < common ? len[j] : common;
+    common &= ~(size_t)7;
+    uint64_t c0 = 0xFFFFFFFFu, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu, c3 = 0xFFFFFFFFu;
+    const uint8_t *a = p[0], *b = p[1], *c = p[2], *d = p[3];
+    for (size_t i = 0; i < common; i += 8) {
+        c0 = _mm_crc32_u64(c0, load64(a + i));
+        c1 = _mm_crc32_u64(c1, load64(b + i));
+        c2 = _mm_crc32_u64(c2, load64(c + i));
+        c3 = _mm_crc32_u64(c3, load64(d + i));
+    }
+    out[0] = crc_hardware_on((uint32_t)c0, a + common, len[0] - common) ^ 0xFFFFFFFFu;
+    out[1] = crc_hardware_on((uint32_t)c1, b + common, len[1] - common) ^ 0xFFFFFFFFu;
+    out[2] = crc_hardware_on((uint32_t)c2, c + common, len[2] - common) ^ 0xFFFFFFFFu;
+    out[3] = crc_hardware_on((uint32_t)c3, d + common, len[3] - common) ^ 0xFFFFFFFFu;
+}
+
 /* x^n mod P, bit-reflected (bit i is the coefficient of x^(31-i)). */
 static uint32_t xpow(unsigned n) {
     uint32_t r = 0x80000000u;
@@ -297,6 +322,54 @@ VECTOR_TARGET static void crc_vector4(const uint8_t *const p[4], const size_t le
 #endif
 
 #if HAVE_SSE42
+#define VECTOR2_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
+
+/* x * x^D + data, modulo P, on two 128-bit lanes at once (k holds the pair for D). */
+VECTOR2_TARGET static inline __m256i fold2(__m256i x, __m256i k, __m256i data) {
+    return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00), _mm256_clmulepi64_epi128(x, k, 0x11)),
+                            data);
+}
+
+/* The CRC register (not inverted) of the 32 bytes folded into x: its first lane folded onto its second (128 bits
+ * on), whose 128 bits the crc32 instruction reduces, as reduce_vector does with four lanes. */
+VECTOR2_TARGET static inline uint32_t reduce_vector2(__m256i x) {
+    __m128i k = _mm_loadu_si128((const __m128i *)(fold_lanes + 4)); /* 128 bits */
+    __m128i lo = _mm256_castsi256_si128(x), hi = _mm256_extracti128_si256(x, 1);
+    __m128i y = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(lo, k, 0x00), _mm_clmulepi64_si128(lo, k, 0x11)), hi);
+    uint32_t crc = (uint32_t)_mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(y));
+    return (uint32_t)_mm_crc32_u64(crc, (uint64_t)_mm_extract_epi64(y, 1));
+}
+
+/* crc_vector4 for CPUs with VPCLMULQDQ but not AVX-512 (AMD Zen 3, Intel Alder Lake): four buffers of at least
+ * 32 bytes, each folding 32 bytes a step in a 256-bit register of its own, the four chains interleaved. On records
+ * of 1 KB (an AMD EPYC, Zen 3) about 20 GB/s, 1.1x crc_hardware4's four crc32 streams, 1.25x three streams and a
+ * fourth record alone. */
+VECTOR2_TARGET static void crc_vector4_avx2(const uint8_t *const p[4], const size_t len[4], uint32_t out[4]) {
+    size_t common = len[0];
+    for (int j = 1; j < 4; j++) common = len[j] < common ? len[j] : common;
+    common &= ~(size_t)31;
+    const __m256i k = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(fold_lanes + 2))); /* 256 bits */
+    const __m256i start = _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)0xFFFFFFFFu));
+    __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p[0]), start);
+    __m256i x1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p[1]), start);
+    __m256i x2 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p[2]), start);
+    __m256i x3 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p[3]), start);
+    for (size_t at = 32; at < common; at += 32) {
+        x0 = fold2(x0, k, _mm256_loadu_si256((const __m256i *)(p[0] + at)));
+        x1 = fold2(x1, k, _mm256_loadu_si256((const __m256i *)(p[1] + at)));
+        x2 = fold2(x2, k, _mm256_loadu_si256((const __m256i *)(p[2] + at)));
+        x3 = fold2(x3, k, _mm256_loadu_si256((const __m256i *)(p[3] + at)));
+    }
+    uint32_t r0 = reduce_vector2(x0), r1 = reduce_vector2(x1), r2 = reduce_vector2(x2), r3 = reduce_vector2(x3);
+    _mm256_zeroupper(); /* see crc_vector4 */
+    out[0] = crc_hardware_on(r0, p[0] + common, len[0] - common) ^ 0xFFFFFFFFu;
+    out[1] = crc_hardware_on(r1, p[1] + common, len[1] - common) ^ 0xFFFFFFFFu;
+    out[2] = crc_hardware_on(r2, p[2] + common, len[2] - common) ^ 0xFFFFFFFFu;
+    out[3] = crc_hardware_on(r3, p[3] + common, len[3] - common) ^ 0xFFFFFFFFu;
+}
+#endif
+
+#if HAVE_SSE42
 __attribute__((target("sse4.2"))) static uint32_t crc8_hardware(uint64_t v) {
     return (uint32_t)_mm_crc32_u64(0xFFFFFFFFu, v) ^ 0xFFFFFFFFu;
 }
@@ -318,7 +391,7 @@ static inline uint32_t crc8(const uint8_t *p) {
 
 static inline uint32_t crc32c(const uint8_t *p, size_t len) {
 #if HAVE_SSE42
-    if (vector && len >= VECTOR_MIN) return crc_vector(p, len);
+    if (vector == VECTOR_AVX512 && len >= VECTOR_MIN) return crc_vector(p, len);
     if (hardware) return crc_hardware(p, len);
 #endif
     return crc_software(p, len);
@@ -327,15 +400,21 @@ static inline uint32_t crc32c(const uint8_t *p, size_t len) {
 #define GROUP 4       /* records whose data CRCs are computed together */
 #define GROUP_MIN 64  /* ... by crc_vector4 when each has at least this many bytes */
 
-/* The CRCs of k <= GROUP buffers: interleaved (crc_vector4, crc_hardware3) where the CPU and lengths allow. */
+/* The CRCs of k <= GROUP buffers: interleaved (crc_vector4 or crc_vector4_avx2, crc_hardware4 or 3) where the CPU
+ * and lengths allow. */
 static void crc32c_group(int k, const uint8_t *const p[GROUP], const size_t len[GROUP], uint32_t out[GROUP]) {
     int done = 0;
 #if HAVE_SSE42
     if (vector && k == 4 && len[0] >= GROUP_MIN && len[1] >= GROUP_MIN && len[2] >= GROUP_MIN && len[3] >= GROUP_MIN) {
-        crc_vector4(p, len, out);
+        if (vector == VECTOR_AVX512) crc_vector4(p, len, out);
+        else crc_vector4_avx2(p, len, out);
         return;
     }
-    if (hardware && k >= 3) {
+    if (hardware && k == 4) {
+        crc_hardware4(p, len, out);
+        return;
+    }
+    if (hardware && k == 3) {
         crc_hardware3(p, len, out);
         done = 3;
     }
@@ -937,9 +1016,13 @@ PyMODINIT_FUNC PyInit__tfrecord(void) {
 #if HAVE_SSE42
     __builtin_cpu_init();
     hardware = __builtin_cpu_supports("sse4.2") != 0;
-    vector = hardware && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("vpclmulqdq") &&
-             __builtin_cpu_supports("pclmul") && getenv("SHARDKIT_NO_AVX512") == NULL;
+    int folding = hardware && __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") &&
+                  getenv("SHARDKIT_NO_AVX512") == NULL; /* (the variable turns off both widths of folding) */
+    if (folding && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw"))
+        vector = VECTOR_AVX512;
+    else if (folding && __builtin_cpu_supports("avx2"))
+        vector = VECTOR_AVX2;
     init_folding();
 #endif
     PyObject *module = PyModule_Create(&module_def);

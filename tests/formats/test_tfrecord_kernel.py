@@ -113,11 +113,14 @@ def test_the_c_crc32c_matches_on_every_length_around_its_interleaved_blocks() ->
 
 @needs_c
 def test_the_c_crc32c_matches_on_every_length_around_its_folding_steps_with_and_without_avx512() -> None:
-    """Lengths around the carry-less folding's 256- and 64-byte steps, in this process (AVX-512 when the CPU has it)
-    and in one with ``SHARDKIT_NO_AVX512`` set (the crc32 instruction), against the crc32c package."""
+    """Lengths around the carry-less folding's 256-, 64- and 32-byte steps, in this process (AVX-512, or AVX2 with
+    VPCLMULQDQ, when the CPU has it) and in one with ``SHARDKIT_NO_AVX512`` set (four crc32 streams), against the
+    crc32c package."""
     data = random.Random(5).randbytes(4096 + 64)
     lengths = [*range(240, 400), *range(1000, 1040), 2048, 4095, 4096, len(data)]
     assert [compiled.crc32c(data[:n]) for n in lengths] == [crc32c_package(data[:n]) for n in lengths]  # type: ignore[union-attr]
+    records = [data[i % 7 : i % 7 + n] for i, n in enumerate(lengths)]  # four at a time: AVX-512 or AVX2 folding
+    assert compiled.crc32c_records(records) == [crc32c_package(r) for r in records]  # type: ignore[union-attr]
     probe = (
         "import json, random, sys; from shardkit.formats import _tfrecord as k; data = random.Random(5).randbytes(4160);"
         f"lengths = {lengths!r}; records = [data[i % 7 : i % 7 + n] for i, n in enumerate(lengths)];"

@@ -35,8 +35,8 @@ one is used when ``shardkit.formats._tfrecord`` is built, unless
 ``SHARDKIT_PURE_PYTHON=1`` is set (the same switch as the tf.Example decoder's).
 Both return the same ends, records and first bad record for any bytes; the
 tests run them side by side on valid, mutated and truncated files. The C
-kernel computes CRC-32C itself (AVX-512 carry-less multiplication or SSE4.2
-when the CPU has them, else tables; the data CRCs of four records at once),
+kernel computes CRC-32C itself (carry-less multiplication with AVX-512 or AVX2,
+or SSE4.2, when the CPU has them, else tables; the data CRCs of four records at once),
 to the ``crc32c`` package's values.
 """
 
