@@ -32,6 +32,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: The optional rows the checks of positions and documents read.
+IDS = {"position_ids": True, "document_ids": True}
+
 
 def documents(lengths: list[int] | np.ndarray, dtype: Any = np.int64) -> list[dict[str, Any]]:
     """Samples whose ``input_ids`` are consecutive runs of ids: all together, ``arange(sum(lengths))``."""
@@ -68,7 +71,7 @@ def segments(block: dict[str, torch.Tensor]) -> list[tuple[np.ndarray, np.ndarra
 @settings(max_examples=examples(50), deadline=None)
 @given(lengths=st.lists(st.integers(0, 300), max_size=40), seq_len=st.integers(1, 97))
 def test_concat_reproduces_the_token_stream_exactly_with_positions_restarting_at_each_document(lengths, seq_len):
-    blocks = list(shardkit.wrap(documents(lengths)).pack(seq_len))
+    blocks = list(shardkit.wrap(documents(lengths)).pack(seq_len, **IDS))
     total = sum(lengths)
     assert len(blocks) == -(-total // seq_len)
     assert np.array_equal(real_tokens(blocks), np.arange(total))
@@ -90,13 +93,15 @@ def test_concat_reproduces_the_token_stream_exactly_with_positions_restarting_at
 
 def test_concat_pads_with_pad_id_and_takes_lists_tensors_and_any_integer_dtype():
     lengths = [5, 6, 6]
-    as_numpy = list(shardkit.wrap(documents(lengths, np.uint16)).pack(8, pad_id=-100))
+    as_numpy = list(shardkit.wrap(documents(lengths, np.uint16)).pack(8, pad_id=-100, dtype=np.int64, **IDS))
     as_lists = list(
-        shardkit.wrap([{"input_ids": d["input_ids"].tolist()} for d in documents(lengths)]).pack(8, pad_id=-100)
+        shardkit.wrap([{"input_ids": d["input_ids"].tolist()} for d in documents(lengths)]).pack(
+            8, pad_id=-100, **IDS
+        )
     )
     as_tensors = list(
         shardkit.wrap([{"input_ids": torch.from_numpy(d["input_ids"])} for d in documents(lengths)]).pack(
-            8, pad_id=-100
+            8, pad_id=-100, dtype=torch.int64, **IDS
         )
     )
     for other in (as_lists, as_tensors):
@@ -133,12 +138,12 @@ def test_token_list_columns_of_jsonl_and_parquet_files_pack_to_the_same_blocks(t
     rows = [{"input_ids": d["input_ids"].tolist()} for d in documents([40, 7, 90, 3, 55])]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "docs.parquet")
-    expected = list(shardkit.wrap(rows).pack(32))
+    expected = list(shardkit.wrap(rows).pack(32, **IDS))
     for dataset in (
         shardkit.JsonlDataset(str(tmp_path / "docs.jsonl")),
         shardkit.ParquetDataset(str(tmp_path / "docs.parquet")),
     ):
-        assert same_blocks(list(dataset.pack(32)), expected), dataset
+        assert same_blocks(list(dataset.pack(32, **IDS)), expected), dataset
 
 
 # -- best_fit --------------------------------------------------------------------------
@@ -154,7 +159,7 @@ def test_best_fit_keeps_every_document_whole_unless_longer_than_a_block_and_pack
     lengths, seq_len, buffer_size
 ):
     docs = documents(lengths)
-    blocks = list(shardkit.wrap(docs).pack(seq_len, strategy="best_fit", buffer_size=buffer_size))
+    blocks = list(shardkit.wrap(docs).pack(seq_len, strategy="best_fit", buffer_size=buffer_size, **IDS))
     starts = {int(d["input_ids"][0]): len(d["input_ids"]) for d in docs if len(d["input_ids"])}
     seen = []
     for block in blocks:
@@ -175,7 +180,7 @@ def test_best_fit_keeps_every_document_whole_unless_longer_than_a_block_and_pack
 
 def test_best_fit_fills_blocks_of_2048_to_99_percent_on_lognormal_documents():
     lengths = lognormal_lengths(3000)
-    blocks = list(shardkit.wrap(documents(lengths, np.int32)).pack(2048, strategy="best_fit"))
+    blocks = list(shardkit.wrap(documents(lengths, np.int32)).pack(2048, strategy="best_fit", **IDS))
     fill = lengths.sum() / (len(blocks) * 2048)
     assert fill >= 0.99, fill
     assert np.array_equal(np.sort(real_tokens(blocks)), np.arange(lengths.sum()))
@@ -216,7 +221,7 @@ def test_packing_has_no_length_since_it_depends_on_the_token_counts():
 
 # -- resume --------------------------------------------------------------------------------
 
-STRATEGY_ARGS = {"concat": {}, "best_fit": {"strategy": "best_fit", "buffer_size": 6}}
+STRATEGY_ARGS = {"concat": {**IDS}, "best_fit": {"strategy": "best_fit", "buffer_size": 6, **IDS}}
 
 
 def shuffled_documents(strategy: str, seq_len: int = 64) -> Pipeline:
