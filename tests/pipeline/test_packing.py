@@ -210,6 +210,47 @@ def test_settings_that_cannot_work_are_refused_naming_the_argument():
         source.pack(8, strategy="best_fit", buffer_size=0)
 
 
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.int64])
+def test_blocks_keep_the_documents_dtype_byte_exact_and_hold_the_id_rows_only_when_asked(dtype, strategy):
+    lengths = [5, 0, 13, 2, 9, 30, 1]
+    docs = documents(lengths, dtype)
+    plain = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7))
+    both = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7, **IDS))
+    assert all(list(b) == ["input_ids"] and b["input_ids"].numpy().dtype == dtype for b in plain)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(plain, both, strict=True))
+    real = np.concatenate([b["input_ids"].numpy()[b["document_ids"].numpy() >= 0] for b in both])
+    stream = np.concatenate([d["input_ids"] for d in docs])
+    assert (real if strategy == "concat" else np.sort(real)).tobytes() == stream.tobytes()
+    for name in IDS:
+        one = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7, **{name: True}))
+        assert all(sorted(a) == sorted(["input_ids", name]) and torch.equal(a[name], b[name]) for a, b in zip(one, both))
+        assert all(a[name].dtype == torch.int64 for a in one)
+    wide = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7, dtype=torch.int64))
+    assert all(torch.equal(a["input_ids"], b["input_ids"].long()) and a["input_ids"].dtype == torch.int64
+               for a, b in zip(wide, both))  # fmt: skip
+
+
+def test_a_token_the_blocks_dtype_cannot_hold_is_an_error_naming_dtype_never_a_wrap_round():
+    small = {"input_ids": np.array([1, 2], np.uint16)}
+    fits, big = {"input_ids": np.array([3, 65_535], np.int64)}, {"input_ids": np.array([4, 70_000], np.int32)}
+    blocks = list(shardkit.wrap([small, fits]).pack(4))
+    assert blocks[0]["input_ids"].dtype == torch.uint16 and blocks[0]["input_ids"].tolist() == [1, 2, 3, 65_535]
+    with pytest.raises(PackError, match=r"token 70000 of a int32 document does not fit the blocks' dtype uint16.*dtype="):
+        list(shardkit.wrap([small, big]).pack(4))
+    with pytest.raises(PackError, match=r"token -3 of a int64 document does not fit pack\(dtype=uint8\)"):
+        list(shardkit.wrap([{"input_ids": [5, -3]}]).pack(4, dtype=np.uint8))
+    with pytest.raises(PackError, match=r"pad_id=-100\) does not fit the documents' dtype uint16.*dtype=np.int64"):
+        list(shardkit.wrap([small]).pack(4, pad_id=-100))
+    source = shardkit.wrap([small])
+    with pytest.raises(PipelineError, match=r"pack\(dtype\) must be an integer dtype.*float32"):
+        source.pack(4, dtype=np.float32)
+    with pytest.raises(PipelineError, match=r"pack\(pad_id=-1\) does not fit pack\(dtype=uint16\)"):
+        source.pack(4, pad_id=-1, dtype=torch.uint16)
+    with pytest.raises(PipelineError, match=r"pack\(position_ids\) must be True or False"):
+        source.pack(4, position_ids="yes")  # pyright: ignore[reportArgumentType]
+
+
 def test_packing_has_no_length_since_it_depends_on_the_token_counts():
     packed = shardkit.wrap(documents([3, 4])).pack(8)
     with pytest.raises(UnknownLengthError, match="pack"):
@@ -284,6 +325,23 @@ def test_mixed_loader_with_two_workers_resumes_exactly_and_on_other_worker_count
         other.load_state_dict(saved)
         got = np.concatenate([real_tokens([b]) for b in delivered] + [real_tokens([b]) for b in other])
         assert np.array_equal(np.sort(got), everything), f"restored on {workers} workers"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_a_token_file_packed_on_two_ranks_of_two_workers_yields_every_token_once_in_its_dtype(strategy, tmp_path):
+    from tests.helpers.tokens import DOCS, write_pair
+
+    prefix = write_pair(tmp_path, dtype=np.int32)
+    seen = []
+    for rank in (0, 1):
+        dataset = shardkit.TokenDataset(prefix, rank=rank, world_size=2, balance="none", shuffle=True)
+        blocks = dataset.pack(16, strategy=strategy, pad_id=-1)
+        for batch in MixedLoader(blocks, batch_size=4, num_workers=2):
+            assert batch["input_ids"].dtype == torch.int32 and list(batch) == ["input_ids"]
+            seen.append(batch["input_ids"].numpy().ravel())
+    tokens = np.concatenate(seen)
+    assert np.array_equal(np.sort(tokens[tokens != -1]), np.sort(np.concatenate(DOCS)).astype(np.int32))
 
 
 @pytest.mark.slow
