@@ -213,7 +213,9 @@ def blocks_part(args: argparse.Namespace) -> None:
     print("| loader | tokens/s (median) | tokens per epoch | block dtype |")
     print("| --- | ---: | ---: | --- |")
     for name, times in seconds.items():
-        print(f"| {name} | {seen[name][0] / statistics.median(times) / 1e6:,.1f} M | {seen[name][0]:,} | {seen[name][1]} |")
+        print(
+            f"| {name} | {seen[name][0] / statistics.median(times) / 1e6:,.1f} M | {seen[name][0]:,} | {seen[name][1]} |"
+        )
     if len(loaders) == 2:
         mine, theirs = seconds.values()
         (mine_tokens, _), (their_tokens, _) = seen.values()

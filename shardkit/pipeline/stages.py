@@ -46,7 +46,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-
 from torch.utils.data import IterableDataset, default_collate
 
 from shardkit.epoch import check_epoch, load_outermost, open_pass
@@ -576,7 +575,6 @@ class Pack(_Wrapper):
 
     def __repr__(self) -> str:
         buffer = f", buffer_size={self.buffer_size}" if self.strategy == "best_fit" else ""
-        extra = "".join(
-            f", {name}=True" for name in ("position_ids", "document_ids") if getattr(self, name)
-        ) + (f", dtype={self.dtype.name}" if self.dtype is not None else "")
+        extra = "".join(f", {name}=True" for name in ("position_ids", "document_ids") if getattr(self, name))
+        extra += f", dtype={self.dtype.name}" if self.dtype is not None else ""
         return f"{self.source!r}.pack({self.seq_len}, key={self.key!r}, strategy={self.strategy!r}{buffer}{extra})"

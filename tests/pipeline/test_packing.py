@@ -95,9 +95,7 @@ def test_concat_pads_with_pad_id_and_takes_lists_tensors_and_any_integer_dtype()
     lengths = [5, 6, 6]
     as_numpy = list(shardkit.wrap(documents(lengths, np.uint16)).pack(8, pad_id=-100, dtype=np.int64, **IDS))
     as_lists = list(
-        shardkit.wrap([{"input_ids": d["input_ids"].tolist()} for d in documents(lengths)]).pack(
-            8, pad_id=-100, **IDS
-        )
+        shardkit.wrap([{"input_ids": d["input_ids"].tolist()} for d in documents(lengths)]).pack(8, pad_id=-100, **IDS)
     )
     as_tensors = list(
         shardkit.wrap([{"input_ids": torch.from_numpy(d["input_ids"])} for d in documents(lengths)]).pack(
@@ -224,7 +222,9 @@ def test_blocks_keep_the_documents_dtype_byte_exact_and_hold_the_id_rows_only_wh
     assert (real if strategy == "concat" else np.sort(real)).tobytes() == stream.tobytes()
     for name in IDS:
         one = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7, **{name: True}))
-        assert all(sorted(a) == sorted(["input_ids", name]) and torch.equal(a[name], b[name]) for a, b in zip(one, both))
+        assert all(
+            sorted(a) == sorted(["input_ids", name]) and torch.equal(a[name], b[name]) for a, b in zip(one, both)
+        )
         assert all(a[name].dtype == torch.int64 for a in one)
     wide = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7, dtype=torch.int64))
     assert all(torch.equal(a["input_ids"], b["input_ids"].long()) and a["input_ids"].dtype == torch.int64
@@ -236,7 +236,9 @@ def test_a_token_the_blocks_dtype_cannot_hold_is_an_error_naming_dtype_never_a_w
     fits, big = {"input_ids": np.array([3, 65_535], np.int64)}, {"input_ids": np.array([4, 70_000], np.int32)}
     blocks = list(shardkit.wrap([small, fits]).pack(4))
     assert blocks[0]["input_ids"].dtype == torch.uint16 and blocks[0]["input_ids"].tolist() == [1, 2, 3, 65_535]
-    with pytest.raises(PackError, match=r"token 70000 of a int32 document does not fit the blocks' dtype uint16.*dtype="):
+    with pytest.raises(
+        PackError, match=r"token 70000 of a int32 document does not fit the blocks' dtype uint16.*dtype="
+    ):
         list(shardkit.wrap([small, big]).pack(4))
     with pytest.raises(PackError, match=r"token -3 of a int64 document does not fit pack\(dtype=uint8\)"):
         list(shardkit.wrap([{"input_ids": [5, -3]}]).pack(4, dtype=np.uint8))
