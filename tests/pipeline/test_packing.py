@@ -502,3 +502,5 @@ def test_pack_is_a_pipeline_stage_that_shows_its_settings():
     packed = shardkit.wrap(documents([3])).pack(16, strategy="best_fit")
     assert isinstance(packed, Pack) and packed.buffer_size == Pack.DEFAULT_BUFFER
     assert repr(packed).endswith(".pack(16, key='input_ids', strategy='best_fit', buffer_size=256)")
+    asked = shardkit.wrap(documents([3])).pack(16, document_ids=True, dtype=torch.int64)
+    assert repr(asked).endswith(".pack(16, key='input_ids', strategy='concat', document_ids=True, dtype=int64)")
