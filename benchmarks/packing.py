@@ -39,7 +39,7 @@ import numpy as np
 
 import shardkit
 
-#: Issue 39: best-fit at least 1.5x trl's BFD at equal fill, and not behind Grain's packer.
+#: The targets: best-fit at least 1.5x trl's BFD at equal fill, and not behind Grain's packer.
 TARGETS = {"trl pack_dataset bfd": 1.5, "Grain BestFitPackIterDataset": 1.0}
 
 Packer = Callable[[list[np.ndarray], int], tuple[int, int]]  # (documents, seq_len) -> (blocks, real tokens)

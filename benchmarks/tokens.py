@@ -13,7 +13,7 @@ Each case runs ``--rounds`` times, interleaved, and the best is kept (2 shared
 cores make the rest noise). Documents and tokens per second; the checksum
 column is the tokens each case saw (all must agree).
 
-Part ``blocks`` (issue 39: shardkit >= 1.5x LitData): ``--tokens`` (50M) int32 tokens,
+Part ``blocks`` (target: shardkit >= 1.5x LitData): ``--tokens`` (50M) int32 tokens,
 the same documents written by each system's own writer (``shardkit.TokenWriter``; LitData's
 ``litdata.optimize`` with ``TokensLoader()``, chunks of 2,049 x 8,012 tokens as its
 pretraining example has them), loaded into blocks of 2,048 tokens, batch 8, 2 workers:
@@ -118,7 +118,7 @@ def read_part(args: argparse.Namespace) -> None:
 
 # -- blocks: TokenDataset -> .pack -> MixedLoader against LitData's TokensLoader ----------------------------------
 
-TARGET = 1.5  # issue 39: shardkit's blocks at least 1.5x LitData's
+TARGET = 1.5  # the target: shardkit's blocks at least 1.5x as fast as LitData's
 
 
 def write_both(root: str, tokens: int, dtype: np.dtype) -> tuple[str, str, int]:
