@@ -137,7 +137,7 @@ def token_dtype(dtype: Any, error: type[Exception] = PackError) -> np.dtype | No
         found = torch.empty(0, dtype=dtype).numpy().dtype if isinstance(dtype, torch.dtype) else np.dtype(dtype)
     except (TypeError, RuntimeError):
         found = None
-    if found is None or found.kind not in "iu" or found.itemsize > 8 or found == np.uint64:
+    if found is None or found.kind not in "iu":
         raise error(
             f"pack(dtype) must be an integer dtype torch holds (np.int32, np.uint16, torch.int64, ...) or None "
             f"to keep the documents' own, got {dtype!r}"
