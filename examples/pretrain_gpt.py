@@ -14,7 +14,8 @@ unless they are there. The input pipeline, the same on every rank:
 * ``shardkit.interleave(..., weights=shardkit.Schedule(..., unit="tokens"))``
   mixes them 90/10 at first and anneals to 50/50 over the first 60,000
   tokens all ranks read together;
-* ``.pack(SEQ_LEN, strategy="best_fit")`` fills blocks with whole documents,
+* ``.pack(SEQ_LEN, strategy="best_fit", position_ids=True, document_ids=True)``
+  fills blocks with whole documents (as int64 tokens: ``dtype=torch.int64``),
   with ``position_ids`` restarting at each document and ``document_ids``, from
   which the model builds a causal block-diagonal mask (see docs/pretraining.md);
 * ``shardkit.MixedLoader`` mixes every worker into every batch.
@@ -63,7 +64,9 @@ def write_corpora(root: Path) -> None:
 def build_loader(root: Path, workers: int) -> shardkit.MixedLoader:
     sources = [shardkit.TokenDataset(str(root / f"{name}_text_document"), shuffle=True).repeat() for name in CORPORA]
     schedule = shardkit.Schedule([(0, [0.9, 0.1]), (60_000, [0.5, 0.5])], unit="tokens")
-    blocks = shardkit.interleave(sources, weights=schedule, seed=0).pack(SEQ_LEN, strategy="best_fit")
+    mixed = shardkit.interleave(sources, weights=schedule, seed=0)
+    # int64 tokens for the embedding (the files hold uint16), and the rows that keep documents apart
+    blocks = mixed.pack(SEQ_LEN, strategy="best_fit", dtype=torch.int64, position_ids=True, document_ids=True)
     return shardkit.MixedLoader(blocks, batch_size=BATCH_SIZE, num_workers=workers, persistent_workers=True)
 
 

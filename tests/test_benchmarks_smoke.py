@@ -18,7 +18,7 @@ import pytest
 from tests.helpers.once import once
 from tests.helpers.processes import REPO, run_python
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # one subprocess running six benchmarks
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # one subprocess running seven benchmarks
 
 DRIVER = REPO / "tests" / "scripts" / "benchmarks_quick.py"
 HEADER = "| loader | samples/s | shardkit is |"
@@ -43,6 +43,7 @@ def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int,
         "packing.py",
         "stalls.py",
         "autotune.py",
+        "tokens.py",
     ]
 
     def run() -> dict[str, tuple[int, str, str]]:  # once for every xdist worker that runs one of the tests
@@ -113,6 +114,17 @@ def test_autotune_benchmark_quick_runs_every_workload_and_compares_auto_with_the
         assert f"### {workload}:" in out, out[-3000:]
     assert out.count("auto / best (") == 3, out[-3000:]
     assert "targets met on" in out
+
+
+def test_tokens_benchmark_quick_reads_every_document_and_packs_every_token_once_in_int32(quick_runs) -> None:
+    out = output_of(quick_runs, "tokens.py")
+    seen = [line.split(" | ")[-1].strip(" |") for line in out.splitlines() if line.startswith("| shardkit ")]
+    assert len(seen) == 4 and len(set(seen[:3])) == 1, out  # every shardkit reader saw the same tokens
+    written = int(re.search(r"^([\d,]+) int32 tokens in blocks of 2048", out, re.M).group(1).replace(",", ""))
+    row = next(line for line in out.splitlines() if line.startswith("| shardkit TokenDataset.pack + MixedLoader |"))
+    per_epoch, dtype = (cell.strip() for cell in row.strip("| ").split(" | ")[2:4])
+    assert dtype == "torch.int32", row
+    assert written <= int(per_epoch.replace(",", "")) < written + 2 * 2048, row  # at most a padded block per worker
 
 
 @pytest.mark.timeout(300)

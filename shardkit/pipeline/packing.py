@@ -1,13 +1,18 @@
 """The iterator of ``.pack()``: documents (token arrays) packed into blocks of ``seq_len`` tokens.
 
-Each block is ``{"input_ids", "position_ids", "document_ids"}``, three
-``LongTensor[seq_len]``: the tokens, each token's position in its document
-(0 at a document's start; a document split over blocks goes on counting
-where it left off), and the index of its document within the block (0, 1,
-...), ``-1`` where the block is padded with ``pad_id``. Padding positions
-count 0, 1, ... like a document of their own, so both a block-diagonal mask
-(from ``document_ids``) and ``cu_seqlens`` (from ``position_ids``) keep them
-apart from the documents (see ``docs/pretraining.md``).
+Each block is ``{"input_ids": Tensor[seq_len]}``, the tokens in the
+documents' own dtype (int32 and uint16 stay so; ``dtype=`` asks for
+another), padded at the end with ``pad_id``. Two more rows, each a
+``LongTensor[seq_len]``, come when asked: ``position_ids``, each token's
+position in its document (0 at a document's start; a document split over
+blocks goes on counting where it left off), and ``document_ids``, the index
+of its document within the block (0, 1, ...), ``-1`` where the block is
+padded. Padding positions count 0, 1, ... like a document of their own, so
+both a block-diagonal mask (from ``document_ids``) and ``cu_seqlens`` (from
+``position_ids``) keep them apart from the documents (see
+``docs/pretraining.md``). They are off by default: a trainer that does not
+mask across documents need not pay for (and ship to the main process) two
+int64 rows per block beside a row of int32 tokens.
 
 Two strategies:
 
@@ -19,19 +24,22 @@ Two strategies:
   ``buffer_size`` documents; when the buffer is full, a block opens with
   the oldest piece (one with ``k`` older pieces is in one of the next
   ``k + 1`` blocks) and is filled with, again and again, the longest piece
-  that still fits. With a buffer of hundreds of documents, blocks are above
-  99% full.
+  that still fits (:class:`~shardkit.planning.fitting.FitIndex` finds it
+  with a bit mask over the lengths). With a buffer of hundreds of
+  documents, blocks are above 99% full.
 
-The work per document is a few list operations (``bisect`` over the
-buffer's lengths); tokens are only sliced and copied by numpy, never touched
-one by one in Python. What is not yet in a block is the stage's state: a
-list of *pieces*, each a token array (saved encoded, in its own dtype) and
-the position of its first token in its document.
+The work per document is a few dict and deque operations; tokens are only
+sliced and copied by numpy (one ``concatenate`` into the block), never
+touched one by one in Python. A token that does not fit the blocks' dtype
+(a later document of a wider dtype than the first, or ``dtype=`` narrower
+than the files) is an error naming ``dtype=``, never a silent wrap-round.
+What is not yet in a block is the stage's state: a list of *pieces*, each a
+token array (saved encoded, in its own dtype) and the position of its first
+token in its document.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -40,6 +48,7 @@ import numpy as np
 import torch
 
 from shardkit.errors import ShardkitError
+from shardkit.planning.fitting import FitIndex
 from shardkit.stateful import (
     EPOCH,
     INT64_MAX,
@@ -89,6 +98,10 @@ def tokens_of(sample: Any, key: str) -> np.ndarray:
     Raises:
         PackError: the sample is not a mapping with ``key``, or its value is not 1-D integers.
     """
+    if type(sample) is dict:  # the common case, checked without the ABC machinery of isinstance(Mapping)
+        value = sample.get(key)
+        if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu" and value.size:
+            return value
     if not isinstance(sample, Mapping) or key not in sample:
         keys = sorted(map(str, sample)) if isinstance(sample, Mapping) else None
         what = f"a sample with keys {keys}" if keys is not None else f"a {type(sample).__name__} sample"
@@ -111,31 +124,83 @@ def tokens_of(sample: Any, key: str) -> np.ndarray:
     return array
 
 
-def block(parts: Sequence[Piece], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """One packed block from ``parts`` (at most ``seq_len`` tokens in all), padded at the end.
+def token_dtype(dtype: Any, error: type[Exception] = PackError) -> np.dtype | None:
+    """The numpy integer dtype ``pack(dtype=)`` names (a numpy dtype, its name, or a torch integer dtype
+    that numpy has), or None for None (keep the documents' own).
 
-    The three rows are made in one ``[3, seq_len]`` array with a handful of numpy calls
-    (the cost of a block is their overhead, not its tokens).
+    Raises:
+        error: not an integer dtype both numpy and torch hold.
+    """
+    if dtype is None:
+        return None
+    try:
+        found = torch.empty(0, dtype=dtype).numpy().dtype if isinstance(dtype, torch.dtype) else np.dtype(dtype)
+    except (TypeError, RuntimeError):
+        found = None
+    if found is None or found.kind not in "iu":
+        raise error(
+            f"pack(dtype) must be an integer dtype torch holds (np.int32, np.uint16, torch.int64, ...) or None "
+            f"to keep the documents' own, got {dtype!r}"
+        )
+    return found.newbyteorder("=")
+
+
+def check_fits(tokens: np.ndarray, dtype: np.dtype, asked: bool) -> None:
+    """Raise unless every token of ``tokens`` is exactly representable in ``dtype`` (the blocks' dtype).
+
+    Raises:
+        PackError: naming the token, the dtype and ``dtype=``.
+    """
+    if np.can_cast(tokens.dtype, dtype, "safe"):
+        return
+    info = np.iinfo(dtype)
+    low, high = int(tokens.min()), int(tokens.max())
+    if low >= info.min and high <= info.max:
+        return
+    bad = low if low < info.min else high
+    why = f"pack(dtype={dtype})" if asked else f"the blocks' dtype {dtype} (that of the first document)"
+    raise PackError(
+        f"token {bad} of a {tokens.dtype} document does not fit {why}; pass pack(dtype=) a dtype that holds "
+        "every token id, e.g. dtype=np.int64"
+    )
+
+
+def block(
+    parts: Sequence[Piece],
+    seq_len: int,
+    pad_id: int,
+    dtype: np.dtype,
+    *,
+    position_ids: bool = False,
+    document_ids: bool = False,
+) -> dict[str, torch.Tensor]:
+    """One packed block from ``parts`` (at most ``seq_len`` tokens in all, each fitting ``dtype``), padded at
+    the end: ``input_ids`` in ``dtype`` and, when asked, ``position_ids`` and ``document_ids`` (int64).
+
+    Each row is a handful of numpy calls (the cost of a block is their overhead, not its tokens).
     """
     lengths = [len(tokens) for tokens, _ in parts]
     used = sum(lengths)
-    rows = np.empty((3, seq_len), np.int64)
-    input_ids, position_ids, document_ids = rows
+    input_ids = np.empty(seq_len, dtype)
     if parts:
-        np.concatenate([tokens for tokens, _ in parts], out=input_ids[:used], casting="unsafe")
+        np.concatenate([tokens for tokens, _ in parts], out=input_ids[:used], casting="unsafe")  # fit: checked
     input_ids[used:] = pad_id
-    # A token's position is its index in the block less where its piece starts, plus the piece's first position.
-    shifts, start = [], 0
-    for length, (_, first) in zip(lengths, parts):
-        shifts.append(start - first)
-        start += length
-    position_ids[:] = np.arange(seq_len)
-    position_ids[:used] -= np.repeat(shifts, lengths)
-    position_ids[used:] -= used  # the padding counts from 0, like a document of its own
-    document_ids[:used] = np.repeat(np.arange(len(parts)), lengths)
-    document_ids[used:] = PAD_DOCUMENT
-    tensors = torch.from_numpy(rows)
-    return {"input_ids": tensors[0], "position_ids": tensors[1], "document_ids": tensors[2]}
+    out = {"input_ids": torch.from_numpy(input_ids)}
+    if position_ids:
+        # A token's position is its index in the block less where its piece starts, plus the piece's first position.
+        shifts, start = [], 0
+        for length, (_, first) in zip(lengths, parts):
+            shifts.append(start - first)
+            start += length
+        positions = np.arange(seq_len, dtype=np.int64)
+        positions[:used] -= np.repeat(np.array(shifts, np.int64), lengths)
+        positions[used:] -= used  # the padding counts from 0, like a document of its own
+        out["position_ids"] = torch.from_numpy(positions)
+    if document_ids:
+        documents = np.full(seq_len, PAD_DOCUMENT, np.int64)
+        documents[:used] = np.repeat(np.arange(len(parts), dtype=np.int64), lengths)
+        out["document_ids"] = torch.from_numpy(documents)
+    return out
 
 
 class _PackIterator(StageIterator):
@@ -173,6 +238,9 @@ class _PackIterator(StageIterator):
         buffer_size: int,
         epoch: int,
         topology: Topology,
+        dtype: np.dtype | None = None,
+        position_ids: bool = False,
+        document_ids: bool = False,
     ) -> None:
         self._source = source
         self._seq_len = seq_len
@@ -182,13 +250,16 @@ class _PackIterator(StageIterator):
         self._buffer_size = buffer_size
         self._epoch = epoch
         self._topology = topology
+        self._asked_dtype = dtype is not None
+        self._dtype = dtype  # None until the first block: then the dtype of its first piece
+        self._rows = {"position_ids": position_ids, "document_ids": document_ids}
         self._exhausted = False
         # concat: the pieces waiting, in stream order.
         self._queue: deque[Piece] = deque()
         # best_fit: the pieces waiting by arrival number (a dict keeps arrival order: oldest first),
-        # and (length, arrival) pairs sorted, to find the longest that fits with bisect.
+        # and their arrival numbers by length, to find the longest that fits.
         self._buffer: dict[int, Piece] = {}
-        self._by_length: list[tuple[int, int]] = []
+        self._index = FitIndex()
         self._arrivals = 0
 
     # -- reading ---------------------------------------------------------------
@@ -210,7 +281,23 @@ class _PackIterator(StageIterator):
         parts = self._next_concat() if self._strategy == "concat" else self._next_best_fit()
         if not parts:
             raise StopIteration
-        return block(parts, self._seq_len, self._pad_id)
+        dtype = self._dtype if self._dtype is not None else self._first_dtype(parts[0][0].dtype)
+        for tokens, _ in parts:
+            if tokens.dtype != dtype:
+                check_fits(tokens, dtype, self._asked_dtype)
+        return block(parts, self._seq_len, self._pad_id, dtype, **self._rows)
+
+    def _first_dtype(self, dtype: np.dtype) -> np.dtype:
+        """Fix the blocks' dtype to the first piece's (native byte order), checking ``pad_id`` fits it."""
+        dtype = dtype.newbyteorder("=")
+        info = np.iinfo(dtype)
+        if not info.min <= self._pad_id <= info.max:
+            raise PackError(
+                f"pack(pad_id={self._pad_id}) does not fit the documents' dtype {dtype}, which the blocks keep; "
+                f"pass a pad_id in [{info.min}, {info.max}] or pack(dtype=) a dtype that holds it, e.g. dtype=np.int64"
+            )
+        self._dtype = dtype
+        return dtype
 
     def _next_concat(self) -> list[Piece]:
         """The next ``seq_len`` tokens of the stream, cutting the document that crosses the end."""
@@ -232,25 +319,27 @@ class _PackIterator(StageIterator):
         return parts
 
     def _next_best_fit(self) -> list[Piece]:
-        """Fill the buffer, then open a block with its oldest piece and add the longest that fit."""
+        """Fill the buffer, then open a block with its oldest piece and add the longest that fit
+        (the choice :func:`~shardkit.planning.fitting.best_fit_blocks` makes of the lengths)."""
         while len(self._buffer) < self._buffer_size and (read := self._read()) is not None:
             self._add_document(read)
         if not self._buffer:
             return []
-        oldest = next(iter(self._buffer))
-        parts = [self._take(oldest)]
-        room = self._seq_len - len(parts[0][0])
-        by_length = self._by_length
-        while room and by_length:
-            index = bisect.bisect_right(by_length, (room, self._arrivals)) - 1
-            if index < 0:
-                break
-            parts.append(self._take(by_length[index][1]))
-            room -= len(parts[-1][0])
+        buffer, index = self._buffer, self._index
+        oldest = buffer.pop(next(iter(buffer)))
+        index.remove_oldest(len(oldest[0]))
+        parts = [oldest]
+        room = self._seq_len - len(oldest[0])
+        while room and (found := index.take_longest(room)) is not None:
+            parts.append(buffer.pop(found[0]))
+            room -= found[1]
         return parts
 
     def _add_document(self, tokens: np.ndarray) -> None:
         """Buffer a document, cut into ``seq_len`` pieces if longer."""
+        if len(tokens) <= self._seq_len:
+            self._add((tokens, 0))
+            return
         for first in range(0, len(tokens), self._seq_len):
             self._add((tokens[first : first + self._seq_len], first))
 
@@ -258,13 +347,7 @@ class _PackIterator(StageIterator):
         arrival = self._arrivals
         self._arrivals += 1
         self._buffer[arrival] = piece
-        bisect.insort(self._by_length, (len(piece[0]), arrival))
-
-    def _take(self, arrival: int) -> Piece:
-        piece = self._buffer.pop(arrival)
-        index = bisect.bisect_left(self._by_length, (len(piece[0]), arrival))
-        del self._by_length[index]
-        return piece
+        self._index.add(arrival, len(piece[0]))
 
     def _pieces(self) -> list[Piece]:
         return list(self._queue) if self._strategy == "concat" else list(self._buffer.values())

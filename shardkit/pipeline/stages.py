@@ -45,13 +45,14 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 from torch.utils.data import IterableDataset, default_collate
 
 from shardkit.epoch import check_epoch, load_outermost, open_pass
 from shardkit.errors import ShardkitError, UnknownLengthError, check_int
 from shardkit.pipeline.batching import _BatchIterator
 from shardkit.pipeline.mapping import _FilterIterator, _MapIterator
-from shardkit.pipeline.packing import STRATEGIES, _PackIterator
+from shardkit.pipeline.packing import STRATEGIES, _PackIterator, token_dtype
 from shardkit.pipeline.repeating import _RepeatIterator
 from shardkit.pipeline.shuffling import _ShuffleIterator
 from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
@@ -146,12 +147,19 @@ class Pipeline(IterableDataset):
         strategy: str = "concat",
         pad_id: int = 0,
         buffer_size: int | None = None,
+        dtype: Any = None,
+        position_ids: bool = False,
+        document_ids: bool = False,
     ) -> Pipeline:
         """Pack the token arrays at ``key`` of the samples into blocks of ``seq_len`` tokens.
 
-        Each block is ``{"input_ids", "position_ids", "document_ids"}``, three
-        ``LongTensor[seq_len]``: position 0 at each document's start, and each
-        token's document within the block (``-1`` on padding), from which a
+        Each block is ``{"input_ids": Tensor[seq_len]}`` in the documents' own
+        dtype (int32 and uint16 stay so), or in ``dtype`` (a numpy or torch
+        integer dtype, e.g. ``torch.int64`` for an embedding that wants it); a
+        token that does not fit it is an error, never a wrap-round. Asked for,
+        ``position_ids=True`` adds each token's position in its document (0 at
+        its start) and ``document_ids=True`` its document's index within the
+        block (``-1`` on padding), both ``LongTensor[seq_len]``, from which a
         block-diagonal attention mask or ``cu_seqlens`` follow (see
         ``docs/pretraining.md``). Samples' other keys are not carried over.
 
@@ -162,7 +170,10 @@ class Pipeline(IterableDataset):
         documents (default 256). The tokens not yet packed are saved in the
         state, so resume is exact; see :mod:`shardkit.pipeline.packing`.
         """
-        return Pack(self, seq_len, key=key, strategy=strategy, pad_id=pad_id, buffer_size=buffer_size)
+        return Pack(
+            self, seq_len, key=key, strategy=strategy, pad_id=pad_id, buffer_size=buffer_size, dtype=dtype,
+            position_ids=position_ids, document_ids=document_ids,
+        )  # fmt: skip
 
     def repeat(self, count: int | None = None) -> Pipeline:
         """Pass over the data ``count`` times, or forever with ``None``.
@@ -510,6 +521,9 @@ class Pack(_Wrapper):
         strategy: str = "concat",
         pad_id: int = 0,
         buffer_size: int | None = None,
+        dtype: Any = None,
+        position_ids: bool = False,
+        document_ids: bool = False,
     ) -> None:
         super().__init__(upstream)
         self.seq_len = check_int("pack(seq_len)", seq_len, minimum=1, error=PipelineError)
@@ -525,6 +539,18 @@ class Pack(_Wrapper):
         self.pad_id = check_int("pack(pad_id)", pad_id, minimum=-(2**63), maximum=2**63 - 1, error=PipelineError)
         size = self.DEFAULT_BUFFER if buffer_size is None else buffer_size
         self.buffer_size = check_int("pack(buffer_size)", size, minimum=1, error=PipelineError)
+        self.dtype = token_dtype(dtype, PipelineError)
+        for name, value in (("position_ids", position_ids), ("document_ids", document_ids)):
+            if not isinstance(value, bool):
+                raise PipelineError(f"pack({name}) must be True or False, got {value!r}")
+        self.position_ids, self.document_ids = position_ids, document_ids
+        if self.dtype is not None:
+            info = np.iinfo(self.dtype)
+            if not info.min <= self.pad_id <= info.max:
+                raise PipelineError(
+                    f"pack(pad_id={self.pad_id}) does not fit pack(dtype={self.dtype}); pass a pad_id in "
+                    f"[{info.min}, {info.max}] or a dtype that holds it"
+                )
 
     def __len__(self) -> int:
         raise self._unknown_length("pack() makes a number of blocks known only after reading the documents")
@@ -539,6 +565,9 @@ class Pack(_Wrapper):
             buffer_size=self.buffer_size,
             epoch=self.epoch,
             topology=self.topology(),
+            dtype=self.dtype,
+            position_ids=self.position_ids,
+            document_ids=self.document_ids,
         )
         if resume is not None:
             iterator.restore(resume)
@@ -546,4 +575,6 @@ class Pack(_Wrapper):
 
     def __repr__(self) -> str:
         buffer = f", buffer_size={self.buffer_size}" if self.strategy == "best_fit" else ""
-        return f"{self.source!r}.pack({self.seq_len}, key={self.key!r}, strategy={self.strategy!r}{buffer})"
+        extra = "".join(f", {name}=True" for name in ("position_ids", "document_ids") if getattr(self, name))
+        extra += f", dtype={self.dtype.name}" if self.dtype is not None else ""
+        return f"{self.source!r}.pack({self.seq_len}, key={self.key!r}, strategy={self.strategy!r}{buffer}{extra})"

@@ -32,6 +32,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: The optional rows the checks of positions and documents read.
+IDS = {"position_ids": True, "document_ids": True}
+
 
 def documents(lengths: list[int] | np.ndarray, dtype: Any = np.int64) -> list[dict[str, Any]]:
     """Samples whose ``input_ids`` are consecutive runs of ids: all together, ``arange(sum(lengths))``."""
@@ -68,7 +71,7 @@ def segments(block: dict[str, torch.Tensor]) -> list[tuple[np.ndarray, np.ndarra
 @settings(max_examples=examples(50), deadline=None)
 @given(lengths=st.lists(st.integers(0, 300), max_size=40), seq_len=st.integers(1, 97))
 def test_concat_reproduces_the_token_stream_exactly_with_positions_restarting_at_each_document(lengths, seq_len):
-    blocks = list(shardkit.wrap(documents(lengths)).pack(seq_len))
+    blocks = list(shardkit.wrap(documents(lengths)).pack(seq_len, **IDS))
     total = sum(lengths)
     assert len(blocks) == -(-total // seq_len)
     assert np.array_equal(real_tokens(blocks), np.arange(total))
@@ -90,13 +93,13 @@ def test_concat_reproduces_the_token_stream_exactly_with_positions_restarting_at
 
 def test_concat_pads_with_pad_id_and_takes_lists_tensors_and_any_integer_dtype():
     lengths = [5, 6, 6]
-    as_numpy = list(shardkit.wrap(documents(lengths, np.uint16)).pack(8, pad_id=-100))
+    as_numpy = list(shardkit.wrap(documents(lengths, np.uint16)).pack(8, pad_id=-100, dtype=np.int64, **IDS))
     as_lists = list(
-        shardkit.wrap([{"input_ids": d["input_ids"].tolist()} for d in documents(lengths)]).pack(8, pad_id=-100)
+        shardkit.wrap([{"input_ids": d["input_ids"].tolist()} for d in documents(lengths)]).pack(8, pad_id=-100, **IDS)
     )
     as_tensors = list(
         shardkit.wrap([{"input_ids": torch.from_numpy(d["input_ids"])} for d in documents(lengths)]).pack(
-            8, pad_id=-100
+            8, pad_id=-100, dtype=torch.int64, **IDS
         )
     )
     for other in (as_lists, as_tensors):
@@ -133,12 +136,12 @@ def test_token_list_columns_of_jsonl_and_parquet_files_pack_to_the_same_blocks(t
     rows = [{"input_ids": d["input_ids"].tolist()} for d in documents([40, 7, 90, 3, 55])]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "docs.parquet")
-    expected = list(shardkit.wrap(rows).pack(32))
+    expected = list(shardkit.wrap(rows).pack(32, **IDS))
     for dataset in (
         shardkit.JsonlDataset(str(tmp_path / "docs.jsonl")),
         shardkit.ParquetDataset(str(tmp_path / "docs.parquet")),
     ):
-        assert same_blocks(list(dataset.pack(32)), expected), dataset
+        assert same_blocks(list(dataset.pack(32, **IDS)), expected), dataset
 
 
 # -- best_fit --------------------------------------------------------------------------
@@ -154,7 +157,7 @@ def test_best_fit_keeps_every_document_whole_unless_longer_than_a_block_and_pack
     lengths, seq_len, buffer_size
 ):
     docs = documents(lengths)
-    blocks = list(shardkit.wrap(docs).pack(seq_len, strategy="best_fit", buffer_size=buffer_size))
+    blocks = list(shardkit.wrap(docs).pack(seq_len, strategy="best_fit", buffer_size=buffer_size, **IDS))
     starts = {int(d["input_ids"][0]): len(d["input_ids"]) for d in docs if len(d["input_ids"])}
     seen = []
     for block in blocks:
@@ -175,7 +178,7 @@ def test_best_fit_keeps_every_document_whole_unless_longer_than_a_block_and_pack
 
 def test_best_fit_fills_blocks_of_2048_to_99_percent_on_lognormal_documents():
     lengths = lognormal_lengths(3000)
-    blocks = list(shardkit.wrap(documents(lengths, np.int32)).pack(2048, strategy="best_fit"))
+    blocks = list(shardkit.wrap(documents(lengths, np.int32)).pack(2048, strategy="best_fit", **IDS))
     fill = lengths.sum() / (len(blocks) * 2048)
     assert fill >= 0.99, fill
     assert np.array_equal(np.sort(real_tokens(blocks)), np.arange(lengths.sum()))
@@ -205,6 +208,51 @@ def test_settings_that_cannot_work_are_refused_naming_the_argument():
         source.pack(8, strategy="best_fit", buffer_size=0)
 
 
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.int64])
+def test_blocks_keep_the_documents_dtype_byte_exact_and_hold_the_id_rows_only_when_asked(dtype, strategy):
+    lengths = [5, 0, 13, 2, 9, 30, 1]
+    docs = documents(lengths, dtype)
+    plain = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7))
+    both = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7, **IDS))
+    assert all(list(b) == ["input_ids"] and b["input_ids"].numpy().dtype == dtype for b in plain)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(plain, both, strict=True))
+    real = np.concatenate([b["input_ids"].numpy()[b["document_ids"].numpy() >= 0] for b in both])
+    stream = np.concatenate([d["input_ids"] for d in docs])
+    assert (real if strategy == "concat" else np.sort(real)).tobytes() == stream.tobytes()
+    for name in IDS:
+        one = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7, **{name: True}))
+        assert all(
+            sorted(a) == sorted(["input_ids", name]) and torch.equal(a[name], b[name]) for a, b in zip(one, both)
+        )
+        assert all(a[name].dtype == torch.int64 for a in one)
+    wide = list(shardkit.wrap(docs).pack(8, strategy=strategy, pad_id=7, dtype=torch.int64))
+    assert all(torch.equal(a["input_ids"], b["input_ids"].long()) and a["input_ids"].dtype == torch.int64
+               for a, b in zip(wide, both))  # fmt: skip
+
+
+def test_a_token_the_blocks_dtype_cannot_hold_is_an_error_naming_dtype_never_a_wrap_round():
+    small = {"input_ids": np.array([1, 2], np.uint16)}
+    fits, big = {"input_ids": np.array([3, 65_535], np.int64)}, {"input_ids": np.array([4, 70_000], np.int32)}
+    blocks = list(shardkit.wrap([small, fits]).pack(4))
+    assert blocks[0]["input_ids"].dtype == torch.uint16 and blocks[0]["input_ids"].tolist() == [1, 2, 3, 65_535]
+    with pytest.raises(
+        PackError, match=r"token 70000 of a int32 document does not fit the blocks' dtype uint16.*dtype="
+    ):
+        list(shardkit.wrap([small, big]).pack(4))
+    with pytest.raises(PackError, match=r"token -3 of a int64 document does not fit pack\(dtype=uint8\)"):
+        list(shardkit.wrap([{"input_ids": [5, -3]}]).pack(4, dtype=np.uint8))
+    with pytest.raises(PackError, match=r"pad_id=-100\) does not fit the documents' dtype uint16.*dtype=np.int64"):
+        list(shardkit.wrap([small]).pack(4, pad_id=-100))
+    source = shardkit.wrap([small])
+    with pytest.raises(PipelineError, match=r"pack\(dtype\) must be an integer dtype.*float32"):
+        source.pack(4, dtype=np.float32)
+    with pytest.raises(PipelineError, match=r"pack\(pad_id=-1\) does not fit pack\(dtype=uint16\)"):
+        source.pack(4, pad_id=-1, dtype=torch.uint16)
+    with pytest.raises(PipelineError, match=r"pack\(position_ids\) must be True or False"):
+        source.pack(4, position_ids="yes")  # pyright: ignore[reportArgumentType]
+
+
 def test_packing_has_no_length_since_it_depends_on_the_token_counts():
     packed = shardkit.wrap(documents([3, 4])).pack(8)
     with pytest.raises(UnknownLengthError, match="pack"):
@@ -216,7 +264,7 @@ def test_packing_has_no_length_since_it_depends_on_the_token_counts():
 
 # -- resume --------------------------------------------------------------------------------
 
-STRATEGY_ARGS = {"concat": {}, "best_fit": {"strategy": "best_fit", "buffer_size": 6}}
+STRATEGY_ARGS = {"concat": {**IDS}, "best_fit": {"strategy": "best_fit", "buffer_size": 6, **IDS}}
 
 
 def shuffled_documents(strategy: str, seq_len: int = 64) -> Pipeline:
@@ -279,6 +327,23 @@ def test_mixed_loader_with_two_workers_resumes_exactly_and_on_other_worker_count
         other.load_state_dict(saved)
         got = np.concatenate([real_tokens([b]) for b in delivered] + [real_tokens([b]) for b in other])
         assert np.array_equal(np.sort(got), everything), f"restored on {workers} workers"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_a_token_file_packed_on_two_ranks_of_two_workers_yields_every_token_once_in_its_dtype(strategy, tmp_path):
+    from tests.helpers.tokens import DOCS, write_pair
+
+    prefix = write_pair(tmp_path, dtype=np.int32)
+    seen = []
+    for rank in (0, 1):
+        dataset = shardkit.TokenDataset(prefix, rank=rank, world_size=2, balance="none", shuffle=True)
+        blocks = dataset.pack(16, strategy=strategy, pad_id=-1)
+        for batch in MixedLoader(blocks, batch_size=4, num_workers=2):
+            assert batch["input_ids"].dtype == torch.int32 and list(batch) == ["input_ids"]
+            seen.append(batch["input_ids"].numpy().ravel())
+    tokens = np.concatenate(seen)
+    assert np.array_equal(np.sort(tokens[tokens != -1]), np.sort(np.concatenate(DOCS)).astype(np.int32))
 
 
 @pytest.mark.slow
@@ -437,3 +502,5 @@ def test_pack_is_a_pipeline_stage_that_shows_its_settings():
     packed = shardkit.wrap(documents([3])).pack(16, strategy="best_fit")
     assert isinstance(packed, Pack) and packed.buffer_size == Pack.DEFAULT_BUFFER
     assert repr(packed).endswith(".pack(16, key='input_ids', strategy='best_fit', buffer_size=256)")
+    asked = shardkit.wrap(documents([3])).pack(16, document_ids=True, dtype=torch.int64)
+    assert repr(asked).endswith(".pack(16, key='input_ids', strategy='concat', document_ids=True, dtype=int64)")

@@ -262,11 +262,15 @@ def _spans(data: str, index: TokenIndex, f: Any, fd: int | None, start: int, lim
         stop = _run_end(index, d, limit)
         lo, hi = int(starts[d]), int(ends[stop - 1])
         chunk = _pread(fd, lo, hi - lo) if fd is not None else _ranged(f, lo, hi - lo)
-        tokens = np.frombuffer(chunk, dtype=index.dtype, count=len(chunk) // index.dtype.itemsize)
         item = index.dtype.itemsize
-        for doc in range(d, stop):
-            a, b = (int(starts[doc]) - lo) // item, (int(ends[doc]) - lo) // item
-            if b > len(tokens):
+        tokens = np.frombuffer(chunk, dtype=index.dtype, count=len(chunk) // item)
+        # Each document's token bounds within the run, worked out for the whole run at once (no numpy
+        # scalar per document), as Python ints for the slicing.
+        firsts = ((starts[d:stop] - lo) // item).tolist()
+        lasts = ((ends[d:stop] - lo) // item).tolist()
+        count = len(tokens)
+        for doc, a, b in zip(range(d, stop), firsts, lasts):
+            if b > count:
                 raise _shrunk(data, index, doc, lo + len(chunk))
             yield {KEY: tokens[a:b]}
         d = stop
