@@ -232,7 +232,7 @@ def record_seed() -> int:
     """
     current = mapping
     position = None if current is None else current.position
-    if position is None:
+    if current is None or position is None:
         raise SeedError(
             "record_seed() is the seed of the record a .map function is applied to: call it inside the "
             "function, over a source whose records have positions (shard datasets, wrapped map-style "

@@ -50,7 +50,7 @@ from torch.utils.data import IterableDataset, default_collate
 from shardkit.epoch import check_epoch, load_outermost, open_pass
 from shardkit.errors import ShardkitError, UnknownLengthError, check_int
 from shardkit.pipeline.batching import _BatchIterator
-from shardkit.pipeline.mapping import _FilteredRecords, _FilterIterator, _MappedRecords, _MapIterator
+from shardkit.pipeline.mapping import _FilteredRecords, _FilterIterator, _MapIterator, _MappedRecords
 from shardkit.pipeline.packing import STRATEGIES, _PackIterator
 from shardkit.pipeline.repeating import _RepeatIterator
 from shardkit.pipeline.shuffling import _ShuffleIterator
