@@ -17,6 +17,11 @@ per second, CPU seconds per million samples (main process and workers), and what
 ``state_dict()`` mid-epoch costs (it may receive micro-batches ahead and
 carries the undelivered ones) and weighs as JSON.
 
+First, what a state weighs per rank (pickled, as a trainer's checkpoint holds it) after 30% of an
+epoch of samples decoded by a ``.map``, against issue 39's targets: at most 4 KB without a
+buffer, at most 16 bytes more per held record with a ``.shuffle(n)`` buffer (held records are
+saved as their positions, ``shardkit.stateful.positions``).
+
     python benchmarks/state.py [--samples 1000] [--rounds 15] [--loader-rounds 5] [--records 20000]
 """
 
@@ -26,6 +31,8 @@ import argparse
 import base64
 import io
 import json
+import os
+import pickle
 import statistics
 import tempfile
 import time
@@ -111,6 +118,49 @@ def loader_table(records: int, rounds: int) -> None:
         print(f"| {case} | {rate:,.0f} | {cpu:.1f} | {state} |")
 
 
+def _positional(url: str, start: int, stop: int | None) -> Any:
+    first, count = map(int, url.rsplit("/", 1)[1].split("-"))
+    return iter(range(first + start, first + (count if stop is None else min(stop, count))))
+
+
+def _blob(i: int) -> dict[str, Any]:
+    import numpy as np
+
+    return {"id": i, "pixels": np.full((100, 1000), i % 251, np.uint8)}  # 100 KB decoded
+
+
+def _tiny(i: int) -> dict[str, Any]:
+    import numpy as np
+
+    return {"id": i, "pixels": np.full(10, i % 251, np.uint8)}
+
+
+def state_size_table(records: int) -> None:
+    """Pickled state bytes per rank after 30% of an epoch, against the targets."""
+    from shardkit.state import decode_positions
+
+    counts = [records // 4] * 4
+    urls = [f"pos/{i}/{sum(counts[:i])}-{n}" for i, n in enumerate(counts)]
+    print(f"\nstate bytes per rank (pickled), {sum(counts):,} records, saved after 30% of the epoch")
+    print("| pipeline | sample | held | state bytes | target | met |\n|---|---|---|---|---|---|")
+    rows = [("no buffer (block shuffle)", _blob, None, 0), ("no buffer (sample-level window)", _blob, None, None)]
+    rows += [(".shuffle(512)", _blob, 512, 0), (".shuffle(4096)", _tiny, 4096, 0)]
+    for name, fn, buffer, window in rows:
+        source = shardkit.ShardedDataset(shardkit.ShardList(urls, num_records=counts), _positional, shuffle=True)
+        if window is not None:
+            source.shuffle_window = window
+        pipeline = source.map(fn) if buffer is None else source.map(fn).shuffle(buffer)
+        iterator = iter(pipeline)
+        for _ in range(int(0.3 * sum(counts))):
+            next(iterator)
+        state = pipeline.state_dict()
+        size = len(pickle.dumps(state))
+        held = len(decode_positions(state["positions"], "held")) if "positions" in state else 0
+        target = 4096 + 16 * held
+        sample = "100 KB" if fn is _blob else "10 B"
+        print(f"| {name} | {sample} | {held} | {size:,} | <= {target:,} | {'yes' if size <= target else 'NO'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1000)
@@ -118,6 +168,8 @@ def main() -> None:
     parser.add_argument("--loader-rounds", type=int, default=5)
     parser.add_argument("--records", type=int, default=20_000)
     args = parser.parse_args()
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    state_size_table(12_000)
     print(f"buffer of {args.samples} samples; ms per buffer (median of {args.rounds} interleaved rounds)")
     print(
         f"| {'samples':<28} | pickle enc | plain enc | ratio | pickle dec | plain dec | ratio | JSON kB pickle/plain |"

@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "MixedLoader": "shardkit.loader",
     "StatefulDataLoader": "shardkit.loader.stateful_loader",
     "worker_seed": "shardkit.seeding",
+    "record_seed": "shardkit.seeding",
     "shuffle_quality": "shardkit.quality",
     "even_batches": "shardkit.even",
     "EvenBatches": "shardkit.even",
@@ -94,7 +95,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa:
     from shardkit.pipeline import Pipeline, interleave, mixture_shares
     from shardkit.planning import Range, Schedule, plan
     from shardkit.quality import shuffle_quality
-    from shardkit.seeding import worker_seed
+    from shardkit.seeding import record_seed, worker_seed
     from shardkit.shardlist import DuplicateShardWarning, ShardList
     from shardkit.sources import (
         ArrayRecordDataset,

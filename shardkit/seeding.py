@@ -194,3 +194,50 @@ def current_seed() -> int:
             "from code that runs while a shardkit dataset is being iterated (e.g. a .map function)"
         )
     return _current_seed
+
+
+# -- the seed of the record a .map is applied to ------------------------------------
+
+RECORD_STREAM = 4  # the stream of record_seed, apart from the readers' streams
+
+
+class RecordInMap:
+    """What :func:`record_seed` reads: the seed and epoch of the ``.map`` being applied and the
+    packed position of its record (:mod:`shardkit.stateful.positions`; None: not known)."""
+
+    __slots__ = ("epoch", "position", "seed")
+
+    def __init__(self, seed: int, epoch: int, position: int | None) -> None:
+        self.seed, self.epoch, self.position = seed, epoch, position
+
+
+#: The record a ``.map`` is being applied to in this process (an object with ``seed``, ``epoch`` and
+#: ``position``: the map's iterator itself, or a :class:`RecordInMap` when records are read again).
+mapping: Any = None
+
+
+def record_seed() -> int:
+    """The seed of the record the running ``.map`` function is applied to: a 64-bit int drawn from
+    (seed, epoch, shard, record), the same whenever that record is mapped in that epoch, on any rank
+    or worker.
+
+    A ``.map`` is applied again to the records a saved state holds by position (a shuffle buffer's,
+    a MixedLoader's undelivered samples) when they are read again on resume, so its output must be a
+    function of its input and this seed: seed any random augmentation from it, e.g.
+    ``numpy.random.default_rng(record_seed())``, not from a generator that runs on across records.
+
+    Raises:
+        SeedError: called outside a ``.map`` function, or for a record whose position is not known
+            (a wrapped plain iterable; use :func:`current_seed` there).
+    """
+    current = mapping
+    position = None if current is None else current.position
+    if current is None or position is None:
+        raise SeedError(
+            "record_seed() is the seed of the record a .map function is applied to: call it inside the "
+            "function, over a source whose records have positions (shard datasets, wrapped map-style "
+            "datasets); elsewhere use current_seed()"
+        )
+    key = (check_seed(current.epoch, "epoch"), position >> 32, position & 0xFFFFFFFF, RECORD_STREAM)
+    state = np.random.SeedSequence(entropy=check_seed(current.seed), spawn_key=key).generate_state(1, np.uint64)
+    return int(state[0])

@@ -27,8 +27,11 @@ Every stage that draws or reads also records the ``epoch`` its iteration
 reads (inside ``repeat``, including the pass). A loaded state resumes an
 iteration of that epoch; an iteration of a later epoch ignores it.
 
-Samples are kept only where they cannot be read again: shuffle buffers, and
-the undelivered tail of a micro-batch in :class:`~shardkit.MixedLoader`.
+Samples are kept only where they cannot be read again: a shuffle buffer holds
+its records' positions (:mod:`shardkit.stateful.positions`, read again on
+restore) where the pipeline below it can read them again, else its samples;
+pack pieces and the undelivered tail of a micro-batch in
+:class:`~shardkit.MixedLoader` are kept as samples.
 
 States are plain data, and only ours. Samples are saved as a tagged tree of
 JSON values (:func:`encode`), never pickled: tensors (dense, CPU), numpy

@@ -145,9 +145,8 @@ class MixedLoader:
             then sends its dataset's state with its micro-batches, with
             every one while the state costs less than a ninth of the work
             since the last, else with one in up to 16 (a ``.shuffle(n)``
-            buffer inside the dataset is encoded whole into each state). With large samples
-            in a large buffer, shuffle before decoding, or pass False when
-            you do not resume. Saved samples (a shuffle buffer, the cut
+            buffer inside the dataset is saved as its records' positions where they can be
+            read again, else encoded whole into each state). Saved samples (a shuffle buffer, the cut
             tail of a micro-batch) are plain data, never pickled (see
             :func:`shardkit.state.encode` for the types a state holds);
             ``state_dict()`` raises :class:`~shardkit.state.StateError` for

@@ -51,12 +51,12 @@ from torch.utils.data import IterableDataset, default_collate
 from shardkit.epoch import check_epoch, load_outermost, open_pass
 from shardkit.errors import ShardkitError, UnknownLengthError, check_int
 from shardkit.pipeline.batching import _BatchIterator
-from shardkit.pipeline.mapping import _FilterIterator, _MapIterator
+from shardkit.pipeline.mapping import _FilteredRecords, _FilterIterator, _MapIterator, _MappedRecords
 from shardkit.pipeline.packing import STRATEGIES, _PackIterator, token_dtype
 from shardkit.pipeline.repeating import _RepeatIterator
 from shardkit.pipeline.shuffling import _ShuffleIterator
 from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
-from shardkit.stateful import EPOCH, Resume, StageIterator, State, StateError, applies, check
+from shardkit.stateful import EPOCH, Records, Resume, StageIterator, State, StateError, applies, check
 from shardkit.topology import Topology
 from shardkit.trainers import batch_len, check_not_in_accelerate
 
@@ -238,6 +238,12 @@ class Pipeline(IterableDataset):
         (by default: a stage says so by overriding this)."""
         return None
 
+    def records(self) -> Records | None:
+        """How this pipeline's items are made again from the positions of their records, for a
+        stage that holds items by position in a saved state (:mod:`shardkit.stateful.positions`);
+        None (the default) where they cannot be: the holder then saves the items themselves."""
+        return None
+
     def __iter__(self) -> Iterator[Any]:
         """Start an iteration, resuming a state given to :meth:`load_state_dict`."""
         loaded, self._pending = self._pending, None
@@ -358,7 +364,12 @@ class Map(_Wrapper):
         return self.source.reader_lengths(num_workers)
 
     def _open(self, resume: Resume | None) -> Iterator[Any]:
-        return _MapIterator(iter(self.source), self.fn)
+        return _MapIterator(iter(self.source), self.fn, self.seed, self.epoch)
+
+    def records(self) -> Records | None:
+        """The input's records, mapped again (see :mod:`shardkit.pipeline.mapping`)."""
+        inner = self.source.records()
+        return None if inner is None else _MappedRecords(inner, self.fn, self.seed, self.epoch, _name(self.fn))
 
     def __repr__(self) -> str:
         return f"{self.source!r}.map({_name(self.fn)})"
@@ -379,6 +390,11 @@ class Filter(_Wrapper):
 
     def _open(self, resume: Resume | None) -> Iterator[Any]:
         return _FilterIterator(iter(self.source), self.predicate)
+
+    def records(self) -> Records | None:
+        """The input's records, each checked to pass again (see :mod:`shardkit.pipeline.mapping`)."""
+        inner = self.source.records()
+        return None if inner is None else _FilteredRecords(inner, self.predicate, _name(self.predicate))
 
     def __repr__(self) -> str:
         return f"{self.source!r}.filter({_name(self.predicate)})"
@@ -405,10 +421,15 @@ class Shuffle(_Wrapper):
         seed = self.seed if self.shuffle_seed is None else self.shuffle_seed
         epoch, topology = self.epoch, self.topology()
         rng = generator(seed, epoch, topology, SHUFFLE_STREAM)
-        iterator = _ShuffleIterator(iter(self.source), self.buffer_size, rng, epoch, topology)
+        records = self.source.records()
+        iterator = _ShuffleIterator(iter(self.source), self.buffer_size, rng, epoch, topology, records)
         if resume is not None:
             iterator.restore(resume)
         return iterator
+
+    def records(self) -> Records | None:
+        """A shuffle's item is its input's item of the same record."""
+        return self.source.records()
 
     def __repr__(self) -> str:
         return f"{self.source!r}.shuffle({self.buffer_size}, seed={self.shuffle_seed})"

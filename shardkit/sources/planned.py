@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,9 +39,9 @@ from shardkit.planning import (
 )
 from shardkit.sources.base import _Source
 from shardkit.sources.errors import _unknown_counts
-from shardkit.sources.ranges import _HINTED, _RangeIterator, _SourceCalls, _Start
+from shardkit.sources.ranges import _HINTED, _RangeIterator, _Skipped, _SourceCalls, _Start
 from shardkit.sources.window import _WindowIterator
-from shardkit.stateful import Resume, State, check, expect_equal
+from shardkit.stateful import Records, Resume, State, StateError, check, expect_equal, unpack
 from shardkit.topology import Topology
 from shardkit.trainers import check_dataloader_len, worker_lengths
 
@@ -232,3 +233,85 @@ class _PlannedSource(_Source):
 
     def _count_padded(self, shard: int) -> None:
         """Count one sample yielded in place of a skipped or missing record of ``shard``."""
+
+    # -- reading held records again by position (shardkit.stateful.positions) ------------------
+
+    def records(self) -> Records | None:
+        """Reads records again by (shard, record) position: each run of nearby records of a shard in one range read."""
+        return _ShardRecords(self)
+
+    def _read_again(self, shard: int, start: int, stop: int) -> Iterator[Any]:
+        """The samples of records ``[start, stop)`` of ``shard``, read again for a restore (not counted as reads);
+        a record that cannot be read is a :class:`StateError`."""
+        for sample in self._read(shard, start, stop):
+            if isinstance(sample, _Skipped):
+                raise StateError(
+                    f"{self!r}: a record of shard {shard} in [{start}, {stop}) that a saved state holds cannot be "
+                    "read again; the shard changed since the state was saved"
+                )
+            yield sample
+
+    def _shard_identity(self, shard: int) -> tuple[str, str | None]:
+        """The name of shard ``shard`` and its file's identity now (None: no file, or none known)."""
+        return f"shard {shard}", None
+
+    def _shard_count(self) -> int:
+        """How many shards this source reads (a position naming another is refused)."""
+        raise NotImplementedError
+
+
+#: Records between two wanted ones of a shard that a re-read reads through rather than starting another read.
+_GAP = 64
+
+
+class _ShardRecords(Records):
+    """:class:`~shardkit.stateful.Records` of a planned source: by its ``_read_again``, identities cached."""
+
+    def __init__(self, source: _PlannedSource) -> None:
+        self._source = source
+        self._identities: dict[int, tuple[str, str | None]] = {}
+
+    def _check(self, shard: int) -> None:
+        count = self._source._shard_count()
+        if not 0 <= shard < count:
+            raise StateError(
+                f"{self._source!r}: the state holds a record of shard {shard}, but this dataset has {count} shards; "
+                "the state is not of this dataset, or it was edited"
+            )
+
+    def fetch(self, positions: np.ndarray) -> list[Any]:
+        shards, records = (column.tolist() for column in unpack(positions))
+        for shard in set(shards):
+            self._check(shard)
+        order = sorted(range(len(shards)), key=lambda i: (shards[i], records[i]))
+        out: list[Any] = [None] * len(order)
+        begin = 0
+        while begin < len(order):
+            end = begin + 1
+            while end < len(order) and _near(shards, records, order[end - 1], order[end]):
+                end += 1
+            run = order[begin:end]
+            shard, first, last = shards[run[0]], records[run[0]], records[run[-1]]
+            samples = list(itertools.islice(self._source._read_again(shard, first, last + 1), last + 1 - first))
+            if len(samples) < last + 1 - first:
+                url = self.shard_identity(shard)[0]
+                raise StateError(
+                    f"{self._source!r}: {url} ends after record {first + len(samples) - 1}, but a saved state holds "
+                    f"record {last} of it; the shard changed since the state was saved"
+                )
+            for index in run:
+                out[index] = samples[records[index] - first]
+            begin = end
+        return out
+
+    def shard_identity(self, shard: int) -> tuple[str, str | None]:
+        found = self._identities.get(shard)
+        if found is None:
+            self._check(shard)
+            found = self._identities[shard] = self._source._shard_identity(shard)
+        return found
+
+
+def _near(shards: list[int], records: list[int], a: int, b: int) -> bool:
+    """Whether the record at ``b`` (sorted after ``a``) is read in the same run as ``a``'s."""
+    return shards[a] == shards[b] and records[b] - records[a] <= _GAP

@@ -17,6 +17,7 @@ from shardkit.planning import PlannedRanges, Range, WholeShards, rank_span, shar
 from shardkit.sources.errors import _unknown_counts
 from shardkit.stateful import (
     EPOCH,
+    MAX_RECORD,
     SEQUENCE,
     SHARE,
     Resume,
@@ -30,6 +31,7 @@ from shardkit.stateful import (
     expect_equal,
     field,
     node,
+    pack,
     same_data,
     same_value,
     share_field,
@@ -132,6 +134,7 @@ class _RangeIterator(StageIterator):
         self._stand_in = stand_in
         self._last: Any = _NOTHING
         self._owed = 0  # records skipped in the current range and not made up yet
+        self._owed_made = False  # the sample returned last was made up
         self.skips: list[tuple[int, int]] = []  # (first position, records) of runs skipped without a sample
         self.base: State | None = None  # the global node this epoch resumed from, on another world
         # This reader's first ranges of the next epoch, hinted as this one ends (a pass begun in the next epoch
@@ -139,6 +142,10 @@ class _RangeIterator(StageIterator):
         self.next_epoch_hints: Callable[[], list[Range]] | None = None
         self._next_hints: list[Range] | None = None
         self._hinted: list[Range] = []
+        # The packed position (stateful.positions) of the current range's first record; None: past what one holds.
+        self._range_base: int | None = None
+        self._repeated: int | None = None  # the position of the sample a made-up one repeats
+        self._last_position: int | None = None  # with a stand_in: the position of the last sample read
 
     def __next__(self) -> Any:
         if self._owed:
@@ -156,13 +163,25 @@ class _RangeIterator(StageIterator):
                 continue
             self.done_in_range += 1
             if self._stand_in is not None:
-                self._last = sample
+                self._last, self._owed_made = sample, False
+                self._last_position = self.position
             return sample
         raise StopIteration
+
+    @property
+    def position(self) -> int | None:
+        """The packed position (:func:`~shardkit.stateful.pack`) of the record of the sample returned
+        last; of a made-up sample, that of the sample it repeats (None when it repeats a stand-in)."""
+        if self._owed_made:
+            return self._repeated
+        base = self._range_base
+        return None if base is None else base + self.done_in_range - 1
 
     def _open_range(self) -> Iterator[Any]:
         """Start reading the current range (from where it stopped) and hint the next three."""
         shard, start, stop = self.ranges[self.range_index]
+        fits = stop is not None and stop <= MAX_RECORD  # a shard read to an unknown end may pass it
+        self._range_base = pack(shard, start) if fits or (stop is None and start == 0) else None
         self._records = self._source.read(shard, start + self.done_in_range, stop)
         ahead = self.ranges[self.range_index + 1 : self.range_index + 1 + _HINTED]
         for piece in ahead:
@@ -201,6 +220,8 @@ class _RangeIterator(StageIterator):
         """One repeat in place of the next skipped record (see the class docstring)."""
         if self._last is _NOTHING:
             self._last = self._stand_in()  # type: ignore[misc]
+        self._owed_made = True
+        self._repeated = self._last_position
         self._owed -= 1
         self.done_in_range += 1
         self._source.count_padded(self.ranges[self.range_index].shard)

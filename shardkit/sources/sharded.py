@@ -12,12 +12,14 @@ up are in :mod:`shardkit.sources.errors`.
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import fsspec
 import numpy as np
 
 from shardkit.counting import (
@@ -30,9 +32,10 @@ from shardkit.counting import (
     resolve_counts,
     shared_stored_counts,
 )
-from shardkit.errors import CorruptRecordError, redact_url
+from shardkit.errors import CorruptRecordError, StateError, redact_url
 from shardkit.formats.base import BadRecord, RecordBound
-from shardkit.io.retry import RetryPolicy
+from shardkit.io.identity import identity
+from shardkit.io.retry import RetryPolicy, retried_call
 from shardkit.planning import Balance, Range, plan_intervals, rank_span
 from shardkit.shardlist import NUM_RECORDS, ShardList
 from shardkit.sources.base import as_shard_list
@@ -450,6 +453,27 @@ class ShardedDataset(_PlannedSource):
                 raise error
             warnings.warn(f"{_plain_message(error)}; the extra records are not read (on_error='skip')", stacklevel=3)
 
+    def _read_again(self, shard: int, start: int, stop: int) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``shard`` read again for a restore, through ``read_fn`` (not counted in
+        ``stats()``: they were counted when first read); a record that is now bad is a :class:`StateError`."""
+        url = self.shards[shard]
+        for index, sample in enumerate(self.read_fn(url, start, stop), start):
+            if index >= stop:
+                return
+            if sample.__class__ is BadRecord:
+                raise StateError(
+                    f"{self!r}: record {index} of {redact_url(url)} cannot be read again ({sample.error}), but a saved "
+                    "state holds it (read, not yet delivered); the shard changed since the state was saved"
+                )
+            yield sample
+
+    def _shard_count(self) -> int:
+        return len(self.shards)
+
+    def _shard_identity(self, shard: int) -> tuple[str, str | None]:
+        url = str(self.shards[shard])
+        return redact_url(url), file_identity(url, self.storage_options)
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         try:
@@ -464,6 +488,22 @@ class ShardedDataset(_PlannedSource):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self.shards)} shards, shuffle={self.shuffled}, balance={self.balance!r})"
+
+
+def file_identity(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """:func:`~shardkit.io.identity.identity` of the file at ``url`` now: one ``os.stat`` for a local path, else
+    the store's ``info`` (retried as a read is); None where it cannot be looked up or reports only a size."""
+    if "://" not in url or url.startswith("file://"):
+        try:
+            st = os.stat(url.removeprefix("file://"))
+        except OSError:
+            return None
+        return identity({"size": st.st_size, "mtime": st.st_mtime_ns, "ino": st.st_ino, "created": st.st_ctime_ns})
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return identity(retried_call(fs, "info", path))
+    except Exception:  # noqa: BLE001 - unreachable now: the re-read that follows names the failure
+        return None
 
 
 def _failure(url: str, error: Exception) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 
 from shardkit.planning import positions_union, take, window_order
 from shardkit.sources.ranges import _RangeIterator
-from shardkit.stateful import State, StateError
+from shardkit.stateful import MAX_RECORD, RECORD_BITS, State, StateError
 
 
 class _WindowIterator:
@@ -45,6 +45,7 @@ class _WindowIterator:
         self._rest = self._from
         self._window: list[Any] = []  # samples of the current window, in reading order
         self._positions: list[int] = []  # their positions
+        self._packed: list[int] | None = []  # their records' packed positions (stateful.positions); None: unknown
         self._order: list[int] = []  # the order to yield them in
         self._yielded = 0
         self._carry: tuple[list[Any], list[int]] = ([], [])  # samples read past the window's end
@@ -85,7 +86,26 @@ class _WindowIterator:
         first = head[0][0] if head else 0
         order = window_order(inside, seed=self._seed, epoch=ranges.epoch, rank=ranges.topology.rank, first=first)
         self._window, self._order, self._positions = samples[:inside], order.tolist(), positions[:inside]
+        self._packed = self._records_of(self._positions)
         self._yielded = 0
+
+    def _records_of(self, positions: list[int]) -> list[int] | None:
+        """The packed (shard, record) of each chunk position, from the plan's ranges (None: not known)."""
+        planned = self._ranges._planned
+        if planned is None or not positions:
+            return None if planned is None else []
+        chunk = np.asarray(positions, dtype=np.int64)
+        index = np.searchsorted(planned.position, chunk, side="right") - 1
+        records = planned.first[index] + chunk - planned.position[index]
+        if int(index.min()) < 0 or int(records.max()) > MAX_RECORD:
+            return None
+        return ((planned.shard[index] << RECORD_BITS) | records).tolist()
+
+    @property
+    def position(self) -> int | None:
+        """The packed position of the record of the sample returned last (see :mod:`shardkit.stateful.positions`)."""
+        packed = self._packed
+        return None if packed is None or not self._yielded else packed[self._order[self._yielded - 1]]
 
     def _positions_of(self, count: int, skips: list[tuple[int, int]]) -> list[int]:
         """Positions of the first ``count`` samples read from the window's start, given the records skipped."""

@@ -133,6 +133,17 @@ class MapSource(_PlannedSource):
             start, stop = shard, shard + 1
         return map(self.dataset.__getitem__, range(start, len(self.dataset) if stop is None else stop))
 
+    def _shard_count(self) -> int:
+        return len(self.dataset) if self.shuffled else 1
+
+    def _read_again(self, shard: int, start: int, stop: int) -> Iterator[Any]:
+        if not self.shuffled and stop > len(self.dataset):
+            raise StateError(
+                f"{self!r}: the state holds index {stop - 1}, past the dataset's {len(self.dataset)} items; "
+                "the state is not of this dataset, or it was edited"
+            )
+        return super()._read_again(shard, start, stop)
+
     def __repr__(self) -> str:
         return f"wrap({type(self.dataset).__name__} of {len(self.dataset)}, shuffle={self.shuffled}, balance={self.balance!r})"
 

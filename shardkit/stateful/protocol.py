@@ -21,8 +21,12 @@ from shardkit.stateful.codec import restore_generator, same_data, short
 if TYPE_CHECKING:
     from shardkit.topology import Topology
 
-#: Version of the state format written by this shardkit.
-VERSION = 1
+#: Version of the state format written by this shardkit. 2: records held by a stage (a shuffle buffer, a
+#: MixedLoader's undelivered samples) are saved as their positions where they can be read again
+#: (:mod:`shardkit.stateful.positions`). Version 1 states (held records as encoded samples) still load.
+VERSION = 2
+#: The versions this shardkit loads.
+READABLE_VERSIONS = (1, 2)
 
 State = dict[str, Any]
 
@@ -431,9 +435,11 @@ def _check_node(state: object, kind: str | None, where: str) -> State:
     if type(state) is not dict:
         raise StateError(f"{where}: a state must be a dict from state_dict(), got {type(state).__name__}")
     version = state.get("version")
-    if type(version) is not int or version != VERSION:
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
         raise StateError(
-            f"{where}: state version {short(version)} is not supported; this shardkit reads version {VERSION}"
+            f"{where}: state version {short(version)} is not supported; this shardkit reads versions {readable} "
+            f"(it writes {VERSION}): the state was saved by a newer shardkit, or edited"
         )
     saved = state.get("kind")
     if kind is not None and saved != kind:
@@ -585,7 +591,7 @@ def combine_ranks(states: Sequence[State]) -> State:
 
 __all__ = [
     "BALANCES", "DRAW_BLOCK", "EPOCH", "INT64_MAX", "PassThroughIterator", "RNG", "Resume", "SEQUENCE", "SHARE",
-    "StageIterator", "State", "UPSTREAM", "VERSION", "applies", "bounded", "check", "check_all_shares",
+    "READABLE_VERSIONS", "StageIterator", "State", "UPSTREAM", "VERSION", "applies", "bounded", "check", "check_all_shares",
     "check_balance", "check_draws", "check_indices", "check_inputs_epoch", "check_ints", "check_intervals",
     "check_positions", "check_share", "combine_ranks", "deal", "expect_equal", "field", "is_own", "merge", "node",
     "same_value", "share_field", "stage_of", "stream_balance", "upstream_state", "validate", "whole_number",

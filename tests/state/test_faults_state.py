@@ -46,6 +46,16 @@ def source(**kwargs: Any) -> ShardedDataset:
     return ShardedDataset(synthetic_shards(COUNTS), synthetic_read, **{"shuffle": True, "seed": 5, **kwargs})
 
 
+def _only(items: list[Any]) -> Any:
+    return items[0]
+
+
+def by_data(**kwargs: Any) -> Pipeline:
+    """:func:`source` as one-sample batches: a shuffle over it cannot read its items again by position
+    (``records()`` of a batch is None), so it saves its buffered samples themselves, encoded."""
+    return source(**kwargs).batch(1, collate_fn=_only)
+
+
 def _odd(item: Any) -> bool:
     return item % 2 == 1 if isinstance(item, int) else True
 
@@ -116,7 +126,7 @@ def test_the_payload_runs_code_when_unpickled(tmp_path: Path) -> None:
 
 def shuffle_checkpoint() -> tuple[dict[str, Any], list[Any]]:
     """A StatefulDataLoader state mid-epoch over a shuffle buffer, and the samples delivered before it."""
-    loader = StatefulDataLoader(Shuffle(source(), 10), batch_size=None, num_workers=0)
+    loader = StatefulDataLoader(Shuffle(by_data(), 10), batch_size=None, num_workers=0)
     iterator = iter(loader)
     delivered = [next(iterator) for _ in range(7)]
     return loader.state_dict(), delivered
@@ -150,7 +160,7 @@ def test_a_pickle_planted_in_a_shuffle_state_runs_no_code(tmp_path: Path, plant:
         shuffle["samples"][0] = planted
     # The checkpoint passes torch.load(weights_only=True): it is plain data either way.
     checkpoint = torch_roundtrip(roundtrip(state))
-    loader = StatefulDataLoader(Shuffle(source(), 10), batch_size=None, num_workers=0)
+    loader = StatefulDataLoader(Shuffle(by_data(), 10), batch_size=None, num_workers=0)
     if error is None:
         loader.load_state_dict(checkpoint)
         rest = list(loader)
@@ -289,11 +299,11 @@ Point = namedtuple("Point", "x y")
     ],
 )
 def test_an_unsupported_sample_is_refused_when_saving_naming_its_type_and_the_fix(sample: Any, named: str) -> None:
-    dataset = Shuffle(wrap([sample, sample]), 4)
+    dataset = Shuffle(wrap(iter([sample, sample])), 4)  # a plain iterable: its samples are saved, not positions
     next(iter(dataset))
     with pytest.raises(StateError, match=f"{named}.*resumable=False"):
         dataset.state_dict()
-    loader = MixedLoader(Shuffle(wrap([sample] * 4), 4), 2, collate_fn=list)
+    loader = MixedLoader(Shuffle(wrap(iter([sample] * 4)), 4), 2, collate_fn=list)
     next(iter(loader))
     with pytest.raises(StateError, match=f"{named}.*resumable=False"):
         loader.state_dict()
@@ -355,15 +365,17 @@ TAMPERED = {
     "planned: share of 3 words": ("planned", put("share", [0, 1, 2]), r"\[worker, num_workers\]"),
     "planned: share past workers": ("planned", put("share", [2, 2]), r"\[worker, num_workers\]"),
     "planned: share as text": ("planned", put("share", "0/2"), "must be None or list or tuple, got str"),
-    "shuffle: missing samples": ("shuffle", drop("samples"), "has no 'samples'"),
+    "shuffle: missing positions": ("shuffle", drop("positions"), "either 'positions' or 'samples'"),
+    "shuffle: missing identities": ("shuffle", drop("identities"), "has no 'identities'"),
     "shuffle: older than its input": ("shuffle", put("epoch", 1), "state is of epoch 1 but its inputs' of epoch 0"),
     "shuffle: draws past the block": ("shuffle", lambda n: n["rng"].update(next=5000), "must be <= 1024"),
     "shuffle: unknown generator": ("shuffle", lambda n: n["rng"]["generator"].update(bit_generator="seed"), "unknown"),
     "shuffle: generator state": ("shuffle", lambda n: n["rng"]["generator"].update(has_uint32=True), "not one numpy"),
-    "shuffle: broken sample": ("shuffle", lambda n: n["samples"].__setitem__(0, ["bytes", "@@"]), "invalid base64"),
+    "shuffle: broken positions": ("shuffle", lambda n: n["positions"].__setitem__(3, "@@"), "invalid base64"),
+    "shuffle: positions of floats": ("shuffle", put("positions", encode(np.zeros((2, 2)))), r"\[n, 2\] integer"),
     "map: upstream a list": ("map", put("upstream", []), r"state\['upstream'\] must be dict, got list"),
     "unknown kind": ("map", put("kind", "mystery"), "'mystery' stage but this stage is 'map'"),
-    "unknown version": ("map", put("version", 2), "version 2 is not supported"),
+    "unknown version": ("map", put("version", 3), "version 3 is not supported"),
     "version as text": ("map", put("version", "1"), "version '1' is not supported"),
 }
 
@@ -740,7 +752,7 @@ def test_a_shuffle_state_holding_more_samples_than_its_buffer_is_a_state_error()
     """Before: 10,000 buffered samples loaded into .shuffle(4) and were all delivered."""
 
     def make(size: int) -> Pipeline:
-        return Shuffle(source(), size).map(str.upper)
+        return Shuffle(by_data(), size).map(str.upper)
 
     state = saved(lambda: StatefulDataLoader(make(4), batch_size=None, num_workers=0), 9)
     nodes(state, "shuffle")[0]["samples"] = ["planted"] * 10_000
@@ -759,7 +771,7 @@ def test_merged_worker_buffers_may_hold_more_than_one_buffer_and_resume_exactly_
     """Two workers' full buffers merged load into one worker (each buffer at most its size)."""
 
     def make() -> Pipeline:
-        return Shuffle(source(), 6)
+        return Shuffle(by_data(), 6)
 
     loader = StatefulDataLoader(make(), batch_size=None, num_workers=2)
     iterator = iter(loader)

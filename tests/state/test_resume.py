@@ -227,7 +227,7 @@ def test_state_is_small_plain_versioned_data() -> None:
     assert torch.load(buffer) == state
     text = json.dumps(state)
     assert "mem/shard" not in text and len(text) < 400
-    assert state["version"] == 1 and state["upstream"]["version"] == 1
+    assert state["version"] == 2 and state["upstream"]["version"] == 2
     assert state["upstream"]["remaining"] == [[10, sum(COUNTS)]]
 
 
