@@ -178,7 +178,7 @@ def _convert(*argv: str, cwd=None) -> subprocess.CompletedProcess:
     return run_python("-m", "shardkit", "convert", *argv, check=False, timeout=240, cwd=cwd)
 
 
-def test_convert_on_the_cluster_writes_the_records_and_manifest_one_process_writes(two_nodes, tmp_path):
+def test_convert_on_the_cluster_writes_what_one_process_writes_and_refuses_a_second_run(two_nodes, tmp_path):
     sources = _tfrecord_sources(tmp_path)
     on_ray = _convert(sources, str(tmp_path / "ray" / "rows-%05d.parquet"), "--format", "parquet",
                       "--max-records", "60", "--ray", two_nodes.address)  # fmt: skip
@@ -195,6 +195,13 @@ def test_convert_on_the_cluster_writes_the_records_and_manifest_one_process_writ
     assert read["ray"] == read["one"] and len(read["ray"]) == ROWS
     names = sorted(os.listdir(tmp_path / "ray"))
     assert names[:2] == ["rows-00000-00000.parquet", "rows-00000-00001.parquet"] and "rows.manifest.arrow" in names
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").iterdir()}
+    again = _convert(sources, str(tmp_path / "ray" / "rows-%05d.parquet"), "--format", "parquet", "--ray",
+                     two_nodes.address)  # fmt: skip
+    assert again.returncode == 2  # a second run into the same place is refused: two runs never mix
+    assert again.stderr.strip().splitlines()[-1].startswith("shardkit convert: error: ")
+    assert "already holds" in again.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").iterdir()} == before
 
 
 def test_convert_on_the_cluster_from_a_corrupt_source_exits_1_naming_the_record_and_leaves_nothing(two_nodes, tmp_path):
@@ -209,19 +216,6 @@ def test_convert_on_the_cluster_from_a_corrupt_source_exits_1_naming_the_record_
     errors = [line for line in done.stderr.splitlines() if line.startswith("shardkit convert: error:")]
     assert len(errors) == 1 and "train-00001.tfrecord" in errors[0] and "offset" in errors[0], done.stderr[-3000:]
     assert not (tmp_path / "ray").exists() or os.listdir(tmp_path / "ray") == []
-
-
-def test_convert_on_the_cluster_into_a_written_output_exits_2_and_changes_nothing(two_nodes, tmp_path):
-    sources = _tfrecord_sources(tmp_path)
-    out = str(tmp_path / "ray" / "rows-%05d.jsonl")
-    first = _convert(sources, out, "--format", "jsonl", "--ray", two_nodes.address)
-    assert first.returncode == 0, first.stderr[-3000:]
-    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").iterdir()}
-    again = _convert(sources, out, "--format", "jsonl", "--ray", two_nodes.address)
-    assert again.returncode == 2
-    assert again.stderr.strip().splitlines()[-1].startswith("shardkit convert: error: ")
-    assert "already holds" in again.stderr
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").iterdir()} == before
 
 
 def test_the_added_node_removed_mid_write_leaves_every_row_committed_once(two_nodes, tmp_path):
