@@ -73,7 +73,7 @@ def _convert_on_ray(args: argparse.Namespace, pattern: str, urls: list[str], con
         return fail(args, RayUnavailableError(f"--ray needs Ray: pip install 'shardkit[ray]' ({error})"))
     try:
         _check_reachable(args.ray)
-        ray.init(address=args.ray or "local", logging_level="ERROR", include_dashboard=False)  # local: a new one
+        ray.init(address=args.ray or "local", logging_level=logging.ERROR, include_dashboard=False)  # local: a new one
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # its progress bars stay; its INFO lines go
     except Exception as error:  # noqa: BLE001 - ConnectionError, or Ray's own kinds: one line, exit 2
         where = f"the Ray cluster at {args.ray}" if args.ray else "a local Ray cluster"
