@@ -46,3 +46,11 @@ def test_convert_on_a_ray_address_nothing_answers_on_exits_2_at_once(tmp_path):
         f"127.0.0.1:{port} (Connection refused)"
     ]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_importing_shardkit_and_its_command_line_never_imports_ray():
+    from tests.helpers.processes import run_python
+
+    code = "import sys, shardkit, shardkit.cli.main, shardkit.cli.convert; print('ray' in sys.modules)"
+    assert run_python("-c", code).stdout.strip() == "False"
