@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from shardkit.cli.exits import EXIT_OK, fail
+from shardkit.cli.exits import EXIT_OK, fail, one_line
 from shardkit.cli.files import GLOB_CHARS, expand, format_of, shard_indices
 from shardkit.cli.outputs import OutputError, check_outputs
 from shardkit.cli.paths import shown
@@ -45,6 +46,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         convert = _record_converter(args.decode, readers, target.name)
     except Exception as error:  # noqa: BLE001 - one line, exit 2
         return fail(args, error, args.source)
+    if args.ray is not None:
+        return _convert_on_ray(args, pattern, urls, convert)
     count = 0
     with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=True, disable=None) as bar, writer:
         for url, fmt in readers:
@@ -57,6 +60,98 @@ def cmd_convert(args: argparse.Namespace) -> int:
     manifest = shown(writer.manifest, args.pattern)
     print(f"{count} records from {len(urls)} files -> {len(shards)} {args.format} shards; manifest {manifest}")
     return EXIT_OK
+
+
+class RayUnavailableError(ShardkitError):
+    """``--ray`` was given, but Ray is not installed or its cluster cannot be reached."""
+
+
+def _convert_on_ray(args: argparse.Namespace, pattern: str, urls: list[str], convert: Callable[..., Any]) -> int:
+    """The conversion as Ray write tasks, one per source file (:func:`shardkit.ray.write_shards`), on a
+    local cluster or the one at ``args.ray``; shards ``DST_PATTERN``'s field as ``TTTTT-KKKKK``."""
+    try:
+        import ray
+
+        from shardkit.ray import write_shards
+    except ImportError as error:
+        return fail(args, RayUnavailableError(f"--ray needs Ray: pip install 'shardkit[ray]' ({error})"))
+    try:
+        _check_reachable(args.ray)
+        ray.init(address=args.ray or "local", logging_level=logging.ERROR, include_dashboard=False)  # local: a new one
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # its progress bars stay; its INFO lines go
+    except Exception as error:  # noqa: BLE001 - ConnectionError, or Ray's own kinds: one line, exit 2
+        where = f"the Ray cluster at {args.ray}" if args.ray else "a local Ray cluster"
+        return fail(args, RayUnavailableError(f"cannot start or reach {where}: {one_line(str(error))}"))
+    try:
+        firsts = _first_numbers(urls) if args.format == "tar" else [0] * len(urls)
+        files = ray.data.from_items(
+            [{"url": u, "first": f} for u, f in zip(urls, firsts)], override_num_blocks=len(urls)
+        )
+        shards = write_shards(
+            files, pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes,
+            to_records=FileRecords(convert), index=False,
+        )  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - one line; the cause's exit code (1 for corrupt data)
+        return fail(args, _cause(error))
+    finally:
+        ray.shutdown()
+    from shardkit.writer import default_manifest_path
+
+    manifest = shown(default_manifest_path(pattern), args.pattern)
+    count = shards.total_records
+    print(f"{count} records from {len(urls)} files -> {len(shards)} {args.format} shards; manifest {manifest}")
+    return EXIT_OK
+
+
+_CONNECT_SECONDS = 10.0
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse a ``host:port`` (or ``ray://host:port``) nothing answers on within 10 s: ``ray.init`` would wait
+    for that cluster for many minutes. ``auto`` and a local cluster are Ray's to find."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=_CONNECT_SECONDS).close()
+    except OSError as error:
+        raise ConnectionError(f"nothing answers at {target} ({error.strerror or error})") from None
+
+
+def _first_numbers(urls: list[str]) -> list[int]:
+    """Each file's first record's running number over all files (tar keys are running numbers)."""
+    import itertools
+
+    counts = [_source_format(url).count(url) for url in urls]
+    return [0, *itertools.accumulate(counts)][: len(urls)]
+
+
+class FileRecords:
+    """``to_records`` for a row ``{"url", "first"}``: the file's records, converted as one process would."""
+
+    def __init__(self, convert: Callable[..., Any]) -> None:
+        self.convert = convert
+
+    def __call__(self, row: dict[str, Any]) -> Iterator[Any]:
+        url = row["url"]
+        fmt = _source_format(url)
+        for n, record in enumerate(fmt.read(url), start=row["first"]):
+            yield self.convert(record, n, url, fmt.name)
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The error a Ray task raised, out of Ray's wrappers (RayTaskError, UserCodeException): ours or an OSError."""
+    seen = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ShardkitError, OSError)):
+            return current
+        current = getattr(current, "cause", None) or current.__cause__
+    return error
 
 
 def _source_format(url: str) -> Any:

@@ -251,7 +251,8 @@ def _add_convert(sub: Any) -> None:
         "0 converted; 1 a source file is corrupt (url, record index, byte offset on stderr; no manifest "
         "is written); 2 bad arguments, an unreadable source, a source in no known format, a record the "
         "target format cannot hold, or an output that could overwrite a source (SRC a name DST_PATTERN can "
-        "produce, or a glob that would pick up the outputs): refused before anything is written.",
+        "produce, or a glob that would pick up the outputs): refused before anything is written; with --ray "
+        "also Ray not installed, its cluster not reachable, or DST_PATTERN's names already on storage.",
     )
     convert_cmd.add_argument("source", metavar="SRC", help="a shard file or a quoted glob of them")
     convert_cmd.add_argument(
@@ -268,6 +269,17 @@ def _add_convert(sub: Any) -> None:
     )
     convert_cmd.add_argument("--max-records", type=_int_at_least(1), default=None, help="records per shard at most")
     convert_cmd.add_argument("--max-bytes", type=_int_at_least(1), default=None, help="bytes per shard, about")
+    convert_cmd.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="convert on a Ray cluster, one write task per source file (shardkit.ray.write_shards): a local one "
+        "without ADDRESS, else ray.init(address=ADDRESS) ('auto', 'host:6379', 'ray://host:10001'). Shards are "
+        "named by task and number (train-%%05d.tar -> train-00003-00000.tar); the manifest is the same. Refuses an "
+        "output holding such names already. Needs shardkit[ray]",
+    )
     convert_cmd.set_defaults(func=cmd_convert)
 
 
