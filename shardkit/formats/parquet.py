@@ -47,8 +47,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from shardkit.errors import CorruptRecordError, ShardkitError, check_int
-from shardkit.formats.base import FormatBase
+from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.base import FormatBase, column_options
 from shardkit.io.files import open_raw
 from shardkit.io.remote import RemoteOptions
 
@@ -80,12 +80,7 @@ class ParquetFormat(FormatBase):
         storage_options: dict[str, Any] | None = None,
         remote: RemoteOptions | None = None,
     ) -> None:
-        if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
-            raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
-        if batch_size is not None:
-            check_int("batch_size", batch_size, minimum=1, hint="or None for one row per record")
-        self.columns = list(columns) if columns is not None else None
-        self.batch_size = batch_size
+        self.columns, self.batch_size = column_options(columns, batch_size)
         self.storage_options = storage_options
         self.remote = remote
 
