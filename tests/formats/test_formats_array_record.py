@@ -288,6 +288,24 @@ def test_owner_written_files_read_over_http_from_the_cache_byte_for_byte(tmp_pat
             list(shardkit.ArrayRecordDataset(remote))
 
 
+@pytest.mark.slow
+def test_owner_written_files_read_from_s3_equal_the_local_read_byte_for_byte(tmp_path, s3_server) -> None:
+    from tests.helpers.servers import upload_tree
+
+    (tmp_path / "data").mkdir()
+    urls = write_files(tmp_path / "data")
+    options = s3_server.storage_options()
+    root = upload_tree(options, str(tmp_path / "data"), s3_server.new_bucket(), "grain")
+    remote = [f"{root}/{os.path.basename(u)}" for u in urls]
+    got = list(
+        shardkit.ArrayRecordDataset(
+            remote, decode="raw", shuffle=True, seed=5, storage_options=options, cache_dir=str(tmp_path / "c")
+        )
+    )
+    assert got == list(shardkit.ArrayRecordDataset(urls, decode="raw", shuffle=True, seed=5))
+    assert sorted(got) == sorted(example(n) for n in range(sum(SIZES)))
+
+
 def test_shard_writer_writes_files_the_packages_reader_reads_back(tmp_path) -> None:
     with shardkit.ShardWriter(str(tmp_path / "out-%03d.array_record"), max_records=25, format="array_record") as w:
         for n in range(60):

@@ -196,4 +196,3 @@ def test_a_process_cache_drops_the_least_recently_used_and_arrives_empty_where_i
     assert built == ["a", "b", "c", "b"]  # "b" was least recently used when "c" came
     copy = pickle.loads(pickle.dumps(cache))
     assert (len(cache), len(copy), copy.most, copy.weigh) == (2, 0, 10, len)
-

@@ -120,6 +120,22 @@ def test_an_append_or_delete_committed_mid_epoch_changes_nothing_the_epoch_or_it
     assert latest.version > dataset.version and [r["id"] for r in latest] == list(range(40, ROWS + 30))
 
 
+@pytest.mark.slow
+def test_a_dataset_on_s3_reads_the_same_rows_and_batches_as_the_local_copy(uri, s3_server) -> None:
+    """Lance reads its object store itself (S3, GCS, Azure, local; no plain HTTP store), so S3 it is."""
+    from tests.helpers.servers import lance_s3_options, upload_tree
+
+    root = upload_tree(s3_server.storage_options(), uri, s3_server.new_bucket(), "table.lance")
+    options = lance_s3_options(s3_server.storage_options())
+    remote = list(shardkit.LanceDataset(root, shuffle=True, seed=4, storage_options=options))
+    assert remote == list(shardkit.LanceDataset(uri, shuffle=True, seed=4)) and len(remote) == ROWS
+    batches = list(shardkit.LanceDataset(root, batch_size=5, columns=["id", "vector"], storage_options=options))
+    local = list(shardkit.LanceDataset(uri, batch_size=5, columns=["id", "vector"]))
+    assert len(batches) == len(local)
+    for a, b in zip(batches, local):
+        assert all(a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes() for k in ("id", "vector"))
+
+
 def _data_files(uri: str) -> list[str]:
     fragments = lance.dataset(uri).get_fragments()
     return [os.path.join(uri, "data", f.metadata.files[0].path) for f in fragments]

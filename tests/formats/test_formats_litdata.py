@@ -250,6 +250,20 @@ def test_a_dataset_served_over_http_reads_the_same_samples_by_ranged_reads(tmp_p
         assert server.gets("samples/index.json") and server.gets("samples/chunk-0-0.bin")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["samples", "tokens"])
+def test_a_dataset_on_s3_reads_the_same_samples_as_the_local_copy(name, s3_server) -> None:
+    from tests.helpers.servers import upload_tree
+
+    options = s3_server.storage_options()
+    root = upload_tree(options, fixture(name), s3_server.new_bucket(), name)
+    remote = list(shardkit.LitDataDataset(root, shuffle=True, seed=2, storage_options=options))
+    local = list(shardkit.LitDataDataset(fixture(name), shuffle=True, seed=2))
+    assert len(remote) == len(local) > 0
+    for a, b in zip(remote, local):
+        assert_equal(a, b)
+
+
 # --------------------------------------------------------------------------- the command line
 
 

@@ -232,6 +232,20 @@ def test_mosaic_written_datasets_read_over_http_equal_the_local_read(name) -> No
             assert_same_sample(g, w)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "gz"])
+def test_mosaic_written_datasets_read_from_s3_equal_the_local_read(name, s3_server) -> None:
+    from tests.helpers.servers import upload_tree
+
+    options = s3_server.storage_options()
+    root = upload_tree(options, str(FIXTURES / name), s3_server.new_bucket(), name)
+    got = list(shardkit.MDSDataset(root, shuffle=True, seed=3, storage_options=options))
+    local = list(shardkit.MDSDataset(str(FIXTURES / name), shuffle=True, seed=3))
+    assert [s["id"] for s in got] == [s["id"] for s in local] and len(got) == SAMPLES
+    for g, w in zip(got, local):
+        assert_same_sample(g, w)
+
+
 def test_the_cli_inspects_verifies_and_plans_mds_shards(tmp_path) -> None:
     from tests.helpers.cli import run_cli
 
