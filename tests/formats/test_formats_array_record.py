@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit.errors import CorruptRecordError
 from shardkit.formats.array_record import ArrayRecordFormat
+from tests.helpers.elastic import elastic_property
 from tests.helpers.fault_server import FaultServer
 from tests.helpers.reading import assert_split, read_all, sample_id
 
@@ -269,6 +270,21 @@ def test_a_record_that_is_not_an_example_costs_itself_alone_under_skip(tmp_path)
     assert caught.value.record_index == 5 and caught.value.url == url
     with pytest.warns(UserWarning):
         assert ids(shardkit.ArrayRecordDataset(url, on_error="skip", balance="none")) == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def module_files(tmp_path_factory) -> list[str]:
+    return write_files(tmp_path_factory.mktemp("array_record"))
+
+
+@pytest.mark.slow
+def test_a_state_saved_on_two_ranks_resumes_on_one_or_three_ranks_exactly_once(module_files) -> None:
+    def make(rank: int, world_size: int, balance: str) -> shardkit.ArrayRecordDataset:
+        return shardkit.ArrayRecordDataset(
+            module_files, decode="raw", shuffle=True, seed=6, balance=balance, rank=rank, world_size=world_size
+        )
+
+    elastic_property(make, [example(n) for n in range(sum(SIZES))])
 
 
 # --------------------------------------------------------------------------- remote, writing, the CLI

@@ -13,7 +13,8 @@ import pytest
 import shardkit
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.lance import LanceFormat, fragment_url
-from tests.helpers.reading import assert_split, ids_per_rank, rank_factory
+from tests.helpers.elastic import elastic_property
+from tests.helpers.reading import assert_split, ids_per_rank, rank_factory, sample_id
 
 lance = pytest.importorskip("lance")
 
@@ -102,6 +103,24 @@ def test_a_state_saved_mid_epoch_resumes_a_fresh_dataset_with_exactly_the_rest(u
     fresh = dataset()
     fresh.load_state_dict(state)
     assert delivered + [r["id"] for r in fresh] == whole and len(whole) == ROWS // 2
+
+
+@pytest.fixture(scope="module")
+def module_uri(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("lance") / "table.lance")
+    lance.write_dataset(table(), path, max_rows_per_file=16)
+    return path
+
+
+@pytest.mark.slow
+def test_a_state_saved_on_two_ranks_resumes_on_one_or_three_ranks_exactly_once(module_uri) -> None:
+    def make(rank: int, world_size: int, balance: str):
+        dataset = shardkit.LanceDataset(
+            module_uri, columns=["id"], shuffle=True, seed=8, balance=balance, rank=rank, world_size=world_size
+        )
+        return dataset.map(sample_id)
+
+    elastic_property(make, [str(i) for i in range(ROWS)])
 
 
 def test_an_append_or_delete_committed_mid_epoch_changes_nothing_the_epoch_or_its_resume_reads(uri) -> None:

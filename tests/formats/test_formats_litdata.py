@@ -17,8 +17,9 @@ import shardkit
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.litdata import LitDataFormat
 from tests.helpers import litdata_samples as fx
+from tests.helpers.elastic import elastic_property
 from tests.helpers.fault_server import FaultServer
-from tests.helpers.reading import assert_split, ids_per_rank, rank_factory
+from tests.helpers.reading import assert_split, ids_per_rank, rank_factory, sample_id
 
 
 def fixture(name: str) -> str:
@@ -144,6 +145,17 @@ def test_every_sample_exactly_once_over_two_ranks_and_workers(balance, num_worke
     ranks = ids_per_rank(make, world_size=2, num_workers=num_workers, batch_size=3)
     assert_split(ranks, [str(i) for i in range(fx.SAMPLES)], balance)
     assert shardkit.LitDataDataset(fixture("samples")).shards.num_records.tolist() == [8] * 5  # from index.json
+
+
+@pytest.mark.slow
+def test_a_state_saved_on_two_ranks_resumes_on_one_or_three_ranks_exactly_once() -> None:
+    def make(rank: int, world_size: int, balance: str):
+        dataset = shardkit.LitDataDataset(
+            fixture("samples"), shuffle=True, seed=8, balance=balance, rank=rank, world_size=world_size
+        )
+        return dataset.map(sample_id)
+
+    elastic_property(make, [str(i) for i in range(fx.SAMPLES)])
 
 
 def test_counts_come_from_the_index_without_opening_a_chunk(tmp_path) -> None:

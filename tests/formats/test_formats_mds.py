@@ -18,8 +18,9 @@ import pytest
 import shardkit
 from shardkit.errors import CorruptRecordError
 from shardkit.formats.mds import MDSError, MDSFormat
+from tests.helpers.elastic import elastic_property
 from tests.helpers.fault_server import FaultServer
-from tests.helpers.reading import assert_split, ids_per_rank, rank_factory
+from tests.helpers.reading import assert_split, ids_per_rank, rank_factory, sample_id
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "mds"
 SAMPLES = 40
@@ -112,6 +113,18 @@ def test_every_sample_exactly_once_over_two_ranks_under_each_balance(workers, ba
     make = rank_factory(shardkit.MDSDataset, str(FIXTURES / "zstd"), shuffle=True, seed=2, balance=balance)
     ranks = ids_per_rank(make, world_size=2, num_workers=workers)
     assert_split(ranks, [str(n) for n in range(SAMPLES)], balance)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "zstd"])
+def test_a_state_saved_on_two_ranks_resumes_on_one_or_three_ranks_exactly_once(name) -> None:
+    def make(rank: int, world_size: int, balance: str):
+        dataset = shardkit.MDSDataset(
+            str(FIXTURES / name), shuffle=True, seed=8, balance=balance, rank=rank, world_size=world_size
+        )
+        return dataset.map(sample_id)
+
+    elastic_property(make, [str(n) for n in range(SAMPLES)])
 
 
 def test_a_state_saved_mid_epoch_resumes_a_fresh_dataset_with_exactly_the_rest() -> None:
