@@ -229,6 +229,29 @@ def test_a_missing_chunk_is_an_error_naming_it_or_a_counted_skip(tmp_path) -> No
     assert lenient.stats().skipped.tolist() == [0, 0, 0, 8, 0]
 
 
+def test_a_corrupted_zstd_chunk_is_a_located_error_or_costs_the_item_it_broke(tmp_path) -> None:
+    """LitData's zstd frames carry no checksum, so a flipped block inflates; what it breaks (here item 4's
+    tensor shape) is the record reported, with its offset, not a torch RuntimeError."""
+    path = copy(tmp_path, "zstd")
+    second = _chunks(path)[1]
+    size = os.path.getsize(second)
+    with open(second, "r+b") as f:
+        f.seek(size // 2)
+        flipped = bytes(b ^ 0xFF for b in f.read(8))
+        f.seek(size // 2)
+        f.write(flipped)
+    with pytest.raises(
+        CorruptRecordError, match=r"chunk-0-1.zstd.bin: record 4 at byte offset \d+: the item does not decode"
+    ):
+        list(shardkit.LitDataDataset(path, balance="none"))
+    lenient = shardkit.LitDataDataset(path, balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping record 4 of .*chunk-0-1.zstd.bin"):
+        got = list(lenient)
+    assert [s["id"] for s in got] == [i for i in range(12) if i != 9] and lenient.stats().skipped.tolist() == [0, 1, 0]
+    for sample in got:
+        assert_equal(sample, fx.sample(sample["id"]))
+
+
 def test_an_item_whose_leaf_sizes_do_not_add_up_costs_itself_alone(tmp_path) -> None:
     path = copy(tmp_path, "samples")
     first = _chunks(path)[0]

@@ -233,7 +233,8 @@ class _Chunk:
                     raise CorruptRecordError(self.url, k, int(offsets[k]), reason)
                 try:
                     yield build(_leaves(data[a:b], decoders, sizes))
-                except (ValueError, struct.error, IndexError, UnicodeDecodeError, OverflowError) as error:
+                # RuntimeError: torch's, for a tensor leaf whose shape does not fit its bytes
+                except (ValueError, struct.error, IndexError, UnicodeDecodeError, OverflowError, RuntimeError) as error:
                     bad = CorruptRecordError(
                         self.url, k, int(offsets[k]), f"the item does not decode ({error})", framing_intact=True
                     )
