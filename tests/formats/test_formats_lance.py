@@ -220,3 +220,27 @@ def test_inspect_plan_and_convert_take_the_dataset_directory_and_its_manifest_co
     done = run_cli("convert", uri, str(tmp_path / "rows-%03d.parquet"), "--format", "parquet")
     assert done.returncode == 0, done.stderr
     assert pq.read_table(str(tmp_path / "rows-000.parquet")).to_pylist() == table().to_pylist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["tfrecord", "array_record"])
+def test_convert_to_tf_examples_and_back_to_parquet_keeps_every_row(tmp_path, through) -> None:
+    """The columns a tf.Example can hold (no nulls, no structs), exact but for its types: text as UTF-8 bytes,
+    a vector as a list."""
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    columns = ["id", "score", "blob", "flag", "vector"]
+    source = table().select(columns)
+    uri = str(tmp_path / "t.lance")
+    lance.write_dataset(source, uri, max_rows_per_file=16)
+    there = run_cli("convert", uri, str(tmp_path / "ex" / f"r-%03d.{through}"), "--format", through)
+    assert there.returncode == 0, there.stderr
+    back = run_cli(
+        "convert", str(tmp_path / "ex" / f"*.{through}"), str(tmp_path / "r-%03d.parquet"), "--format", "parquet"
+    )
+    assert back.returncode == 0, back.stderr
+    got = pq.read_table(str(tmp_path / "r-000.parquet")).to_pylist()
+    want = [{**row, "flag": int(row["flag"])} for row in source.to_pylist()]
+    assert got == want

@@ -319,6 +319,26 @@ def test_inspect_verify_and_plan_take_the_dataset_directory_and_its_index_counts
     assert damaged.returncode != 0 and "chunk-0-1.bin" in damaged.stderr and damaged.stdout.count("ok ") == 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["tfrecord", "array_record"])
+def test_convert_to_tf_examples_and_back_to_parquet_keeps_every_row(tmp_path, through) -> None:
+    """Exact but for tf.Example's types: text comes back as its UTF-8 bytes."""
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    there = run_cli("convert", fixture("rows"), str(tmp_path / "ex" / f"r-%03d.{through}"), "--format", through)
+    assert there.returncode == 0, there.stderr
+    back = run_cli(
+        "convert", str(tmp_path / "ex" / f"*.{through}"), str(tmp_path / "r-%03d.parquet"), "--format", "parquet"
+    )
+    assert back.returncode == 0, back.stderr
+    want = [fx.row(i) for i in range(fx.ROWS)]
+    for row in want:
+        row["text"], row["tags"] = row["text"].encode(), [t.encode() for t in row["tags"]]
+    assert pq.read_table(str(tmp_path / "r-000.parquet")).to_pylist() == want
+
+
 def test_convert_writes_the_rows_of_a_litdata_dataset_to_parquet_in_order(tmp_path) -> None:
     import pyarrow.parquet as pq
 

@@ -273,3 +273,25 @@ def test_the_cli_inspects_verifies_and_plans_mds_shards(tmp_path) -> None:
     os.truncate(broken, 5)
     result = run_cli("verify", str(broken))
     assert result.returncode == 1 and str(broken) in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("tfrecord", r"plain/shard.00000.mds: record 0: field 'meta' holds .*a tf.Example feature holds"),
+        ("tar", r"plain/shard.00000.mds: record 0: field 'f16' holds a float16, which a tar member holds only"),
+        ("parquet", r"x-000.parquet: rows 0..\d+ do not fit one Parquet schema \(ArrowInvalid"),
+    ],
+)
+def test_convert_reads_an_mds_directory_and_names_what_the_target_cannot_hold(tmp_path, target, says) -> None:
+    """Before, the directory was taken for LitData's ("index.json is not a LitData index"), and a tar or
+    Parquet target failed with a bare TypeError or ArrowInvalid naming no file."""
+    import re
+
+    from tests.helpers.cli import run_cli
+
+    done = run_cli("convert", str(FIXTURES / "plain"), str(tmp_path / f"x-%03d.{target}"), "--format", target)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert re.search(says, done.stderr), done.stderr
+    assert not list(tmp_path.glob(f"x-*.{target}"))  # no shard under a final name
