@@ -73,6 +73,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import numpy as np  # noqa: E402
+from _common import descendants  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import shardkit  # noqa: E402
@@ -357,24 +358,6 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
-def _descendants(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    found, frontier = [], [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found += children
-        frontier += children
-    return found
-
-
 class PeakRSS:
     """The peak of this process's resident memory plus its descendants' (DataLoader workers, a loader's
     own processes), sampled every 50 ms on a thread while the block runs. Resident pages two processes
@@ -388,7 +371,7 @@ class PeakRSS:
     def _sample(self) -> None:
         me = os.getpid()
         while True:
-            self.peak = max(self.peak, sum(_rss_bytes(p) for p in [me, *_descendants(me)]))
+            self.peak = max(self.peak, sum(_rss_bytes(p) for p in [me, *descendants(me)]))
             if self._stop.wait(0.05):
                 return
 
