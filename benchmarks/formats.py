@@ -26,7 +26,14 @@ list collate so no loader pays for tensors):
   ``lance.write_dataset``: an id, a label, a score and a 16-float vector per
   row. Lance's loader reads with its own threads and does not split over
   DataLoader workers (each would read every row), so it runs with 0 workers;
-  shardkit with 0 and with ``--workers``.
+  shardkit with 0 and with ``--workers`` (from a forkserver: :data:`LANCE_WORKERS`).
+  With workers the start-up is the whole difference: one run at load 17.8 on
+  2 cores read the 2M rows at 1.86x ``lance.torch`` with 0 workers (971 vs 978 MiB
+  peak RSS) and at 0.08x with 2 workers, 25 s of its 29 s epoch before the first
+  batch (spawned workers: 75-120 s). Pickling the column batches through the
+  workers' pipes costs 0.8 s an epoch (169 MiB) against a 1.7 s read: shared
+  memory would not change the bound. For a dataset Lance reads this fast, use 0
+  workers.
 - ArrayRecord: ``shardkit.ArrayRecordDataset`` vs Grain's own ``grain.DataLoader``
   over its ``ArrayRecordDataSource`` (``worker_count=--workers``, ``ShardOptions``
   per rank), on files the ``array-record`` package wrote with ``group_size:1``
@@ -44,7 +51,9 @@ workers started fresh (their start-up is in every case). Cases run
 interleaved, ``--rounds`` times, and the median of each is kept, so load
 from other processes on the shared machine hurts every case alike; the
 ratios are shardkit over the other loader within the run. First-batch time is
-the median time from ``iter(loader)`` to the first batch. Duplicates/missing:
+the median time from ``iter(loader)`` to the first batch. Peak RSS is the median over rounds of the
+peak resident memory of the reading process plus every process below it (DataLoader workers, a
+loader's own), sampled every 50 ms through the epoch (:class:`PeakRSS`). Duplicates/missing:
 every id seen over 2 ranks (``RANK``/``WORLD_SIZE`` in the environment, and
 each loader's documented split: ``split_by_node`` for WebDataset,
 ``split_dataset_by_node`` for datasets) x ``--workers`` workers.
@@ -61,6 +70,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +80,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import numpy as np  # noqa: E402
+from _common import descendants  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import shardkit  # noqa: E402
@@ -309,11 +320,30 @@ def mosaic_mds(root: str, batch: int) -> Make:
 # --------------------------------------------------------------------------- measuring
 
 
+LANCE_WORKERS = "forkserver"
+"""How Lance's DataLoader workers start. At load 20 on this 2-core machine a spawned worker took 75-120 s
+to its first batch (it imports torch, pyarrow and lance itself), a forkserver's 20-40 s, while the 2M-row
+epoch reads in 1-2.5 s: the start-up is the whole difference (the numbers are in the module docstring)."""
+
+
+def lance_workers() -> Any:
+    import multiprocessing
+
+    context = multiprocessing.get_context(LANCE_WORKERS)
+    if LANCE_WORKERS == "forkserver":
+        context.set_forkserver_preload(["torch", "numpy", "pyarrow", "shardkit"])  # not lance: it must not run there
+    return context
+
+
 def loader_for(dataset: Any, workers: int, batch: int) -> Any:
     if isinstance(dataset, Ready):
         return dataset
-    # Lance's runtime does not survive a fork: its workers are spawned (shardkit refuses forked ones).
-    spawn = {"multiprocessing_context": "spawn"} if workers and isinstance(dataset, shardkit.LanceDataset) else {}
+    # Lance's runtime does not survive a fork (shardkit refuses workers forked from a process that used it):
+    # its workers come from a forkserver that imported torch, pyarrow and shardkit once, not from spawn,
+    # which imports them again in every worker of every epoch (see LANCE_WORKERS).
+    spawn = (
+        {"multiprocessing_context": lance_workers()} if workers and isinstance(dataset, shardkit.LanceDataset) else {}
+    )
     if getattr(dataset, "column_batches", False) or type(dataset).__module__ == "lance.torch.data":
         # Column batches are batches already: the loader passes them on as they come.
         return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list, **spawn)
@@ -326,17 +356,56 @@ def samples_in(batch: Any) -> int:
     return len(batch)
 
 
-def epoch(make: Make, workers: int, batch: int) -> tuple[float, float, int]:
-    """(seconds for the epoch, seconds to the first batch, samples)."""
-    loader = loader_for(make(None, None), workers, batch)
-    start = time.perf_counter()
-    first = None
-    n = 0
-    for b in loader:
-        if first is None:
-            first = time.perf_counter() - start
-        n += samples_in(b)
-    return time.perf_counter() - start, first or 0.0, n
+def _rss_bytes(pid: int) -> int:
+    """Resident bytes of ``pid`` (0 once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0
+
+
+class PeakRSS:
+    """The peak of this process's resident memory plus its descendants' (DataLoader workers, a loader's
+    own processes), sampled every 50 ms on a thread while the block runs. Resident pages two processes
+    share count in each: the figure is an upper bound of what the loader holds, the same bound for both."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        me = os.getpid()
+        while True:
+            self.peak = max(self.peak, sum(_rss_bytes(p) for p in [me, *descendants(me)]))
+            if self._stop.wait(0.05):
+                return
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def epoch(make: Make, workers: int, batch: int) -> tuple[float, float, int, int]:
+    """(seconds for the epoch, seconds to the first batch, samples, peak resident bytes of this process and
+    its workers)."""
+    with PeakRSS() as rss:
+        loader = loader_for(make(None, None), workers, batch)
+        start = time.perf_counter()
+        first = None
+        n = 0
+        for b in loader:
+            if first is None:
+                first = time.perf_counter() - start
+            n += samples_in(b)
+        seconds = time.perf_counter() - start
+        del loader  # its workers end inside the measured block
+    return seconds, first or 0.0, n, rss.peak
 
 
 def ids_of(sample: Any) -> list[Any]:
@@ -385,19 +454,24 @@ def compare(
 ) -> list[str]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     firsts: dict[str, list[float]] = {name: [] for name in cases}
+    peaks: dict[str, list[int]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, make in cases.items():
-            seconds, first, n = epoch(make, (workers or {}).get(name, args.workers), args.batch)
+            seconds, first, n, peak = epoch(make, (workers or {}).get(name, args.workers), args.batch)
             if n != total:
                 print(f"  ! {name} yielded {n} samples of {total}", file=sys.stderr)
             times[name].append(seconds)
             firsts[name].append(first)
+            peaks[name].append(peak)
     names = list(cases)
     ref = statistics.median(times[names[-1]])
     lines = [f"{title} ({total} samples, {args.workers} workers, median of {args.rounds} interleaved rounds)"]
     for name in names:
         median = statistics.median(times[name])
-        line = f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch {statistics.median(firsts[name]):6.3f}s"
+        line = (
+            f"  {name:<44} {total / median:>11,.0f}/s  x{ref / median:5.2f}  first batch "
+            f"{statistics.median(firsts[name]):6.3f}s  peak RSS {statistics.median(peaks[name]) / 2**20:7,.0f} MiB"
+        )
         if name in ONE_RANK_ONLY:
             line += "  2 ranks: not run (its ranks need a process group)"
         elif split:
@@ -467,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             uri = write_lance(root, 8, 250_000 // scale)
             cases = {
                 "shardkit LanceDataset(batch_size=1024), 0 workers": shardkit_lance(uri),
-                "shardkit LanceDataset(batch_size=1024)": shardkit_lance(uri),
+                "shardkit LanceDataset(batch_size=1024), forkserver": shardkit_lance(uri),
                 "lance.torch LanceDataset, 0 workers": lance_torch(uri),
             }
             zero = {"shardkit LanceDataset(batch_size=1024), 0 workers": 0, "lance.torch LanceDataset, 0 workers": 0}

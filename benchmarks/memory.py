@@ -31,6 +31,7 @@ import sys
 from typing import Any
 
 import torch.utils.data
+from _common import descendants
 
 from shardkit import ShardList
 
@@ -65,24 +66,6 @@ def _pss_kib(pid: int) -> int:
     raise RuntimeError(f"no Pss line in /proc/{pid}/smaps_rollup")
 
 
-def _descendants(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-    found, frontier = [], [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found += children
-        frontier += children
-    return found
-
-
 def measure(kind: str, method: str, entries: int, workers: int) -> dict[str, int]:
     """One run in this process: total PSS (KiB) while workers hold the list read."""
     import multiprocessing
@@ -106,7 +89,7 @@ def measure(kind: str, method: str, entries: int, workers: int) -> dict[str, int
     )
     batches = iter(loader)
     pids = {next(batches)[0] for _ in range(workers)}
-    processes = [os.getpid(), *_descendants(os.getpid())]
+    processes = [os.getpid(), *descendants(os.getpid())]
     if not pids <= set(processes):
         raise RuntimeError(f"workers {pids} are not descendants of {os.getpid()}")
     total = sum(_pss_kib(pid) for pid in processes)

@@ -93,6 +93,7 @@ def test_formats_benchmark_quick_runs_and_loses_nothing(quick_runs) -> None:
     assert len(rows) == 12, out  # 2 + 2 tar, 4 Parquet, 2 JSON lines, 2 ArrayRecord (MDS: where Mosaic installs)
     shardkit_rows = [row for row in rows if "shardkit" in row]
     assert all("0 duplicates, 0 missing" in row for row in shardkit_rows), out
+    assert all("peak RSS" in row for row in rows), out  # memory side by side
 
 
 def test_packing_benchmark_quick_runs_and_every_packer_keeps_every_token(quick_runs) -> None:

@@ -236,7 +236,7 @@ def _converted(record: Any, n: int, url: str, target: str) -> Any:
         sample = {"__key__": record.get("__key__") or f"{n:09d}"}
         for key, value in record.items():
             if not key.startswith("__"):
-                sample[key] = value if isinstance(value, (bytes, str)) else json.dumps(value).encode()
+                sample[key] = value if isinstance(value, (bytes, str)) else _json_member(value, key, n, url)
         return sample
     row = {key: value for key, value in record.items() if key != "__url__"}
     if target == "jsonl":
@@ -250,3 +250,14 @@ def _converted(record: Any, n: int, url: str, target: str) -> Any:
                         "convert to tar or parquet instead"
                     ) from None
     return row
+
+
+def _json_member(value: Any, key: str, n: int, url: str) -> bytes:
+    """``value`` as the JSON bytes of a tar member; a value JSON has no form for is a located error."""
+    try:
+        return json.dumps(value).encode()
+    except (TypeError, ValueError):
+        raise ConvertError(
+            f"{url}: record {n}: field {key!r} holds a {type(value).__name__}, which a tar member holds only as "
+            "bytes, text or JSON; convert to parquet or tfrecord instead"
+        ) from None

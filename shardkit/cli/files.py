@@ -34,9 +34,10 @@ def expand(pattern: str) -> list[str]:
 
 
 def dataset_shards(directory: str) -> Any:
-    """The ShardList, counts included, of the LitData dataset (an ``index.json`` in it) or Lance dataset
-    (a ``_versions`` folder in it, read at its latest version) at ``directory``; None for anything else.
-    Their shards are read in place: LitData chunks, Lance fragments (see :func:`format_of`)."""
+    """The ShardList, counts included, of the Mosaic MDS or LitData dataset (an ``index.json`` in it: MDS's
+    lists ``shards``, LitData's ``chunks``) or Lance dataset (a ``_versions`` folder in it, read at its latest
+    version) at ``directory``; None for anything else. Their shards are read in place: MDS shards, LitData
+    chunks, Lance fragments (see :func:`format_of`)."""
     import posixpath
 
     import fsspec
@@ -49,6 +50,10 @@ def dataset_shards(directory: str) -> Any:
     fs, path = fsspec.core.url_to_fs(directory)
     try:
         if fs.isfile(posixpath.join(path, "index.json")):
+            if _is_mds_index(fs, posixpath.join(path, "index.json")):
+                from shardkit.formats.mds import dataset_shards as mds_shards
+
+                return ShardList(*mds_shards(directory))
             from shardkit.formats.litdata import LitDataFormat, chunk_urls
 
             litdata = LitDataFormat()
@@ -64,6 +69,18 @@ def dataset_shards(directory: str) -> Any:
     dataset = lance.dataset(directory.rstrip("/"))
     urls = [fragment_url(directory, f.fragment_id, int(dataset.version)) for f in dataset.get_fragments()]
     return ShardList(urls, num_records=[lance.count(url) for url in urls])
+
+
+def _is_mds_index(fs: Any, path: str) -> bool:
+    """Whether the ``index.json`` at ``path`` is Mosaic's (``{"shards": [...], "version": 2}``), not LitData's."""
+    import json
+
+    try:
+        with fs.open(path, "rb") as f:
+            index = json.loads(f.read(1 << 26))
+    except ValueError:
+        return False  # not JSON: LitData's reader says what is wrong with it
+    return isinstance(index, dict) and "shards" in index and "chunks" not in index
 
 
 def each_file(args: argparse.Namespace, job: Callable[[str], Any], listed: Sequence[str] = ()) -> int:

@@ -23,18 +23,22 @@ records that do not decode).
 This module names no concrete format: the formats build on it, and
 :mod:`shardkit.formats.registry`, above them all, finds the format of a file.
 Index files of the formats that have one share one container
-(:mod:`shardkit.formats.offsets`).
+(:mod:`shardkit.formats.offsets`). What a format parses once and keeps (indexes,
+open datasets, inflated shards) lives in a :class:`ProcessCache`: bounded, shared
+by a process's threads, and empty again in each process a format is pickled into.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Final, NamedTuple, Protocol, runtime_checkable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import fsspec
 import numpy as np
 
-from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.errors import CorruptRecordError, ShardkitError, check_int
 from shardkit.io.files import open_raw, sniff_compression
 from shardkit.io.remote import RemoteOptions, prefetch
 from shardkit.io.retry import retried_call
@@ -45,12 +49,14 @@ __all__ = [
     "CountBounded",
     "FormatBase",
     "FormatError",
+    "ProcessCache",
     "RecordBound",
     "RecordWriter",
     "ResumeHint",
     "ShardFormat",
     "capabilities",
     "check_interface",
+    "column_options",
     "max_records",
     "record_bound",
 ]
@@ -61,6 +67,59 @@ HEAD_BYTES: Final = 512
 
 class FormatError(ShardkitError, ValueError):
     """No registered format fits a file, or a format was given options it cannot use."""
+
+
+_V = TypeVar("_V")
+
+
+def _one(_value: object) -> int:
+    return 1
+
+
+class ProcessCache(Generic[_V]):
+    """What a format parsed once, kept for this process: least recently used dropped first.
+
+    Entries are dropped while there is more than one and their total weight (``weigh``
+    of each; 1 each by default, so ``most`` counts entries) is over ``most``. A lock makes
+    it safe for a process's threads; a value is built outside the lock, so two threads
+    may build the same one and the second is kept. Pickled (to a DataLoader worker, a
+    spawned process), it arrives empty: each process parses what it reads itself, and
+    nothing parsed travels. ``weigh`` must be a module-level function for that.
+    """
+
+    def __init__(self, most: int, weigh: Callable[[_V], int] = _one) -> None:
+        self.most = most
+        self.weigh = weigh
+        self._entries: OrderedDict[Hashable, _V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.most, self.weigh))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable, build: Callable[[], _V]) -> _V:
+        """The value kept under ``key``, else ``build()``'s, kept."""
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        value = build()
+        with self._lock:
+            self._entries[key] = value
+            while len(self._entries) > 1 and sum(map(self.weigh, self._entries.values())) > self.most:
+                self._entries.popitem(last=False)
+        return value
+
+
+def column_options(columns: Sequence[str] | None, batch_size: int | None) -> tuple[list[str] | None, int | None]:
+    """The checked ``columns=`` and ``batch_size=`` of a columnar format (Parquet, Lance)."""
+    if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
+        raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
+    if batch_size is not None:
+        check_int("batch_size", batch_size, minimum=1, hint="or None for one row per record")
+    return (list(columns) if columns is not None else None), batch_size
 
 
 class RecordWriter(Protocol):

@@ -30,15 +30,13 @@ are reported as unknown (-1).
 from __future__ import annotations
 
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
 
-from shardkit.errors import CorruptRecordError, ShardkitError, check_int
-from shardkit.formats.base import FormatBase
+from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.base import FormatBase, ProcessCache, column_options
 from shardkit.io.remote import RemoteOptions
 
 __all__ = ["LanceFormat", "FragmentUrl", "fragment_url", "import_lance", "parse_fragment_url"]
@@ -128,23 +126,10 @@ class LanceFormat(FormatBase):
         storage_options: dict[str, Any] | None = None,
         remote: RemoteOptions | None = None,
     ) -> None:
-        if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
-            raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
-        if batch_size is not None:
-            check_int("batch_size", batch_size, minimum=1, hint="or None for one row per record")
-        self.columns = list(columns) if columns is not None else None
-        self.batch_size = batch_size
+        self.columns, self.batch_size = column_options(columns, batch_size)
         self.storage_options = storage_options
         self.remote = remote
-        self._open: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_open", "_lock")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._open, self._lock = OrderedDict(), threading.Lock()
+        self._open: ProcessCache[Any] = ProcessCache(OPEN_DATASETS)
 
     def __repr__(self) -> str:
         return f"LanceFormat(columns={self.columns!r}, batch_size={self.batch_size!r})"
@@ -158,16 +143,7 @@ class LanceFormat(FormatBase):
         if version is None:
             return lance.dataset(uri, storage_options=self.storage_options)
         key = (uri, version, os.getpid())  # one per process (a forked one is refused by import_lance)
-        with self._lock:
-            if key in self._open:
-                self._open.move_to_end(key)
-                return self._open[key]
-        opened = lance.dataset(uri, version=version, storage_options=self.storage_options)
-        with self._lock:
-            self._open[key] = opened
-            while len(self._open) > OPEN_DATASETS:
-                self._open.popitem(last=False)
-        return opened
+        return self._open.get(key, lambda: lance.dataset(uri, version=version, storage_options=self.storage_options))
 
     def fragment(self, url: str) -> Any:
         where = parse_fragment_url(url)

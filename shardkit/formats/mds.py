@@ -35,8 +35,6 @@ import bz2
 import gzip
 import json
 import posixpath
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any, Final, NamedTuple
@@ -45,7 +43,7 @@ import fsspec
 import numpy as np
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.base import BadRecord, FormatBase
+from shardkit.formats.base import BadRecord, FormatBase, ProcessCache
 from shardkit.io.files import open_raw
 from shardkit.io.identity import version
 from shardkit.io.remote import RemoteOptions
@@ -56,6 +54,8 @@ __all__ = ["INFLATED_CACHE_BYTES", "MDSFormat", "MDSShard", "dataset_shards", "d
 INDEX: Final = "index.json"
 INFLATED_CACHE_BYTES: Final = 512 << 20
 """Inflated compressed shards kept per process (Mosaic's default shard is 64 MiB)."""
+INDEX_CACHE: Final = 64
+"""Datasets' parsed ``index.json`` kept per process."""
 
 _SCALARS: Final = {
     name: np.dtype(name)
@@ -228,16 +228,8 @@ class MDSFormat(FormatBase):
     def __init__(self, *, storage_options: dict[str, Any] | None = None, remote: RemoteOptions | None = None) -> None:
         self.storage_options = storage_options
         self.remote = remote
-        self._indexes: dict[str, dict[str, MDSShard]] = {}
-        self._inflated: OrderedDict[tuple[str, str], bytes] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_indexes", "_inflated", "_lock")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._indexes, self._inflated, self._lock = {}, OrderedDict(), threading.Lock()
+        self._indexes: ProcessCache[dict[str, MDSShard]] = ProcessCache(INDEX_CACHE)
+        self._inflated: ProcessCache[bytes] = ProcessCache(INFLATED_CACHE_BYTES, len)
 
     def __repr__(self) -> str:
         return "MDSFormat()"
@@ -271,18 +263,15 @@ class MDSFormat(FormatBase):
         )
 
     def _index(self, root: str) -> dict[str, MDSShard] | None:
-        with self._lock:
-            if root in self._indexes:
-                return self._indexes[root]
         try:
-            with open_raw(f"{root}/{INDEX}", "rb", self.storage_options, remote=self.remote) as f:
-                data = f.read()
+            return self._indexes.get(root, lambda: self._read_index(root))
         except FileNotFoundError:
-            return None
-        shards = parse_index(data, f"{root}/{INDEX}")
-        with self._lock:
-            self._indexes[root] = shards
-        return shards
+            return None  # not kept: an index written later is found
+
+    def _read_index(self, root: str) -> dict[str, MDSShard]:
+        with open_raw(f"{root}/{INDEX}", "rb", self.storage_options, remote=self.remote) as f:
+            data = f.read()
+        return parse_index(data, f"{root}/{INDEX}")
 
     def stored_count(self, url: str) -> int:
         """Samples in the shard at ``url``, from ``index.json`` (held to the file when it is read)."""
@@ -330,10 +319,9 @@ class MDSFormat(FormatBase):
         under the file's identity (a file replaced since is read again)."""
         fs, path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
         key = (url, version(retried_call(fs, "info", path, retry=self.remote.retry if self.remote else None)))
-        with self._lock:
-            if key in self._inflated:
-                self._inflated.move_to_end(key)
-                return self._inflated[key]
+        return self._inflated.get(key, lambda: self._inflate_now(url, shard, start))
+
+    def _inflate_now(self, url: str, shard: MDSShard, start: int) -> bytes:
         with open_raw(url, "rb", self.storage_options, remote=self.remote) as f:
             stored = f.read()
         _check_size(url, shard, len(stored), start, "compressed file")
@@ -345,10 +333,6 @@ class MDSFormat(FormatBase):
             reason = f"its {shard.compression} stream does not inflate ({type(error).__name__}: {str(error)[:200]})"
             raise CorruptRecordError(url, start, -1, reason) from None
         _check_size(url, shard, len(raw), start, f"inflated {shard.compression} stream", expected=shard.raw_size)
-        with self._lock:
-            self._inflated[key] = raw
-            while len(self._inflated) > 1 and sum(map(len, self._inflated.values())) > INFLATED_CACHE_BYTES:
-                self._inflated.popitem(last=False)
         return raw
 
 

@@ -47,8 +47,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from shardkit.errors import CorruptRecordError, ShardkitError, check_int
-from shardkit.formats.base import FormatBase
+from shardkit.errors import CorruptRecordError, ShardkitError
+from shardkit.formats.base import FormatBase, column_options
 from shardkit.io.files import open_raw
 from shardkit.io.remote import RemoteOptions
 
@@ -80,12 +80,7 @@ class ParquetFormat(FormatBase):
         storage_options: dict[str, Any] | None = None,
         remote: RemoteOptions | None = None,
     ) -> None:
-        if columns is not None and (isinstance(columns, str) or not all(isinstance(c, str) for c in columns)):
-            raise ShardkitError(f"columns must be a list of column names, got {columns!r}")
-        if batch_size is not None:
-            check_int("batch_size", batch_size, minimum=1, hint="or None for one row per record")
-        self.columns = list(columns) if columns is not None else None
-        self.batch_size = batch_size
+        self.columns, self.batch_size = column_options(columns, batch_size)
         self.storage_options = storage_options
         self.remote = remote
 
@@ -219,8 +214,8 @@ class ParquetFormat(FormatBase):
             yield _numpy(pa.concat_tables(pending) if len(pending) > 1 else pending[0])
 
     def writer(self, url: str, *, name: str | None = None) -> ParquetWriter:
-        """A writer of rows to ``url`` (``name``: the name it will be renamed to; unused)."""
-        return ParquetWriter(url, storage_options=self.storage_options)
+        """A writer of rows to ``url`` (``name``: the name it will be renamed to, which its errors give)."""
+        return ParquetWriter(url, storage_options=self.storage_options, name=name)
 
 
 def _group_rows(url: str, raw: Any, meta: Any) -> list[int]:
@@ -304,9 +299,15 @@ class ParquetWriter:
     """
 
     def __init__(
-        self, url: str, *, row_group_size: int = 10_000, storage_options: dict[str, Any] | None = None
+        self,
+        url: str,
+        *,
+        row_group_size: int = 10_000,
+        storage_options: dict[str, Any] | None = None,
+        name: str | None = None,
     ) -> None:
         self.url = url
+        self.name = name or url  # the final name, where url is a temporary file renamed to it when complete
         self.num_records = 0
         self.num_bytes = 0
         self._row_group_size = row_group_size
@@ -331,7 +332,15 @@ class ParquetWriter:
 
         if not self._rows:
             return
-        table = pa.Table.from_pylist(self._rows, schema=None if self._writer is None else self._writer.schema)
+        try:
+            table = pa.Table.from_pylist(self._rows, schema=None if self._writer is None else self._writer.schema)
+        except (pa.ArrowException, TypeError, ValueError) as error:
+            first = self.num_records - len(self._rows)
+            raise ShardkitError(
+                f"{self.name}: rows {first}..{self.num_records - 1} do not fit one Parquet schema "
+                f"({type(error).__name__}: {str(error)[:200]}); a column holds scalars, text, bytes or lists "
+                "of them, of one type (an array of more than one dimension: store it flat, with its shape)"
+            ) from None
         if self._writer is None:
             self._writer = pq.ParquetWriter(self._raw, table.schema, write_page_checksum=True)
         self._writer.write_table(table)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit.errors import CorruptRecordError
 from shardkit.formats.array_record import ArrayRecordFormat
+from tests.helpers.elastic import elastic_property
 from tests.helpers.fault_server import FaultServer
 from tests.helpers.reading import assert_split, read_all, sample_id
 
@@ -271,6 +272,21 @@ def test_a_record_that_is_not_an_example_costs_itself_alone_under_skip(tmp_path)
         assert ids(shardkit.ArrayRecordDataset(url, on_error="skip", balance="none")) == [0, 1, 2, 3, 4, 6, 7, 8, 9]
 
 
+@pytest.fixture(scope="module")
+def module_files(tmp_path_factory) -> list[str]:
+    return write_files(tmp_path_factory.mktemp("array_record"))
+
+
+@pytest.mark.slow
+def test_a_state_saved_on_two_ranks_resumes_on_one_or_three_ranks_exactly_once(module_files) -> None:
+    def make(rank: int, world_size: int, balance: str) -> shardkit.ArrayRecordDataset:
+        return shardkit.ArrayRecordDataset(
+            module_files, decode="raw", shuffle=True, seed=6, balance=balance, rank=rank, world_size=world_size
+        )
+
+    elastic_property(make, [example(n) for n in range(sum(SIZES))])
+
+
 # --------------------------------------------------------------------------- remote, writing, the CLI
 
 
@@ -286,6 +302,24 @@ def test_owner_written_files_read_over_http_from_the_cache_byte_for_byte(tmp_pat
         assert got == local and sorted(got) == sorted(example(n) for n in range(sum(SIZES)))
         with pytest.raises(shardkit.ShardkitError, match="cache_dir"):
             list(shardkit.ArrayRecordDataset(remote))
+
+
+@pytest.mark.slow
+def test_owner_written_files_read_from_s3_equal_the_local_read_byte_for_byte(tmp_path, s3_server) -> None:
+    from tests.helpers.servers import upload_tree
+
+    (tmp_path / "data").mkdir()
+    urls = write_files(tmp_path / "data")
+    options = s3_server.storage_options()
+    root = upload_tree(options, str(tmp_path / "data"), s3_server.new_bucket(), "grain")
+    remote = [f"{root}/{os.path.basename(u)}" for u in urls]
+    got = list(
+        shardkit.ArrayRecordDataset(
+            remote, decode="raw", shuffle=True, seed=5, storage_options=options, cache_dir=str(tmp_path / "c")
+        )
+    )
+    assert got == list(shardkit.ArrayRecordDataset(urls, decode="raw", shuffle=True, seed=5))
+    assert sorted(got) == sorted(example(n) for n in range(sum(SIZES)))
 
 
 def test_shard_writer_writes_files_the_packages_reader_reads_back(tmp_path) -> None:

@@ -179,3 +179,20 @@ def test_tfrecord_format_read_raises_at_a_bad_record_and_read_marked_reads_past_
     assert "does not decode with fussy" in str(bad)
     with pytest.raises(CorruptRecordError, match="no sevens"):
         list(TFRecordFormat(decode=fussy).read(url, 5, 9))
+
+
+def test_a_process_cache_drops_the_least_recently_used_and_arrives_empty_where_it_is_pickled():
+    from shardkit.formats.base import ProcessCache
+
+    built: list[str] = []
+
+    def build(key: str) -> bytes:
+        built.append(key)
+        return key.encode() * 4
+
+    cache: ProcessCache[bytes] = ProcessCache(10, len)  # 10 bytes: two 4-byte values fit, three do not
+    for key in ("a", "b", "a", "c", "a", "b"):
+        assert cache.get(key, lambda key=key: build(key)) == key.encode() * 4
+    assert built == ["a", "b", "c", "b"]  # "b" was least recently used when "c" came
+    copy = pickle.loads(pickle.dumps(cache))
+    assert (len(cache), len(copy), copy.most, copy.weigh) == (2, 0, 10, len)

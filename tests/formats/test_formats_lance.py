@@ -13,7 +13,8 @@ import pytest
 import shardkit
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.lance import LanceFormat, fragment_url
-from tests.helpers.reading import assert_split, ids_per_rank, rank_factory
+from tests.helpers.elastic import elastic_property
+from tests.helpers.reading import assert_split, ids_per_rank, rank_factory, sample_id
 
 lance = pytest.importorskip("lance")
 
@@ -104,6 +105,24 @@ def test_a_state_saved_mid_epoch_resumes_a_fresh_dataset_with_exactly_the_rest(u
     assert delivered + [r["id"] for r in fresh] == whole and len(whole) == ROWS // 2
 
 
+@pytest.fixture(scope="module")
+def module_uri(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("lance") / "table.lance")
+    lance.write_dataset(table(), path, max_rows_per_file=16)
+    return path
+
+
+@pytest.mark.slow
+def test_a_state_saved_on_two_ranks_resumes_on_one_or_three_ranks_exactly_once(module_uri) -> None:
+    def make(rank: int, world_size: int, balance: str):
+        dataset = shardkit.LanceDataset(
+            module_uri, columns=["id"], shuffle=True, seed=8, balance=balance, rank=rank, world_size=world_size
+        )
+        return dataset.map(sample_id)
+
+    elastic_property(make, [str(i) for i in range(ROWS)])
+
+
 def test_an_append_or_delete_committed_mid_epoch_changes_nothing_the_epoch_or_its_resume_reads(uri) -> None:
     dataset = shardkit.LanceDataset(uri, balance="none", columns=["id"])
     iterator = iter(dataset)
@@ -118,6 +137,22 @@ def test_an_append_or_delete_committed_mid_epoch_changes_nothing_the_epoch_or_it
     assert [r["id"] for r in resumed] == list(range(10, ROWS))
     latest = shardkit.LanceDataset(uri, balance="none", columns=["id"])  # a new dataset sees the new version
     assert latest.version > dataset.version and [r["id"] for r in latest] == list(range(40, ROWS + 30))
+
+
+@pytest.mark.slow
+def test_a_dataset_on_s3_reads_the_same_rows_and_batches_as_the_local_copy(uri, s3_server) -> None:
+    """Lance reads its object store itself (S3, GCS, Azure, local; no plain HTTP store), so S3 it is."""
+    from tests.helpers.servers import lance_s3_options, upload_tree
+
+    root = upload_tree(s3_server.storage_options(), uri, s3_server.new_bucket(), "table.lance")
+    options = lance_s3_options(s3_server.storage_options())
+    remote = list(shardkit.LanceDataset(root, shuffle=True, seed=4, storage_options=options))
+    assert remote == list(shardkit.LanceDataset(uri, shuffle=True, seed=4)) and len(remote) == ROWS
+    batches = list(shardkit.LanceDataset(root, batch_size=5, columns=["id", "vector"], storage_options=options))
+    local = list(shardkit.LanceDataset(uri, batch_size=5, columns=["id", "vector"]))
+    assert len(batches) == len(local)
+    for a, b in zip(batches, local):
+        assert all(a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes() for k in ("id", "vector"))
 
 
 def _data_files(uri: str) -> list[str]:
@@ -185,3 +220,27 @@ def test_inspect_plan_and_convert_take_the_dataset_directory_and_its_manifest_co
     done = run_cli("convert", uri, str(tmp_path / "rows-%03d.parquet"), "--format", "parquet")
     assert done.returncode == 0, done.stderr
     assert pq.read_table(str(tmp_path / "rows-000.parquet")).to_pylist() == table().to_pylist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["tfrecord", "array_record"])
+def test_convert_to_tf_examples_and_back_to_parquet_keeps_every_row(tmp_path, through) -> None:
+    """The columns a tf.Example can hold (no nulls, no structs), exact but for its types: text as UTF-8 bytes,
+    a vector as a list."""
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    columns = ["id", "score", "blob", "flag", "vector"]
+    source = table().select(columns)
+    uri = str(tmp_path / "t.lance")
+    lance.write_dataset(source, uri, max_rows_per_file=16)
+    there = run_cli("convert", uri, str(tmp_path / "ex" / f"r-%03d.{through}"), "--format", through)
+    assert there.returncode == 0, there.stderr
+    back = run_cli(
+        "convert", str(tmp_path / "ex" / f"*.{through}"), str(tmp_path / "r-%03d.parquet"), "--format", "parquet"
+    )
+    assert back.returncode == 0, back.stderr
+    got = pq.read_table(str(tmp_path / "r-000.parquet")).to_pylist()
+    want = [{**row, "flag": int(row["flag"])} for row in source.to_pylist()]
+    assert got == want

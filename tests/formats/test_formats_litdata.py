@@ -17,8 +17,9 @@ import shardkit
 from shardkit.errors import CorruptRecordError, ShardkitError
 from shardkit.formats.litdata import LitDataFormat
 from tests.helpers import litdata_samples as fx
+from tests.helpers.elastic import elastic_property
 from tests.helpers.fault_server import FaultServer
-from tests.helpers.reading import assert_split, ids_per_rank, rank_factory
+from tests.helpers.reading import assert_split, ids_per_rank, rank_factory, sample_id
 
 
 def fixture(name: str) -> str:
@@ -146,6 +147,17 @@ def test_every_sample_exactly_once_over_two_ranks_and_workers(balance, num_worke
     assert shardkit.LitDataDataset(fixture("samples")).shards.num_records.tolist() == [8] * 5  # from index.json
 
 
+@pytest.mark.slow
+def test_a_state_saved_on_two_ranks_resumes_on_one_or_three_ranks_exactly_once() -> None:
+    def make(rank: int, world_size: int, balance: str):
+        dataset = shardkit.LitDataDataset(
+            fixture("samples"), shuffle=True, seed=8, balance=balance, rank=rank, world_size=world_size
+        )
+        return dataset.map(sample_id)
+
+    elastic_property(make, [str(i) for i in range(fx.SAMPLES)])
+
+
 def test_counts_come_from_the_index_without_opening_a_chunk(tmp_path) -> None:
     path = copy(tmp_path, "samples")
     for name in os.listdir(path):
@@ -217,6 +229,29 @@ def test_a_missing_chunk_is_an_error_naming_it_or_a_counted_skip(tmp_path) -> No
     assert lenient.stats().skipped.tolist() == [0, 0, 0, 8, 0]
 
 
+def test_a_corrupted_zstd_chunk_is_a_located_error_or_costs_the_item_it_broke(tmp_path) -> None:
+    """LitData's zstd frames carry no checksum, so a flipped block inflates; what it breaks (here item 4's
+    tensor shape) is the record reported, with its offset, not a torch RuntimeError."""
+    path = copy(tmp_path, "zstd")
+    second = _chunks(path)[1]
+    size = os.path.getsize(second)
+    with open(second, "r+b") as f:
+        f.seek(size // 2)
+        flipped = bytes(b ^ 0xFF for b in f.read(8))
+        f.seek(size // 2)
+        f.write(flipped)
+    with pytest.raises(
+        CorruptRecordError, match=r"chunk-0-1.zstd.bin: record 4 at byte offset \d+: the item does not decode"
+    ):
+        list(shardkit.LitDataDataset(path, balance="none"))
+    lenient = shardkit.LitDataDataset(path, balance="none", on_error="skip")
+    with pytest.warns(UserWarning, match="skipping record 4 of .*chunk-0-1.zstd.bin"):
+        got = list(lenient)
+    assert [s["id"] for s in got] == [i for i in range(12) if i != 9] and lenient.stats().skipped.tolist() == [0, 1, 0]
+    for sample in got:
+        assert_equal(sample, fx.sample(sample["id"]))
+
+
 def test_an_item_whose_leaf_sizes_do_not_add_up_costs_itself_alone(tmp_path) -> None:
     path = copy(tmp_path, "samples")
     first = _chunks(path)[0]
@@ -250,6 +285,20 @@ def test_a_dataset_served_over_http_reads_the_same_samples_by_ranged_reads(tmp_p
         assert server.gets("samples/index.json") and server.gets("samples/chunk-0-0.bin")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["samples", "tokens"])
+def test_a_dataset_on_s3_reads_the_same_samples_as_the_local_copy(name, s3_server) -> None:
+    from tests.helpers.servers import upload_tree
+
+    options = s3_server.storage_options()
+    root = upload_tree(options, fixture(name), s3_server.new_bucket(), name)
+    remote = list(shardkit.LitDataDataset(root, shuffle=True, seed=2, storage_options=options))
+    local = list(shardkit.LitDataDataset(fixture(name), shuffle=True, seed=2))
+    assert len(remote) == len(local) > 0
+    for a, b in zip(remote, local):
+        assert_equal(a, b)
+
+
 # --------------------------------------------------------------------------- the command line
 
 
@@ -268,6 +317,26 @@ def test_inspect_verify_and_plan_take_the_dataset_directory_and_its_index_counts
     os.truncate(_chunks(path)[1], 100)
     damaged = run_cli("verify", path)
     assert damaged.returncode != 0 and "chunk-0-1.bin" in damaged.stderr and damaged.stdout.count("ok ") == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["tfrecord", "array_record"])
+def test_convert_to_tf_examples_and_back_to_parquet_keeps_every_row(tmp_path, through) -> None:
+    """Exact but for tf.Example's types: text comes back as its UTF-8 bytes."""
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    there = run_cli("convert", fixture("rows"), str(tmp_path / "ex" / f"r-%03d.{through}"), "--format", through)
+    assert there.returncode == 0, there.stderr
+    back = run_cli(
+        "convert", str(tmp_path / "ex" / f"*.{through}"), str(tmp_path / "r-%03d.parquet"), "--format", "parquet"
+    )
+    assert back.returncode == 0, back.stderr
+    want = [fx.row(i) for i in range(fx.ROWS)]
+    for row in want:
+        row["text"], row["tags"] = row["text"].encode(), [t.encode() for t in row["tags"]]
+    assert pq.read_table(str(tmp_path / "r-000.parquet")).to_pylist() == want
 
 
 def test_convert_writes_the_rows_of_a_litdata_dataset_to_parquet_in_order(tmp_path) -> None:

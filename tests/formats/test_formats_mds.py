@@ -18,8 +18,9 @@ import pytest
 import shardkit
 from shardkit.errors import CorruptRecordError
 from shardkit.formats.mds import MDSError, MDSFormat
+from tests.helpers.elastic import elastic_property
 from tests.helpers.fault_server import FaultServer
-from tests.helpers.reading import assert_split, ids_per_rank, rank_factory
+from tests.helpers.reading import assert_split, ids_per_rank, rank_factory, sample_id
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "mds"
 SAMPLES = 40
@@ -112,6 +113,18 @@ def test_every_sample_exactly_once_over_two_ranks_under_each_balance(workers, ba
     make = rank_factory(shardkit.MDSDataset, str(FIXTURES / "zstd"), shuffle=True, seed=2, balance=balance)
     ranks = ids_per_rank(make, world_size=2, num_workers=workers)
     assert_split(ranks, [str(n) for n in range(SAMPLES)], balance)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "zstd"])
+def test_a_state_saved_on_two_ranks_resumes_on_one_or_three_ranks_exactly_once(name) -> None:
+    def make(rank: int, world_size: int, balance: str):
+        dataset = shardkit.MDSDataset(
+            str(FIXTURES / name), shuffle=True, seed=8, balance=balance, rank=rank, world_size=world_size
+        )
+        return dataset.map(sample_id)
+
+    elastic_property(make, [str(n) for n in range(SAMPLES)])
 
 
 def test_a_state_saved_mid_epoch_resumes_a_fresh_dataset_with_exactly_the_rest() -> None:
@@ -232,6 +245,20 @@ def test_mosaic_written_datasets_read_over_http_equal_the_local_read(name) -> No
             assert_same_sample(g, w)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "gz"])
+def test_mosaic_written_datasets_read_from_s3_equal_the_local_read(name, s3_server) -> None:
+    from tests.helpers.servers import upload_tree
+
+    options = s3_server.storage_options()
+    root = upload_tree(options, str(FIXTURES / name), s3_server.new_bucket(), name)
+    got = list(shardkit.MDSDataset(root, shuffle=True, seed=3, storage_options=options))
+    local = list(shardkit.MDSDataset(str(FIXTURES / name), shuffle=True, seed=3))
+    assert [s["id"] for s in got] == [s["id"] for s in local] and len(got) == SAMPLES
+    for g, w in zip(got, local):
+        assert_same_sample(g, w)
+
+
 def test_the_cli_inspects_verifies_and_plans_mds_shards(tmp_path) -> None:
     from tests.helpers.cli import run_cli
 
@@ -246,3 +273,25 @@ def test_the_cli_inspects_verifies_and_plans_mds_shards(tmp_path) -> None:
     os.truncate(broken, 5)
     result = run_cli("verify", str(broken))
     assert result.returncode == 1 and str(broken) in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("tfrecord", r"plain/shard.00000.mds: record 0: field 'meta' holds .*a tf.Example feature holds"),
+        ("tar", r"plain/shard.00000.mds: record 0: field 'f16' holds a float16, which a tar member holds only"),
+        ("parquet", r"x-000.parquet: rows 0..\d+ do not fit one Parquet schema \(ArrowInvalid"),
+    ],
+)
+def test_convert_reads_an_mds_directory_and_names_what_the_target_cannot_hold(tmp_path, target, says) -> None:
+    """Before, the directory was taken for LitData's ("index.json is not a LitData index"), and a tar or
+    Parquet target failed with a bare TypeError or ArrowInvalid naming no file."""
+    import re
+
+    from tests.helpers.cli import run_cli
+
+    done = run_cli("convert", str(FIXTURES / "plain"), str(tmp_path / f"x-%03d.{target}"), "--format", target)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert re.search(says, done.stderr), done.stderr
+    assert not list(tmp_path.glob(f"x-*.{target}"))  # no shard under a final name

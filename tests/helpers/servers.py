@@ -44,3 +44,25 @@ def self_signed_cert(directory: Path) -> tuple[str, str]:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return str(cert_path), str(key_path)
+
+
+def upload_tree(storage_options: dict, local: str, bucket: str, name: str) -> str:
+    """Copy the folder ``local`` (every file below it, byte for byte) to ``<bucket>/<name>`` on the
+    S3 server ``storage_options`` reach (the ``s3_server`` fixture's), and return that url."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **storage_options)
+    target = f"{bucket}/{name}"
+    fs.put(str(local).rstrip("/") + "/", target, recursive=True)
+    return target
+
+
+def lance_s3_options(storage_options: dict) -> dict:
+    """Lance's object store options for the S3 server that fsspec's ``storage_options`` reach."""
+    return {
+        "aws_access_key_id": storage_options["key"],
+        "aws_secret_access_key": storage_options["secret"],
+        "aws_endpoint": storage_options["client_kwargs"]["endpoint_url"],
+        "aws_region": "us-east-1",
+        "allow_http": "true",
+    }

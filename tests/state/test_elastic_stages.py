@@ -14,12 +14,8 @@ can deliver").
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import SimpleNamespace
+from functools import partial
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -28,60 +24,31 @@ from hypothesis import strategies as st
 
 from shardkit import MixedLoader
 from shardkit.state import StateError, decode_positions, encode, merge_ranks
-from tests.helpers.elastic import KINDS, check_delivered, equal_counts, pipeline, torchrun_worlds
+from tests.helpers.elastic import (
+    KINDS,
+    World,
+    check_delivered,
+    equal_counts,
+    flat,
+    pipeline,
+    resume_world,
+    roundtrip,
+    save_world,
+    torchrun_worlds,
+)
 from tests.helpers.examples import examples
-
-World = tuple[int, int]  # (ranks, DataLoader workers per rank; 0 is the main process)
-
-
-@contextmanager
-def as_worker(worker: int, workers: int) -> Iterator[None]:
-    info = None if workers == 0 else SimpleNamespace(id=worker, num_workers=workers)
-    with mock.patch.object(torch.utils.data, "get_worker_info", lambda: info):
-        yield
-
-
-def roundtrip(state: Any) -> Any:
-    """Through JSON, as a checkpoint stores it."""
-    return json.loads(json.dumps(state))
 
 
 def save(kind: str, balance: str, world: World, reads: list[int], state: Any = None) -> tuple[list[int], list[Any]]:
     """Every reader of ``world`` (resuming ``state`` if given) reads ``reads[...]`` samples and saves:
     what they delivered, and each rank's list of its workers' states."""
-    delivered, states = [], []
-    ranks, workers = world
-    for rank in range(ranks):
-        worker_states = []
-        for worker in range(max(workers, 1)):
-            dataset = pipeline(kind, rank, ranks, balance)
-            if state is not None:
-                dataset.load_state_dict(state)
-            with as_worker(worker, workers):
-                iterator = iter(dataset)
-                for _ in range(reads[(rank * max(workers, 1) + worker) % len(reads)]):
-                    sample = next(iterator, None)
-                    if sample is not None:
-                        delivered.append(sample)
-                worker_states.append(roundtrip(dataset.state_dict()))
-        states.append(worker_states)
-    return delivered, states
+    return save_world(partial(pipeline, kind), balance, world, reads, state)
 
 
 def resume(kind: str, balance: str, world: World, state: Any) -> list[list[int]]:
     """What each reader of ``world`` delivers to the end of the epoch from the global ``state``, per rank a
     list of its workers' samples."""
-    ranks, workers = world
-    out = []
-    for rank in range(ranks):
-        per_worker = []
-        for worker in range(max(workers, 1)):
-            dataset = pipeline(kind, rank, ranks, balance)
-            dataset.load_state_dict(state)
-            with as_worker(worker, workers):
-                per_worker.append(list(dataset))
-        out.append(per_worker)
-    return out
+    return resume_world(partial(pipeline, kind), balance, world, state)
 
 
 def check_counts(balance: str, ranks: list[list[list[int]]]) -> None:
@@ -89,10 +56,6 @@ def check_counts(balance: str, ranks: list[list[list[int]]]) -> None:
     equal samples per rank, and equal batches per rank however each worker batches."""
     if balance != "none":
         assert equal_counts([[len(worker) for worker in rank] for rank in ranks])
-
-
-def flat(ranks: list[list[list[int]]]) -> list[int]:
-    return [sample for rank in ranks for worker in rank for sample in worker]
 
 
 def held(state: Any) -> int:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -13,7 +11,7 @@ import fsspec
 import numpy as np
 
 from shardkit.errors import CorruptRecordError, ShardkitError
-from shardkit.formats.base import BadRecord, FormatBase, FormatError
+from shardkit.formats.base import BadRecord, FormatBase, FormatError, ProcessCache
 from shardkit.formats.litdata.index import INDEX_NAME, LitDataIndex, index_url, parse_index
 from shardkit.formats.litdata.leaves import TORCH_DTYPES, builder, leaf_decoder, numpy_dtype, torch_dtype, torch_of
 from shardkit.io.files import open_raw
@@ -59,15 +57,7 @@ class LitDataFormat(FormatBase):
         self.block_size = block_size
         self.storage_options = storage_options
         self.remote = remote
-        self._indexes: OrderedDict[tuple[Any, ...], LitDataIndex] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_indexes", "_lock")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._indexes, self._lock = OrderedDict(), threading.Lock()
+        self._indexes: ProcessCache[LitDataIndex] = ProcessCache(INDEX_CACHE)
 
     def __repr__(self) -> str:
         return f"LitDataFormat(images={self.images!r}, block_size={self.block_size!r})"
@@ -80,10 +70,9 @@ class LitDataFormat(FormatBase):
         where = url if url.endswith(INDEX_NAME) else index_url(url)
         fs, path = fsspec.core.url_to_fs(where, **(self.storage_options or {}))
         key = (where, *_local_identity(path)) if "file" in _protocols(fs) else (where,)
-        with self._lock:
-            if key in self._indexes:
-                self._indexes.move_to_end(key)
-                return self._indexes[key]
+        return self._indexes.get(key, lambda: self._read_index(where))
+
+    def _read_index(self, where: str) -> LitDataIndex:
         try:
             with open_raw(where, "rb", self.storage_options, remote=self.remote) as f:
                 data = f.read()
@@ -92,12 +81,7 @@ class LitDataFormat(FormatBase):
                 f"{where} does not exist: a LitData dataset is a directory of chunks with the index.json "
                 "litdata.optimize writes"
             ) from None
-        parsed = parse_index(data, where)
-        with self._lock:
-            self._indexes[key] = parsed
-            while len(self._indexes) > INDEX_CACHE:
-                self._indexes.popitem(last=False)
-        return parsed
+        return parse_index(data, where)
 
     def stored_count(self, url: str) -> int:
         """Records of the chunk ``url`` by ``index.json``: items, or blocks of ``block_size`` tokens."""
@@ -249,7 +233,8 @@ class _Chunk:
                     raise CorruptRecordError(self.url, k, int(offsets[k]), reason)
                 try:
                     yield build(_leaves(data[a:b], decoders, sizes))
-                except (ValueError, struct.error, IndexError, UnicodeDecodeError, OverflowError) as error:
+                # RuntimeError: torch's, for a tensor leaf whose shape does not fit its bytes
+                except (ValueError, struct.error, IndexError, UnicodeDecodeError, OverflowError, RuntimeError) as error:
                     bad = CorruptRecordError(
                         self.url, k, int(offsets[k]), f"the item does not decode ({error})", framing_intact=True
                     )

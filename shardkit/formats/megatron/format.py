@@ -36,8 +36,6 @@ Faults, each a :class:`~shardkit.CorruptRecordError`:
 from __future__ import annotations
 
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -46,7 +44,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileOpener
 
 from shardkit.errors import CorruptRecordError
-from shardkit.formats.base import BadRecord, FormatBase
+from shardkit.formats.base import BadRecord, FormatBase, ProcessCache
 from shardkit.formats.megatron.index import (
     HEADER_BYTES,
     KEY,
@@ -72,6 +70,10 @@ INDEX_CACHE_BYTES: Final = 256 << 20
 """Checked indexes kept per process (16 bytes per document), least recently used dropped first."""
 
 
+def _index_bytes(index: TokenIndex) -> int:
+    return index.nbytes
+
+
 class MegatronFormat(FormatBase):
     """Megatron-LM / megatron-core indexed datasets (``X.bin`` + ``X.idx``).
 
@@ -95,15 +97,7 @@ class MegatronFormat(FormatBase):
         self.dtype = np.dtype(dtype)
         self.storage_options = storage_options
         self.remote = remote
-        self._indexes: OrderedDict[tuple[Any, ...], TokenIndex] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_indexes", "_lock")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._indexes, self._lock = OrderedDict(), threading.Lock()
+        self._indexes: ProcessCache[TokenIndex] = ProcessCache(INDEX_CACHE_BYTES, _index_bytes)
 
     def __repr__(self) -> str:
         return f"MegatronFormat(dtype={self.dtype})"
@@ -139,21 +133,15 @@ class MegatronFormat(FormatBase):
         index = idx_url(url)
         fs, path = fsspec.core.url_to_fs(index, **(self.storage_options or {}))
         key = (index, *_local_identity(path)) if _is_local(fs) else (index,)
-        with self._lock:
-            if key in self._indexes:
-                self._indexes.move_to_end(key)
-                return self._indexes[key]
+        return self._indexes.get(key, lambda: self._read_index(url, index))
+
+    def _read_index(self, url: str, index: str) -> TokenIndex:
         try:
             with open_raw(index, "rb", self.storage_options, remote=self.remote) as f:
                 data = f.read()
         except FileNotFoundError:
             raise _no_index(url) from None
-        parsed = parse_index(data, index)
-        with self._lock:
-            self._indexes[key] = parsed
-            while len(self._indexes) > 1 and sum(i.nbytes for i in self._indexes.values()) > INDEX_CACHE_BYTES:
-                self._indexes.popitem(last=False)
-        return parsed
+        return parse_index(data, index)
 
     # -- reading
 
