@@ -153,15 +153,13 @@ class Pipeline(IterableDataset):
     ) -> Pipeline:
         """Pack the token arrays at ``key`` of the samples into blocks of ``seq_len`` tokens.
 
-        Each block is ``{"input_ids": Tensor[seq_len]}`` in the documents' own
-        dtype (int32 and uint16 stay so), or in ``dtype`` (a numpy or torch
-        integer dtype, e.g. ``torch.int64`` for an embedding that wants it); a
-        token that does not fit it is an error, never a wrap-round. Asked for,
-        ``position_ids=True`` adds each token's position in its document (0 at
-        its start) and ``document_ids=True`` its document's index within the
-        block (``-1`` on padding), both ``LongTensor[seq_len]``, from which a
-        block-diagonal attention mask or ``cu_seqlens`` follow (see
-        ``docs/pretraining.md``). Samples' other keys are not carried over.
+        Each block is ``{"input_ids": Tensor[seq_len]}`` in the documents' own dtype (int32 and uint16
+        stay so), or in ``dtype`` (a numpy or torch integer dtype, e.g. ``torch.int64`` for an embedding
+        that wants it); a token that does not fit it is an error, never a wrap-round. Asked for,
+        ``position_ids=True`` adds each token's position in its document (0 at its start) and
+        ``document_ids=True`` its document's index within the block (``-1`` on padding), both
+        ``LongTensor[seq_len]``, from which a block-diagonal attention mask or ``cu_seqlens`` follow
+        (see ``docs/pretraining.md``). Samples' other keys are not carried over.
 
         ``strategy="concat"`` cuts the stream of documents every ``seq_len``
         tokens (only each reader's last block is padded with ``pad_id``);
