@@ -39,43 +39,46 @@ def load_example() -> Any:
     return module
 
 
-def start_cluster(tries: int = 3) -> Any:
+def start_cluster() -> Any:
     """A head node and one more node, one CPU each, the driver connected to the head; no dashboard.
 
-    Ray gives a raylet a fixed 30 s to register with the GCS (``ray/_private/node.py``), which a machine
-    at load 20 on 2 cores can miss: then the processes that start made are ended (by pid: this process's
-    new children) and it is tried again, ``tries`` times in all.
+    Ray gives a new raylet a fixed 30 s to register with the GCS (``ray/_private/node.py``), which a
+    machine at load 20 on 2 cores misses ("The current node timed out during startup"); while the
+    nodes start, that wait is stretched by the load like every hang bound of the tests
+    (``tests/helpers/load.py``).
     """
-    import psutil
+    from ray._private import services
     from ray.cluster_utils import Cluster
 
-    for attempt in range(1, tries + 1):
-        before = {child.pid for child in psutil.Process().children(recursive=True)}
-        try:
-            cluster = Cluster(
-                initialize_head=True,
-                connect=True,
-                head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE, "include_dashboard": False},
-            )
-            cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
-            cluster.wait_for_nodes()
-            return cluster
-        except Exception as error:  # Ray raises a bare Exception for a node that did not come up in time
-            if attempt == tries or "timed out during startup" not in str(error):
-                raise
-            _end_new_children(psutil, before)
-    raise AssertionError("unreachable")
+    original = services.get_node
+    services.get_node = _patient(original, hang_bound(30))
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            connect=True,
+            head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE, "include_dashboard": False},
+        )
+        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+        cluster.wait_for_nodes()
+    finally:
+        services.get_node = original
+    return cluster
 
 
-def _end_new_children(psutil: Any, before: set[int]) -> None:
-    """SIGKILL this process's children (at any depth) that were not in ``before``, and reap them."""
-    import ray
+def _patient(get_node: Any, bound: float) -> Any:
+    """``get_node`` asked again until the node has registered, for at most ``bound`` seconds."""
 
-    ray.shutdown()
-    new = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
-    for child in new:
-        child.kill()
-    psutil.wait_procs(new, timeout=30)
+    def patient_get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                return get_node(gcs_address, node_id)
+            except RuntimeError:  # not registered yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    return patient_get_node
 
 
 def read_record(folder: Path) -> dict[int, list[dict[str, Any]]]:
