@@ -82,6 +82,7 @@ def test_a_rank_given_no_folder_writes_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # a new Python process
 def test_a_process_killed_while_saving_leaves_the_last_checkpoints_file_whole(tmp_path):
     """The child saves step 2, then is SIGKILLed inside the save of step 4 just before the rename: the
     file is step 2's, whole; the new state is only under its temporary ``.partial`` name, which no load
@@ -210,3 +211,27 @@ def test_every_ranks_state_saved_by_two_ranks_resumes_one_process_with_every_sam
     assert (saved.world_size, saved.step, saved.run) == (2, 2, "two")
     rest = [i for batch in alone for i in batch.tolist()]
     assert len(delivered) == 16 and sorted(delivered + rest) == list(range(SIZE))
+
+
+def test_outside_ray_train_a_save_without_a_run_name_asks_for_one(tmp_path):
+    first = loader()
+    take(iter(first), 1)
+    with pytest.raises(TypeError, match="not a Ray Train worker .*Pass run='...' to name it"):
+        save_loader_state(first, tmp_path, step=1)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow  # two gloo ranks, spawned
+def test_a_damaged_file_on_one_rank_raises_on_every_rank_at_once_rather_than_at_the_jobs_timeout(tmp_path):
+    (tmp_path / "ids").mkdir()
+    gloo_ranks(_save_on_two_ranks, 2, str(tmp_path / "good"), str(tmp_path / "ids"))
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / STATE_FILE).write_text((tmp_path / "good" / STATE_FILE).read_text()[:-40])
+    (tmp_path / "errors").mkdir()
+    gloo_ranks(
+        _load_own_folder, 2, [str(tmp_path / "good"), str(damaged)], str(tmp_path / "errors"), collective_timeout=600
+    )
+    for rank in (0, 1):
+        message = (tmp_path / "errors" / f"rank{rank}.txt").read_text()
+        assert f"{damaged / STATE_FILE} is not a loader state written by save_loader_state()" in message

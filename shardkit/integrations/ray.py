@@ -44,7 +44,7 @@ from typing import Any
 import ray.train
 
 from shardkit.errors import StateError
-from shardkit.ranks import gather, is_ranks
+from shardkit.ranks import check_ranks, gather, is_ranks
 from shardkit.tempfiles import write_text_atomic
 
 __all__ = ["STATE_FILE", "SavedLoader", "load_loader_state", "save_loader_state"]
@@ -87,7 +87,7 @@ def save_loader_state(
     if folder is None:
         return None
     if run is None:
-        run = ray.train.get_context().get_experiment_name()
+        run = _ray_train_run()
     if not isinstance(run, str) or not run:
         raise TypeError(f"run must be a non-empty str naming the run, got {run!r}")
     world_size = len(state["states"]) if is_ranks(state) else 1
@@ -122,15 +122,35 @@ def load_loader_state(loader: Any, checkpoint: Any, *, step: int | None = None, 
     """
     if step is not None:
         _check_step(step, "load_loader_state()")
-    if isinstance(checkpoint, (str, os.PathLike)):
-        record = _read(os.path.join(os.fspath(checkpoint), STATE_FILE), step, run)
-    else:
-        with checkpoint.as_directory() as folder:
-            record = _read(os.path.join(folder, STATE_FILE), step, run)
-    saved = SavedLoader(record[RUN_KEY], record[STEP_KEY], record[WORLD_KEY], record[SAVE_KEY])
-    _check_one_save(saved)
+    records: list[dict[str, Any]] = []
+
+    def read_own() -> dict[str, Any]:  # inside the gather: an error here reaches every rank at once
+        records.append(_read_checkpoint(checkpoint, step, run))
+        return {key: records[0][key] for key in (RUN_KEY, STEP_KEY, SAVE_KEY)}
+
+    _check_one_save(gather(read_own, _WHERE))
+    record = records[0]
     loader.load_state_dict(record[STATE_KEY])
-    return saved
+    return SavedLoader(record[RUN_KEY], record[STEP_KEY], record[WORLD_KEY], record[SAVE_KEY])
+
+
+def _read_checkpoint(checkpoint: Any, step: int | None, run: str | None) -> dict[str, Any]:
+    """The checked record in ``checkpoint`` (a folder, or anything with ``as_directory()``)."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return _read(os.path.join(os.fspath(checkpoint), STATE_FILE), step, run)
+    with checkpoint.as_directory() as folder:
+        return _read(os.path.join(folder, STATE_FILE), step, run)
+
+
+def _ray_train_run() -> str:
+    """The name of the Ray Train run this worker is in (its experiment name)."""
+    try:
+        return ray.train.get_context().get_experiment_name()
+    except RuntimeError as error:  # not inside a function trainer.fit() launched
+        raise TypeError(
+            "save_loader_state(run=None) names the run after Ray Train's experiment, but this process is not "
+            f"a Ray Train worker ({error}). Pass run='...' to name it"
+        ) from None
 
 
 def _check_step(step: object, where: str) -> None:
@@ -151,23 +171,7 @@ def _read(path: str, step: int | None, run: str | None) -> dict[str, Any]:
         ) from None
     except ValueError as error:
         raise StateError(f"{path} is not a loader state written by save_loader_state(): {error}") from error
-    if not isinstance(record, dict) or record.get(FORMAT_KEY) != FORMAT or STATE_KEY not in record:
-        raise StateError(f"{path} is not a loader state written by save_loader_state() (no {FORMAT!r} record)")
-    if record.get(VERSION_KEY) != VERSION or type(record.get(VERSION_KEY)) is not int:
-        raise StateError(f"{path} has version {record.get(VERSION_KEY)!r}; this shardkit reads version {VERSION}")
-    for key in (RUN_KEY, SAVE_KEY):
-        if not isinstance(record.get(key), str) or not record[key]:
-            raise StateError(f"{path}: field {key!r} must be a non-empty str, got {record.get(key)!r}")
-    for key in (STEP_KEY, WORLD_KEY):
-        value = record.get(key)
-        if type(value) is not int or value < (0 if key == STEP_KEY else 1):
-            raise StateError(f"{path}: field {key!r} must be an int >= {0 if key == STEP_KEY else 1}, got {value!r}")
-    saved_world = len(record[STATE_KEY].get("states", [])) if is_ranks(record[STATE_KEY]) else 1
-    if saved_world != record[WORLD_KEY]:
-        raise StateError(
-            f"{path} says world size {record[WORLD_KEY]} but holds the states of {saved_world} ranks: "
-            "the file was edited or is corrupt"
-        )
+    _check_record(path, record)
     wanted = {STEP_KEY: step, RUN_KEY: run}
     wrong = {key: record[key] for key, value in wanted.items() if value is not None and record[key] != value}
     if wrong:
@@ -180,12 +184,31 @@ def _read(path: str, step: int | None, run: str | None) -> dict[str, Any]:
     return record
 
 
-def _check_one_save(saved: SavedLoader) -> None:
-    """Under a process group, every rank loaded the same save (through the job's store); else a
-    StateError on every rank naming what each loaded."""
-    posted = {"run": saved.run, "step": saved.step, "save": saved.save}
-    gathered = gather(lambda: posted, _WHERE)
-    entries = gathered["states"] if is_ranks(gathered) else [posted]
+def _check_record(path: str, record: Any) -> None:
+    """Every field of a record is there and of its type, and the world size is the number of states it holds."""
+    if not isinstance(record, dict) or record.get(FORMAT_KEY) != FORMAT or STATE_KEY not in record:
+        raise StateError(f"{path} is not a loader state written by save_loader_state() (no {FORMAT!r} record)")
+    if record.get(VERSION_KEY) != VERSION or type(record.get(VERSION_KEY)) is not int:
+        raise StateError(f"{path} has version {record.get(VERSION_KEY)!r}; this shardkit reads version {VERSION}")
+    for key in (RUN_KEY, SAVE_KEY):
+        if not isinstance(record.get(key), str) or not record[key]:
+            raise StateError(f"{path}: field {key!r} must be a non-empty str, got {record.get(key)!r}")
+    for key in (STEP_KEY, WORLD_KEY):
+        value = record.get(key)
+        if type(value) is not int or value < (0 if key == STEP_KEY else 1):
+            raise StateError(f"{path}: field {key!r} must be an int >= {0 if key == STEP_KEY else 1}, got {value!r}")
+    saved_world = len(check_ranks(record[STATE_KEY], path)) if is_ranks(record[STATE_KEY]) else 1
+    if saved_world != record[WORLD_KEY]:
+        raise StateError(
+            f"{path} says world size {record[WORLD_KEY]} but holds the states of {saved_world} ranks: "
+            "the file was edited or is corrupt"
+        )
+
+
+def _check_one_save(gathered: Any) -> None:
+    """What every rank loaded (``gathered`` through the job's store; one rank's without a process group)
+    is one save; else a StateError on every rank naming what each loaded."""
+    entries = gathered["states"] if is_ranks(gathered) else [gathered]
     if all(entry == entries[0] for entry in entries):
         return
     described = "; ".join(
