@@ -84,8 +84,9 @@ def test_a_worker_killed_mid_epoch_is_restarted_by_ray_and_resumes_with_exactly_
     example, cluster, manifest, control, tmp_path
 ):
     """Rank 1 SIGKILLs itself after step 11 (epoch 1) on the first attempt; Ray starts the group again
-    from the checkpoint of step 9: steps 10-16 of every rank are the control's, id for id, and the
-    checkpointed steps plus the resumed ones train every record once per epoch."""
+    from the last checkpoint it holds (step 9, or an earlier one: Ray can lose a report the controller had
+    not polled when the worker died). From that step on every rank's batches are the control's, id for
+    id, and the checkpointed steps plus the resumed ones train every record once per epoch."""
     (tmp_path / "record").mkdir()
     hook = example.KillOnce(11, 1, str(tmp_path / "killed"))
     result = timed(
@@ -96,27 +97,37 @@ def test_a_worker_killed_mid_epoch_is_restarted_by_ray_and_resumes_with_exactly_
     assert result.error is None, result.error
     assert (tmp_path / "killed").exists()  # the fault happened
     record = read_record(tmp_path / "record")
+    resumed_from = {line["resumed_from"] for rank in (0, 1) for line in record[rank]} - {None}
+    assert len(resumed_from) == 1 and resumed_from <= {3, 6, 9}, resumed_from  # one restart, at a checkpoint
+    (checkpoint,) = resumed_from
+    print(f"\nrank 1 killed after step 11; Ray restarted from the checkpoint of step {checkpoint}")
     for rank in (0, 1):
-        attempts = [line["resumed_from"] for line in record[rank]]
-        assert sorted(set(attempts), key=str) == [9, None], attempts
-        first, resumed = steps_of(record[rank], None), steps_of(record[rank], 9)
-        assert sorted(resumed) == list(range(10, 17))
-        assert resumed == {step: control[rank][step - 1]["ids"] for step in range(10, 17)}
-        assert {step: first[step] for step in range(1, 10)} == {s: control[rank][s - 1]["ids"] for s in range(1, 10)}
-    kept = [line for rank in (0, 1) for line in record[rank] if (line["resumed_from"] is None) == (line["step"] <= 9)]
+        first, resumed = steps_of(record[rank], None), steps_of(record[rank], checkpoint)
+        assert sorted(resumed) == list(range(checkpoint + 1, 17))
+        assert resumed == {step: control[rank][step - 1]["ids"] for step in resumed}
+        assert {s: first[s] for s in range(1, checkpoint + 1)} == {
+            s: control[rank][s - 1]["ids"] for s in range(1, checkpoint + 1)
+        }
+    kept = [
+        line
+        for rank in (0, 1)
+        for line in record[rank]
+        if (line["resumed_from"] is None) == (line["step"] <= checkpoint)
+    ]
     assert ids_per_epoch(kept) == {epoch: Counter(range(RECORDS)) for epoch in range(EPOCHS)}
 
 
 def test_a_node_lost_mid_epoch_resumes_elastically_on_the_one_worker_left_with_every_record_once(
     example, cluster, manifest, tmp_path
 ):
-    """``ScalingConfig(num_workers=(1, 2))``: after step 5 (epoch 0) the second node is removed with its
-    worker; Ray starts again on the one node left, from the checkpoint of step 3 saved by 2 ranks. The
-    rank states merge: the rest of epoch 0 and all of epoch 1 come on 1 worker, every record once."""
+    """``ScalingConfig(num_workers=(1, 2))``: after step 7 (epoch 0) the second node is removed with its
+    worker; Ray starts again on the one node left, from the last checkpoint it holds (step 6 or 3), saved
+    by 2 ranks. The rank states merge: the rest of epoch 0 and all of epoch 1 come on 1 worker, every
+    record once."""
     (tmp_path / "record").mkdir()
     marker = tmp_path / "lost-node"
     head = cluster.head_node.node_id
-    hook = LoseNodeOnce(5, head, str(marker), wait=hang_bound(300))
+    hook = LoseNodeOnce(7, head, str(marker), wait=hang_bound(300))
     stop = threading.Event()
     watcher = remove_node_when_asked(cluster, marker, stop)
     try:
@@ -133,10 +144,15 @@ def test_a_node_lost_mid_epoch_resumes_elastically_on_the_one_worker_left_with_e
     assert marker.exists()  # the node was lost
     record = read_record(tmp_path / "record")
     resumed = [line for line in record[0] if line["resumed_from"] is not None]
-    assert {(line["resumed_from"], line["world_size"]) for line in resumed} == {(3, 1)}
+    restarts = {(line["resumed_from"], line["world_size"]) for line in resumed}
+    assert restarts in ({(3, 1)}, {(6, 1)}), restarts  # the checkpoint of step 6 (or 3: see the kill test)
+    ((checkpoint, _),) = restarts
+    print(f"\nnode lost after step 7; Ray restarted on 1 worker from the checkpoint of step {checkpoint}")
     assert 1 not in record or all(line["resumed_from"] is None for line in record[1])
-    first = [line for rank in record for line in record[rank] if line["resumed_from"] is None and line["step"] <= 3]
+    lines = [line for rank in record for line in record[rank]]
+    first = [line for line in lines if line["resumed_from"] is None and line["step"] <= checkpoint]
     assert {line["world_size"] for line in first} == {2}
     assert ids_per_epoch(first + resumed) == {epoch: Counter(range(RECORDS)) for epoch in range(EPOCHS)}
-    # 16 steps of 2 x 8 then 1 x 8: 3 steps of 16 records, then (128 - 48) / 8 = 10 and 16 steps of 8.
-    assert [line["step"] for line in resumed] == list(range(4, 4 + 10 + 16))
+    # checkpoint steps of 2 x 8 records, then on 1 worker the rest of epoch 0 in steps of 8, and 16 in epoch 1.
+    rest = (RECORDS - 16 * checkpoint) // 8
+    assert [line["step"] for line in resumed] == list(range(checkpoint + 1, checkpoint + 1 + rest + 16))
