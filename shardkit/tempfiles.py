@@ -21,6 +21,7 @@ import multiprocessing.util
 import os
 import tempfile
 import threading
+import uuid
 import weakref
 from collections.abc import Iterator
 
@@ -67,6 +68,21 @@ def _remove_owned(path: str, owner_pid: int) -> None:
         _owned.pop(path, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary name beside it, flushed to disk,
+    then renamed into place (a kill mid-write leaves the previous file or none, never half of one)."""
+    partial = f"{path}.{uuid.uuid4().hex}.partial"
+    try:
+        with removed_if_exiting(partial), open(partial, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
 
 
 #: The longest path a Unix socket may have on Linux (``sun_path`` is 108 bytes with its NUL).

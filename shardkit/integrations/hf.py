@@ -61,7 +61,6 @@ shardkit`` does not import this module.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import logging
@@ -78,7 +77,7 @@ from transformers.training_args import TrainingArguments
 
 from shardkit.errors import StateError
 from shardkit.ranks import gather, is_ranks, ranks_node
-from shardkit.tempfiles import removed_if_exiting
+from shardkit.tempfiles import write_text_atomic
 from shardkit.trainers import TrainerError
 
 __all__ = ["STATE_FILE", "ResumeCallback", "read_loader_state", "write_loader_state"]
@@ -226,16 +225,7 @@ def write_loader_state(folder: str, state: Any, global_step: int, rank: int, wor
         ) from error
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE_FILE.format(rank=rank))
-    partial = f"{path}.{uuid.uuid4().hex}.partial"
-    try:
-        with removed_if_exiting(partial), open(partial, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
+    write_text_atomic(path, text)
     return path
 
 

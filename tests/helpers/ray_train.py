@@ -1,0 +1,173 @@
+"""Ray Train runs for the tests: a 2-node Ray cluster on this machine, the example loaded, faults, records.
+
+The cluster is ``ray.cluster_utils.Cluster``: a head node and a second node, each a raylet of its own
+with one CPU, so Ray Train's two workers sit one on each node and the second node can be lost for
+real (``remove_node`` stops its raylet and every process on it). The hooks run inside Ray Train's
+workers after each step; this module and the example are pickled by value, so the workers need not
+import ``tests``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.load import hang_bound
+from tests.helpers.processes import EXAMPLES
+
+OBJECT_STORE = 80 * 1024 * 1024  # bytes per node: the runs move almost nothing through it
+
+
+def load_example() -> Any:
+    """``examples/ray_train.py`` as a module whose functions Ray ships to its workers by value."""
+    import ray.cloudpickle
+
+    spec = importlib.util.spec_from_file_location("shardkit_example_ray_train", EXAMPLES / "ray_train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    ray.cloudpickle.register_pickle_by_value(module)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return module
+
+
+def start_cluster(tries: int = 3) -> Any:
+    """A head node and one more node, one CPU each, the driver connected to the head; no dashboard.
+
+    Ray's start has fixed bounds that a machine at load 20 on 2 cores misses: a raylet has 30 s to
+    register with the GCS (``ray/_private/node.py``: "The current node timed out during startup"),
+    and a raylet whose metrics agent has not written its port within 15 s aborts (ray-project/ray
+    #62883). So the first wait is stretched by the load like every hang bound of the tests
+    (``tests/helpers/load.py``), a raylet that died ends it at once, and the start is tried again
+    after ending (by pid) the processes the failed one made, ``tries`` times in all.
+    """
+    import psutil
+    from ray._private import services
+    from ray.cluster_utils import Cluster
+
+    original = services.get_node
+    services.get_node = _patient(original, hang_bound(30), psutil)
+    try:
+        for attempt in range(1, tries + 1):
+            before = {child.pid for child in psutil.Process().children(recursive=True)}
+            try:
+                cluster = Cluster(
+                    initialize_head=True,
+                    connect=True,
+                    head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE, "include_dashboard": False},
+                )
+                cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+                cluster.wait_for_nodes()
+                return cluster
+            except Exception:  # Ray raises a bare Exception for a node that did not come up
+                if attempt == tries:
+                    raise
+                _end_new_children(psutil, before)
+    finally:
+        services.get_node = original
+    raise AssertionError("unreachable")
+
+
+def _patient(get_node: Any, bound: float, psutil: Any) -> Any:
+    """``get_node`` asked again until the node has registered, for at most ``bound`` seconds, unless a
+    raylet this process started has died."""
+
+    def patient_get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                return get_node(gcs_address, node_id)
+            except RuntimeError:  # not registered yet
+                dead = [c for c in psutil.Process().children(recursive=True) if _dead_raylet(c, psutil)]
+                if dead or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    return patient_get_node
+
+
+def _dead_raylet(process: Any, psutil: Any) -> bool:
+    try:
+        return process.name() == "raylet" and process.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _end_new_children(psutil: Any, before: set[int]) -> None:
+    """SIGKILL this process's children (at any depth) that were not in ``before``, and reap them."""
+    import ray
+
+    ray.shutdown()
+    new = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    for child in new:
+        child.kill()
+    psutil.wait_procs(new, timeout=30)
+
+
+def read_record(folder: Path) -> dict[int, list[dict[str, Any]]]:
+    """Each rank's record lines (``examples/ray_train.py --record``), in the order written."""
+    lines: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(folder.glob("rank*.jsonl")):
+        rank = int(path.stem.removeprefix("rank"))
+        lines[rank] = [json.loads(line) for line in path.read_text().splitlines()]
+    return lines
+
+
+def steps_of(lines: list[dict[str, Any]], resumed_from: int | None) -> dict[int, list[int]]:
+    """The ids trained at each step by the attempt that resumed from ``resumed_from`` (None: the first)."""
+    return {line["step"]: line["ids"] for line in lines if line["resumed_from"] == resumed_from}
+
+
+def ids_per_epoch(kept: list[dict[str, Any]]) -> dict[int, Counter[int]]:
+    """How often each id was trained, per epoch, over the record lines ``kept``."""
+    counts: dict[int, Counter[int]] = {}
+    for line in kept:
+        counts.setdefault(line["epoch"], Counter()).update(line["ids"])
+    return counts
+
+
+class LoseNodeOnce:
+    """After step ``step``, the worker that is not on the head node writes its node's id to ``marker``
+    and waits: the test removes that node (:func:`remove_node_when_asked`), which ends the worker with
+    it. On the first attempt only (the marker exists after)."""
+
+    def __init__(self, step: int, head_node: str, marker: str, wait: float) -> None:
+        self.step, self.head_node, self.marker, self.wait = step, head_node, marker, wait
+
+    def __call__(self, step: int, rank: int) -> None:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        if step != self.step or node == self.head_node or os.path.exists(self.marker):
+            return
+        partial = f"{self.marker}.partial"
+        Path(partial).write_text(node)
+        os.replace(partial, self.marker)
+        time.sleep(self.wait)  # the node is removed long before: this process ends with it
+        raise RuntimeError(f"node {node} was not removed within {self.wait:.0f} s")
+
+
+def remove_node_when_asked(cluster: Any, marker: Path, stop: threading.Event, bound: float = 300) -> threading.Thread:
+    """A thread that waits for ``marker`` (a node id, written by :class:`LoseNodeOnce`) and removes that node."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + hang_bound(bound)
+        while not stop.is_set() and time.monotonic() < deadline:
+            if marker.exists():
+                node_id = marker.read_text()
+                node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+                cluster.remove_node(node)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, name="remove-node", daemon=True)
+    thread.start()
+    return thread
