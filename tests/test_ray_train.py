@@ -17,13 +17,13 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray (the dev extra's ray[data,train]) does not install on this platform")
 
 from tests.helpers.load import hang_bound  # noqa: E402
+from tests.helpers.ray_cluster import ray_cluster  # noqa: E402
 from tests.helpers.ray_train import (  # noqa: E402
     LoseNodeOnce,
     ids_per_epoch,
     load_example,
     read_record,
     remove_node_when_asked,
-    start_cluster,
     steps_of,
 )
 
@@ -38,13 +38,9 @@ def example():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = time.monotonic()
-    cluster = start_cluster()
-    print(f"\nRay cluster of 2 nodes up in {time.monotonic() - started:.1f} s")
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+def cluster(tmp_path_factory):
+    with ray_cluster(tmp_path_factory) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

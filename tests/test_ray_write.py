@@ -15,8 +15,6 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra shardkit[ray]; these tests need it installed")
 
-from ray.cluster_utils import Cluster  # noqa: E402
-
 from shardkit.formats.example import decode_example  # noqa: E402
 from shardkit.formats.registry import formats  # noqa: E402
 from shardkit.ray import DatasetExistsError, ShardSink, record_of, write_shards  # noqa: E402
@@ -25,45 +23,24 @@ from shardkit.writer import ShardWriter  # noqa: E402
 from tests.helpers.cli import run_cli  # noqa: E402
 from tests.helpers.load import hang_bound  # noqa: E402
 from tests.helpers.processes import run_python  # noqa: E402
+from tests.helpers.ray_cluster import add_node, ray_cluster  # noqa: E402
 from tests.helpers.ray_faults import ROWS, FaultAt, rows  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-_STORE = 80 * 1024 * 1024  # the smallest object store Ray accepts is 75 MiB
-
-
-def _add_node(cluster: Cluster, **options) -> None:
-    """Add a node, trying again when it does not register within Ray's fixed 30 s (on a loaded machine the
-    GCS answers late; Ray stops the processes of an attempt that failed)."""
-    for attempt in range(5):
-        try:
-            cluster.add_node(num_cpus=1, object_store_memory=_STORE, **options)
-            cluster.wait_for_nodes()
-            return
-        except Exception:  # noqa: BLE001 - "The current node timed out during startup"
-            if attempt == 4:
-                raise
-            time.sleep(5)
-
 
 @pytest.fixture(scope="module")
-def cluster():
-    cluster = Cluster()
-    _add_node(cluster, include_dashboard=False)  # the head
-    _add_node(cluster)
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+def cluster(tmp_path_factory):
+    with ray_cluster(tmp_path_factory) as cluster:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        yield cluster
 
 
 @pytest.fixture
 def two_nodes(cluster):
     """The cluster with its added node (a test before may have removed it)."""
     if len(cluster.list_all_nodes()) < 2:
-        _add_node(cluster)
+        add_node(cluster)
     return cluster
 
 
