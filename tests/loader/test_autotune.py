@@ -195,12 +195,17 @@ def test_autotune_settings_name_a_bad_value():
         Autotune(wait_threshold=-0.1)
 
 
-def test_an_auto_loader_starts_with_one_worker_and_shows_its_choice_before_any_step():
+def test_an_auto_loader_reads_its_first_batches_in_the_main_process_and_shows_its_choice_before_any_step():
     loader = shardkit.MixedLoader(shardkit.wrap(list(range(8))), batch_size=2, num_workers="auto", prefetch="auto")
-    assert loader.num_workers == 1 and loader.prefetch_factor == 4
+    assert loader.num_workers == 0 and loader.prefetch_factor is None
     tuned = loader.stats().autotune
-    assert tuned is not None and tuned["num_workers"] == 1 and tuned["changes"] == []
+    assert tuned is not None and tuned["num_workers"] == 0 and tuned["changes"] == []
     assert tuned["max_workers"] == max(2, 2 * autotune.available_cpus())
+    # Without resumable a count cannot change mid-epoch, so there is no opening: one worker, as before.
+    fixed = shardkit.MixedLoader(
+        shardkit.wrap(list(range(8))), batch_size=2, num_workers="auto", prefetch="auto", resumable=False
+    )
+    assert fixed.num_workers == 1 and fixed.prefetch_factor == 4
 
 
 # -- the loader ---------------------------------------------------------------------
@@ -313,7 +318,7 @@ def test_counts_changed_mid_epoch_through_the_main_process_and_back_deliver_ever
     # every kind of switch happens: to the main process, from it, to more and to fewer workers.
     forced = {5: 0, 12: 3, 20: 2}
     loader = shardkit.MixedLoader(
-        shardkit.wrap(list(range(160))), batch_size=4, num_workers="auto", autotune=Autotune(window_steps=10**6)
+        shardkit.wrap(list(range(160))), batch_size=4, num_workers="auto", autotune=Autotune(start=1, window_steps=10**6)
     )
     taken, saved, counts, sizes = [], None, [], []
     for step, batch in enumerate(loader):
