@@ -221,7 +221,9 @@ def bench(shards: shardkit.ShardList, workload: Workload, args: argparse.Namespa
     peak = {c: statistics.median(r.peak_bytes for r in runs) for c, runs in results.items()}
     best = max((c for c in configs if c != AUTO), key=rate.__getitem__)
     ratios = [a.steps_per_second / b.steps_per_second for a, b in zip(results[AUTO], results[best])]
-    print(f"\n### {workload.name}: batch {workload.batch_size}, step {workload.step_seconds * 1e3:.0f} ms, {steps} steps\n")
+    print(
+        f"\n### {workload.name}: batch {workload.batch_size}, step {workload.step_seconds * 1e3:.0f} ms, {steps} steps\n"
+    )
     print("| configuration | steps/s (median) | peak memory (MiB) |\n|---|---|---|")
     for config in configs:
         mark = " (best)" if config == best else ""

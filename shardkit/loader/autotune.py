@@ -1,7 +1,31 @@
-"""``MixedLoader(num_workers="auto", prefetch="auto")``: the worker count as a closed loop
-on the measured wait.
+"""``MixedLoader(num_workers="auto", prefetch="auto")``: the worker count guessed from the first
+batches, then a closed loop on the measured wait.
 
-The loader measures every step (:mod:`shardkit.loader.stalls`: the time the loop
+Many jobs are one long first epoch, so the count has to be right within a second, not
+found by climbing one worker a window. **The opening**: the first epoch starts with no
+worker; the main process reads the first batches itself (they are real batches: nothing is
+thrown away) and times, per step, the making of a batch (wall, and the main thread's CPU
+and run-queue time, ``/proc/thread-self/schedstat``) and the loop's compute (wall and CPU).
+After :attr:`Autotune.opening_steps` steps and :attr:`Autotune.opening_seconds` seconds
+(the first step, which opens the shards, not counted), :func:`guess` returns the count,
+which the loader starts at once, through its own state as any change:
+
+* **0** when the workers would save less than ``min_gain`` of a step: making a batch
+  costs less than :attr:`Autotune.handover_seconds` (taking a batch from a worker) plus
+  ``min_gain`` of the step (cheap records). No worker is tried for the rest of the run.
+* else the count that would end the wait if each worker made batches as the main process
+  did (``data / compute``, with a 10 % margin; 50 % when the making mostly waits on I/O,
+  a remote read's time varying more), no more than fill this process's CPUs
+  (``os.sched_getaffinity``) less the loop's own CPU use, each worker using the share of
+  a CPU the main process's making used while it was not waiting for one (a CPU-bound
+  ``.map``: one worker per CPU; a remote read: many per CPU), ``max_workers`` and the
+  ceiling.
+
+The guess is then judged as a change is (below), against the opening. Without
+``resumable`` (or over a dataset that cannot save its position) the count cannot change
+mid-epoch, so there is no opening: the first epoch runs one worker.
+
+Then the loader measures every step (:mod:`shardkit.loader.stalls`: the time the loop
 waited in ``next()`` against its compute). Every window of steps (at least
 :attr:`Autotune.window_steps` steps and :attr:`Autotune.window_seconds` seconds)
 it also reads, from ``/proc``, the CPU time its workers used, how many of its
@@ -13,7 +37,12 @@ worker count and why:
 * **Go back** when the last change added workers and the loop did not get faster
   by at least ``min(min_gain, wait / 2)`` (half of what removing the wait
   entirely would have given): the added workers did not help. The count they
-  reached becomes a ceiling that is never tried again, so the loop settles.
+  reached becomes a ceiling that is never tried again, so the loop settles
+  (back to 0, the main process: no workers are tried again). Going back is
+  made at once only when the added workers made the loop slower (by
+  ``min_gain`` against fewer workers, which must then be started again, or
+  ``min_gain / 2`` against the main process); otherwise at the next epoch, when
+  workers start anyway: a restart now would cost more than it saves.
   Likewise when a trial of 0 workers (below) made the loop slower by more than
   ``min_gain / 2``; if it did not, 0 is kept (a worker's memory saved) and 1
   becomes the ceiling.
@@ -31,7 +60,10 @@ worker count and why:
   in a run queue waiting for one, ``/proc/PID/schedstat``: they wait on I/O,
   a remote read, and more workers than CPUs help even on a busy machine;
   else the CPUs left idle, each new worker expected to use what one uses
-  now), the memory bound
+  now, or, if more, as many as fill this process's CPUs when each wants a
+  CPU for the share of its busy time it ran or waited for one: the kernel
+  shares a busy machine's CPUs between runnable threads, so other jobs' load
+  does not make one worker per CPU useless), the memory bound
   (:attr:`Autotune.memory_bytes`, the workers' memory), :attr:`Autotune.max_workers`,
   and the ceiling.
 
@@ -115,7 +147,9 @@ class Autotune:
     handover_seconds: float = 0.002
 
     def __post_init__(self) -> None:
-        if self.start is not None and (isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0):
+        if self.start is not None and (
+            isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0
+        ):
             raise ValueError(f"Autotune(start=...) must be None or an int >= 0, got {self.start!r}")
         for name in ("window_steps", "opening_steps"):
             value = getattr(self, name)
@@ -225,7 +259,9 @@ def guess(opening: Window, settings: Autotune, limits: Limits) -> Decision:
         bounds.append((limits.ceiling - 1, f"{limits.ceiling} workers were tried and did not help"))
     target, bound = min(bounds, key=lambda bound: bound[0])
     target = max(target, 1)
-    return Decision(target, f"{measured} (the loop waited {opening.wait_ratio:.0%} of its time): 0 -> {target} workers, {bound}")
+    return Decision(
+        target, f"{measured} (the loop waited {opening.wait_ratio:.0%} of its time): 0 -> {target} workers, {bound}"
+    )
 
 
 def _cpu_room(opening: Window, limits: Limits) -> tuple[int, str]:
@@ -278,7 +314,9 @@ def _judge_change(window: Window, before: Window, settings: Autotune) -> Decisio
     it saves."""
     n, old = window.workers, before.workers
     gain = window.steps_per_second / before.steps_per_second - 1 if before.steps_per_second > 0 else 0.0
-    speeds = f"{gain:+.0%} faster than {old} ({window.steps_per_second:.3g} against {before.steps_per_second:.3g} steps/s"
+    speeds = (
+        f"{gain:+.0%} faster than {old} ({window.steps_per_second:.3g} against {before.steps_per_second:.3g} steps/s"
+    )
     if old < n and before.wait_ratio >= settings.wait_threshold:
         needed = min(settings.min_gain, before.wait_ratio / 2)
         if gain < needed:

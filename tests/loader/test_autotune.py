@@ -164,6 +164,96 @@ def test_any_sequence_of_windows_keeps_the_count_within_its_bounds(measured, max
         tuner.restart(decision.workers)
 
 
+# -- the opening: the first batches read in the main process, and the first guess -------------
+
+
+def opening(data_ms: float, compute_ms: float, *, cpu_share: float = 1.0, main_share: float = 0.0, steps: int = 10):
+    """An opening of ``steps`` batches, each made in ``data_ms`` (``cpu_share`` of it on a CPU, no run
+    queue) and followed by ``compute_ms`` of the loop's compute (``main_share`` of it on a CPU)."""
+    data, compute = data_ms * 1e-3 * steps, compute_ms * 1e-3 * steps
+    return Window(
+        workers=0,
+        steps=steps,
+        wait_seconds=data,
+        compute_seconds=compute,
+        worker_cpu_seconds=data * cpu_share,
+        worker_busy_seconds=data,
+        worker_queued_seconds=0.0,
+        compute_cpu_seconds=compute * main_share,
+    )
+
+
+def test_no_workers_are_guessed_when_making_a_batch_costs_less_than_taking_it_from_a_worker():
+    decision = autotune.guess(opening(1.0, 5.0), SETTINGS, Limits(8, None, cpus=2))
+    assert decision.workers == 0 and "workers would save less than 10%" in decision.reason
+
+
+def test_a_cpu_bound_pipeline_is_guessed_one_worker_per_cpu_at_once_not_one_more_a_window():
+    assert autotune.guess(opening(40.0, 10.0), SETTINGS, Limits(8, None, cpus=2)).workers == 2
+    many = autotune.guess(opening(40.0, 10.0), SETTINGS, Limits(16, None, cpus=8))
+    assert many.workers == 5 and "0 -> 5 workers" in many.reason  # 1.1 * 40 / 10 end the wait
+
+
+def test_the_loops_own_cpu_use_leaves_the_workers_fewer_cpus():
+    assert autotune.guess(opening(40.0, 10.0, main_share=1.0), SETTINGS, Limits(8, None, cpus=3)).workers == 2
+
+
+def test_a_pipeline_waiting_on_remote_reads_is_guessed_more_workers_than_cpus_with_a_margin():
+    decision = autotune.guess(opening(60.0, 40.0, cpu_share=0.05), SETTINGS, Limits(8, None, cpus=1))
+    assert decision.workers == 3  # 1.5 * 60 / 40 = 2.25: 3, on one CPU
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    st.floats(0.0, 500.0),  # a batch's making, ms
+    st.floats(0.0, 200.0),  # the loop's compute, ms
+    st.floats(0.0, 1.0),  # the share of the making on a CPU
+    st.floats(0.0, 1.0),  # the share of the compute on a CPU
+    st.integers(1, 64),  # CPUs
+    st.integers(1, 32),  # max_workers
+    st.one_of(st.none(), st.integers(1, 32)),  # a ceiling
+    st.floats(1.0, 4.0),  # a slower making, for monotonicity
+)
+def test_any_opening_guesses_a_count_within_its_bounds_and_more_data_never_fewer_workers(
+    data, compute, cpu_share, main_share, cpus, max_workers, ceiling, slower
+):
+    limits = Limits(max_workers, None, ceiling=ceiling, cpus=cpus)
+    measured = opening(data, compute, cpu_share=cpu_share, main_share=main_share)
+    decision = autotune.guess(measured, SETTINGS, limits)
+    handover = SETTINGS.handover_seconds * 1e3
+    assert (decision.workers == 0) == (data < handover + SETTINGS.min_gain * (compute + handover)), decision
+    assert 0 <= decision.workers <= max_workers
+    if decision.workers and ceiling is not None:
+        assert decision.workers <= max(1, ceiling - 1)
+    if decision.workers and cpu_share >= 0.99:  # CPU-bound: never more workers than CPUs
+        assert decision.workers <= cpus
+    more = autotune.guess(opening(data * slower, compute, cpu_share=cpu_share, main_share=main_share), SETTINGS, limits)
+    assert more.workers >= decision.workers
+
+
+def test_workers_that_did_not_help_are_stopped_at_the_next_epoch_unless_they_made_the_loop_slower():
+    tuner = Tuner(SETTINGS, LIMITS, workers=2)
+    assert tuner._judge(window(2, wait=0.9, rate=10), steps=40).workers == 4
+    tuner.restart(4)
+    later = tuner._judge(window(4, wait=0.9, rate=10.4), steps=80)  # +4%: as fast, restarting costs more
+    assert later is not None and later.deferred and later.workers == 2 and "at the next epoch" in later.reason
+    now = Tuner(SETTINGS, LIMITS, workers=2)
+    now._judge(window(2, wait=0.9, rate=10), steps=40)
+    now.restart(4)
+    slower = now._judge(window(4, wait=0.9, rate=8.5), steps=80)  # -15%: worth a restart
+    assert slower is not None and slower.back and not slower.deferred and slower.workers == 2
+
+
+def test_a_guess_slower_than_the_opening_goes_back_to_the_main_process_at_once_and_for_good():
+    tuner = Tuner(SETTINGS, Limits(8, None, cpus=2), workers=0)
+    tuner.opening = True
+    tuner._before = opening(16.0, 10.0)  # 38 steps/s in the main process
+    tuner.restart(2)
+    back = tuner._judge(window(2, wait=0.5, rate=33.0), steps=60)  # -14%
+    assert back is not None and back.workers == 0 and not back.deferred
+    assert tuner.limits.ceiling == 1  # workers are not tried again
+
+
 def test_auto_prefetch_keeps_at_least_four_micro_batches_in_flight_and_two_per_worker():
     assert [prefetch_for(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 2, 2, 2]
     assert all(prefetch_for(n) * n >= 4 and prefetch_for(n) >= 2 for n in range(1, 20))
@@ -318,7 +408,10 @@ def test_counts_changed_mid_epoch_through_the_main_process_and_back_deliver_ever
     # every kind of switch happens: to the main process, from it, to more and to fewer workers.
     forced = {5: 0, 12: 3, 20: 2}
     loader = shardkit.MixedLoader(
-        shardkit.wrap(list(range(160))), batch_size=4, num_workers="auto", autotune=Autotune(start=1, window_steps=10**6)
+        shardkit.wrap(list(range(160))),
+        batch_size=4,
+        num_workers="auto",
+        autotune=Autotune(start=1, window_steps=10**6),
     )
     taken, saved, counts, sizes = [], None, [], []
     for step, batch in enumerate(loader):
@@ -338,3 +431,36 @@ def test_counts_changed_mid_epoch_through_the_main_process_and_back_deliver_ever
     in_process = shardkit.MixedLoader(shardkit.wrap(list(range(160))), batch_size=4, num_workers=0)
     in_process.load_state_dict(saved)
     assert Counter(ids(in_process)) == rest
+
+
+def spin(x: int) -> int:
+    """About 1 ms of CPU: a map that keeps a worker on a CPU."""
+    total = 0
+    for i in range(12_000):
+        total += i * i % 7
+    return x + total % 1
+
+
+@pytest.mark.slow
+def test_auto_reads_the_first_batches_in_the_main_process_then_starts_the_guessed_workers_at_once_exactly_once():
+    settings = Autotune(opening_steps=3, opening_seconds=0.0, max_workers=2)
+    loader = shardkit.MixedLoader(
+        shardkit.wrap(list(range(320))).map(spin), batch_size=8, num_workers="auto", autotune=settings
+    )
+    taken, counts, saved, delivered = [], [], None, 0
+    for step, batch in enumerate(loader):
+        taken += batch.tolist()
+        counts.append(loader.num_workers)
+        if step == 2:  # inside the opening: the main process's own position
+            saved, delivered = loader.state_dict(), len(taken)
+    assert Counter(taken) == Counter(range(320))  # 0 missing, 0 repeated across the switch from the main process
+    tuned = loader.stats().autotune
+    assert tuned is not None and tuned["changes"], tuned
+    first = tuned["changes"][0]
+    # The first batch opens the pipeline and is not measured; the guess follows the next three, at once.
+    assert first["from"] == 0 and first["to"] >= 1 and first["step"] == 4 and "0 -> " in first["reason"], tuned
+    assert counts[:4] == [0, 0, 0, 0] and counts[4] == first["to"]
+    assert saved is not None and saved["num_workers"] == 0
+    fixed = shardkit.MixedLoader(shardkit.wrap(list(range(320))).map(spin), batch_size=8, num_workers=2)
+    fixed.load_state_dict(saved)
+    assert Counter(ids(fixed)) == Counter(range(320)) - Counter(taken[:delivered])
