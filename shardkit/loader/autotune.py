@@ -336,9 +336,10 @@ def _grow_bounds(window: Window, settings: Autotune, limits: Limits) -> tuple[in
     n = window.workers
     if n == 0:  # reading in the main process: one worker, if a CPU is idle for it
         idle = window.idle_cpus
-        bounds = [(1, ""), (0 if idle is None or idle < 0.5 else 1, "no CPU is idle for a worker")]
-        if limits.ceiling is not None:
-            bounds.append((limits.ceiling - 1, "1 worker was tried and was not faster"))
+        bounds = [(1, "")]
+        if limits.ceiling is not None:  # first, so that it is the reason given when it binds
+            bounds.append((limits.ceiling - 1, "workers were tried, or guessed from the opening, and were not faster"))
+        bounds.append((0 if idle is None or idle < 0.5 else 1, "no CPU is idle for a worker"))
         target, reason = min(bounds, key=lambda bound: bound[0])
         return target, reason or "no bound"
     wanted = n * 2 if window.compute_seconds <= 0 else n * window.seconds / window.compute_seconds * MARGIN

@@ -464,3 +464,18 @@ def test_auto_reads_the_first_batches_in_the_main_process_then_starts_the_guesse
     fixed = shardkit.MixedLoader(shardkit.wrap(list(range(320))).map(spin), batch_size=8, num_workers=2)
     fixed.load_state_dict(saved)
     assert Counter(ids(fixed)) == Counter(range(320)) - Counter(taken[:delivered])
+
+
+@pytest.mark.slow
+def test_a_step_back_deferred_to_the_next_epoch_is_made_there_and_not_mid_epoch():
+    loader = shardkit.MixedLoader(
+        shardkit.wrap(list(range(96))), batch_size=4, num_workers="auto", autotune=Autotune(start=2, window_steps=10**6)
+    )
+    counts, taken = [], []
+    for step, batch in enumerate(loader):
+        taken += batch.tolist()
+        counts.append(loader.num_workers)
+        if step == 3:
+            loader._deferred = 1  # as the tuner sets it for a step back not worth a restart now
+    assert set(counts) == {2} and Counter(taken) == Counter(range(96))
+    assert sorted(ids(loader)) == list(range(96)) and loader.num_workers == 1
