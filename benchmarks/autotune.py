@@ -54,7 +54,7 @@ _ROOT = os.path.dirname(_HERE)
 sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import shardkit  # noqa: E402
-from shardkit.loader.autotune import process_memory_bytes  # noqa: E402
+from shardkit.loader.usage import process_memory_bytes  # noqa: E402
 
 REMOTE_LATENCY = 0.030
 RECORDS_PER_GET = 16
