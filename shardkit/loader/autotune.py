@@ -21,9 +21,9 @@ which the loader starts at once, through its own state as any change:
   ``.map``: one worker per CPU; a remote read: many per CPU), ``max_workers`` and the
   ceiling.
 
-The guess is then judged as a change is (below), against the opening. Without
-``resumable`` (or over a dataset that cannot save its position) the count cannot change
-mid-epoch, so there is no opening: the first epoch runs one worker.
+The guess is judged as a change is (below), against the opening; growing after it waits
+for the next epoch (a restart of every worker holding remote reads costs seconds). Without
+``resumable`` (or a dataset that cannot save its position) there is no opening: one worker.
 
 Then the loader measures every step (:mod:`shardkit.loader.stalls`: the time the loop
 waited in ``next()`` against its compute). Every window of steps (at least
@@ -417,6 +417,7 @@ class Tuner:
     _before: Window | None = None
     _skip: bool = True  # the first window after a start or change is not judged
     opening: bool = False
+    _guessed: bool = False  # the count was guessed from an opening: growing waits for the next epoch
     # The opening's main-thread times: CPU and run-queue seconds at the last entry and exit of
     # next(), and the sums since its mark of [CPU in next(), run queue in next(), CPU between].
     _entry: tuple[float, float | None] | None = None
@@ -474,7 +475,7 @@ class Tuner:
         Its first step (the shards opened, the pipeline's first call) is not measured."""
         entry, self._exit = self._entry, thread_times()
         if entry is not None:
-            cpu, queued = self._exit[0] - entry[0], _less(self._exit[1], entry[1])
+            cpu, queued = self._exit[0] - entry[0], _added(self._exit[1], None if entry[1] is None else -entry[1])
             self._sums[0], self._sums[1] = _added(self._sums[0], cpu), _added(self._sums[1], queued)
         if self._mark is None:
             self._mark = (steps, wait_ns, compute_ns, time.monotonic(), None, None, None)
@@ -501,12 +502,15 @@ class Tuner:
         if decision.workers == 0:  # workers would not pay for their hand-over: none are tried this run
             self.limits = dataclasses.replace(self.limits, ceiling=1)
             return None
-        self._before = opening  # the guess is judged against the opening, as a change is
+        self._before, self._guessed = opening, True  # the guess is judged against the opening, as a change is
         self._record(decision, opening, steps)
         return decision
 
     def _judge(self, window: Window, steps: int) -> Decision | None:
         decision = decide(window, self._before, self.settings, self.limits)
+        if self._guessed and decision.workers > self.workers > 0 and not decision.back:
+            # After the guess, growing restarts every worker: seconds when they hold remote reads.
+            decision = dataclasses.replace(decision, reason=f"{decision.reason} at the next epoch", deferred=True)
         self.last = decision.reason
         if decision.back and decision.workers < window.workers:  # more did not help; workers at all, if 0 won
             self.limits = dataclasses.replace(self.limits, ceiling=window.workers if decision.workers else 1)
@@ -593,7 +597,3 @@ def check_prefetch(prefetch: Any, dataloader_kwargs: dict[str, Any], error: type
 
 def _added(total: float | None, more: float | None) -> float | None:
     return None if total is None or more is None else total + more
-
-
-def _less(after: float | None, before: float | None) -> float | None:
-    return None if after is None or before is None else after - before

@@ -479,3 +479,17 @@ def test_a_step_back_deferred_to_the_next_epoch_is_made_there_and_not_mid_epoch(
             loader._deferred = 1  # as the tuner sets it for a step back not worth a restart now
     assert set(counts) == {2} and Counter(taken) == Counter(range(96))
     assert sorted(ids(loader)) == list(range(96)) and loader.num_workers == 1
+
+
+def test_growing_past_the_guess_waits_for_the_next_epoch_but_growing_without_an_opening_does_not():
+    guessed = Tuner(SETTINGS, Limits(8, None, cpus=2), workers=0)
+    guessed.opening = True
+    guessed._mark = (1, 0, 0, 0.0, None, None, None)
+    first = guessed._open(steps=11, wait_ns=int(0.6e9), compute_ns=int(0.4e9))  # 60 ms a batch, 40 ms of compute
+    assert first is not None and first.workers >= 1 and not first.deferred
+    guessed.restart(first.workers)
+    guessed._judge(window(first.workers, wait=0.6, rate=20, cpu_each=0.05, idle=1.5), steps=40)  # judged: kept
+    grow = guessed._judge(window(first.workers, wait=0.6, rate=20, cpu_each=0.05, idle=1.5), steps=80)
+    assert grow is not None and grow.workers > first.workers and grow.deferred and "at the next epoch" in grow.reason
+    plain = Tuner(SETTINGS, LIMITS, workers=2)
+    assert not plain._judge(window(2, wait=0.6, cpu_each=0.05), steps=40).deferred
