@@ -119,9 +119,11 @@ class MixedLoader:
             iterates its own copy, as with a plain DataLoader.
         batch_size: samples per batch.
         num_workers: DataLoader worker processes; 0 reads in the main process
-            and batches the stream plainly. ``"auto"`` starts one worker and
-            adds workers while the loop waits for data and CPU and memory
-            allow (:mod:`shardkit.loader.autotune`; settings in ``autotune``).
+            and batches the stream plainly. ``"auto"`` reads the first
+            batches in the main process, starts the workers they show it
+            needs (none when making a batch costs less than taking it from a
+            worker), then adds workers while the loop waits for data and CPU
+            and memory allow (:mod:`shardkit.loader.autotune`; settings in ``autotune``).
             A change is made between two batches: the loader's state is
             taken, the workers stopped and the new count started from it, so
             every sample still comes exactly once (without ``resumable``,
@@ -188,7 +190,8 @@ class MixedLoader:
         **dataloader_kwargs: Any,
     ) -> None:
         _check_arguments(dataset, batch_size, num_workers, collate_fn, drop_last, seed, micro_batch_size, resumable)
-        self._tuner = tuner_for(num_workers, autotune, LoaderError)
+        mid_epoch = resumable and callable(getattr(dataset, "state_dict", None))  # a count can change mid-epoch
+        self._tuner = tuner_for(num_workers, autotune, LoaderError, mid_epoch)
         workers = num_workers if self._tuner is None else self._tuner.workers
         assert isinstance(workers, int)  # checked above: an int, or "auto"
         num_workers = workers
@@ -198,7 +201,11 @@ class MixedLoader:
         elif self._auto_prefetch and num_workers:
             dataloader_kwargs["prefetch_factor"] = prefetch_for(num_workers)
         self._dataloader_kwargs = dict(dataloader_kwargs)  # to start another worker count with
+        if self._tuner is not None and not num_workers:  # the opening: DataLoader refuses these without workers
+            for name in ("prefetch_factor", "persistent_workers"):
+                dataloader_kwargs.pop(name, None)
         self._switch: int | None = None  # a worker count decided, made at the next step
+        self._deferred: int | None = None  # a worker count decided, made at the next epoch
         if not isinstance(gather_states, bool):
             raise LoaderError(f"gather_states must be a bool (True or False), got {gather_states!r}")
         self._columns = _column_batches(dataset, collate_fn, micro_batch_size)
@@ -317,7 +324,9 @@ class MixedLoader:
         if resume is not None and not applies(resume, self.epoch, self):
             resume = None
         self._iterated = True
-        if self._switch is not None:  # decided at the end of the last epoch
+        if self._switch is None:
+            self._switch = self._deferred
+        if self._switch is not None:  # decided at the end of the last epoch, or deferred to this one
             self._start_workers(self._switch)
         return self._open(resume)
 
@@ -364,7 +373,9 @@ class MixedLoader:
             return
         meter = self._meter
         decision = self._tuner.step(meter.steps, meter.wait_ns, meter.compute_ns, self._probe)
-        if decision is not None:
+        if decision is not None and decision.deferred:
+            self._deferred = decision.workers
+        elif decision is not None:
             self._switch = decision.workers
 
     def _probe(self) -> tuple[list[int], float | None]:
@@ -404,7 +415,7 @@ class MixedLoader:
 
     def _start_workers(self, workers: int) -> None:
         """Replace the DataLoader with one of ``workers`` workers (the running ones shut down)."""
-        self._switch = None
+        self._switch = self._deferred = None
         running = getattr(self._loader, "_iterator", None)
         if running is not None:  # persistent workers
             running._shutdown_workers()
@@ -638,6 +649,8 @@ class _Epoch:
         loader = self._loader
         meter = loader._meter
         start = meter.entered()
+        if loader._tuner is not None:
+            loader._tuner.entered()
         try:
             if self._batches is None:
                 self._batches = loader._start_epoch()

@@ -164,6 +164,96 @@ def test_any_sequence_of_windows_keeps_the_count_within_its_bounds(measured, max
         tuner.restart(decision.workers)
 
 
+# -- the opening: the first batches read in the main process, and the first guess -------------
+
+
+def opening(data_ms: float, compute_ms: float, *, cpu_share: float = 1.0, main_share: float = 0.0, steps: int = 10):
+    """An opening of ``steps`` batches, each made in ``data_ms`` (``cpu_share`` of it on a CPU, no run
+    queue) and followed by ``compute_ms`` of the loop's compute (``main_share`` of it on a CPU)."""
+    data, compute = data_ms * 1e-3 * steps, compute_ms * 1e-3 * steps
+    return Window(
+        workers=0,
+        steps=steps,
+        wait_seconds=data,
+        compute_seconds=compute,
+        worker_cpu_seconds=data * cpu_share,
+        worker_busy_seconds=data,
+        worker_queued_seconds=0.0,
+        compute_cpu_seconds=compute * main_share,
+    )
+
+
+def test_no_workers_are_guessed_when_making_a_batch_costs_less_than_taking_it_from_a_worker():
+    decision = autotune.guess(opening(1.0, 5.0), SETTINGS, Limits(8, None, cpus=2))
+    assert decision.workers == 0 and "workers would save less than 10%" in decision.reason
+
+
+def test_a_cpu_bound_pipeline_is_guessed_one_worker_per_cpu_at_once_not_one_more_a_window():
+    assert autotune.guess(opening(40.0, 10.0), SETTINGS, Limits(8, None, cpus=2)).workers == 2
+    many = autotune.guess(opening(40.0, 10.0), SETTINGS, Limits(16, None, cpus=8))
+    assert many.workers == 5 and "0 -> 5 workers" in many.reason  # 1.1 * 40 / 10 end the wait
+
+
+def test_the_loops_own_cpu_use_leaves_the_workers_fewer_cpus():
+    assert autotune.guess(opening(40.0, 10.0, main_share=1.0), SETTINGS, Limits(8, None, cpus=3)).workers == 2
+
+
+def test_a_pipeline_waiting_on_remote_reads_is_guessed_more_workers_than_cpus_with_a_margin():
+    decision = autotune.guess(opening(60.0, 40.0, cpu_share=0.05), SETTINGS, Limits(8, None, cpus=1))
+    assert decision.workers == 3  # 1.5 * 60 / 40 = 2.25: 3, on one CPU
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    st.floats(0.0, 500.0),  # a batch's making, ms
+    st.floats(0.0, 200.0),  # the loop's compute, ms
+    st.floats(0.0, 1.0),  # the share of the making on a CPU
+    st.floats(0.0, 1.0),  # the share of the compute on a CPU
+    st.integers(1, 64),  # CPUs
+    st.integers(1, 32),  # max_workers
+    st.one_of(st.none(), st.integers(1, 32)),  # a ceiling
+    st.floats(1.0, 4.0),  # a slower making, for monotonicity
+)
+def test_any_opening_guesses_a_count_within_its_bounds_and_more_data_never_fewer_workers(
+    data, compute, cpu_share, main_share, cpus, max_workers, ceiling, slower
+):
+    limits = Limits(max_workers, None, ceiling=ceiling, cpus=cpus)
+    measured = opening(data, compute, cpu_share=cpu_share, main_share=main_share)
+    decision = autotune.guess(measured, SETTINGS, limits)
+    handover = SETTINGS.handover_seconds * 1e3
+    assert (decision.workers == 0) == (data < handover + SETTINGS.min_gain * (compute + handover)), decision
+    assert 0 <= decision.workers <= max_workers
+    if decision.workers and ceiling is not None:
+        assert decision.workers <= max(1, ceiling - 1)
+    if decision.workers and cpu_share >= 0.99:  # CPU-bound: never more workers than CPUs
+        assert decision.workers <= cpus
+    more = autotune.guess(opening(data * slower, compute, cpu_share=cpu_share, main_share=main_share), SETTINGS, limits)
+    assert more.workers >= decision.workers
+
+
+def test_workers_that_did_not_help_are_stopped_at_the_next_epoch_unless_they_made_the_loop_slower():
+    tuner = Tuner(SETTINGS, LIMITS, workers=2)
+    assert tuner._judge(window(2, wait=0.9, rate=10), steps=40).workers == 4
+    tuner.restart(4)
+    later = tuner._judge(window(4, wait=0.9, rate=10.4), steps=80)  # +4%: as fast, restarting costs more
+    assert later is not None and later.deferred and later.workers == 2 and "at the next epoch" in later.reason
+    now = Tuner(SETTINGS, LIMITS, workers=2)
+    now._judge(window(2, wait=0.9, rate=10), steps=40)
+    now.restart(4)
+    slower = now._judge(window(4, wait=0.9, rate=8.5), steps=80)  # -15%: worth a restart
+    assert slower is not None and slower.back and not slower.deferred and slower.workers == 2
+
+
+def test_a_guess_slower_than_the_opening_goes_back_to_the_main_process_at_once_and_for_good():
+    tuner = Tuner(SETTINGS, Limits(8, None, cpus=2), workers=0)
+    tuner.opening = True
+    tuner._before = opening(16.0, 10.0)  # 38 steps/s in the main process
+    tuner.restart(2)
+    back = tuner._judge(window(2, wait=0.5, rate=33.0), steps=60)  # -14%
+    assert back is not None and back.workers == 0 and not back.deferred
+    assert tuner.limits.ceiling == 1  # workers are not tried again
+
+
 def test_auto_prefetch_keeps_at_least_four_micro_batches_in_flight_and_two_per_worker():
     assert [prefetch_for(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 2, 2, 2]
     assert all(prefetch_for(n) * n >= 4 and prefetch_for(n) >= 2 for n in range(1, 20))
@@ -195,12 +285,17 @@ def test_autotune_settings_name_a_bad_value():
         Autotune(wait_threshold=-0.1)
 
 
-def test_an_auto_loader_starts_with_one_worker_and_shows_its_choice_before_any_step():
+def test_an_auto_loader_reads_its_first_batches_in_the_main_process_and_shows_its_choice_before_any_step():
     loader = shardkit.MixedLoader(shardkit.wrap(list(range(8))), batch_size=2, num_workers="auto", prefetch="auto")
-    assert loader.num_workers == 1 and loader.prefetch_factor == 4
+    assert loader.num_workers == 0 and loader.prefetch_factor is None
     tuned = loader.stats().autotune
-    assert tuned is not None and tuned["num_workers"] == 1 and tuned["changes"] == []
+    assert tuned is not None and tuned["num_workers"] == 0 and tuned["changes"] == []
     assert tuned["max_workers"] == max(2, 2 * autotune.available_cpus())
+    # Without resumable a count cannot change mid-epoch, so there is no opening: one worker, as before.
+    fixed = shardkit.MixedLoader(
+        shardkit.wrap(list(range(8))), batch_size=2, num_workers="auto", prefetch="auto", resumable=False
+    )
+    assert fixed.num_workers == 1 and fixed.prefetch_factor == 4
 
 
 # -- the loader ---------------------------------------------------------------------
@@ -313,7 +408,10 @@ def test_counts_changed_mid_epoch_through_the_main_process_and_back_deliver_ever
     # every kind of switch happens: to the main process, from it, to more and to fewer workers.
     forced = {5: 0, 12: 3, 20: 2}
     loader = shardkit.MixedLoader(
-        shardkit.wrap(list(range(160))), batch_size=4, num_workers="auto", autotune=Autotune(window_steps=10**6)
+        shardkit.wrap(list(range(160))),
+        batch_size=4,
+        num_workers="auto",
+        autotune=Autotune(start=1, window_steps=10**6),
     )
     taken, saved, counts, sizes = [], None, [], []
     for step, batch in enumerate(loader):
@@ -333,3 +431,65 @@ def test_counts_changed_mid_epoch_through_the_main_process_and_back_deliver_ever
     in_process = shardkit.MixedLoader(shardkit.wrap(list(range(160))), batch_size=4, num_workers=0)
     in_process.load_state_dict(saved)
     assert Counter(ids(in_process)) == rest
+
+
+def spin(x: int) -> int:
+    """About 1 ms of CPU: a map that keeps a worker on a CPU."""
+    total = 0
+    for i in range(12_000):
+        total += i * i % 7
+    return x + total % 1
+
+
+@pytest.mark.slow
+def test_auto_reads_the_first_batches_in_the_main_process_then_starts_the_guessed_workers_at_once_exactly_once():
+    settings = Autotune(opening_steps=3, opening_seconds=0.0, max_workers=2)
+    loader = shardkit.MixedLoader(
+        shardkit.wrap(list(range(320))).map(spin), batch_size=8, num_workers="auto", autotune=settings
+    )
+    taken, counts, saved, delivered = [], [], None, 0
+    for step, batch in enumerate(loader):
+        taken += batch.tolist()
+        counts.append(loader.num_workers)
+        if step == 2:  # inside the opening: the main process's own position
+            saved, delivered = loader.state_dict(), len(taken)
+    assert Counter(taken) == Counter(range(320))  # 0 missing, 0 repeated across the switch from the main process
+    tuned = loader.stats().autotune
+    assert tuned is not None and tuned["changes"], tuned
+    first = tuned["changes"][0]
+    # The first batch opens the pipeline and is not measured; the guess follows the next three, at once.
+    assert first["from"] == 0 and first["to"] >= 1 and first["step"] == 4 and "0 -> " in first["reason"], tuned
+    assert counts[:4] == [0, 0, 0, 0] and counts[4] == first["to"]
+    assert saved is not None and saved["num_workers"] == 0
+    fixed = shardkit.MixedLoader(shardkit.wrap(list(range(320))).map(spin), batch_size=8, num_workers=2)
+    fixed.load_state_dict(saved)
+    assert Counter(ids(fixed)) == Counter(range(320)) - Counter(taken[:delivered])
+
+
+@pytest.mark.slow
+def test_a_step_back_deferred_to_the_next_epoch_is_made_there_and_not_mid_epoch():
+    loader = shardkit.MixedLoader(
+        shardkit.wrap(list(range(96))), batch_size=4, num_workers="auto", autotune=Autotune(start=2, window_steps=10**6)
+    )
+    counts, taken = [], []
+    for step, batch in enumerate(loader):
+        taken += batch.tolist()
+        counts.append(loader.num_workers)
+        if step == 3:
+            loader._deferred = 1  # as the tuner sets it for a step back not worth a restart now
+    assert set(counts) == {2} and Counter(taken) == Counter(range(96))
+    assert sorted(ids(loader)) == list(range(96)) and loader.num_workers == 1
+
+
+def test_growing_past_the_guess_waits_for_the_next_epoch_but_growing_without_an_opening_does_not():
+    guessed = Tuner(SETTINGS, Limits(8, None, cpus=2), workers=0)
+    guessed.opening = True
+    guessed._mark = (1, 0, 0, 0.0, None, None, None)
+    first = guessed._open(steps=11, wait_ns=int(0.6e9), compute_ns=int(0.4e9))  # 60 ms a batch, 40 ms of compute
+    assert first is not None and first.workers >= 1 and not first.deferred
+    guessed.restart(first.workers)
+    guessed._judge(window(first.workers, wait=0.6, rate=20, cpu_each=0.05, idle=1.5), steps=40)  # judged: kept
+    grow = guessed._judge(window(first.workers, wait=0.6, rate=20, cpu_each=0.05, idle=1.5), steps=80)
+    assert grow is not None and grow.workers > first.workers and grow.deferred and "at the next epoch" in grow.reason
+    plain = Tuner(SETTINGS, LIMITS, workers=2)
+    assert not plain._judge(window(2, wait=0.6, cpu_each=0.05), steps=40).deferred
