@@ -474,10 +474,16 @@ def check_splits(loader: Loader, content: Content, workers: int, batch: int, res
 
 
 def _memory_module() -> Any:
-    spec = importlib.util.spec_from_file_location("_shardkit_bench_memory", os.path.join(_HERE, "memory.py"))
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    """benchmarks/memory.py, and the ``_common`` it imports, by their paths: this folder is off
+    ``sys.path`` (its tfrecord.py would shadow the tfrecord package)."""
+    for name, file in (("_common", "_common.py"), ("_shardkit_bench_memory", "memory.py")):
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, file))
+            module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+            sys.modules[name] = module
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return sys.modules["_shardkit_bench_memory"]
 
 
 def measure_memory(

@@ -28,6 +28,8 @@ def run(script: str, extra: list[str]) -> int:
     path = os.path.join(BENCHMARKS, script)
     saved_argv, saved_environ = sys.argv, dict(os.environ)
     sys.argv = [path, "--quick", *extra]
+    sys.path.insert(0, BENCHMARKS)  # as `python benchmarks/NAME.py` has it (a script may take it off)
+    saved_path = list(sys.path)
     try:
         runpy.run_path(path, run_name="__main__")
         return 0
@@ -37,6 +39,7 @@ def run(script: str, extra: list[str]) -> int:
         traceback.print_exc()
         return 1
     finally:  # what one script sets (HF_HOME, a server's url) does not leak into the next
+        sys.path[:] = [p for p in saved_path if p != BENCHMARKS]
         sys.argv = saved_argv
         os.environ.clear()
         os.environ.update(saved_environ)
