@@ -260,7 +260,7 @@ def guess(opening: Window, settings: Autotune, limits: Limits) -> Decision:
         return Decision(0, f"{measured}: workers would save less than {settings.min_gain:.0%}; 0 workers")
     io = opening.io_share
     margin = IO_MARGIN if io is not None and io >= IO_BOUND else MARGIN
-    wanted = 2**31 if compute <= 0 else math.ceil(margin * data / compute)
+    wanted = 2**31 if compute <= 0 else math.ceil(min(margin * data / compute, 2**31))  # a tiny compute: no inf
     bounds = [(wanted, f"{wanted} would end the wait"), (limits.max_workers, f"max_workers is {limits.max_workers}")]
     bounds.append(_cpu_room(opening, limits))
     if limits.ceiling is not None:

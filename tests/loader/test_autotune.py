@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import shardkit
@@ -214,6 +214,7 @@ def test_a_pipeline_waiting_on_remote_reads_is_guessed_more_workers_than_cpus_wi
     st.one_of(st.none(), st.integers(1, 32)),  # a ceiling
     st.floats(1.0, 4.0),  # a slower making, for monotonicity
 )
+@example(3.0, 2.2250738585072014e-308, 0.0, 0.0, 1, 1, None, 1.0)  # a compute so small data/compute is inf
 def test_any_opening_guesses_a_count_within_its_bounds_and_more_data_never_fewer_workers(
     data, compute, cpu_share, main_share, cpus, max_workers, ceiling, slower
 ):
