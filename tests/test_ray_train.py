@@ -8,11 +8,19 @@ every rank's loader state (``shardkit.integrations.ray``), ``FailureConfig(max_f
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
 
 import pytest
+
+if not os.environ.get("SHARDKIT_RAY_CLUSTER_TESTS"):
+    pytest.skip(
+        "the 2-node Ray cluster tests are opt-in (SHARDKIT_RAY_CLUSTER_TESTS=1): a cluster started inside a "
+        "pytest-xdist worker took that worker down once in CI when its raylet died under load",
+        allow_module_level=True,
+    )
 
 ray = pytest.importorskip("ray", reason="Ray (the dev extra's ray[data,train]) does not install on this platform")
 

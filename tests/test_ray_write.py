@@ -13,6 +13,13 @@ import time
 
 import pytest
 
+if not os.environ.get("SHARDKIT_RAY_CLUSTER_TESTS"):
+    pytest.skip(
+        "the 2-node Ray cluster tests are opt-in (SHARDKIT_RAY_CLUSTER_TESTS=1): a cluster started inside a "
+        "pytest-xdist worker took that worker down once in CI when its raylet died under load",
+        allow_module_level=True,
+    )
+
 ray = pytest.importorskip("ray", reason="Ray is the optional extra shardkit[ray]; these tests need it installed")
 
 from shardkit.formats.example import decode_example  # noqa: E402
