@@ -719,10 +719,21 @@ def test_any_int_of_a_mixed_loader_state_set_past_int64_is_refused_when_loaded(d
 
 
 def test_a_finished_mixed_loader_state_that_still_holds_samples_is_a_state_error() -> None:
-    """Before: the loader believed ``finished`` and silently delivered nothing of what was left."""
-    state = mixed_state()
+    """Before: the loader believed ``finished`` and silently delivered nothing of what was left.
+
+    Saved after one batch of ten times the records: the workers cannot have read them all yet (with 89
+    records, a worker can reach its end before the save, and its saved state then holds nothing)."""
+
+    def big() -> ShardedDataset:
+        return ShardedDataset(synthetic_shards([10 * c for c in COUNTS]), synthetic_read, shuffle=True, seed=5)
+
+    saving = MixedLoader(Shuffle(big(), 10).map(to_record), 8, num_workers=2, micro_batch_size=3)
+    iterator = iter(saving)
+    next(iterator)
+    state = roundtrip(saving.state_dict())
+    del iterator, saving
     state.update(finished=True, carry=[])
-    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    loader = MixedLoader(Shuffle(big(), 10).map(to_record), 8, num_workers=2, micro_batch_size=3)
     loader.load_state_dict(state)
     with pytest.raises(StateError, match=r"state\['finished'\] is true, but worker \d still holds samples"):
         list(loader)
