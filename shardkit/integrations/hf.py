@@ -62,7 +62,6 @@ shardkit`` does not import this module.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import sys
@@ -76,8 +75,8 @@ from transformers.trainer_callback import TrainerCallback, TrainerControl, Train
 from transformers.training_args import TrainingArguments
 
 from shardkit.errors import StateError
+from shardkit.integrations.state_files import read_record, write_record
 from shardkit.ranks import gather, is_ranks, ranks_node
-from shardkit.tempfiles import write_text_atomic
 from shardkit.trainers import TrainerError
 
 __all__ = ["STATE_FILE", "ResumeCallback", "read_loader_state", "write_loader_state"]
@@ -215,18 +214,9 @@ def write_loader_state(folder: str, state: Any, global_step: int, rank: int, wor
         FORMAT_KEY: FORMAT, VERSION_KEY: VERSION, RUN_KEY: run, STEP_KEY: global_step, RANK_KEY: rank,
         WORLD_KEY: world_size, STATE_KEY: state,
     }  # fmt: skip
-    try:
-        text = json.dumps(record, allow_nan=False)
-    except (TypeError, ValueError) as error:
-        raise StateError(
-            f"the loader's state_dict() at global step {global_step} is not plain JSON data ({error}); "
-            "ResumeCallback saves states as JSON, never pickle: give a loader whose state is plain data "
-            "(every shardkit loader's is)"
-        ) from error
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, STATE_FILE.format(rank=rank))
-    write_text_atomic(path, text)
-    return path
+    return write_record(
+        folder, STATE_FILE.format(rank=rank), record, when=f"global step {global_step}", saver="ResumeCallback"
+    )
 
 
 def read_loader_state(folder: str, global_step: int, rank: int, world_size: int) -> Any:
@@ -298,18 +288,14 @@ def _path(folder: str, rank: int) -> str:
 
 def _read_record(folder: str, global_step: int, rank: int, world_size: int | None = None) -> dict[str, Any]:
     path = _path(folder, rank)
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except FileNotFoundError:
-        raise StateError(
-            f"{path} is missing: checkpoint {folder} holds no loader state for rank {rank}, so the loader would "
-            "start its epoch again and train on samples twice. It was saved without ResumeCallback (or by fewer "
-            "ranks). Fix: resume from a checkpoint saved with callbacks=[ResumeCallback(loader)], or to restart "
-            "the data on purpose, leave ResumeCallback out"
-        ) from None
-    except ValueError as error:
-        raise StateError(f"{path} is not a loader state written by ResumeCallback: {error}") from error
+    record = read_record(
+        path,
+        missing=f"checkpoint {folder} holds no loader state for rank {rank}, so the loader would start its epoch "
+        "again and train on samples twice. It was saved without ResumeCallback (or by fewer ranks). Fix: resume "
+        "from a checkpoint saved with callbacks=[ResumeCallback(loader)], or to restart the data on purpose, leave "
+        "ResumeCallback out",
+        writer="ResumeCallback",
+    )
     _check_record(path, record, global_step, rank, world_size)
     return record
 

@@ -35,7 +35,6 @@ so one checkpoint holds both of one step. This module imports ``ray``;
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -44,8 +43,8 @@ from typing import Any
 import ray.train
 
 from shardkit.errors import StateError
+from shardkit.integrations.state_files import read_record, write_record
 from shardkit.ranks import check_ranks, gather, is_ranks
-from shardkit.tempfiles import write_text_atomic
 
 __all__ = ["STATE_FILE", "SavedLoader", "load_loader_state", "save_loader_state"]
 
@@ -95,17 +94,7 @@ def save_loader_state(
         FORMAT_KEY: FORMAT, VERSION_KEY: VERSION, RUN_KEY: run, SAVE_KEY: uuid.uuid4().hex, STEP_KEY: step,
         WORLD_KEY: world_size, STATE_KEY: state,
     }  # fmt: skip
-    try:
-        text = json.dumps(record, allow_nan=False)
-    except (TypeError, ValueError) as error:
-        raise StateError(
-            f"the loader's state_dict() at step {step} is not plain JSON data ({error}); save_loader_state() "
-            "saves states as JSON, never pickle: give a loader whose state is plain data (every shardkit loader's is)"
-        ) from error
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(os.fspath(folder), STATE_FILE)
-    write_text_atomic(path, text)
-    return path
+    return write_record(folder, STATE_FILE, record, when=f"step {step}", saver="save_loader_state()")
 
 
 def load_loader_state(loader: Any, checkpoint: Any, *, step: int | None = None, run: str | None = None) -> SavedLoader:
@@ -160,17 +149,13 @@ def _check_step(step: object, where: str) -> None:
 
 def _read(path: str, step: int | None, run: str | None) -> dict[str, Any]:
     """The record in ``path``, checked field by field (and to be of ``step`` and ``run`` when given)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except FileNotFoundError:
-        raise StateError(
-            f"{path} is missing: the checkpoint holds no loader state, so the loader would start its epoch again "
-            "and train on samples twice. Save it with shardkit.integrations.ray.save_loader_state() on every rank "
-            "before ray.train.report(..., checkpoint=...)"
-        ) from None
-    except ValueError as error:
-        raise StateError(f"{path} is not a loader state written by save_loader_state(): {error}") from error
+    record = read_record(
+        path,
+        missing="the checkpoint holds no loader state, so the loader would start its epoch again and train on "
+        "samples twice. Save it with shardkit.integrations.ray.save_loader_state() on every rank before "
+        "ray.train.report(..., checkpoint=...)",
+        writer="save_loader_state()",
+    )
     _check_record(path, record)
     wanted = {STEP_KEY: step, RUN_KEY: run}
     wrong = {key: record[key] for key, value in wanted.items() if value is not None and record[key] != value}
