@@ -119,8 +119,8 @@ def _source_schema(readers: list[tuple[str, Any]]) -> Any:
     elif names == {"lance"}:
         from shardkit.formats.lance import parse_fragment_url
 
-        schemas = {fmt.dataset(where.uri, where.version).schema for where in
-                   (parse_fragment_url(url) for url, fmt in readers)}  # fmt: skip
+        places = [(parse_fragment_url(url), fmt) for url, fmt in readers]
+        schemas = {fmt.dataset(where.uri, where.version).schema for where, fmt in places}
     else:
         return None
     return schemas.pop() if len(schemas) == 1 else None

@@ -292,6 +292,16 @@ def test_convert_parquet_to_lance_keeps_every_column_type_and_back_to_parquet_ev
     assert pq.read_table(str(tmp_path / "back-000.parquet")).to_pylist() == source.to_pylist()
 
 
+def test_convert_lance_to_a_new_lance_dataset_keeps_its_types_rows_and_fragment_sizes(uri, tmp_path) -> None:
+    from tests.helpers.cli import run_cli
+
+    done = run_cli("convert", uri, str(tmp_path / "copy.lance"), "--format", "lance", "--max-records", "16")
+    assert done.returncode == 0, done.stderr
+    copy = lance.dataset(str(tmp_path / "copy.lance"))
+    assert copy.schema == lance.dataset(uri).schema and copy.to_table().equals(table())
+    assert [f.metadata.num_rows for f in copy.get_fragments()] == [16, 16, 16, 2]
+
+
 def test_convert_tf_examples_to_lance_and_on_to_parquet_gives_the_rows_a_direct_conversion_gives(tmp_path) -> None:
     import pyarrow.parquet as pq
 
@@ -373,7 +383,6 @@ def test_a_disk_that_refuses_a_data_file_is_one_line_exit_2_and_leaves_nothing(t
 
 def test_rows_that_change_type_after_the_first_batch_are_refused_naming_them_and_nothing_is_left(tmp_path) -> None:
     from shardkit.writer import LANCE_CHUNK_ROWS
-
     from tests.helpers.cli import run_cli
 
     with open(tmp_path / "rows.jsonl", "w") as f:
