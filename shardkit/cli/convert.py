@@ -27,8 +27,6 @@ from shardkit.errors import ShardkitError
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Read every record of SRC's files in order and write them as DST shards, with a manifest."""
-    from tqdm import tqdm
-
     from shardkit.writer import LanceWriteError, ShardWriter, default_manifest_path
 
     # A local pattern is made absolute so that the manifest's urls do not depend on where it is read from.
@@ -45,18 +43,30 @@ def cmd_convert(args: argparse.Namespace) -> int:
         else:
             check_outputs(args.source, urls, args.pattern, default_manifest_path(args.pattern))
         readers = [(url, _source_format(url)) for url in urls]
-        if not lance_out:
-            writer = ShardWriter(pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes)
+        writer = (
+            None
+            if lance_out
+            else ShardWriter(pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes)
+        )
     except Exception as error:  # noqa: BLE001 - one line, exit 2
         return fail(args, error, None if isinstance(error, (OutputError, LanceWriteError)) else args.source)
     try:
         convert = _record_converter(args.decode, readers, args.format)
     except Exception as error:  # noqa: BLE001 - one line, exit 2
         return fail(args, error, args.source)
-    if lance_out:
+    if writer is None:
         return _convert_to_lance(args, readers, convert)
     if args.ray is not None:
         return _convert_on_ray(args, pattern, urls, convert)
+    return _convert_to_shards(args, readers, convert, writer)
+
+
+def _convert_to_shards(
+    args: argparse.Namespace, readers: list[tuple[str, Any]], convert: Callable[..., Any], writer: Any
+) -> int:
+    """Every record of ``readers``, converted, through ``writer`` (a ShardWriter): shards, then the manifest."""
+    from tqdm import tqdm
+
     count = 0
     with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=True, disable=None) as bar, writer:
         for url, fmt in readers:
@@ -67,7 +77,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     shards = writer.shards
     assert shards is not None
     manifest = shown(writer.manifest, args.pattern)
-    print(f"{count} records from {len(urls)} files -> {len(shards)} {args.format} shards; manifest {manifest}")
+    print(f"{count} records from {len(readers)} files -> {len(shards)} {args.format} shards; manifest {manifest}")
     return EXIT_OK
 
 
