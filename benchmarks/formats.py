@@ -23,17 +23,19 @@ list collate so no loader pays for tensors):
 - Lance: ``shardkit.LanceDataset(batch_size=1024)`` (numpy column batches) vs
   ``lance.torch.data.LanceDataset(batch_size=1024)`` (its batches as tensors,
   its default; the vectors 2-D in both) on the same dataset written by
-  ``lance.write_dataset``: an id, a label, a score and a 16-float vector per
-  row. Lance's loader reads with its own threads and does not split over
-  DataLoader workers (each would read every row), so it runs with 0 workers;
-  shardkit with 0 and with ``--workers`` (from a forkserver: :data:`LANCE_WORKERS`).
-  With workers the start-up is the whole difference: one run at load 17.8 on
-  2 cores read the 2M rows at 1.86x ``lance.torch`` with 0 workers (971 vs 978 MiB
-  peak RSS) and at 0.08x with 2 workers, 25 s of its 29 s epoch before the first
-  batch (spawned workers: 75-120 s). Pickling the column batches through the
-  workers' pipes costs 0.8 s an epoch (169 MiB) against a 1.7 s read: shared
-  memory would not change the bound. For a dataset Lance reads this fast, use 0
-  workers.
+  ``lance.write_dataset`` (``--lance-rows`` rows, 8 fragments): an id, a label,
+  a score and a 16-float vector per row. Both run with 0 workers and with
+  ``--workers`` workers, each in one DataLoader of the same settings
+  (``batch_size=None``, the workers spawned, as Lance advises: it is not
+  fork-safe); ``lance.torch`` splits its fragments over the workers itself.
+  One run (5 rounds, load 24 on 2 cores, 8M rows): 2 workers, shardkit 2.52x
+  (178k vs 71k rows/s, 29.2 vs 29.5 s to the first batch, 1,468 vs 1,822 MiB
+  peak RSS: ``lance.torch`` sends its tensors through shared memory, a file
+  per tensor); 0 workers, 1.37x (629 vs 900 MiB). A spawned worker of either
+  pays its interpreter, torch, pyarrow and Lance (whose import brings pandas
+  in) before its first row; shardkit's own modules add ~0.5 s of that at load
+  20. (An earlier version of this row set shardkit's forkserver workers
+  against ``lance.torch`` with 0 workers on 2M rows, and read at 0.08x.)
 - ArrayRecord: ``shardkit.ArrayRecordDataset`` vs Grain's own ``grain.DataLoader``
   over its ``ArrayRecordDataSource`` (``worker_count=--workers``, ``ShardOptions``
   per rank), on files the ``array-record`` package wrote with ``group_size:1``
@@ -78,6 +80,15 @@ from typing import Any
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+# Every worker a DataLoader spawns imports torch (and pyarrow, lance...) again: with bytecode caching off, as
+# some container images set it (PYTHONDONTWRITEBYTECODE), each one compiled them from source, 10-15 s a worker
+# at load 10 where a user's install (pip compiles on install) takes 2-7 s. Cache it as scripts/test.sh does.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
+    _venv = os.path.dirname(os.path.dirname(sys.executable))
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(_venv, "pycache"))
+    sys.pycache_prefix = sys.pycache_prefix or os.environ["PYTHONPYCACHEPREFIX"]
 
 import numpy as np  # noqa: E402
 from _common import descendants  # noqa: E402
@@ -320,30 +331,17 @@ def mosaic_mds(root: str, batch: int) -> Make:
 # --------------------------------------------------------------------------- measuring
 
 
-LANCE_WORKERS = "forkserver"
-"""How Lance's DataLoader workers start. At load 20 on this 2-core machine a spawned worker took 75-120 s
-to its first batch (it imports torch, pyarrow and lance itself), a forkserver's 20-40 s, while the 2M-row
-epoch reads in 1-2.5 s: the start-up is the whole difference (the numbers are in the module docstring)."""
-
-
-def lance_workers() -> Any:
-    import multiprocessing
-
-    context = multiprocessing.get_context(LANCE_WORKERS)
-    if LANCE_WORKERS == "forkserver":
-        context.set_forkserver_preload(["torch", "numpy", "pyarrow", "shardkit"])  # not lance: it must not run there
-    return context
+def lance_context(dataset: Any, workers: int) -> dict[str, Any]:
+    """Lance's loaders start their workers by spawn, as Lance advises (its runtime does not survive a fork,
+    and shardkit refuses a worker forked from a process that used it): the same settings for both."""
+    lance_kind = isinstance(dataset, shardkit.LanceDataset) or type(dataset).__module__ == "lance.torch.data"
+    return {"multiprocessing_context": "spawn"} if workers and lance_kind else {}
 
 
 def loader_for(dataset: Any, workers: int, batch: int) -> Any:
     if isinstance(dataset, Ready):
         return dataset
-    # Lance's runtime does not survive a fork (shardkit refuses workers forked from a process that used it):
-    # its workers come from a forkserver that imported torch, pyarrow and shardkit once, not from spawn,
-    # which imports them again in every worker of every epoch (see LANCE_WORKERS).
-    spawn = (
-        {"multiprocessing_context": lance_workers()} if workers and isinstance(dataset, shardkit.LanceDataset) else {}
-    )
+    spawn = lance_context(dataset, workers)
     if getattr(dataset, "column_batches", False) or type(dataset).__module__ == "lance.torch.data":
         # Column batches are batches already: the loader passes them on as they come.
         return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_list, **spawn)
@@ -465,7 +463,10 @@ def compare(
             peaks[name].append(peak)
     names = list(cases)
     ref = statistics.median(times[names[-1]])
-    lines = [f"{title} ({total} samples, {args.workers} workers, median of {args.rounds} interleaved rounds)"]
+    used = sorted(set((workers or {}).values())) or [args.workers]
+    lines = [
+        f"{title} ({total} samples, {'/'.join(map(str, used))} workers, median of {args.rounds} interleaved rounds)"
+    ]
     for name in names:
         median = statistics.median(times[name])
         line = (
@@ -497,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small content, 1 round (a smoke run)")
+    parser.add_argument("--lance-rows", type=int, default=8_000_000, help="rows of the Lance dataset")
     parser.add_argument(
         "--only", choices=["tar", "parquet", "jsonl", "litdata", "lance", "array_record", "mds"], action="append"
     )
@@ -538,14 +540,16 @@ def main(argv: list[str] | None = None) -> int:
             }
             out += compare("LitData", cases, 8 * (5_000 // scale), args, split=False)
         if "lance" in only and _importable("lance"):
-            uri = write_lance(root, 8, 250_000 // scale)
-            cases = {
-                "shardkit LanceDataset(batch_size=1024), 0 workers": shardkit_lance(uri),
-                "shardkit LanceDataset(batch_size=1024), forkserver": shardkit_lance(uri),
-                "lance.torch LanceDataset, 0 workers": lance_torch(uri),
-            }
-            zero = {"shardkit LanceDataset(batch_size=1024), 0 workers": 0, "lance.torch LanceDataset, 0 workers": 0}
-            out += compare("Lance", cases, 8 * (250_000 // scale), args, split=False, workers=zero)
+            rows = args.lance_rows // scale
+            uri = write_lance(root, 8, rows // 8)
+            for workers in sorted({0, args.workers}):
+                cases = {
+                    "shardkit LanceDataset(batch_size=1024)": shardkit_lance(uri),
+                    "lance.torch LanceDataset(batch_size=1024)": lance_torch(uri),
+                }
+                title = f"Lance, {workers} workers" + (" (spawned)" if workers else "")
+                on = dict.fromkeys(cases, workers)
+                out += compare(title, cases, 8 * (rows // 8), args, split=False, workers=on)
         if "array_record" in only:
             urls = write_array_records(root, 8, 10_000 // scale)
             cases = {

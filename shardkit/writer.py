@@ -44,13 +44,17 @@ directory would find them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import shutil
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from shardkit.errors import ShardkitError
 from shardkit.formats.tfrecord import TFRecordWriter
 from shardkit.io.files import check_compression, make_parent_dirs
 from shardkit.io.retry import retried_call
@@ -58,7 +62,7 @@ from shardkit.io.retry import retried_call
 if TYPE_CHECKING:
     from shardkit.shardlist import ShardList
 
-__all__ = ["PARTIAL_SUFFIX", "ShardWriter", "TokenWriter", "default_manifest_path"]
+__all__ = ["PARTIAL_SUFFIX", "ShardWriter", "TokenWriter", "default_manifest_path", "write_lance"]
 
 PARTIAL_SUFFIX = ".partial"
 """Suffix of the temporary names files are written under before their rename."""
@@ -342,6 +346,145 @@ def _writable_format(format: Any, pattern: str, compression: str | None, storage
         copied.storage_options = storage_options
         return copied
     return fmt
+
+
+# --------------------------------------------------------------------------- Lance datasets
+
+LANCE_CHUNK_ROWS = 8192
+"""Rows turned into one Arrow record batch at a time while writing a Lance dataset."""
+
+
+class LanceWritten(NamedTuple):
+    """What :func:`write_lance` wrote: rows and fragments (data files), from the new dataset's manifest."""
+
+    records: int
+    fragments: int
+
+
+class LanceWriteError(ShardkitError):
+    """Rows do not fit one Lance schema, or the destination of a Lance dataset cannot be written."""
+
+
+def write_lance(
+    rows: Iterable[dict[str, Any]],
+    path: str,
+    *,
+    schema: Any = None,
+    max_records: int | None = None,
+    max_bytes: int | None = None,
+) -> LanceWritten:
+    """Write ``rows`` (dicts of column to value, as ``to_pylist`` gives them) as a new Lance dataset at
+    ``path``; return how many rows and fragments it holds, as its manifest says (checked against the rows
+    given before the dataset is published).
+
+    The dataset is written by ``lance.write_dataset`` into a temporary directory beside ``path``
+    (``<path>.<random>.partial``) and renamed to ``path`` when whole, so ``path`` never holds a part
+    of it; if anything fails (a source record, a row that does not fit the schema, the disk) the
+    temporary directory is deleted and nothing is left. ``schema`` (a ``pyarrow.Schema``) types the
+    columns; without it the first rows decide, as pyarrow infers them. ``max_records`` and
+    ``max_bytes`` bound each data file (Lance's ``max_rows_per_file`` and ``max_bytes_per_file``).
+
+    Raises:
+        LanceWriteError: ``path`` is not a local path or exists already, or rows do not fit the schema.
+    """
+    from shardkit.formats.lance import import_lance
+
+    lance = import_lance()
+    target = new_lance_directory(path)
+    partial = partial_name(target)
+    batches, failure, counted = _record_batches(rows, schema)
+    try:
+        first = next(batches, None)
+        if first is None:
+            raise LanceWriteError(f"{path}: no records to write (a Lance dataset needs at least one row)")
+        import pyarrow as pa
+
+        reader = pa.RecordBatchReader.from_batches(first.schema, itertools.chain([first], batches))
+        limits = {"max_rows_per_file": max_records, "max_bytes_per_file": max_bytes}
+        try:
+            lance.write_dataset(reader, partial, mode="create", **{k: v for k, v in limits.items() if v is not None})
+        except BaseException as error:
+            if failure:
+                raise failure[0] from None  # the source's own error (a corrupt record), not Lance's wrapping of it
+            if isinstance(error, (OSError, RuntimeError)):  # the disk, or Lance itself
+                raise LanceWriteError(
+                    f"{path}: Lance could not write the dataset ({error}); nothing was kept"
+                ) from None
+            raise
+        if failure:
+            raise failure[0]
+        dataset = lance.dataset(partial)
+        written = LanceWritten(int(dataset.count_rows()), len(dataset.get_fragments()))
+        if written.records != counted[0]:
+            raise LanceWriteError(f"{path}: Lance wrote {written.records} rows of the {counted[0]} given")
+        os.rename(partial, target)  # a directory: fails if one appeared at target meanwhile
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _sync_parent(target, None)
+    return written
+
+
+def new_lance_directory(path: str, *, create: bool = True) -> str:
+    """``path`` as a local absolute path that does not exist yet, its parent created (with ``create``).
+
+    Raises:
+        LanceWriteError: ``path`` is not local, or exists.
+    """
+    if "://" in path and not path.startswith("file://"):
+        raise LanceWriteError(
+            f"{path}: a Lance dataset is written to a local directory (written whole, then renamed into place); "
+            "write it locally and copy it"
+        )
+    target = os.path.abspath(path.removeprefix("file://")).rstrip("/")
+    if os.path.lexists(target):
+        raise LanceWriteError(
+            f"{path} exists: a Lance dataset is written only where nothing is; remove it or name another"
+        )
+    if create:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+    return target
+
+
+def _record_batches(
+    rows: Iterable[dict[str, Any]], schema: Any
+) -> tuple[Iterator[Any], list[BaseException], list[int]]:
+    """``rows`` as Arrow record batches of :data:`LANCE_CHUNK_ROWS` rows of one schema (``schema``, or the
+    first batch's); a list that holds the error that stopped them (Lance reads the batches from Rust, where
+    a Python error comes back wrapped in its own); and one that holds the rows made into batches so far."""
+    import pyarrow as pa
+
+    failure: list[BaseException] = []
+    counted = [0]
+
+    def batches() -> Iterator[Any]:
+        fixed = schema
+        done = 0
+        it = iter(rows)
+        try:
+            while chunk := list(itertools.islice(it, LANCE_CHUNK_ROWS)):
+                try:
+                    batch = pa.RecordBatch.from_pylist(chunk, schema=fixed)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as error:
+                    raise LanceWriteError(
+                        f"rows {done}..{done + len(chunk) - 1} do not fit one Lance schema ({error}); the first "
+                        f"rows gave {fixed}"
+                    ) from None
+                extra = {key for row in chunk for key in row} - set(batch.schema.names)
+                if extra:  # pyarrow would drop them: a silent change
+                    raise LanceWriteError(
+                        f"rows {done}..{done + len(chunk) - 1} hold columns {sorted(extra)} that the first rows' "
+                        f"schema has not ({batch.schema.names})"
+                    )
+                fixed = batch.schema
+                done += len(chunk)
+                counted[0] = done
+                yield batch
+        except BaseException as error:
+            failure.append(error)
+            raise
+
+    return batches(), failure, counted
 
 
 # --------------------------------------------------------------------------- atomic publishing

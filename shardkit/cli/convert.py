@@ -1,5 +1,9 @@
 """``shardkit convert``: rewrite shard files in another format, with a manifest.
 
+A Lance destination (``--format lance``) is one new dataset directory, not a
+series of shards: written whole beside its name and renamed into place
+(:func:`shardkit.writer.write_lance`); its own manifest holds the counts.
+
 Records keep their order; tf.Example features become columns, fields or tar
 members and back (:mod:`shardkit.formats.example_rows`), and a record the
 target format cannot hold faithfully is an error, never a silent change.
@@ -23,31 +27,46 @@ from shardkit.errors import ShardkitError
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Read every record of SRC's files in order and write them as DST shards, with a manifest."""
-    from tqdm import tqdm
-
-    from shardkit.formats.registry import formats
-    from shardkit.writer import ShardWriter, default_manifest_path
+    from shardkit.writer import LanceWriteError, ShardWriter, default_manifest_path
 
     # A local pattern is made absolute so that the manifest's urls do not depend on where it is read from.
     pattern = args.pattern if "://" in args.pattern else os.path.abspath(args.pattern)
+    lance_out = args.format == "lance"
     try:
         urls = expand(args.source)
         if GLOB_CHARS.search(args.source):  # a glob such as d/* picks up index and manifest files
             urls = [urls[i] for i in shard_indices(urls, args.source)]
         if not urls:
             raise ConvertSourceError(f"{args.source}: matches only index and manifest files; give the shards")
-        check_outputs(args.source, urls, args.pattern, default_manifest_path(args.pattern))
+        if lance_out:
+            _check_lance_output(args)
+        else:
+            check_outputs(args.source, urls, args.pattern, default_manifest_path(args.pattern))
         readers = [(url, _source_format(url)) for url in urls]
-        writer = ShardWriter(pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes)
+        writer = (
+            None
+            if lance_out
+            else ShardWriter(pattern, format=args.format, max_records=args.max_records, max_bytes=args.max_bytes)
+        )
     except Exception as error:  # noqa: BLE001 - one line, exit 2
-        return fail(args, error, None if isinstance(error, OutputError) else args.source)
-    target = formats()[args.format]
+        return fail(args, error, None if isinstance(error, (OutputError, LanceWriteError)) else args.source)
     try:
-        convert = _record_converter(args.decode, readers, target.name)
+        convert = _record_converter(args.decode, readers, args.format)
     except Exception as error:  # noqa: BLE001 - one line, exit 2
         return fail(args, error, args.source)
+    if writer is None:
+        return _convert_to_lance(args, readers, convert)
     if args.ray is not None:
         return _convert_on_ray(args, pattern, urls, convert)
+    return _convert_to_shards(args, readers, convert, writer)
+
+
+def _convert_to_shards(
+    args: argparse.Namespace, readers: list[tuple[str, Any]], convert: Callable[..., Any], writer: Any
+) -> int:
+    """Every record of ``readers``, converted, through ``writer`` (a ShardWriter): shards, then the manifest."""
+    from tqdm import tqdm
+
     count = 0
     with tqdm(unit=" records", desc=f"{args.source} -> {args.format}", leave=True, disable=None) as bar, writer:
         for url, fmt in readers:
@@ -58,8 +77,63 @@ def cmd_convert(args: argparse.Namespace) -> int:
     shards = writer.shards
     assert shards is not None
     manifest = shown(writer.manifest, args.pattern)
-    print(f"{count} records from {len(urls)} files -> {len(shards)} {args.format} shards; manifest {manifest}")
+    print(f"{count} records from {len(readers)} files -> {len(shards)} {args.format} shards; manifest {manifest}")
     return EXIT_OK
+
+
+def _check_lance_output(args: argparse.Namespace) -> None:
+    """Refuse, before anything is read, a Lance destination that cannot be written whole."""
+    from shardkit.writer import LanceWriteError, new_lance_directory
+
+    if args.ray is not None:
+        raise LanceWriteError("--ray writes shard files; a Lance dataset is written by one process (leave out --ray)")
+    new_lance_directory(args.pattern, create=False)
+
+
+def _convert_to_lance(args: argparse.Namespace, readers: list[tuple[str, Any]], convert: Callable[..., Any]) -> int:
+    """Every record of ``readers``, converted to a row, as the new Lance dataset DST (written whole, then
+    renamed into place: :func:`shardkit.writer.write_lance`)."""
+    from tqdm import tqdm
+
+    from shardkit.writer import write_lance
+
+    count = 0
+
+    def rows() -> Iterator[Any]:
+        nonlocal count
+        with tqdm(unit=" records", desc=f"{args.source} -> lance", leave=True, disable=None) as bar:
+            for url, fmt in readers:
+                for record in fmt.read(url):
+                    yield convert(record, count, url, fmt.name)
+                    count += 1
+                    bar.update()
+
+    schema = _source_schema(readers)
+    written = write_lance(rows(), args.pattern, schema=schema, max_records=args.max_records, max_bytes=args.max_bytes)
+    print(
+        f"{written.records} records from {len(readers)} files -> {written.fragments} lance fragments; "
+        f"dataset {args.pattern}"
+    )
+    return EXIT_OK
+
+
+def _source_schema(readers: list[tuple[str, Any]]) -> Any:
+    """The Arrow schema every source file has, when all are local Parquet files or fragments of one Lance
+    dataset version (so a Lance destination keeps their types: int32 stays int32, a vector a fixed-size
+    list); None otherwise (the first rows decide)."""
+    names = {fmt.name for _, fmt in readers}
+    if names == {"parquet"} and not any("://" in url for url, _ in readers):
+        import pyarrow.parquet as pq
+
+        schemas = {pq.read_schema(url).remove_metadata() for url, _ in readers}
+    elif names == {"lance"}:
+        from shardkit.formats.lance import parse_fragment_url
+
+        places = [(parse_fragment_url(url), fmt) for url, fmt in readers]
+        schemas = {fmt.dataset(where.uri, where.version).schema for where, fmt in places}
+    else:
+        return None
+    return schemas.pop() if len(schemas) == 1 else None
 
 
 class RayUnavailableError(ShardkitError):
@@ -197,7 +271,7 @@ def _record_converter(decode: str | None, readers: list[tuple[str, Any]], target
         examples = decode == "example" or rows.looks_like_examples(peek[:10])
         if examples and not rows.looks_like_examples(peek):
             raise ConvertError(f"{first[0]}: the first records are not all tf.Examples; use --decode raw")
-    scalars = rows.scalar_features(peek) if examples and target in ("parquet", "jsonl") else frozenset()
+    scalars = rows.scalar_features(peek) if examples and target in ("parquet", "jsonl", "lance") else frozenset()
 
     def convert(record: Any, n: int, url: str, source: str) -> Any:
         if not examples or (source in RECORD_FORMATS) == (target in RECORD_FORMATS):

@@ -242,7 +242,7 @@ def _add_convert(sub: Any) -> None:
     convert_cmd = _sub(
         sub,
         "convert",
-        "rewrite shard files in another format (tfrecord, tar, parquet, jsonl), with a manifest",
+        "rewrite shard files in another format (tfrecord, tar, parquet, jsonl, array_record, lance), with a manifest",
         "Read every record of the files SRC names (a path or a quoted glob; each file's format detected "
         "by extension and magic bytes), in order, and write them into shards DST_PATTERN % 0, % 1, ... "
         "of --format, rolled over by --max-records / --max-bytes, each published by rename, then the "
@@ -256,9 +256,14 @@ def _add_convert(sub: Any) -> None:
     )
     convert_cmd.add_argument("source", metavar="SRC", help="a shard file or a quoted glob of them")
     convert_cmd.add_argument(
-        "pattern", metavar="DST_PATTERN", help="output shards, with an integer field: 'out/train-%%05d.tar'"
+        "pattern",
+        metavar="DST_PATTERN",
+        help="output shards, with an integer field: 'out/train-%%05d.tar'; with --format lance, the new dataset's "
+        "directory: 'out/train.lance' (written whole, then renamed into place; it must not exist)",
     )
-    convert_cmd.add_argument("--format", required=True, choices=("tfrecord", "tar", "parquet", "jsonl", "array_record"))
+    convert_cmd.add_argument(
+        "--format", required=True, choices=("tfrecord", "tar", "parquet", "jsonl", "array_record", "lance")
+    )
     convert_cmd.add_argument(
         "--decode",
         choices=("example", "raw"),

@@ -215,6 +215,9 @@ def _recut(batches: Iterator[Any], size: int) -> Iterator[Any]:
     pending: list[Any] = []
     have = 0
     for batch in batches:
+        if not pending and batch.num_rows == size:
+            yield batch  # how Lance cuts them when nothing is pending: no copy
+            continue
         pending.append(batch)
         have += batch.num_rows
         while have >= size:

@@ -244,3 +244,175 @@ def test_convert_to_tf_examples_and_back_to_parquet_keeps_every_row(tmp_path, th
     got = pq.read_table(str(tmp_path / "r-000.parquet")).to_pylist()
     want = [{**row, "flag": int(row["flag"])} for row in source.to_pylist()]
     assert got == want
+
+
+# --------------------------------------------------------------------------- convert to Lance
+
+
+def every_type(first: int, count: int) -> pa.Table:
+    """:func:`table`'s columns and the other types a Parquet file holds and the Lance reader gives back."""
+    import datetime
+
+    ids = list(range(first, first + count))
+    more = pa.table({
+        "small": pa.array([i - 20 for i in ids], pa.int32()),
+        "half": pa.array([i / 4 for i in ids], pa.float32()),
+        "when": pa.array([datetime.datetime(2026, 1, 1) + datetime.timedelta(seconds=i) for i in ids], pa.timestamp("us")),
+        "day": pa.array([datetime.date(2026, 1, 1) + datetime.timedelta(days=i) for i in ids], pa.date32()),
+    })  # fmt: skip
+    base = table(first, count)
+    return pa.table({**{n: base[n] for n in base.column_names}, **{n: more[n] for n in more.column_names}})
+
+
+def leftovers(folder) -> list[str]:
+    return sorted(os.listdir(folder))
+
+
+def test_convert_parquet_to_lance_keeps_every_column_type_and_back_to_parquet_every_value(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    source = pa.concat_tables([every_type(0, 30), every_type(30, 20)])
+    pq.write_table(source.slice(0, 30), str(tmp_path / "a.parquet"))
+    pq.write_table(source.slice(30), str(tmp_path / "b.parquet"))
+    out = tmp_path / "out"
+    done = run_cli(
+        "convert", str(tmp_path / "*.parquet"), str(out / "t.lance"), "--format", "lance", "--max-records", "16"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "50 records from 2 files -> 4 lance fragments" in done.stdout
+    assert leftovers(out) == ["t.lance"]  # no temporary directory beside it
+    written = lance.dataset(str(out / "t.lance"))
+    assert written.schema == source.schema and written.to_table().equals(source)  # the Parquet types kept
+    assert [f.metadata.num_rows for f in written.get_fragments()] == [16, 16, 16, 2]
+    assert list(shardkit.LanceDataset(str(out / "t.lance"))) == source.to_pylist()
+    back = run_cli("convert", str(out / "t.lance"), str(tmp_path / "back-%03d.parquet"), "--format", "parquet")
+    assert back.returncode == 0, back.stderr
+    assert pq.read_table(str(tmp_path / "back-000.parquet")).to_pylist() == source.to_pylist()
+
+
+def test_convert_lance_to_a_new_lance_dataset_keeps_its_types_rows_and_fragment_sizes(uri, tmp_path) -> None:
+    from tests.helpers.cli import run_cli
+
+    done = run_cli("convert", uri, str(tmp_path / "copy.lance"), "--format", "lance", "--max-records", "16")
+    assert done.returncode == 0, done.stderr
+    copy = lance.dataset(str(tmp_path / "copy.lance"))
+    assert copy.schema == lance.dataset(uri).schema and copy.to_table().equals(table())
+    assert [f.metadata.num_rows for f in copy.get_fragments()] == [16, 16, 16, 2]
+
+
+def test_convert_tf_examples_to_lance_and_on_to_parquet_gives_the_rows_a_direct_conversion_gives(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli import run_cli
+
+    with shardkit.TFRecordWriter(str(tmp_path / "src.tfrecord")) as writer:
+        for n in range(40):
+            box = np.array([0.1 * n, 0.5, 1.0, 2.0], np.float32)
+            writer.write(
+                shardkit.encode_example({"label": n, "image": [bytes([n, 255])], "box": box, "tags": [b"a"] * (n % 3)})
+            )
+    src = str(tmp_path / "src.tfrecord")
+    assert run_cli("convert", src, str(tmp_path / "t.lance"), "--format", "lance").returncode == 0
+    assert (
+        run_cli(
+            "convert", str(tmp_path / "t.lance"), str(tmp_path / "via-%02d.parquet"), "--format", "parquet"
+        ).returncode
+        == 0
+    )
+    assert run_cli("convert", src, str(tmp_path / "direct-%02d.parquet"), "--format", "parquet").returncode == 0
+    direct = pq.read_table(str(tmp_path / "direct-00.parquet"))
+    assert pq.read_table(str(tmp_path / "via-00.parquet")).to_pylist() == direct.to_pylist()
+    assert lance.dataset(str(tmp_path / "t.lance")).schema.field("box").type == pa.list_(pa.float32())
+    assert direct.num_rows == 40 and direct.column("image").to_pylist()[3] == bytes([3, 255])
+
+
+def two_tfrecord_files(tmp_path, counts=(20_000, 10_000)) -> str:
+    rng = np.random.default_rng(0)
+    first = 0
+    for part, count in enumerate(counts):
+        with shardkit.TFRecordWriter(str(tmp_path / f"src-{part}.tfrecord")) as writer:
+            for n in range(first, first + count):
+                writer.write(shardkit.encode_example({"id": n, "payload": [rng.bytes(100)]}))
+        first += count
+    return str(tmp_path / "src-*.tfrecord")
+
+
+@pytest.mark.slow
+def test_a_source_truncated_mid_write_is_exit_1_naming_the_record_and_leaves_no_dataset_and_no_temporary(
+    tmp_path,
+) -> None:
+    from tests.helpers.cli import run_cli
+
+    sources = two_tfrecord_files(tmp_path)
+    second = tmp_path / "src-1.tfrecord"
+    with open(second, "r+b") as f:
+        f.truncate(os.path.getsize(second) // 2 + 7)  # inside record 5,000 of the second file
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_cli("convert", sources, str(out / "t.lance"), "--format", "lance", "--max-records", "1000")
+    assert done.returncode == 1
+    assert "src-1.tfrecord: record 5000 at byte offset" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert leftovers(out) == []  # the first file's data files were written before it: gone with their folder
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:lance is not fork-safe")  # the fork before exec that sets the limit
+def test_a_disk_that_refuses_a_data_file_is_one_line_exit_2_and_leaves_nothing(tmp_path) -> None:
+    """The write fails for real inside Lance: the process may not write a file past 1 MB (EFBIG)."""
+    import resource
+    import signal
+    import subprocess
+
+    sources = two_tfrecord_files(tmp_path, counts=(20_000,))
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG to the writer, not death by signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, "-m", "shardkit", "convert", sources, str(out / "t.lance"), "--format", "lance"]
+    done = subprocess.run(command, preexec_fn=limit, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1 and "t.lance: Lance could not write the dataset" in error[0] and "File too large" in error[0]
+    assert leftovers(out) == []
+
+
+def test_rows_that_change_type_after_the_first_batch_are_refused_naming_them_and_nothing_is_left(tmp_path) -> None:
+    from shardkit.writer import LANCE_CHUNK_ROWS
+    from tests.helpers.cli import run_cli
+
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        for n in range(LANCE_CHUNK_ROWS + 5):
+            f.write(json.dumps({"id": n, "label": n if n < LANCE_CHUNK_ROWS else f"label {n}"}) + "\n")
+    done = run_cli("convert", str(tmp_path / "rows.jsonl"), str(tmp_path / "out" / "t.lance"), "--format", "lance")
+    assert done.returncode == 2
+    assert f"rows {LANCE_CHUNK_ROWS}..{LANCE_CHUNK_ROWS + 4} do not fit one Lance schema" in done.stderr
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_a_column_missing_from_the_first_row_is_refused_not_dropped(tmp_path) -> None:
+    from tests.helpers.cli import run_cli
+
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        f.writelines(json.dumps({"id": n, **({"extra": n} if n else {})}) + "\n" for n in range(5))
+    done = run_cli("convert", str(tmp_path / "rows.jsonl"), str(tmp_path / "t.lance"), "--format", "lance")
+    assert done.returncode == 2 and "hold columns ['extra']" in done.stderr
+    assert not os.path.exists(tmp_path / "t.lance")
+
+
+def test_an_existing_or_remote_destination_is_refused_before_anything_is_written(uri, tmp_path) -> None:
+    from tests.helpers.cli import run_cli
+
+    before = lance.dataset(uri).version
+    done = run_cli("convert", uri, uri, "--format", "lance")
+    assert done.returncode == 2 and "exists: a Lance dataset is written only where nothing is" in done.stderr
+    assert lance.dataset(uri).version == before and lance.dataset(uri).to_table().equals(table())
+    remote = run_cli("convert", uri, "s3://bucket/t.lance", "--format", "lance")
+    assert remote.returncode == 2 and "written to a local directory" in remote.stderr
+    on_ray = run_cli("convert", uri, str(tmp_path / "t.lance"), "--format", "lance", "--ray")
+    assert on_ray.returncode == 2 and "leave out --ray" in on_ray.stderr
+    assert leftovers(tmp_path) == ["table.lance"]
