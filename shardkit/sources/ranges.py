@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
 from shardkit.planning import PlannedRanges, Range, WholeShards, rank_span, share, split_remaining, through, union
+from shardkit.sources import whole
 from shardkit.sources.errors import _unknown_counts
 from shardkit.stateful import (
     EPOCH,
@@ -65,6 +66,7 @@ class _SourceCalls(NamedTuple):
     read: Callable[[int, int, int | None], Iterator[Any]]
     hint: Callable[[int, int, int | None], None]
     count_padded: Callable[[int], None]
+    identity: Callable[[int], str | None] = lambda shard: None  # a shard's file identity now (whole.STARTED)
 
 
 class _Start(NamedTuple):
@@ -146,6 +148,9 @@ class _RangeIterator(StageIterator):
         self._range_base: int | None = None
         self._repeated: int | None = None  # the position of the sample a made-up one repeats
         self._last_position: int | None = None  # with a stand_in: the position of the last sample read
+        # Without record counts (whole shards, see sources.whole): the reader's items and the node's fingerprint.
+        self.shard_items: whole.Items | None = None
+        self._identities: dict[int, str | None] = {}  # begun shards' identities, looked up once
 
     def __next__(self) -> Any:
         if self._owed:
@@ -180,8 +185,8 @@ class _RangeIterator(StageIterator):
     def _open_range(self) -> Iterator[Any]:
         """Start reading the current range (from where it stopped) and hint the next three."""
         shard, start, stop = self.ranges[self.range_index]
-        fits = stop is not None and stop <= MAX_RECORD  # a shard read to an unknown end may pass it
-        self._range_base = pack(shard, start) if fits or (stop is None and start == 0) else None
+        fits = (start if stop is None else stop) <= MAX_RECORD  # a shard read to an unknown end may pass it
+        self._range_base = pack(shard, start) if fits else None
         self._records = self._source.read(shard, start + self.done_in_range, stop)
         ahead = self.ranges[self.range_index + 1 : self.range_index + 1 + _HINTED]
         for piece in ahead:
@@ -247,6 +252,8 @@ class _RangeIterator(StageIterator):
 
     def state_dict(self) -> State:
         """The positions of this reader's part not read yet, and whose part it is."""
+        if self.shard_items is not None:
+            return self._shards_node()
         if self._fingerprint is None:  # no positions without record counts
             raise _unknown_counts(self._source.owner)
         fields = {
@@ -258,6 +265,38 @@ class _RangeIterator(StageIterator):
             SHARE: share_field(self.topology),
         }
         return node(self.KIND, **fields, **({} if self.base is None else {self.BASE: self.base}))
+
+    def _shards_node(self) -> State:
+        """The count-free node (:mod:`~shardkit.sources.whole`): the items left and how far the begun ones are read."""
+        items, at = self.shard_items, self.range_index
+        assert items is not None  # noqa: S101 - the caller checked
+        left = items.index[at:]
+        started = []
+        if at < len(self.ranges):
+            current = int(left[0])
+            shard, start, _ = self.ranges[at]
+            read = start + self.done_in_range
+            if read:
+                saved = items.started.get(current)
+                identity = saved[1] if saved is not None else self._identity(shard)
+                started.append([current, read, identity])
+            started += [[i, read, identity] for i, (read, identity) in sorted(items.started.items()) if i > current]
+        fields = {
+            EPOCH: self.epoch,
+            self.WORLD_SIZE: self.topology.world_size,
+            self.RANK: self.topology.rank,
+            self.FINGERPRINT: self._fingerprint,
+            whole.SHARDS: whole.runs_of(left),
+            whole.STARTED: started,
+            SHARE: share_field(self.topology),
+        }
+        return node(self.KIND, **fields, **({} if self.base is None else {self.BASE: self.base}))
+
+    def _identity(self, shard: int) -> str | None:
+        """The identity of ``shard``'s file, looked up once per shard (at the first save that finds it begun)."""
+        if shard not in self._identities:
+            self._identities[shard] = self._source.identity(shard)
+        return self._identities[shard]
 
     @classmethod
     def base_of(cls, resume: Resume, fingerprint: dict[str, Any]) -> State | None:
@@ -291,6 +330,8 @@ class _RangeIterator(StageIterator):
 
     @classmethod
     def check_state(cls, state: State, where: str) -> None:
+        if whole.count_free(state.get(cls.FINGERPRINT)):
+            return whole.check_state(state, where)
         whole_number(state, EPOCH, where)
         world_size = whole_number(state, cls.WORLD_SIZE, where, 1)
         rank = field(state, cls.RANK, where, int, type(None))
@@ -323,6 +364,8 @@ class _RangeIterator(StageIterator):
     @classmethod
     def merge(cls, states: Sequence[State]) -> State:
         """The workers' remaining positions united (each position is one worker's); windows start afresh."""
+        if whole.count_free(states[0].get(cls.FINGERPRINT)):
+            return whole.merge(states)
         check_all_shares(states)
         keys = (EPOCH, cls.WORLD_SIZE, cls.RANK, cls.FINGERPRINT)
         fields = {key: same_value(states, key) for key in keys}
@@ -340,6 +383,8 @@ class _RangeIterator(StageIterator):
     @classmethod
     def merge_ranks(cls, states: Sequence[State]) -> State:
         """The positions no rank has read yet, in the epoch's global stream (``rank`` None)."""
+        if whole.count_free(states[0].get(cls.FINGERPRINT)):
+            return whole.merge_ranks(states)
         fields = {key: same_value(states, key) for key in (EPOCH, cls.WORLD_SIZE, cls.FINGERPRINT)}
         fingerprint, world_size = fields[cls.FINGERPRINT], fields[cls.WORLD_SIZE]
         ranks = sorted(s[cls.RANK] for s in states)
