@@ -204,7 +204,7 @@ class _PlannedSource(_Source):
         start = _RangeIterator.start_of(resume, size, self._windowed(), topology)
         iterator = self._new_iterator(counts, topology, epoch, fingerprint, start, kwargs, base)
         if start.exact and resume is not None:  # the window read again must leave what the state says is left
-            saved = resume.state[_RangeIterator.REMAINING]
+            saved = _RangeIterator.left_of(resume.state)
             expect_equal(self, "remaining positions (for its window)", saved, iterator.remaining())
         return iterator
 

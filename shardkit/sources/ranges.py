@@ -13,7 +13,21 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
-from shardkit.planning import PlannedRanges, Range, WholeShards, rank_span, share, split_remaining, through, union
+import numpy as np
+
+from shardkit.planning import (
+    PlannedRanges,
+    Range,
+    WholeShards,
+    positions_union,
+    rank_span,
+    share,
+    split_remaining,
+    take,
+    through,
+    union,
+    window_order,
+)
 from shardkit.sources import whole
 from shardkit.sources.errors import _unknown_counts
 from shardkit.stateful import (
@@ -106,9 +120,14 @@ class _RangeIterator(StageIterator):
     UNBOUNDED_FIELDS = frozenset({FINGERPRINT})  # only compared with the dataset's: its seed may be any int >= 0
     REMAINING = "remaining"  #: state key: ``[start, stop)`` intervals of positions still to read
     BASE = "base"  #: state key: the global node (``world_size``, ``remaining``) this epoch resumed from
-    WINDOW = "window"  #: state key: ``{"from": positions from the window's start, "yielded": its samples yielded}``
+    #: state key: the current window, ``{"yielded": its samples yielded, "skipped": [[position, records], ...]
+    #: skipped in it}``, ``remaining`` then holding the positions from the window's start (see :meth:`left_of`).
+    #: A state saved before shardkit 0.x (the same version number) holds ``{"from": the positions from the
+    #: window's start, "yielded": ...}`` and, in ``remaining``, exactly the positions not yielded: it still loads.
+    WINDOW = "window"
     WINDOW_FROM = "from"
     WINDOW_YIELDED = "yielded"
+    WINDOW_SKIPPED = "skipped"
 
     def __init__(
         self,
@@ -310,6 +329,19 @@ class _RangeIterator(StageIterator):
         return state.get(cls.BASE)
 
     @classmethod
+    def left_of(cls, state: State) -> list[list[int]]:
+        """The positions a node has not yielded. Its ``remaining`` holds them, except in a node with a window
+        saved by its start: then they are worked out from it (:func:`window_rest`), as the reader re-reads it."""
+        window = state.get(cls.WINDOW)
+        if window is None or cls.WINDOW_FROM in window:
+            return state[cls.REMAINING]
+        fingerprint = state[cls.FINGERPRINT]
+        return window_rest(
+            state[cls.REMAINING], fingerprint["window"][1], window[cls.WINDOW_YIELDED], window[cls.WINDOW_SKIPPED],
+            seed=fingerprint["seed"], epoch=state[EPOCH], rank=state[cls.RANK],
+        )  # fmt: skip
+
+    @classmethod
     def start_of(cls, resume: Resume | None, size: int, windowed: bool, topology: Topology) -> _Start:
         """Where this reader starts in a rank chunk of ``size`` positions: its even part of the
         chunk, unless ``resume`` is a rank's node (a global one only changes the chunk)."""
@@ -318,12 +350,13 @@ class _RangeIterator(StageIterator):
         state, owner = resume.state, resume.owner
         expect_equal(owner, "world_size", state[cls.WORLD_SIZE], topology.world_size)
         _expect_own_rank(owner, state[cls.RANK], topology.rank)
-        remaining = state[cls.REMAINING]
-        check_positions(owner, remaining, size)
+        check_positions(owner, state[cls.REMAINING], size)
         window = state.get(cls.WINDOW) if windowed else None
         if window is not None and (resume.own or topology.num_workers == 1):  # exactly where it stopped
-            check_positions(owner, window[cls.WINDOW_FROM], size)
-            return _Start([(a, b) for a, b in window[cls.WINDOW_FROM]], window[cls.WINDOW_YIELDED], True)
+            start = window.get(cls.WINDOW_FROM, state[cls.REMAINING])
+            check_positions(owner, start, size)
+            return _Start([(a, b) for a, b in start], window[cls.WINDOW_YIELDED], True)
+        remaining = cls.left_of(state)
         if resume.own:
             return _Start(union(remaining), 0, False)
         return _Start(share(remaining, topology.num_workers, topology.worker_id), 0, False)
@@ -358,8 +391,16 @@ class _RangeIterator(StageIterator):
             return
         if rank is None:
             raise StateError(f"{where}: a global state (rank None) has no window")
-        check_intervals(field(window, cls.WINDOW_FROM, f"{where} (window)", *SEQUENCE), f"{where} (window)", "from")
         whole_number(window, cls.WINDOW_YIELDED, f"{where} (window)")
+        if cls.WINDOW_FROM in window:  # saved with the positions not yielded in remaining
+            check_intervals(field(window, cls.WINDOW_FROM, f"{where} (window)", *SEQUENCE), f"{where} (window)", "from")
+            return
+        for run in field(window, cls.WINDOW_SKIPPED, f"{where} (window)", *SEQUENCE):
+            if type(run) not in SEQUENCE or len(run) != 2 or any(type(v) is not int or v < 0 for v in run):
+                raise StateError(f"{where} (window): state['skipped'] must hold [position, records] pairs, got {run!r}")
+        window_size = state[cls.FINGERPRINT]["window"]
+        if not (type(window_size) in SEQUENCE and len(window_size) == 2 and type(window_size[1]) is int):
+            raise StateError(f"{where}: the fingerprint's window must be [block, window], got {window_size!r}")
 
     @classmethod
     def merge(cls, states: Sequence[State]) -> State:
@@ -371,7 +412,7 @@ class _RangeIterator(StageIterator):
         fields = {key: same_value(states, key) for key in keys}
         if states[0].get(cls.BASE) is not None:
             fields[cls.BASE] = same_value(states, cls.BASE)
-        intervals = [interval for s in states for interval in s[cls.REMAINING]]
+        intervals = [interval for s in states for interval in cls.left_of(s)]
         remaining = union(intervals)
         if sum(b - a for a, b in remaining) != sum(b - a for a, b in intervals):
             raise StateError(
@@ -418,9 +459,50 @@ class _RangeIterator(StageIterator):
         else:
             chunk = split_remaining(base[cls.REMAINING], total, world_size, state[cls.RANK], balance)
         pieces = []
-        for a, b in state[cls.REMAINING]:
+        for a, b in cls.left_of(state):
             pieces += [(x, min(y, total)) for x, y in through(chunk, a, b) if x < total]
         return pieces
+
+
+#: Most positions a saved window's rest is worked out over: a state naming a larger window was edited.
+_MOST_WINDOW = 1 << 24
+
+
+def window_rest(
+    start: Sequence[Sequence[int]],
+    size: int,
+    yielded: int,
+    skipped: Sequence[Sequence[int]],
+    *,
+    seed: int,
+    epoch: int,
+    rank: int | None,
+) -> list[list[int]]:
+    """The positions not yielded of a reader whose window of ``size`` starts at the positions ``start``
+    (in reading order) and has yielded ``yielded`` samples, records ``skipped`` (``[position, records]``
+    runs) leaving no sample in it: the window's positions in the order
+    :func:`~shardkit.planning.window_order` gives (what :class:`~shardkit.sources.window._WindowIterator`
+    yields), past the first ``yielded``, and every position after the window.
+
+    Raises:
+        StateError: the window is larger than :data:`_MOST_WINDOW` or has fewer than ``yielded`` samples.
+    """
+    head, rest = take(start, size)
+    total = sum(b - a for a, b in head)
+    if total > _MOST_WINDOW:
+        raise StateError(f"a saved window of {total} positions is more than {_MOST_WINDOW}: the state was edited")
+    positions = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in head]) if head else np.zeros(0, np.int64)
+    if len(skipped):
+        gone = np.concatenate([np.arange(p, p + min(n, total), dtype=np.int64) for p, n in skipped])
+        positions = positions[~np.isin(positions, gone)]
+    if yielded > len(positions):
+        raise StateError(
+            f"the state says {yielded} samples of the current window were yielded, but the window holds "
+            f"{len(positions)}; the state is not of this dataset, or it was edited"
+        )
+    first = head[0][0] if head else 0
+    order = window_order(len(positions), seed=seed, epoch=epoch, rank=rank or 0, first=first)
+    return positions_union(positions[order[yielded:]], rest)
 
 
 def _expect_own_rank(owner: object, saved: object, actual: int) -> None:
