@@ -12,6 +12,8 @@ combine (:func:`shardkit.state.gather`, :func:`shardkit.state.merge_ranks`) into
 global state of stream positions that loads on any world size: each new rank takes its
 part of what is left (:func:`~shardkit.planning.split_remaining`). A state must agree
 with the dataset it is loaded into on a fingerprint of its shards, counts and options.
+Without record counts the plan deals whole shards, and a state is the shards each reader
+has left and the records it read of its current one (:mod:`~shardkit.sources.whole`).
 
 Hints: while a range is opened, the next ones (and, at an epoch's end, the next epoch's
 first ones) are hinted to the source, which may start opening remote shards for them.
@@ -195,7 +197,9 @@ class _PlannedSource(_Source):
         counts, balance = self._counts(topology)
         kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffled, "balance": balance}
         if not isinstance(counts, np.ndarray):  # positions without counts: whole shards (sources.whole)
-            return self._set_next_epoch_hints(self._open_whole(counts, topology, epoch, resume), counts, topology, kwargs)
+            return self._set_next_epoch_hints(
+                self._open_whole(counts, topology, epoch, resume), counts, topology, kwargs
+            )
         if self._windowed():
             kwargs["block_size"] = self.shuffle_block
         fingerprint = self._fingerprint(counts)
@@ -226,19 +230,23 @@ class _PlannedSource(_Source):
                 expect_equal(self, "world_size", state[whole.WORLD_SIZE], topology.world_size)
                 _expect_own_rank(self, state[whole.RANK], topology.rank)
                 own = resume.own
-        order = plan_whole_shards(counts, Topology(rank=0, world_size=1), seed=self.seed, epoch=epoch, shuffle=self.shuffled)
+        order = plan_whole_shards(
+            counts, Topology(rank=0, world_size=1), seed=self.seed, epoch=epoch, shuffle=self.shuffled
+        )
         items = whole.reader_items(
             state, own, topology.world_size, topology.rank, topology.worker_id, topology.num_workers, len(order)
         )
         shards, stops = order.shard[items.order], order.counts[items.order]
         starts = np.zeros(len(shards), np.int64)
         if items.started:
-            where = {int(i): k for k, i in enumerate(items.index.tolist())}
+            where = {int(i): k for k, i in enumerate(items.indices.tolist())}
             for index, (read, identity) in items.started.items():
                 self._expect_same_file(int(shards[where[index]]), read, identity)
                 starts[where[index]] = read
         pieces = [(None, Range(int(s), int(a), None if b < 0 else int(b))) for s, a, b in zip(shards, starts, stops)]
-        ranges = _RangeIterator(self._calls(), pieces if items.started else WholeShards(shards, stops), epoch, topology, fingerprint)
+        ranges = _RangeIterator(
+            self._calls(), pieces if items.started else WholeShards(shards, stops), epoch, topology, fingerprint
+        )
         ranges.shard_items, ranges.base = items, whole.base_of(state)
         return ranges
 

@@ -289,7 +289,7 @@ class _RangeIterator(StageIterator):
         """The count-free node (:mod:`~shardkit.sources.whole`): the items left and how far the begun ones are read."""
         items, at = self.shard_items, self.range_index
         assert items is not None  # noqa: S101 - the caller checked
-        left = items.index[at:]
+        left = items.indices[at:]
         started = []
         if at < len(self.ranges):
             current = int(left[0])
@@ -364,7 +364,8 @@ class _RangeIterator(StageIterator):
     @classmethod
     def check_state(cls, state: State, where: str) -> None:
         if whole.count_free(state.get(cls.FINGERPRINT)):
-            return whole.check_state(state, where)
+            whole.check_state(state, where)
+            return
         whole_number(state, EPOCH, where)
         world_size = whole_number(state, cls.WORLD_SIZE, where, 1)
         rank = field(state, cls.RANK, where, int, type(None))

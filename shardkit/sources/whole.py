@@ -71,10 +71,10 @@ def count_free(fingerprint: Any) -> bool:
 
 
 class Items(NamedTuple):
-    """A reader's items in order: ``index`` in its node's space (rank items, or global items for a
+    """A reader's items in order: ``indices`` in its node's space (rank items, or global items for a
     global node), ``order`` (position in the global order) and ``started`` (index -> [read, identity])."""
 
-    index: np.ndarray
+    indices: np.ndarray
     order: np.ndarray
     started: dict[int, tuple[int, str | None]]
 
@@ -130,7 +130,9 @@ def _check_started(started: Any, items: set[int] | None, where: str) -> None:
                 f"{where}: state[{STARTED!r}] must hold [item, records read, identity] entries, got {short(entry)}"
             )
         if items is not None and entry[0] not in items:
-            raise StateError(f"{where}: state[{STARTED!r}] names item {entry[0]}, which state[{SHARDS!r}] does not hold")
+            raise StateError(
+                f"{where}: state[{STARTED!r}] names item {entry[0]}, which state[{SHARDS!r}] does not hold"
+            )
 
 
 def check_state(state: State, where: str) -> None:
@@ -167,8 +169,8 @@ def _started_map(entries: Sequence[Sequence[Any]]) -> dict[int, tuple[int, str |
 
 
 def rank_order(world_size: int, rank: int, count: int, base: State | None) -> tuple[np.ndarray, dict[int, Any]]:
-    """Rank ``rank``'s items as positions in the global order (``count`` items in it), and the begun
-    ones by rank item: every ``world_size``-th from ``rank`` on, of the whole order or of what ``base`` left."""
+    """Rank ``rank``'s items as positions in the global order (``count`` items in it; with a ``base``, its
+    items left instead), and the begun ones by rank item: every ``world_size``-th from ``rank`` on."""
     if base is None:
         return np.arange(rank, count, world_size, dtype=np.int64), {}
     left = expand(base[SHARDS])
@@ -222,7 +224,9 @@ def _union(states: Sequence[State], index_of: Any, what: str) -> tuple[np.ndarra
     if len(unique) != len(items):
         raise StateError(f"cannot merge {what} states that both hold the same shard: each item is one reader's")
     started = [
-        [int(index_of(s, np.asarray([i], np.int64))[0]), read, identity] for s in states for i, read, identity in s[STARTED]
+        [int(index_of(s, np.asarray([i], np.int64))[0]), read, identity]
+        for s in states
+        for i, read, identity in s[STARTED]
     ]
     return unique, sorted(started)
 
@@ -243,14 +247,17 @@ def merge_ranks(states: Sequence[State]) -> State:
     world_size = fields[WORLD_SIZE]
     ranks = sorted(s[RANK] for s in states)
     if ranks != list(range(world_size)):
-        raise StateError(f"merge_ranks needs the state of every rank 0..{world_size - 1} exactly once, got ranks {ranks}")
+        raise StateError(
+            f"merge_ranks needs the state of every rank 0..{world_size - 1} exactly once, got ranks {ranks}"
+        )
     bases = [s.get(BASE) for s in states]
     if any(b != bases[0] for b in bases):
         raise StateError("cannot merge rank states resumed from different global states")
-    orders = {s[RANK]: rank_order(world_size, s[RANK], 2**62, bases[0])[0] for s in states} if bases[0] else {}
+    base = bases[0]
+    orders = {s[RANK]: rank_order(world_size, s[RANK], 0, base)[0] for s in states} if base is not None else {}
 
     def global_index(state: State, indices: np.ndarray) -> np.ndarray:
-        if bases[0] is None:
+        if base is None:
             return state[RANK] + indices * world_size
         order = orders[state[RANK]]
         if len(indices) and int(indices.max()) >= len(order):

@@ -113,7 +113,9 @@ def test_rank_states_merge_and_resume_on_another_world_size_twice() -> None:
         for rank in range(world_size):
             parts = []
             for worker in range(workers):
-                got, saved = read(lambda r=rank: synthetic(counts, r, world_size, shuffle=True), worker, workers, take, state)
+                got, saved = read(
+                    lambda r=rank: synthetic(counts, r, world_size, shuffle=True), worker, workers, take, state
+                )
                 delivered.extend(got)
                 parts.append(saved)
             ranks.append(merge(parts))
@@ -138,7 +140,9 @@ def test_worker_states_resume_with_another_worker_count(tmp_path: Path) -> None:
         states.append(state)
     with pytest.raises(StateError, match="worker 0's of 3"):
         read(lambda: dataset(pattern), 0, 2, None, states[0])
-    rest = [row["id"] for worker in range(2) for row in read(lambda: dataset(pattern), worker, 2, None, merge(states))[0]]
+    rest = [
+        row["id"] for worker in range(2) for row in read(lambda: dataset(pattern), worker, 2, None, merge(states))[0]
+    ]
     assert sorted(delivered + rest) == list(range(200))
 
 
