@@ -36,6 +36,7 @@ keeps the cursor, the source (:mod:`~shardkit.sources.planned`) plans with them.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any, Final, NamedTuple
 
@@ -121,7 +122,21 @@ def check_runs(runs: Any, limit: int, where: str) -> None:
         previous = first + (stop - 1 - first) // step * step
 
 
-def _check_started(started: Any, items: set[int] | None, where: str) -> None:
+#: Most shards a count-free node may name: far past any dataset, small enough that expanding its runs stays bounded.
+MOST_SHARDS: Final = 1 << 26
+
+
+def _holds(runs: Sequence[Sequence[int]], firsts: list[int], item: int) -> bool:
+    """Whether ``item`` is one of the (sorted, checked) ``runs``, whose first items are ``firsts``."""
+    at = bisect.bisect_right(firsts, item) - 1
+    if at < 0:
+        return False
+    first, stop, step = runs[at]
+    return item < stop and (item - first) % step == 0
+
+
+def _check_started(started: Any, runs: Sequence[Sequence[int]], where: str) -> None:
+    firsts = [run[0] for run in runs]
     for entry in started:
         ok = type(entry) in SEQUENCE and len(entry) == 3
         ok = ok and type(entry[0]) is int and type(entry[1]) is int and entry[1] >= 0
@@ -129,7 +144,7 @@ def _check_started(started: Any, items: set[int] | None, where: str) -> None:
             raise StateError(
                 f"{where}: state[{STARTED!r}] must hold [item, records read, identity] entries, got {short(entry)}"
             )
-        if items is not None and entry[0] not in items:
+        if not _holds(runs, firsts, entry[0]):
             raise StateError(
                 f"{where}: state[{STARTED!r}] names item {entry[0]}, which state[{SHARDS!r}] does not hold"
             )
@@ -143,12 +158,13 @@ def check_state(state: State, where: str) -> None:
     if rank is not None and not 0 <= rank < world_size:
         raise StateError(f"{where}: state['rank'] must be None or in 0..{world_size - 1}, got {rank}")
     limit = whole_number(state[FINGERPRINT], "shards", f"{where} (fingerprint)")
+    if limit > MOST_SHARDS:
+        raise StateError(f"{where}: the state names {limit} shards, more than {MOST_SHARDS}: it was edited")
     check_share(state, where)
     for part, name in ((state, where), *_base_part(state, rank, where)):
         runs = field(part, SHARDS, name, *SEQUENCE)
         check_runs(runs, limit, name)
-        started = field(part, STARTED, name, *SEQUENCE)
-        _check_started(started, set(expand(runs).tolist()) if len(started) else None, name)
+        _check_started(field(part, STARTED, name, *SEQUENCE), runs, name)
 
 
 def _base_part(state: State, rank: int | None, where: str) -> list[tuple[State, str]]:

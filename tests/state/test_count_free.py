@@ -245,3 +245,25 @@ def test_a_state_without_counts_is_refused_where_counts_are_known_saying_why() -
 def test_two_gloo_ranks_resume_a_count_free_glob_exactly(tmp_path: Path, workers: int) -> None:
     pattern = write_glob(tmp_path, 260, 19)  # 14 shards: 7 a rank, 3 or 4 a worker
     gloo_ranks(resume_rank, 2, pattern, workers)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"shards": [[3, 9, 1], [0, 2, 1]]}, "sorted, disjoint runs"),
+        ({"shards": [[0, 10**9, 1]]}, "below the dataset's 3 shards"),
+        ({"started": [[2, 1, None]], "shards": [[0, 2, 1]]}, "names item 2"),
+        ({"started": [[0, -1, None]]}, r"\[item, records read, identity\]"),
+        ({"fingerprint_shards": 2**40}, "more than"),
+    ],
+)
+def test_an_edited_count_free_state_is_refused_naming_the_field(edit: dict[str, Any], message: str) -> None:
+    source = synthetic([4, 6, 5])
+    iterator = iter(source)
+    next(iterator)
+    state = roundtrip(source.state_dict())
+    if "fingerprint_shards" in edit:
+        state["fingerprint"]["shards"] = edit.pop("fingerprint_shards")
+    state.update(edit)
+    with pytest.raises(StateError, match=message):
+        synthetic([4, 6, 5]).load_state_dict(state)
