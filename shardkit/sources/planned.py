@@ -12,6 +12,8 @@ combine (:func:`shardkit.state.gather`, :func:`shardkit.state.merge_ranks`) into
 global state of stream positions that loads on any world size: each new rank takes its
 part of what is left (:func:`~shardkit.planning.split_remaining`). A state must agree
 with the dataset it is loaded into on a fingerprint of its shards, counts and options.
+Without record counts the plan deals whole shards, and a state is the shards each reader
+has left and the records it read of its current one (:mod:`~shardkit.sources.whole`).
 
 Hints: while a range is opened, the next ones (and, at an epoch's end, the next epoch's
 first ones) are hinted to the source, which may start opening remote shards for them.
@@ -32,14 +34,15 @@ from shardkit.planning import (
     SHUFFLE_WINDOW,
     Balance,
     Range,
+    WholeShards,
     plan_intervals,
     plan_whole_shards,
     rank_span,
     split_remaining,
 )
+from shardkit.sources import whole
 from shardkit.sources.base import _Source
-from shardkit.sources.errors import _unknown_counts
-from shardkit.sources.ranges import _HINTED, _RangeIterator, _Skipped, _SourceCalls, _Start
+from shardkit.sources.ranges import _HINTED, _expect_own_rank, _RangeIterator, _Skipped, _SourceCalls, _Start
 from shardkit.sources.window import _WindowIterator
 from shardkit.stateful import Records, Resume, State, StateError, check, expect_equal, unpack
 from shardkit.topology import Topology
@@ -94,7 +97,7 @@ class _PlannedSource(_Source):
         urls from their Arrow buffers takes 0.03 s, once per ShardList.
         """
         if not isinstance(counts, np.ndarray):
-            raise _unknown_counts(self)
+            return self._shards_fingerprint(counts)
         return {
             "shards": len(counts),
             "records": int(counts.sum()),
@@ -106,17 +109,64 @@ class _PlannedSource(_Source):
             **({"window": [self.shuffle_block, self.shuffle_window]} if self._windowed() else {}),
         }
 
+    def _shards_fingerprint(self, counts: Any) -> dict[str, Any]:
+        """The fingerprint of a source whose counts are not all known: its positions are whole shards
+        (:mod:`~shardkit.sources.whole`), so it binds the shards, the counts it does know and the options."""
+        known = np.asarray(counts.fill_null(-1).to_numpy(zero_copy_only=False), dtype="<i8")
+        return {
+            "shards": len(known),
+            "records": None,
+            "urls": self._url_digest(),
+            "counts": hashlib.sha256(np.ascontiguousarray(known).tobytes()).hexdigest()[:16],
+            "seed": self.seed,
+            "shuffle": self.shuffled,
+            "balance": self.balance,
+            whole.SPLIT: "shards",
+        }
+
     def load_state_dict(self, state: State) -> None:
         """Resume from ``state`` at the next ``__iter__``; see :meth:`Pipeline.load_state_dict`.
 
+        A state saved with record counts, loaded where they are not known, has them counted now (the
+        counts cache, bound to each file's identity, then the source's ``count_fn``; see
+        :mod:`shardkit.counting`), and they must be the counts it was saved with.
+
         Raises:
             StateError: the state is of another dataset (shard count, record
-                count, seed, shuffle, balance) or another format version.
+                count, seed, shuffle, balance) or another format version, or it
+                needs counts that cannot be had here.
         """
         check(state, self._state_kind, self)
-        counts, _ = self._counts(self.topology())
-        expect_equal(self, "dataset", state[_RangeIterator.FINGERPRINT], self._fingerprint(counts))
+        saved = state[_RangeIterator.FINGERPRINT]
+        topology = self.topology()
+        counts, _ = self._counts(topology)
+        if not isinstance(counts, np.ndarray) and not whole.count_free(saved):
+            counts = self._count_for(topology)
+        self._expect_dataset(saved, self._fingerprint(counts))
         super().load_state_dict(state)
+
+    def _count_for(self, topology: Topology) -> Any:
+        """The record counts a state saved with them needs, counted now (see :meth:`load_state_dict`)."""
+        try:
+            return self._record_counts(topology, required=True)
+        except Exception as error:
+            raise StateError(
+                f"{self!r}: the state was saved with the record count of every shard (positions of records), "
+                f"but here they are unknown and cannot be counted ({error}). Fix: give the counts it was saved "
+                "with (the same manifest or num_records=), or call count_records() before loading"
+            ) from error
+
+    def _expect_dataset(self, saved: Any, fingerprint: dict[str, Any]) -> None:
+        """Raise unless ``saved`` is ``fingerprint``, saying so when one has record counts and the other not."""
+        if whole.count_free(saved) and not whole.count_free(fingerprint):
+            raise StateError(
+                f"{self!r}: the state was saved while some record counts were unknown, so its positions are whole "
+                "shards, but here every count is known (a manifest, index files, count_records() or balance="
+                f"{self.balance!r} over several ranks, which counts): the plans differ. Fix: resume with the "
+                "dataset as it was saved (the same shard list, no counts, the same balance), on any world size "
+                "with balance='none'"
+            )
+        expect_equal(self, "dataset", saved, fingerprint)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all of its workers together)."""
@@ -146,12 +196,9 @@ class _PlannedSource(_Source):
         topology, epoch = self._start()
         counts, balance = self._counts(topology)
         kwargs = {"seed": self.seed, "epoch": epoch, "shuffle": self.shuffled, "balance": balance}
-        if not isinstance(counts, np.ndarray):  # no positions without counts: whole shards
-            if resume is not None:
-                self._fingerprint(counts)  # raises, naming the fix
-            pieces = plan_whole_shards(counts, topology, seed=self.seed, epoch=epoch, shuffle=self.shuffled)
+        if not isinstance(counts, np.ndarray):  # positions without counts: whole shards (sources.whole)
             return self._set_next_epoch_hints(
-                _RangeIterator(self._calls(), pieces, epoch, topology, None), counts, topology, kwargs
+                self._open_whole(counts, topology, epoch, resume), counts, topology, kwargs
             )
         if self._windowed():
             kwargs["block_size"] = self.shuffle_block
@@ -161,13 +208,61 @@ class _PlannedSource(_Source):
         start = _RangeIterator.start_of(resume, size, self._windowed(), topology)
         iterator = self._new_iterator(counts, topology, epoch, fingerprint, start, kwargs, base)
         if start.exact and resume is not None:  # the window read again must leave what the state says is left
-            saved = resume.state[_RangeIterator.REMAINING]
+            saved = _RangeIterator.left_of(resume.state)
             expect_equal(self, "remaining positions (for its window)", saved, iterator.remaining())
         return iterator
 
     def _calls(self) -> _SourceCalls:
-        """What a :class:`_RangeIterator` calls back: this source's reads, hints and padding counts."""
-        return _SourceCalls(self, self._read, self._hint, self._count_padded)
+        """What a :class:`_RangeIterator` calls back: this source's reads, hints, padding counts, identities."""
+        return _SourceCalls(self, self._read, self._hint, self._count_padded, self._identity_now)
+
+    def _identity_now(self, shard: int) -> str | None:
+        return self._shard_identity(shard)[1]
+
+    def _open_whole(self, counts: Any, topology: Topology, epoch: int, resume: Resume | None) -> _RangeIterator:
+        """The iterator over this reader's whole shards, from where ``resume`` (a count-free node) left them."""
+        fingerprint = self._shards_fingerprint(counts)
+        state, own = None, False
+        if resume is not None:
+            state = resume.state
+            self._expect_dataset(state[_RangeIterator.FINGERPRINT], fingerprint)
+            if state[whole.RANK] is not None:
+                expect_equal(self, "world_size", state[whole.WORLD_SIZE], topology.world_size)
+                _expect_own_rank(self, state[whole.RANK], topology.rank)
+                own = resume.own
+        order = plan_whole_shards(
+            counts, Topology(rank=0, world_size=1), seed=self.seed, epoch=epoch, shuffle=self.shuffled
+        )
+        items = whole.reader_items(
+            state, own, topology.world_size, topology.rank, topology.worker_id, topology.num_workers, len(order)
+        )
+        shards, stops = order.shard[items.order], order.counts[items.order]
+        starts = np.zeros(len(shards), np.int64)
+        if items.started:
+            where = {int(i): k for k, i in enumerate(items.indices.tolist())}
+            for index, (read, identity) in items.started.items():
+                self._expect_same_file(int(shards[where[index]]), read, identity)
+                starts[where[index]] = read
+        pieces = [(None, Range(int(s), int(a), None if b < 0 else int(b))) for s, a, b in zip(shards, starts, stops)]
+        ranges = _RangeIterator(
+            self._calls(), pieces if items.started else WholeShards(shards, stops), epoch, topology, fingerprint
+        )
+        ranges.shard_items, ranges.base = items, whole.base_of(state)
+        return ranges
+
+    def _expect_same_file(self, shard: int, read: int, saved: str | None) -> None:
+        """Raise unless ``shard``, of which a state says ``read`` records were read, is still the file they were
+        read from (its identity; not checked where none was known when it was saved)."""
+        if saved is None:
+            return
+        name, now = self._shard_identity(shard)
+        if now != saved:
+            raise StateError(
+                f"{self!r}: {name} changed since the state was saved (its identity was {saved}, now {now}): the "
+                f"state resumes it after its first {read} records, which would read another file's records, or "
+                "none. Fix: restore the file as it was, or resume from a state saved after it was read, or start "
+                "the epoch afresh"
+            )
 
     def _chunk_size(self, counts: np.ndarray, topology: Topology, base: State | None, kwargs: dict[str, Any]) -> int:
         """Positions in this rank's chunk. After a global state (``base``) the chunk

@@ -13,7 +13,22 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
-from shardkit.planning import PlannedRanges, Range, WholeShards, rank_span, share, split_remaining, through, union
+import numpy as np
+
+from shardkit.planning import (
+    PlannedRanges,
+    Range,
+    WholeShards,
+    positions_union,
+    rank_span,
+    share,
+    split_remaining,
+    take,
+    through,
+    union,
+    window_order,
+)
+from shardkit.sources import whole
 from shardkit.sources.errors import _unknown_counts
 from shardkit.stateful import (
     EPOCH,
@@ -65,6 +80,7 @@ class _SourceCalls(NamedTuple):
     read: Callable[[int, int, int | None], Iterator[Any]]
     hint: Callable[[int, int, int | None], None]
     count_padded: Callable[[int], None]
+    identity: Callable[[int], str | None] = lambda shard: None  # a shard's file identity now (whole.STARTED)
 
 
 class _Start(NamedTuple):
@@ -104,9 +120,14 @@ class _RangeIterator(StageIterator):
     UNBOUNDED_FIELDS = frozenset({FINGERPRINT})  # only compared with the dataset's: its seed may be any int >= 0
     REMAINING = "remaining"  #: state key: ``[start, stop)`` intervals of positions still to read
     BASE = "base"  #: state key: the global node (``world_size``, ``remaining``) this epoch resumed from
-    WINDOW = "window"  #: state key: ``{"from": positions from the window's start, "yielded": its samples yielded}``
+    #: state key: the current window, ``{"yielded": its samples yielded, "skipped": [[position, records], ...]
+    #: skipped in it}``, ``remaining`` then holding the positions from the window's start (see :meth:`left_of`).
+    #: A state saved before shardkit 0.x (the same version number) holds ``{"from": the positions from the
+    #: window's start, "yielded": ...}`` and, in ``remaining``, exactly the positions not yielded: it still loads.
+    WINDOW = "window"
     WINDOW_FROM = "from"
     WINDOW_YIELDED = "yielded"
+    WINDOW_SKIPPED = "skipped"
 
     def __init__(
         self,
@@ -146,6 +167,9 @@ class _RangeIterator(StageIterator):
         self._range_base: int | None = None
         self._repeated: int | None = None  # the position of the sample a made-up one repeats
         self._last_position: int | None = None  # with a stand_in: the position of the last sample read
+        # Without record counts (whole shards, see sources.whole): the reader's items and the node's fingerprint.
+        self.shard_items: whole.Items | None = None
+        self._identities: dict[int, str | None] = {}  # begun shards' identities, looked up once
 
     def __next__(self) -> Any:
         if self._owed:
@@ -180,8 +204,8 @@ class _RangeIterator(StageIterator):
     def _open_range(self) -> Iterator[Any]:
         """Start reading the current range (from where it stopped) and hint the next three."""
         shard, start, stop = self.ranges[self.range_index]
-        fits = stop is not None and stop <= MAX_RECORD  # a shard read to an unknown end may pass it
-        self._range_base = pack(shard, start) if fits or (stop is None and start == 0) else None
+        fits = (start if stop is None else stop) <= MAX_RECORD  # a shard read to an unknown end may pass it
+        self._range_base = pack(shard, start) if fits else None
         self._records = self._source.read(shard, start + self.done_in_range, stop)
         ahead = self.ranges[self.range_index + 1 : self.range_index + 1 + _HINTED]
         for piece in ahead:
@@ -247,6 +271,8 @@ class _RangeIterator(StageIterator):
 
     def state_dict(self) -> State:
         """The positions of this reader's part not read yet, and whose part it is."""
+        if self.shard_items is not None:
+            return self._shards_node()
         if self._fingerprint is None:  # no positions without record counts
             raise _unknown_counts(self._source.owner)
         fields = {
@@ -258,6 +284,38 @@ class _RangeIterator(StageIterator):
             SHARE: share_field(self.topology),
         }
         return node(self.KIND, **fields, **({} if self.base is None else {self.BASE: self.base}))
+
+    def _shards_node(self) -> State:
+        """The count-free node (:mod:`~shardkit.sources.whole`): the items left and how far the begun ones are read."""
+        items, at = self.shard_items, self.range_index
+        assert items is not None  # noqa: S101 - the caller checked
+        left = items.indices[at:]
+        started = []
+        if at < len(self.ranges):
+            current = int(left[0])
+            shard, start, _ = self.ranges[at]
+            read = start + self.done_in_range
+            if read:
+                saved = items.started.get(current)
+                identity = saved[1] if saved is not None else self._identity(shard)
+                started.append([current, read, identity])
+            started += [[i, read, identity] for i, (read, identity) in sorted(items.started.items()) if i > current]
+        fields = {
+            EPOCH: self.epoch,
+            self.WORLD_SIZE: self.topology.world_size,
+            self.RANK: self.topology.rank,
+            self.FINGERPRINT: self._fingerprint,
+            whole.SHARDS: whole.runs_of(left),
+            whole.STARTED: started,
+            SHARE: share_field(self.topology),
+        }
+        return node(self.KIND, **fields, **({} if self.base is None else {self.BASE: self.base}))
+
+    def _identity(self, shard: int) -> str | None:
+        """The identity of ``shard``'s file, looked up once per shard (at the first save that finds it begun)."""
+        if shard not in self._identities:
+            self._identities[shard] = self._source.identity(shard)
+        return self._identities[shard]
 
     @classmethod
     def base_of(cls, resume: Resume, fingerprint: dict[str, Any]) -> State | None:
@@ -271,6 +329,19 @@ class _RangeIterator(StageIterator):
         return state.get(cls.BASE)
 
     @classmethod
+    def left_of(cls, state: State) -> list[list[int]]:
+        """The positions a node has not yielded. Its ``remaining`` holds them, except in a node with a window
+        saved by its start: then they are worked out from it (:func:`window_rest`), as the reader re-reads it."""
+        window = state.get(cls.WINDOW)
+        if window is None or cls.WINDOW_FROM in window:
+            return state[cls.REMAINING]
+        fingerprint = state[cls.FINGERPRINT]
+        return window_rest(
+            state[cls.REMAINING], fingerprint["window"][1], window[cls.WINDOW_YIELDED], window[cls.WINDOW_SKIPPED],
+            seed=fingerprint["seed"], epoch=state[EPOCH], rank=state[cls.RANK],
+        )  # fmt: skip
+
+    @classmethod
     def start_of(cls, resume: Resume | None, size: int, windowed: bool, topology: Topology) -> _Start:
         """Where this reader starts in a rank chunk of ``size`` positions: its even part of the
         chunk, unless ``resume`` is a rank's node (a global one only changes the chunk)."""
@@ -279,18 +350,22 @@ class _RangeIterator(StageIterator):
         state, owner = resume.state, resume.owner
         expect_equal(owner, "world_size", state[cls.WORLD_SIZE], topology.world_size)
         _expect_own_rank(owner, state[cls.RANK], topology.rank)
-        remaining = state[cls.REMAINING]
-        check_positions(owner, remaining, size)
+        check_positions(owner, state[cls.REMAINING], size)
         window = state.get(cls.WINDOW) if windowed else None
         if window is not None and (resume.own or topology.num_workers == 1):  # exactly where it stopped
-            check_positions(owner, window[cls.WINDOW_FROM], size)
-            return _Start([(a, b) for a, b in window[cls.WINDOW_FROM]], window[cls.WINDOW_YIELDED], True)
+            start = window.get(cls.WINDOW_FROM, state[cls.REMAINING])
+            check_positions(owner, start, size)
+            return _Start([(a, b) for a, b in start], window[cls.WINDOW_YIELDED], True)
+        remaining = cls.left_of(state)
         if resume.own:
             return _Start(union(remaining), 0, False)
         return _Start(share(remaining, topology.num_workers, topology.worker_id), 0, False)
 
     @classmethod
     def check_state(cls, state: State, where: str) -> None:
+        if whole.count_free(state.get(cls.FINGERPRINT)):
+            whole.check_state(state, where)
+            return
         whole_number(state, EPOCH, where)
         world_size = whole_number(state, cls.WORLD_SIZE, where, 1)
         rank = field(state, cls.RANK, where, int, type(None))
@@ -317,18 +392,28 @@ class _RangeIterator(StageIterator):
             return
         if rank is None:
             raise StateError(f"{where}: a global state (rank None) has no window")
-        check_intervals(field(window, cls.WINDOW_FROM, f"{where} (window)", *SEQUENCE), f"{where} (window)", "from")
         whole_number(window, cls.WINDOW_YIELDED, f"{where} (window)")
+        if cls.WINDOW_FROM in window:  # saved with the positions not yielded in remaining
+            check_intervals(field(window, cls.WINDOW_FROM, f"{where} (window)", *SEQUENCE), f"{where} (window)", "from")
+            return
+        for run in field(window, cls.WINDOW_SKIPPED, f"{where} (window)", *SEQUENCE):
+            if type(run) not in SEQUENCE or len(run) != 2 or any(type(v) is not int or v < 0 for v in run):
+                raise StateError(f"{where} (window): state['skipped'] must hold [position, records] pairs, got {run!r}")
+        window_size = state[cls.FINGERPRINT]["window"]
+        if not (type(window_size) in SEQUENCE and len(window_size) == 2 and type(window_size[1]) is int):
+            raise StateError(f"{where}: the fingerprint's window must be [block, window], got {window_size!r}")
 
     @classmethod
     def merge(cls, states: Sequence[State]) -> State:
         """The workers' remaining positions united (each position is one worker's); windows start afresh."""
+        if whole.count_free(states[0].get(cls.FINGERPRINT)):
+            return whole.merge(states)
         check_all_shares(states)
         keys = (EPOCH, cls.WORLD_SIZE, cls.RANK, cls.FINGERPRINT)
         fields = {key: same_value(states, key) for key in keys}
         if states[0].get(cls.BASE) is not None:
             fields[cls.BASE] = same_value(states, cls.BASE)
-        intervals = [interval for s in states for interval in s[cls.REMAINING]]
+        intervals = [interval for s in states for interval in cls.left_of(s)]
         remaining = union(intervals)
         if sum(b - a for a, b in remaining) != sum(b - a for a, b in intervals):
             raise StateError(
@@ -340,6 +425,8 @@ class _RangeIterator(StageIterator):
     @classmethod
     def merge_ranks(cls, states: Sequence[State]) -> State:
         """The positions no rank has read yet, in the epoch's global stream (``rank`` None)."""
+        if whole.count_free(states[0].get(cls.FINGERPRINT)):
+            return whole.merge_ranks(states)
         fields = {key: same_value(states, key) for key in (EPOCH, cls.WORLD_SIZE, cls.FINGERPRINT)}
         fingerprint, world_size = fields[cls.FINGERPRINT], fields[cls.WORLD_SIZE]
         ranks = sorted(s[cls.RANK] for s in states)
@@ -373,9 +460,50 @@ class _RangeIterator(StageIterator):
         else:
             chunk = split_remaining(base[cls.REMAINING], total, world_size, state[cls.RANK], balance)
         pieces = []
-        for a, b in state[cls.REMAINING]:
+        for a, b in cls.left_of(state):
             pieces += [(x, min(y, total)) for x, y in through(chunk, a, b) if x < total]
         return pieces
+
+
+#: Most positions a saved window's rest is worked out over: a state naming a larger window was edited.
+_MOST_WINDOW = 1 << 24
+
+
+def window_rest(
+    start: Sequence[Sequence[int]],
+    size: int,
+    yielded: int,
+    skipped: Sequence[Sequence[int]],
+    *,
+    seed: int,
+    epoch: int,
+    rank: int | None,
+) -> list[list[int]]:
+    """The positions not yielded of a reader whose window of ``size`` starts at the positions ``start``
+    (in reading order) and has yielded ``yielded`` samples, records ``skipped`` (``[position, records]``
+    runs) leaving no sample in it: the window's positions in the order
+    :func:`~shardkit.planning.window_order` gives (what :class:`~shardkit.sources.window._WindowIterator`
+    yields), past the first ``yielded``, and every position after the window.
+
+    Raises:
+        StateError: the window is larger than :data:`_MOST_WINDOW` or has fewer than ``yielded`` samples.
+    """
+    head, rest = take(start, size)
+    total = sum(b - a for a, b in head)
+    if total > _MOST_WINDOW:
+        raise StateError(f"a saved window of {total} positions is more than {_MOST_WINDOW}: the state was edited")
+    positions = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in head]) if head else np.zeros(0, np.int64)
+    if len(skipped):
+        gone = np.concatenate([np.arange(p, p + min(n, total), dtype=np.int64) for p, n in skipped])
+        positions = positions[~np.isin(positions, gone)]
+    if yielded > len(positions):
+        raise StateError(
+            f"the state says {yielded} samples of the current window were yielded, but the window holds "
+            f"{len(positions)}; the state is not of this dataset, or it was edited"
+        )
+    first = head[0][0] if head else 0
+    order = window_order(len(positions), seed=seed, epoch=epoch, rank=rank or 0, first=first)
+    return positions_union(positions[order[yielded:]], rest)
 
 
 def _expect_own_rank(owner: object, saved: object, actual: int) -> None:

@@ -136,12 +136,16 @@ class _WindowIterator:
         return positions_union(unyielded, self._rest)
 
     def state_dict(self) -> State:
-        """The ranges' node, with the unyielded positions as ``remaining`` and the window's start."""
+        """The ranges' node, with the positions from the window's start as ``remaining`` and how much of the
+        window was yielded: what is left follows from them (:meth:`_RangeIterator.left_of`), so the node stays a
+        few intervals long, not one per sample the permuted window has yielded."""
         state = self._ranges.state_dict()
-        state[_RangeIterator.REMAINING] = self.remaining()
+        state[_RangeIterator.REMAINING] = [list(i) for i in self._from]
+        window, _ = take(self._from, self._size)
+        first, end = (window[0][0], window[-1][1]) if window else (0, 0)
         state[_RangeIterator.WINDOW] = {
-            _RangeIterator.WINDOW_FROM: [list(i) for i in self._from],
             _RangeIterator.WINDOW_YIELDED: self._yielded,
+            _RangeIterator.WINDOW_SKIPPED: [[p, n] for p, n in self._ranges.skips if p < end and p + n > first],
         }
         return state
 
