@@ -52,7 +52,8 @@ from shardkit.epoch import check_epoch, load_outermost, open_pass
 from shardkit.errors import ShardkitError, UnknownLengthError, check_int
 from shardkit.pipeline.batching import _BatchIterator
 from shardkit.pipeline.mapping import _FilteredRecords, _FilterIterator, _MapIterator, _MappedRecords
-from shardkit.pipeline.packing import STRATEGIES, _PackIterator, token_dtype
+from shardkit.pipeline.blocks import token_dtype
+from shardkit.pipeline.packing import STRATEGIES, _PackIterator
 from shardkit.pipeline.repeating import _RepeatIterator
 from shardkit.pipeline.shuffling import _ShuffleIterator
 from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
@@ -166,7 +167,8 @@ class Pipeline(IterableDataset):
         ``"best_fit"`` keeps documents whole (longer ones cut into ``seq_len``
         pieces) and fills blocks best-fit from a buffer of ``buffer_size``
         documents (default 256). The tokens not yet packed are saved in the
-        state, so resume is exact; see :mod:`shardkit.pipeline.packing`.
+        state, so resume is exact: as the positions of their documents where the
+        input can read records again, else as data; see :mod:`shardkit.pipeline.packing`.
         """
         return Pack(
             self, seq_len, key=key, strategy=strategy, pad_id=pad_id, buffer_size=buffer_size, dtype=dtype,
@@ -587,6 +589,7 @@ class Pack(_Wrapper):
             dtype=self.dtype,
             position_ids=self.position_ids,
             document_ids=self.document_ids,
+            records=self.source.records(),
         )
         if resume is not None:
             iterator.restore(resume)
