@@ -60,9 +60,11 @@ import torch
 from shardkit.pipeline.blocks import UNKNOWN, PackError, Piece, block, check_fits, tokens_of
 from shardkit.planning.fitting import FitIndex
 from shardkit.stateful import (
+    DIGESTS,
     EPOCH,
     INT64_MAX,
     SEQUENCE,
+    SHARDS,
     SHARE,
     UPSTREAM,
     Records,
@@ -289,7 +291,7 @@ class _PackIterator(StageIterator):
             self.PIECES: [],
             self.POSITIONS: encode_positions(positions),
             self.STARTS: encode_starts([piece[1] for piece in pieces]),
-            self.IDENTITIES: held_identities(self._records, positions),
+            self.IDENTITIES: known_identities(self._records, positions),
         }
 
     def restore(self, resume: Resume) -> None:
@@ -451,6 +453,14 @@ def decode_pieces(state: State, where: str) -> list[Piece]:
             )
         pieces.append((tokens, first, UNKNOWN))
     return pieces
+
+
+def known_identities(records: Records, positions: np.ndarray) -> dict[str, list[Any]]:
+    """:func:`~shardkit.stateful.held_identities` less the shards with no identity to check (a wrapped
+    map-style dataset's items, each a shard of its own when shuffled: a held piece would pay for its entry)."""
+    found = held_identities(records, positions)
+    kept = [index for index, digest in enumerate(found[DIGESTS]) if digest]
+    return {SHARDS: [found[SHARDS][i] for i in kept], DIGESTS: [found[DIGESTS][i] for i in kept]}
 
 
 #: The largest start a piece saved by position may have (its tokens' position_ids stay far from int64's end).
