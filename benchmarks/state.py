@@ -212,7 +212,9 @@ def pack_state_table(tokens: int) -> None:
     import numpy as np
 
     print("\npacked-token state bytes per rank (torch.save), saved after 30% of the epoch")
-    print("| pipeline | pieces held | state bytes | of which held pieces (per piece) | of which carried | target | met |")
+    print(
+        "| pipeline | pieces held | state bytes | of which held pieces (per piece) | of which carried | target | met |"
+    )
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
         rng = np.random.default_rng(1)
@@ -229,8 +231,10 @@ def pack_state_table(tokens: int) -> None:
                 state = loader.state_dict()
                 break
         _pack_row("TokenDataset.pack(2048) + MixedLoader(2 workers)", state, 4096, 0)
-    print(f"  (without the carried micro-batches, MixedLoader's undelivered tails saved as data: "
-          f"{saved_bytes({**state, 'carry': []}):,} bytes)")
+    print(
+        f"  (without the carried micro-batches, MixedLoader's undelivered tails saved as data: "
+        f"{saved_bytes({**state, 'carry': []}):,} bytes)"
+    )
     counts = [5000] * 4
     urls = [f"pos/{i}/{sum(counts[:i])}-{n}" for i, n in enumerate(counts)]
     source = shardkit.ShardedDataset(shardkit.ShardList(urls, num_records=counts), _positional, shuffle=True)

@@ -97,8 +97,12 @@ from shardkit.stateful import (
 )
 from shardkit.topology import Topology
 
+#: The position of a document just read, asked of the input only if the document is held (concat).
+_FRESH = -2
+
 #: The packing strategies ``.pack(strategy=...)`` takes.
 STRATEGIES = ("concat", "best_fit")
+
 
 class _PackIterator(StageIterator):
     """Blocks of ``seq_len`` tokens from the documents at ``key`` of the input's samples.
@@ -175,8 +179,8 @@ class _PackIterator(StageIterator):
 
     # -- reading ---------------------------------------------------------------
 
-    def _read(self) -> Piece | None:
-        """The next non-empty document of the input as one piece, or None once it has ended."""
+    def _read(self) -> np.ndarray | None:
+        """The next non-empty document of the input, or None once it has ended."""
         while not self._exhausted:
             try:
                 sample = next(self._source)
@@ -185,11 +189,15 @@ class _PackIterator(StageIterator):
                 break
             tokens = tokens_of(sample, self._key)
             if len(tokens):
-                if self._records is None:
-                    return tokens, 0, UNKNOWN
-                position = self._source.position  # type: ignore[attr-defined]  # checked in __init__
-                return tokens, 0, UNKNOWN if position is None else position
+                return tokens
         return None
+
+    def _read_position(self) -> int:
+        """The position of the record of the document read last (UNKNOWN where the input gives none)."""
+        if self._records is None:
+            return UNKNOWN
+        position = self._source.position  # type: ignore[attr-defined]  # checked in __init__
+        return UNKNOWN if position is None else position
 
     def __next__(self) -> dict[str, torch.Tensor]:
         parts = self._next_concat() if self._strategy == "concat" else self._next_best_fit()
@@ -218,22 +226,28 @@ class _PackIterator(StageIterator):
         parts: list[Piece] = []
         room = self._seq_len
         while room:
-            piece = self._queue.popleft() if self._queue else self._read()
-            if piece is None:
-                break
+            if self._queue:
+                piece = self._queue.popleft()
+            else:
+                read = self._read()
+                if read is None:
+                    break
+                piece = (read, 0, _FRESH)
             tokens = piece[0]
             if len(tokens) > room:
-                self._queue.appendleft((tokens[room:], piece[1] + room, piece[2]))
-                piece = (tokens[:room], piece[1], piece[2])
-            parts.append(piece)
-            room -= len(piece[0])
+                # Only a document cut here is held: its position is asked for now, not for every document read.
+                position = self._read_position() if piece[2] == _FRESH else piece[2]
+                self._queue.appendleft((tokens[room:], piece[1] + room, position))
+                tokens = tokens[:room]
+            parts.append((tokens, piece[1], UNKNOWN))
+            room -= len(tokens)
         return parts
 
     def _next_best_fit(self) -> list[Piece]:
         """Fill the buffer, then open a block with its oldest piece and add the longest that fit
         (the choice :func:`~shardkit.planning.fitting.best_fit_blocks` makes of the lengths)."""
         while len(self._buffer) < self._buffer_size and (read := self._read()) is not None:
-            self._add_document(read)
+            self._add_document(read, self._read_position())
         if not self._buffer:
             return []
         buffer, index = self._buffer, self._index
@@ -246,11 +260,10 @@ class _PackIterator(StageIterator):
             room -= found[1]
         return parts
 
-    def _add_document(self, document: Piece) -> None:
-        """Buffer a document, cut into ``seq_len`` pieces if longer."""
-        tokens, _, position = document
+    def _add_document(self, tokens: np.ndarray, position: int) -> None:
+        """Buffer a document (at ``position``), cut into ``seq_len`` pieces if longer."""
         if len(tokens) <= self._seq_len:
-            self._add(document)
+            self._add((tokens, 0, position))
             return
         for start in range(0, len(tokens), self._seq_len):
             self._add((tokens[start : start + self._seq_len], start, position))
