@@ -20,9 +20,13 @@ carries the undelivered ones) and weighs as JSON.
 First, what a state weighs per rank (pickled, as a trainer's checkpoint holds it) after 30% of an
 epoch of samples decoded by a ``.map``, against issue 39's targets: at most 4 KB without a
 buffer, at most 16 bytes more per held record with a ``.shuffle(n)`` buffer (held records are
-saved as their positions, ``shardkit.stateful.positions``).
+saved as their positions, ``shardkit.stateful.positions``). And what a packed-tokens state weighs:
+``TokenDataset.pack(2048)`` (50M-token-like lognormal documents, int32) through ``MixedLoader`` (2
+workers, batch 8) as ``torch.save`` writes it (target: at most 4 KB per rank), its pack nodes alone
+and the micro-batches the loader carries; and ``.pack(2048, strategy="best_fit")`` (256 documents
+held) over records (target: at most 4 KB plus 16 bytes per held piece).
 
-    python benchmarks/state.py [--samples 1000] [--rounds 15] [--loader-rounds 5] [--records 20000]
+    python benchmarks/state.py [--samples 1000] [--rounds 15] [--loader-rounds 5] [--records 20000] [--tokens 5000000]
 """
 
 from __future__ import annotations
@@ -161,15 +165,111 @@ def state_size_table(records: int) -> None:
         print(f"| {name} | {sample} | {held} | {size:,} | <= {target:,} | {'yes' if size <= target else 'NO'} |")
 
 
+def _document(i: int) -> dict[str, Any]:
+    """Record ``i`` as a document of lognormal length (median 400 tokens), int32 ids."""
+    import numpy as np
+
+    rng = np.random.default_rng(i)
+    return {"input_ids": rng.integers(0, 50_000, max(1, int(rng.lognormal(np.log(400), 1.0))), dtype=np.int32)}
+
+
+def saved_bytes(state: Any) -> int:
+    """The bytes ``torch.save`` writes for ``state``, as a trainer's checkpoint holds it."""
+    out = io.BytesIO()
+    torch.save(state, out)
+    return len(out.getvalue())
+
+
+def pack_nodes(state: Any) -> list[dict[str, Any]]:
+    """Every pack node in ``state`` (a pipeline's or a loader's)."""
+    if isinstance(state, dict):
+        own = [state] if state.get("kind") == "pack" else []
+        return own + [node for value in state.values() for node in pack_nodes(value)]
+    if isinstance(state, list):
+        return [node for value in state for node in pack_nodes(value)]
+    return []
+
+
+def held_pieces(node: dict[str, Any]) -> int:
+    """Pieces a pack node holds, as data and by position."""
+    from shardkit.state import decode_positions
+
+    return len(node["pieces"]) + (len(decode_positions(node["positions"], "held")) if "positions" in node else 0)
+
+
+def without_held(state: Any) -> Any:
+    """``state`` with every pack node's held pieces left out (both forms)."""
+    if isinstance(state, dict):
+        drop = ("pieces", "positions", "starts", "identities") if state.get("kind") == "pack" else ()
+        return {key: without_held(value) for key, value in state.items() if key not in drop}
+    if isinstance(state, list):
+        return [without_held(value) for value in state]
+    return state
+
+
+def pack_state_table(tokens: int) -> None:
+    """Bytes per rank of packed-token states, saved after 30% of an epoch, against the targets."""
+    import numpy as np
+
+    print("\npacked-token state bytes per rank (torch.save), saved after 30% of the epoch")
+    print(
+        "| pipeline | pieces held | state bytes | of which held pieces (per piece) | of which carried | target | met |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as root:
+        rng = np.random.default_rng(1)
+        prefix, written = os.path.join(root, "tokens"), 0
+        with shardkit.TokenWriter(prefix, dtype=np.int32) as writer:
+            while written < tokens:
+                doc = rng.integers(0, 50_000, max(1, int(rng.lognormal(np.log(400), 1.0))), dtype=np.int32)
+                writer.write(doc)
+                written += len(doc)
+        loader = shardkit.MixedLoader(shardkit.TokenDataset(prefix).pack(2048), batch_size=8, num_workers=2)
+        steps = int(0.3 * written / 2048 / 8)
+        for step, _ in enumerate(loader, 1):
+            if step == steps:
+                state = loader.state_dict()
+                break
+        _pack_row("TokenDataset.pack(2048) + MixedLoader(2 workers)", state, 4096, 0)
+    print(
+        f"  (without the carried micro-batches, MixedLoader's undelivered tails saved as data: "
+        f"{saved_bytes({**state, 'carry': []}):,} bytes)"
+    )
+    counts = [5000] * 4
+    urls = [f"pos/{i}/{sum(counts[:i])}-{n}" for i, n in enumerate(counts)]
+    source = shardkit.ShardedDataset(shardkit.ShardList(urls, num_records=counts), _positional, shuffle=True)
+    source.shuffle_window = 0  # block shuffle: the source's own node is the position-only base
+    pipeline = source.map(_document).pack(2048, strategy="best_fit")
+    iterator = iter(pipeline)
+    for _ in range(int(0.3 * sum(counts) * 400 / 2048)):
+        next(iterator)
+    state = pipeline.state_dict()
+    _pack_row('records.map(doc).pack(2048, strategy="best_fit")', state, 4096, 16)
+
+
+def _pack_row(name: str, state: Any, base: int, per_piece: int) -> None:
+    nodes = pack_nodes(state)
+    held = sum(held_pieces(node) for node in nodes)
+    size = saved_bytes(state)
+    packs = size - saved_bytes(without_held(state))
+    carried = saved_bytes(state["carry"]) if isinstance(state, dict) and "carry" in state else 0
+    target = base + per_piece * held
+    each = f" ({packs / held:.1f})" if held else ""
+    met = "yes" if size <= target else "NO"
+    print(f"| {name} | {held} | {size:,} | {packs:,}{each} | {carried:,} | <= {target:,} | {met} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--loader-rounds", type=int, default=5)
     parser.add_argument("--records", type=int, default=20_000)
+    parser.add_argument("--tokens", type=int, default=5_000_000, help="packed-token state: tokens in the file")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}")
     state_size_table(12_000)
+    pack_state_table(args.tokens)
     print(f"buffer of {args.samples} samples; ms per buffer (median of {args.rounds} interleaved rounds)")
     print(
         f"| {'samples':<28} | pickle enc | plain enc | ratio | pickle dec | plain dec | ratio | JSON kB pickle/plain |"

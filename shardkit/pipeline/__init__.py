@@ -8,9 +8,9 @@ sit above the iterators that run them and own their saved state
 :mod:`.interleaving`, :mod:`.packing`), which never import back.
 """
 
+from shardkit.pipeline.blocks import PackError
 from shardkit.pipeline.interleaving import STOP_RULES  # noqa: F401  (importable here, as the stop= values)
 from shardkit.pipeline.mixing import Interleave, interleave
-from shardkit.pipeline.packing import PackError
 from shardkit.pipeline.scheduling import mixture_shares
 from shardkit.pipeline.stages import (
     Batch,

@@ -33,41 +33,60 @@ sliced and copied by numpy (one ``concatenate`` into the block), never
 touched one by one in Python. A token that does not fit the blocks' dtype
 (a later document of a wider dtype than the first, or ``dtype=`` narrower
 than the files) is an error naming ``dtype=``, never a silent wrap-round.
-What is not yet in a block is the stage's state: a list of *pieces*, each a
-token array (saved encoded, in its own dtype) and the position of its first
-token in its document.
+
+What is not yet in a block is the stage's state: its *pieces*, each a run of
+one document's tokens, ``start`` the index of its first token in the document.
+Where the input can read its records again (``Pipeline.records()``: shard
+sources such as ``TokenDataset``, through maps, filters and shuffles; see
+:mod:`shardkit.stateful.positions`) a piece is saved as the position of its
+document's record and its ``start`` (its length follows: a concat piece is
+the rest of its document, a best-fit piece at most ``seq_len`` of it), about
+12 bytes a piece whatever its length, with a digest of each named shard's
+identity; on restore the documents are read again (and mapped again) and cut
+where they were. Where it cannot (a wrapped plain iterable, a ``.batch``,
+``interleave`` or ``.repeat`` below, a padded stand-in record) the pieces are
+saved as data: each token array encoded, in its own dtype.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from shardkit.errors import ShardkitError
+from shardkit.pipeline.blocks import UNKNOWN, PackError, Piece, block, check_fits, tokens_of
 from shardkit.planning.fitting import FitIndex
 from shardkit.stateful import (
+    DIGESTS,
     EPOCH,
     INT64_MAX,
     SEQUENCE,
+    SHARDS,
     SHARE,
     UPSTREAM,
+    Records,
     Resume,
     StageIterator,
     State,
     StateError,
     check_all_shares,
+    check_identities,
+    check_identities_field,
     check_inputs_epoch,
     check_share,
     combine_ranks,
     decode,
+    decode_positions,
     encode,
+    encode_positions,
     expect_equal,
     field,
+    held_identities,
     merge,
+    merge_identities,
     node,
     same_data,
     same_value,
@@ -78,153 +97,46 @@ from shardkit.stateful import (
 )
 from shardkit.topology import Topology
 
+#: The position of a document just read, asked of the input only if the document is held (concat).
+_FRESH = -2
+
 #: The packing strategies ``.pack(strategy=...)`` takes.
 STRATEGIES = ("concat", "best_fit")
-
-#: ``document_ids`` of the positions a block is padded with.
-PAD_DOCUMENT = -1
-
-Piece = tuple[np.ndarray, int]  # tokens (1-D integers, any int dtype) and the position of the first in its document
-
-
-class PackError(ShardkitError, ValueError):
-    """A sample ``.pack()`` cannot take: no token array at its key, or not a 1-D array of integers."""
-
-
-def tokens_of(sample: Any, key: str) -> np.ndarray:
-    """The 1-D integer token array at ``key`` of ``sample`` (a numpy array, a list of ints or a tensor),
-    without copying when it already is a numpy array.
-
-    Raises:
-        PackError: the sample is not a mapping with ``key``, or its value is not 1-D integers.
-    """
-    if type(sample) is dict:  # the common case, checked without the ABC machinery of isinstance(Mapping)
-        value = sample.get(key)
-        if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu" and value.size:
-            return value
-    if not isinstance(sample, Mapping) or key not in sample:
-        keys = sorted(map(str, sample)) if isinstance(sample, Mapping) else None
-        what = f"a sample with keys {keys}" if keys is not None else f"a {type(sample).__name__} sample"
-        raise PackError(
-            f"pack(key={key!r}) got {what}, which has no {key!r}; pass key= the name of the token array, "
-            "or .map() the samples to dicts holding one"
-        )
-    value = sample[key]
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
-    array = np.asarray(value)  # a view of a numpy array (or memmap), never a copy of one
-    if array.ndim == 1 and array.size == 0:
-        return np.zeros(0, np.int64)  # an empty document (of any dtype, [] too) packs to nothing
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise PackError(
-            f"pack(key={key!r}): the sample's {key!r} must be a 1-D array of integer token ids "
-            f"(numpy array, list of ints or tensor), got {type(value).__name__} of shape {array.shape} "
-            f"and dtype {array.dtype}"
-        )
-    return array
-
-
-def token_dtype(dtype: Any, error: type[Exception] = PackError) -> np.dtype | None:
-    """The numpy integer dtype ``pack(dtype=)`` names (a numpy dtype, its name, or a torch integer dtype
-    that numpy has), or None for None (keep the documents' own).
-
-    Raises:
-        error: not an integer dtype both numpy and torch hold.
-    """
-    if dtype is None:
-        return None
-    try:
-        found = torch.empty(0, dtype=dtype).numpy().dtype if isinstance(dtype, torch.dtype) else np.dtype(dtype)
-    except (TypeError, RuntimeError):
-        found = None
-    if found is None or found.kind not in "iu":
-        raise error(
-            f"pack(dtype) must be an integer dtype torch holds (np.int32, np.uint16, torch.int64, ...) or None "
-            f"to keep the documents' own, got {dtype!r}"
-        )
-    return found.newbyteorder("=")
-
-
-def check_fits(tokens: np.ndarray, dtype: np.dtype, asked: bool) -> None:
-    """Raise unless every token of ``tokens`` is exactly representable in ``dtype`` (the blocks' dtype).
-
-    Raises:
-        PackError: naming the token, the dtype and ``dtype=``.
-    """
-    if np.can_cast(tokens.dtype, dtype, "safe"):
-        return
-    info = np.iinfo(dtype)
-    low, high = int(tokens.min()), int(tokens.max())
-    if low >= info.min and high <= info.max:
-        return
-    bad = low if low < info.min else high
-    why = f"pack(dtype={dtype})" if asked else f"the blocks' dtype {dtype} (that of the first document)"
-    raise PackError(
-        f"token {bad} of a {tokens.dtype} document does not fit {why}; pass pack(dtype=) a dtype that holds "
-        "every token id, e.g. dtype=np.int64"
-    )
-
-
-def block(
-    parts: Sequence[Piece],
-    seq_len: int,
-    pad_id: int,
-    dtype: np.dtype,
-    *,
-    position_ids: bool = False,
-    document_ids: bool = False,
-) -> dict[str, torch.Tensor]:
-    """One packed block from ``parts`` (at most ``seq_len`` tokens in all, each fitting ``dtype``), padded at
-    the end: ``input_ids`` in ``dtype`` and, when asked, ``position_ids`` and ``document_ids`` (int64).
-
-    Each row is a handful of numpy calls (the cost of a block is their overhead, not its tokens).
-    """
-    lengths = [len(tokens) for tokens, _ in parts]
-    used = sum(lengths)
-    input_ids = np.empty(seq_len, dtype)
-    if parts:
-        np.concatenate([tokens for tokens, _ in parts], out=input_ids[:used], casting="unsafe")  # fit: checked
-    input_ids[used:] = pad_id
-    out = {"input_ids": torch.from_numpy(input_ids)}
-    if position_ids:
-        # A token's position is its index in the block less where its piece starts, plus the piece's first position.
-        shifts, start = [], 0
-        for length, (_, first) in zip(lengths, parts):
-            shifts.append(start - first)
-            start += length
-        positions = np.arange(seq_len, dtype=np.int64)
-        positions[:used] -= np.repeat(np.array(shifts, np.int64), lengths)
-        positions[used:] -= used  # the padding counts from 0, like a document of its own
-        out["position_ids"] = torch.from_numpy(positions)
-    if document_ids:
-        documents = np.full(seq_len, PAD_DOCUMENT, np.int64)
-        documents[:used] = np.repeat(np.arange(len(parts), dtype=np.int64), lengths)
-        out["document_ids"] = torch.from_numpy(documents)
-    return out
 
 
 class _PackIterator(StageIterator):
     """Blocks of ``seq_len`` tokens from the documents at ``key`` of the input's samples.
 
     State node (kind ``"pack"``): ``epoch``; ``strategy`` and ``seq_len``
-    (a state loads only into the same packing); ``pieces``, what has been
-    read and not yet packed, oldest first: each ``[tokens, first]``, the
-    token array (encoded with :func:`~shardkit.state.encode`, in the dtype
-    it was read in) and the position of its first token in its document
-    (non-zero for the rest of a document cut at a block's end); ``ranks``:
-    None for one rank's node, else the number of ranks whose pieces a global
-    node (:func:`~shardkit.state.merge_ranks`) pools; ``share``; ``upstream``.
-    A merged node (``share`` None) pools the pieces of every worker; each
-    rank of the world loading a global node takes every ``world_size``-th
-    piece from its rank on, and each worker every ``num_workers``-th of its
-    rank's. Pieces are dealt whole, so every token is packed exactly
-    once; the blocks after such a restore are not the uninterrupted ones.
+    (a state loads only into the same packing); what has been read and not
+    yet packed, oldest first, in two forms (see the module docstring):
+    ``pieces``, those saved as data, each ``[tokens, start]`` (the token
+    array encoded with :func:`~shardkit.state.encode` in the dtype it was
+    read in, and the index of its first token in its document: non-zero for
+    the rest of a document cut at a block's end); and, optional (absent in
+    states of earlier shardkits), those saved by position: ``positions``
+    (an encoded ``[n, 2]`` array of their documents' (shard, record), see
+    :mod:`shardkit.stateful.positions`), ``starts`` (an encoded array of
+    their starts) and ``identities`` (a digest of each named shard's
+    identity, checked before the documents are read again). A worker's own
+    node uses one form; a merged one may hold both (data pieces first).
+    ``ranks``: None for one rank's node, else the number of ranks whose
+    pieces a global node (:func:`~shardkit.state.merge_ranks`) pools;
+    ``share``; ``upstream``. A merged node (``share`` None) pools the pieces
+    of every worker; each rank of the world loading a global node takes
+    every ``world_size``-th piece from its rank on, and each worker every
+    ``num_workers``-th of its rank's. Pieces are dealt whole, so every token
+    is packed exactly once; the blocks after such a restore are not the
+    uninterrupted ones.
     """
 
     KIND = "pack"
     STRATEGY = "strategy"  #: state key: "concat" or "best_fit"
     SEQ_LEN = "seq_len"  #: state key: tokens per block
-    PIECES = "pieces"  #: state key: the tokens read and not yet packed, as [encoded tokens, first position] pairs
+    PIECES = "pieces"  #: state key: the pieces saved as data, [encoded tokens, start] pairs
+    POSITIONS = "positions"  #: state key (optional): the pieces saved by position: their documents' positions
+    STARTS = "starts"  #: state key (with positions): each such piece's first token's index in its document
+    IDENTITIES = "identities"  #: state key (with positions): the identities of the shards they name
     RANKS = "ranks"  #: state key: None, or the number of ranks a global node's pieces come from
 
     def __init__(
@@ -241,6 +153,7 @@ class _PackIterator(StageIterator):
         dtype: np.dtype | None = None,
         position_ids: bool = False,
         document_ids: bool = False,
+        records: Records | None = None,
     ) -> None:
         self._source = source
         self._seq_len = seq_len
@@ -254,6 +167,8 @@ class _PackIterator(StageIterator):
         self._dtype = dtype  # None until the first block: then the dtype of its first piece
         self._rows = {"position_ids": position_ids, "document_ids": document_ids}
         self._exhausted = False
+        # How the documents are read again, and whether the input says whose record each is; None: pieces as data.
+        self._records = records if records is not None and hasattr(source, "position") else None
         # concat: the pieces waiting, in stream order.
         self._queue: deque[Piece] = deque()
         # best_fit: the pieces waiting by arrival number (a dict keeps arrival order: oldest first),
@@ -277,14 +192,21 @@ class _PackIterator(StageIterator):
                 return tokens
         return None
 
+    def _read_position(self) -> int:
+        """The position of the record of the document read last (UNKNOWN where the input gives none)."""
+        if self._records is None:
+            return UNKNOWN
+        position = self._source.position  # type: ignore[attr-defined]  # checked in __init__
+        return UNKNOWN if position is None else position
+
     def __next__(self) -> dict[str, torch.Tensor]:
         parts = self._next_concat() if self._strategy == "concat" else self._next_best_fit()
         if not parts:
             raise StopIteration
         dtype = self._dtype if self._dtype is not None else self._first_dtype(parts[0][0].dtype)
-        for tokens, _ in parts:
-            if tokens.dtype != dtype:
-                check_fits(tokens, dtype, self._asked_dtype)
+        for piece in parts:
+            if piece[0].dtype != dtype:
+                check_fits(piece[0], dtype, self._asked_dtype)
         return block(parts, self._seq_len, self._pad_id, dtype, **self._rows)
 
     def _first_dtype(self, dtype: np.dtype) -> np.dtype:
@@ -305,16 +227,19 @@ class _PackIterator(StageIterator):
         room = self._seq_len
         while room:
             if self._queue:
-                tokens, first = self._queue.popleft()
+                piece = self._queue.popleft()
             else:
                 read = self._read()
                 if read is None:
                     break
-                tokens, first = read, 0
+                piece = (read, 0, _FRESH)
+            tokens = piece[0]
             if len(tokens) > room:
-                self._queue.appendleft((tokens[room:], first + room))
+                # Only a document cut here is held: its position is asked for now, not for every document read.
+                position = self._read_position() if piece[2] == _FRESH else piece[2]
+                self._queue.appendleft((tokens[room:], piece[1] + room, position))
                 tokens = tokens[:room]
-            parts.append((tokens, first))
+            parts.append((tokens, piece[1], UNKNOWN))
             room -= len(tokens)
         return parts
 
@@ -322,7 +247,7 @@ class _PackIterator(StageIterator):
         """Fill the buffer, then open a block with its oldest piece and add the longest that fit
         (the choice :func:`~shardkit.planning.fitting.best_fit_blocks` makes of the lengths)."""
         while len(self._buffer) < self._buffer_size and (read := self._read()) is not None:
-            self._add_document(read)
+            self._add_document(read, self._read_position())
         if not self._buffer:
             return []
         buffer, index = self._buffer, self._index
@@ -335,13 +260,13 @@ class _PackIterator(StageIterator):
             room -= found[1]
         return parts
 
-    def _add_document(self, tokens: np.ndarray) -> None:
-        """Buffer a document, cut into ``seq_len`` pieces if longer."""
+    def _add_document(self, tokens: np.ndarray, position: int) -> None:
+        """Buffer a document (at ``position``), cut into ``seq_len`` pieces if longer."""
         if len(tokens) <= self._seq_len:
-            self._add((tokens, 0))
+            self._add((tokens, 0, position))
             return
-        for first in range(0, len(tokens), self._seq_len):
-            self._add((tokens[first : first + self._seq_len], first))
+        for start in range(0, len(tokens), self._seq_len):
+            self._add((tokens[start : start + self._seq_len], start, position))
 
     def _add(self, piece: Piece) -> None:
         arrival = self._arrivals
@@ -355,31 +280,76 @@ class _PackIterator(StageIterator):
     # -- state -----------------------------------------------------------------
 
     def state_dict(self) -> State:
-        """The pieces read and not yet packed (encoded), oldest first, and the input's node."""
+        """The pieces read and not yet packed, oldest first (by position where every one has one, else
+        as data), and the input's node."""
         return node(
             self.KIND,
             **{
                 EPOCH: self._epoch,
                 self.STRATEGY: self._strategy,
                 self.SEQ_LEN: self._seq_len,
-                self.PIECES: [[encode(tokens), first] for tokens, first in self._pieces()],
+                **self._held_fields(),
                 self.RANKS: None,
                 SHARE: share_field(self._topology),
                 UPSTREAM: upstream_state(self._source),
             },
         )
 
+    def _held_fields(self) -> dict[str, Any]:
+        pieces = self._pieces()
+        if self._records is None or any(piece[2] == UNKNOWN for piece in pieces):
+            return {self.PIECES: [[encode(tokens), start] for tokens, start, _ in pieces]}
+        positions = np.array([piece[2] for piece in pieces], dtype=np.int64)
+        return {
+            self.PIECES: [],
+            self.POSITIONS: encode_positions(positions),
+            self.STARTS: encode_starts([piece[1] for piece in pieces]),
+            self.IDENTITIES: known_identities(self._records, positions),
+        }
+
     def restore(self, resume: Resume) -> None:
         """Take up the saved pieces: all of a worker's own node; this rank's and worker's
-        part of a merged one (see the class docstring)."""
-        pieces = decode_pieces(resume.state, repr(resume.owner))
-        if resume.state[self.RANKS] is not None:
-            pieces = pieces[resume.topology.rank :: resume.topology.world_size]
-        for piece in resume.part(pieces):
+        part of a merged one (see the class docstring). Pieces saved by position are cut
+        again from their documents, read again after their shards' identities are checked."""
+        state, owner = resume.state, resume.owner
+        held: list[Any] = [*decode_pieces(state, repr(owner)), *saved_positions(state, repr(owner))]
+        if state[self.RANKS] is not None:
+            held = held[resume.topology.rank :: resume.topology.world_size]
+        held = resume.part(held)
+        if self.POSITIONS in state:
+            held = self._refetch(held, state[self.IDENTITIES], owner)
+        for piece in held:
             if self._strategy == "concat":
                 self._queue.append(piece)
             else:
                 self._add(piece)
+
+    def _refetch(self, held: list[Any], identities: dict[str, Any], owner: object) -> list[Piece]:
+        """``held`` with each (position, start) pair replaced by its piece, cut from its document read again."""
+        wanted = [item for item in held if type(item) is tuple and len(item) == 2]
+        if not wanted:
+            return held
+        if self._records is None:
+            raise StateError(
+                f"{owner!r}: the state holds the pack buffer's documents by position, but the input of this pack "
+                "cannot read records again; load the state into the pipeline that saved it"
+            )
+        check_identities(self._records, identities, owner)
+        positions, inverse = np.unique(np.array([p for p, _ in wanted], dtype=np.int64), return_inverse=True)
+        documents = [tokens_of(sample, self._key) for sample in self._records.fetch(positions)]
+        cut = iter([self._cut(documents[i], int(positions[i]), start, owner) for i, (_, start) in zip(inverse, wanted)])
+        return [next(cut) if type(item) is tuple and len(item) == 2 else item for item in held]
+
+    def _cut(self, tokens: np.ndarray, position: int, start: int, owner: object) -> Piece:
+        """The piece of document ``tokens`` from ``start``: its rest (concat) or at most ``seq_len`` (best_fit)."""
+        if start >= len(tokens):
+            raise StateError(
+                f"{owner!r}: the state holds the tokens of record {position & 0xFFFFFFFF} of shard {position >> 32} "
+                f"from token {start} on, but read again it has {len(tokens)} tokens; the record (or a map before "
+                "the pack) changed since the state was saved"
+            )
+        stop = len(tokens) if self._strategy == "concat" else start + self._seq_len
+        return tokens[start:stop], start, position
 
     @classmethod
     def check_state(cls, state: State, where: str) -> None:
@@ -394,6 +364,7 @@ class _PackIterator(StageIterator):
                     f"{where}: state['pieces'][{index}] must be [encoded tokens, first position >= 0], "
                     f"got {short(piece)}"
                 )
+        saved_positions(state, where)
         ranks = field(state, cls.RANKS, where, int, type(None))
         if ranks is not None and ranks < 1:
             raise StateError(f"{where}: state['ranks'] must be None or >= 1, got {ranks}")
@@ -411,7 +382,7 @@ class _PackIterator(StageIterator):
         expect_equal(stage, "seq_len", state[cls.SEQ_LEN], stage.seq_len)
         pieces = decode_pieces(state, repr(stage))
         if stage.strategy == "best_fit":
-            for index, (tokens, _) in enumerate(pieces):
+            for index, (tokens, _, _) in enumerate(pieces):
                 if len(tokens) > stage.seq_len:
                     raise StateError(
                         f"{stage!r}: state['pieces'][{index}] holds {len(tokens)} tokens, more than seq_len "
@@ -448,6 +419,15 @@ class _PackIterator(StageIterator):
 
     @classmethod
     def _pooled(cls, states: Sequence[State], upstream: State) -> State:
+        by_position = [s for s in states if cls.POSITIONS in s]
+        held: dict[str, Any] = {}
+        if by_position:
+            pairs = [pair for s in by_position for pair in saved_positions(s, "merge()")]
+            held = {
+                cls.POSITIONS: encode_positions(np.array([p for p, _ in pairs], dtype=np.int64)),
+                cls.STARTS: encode_starts([start for _, start in pairs]),
+                cls.IDENTITIES: merge_identities([s[cls.IDENTITIES] for s in by_position]),
+            }
         return node(
             cls.KIND,
             **{
@@ -455,6 +435,7 @@ class _PackIterator(StageIterator):
                 cls.STRATEGY: same_value(states, cls.STRATEGY),
                 cls.SEQ_LEN: same_value(states, cls.SEQ_LEN),
                 cls.PIECES: [piece for s in states for piece in s[cls.PIECES]],
+                **held,
                 cls.RANKS: None,
                 SHARE: None,
                 UPSTREAM: upstream,
@@ -463,7 +444,7 @@ class _PackIterator(StageIterator):
 
 
 def decode_pieces(state: State, where: str) -> list[Piece]:
-    """The pieces of a checked pack node, decoded; each must be a non-empty 1-D integer array.
+    """The pieces a checked pack node holds as data, decoded; each must be a non-empty 1-D integer array.
 
     Raises:
         StateError: naming the piece that is not.
@@ -483,5 +464,53 @@ def decode_pieces(state: State, where: str) -> list[Piece]:
                 f"{where}: state['pieces'][{index}] starts at position {first}, so its {len(tokens)} tokens' "
                 f"positions pass {INT64_MAX} (int64); the state was edited or is corrupt"
             )
-        pieces.append((tokens, first))
+        pieces.append((tokens, first, UNKNOWN))
     return pieces
+
+
+def known_identities(records: Records, positions: np.ndarray) -> dict[str, list[Any]]:
+    """:func:`~shardkit.stateful.held_identities` less the shards with no identity to check (a wrapped
+    map-style dataset's items, each a shard of its own when shuffled: a held piece would pay for its entry)."""
+    found = held_identities(records, positions)
+    kept = [index for index, digest in enumerate(found[DIGESTS]) if digest]
+    return {SHARDS: [found[SHARDS][i] for i in kept], DIGESTS: [found[DIGESTS][i] for i in kept]}
+
+
+#: The largest start a piece saved by position may have (its tokens' position_ids stay far from int64's end).
+MAX_START = 2**62
+
+
+def encode_starts(starts: Sequence[int]) -> Any:
+    """Pieces' starts as plain data: an encoded array of the narrowest unsigned dtype that holds them
+    (best-fit starts are mostly 0: one byte each)."""
+    largest = max(starts, default=0)
+    dtype = next(d for d in ("<u1", "<u2", "<u4", "<u8") if largest <= np.iinfo(d).max)
+    return encode(np.array(starts, dtype=dtype))
+
+
+def saved_positions(state: State, where: str) -> list[tuple[int, int]]:
+    """The (document position, start) of each piece a pack node holds by position ([] where none).
+
+    Raises:
+        StateError: ``positions``, ``starts`` and ``identities`` are not all there, or not of one length.
+    """
+    keys = (_PackIterator.POSITIONS, _PackIterator.STARTS, _PackIterator.IDENTITIES)
+    present = [key in state for key in keys]
+    if not any(present):
+        return []
+    if not all(present):
+        raise StateError(f"{where}: a pack state holding pieces by position needs all of {list(keys)}")
+    check_identities_field(field(state, _PackIterator.IDENTITIES, where, dict), where)
+    positions = decode_positions(state[_PackIterator.POSITIONS], where)
+    try:
+        starts = decode(state[_PackIterator.STARTS])
+    except StateError as error:
+        raise StateError(f"{where}: state['starts']: {error}") from None
+    if type(starts) is not np.ndarray or starts.ndim != 1 or starts.dtype.kind != "u" or len(starts) != len(positions):
+        raise StateError(
+            f"{where}: state['starts'] must be a 1-D unsigned array of one start per position "
+            f"({len(positions)}), got {short(starts)}"
+        )
+    if len(starts) and int(starts.max()) > MAX_START:
+        raise StateError(f"{where}: state['starts'] holds a start past {MAX_START}; the state was edited or is corrupt")
+    return list(zip(positions.tolist(), starts.tolist()))

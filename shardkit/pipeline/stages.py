@@ -51,8 +51,9 @@ from torch.utils.data import IterableDataset, default_collate
 from shardkit.epoch import check_epoch, load_outermost, open_pass
 from shardkit.errors import ShardkitError, UnknownLengthError, check_int
 from shardkit.pipeline.batching import _BatchIterator
+from shardkit.pipeline.blocks import token_dtype
 from shardkit.pipeline.mapping import _FilteredRecords, _FilterIterator, _MapIterator, _MappedRecords
-from shardkit.pipeline.packing import STRATEGIES, _PackIterator, token_dtype
+from shardkit.pipeline.packing import STRATEGIES, _PackIterator
 from shardkit.pipeline.repeating import _RepeatIterator
 from shardkit.pipeline.shuffling import _ShuffleIterator
 from shardkit.seeding import SHUFFLE_STREAM, check_seed, generator
@@ -161,12 +162,11 @@ class Pipeline(IterableDataset):
         ``LongTensor[seq_len]``, from which a block-diagonal attention mask or ``cu_seqlens`` follow
         (see ``docs/pretraining.md``). Samples' other keys are not carried over.
 
-        ``strategy="concat"`` cuts the stream of documents every ``seq_len``
-        tokens (only each reader's last block is padded with ``pad_id``);
-        ``"best_fit"`` keeps documents whole (longer ones cut into ``seq_len``
-        pieces) and fills blocks best-fit from a buffer of ``buffer_size``
-        documents (default 256). The tokens not yet packed are saved in the
-        state, so resume is exact; see :mod:`shardkit.pipeline.packing`.
+        ``strategy="concat"`` cuts the stream of documents every ``seq_len`` tokens (only each reader's
+        last block is padded with ``pad_id``); ``"best_fit"`` keeps documents whole (longer ones cut into
+        ``seq_len`` pieces) and fills blocks best-fit from a buffer of ``buffer_size`` documents (default
+        256). The tokens not yet packed are saved in the state (by their documents' positions where the
+        input reads records again), so resume is exact; see :mod:`shardkit.pipeline.packing`.
         """
         return Pack(
             self, seq_len, key=key, strategy=strategy, pad_id=pad_id, buffer_size=buffer_size, dtype=dtype,
@@ -587,6 +587,7 @@ class Pack(_Wrapper):
             dtype=self.dtype,
             position_ids=self.position_ids,
             document_ids=self.document_ids,
+            records=self.source.records(),
         )
         if resume is not None:
             iterator.restore(resume)

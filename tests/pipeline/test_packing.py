@@ -111,20 +111,25 @@ def test_concat_pads_with_pad_id_and_takes_lists_tensors_and_any_integer_dtype()
     assert as_numpy[2]["position_ids"].tolist() == [5, 0, 1, 2, 3, 4, 5, 6]  # the padding counts from 0
 
 
-def test_read_only_memory_mapped_documents_pack_and_their_unpacked_rest_saves_in_the_state(tmp_path):
+@pytest.mark.parametrize("form", ["data", "positions"])
+def test_read_only_memory_mapped_documents_pack_and_their_unpacked_rest_saves_in_the_state(tmp_path, form):
     path = tmp_path / "tokens.bin"
     np.arange(300, dtype=np.uint16).tofile(path)
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     docs = [{"input_ids": tokens[a:b]} for a, b in [(0, 70), (70, 75), (75, 300)]]  # as a token file's reader yields
+    source = (lambda: shardkit.wrap(Plain(docs))) if form == "data" else (lambda: shardkit.wrap(docs))
     for strategy in STRATEGY_ARGS:
-        full = list(shardkit.wrap(docs).pack(64, **STRATEGY_ARGS[strategy]))
+        full = list(source().pack(64, **STRATEGY_ARGS[strategy]))
         assert np.array_equal(np.sort(real_tokens(full)), np.arange(300))
-        pipeline = shardkit.wrap(docs).pack(64, **STRATEGY_ARGS[strategy])
+        pipeline = source().pack(64, **STRATEGY_ARGS[strategy])
         iterator = iter(pipeline)
         next(iterator)
         state = json.loads(json.dumps(pipeline.state_dict()))
-        assert state["pieces"] and state["pieces"][0][0][1] == "<u2", "saved in the dtype it was read in"
-        fresh = shardkit.wrap(docs).pack(64, **STRATEGY_ARGS[strategy])
+        if form == "data":
+            assert state["pieces"] and state["pieces"][0][0][1] == "<u2", "saved in the dtype it was read in"
+        else:
+            assert not state["pieces"] and state["positions"], "saved as the documents' positions"
+        fresh = source().pack(64, **STRATEGY_ARGS[strategy])
         fresh.load_state_dict(state)
         assert same_blocks(list(fresh), full[1:]), strategy
 
@@ -280,6 +285,23 @@ def ranked_documents(strategy: str, rank: int | None = None, world_size: int | N
     return source.pack(64, **STRATEGY_ARGS[strategy])
 
 
+class Plain:
+    """An iterable that is no more than that: records it yields cannot be read again, so a pack over it
+    saves its pieces as data."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __iter__(self) -> Any:
+        return iter(self.items)
+
+
+def plain_documents(strategy: str) -> Pipeline:
+    """:func:`shuffled_documents` over a plain iterable (no shard shuffle): the pieces saved as data."""
+    docs = documents(np.random.default_rng(1).integers(0, 150, 120))
+    return shardkit.wrap(Plain(docs)).shuffle(5).pack(64, **STRATEGY_ARGS[strategy])
+
+
 def same_blocks(got: list[dict[str, torch.Tensor]], expected: list[dict[str, torch.Tensor]]) -> bool:
     return len(got) == len(expected) and all(
         a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(got, expected)
@@ -314,7 +336,7 @@ def test_mixed_loader_with_two_workers_resumes_exactly_and_on_other_worker_count
         delivered.append(batch)
         if count == len(full) // 2:
             saved = json.loads(json.dumps(first.state_dict()))
-            assert "pieces" in json.dumps(saved) and '"pieces": []' not in json.dumps(saved), "tokens held back"
+            assert '"positions"' in json.dumps(saved), "tokens held back, by their documents' positions"
             break
     same = loader(2)
     same.load_state_dict(saved)
@@ -374,7 +396,7 @@ def test_the_states_of_two_ranks_gather_into_one_that_resumes_on_one_or_three_ra
         delivered += [next(iterator) for _ in range(9)]
         states.append(json.loads(json.dumps(pipeline.state_dict())))
     merged = merge_ranks(states)
-    assert merged["ranks"] == 2 and merged["pieces"], "the ranks' unpacked tokens travel in the global state"
+    assert merged["ranks"] == 2 and merged["positions"], "the ranks' unpacked tokens travel in the global state"
     assert merge([merged]) == merged, "a global state saved again before iterating stays global"
     with pytest.raises(StateError, match=r"cannot merge a global pack state \(from merge_ranks\) with other workers"):
         merge([{**merged, "share": None}, {**states[0], "share": None}])
@@ -418,7 +440,7 @@ def test_two_gloo_ranks_of_two_workers_gather_a_state_that_resumes_on_one_and_th
     saved = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     assert saved[0]["state"] == saved[1]["state"], "every rank gathers the same global state"
     dataset_state = saved[0]["state"]["workers"][0]  # the global state of the pipeline
-    assert dataset_state["ranks"] == 2 and dataset_state["pieces"]
+    assert dataset_state["ranks"] == 2 and dataset_state["positions"]
     delivered = np.array(saved[0]["delivered"] + saved[1]["delivered"], np.int64)
     total = int(np.random.default_rng(2).integers(1, 150, 120).sum())
     for world_size in (1, 3):
@@ -435,8 +457,8 @@ def test_two_gloo_ranks_of_two_workers_gather_a_state_that_resumes_on_one_and_th
 # -- malformed states -----------------------------------------------------------------------
 
 
-def _state(strategy: str = "best_fit") -> dict[str, Any]:
-    pipeline = shuffled_documents(strategy)
+def _state(strategy: str = "best_fit", form: str = "data") -> dict[str, Any]:
+    pipeline = plain_documents(strategy) if form == "data" else shuffled_documents(strategy)
     iterator = iter(pipeline)
     next(iterator)
     return json.loads(json.dumps(pipeline.state_dict()))
@@ -466,12 +488,44 @@ BAD_STATES: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "global with a share": (lambda s: s.update(ranks=2, share=[0, 2]), r"must have share None"),
 }
 
+BAD_POSITION_STATES: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
+    "starts missing": (lambda s: s.pop("starts"), r"needs all of \['positions', 'starts', 'identities'\]"),
+    "starts of another length": (
+        lambda s: s.update(starts=shardkit.state.encode(np.zeros(1000, np.uint8))),
+        r"state\['starts'\] must be a 1-D unsigned array of one start per position",
+    ),
+    "signed starts": (
+        lambda s: s.update(starts=shardkit.state.encode(-np.ones(len(_positions(s)), np.int64))),
+        r"state\['starts'\] must be a 1-D unsigned array",
+    ),
+    "starts past 2**62": (
+        lambda s: s.update(starts=shardkit.state.encode(np.full(len(_positions(s)), 2**63, np.uint64))),
+        r"state\['starts'\] holds a start past",
+    ),
+    "positions not decodable": (lambda s: s.update(positions=["ndarray"]), r"state\['positions'\] is not an encoded"),
+    "identities not paired": (lambda s: s["identities"]["digests"].append("x"), r"identities must pair"),
+}
+
+
+def _positions(state: dict[str, Any]) -> np.ndarray:
+    return shardkit.state.decode_positions(state["positions"], "test")
+
 
 @pytest.mark.parametrize("name", list(BAD_STATES))
 def test_a_malformed_pack_state_is_refused_naming_the_field(name):
     mutate, message = BAD_STATES[name]
     state = _state()
     assert state["pieces"], "the state holds pieces to corrupt"
+    mutate(state)
+    with pytest.raises(StateError, match=message):
+        plain_documents("best_fit").load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", list(BAD_POSITION_STATES))
+def test_a_malformed_pack_state_of_positions_is_refused_naming_the_field(name):
+    mutate, message = BAD_POSITION_STATES[name]
+    state = _state(form="positions")
+    assert len(_positions(state)), "the state holds positions to corrupt"
     mutate(state)
     with pytest.raises(StateError, match=message):
         shuffled_documents("best_fit").load_state_dict(state)
