@@ -64,7 +64,7 @@ class Untimed(MicroBatches):
         samples = iter(self.dataset)
         saver = StateSaver(self.dataset, self.resumable)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
-        yield worker, START, None if ring is None else ring.flags, saver(), None
+        yield worker, START, None if ring is None else ring.flags, saver(), None, None
         since, busy, cost = 0, 0, 0
         while True:
             start = time.perf_counter_ns()
@@ -79,8 +79,8 @@ class Untimed(MicroBatches):
             if since >= self.state_every or busy >= self.state_ratio * cost:
                 state = saver()
                 since, busy, cost = 0, 0, time.perf_counter_ns() - end
-            yield worker, len(chunk), payload, state, None
-        yield worker, 0, None, saver(), None
+            yield worker, len(chunk), payload, state, None, None
+        yield worker, 0, None, saver(), None, None
 
 
 def write(root: str, records: int) -> shardkit.ShardList:

@@ -16,6 +16,12 @@ depend on which micro-batches carry one: the main process
 the first micro-batch with a state at or after what it delivered, and carries
 the undelivered samples before it, which it holds, in the saved state.
 
+Where the dataset can read its records again by position (``Pipeline.records()``,
+:mod:`shardkit.stateful.positions`) a micro-batch also carries its samples' record
+positions (an int64 array, 8 bytes a sample; :class:`PositionLog` reads the root
+iterator's ``position`` after each sample), so that a saved state names the
+undelivered samples the main process holds by position rather than holding them.
+
 The main process (:mod:`shardkit.loader.mixer`) learns from the first message
 where a worker starts and from an empty one that it has no more data; in
 between, collated micro-batches travel through the worker's
@@ -28,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from shardkit.loader import slab_columns
@@ -42,14 +49,15 @@ STATE_RATIO = 9.0
 #: ... and at least with one micro-batch in this many (which bounds the samples a saved state carries).
 STATE_EVERY = 16
 
-Message = tuple[int, int, Any, Any, Any]
+Message = tuple[int, int, Any, Any, Any, Any]
 
 
 class MicroBatches(IterableDataset):
-    """Runs in each worker: sends ``(worker_id, -1, None, state, stage names)`` first, then
+    """Runs in each worker: sends ``(worker_id, -1, None, state, stage names, None)`` first, then
     the dataset's stream cut into micro-batches ``(worker_id, count, payload,
-    state, figures)``, and ends with ``(worker_id, 0, None, state, figures)``, so the main
-    process knows when a worker has no more data. ``figures`` are the worker's
+    state, figures, positions)``, and ends with ``(worker_id, 0, None, state, figures, None)``, so the main
+    process knows when a worker has no more data. ``positions`` are the micro-batch's
+    samples' packed record positions (see the module docstring), or None. ``figures`` are the worker's
     timings so far (:class:`~shardkit.loader.timing.WorkerClock`; with ``trace``,
     each micro-batch's too). ``state`` is the dataset's
     state after the message (a string saying why if it cannot save one), or None
@@ -97,8 +105,11 @@ class MicroBatches(IterableDataset):
         clock = WorkerClock(self.dataset, self.trace)
         samples = iter(self.dataset)
         saver = StateSaver(self.dataset, self.resumable)
+        log = PositionLog.of(self.dataset, samples) if self.resumable and not self.columns else None
+        if log is not None:
+            samples = log.logged(samples)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
-        yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names)
+        yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names), None
         chunks = self._column_chunks(samples, ring, clock) if self.columns else self._chunks(samples, ring, clock)
         since = 0  # micro-batches since the latest state
         for count, payload in chunks:
@@ -106,8 +117,8 @@ class MicroBatches(IterableDataset):
             state = None
             if since >= self.state_every or clock.busy_since_state() >= self.state_ratio * clock.state_ns:
                 since, state = 0, clock.state(saver)
-            yield worker, count, payload, state, clock.figures()
-        yield worker, 0, None, saver(), clock.figures()
+            yield worker, count, payload, state, clock.figures(), None if log is None else log.take(count)
+        yield worker, 0, None, saver(), clock.figures(), None
 
     def _chunks(self, samples: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
         while chunk := clock.take(samples, self.size):
@@ -133,6 +144,41 @@ def in_process(dataset: IterableDataset, size: int, *, collate: bool, resumable:
     """The messages of :class:`MicroBatches` made in this process, as worker 0 (its dataset
     already loaded): how a MixedLoader without workers delivers the tails of a restored state."""
     return MicroBatches(dataset, size, collate=collate, resumable=resumable)._messages(0, None)
+
+
+class PositionLog:
+    """The record positions of the samples a worker pulled, in order, for the micro-batches that take them.
+
+    Kept only where the samples can be read again by position (the dataset's ``records()`` is
+    not None and its root iterator has a ``position``); a sample whose position is None (a record
+    without one) makes its micro-batch's positions None, and the main process saves its samples
+    as data instead.
+    """
+
+    def __init__(self) -> None:
+        self._positions: list[int | None] = []
+
+    @classmethod
+    def of(cls, dataset: Any, samples: Iterator[Any]) -> PositionLog | None:
+        records = getattr(dataset, "records", None)
+        if not callable(records) or not hasattr(samples, "position") or records() is None:
+            return None
+        return cls()
+
+    def logged(self, samples: Iterator[Any]) -> Iterator[Any]:
+        """``samples``, noting each one's position as it is pulled (a generator: cheaper per sample than a class)."""
+        note = self._positions.append
+        for sample in samples:
+            note(samples.position)  # type: ignore[attr-defined]  # checked in of()
+            yield sample
+
+    def take(self, count: int) -> np.ndarray | None:
+        """The positions of the next ``count`` samples pulled (None if any has none)."""
+        taken = self._positions[:count]
+        del self._positions[:count]
+        if None in taken:
+            return None
+        return np.array(taken, dtype=np.int64)
 
 
 class StateSaver:
