@@ -5,16 +5,21 @@ then, the dataset's state after it.
 Saving the dataset's state is the dearest step of a resumable worker when the
 state is large (a ``.shuffle(n)`` buffer, a window's unread positions: several
 times the cost of reading the micro-batch, and again to send and receive it),
-so a worker sends it only when the work since the last state is at least
+so a worker under a :class:`~shardkit.MixedLoader` sends it only when asked:
+``state_dict()`` in the main process raises the worker's count in ``asks``
+(an int64 tensor in shared memory, one count per worker), and the worker
+attaches its state to the next micro-batch it sends after it sees the count
+change (and always to its first and last message). Saving thus costs one
+dataset state per worker per ``state_dict()``, not one per micro-batch; a
+training loop that never saves pays nothing per batch but the positions.
+Without ``asks`` (the messages made in the main process, :func:`in_process`)
+a worker sends its state when the work since the last one is at least
 :data:`STATE_RATIO` times what that state cost, and at least every
-:data:`STATE_EVERY` micro-batches (and always with its first and last
-message). A state that costs little relative to its micro-batch (large
-samples, a small state) thus goes with every message; a dear one costs at most
-about ``1 / (STATE_RATIO + 1)`` of the worker's time. Exactness does not
-depend on which micro-batches carry one: the main process
-(:mod:`shardkit.loader.mixer`) saves the loader's position as the state of
-the first micro-batch with a state at or after what it delivered, and carries
-the undelivered samples before it, which it holds, in the saved state.
+:data:`STATE_EVERY` micro-batches. Exactness does not depend on which
+micro-batches carry one: the main process (:mod:`shardkit.loader.mixer`)
+saves the loader's position as the state of the first micro-batch with a
+state at or after what it delivered, and carries the undelivered samples
+before it, which it holds (by position where it can), in the saved state.
 
 Where the dataset can read its records again by position (``Pipeline.records()``,
 :mod:`shardkit.stateful.positions`) a micro-batch also carries its samples' record
@@ -35,6 +40,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from shardkit.loader import slab_columns
@@ -61,8 +67,8 @@ class MicroBatches(IterableDataset):
     timings so far (:class:`~shardkit.loader.timing.WorkerClock`; with ``trace``,
     each micro-batch's too). ``state`` is the dataset's
     state after the message (a string saying why if it cannot save one), or None
-    for a micro-batch sent without one (see the module docstring: ``state_ratio``
-    and ``state_every`` default to :data:`STATE_RATIO` and :data:`STATE_EVERY`;
+    for a micro-batch sent without one (see the module docstring: with ``asks``, when
+    asked; else ``state_ratio`` and ``state_every`` default to :data:`STATE_RATIO` and :data:`STATE_EVERY`;
     column batches, each a large micro-batch, carry a state every time). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once. With ``slots``, collated
     micro-batches travel in a new :class:`~shardkit.loader.slabs.SlabRing` per
@@ -81,8 +87,10 @@ class MicroBatches(IterableDataset):
         slots: int = 0,
         columns: bool = False,
         trace: bool = False,
+        asks: torch.Tensor | None = None,
     ) -> None:
         self.dataset = dataset
+        self.asks = asks
         self.trace = trace
         self.size = size
         self.collate = collate
@@ -91,7 +99,8 @@ class MicroBatches(IterableDataset):
         self.columns = columns
         self.states: list[State] | None = None
         self.state_ratio = STATE_RATIO
-        self.state_every = 1 if columns else STATE_EVERY
+        # A state with one micro-batch in this many (None: only when asked, with asks).
+        self.state_every: int | None = 1 if columns else None if asks is not None else STATE_EVERY
 
     def __iter__(self) -> Iterator[Message]:
         info = get_worker_info()
@@ -109,16 +118,28 @@ class MicroBatches(IterableDataset):
         if log is not None:
             samples = log.logged(samples)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
+        # Read before the first message: the main process asks only after it (shardkit.loader.mixer).
+        asks = None if self.asks is None or not self.resumable else self.asks.numpy()
+        answered = 0 if asks is None else int(asks[worker])
         yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names), None
         chunks = self._column_chunks(samples, ring, clock) if self.columns else self._chunks(samples, ring, clock)
         since = 0  # micro-batches since the latest state
         for count, payload in chunks:
             since += 1
             state = None
-            if since >= self.state_every or clock.busy_since_state() >= self.state_ratio * clock.state_ns:
+            if asks is not None and asks[worker] != answered:  # state_dict() in the main process
+                answered, since, state = int(asks[worker]), 0, clock.state(saver)
+            elif self._due(since, clock, asks is not None):
                 since, state = 0, clock.state(saver)
             yield worker, count, payload, state, clock.figures(), None if log is None else log.take(count)
         yield worker, 0, None, saver(), clock.figures(), None
+
+    def _due(self, since: int, clock: WorkerClock, asked: bool) -> bool:
+        """Whether a state goes with this micro-batch unasked: one in ``state_every``, and, without
+        asks, once the work since the last is ``state_ratio`` times what it cost."""
+        if self.state_every is not None and since >= self.state_every:
+            return True
+        return not asked and clock.busy_since_state() >= self.state_ratio * clock.state_ns
 
     def _chunks(self, samples: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
         while chunk := clock.take(samples, self.size):

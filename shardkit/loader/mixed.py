@@ -44,8 +44,8 @@ How a batch is made:
   Without workers the same assembly runs in the main process.
 
 Resuming (:meth:`MixedLoader.state_dict` / :meth:`MixedLoader.load_state_dict`):
-a worker's messages carry its dataset's state after them (with every
-micro-batch when that is cheap, else with one in up to 16: see
+a worker's messages carry their samples' record positions, and its dataset's
+state after them when ``state_dict()`` asked for it (see
 :mod:`shardkit.loader.micro_batches`), and the main process knows which
 samples went out in batches. The saved state holds, per worker, the first
 dataset state at or past what was delivered, and the undelivered samples
@@ -149,12 +149,14 @@ class MixedLoader:
             of one collated micro-batch for the epoch (5 x 4.8 MB for 32
             3x224x224 uint8 images).
         resumable: track the position for :meth:`state_dict`. Each worker
-            then sends its dataset's state with its micro-batches, with
-            every one while the state costs less than a ninth of the work
-            since the last, else with one in up to 16 (a ``.shuffle(n)``
-            buffer inside the dataset is saved as its records' positions where they can be
-            read again, else encoded whole into each state). The cut tail of a micro-batch is saved
-            as its records' positions likewise (``stats().carried_as``). Saved samples are plain data, never pickled (see
+            then sends its micro-batches' record positions beside them, and
+            its dataset's state when :meth:`state_dict` asks for it (with its
+            next micro-batch: see :mod:`shardkit.loader.micro_batches`), so
+            saving costs one dataset state per worker per call, nothing per
+            batch (a ``.shuffle(n)`` buffer inside the dataset is saved as its
+            records' positions where they can be read again, else encoded).
+            The undelivered samples of cut micro-batches are saved as their
+            records' positions likewise (``stats().carried_as``). Saved samples are plain data, never pickled (see
             :func:`shardkit.state.encode` for the types a state holds);
             ``state_dict()`` raises :class:`~shardkit.state.StateError` for
             samples of other types.
@@ -258,6 +260,7 @@ class MixedLoader:
             )
         collate = self.collate_fn is None
         slots = SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate and self.num_workers else 0
+        asks = torch.zeros(max(self.num_workers, 1), dtype=torch.int64).share_memory_() if self.resumable else None
         self._micro_batches = MicroBatches(
             self.dataset,
             self.micro_batch_size,
@@ -265,6 +268,7 @@ class MixedLoader:
             resumable=self.resumable,
             slots=slots,
             columns=self._columns,
+            asks=asks,  # raised by state_dict(): each worker sends its state when asked
         )
         return DataLoader(
             self._micro_batches, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is, **dataloader_kwargs

@@ -52,6 +52,7 @@ class MixerSettings(LoaderSettings, Protocol):
     drop_last: bool
     _loader: Any
     _pin: bool
+    _micro_batches: Any
 
 
 @dataclass(slots=True)
@@ -90,6 +91,8 @@ class Mixer(Iterator[Any]):
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
         self._dataloader = loader._loader
+        # Per worker, a count state_dict() raises to have the worker send its state (micro_batches).
+        self._asks = getattr(loader._micro_batches, "asks", None)
         self._dataset = loader.dataset  # named when a worker dies, read again by position
         self._records: Records | None | bool = False  # the dataset's records, once asked for (False: not yet)
         self._collate_fn = loader.collate_fn
@@ -177,6 +180,7 @@ class Mixer(Iterator[Any]):
             self._confirm_finished()
         while self._source is not None and any(base is None for base in self._base):
             self._pull()  # every worker's starting state, for those that delivered nothing yet
+        self._ask()
         workers: list[Any] = []
         carry: list[dict[str, Any]] = []
         for worker, queue in enumerate(self._pending):
@@ -192,6 +196,19 @@ class Mixer(Iterator[Any]):
                 raise StateError(f"MixedLoader cannot save its position: {reason}")
             workers.append(state)
         return loader_state(self, batch_index=self.batch_index, finished=self._finished, workers=workers, carry=carry)
+
+    def _ask(self) -> None:
+        """Have every worker whose state past the delivered samples is not here yet send it with its next
+        micro-batch (:mod:`shardkit.loader.micro_batches`); :meth:`_position` then receives up to it."""
+        if self._asks is None or self._source is None:
+            return
+        for worker in range(self._workers):
+            queue, base = self._pending[worker], self._base[worker]
+            if self._done[worker] or any(entry.state is not None for entry in queue):
+                continue
+            if base is not _UNKNOWN and (not queue or (queue[0].start == 0 and not queue[0].carried)):
+                continue
+            self._asks[worker] += 1
 
     def _position(self, worker: int) -> tuple[Any, list[_Pending]]:
         """A worker's dataset state to save, and the queued micro-batches (the first maybe cut
