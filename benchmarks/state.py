@@ -1,8 +1,8 @@
 """What saving samples as plain data costs, against the pickle it replaced.
 
-A ``.shuffle(n)`` buffer is encoded into every state, and under a resumable
-MixedLoader into every micro-batch message, so its encoding cost is paid per
-message. This times :func:`shardkit.state.encode` / ``decode`` over a whole
+A ``.shuffle(n)`` buffer that cannot be saved as positions is encoded into every
+state (under a resumable MixedLoader, every state a worker sends), so its encoding
+cost is paid per state. This times :func:`shardkit.state.encode` / ``decode`` over a whole
 buffer of samples against what shardkit did before (``torch.save`` of the
 buffer, base64; ``torch.load(weights_only=False)`` to read it back), as
 medians of interleaved rounds, and prints the JSON size of each.
@@ -10,9 +10,8 @@ medians of interleaved rounds, and prints the JSON size of each.
 Then what resumability costs a MixedLoader on the quickstart path
 (``benchmarks/stalls.py``'s pipeline: a shuffled TFRecord source, a map, a
 ``.shuffle(256)``; 2 workers, batch 64), epochs interleaved: a state with every
-micro-batch (as MixedLoader sent it before), with the micro-batches the
-workers pick (``shardkit.loader.micro_batches``: when the work since the last
-state is 9x what it cost, at least every 16), and ``resumable=False``; samples
+micro-batch (as MixedLoader sent it before), states only when ``state_dict()`` asks
+(``shardkit.loader.micro_batches``, the default), and ``resumable=False``; samples
 per second, CPU seconds per million samples (main process and workers), and what
 ``state_dict()`` mid-epoch costs (it may receive micro-batches ahead and
 carries the undelivered ones) and weighs as JSON.
@@ -109,7 +108,7 @@ def loader_epoch(built: shardkit.MixedLoader, save_at: int) -> tuple[float, floa
 
 def loader_table(records: int, rounds: int) -> None:
     """The quickstart path's cases, interleaved; the resumable ratio (median of the rounds') against 0.97x."""
-    cases = ("a state with every micro-batch", "states as the workers pick", "resumable=False")
+    cases = ("a state with every micro-batch", "states when asked", "resumable=False")
     print(f"\nMixedLoader, quickstart path, {records:,} records, {rounds} interleaved rounds, 2 workers, batch 64")
     print("| case | samples/s | CPU s/M samples | state_dict() ms | state JSON kB |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
@@ -127,7 +126,7 @@ def loader_table(records: int, rounds: int) -> None:
         rate, cpu, saved, size = (statistics.median(column) for column in zip(*results[case]))
         state = f"{saved:.1f} | {size / 1e3:.0f}" if saved else "- | -"
         print(f"| {case} | {rate:,.0f} | {cpu:.1f} | {state} |")
-    resumable, plain = results["states as the workers pick"], results["resumable=False"]
+    resumable, plain = results["states when asked"], results["resumable=False"]
     ratio = statistics.median(a[0] / b[0] for a, b in zip(resumable, plain))
     cpu = statistics.median(b[1] / a[1] for a, b in zip(resumable, plain))
     print(
@@ -238,7 +237,9 @@ def loader_state_table() -> None:
     urls = [f"pos/{i}/{sum(counts[:i])}-{n}" for i, n in enumerate(counts)]
     print("\nMixedLoader(batch_size=50, num_workers=2) state bytes per rank (pickled), 2,400 records of 100 KB,")
     print("saved after each of steps 14-17 of 48 (30%); the largest, with what it holds")
-    print("| pipeline | carried as | carried | shuffle-held | state bytes | target | met |\n|---|---|---|---|---|---|---|")
+    print(
+        "| pipeline | carried as | carried | shuffle-held | state bytes | target | met |\n|---|---|---|---|---|---|---|"
+    )
     for name, buffer in (("no buffer (block shuffle)", None), (".shuffle(512)", 512)):
         source = shardkit.ShardedDataset(shardkit.ShardList(urls, num_records=counts), _positional, shuffle=True)
         source.shuffle_window = 0  # a sample-level window's unyielded intervals are the dataset's own state
@@ -254,7 +255,8 @@ def loader_state_table() -> None:
         size, carried, held = worst
         target = 4096 + 16 * (carried + held) if buffer else 4096
         met = "yes" if size <= target else "NO"
-        print(f"| {name} | {built.stats().carried_as} | {carried} | {held} | {size:,} | <= {target:,} | {met} |")
+        form = getattr(built.stats(), "carried_as", None)
+        print(f"| {name} | {form} | {carried} | {held} | {size:,} | <= {target:,} | {met} |")
 
 
 def main() -> None:

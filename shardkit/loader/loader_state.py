@@ -54,6 +54,7 @@ from shardkit.loader.collate import collated_length
 from shardkit.loader.collate import tail as micro_batch_tail
 from shardkit.pipeline import Pipeline
 from shardkit.stateful import (
+    Records,
     State,
     StateError,
     check,
@@ -211,6 +212,13 @@ def _check_held(tail: dict[str, Any], count: int, where: str, loader: LoaderSett
     return HeldTail(positions, identities)
 
 
+def records_of(dataset: Any) -> Records | None:
+    """How ``dataset`` makes its items again from their records' positions (``Pipeline.records()``); None: it cannot."""
+    method = getattr(dataset, "records", None)
+    found = method() if callable(method) else None
+    return found if isinstance(found, Records) else None
+
+
 def read_again(held: HeldTail, loader: LoaderSettings) -> Any:
     """The samples of a tail held by position, read again through the loader's dataset and collated
     as its workers collate a micro-batch (a list of samples for a ``collate_fn``).
@@ -219,8 +227,7 @@ def read_again(held: HeldTail, loader: LoaderSettings) -> Any:
         StateError: the dataset cannot read records again, a named shard is not the file it was
             (:func:`~shardkit.stateful.check_identities`), or a record cannot be made again as it was.
     """
-    records_of = getattr(loader.dataset, "records", None)
-    records = records_of() if callable(records_of) else None
+    records = records_of(loader.dataset)
     if records is None:
         raise StateError(
             f"MixedLoader.load_state_dict(): the state holds carried samples by their records' positions, but "

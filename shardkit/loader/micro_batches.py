@@ -6,13 +6,14 @@ Saving the dataset's state is the dearest step of a resumable worker when the
 state is large (a ``.shuffle(n)`` buffer, a window's unread positions: several
 times the cost of reading the micro-batch, and again to send and receive it),
 so a worker under a :class:`~shardkit.MixedLoader` sends it only when asked:
-``state_dict()`` in the main process raises the worker's count in ``asks``
-(an int64 tensor in shared memory, one count per worker), and the worker
-attaches its state to the next micro-batch it sends after it sees the count
-change (and always to its first and last message). Saving thus costs one
+each iteration of a worker makes an *ask count* (a one-int64 tensor in shared
+memory) and sends it with its first message; ``state_dict()`` in the main
+process raises it, and the worker attaches its state to the next micro-batch
+it sends after it sees the count change (and always to its first and last
+message). Saving thus costs one
 dataset state per worker per ``state_dict()``, not one per micro-batch; a
 training loop that never saves pays nothing per batch but the positions.
-Without ``asks`` (the messages made in the main process, :func:`in_process`)
+Without asks (the messages made in the main process, :func:`in_process`)
 a worker sends its state when the work since the last one is at least
 :data:`STATE_RATIO` times what that state cost, and at least every
 :data:`STATE_EVERY` micro-batches. Exactness does not depend on which
@@ -59,11 +60,12 @@ Message = tuple[int, int, Any, Any, Any, Any]
 
 
 class MicroBatches(IterableDataset):
-    """Runs in each worker: sends ``(worker_id, -1, None, state, stage names, None)`` first, then
+    """Runs in each worker: sends ``(worker_id, -1, flags, state, stage names, asks)`` first, then
     the dataset's stream cut into micro-batches ``(worker_id, count, payload,
     state, figures, positions)``, and ends with ``(worker_id, 0, None, state, figures, None)``, so the main
     process knows when a worker has no more data. ``positions`` are the micro-batch's
-    samples' packed record positions (see the module docstring), or None. ``figures`` are the worker's
+    samples' packed record positions (see the module docstring), or None; ``asks`` the
+    iteration's ask count (with ``ask``; else None), ``flags`` its slab ring's (or None). ``figures`` are the worker's
     timings so far (:class:`~shardkit.loader.timing.WorkerClock`; with ``trace``,
     each micro-batch's too). ``state`` is the dataset's
     state after the message (a string saying why if it cannot save one), or None
@@ -87,10 +89,10 @@ class MicroBatches(IterableDataset):
         slots: int = 0,
         columns: bool = False,
         trace: bool = False,
-        asks: torch.Tensor | None = None,
+        ask: bool = False,
     ) -> None:
         self.dataset = dataset
-        self.asks = asks
+        self.ask = ask
         self.trace = trace
         self.size = size
         self.collate = collate
@@ -99,8 +101,8 @@ class MicroBatches(IterableDataset):
         self.columns = columns
         self.states: list[State] | None = None
         self.state_ratio = STATE_RATIO
-        # A state with one micro-batch in this many (None: only when asked, with asks).
-        self.state_every: int | None = 1 if columns else None if asks is not None else STATE_EVERY
+        # A state with one micro-batch in this many (None: only when asked, with ask).
+        self.state_every: int | None = 1 if columns else None if ask else STATE_EVERY
 
     def __iter__(self) -> Iterator[Message]:
         info = get_worker_info()
@@ -118,17 +120,17 @@ class MicroBatches(IterableDataset):
         if log is not None:
             samples = log.logged(samples)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
-        # Read before the first message: the main process asks only after it (shardkit.loader.mixer).
-        asks = None if self.asks is None or not self.resumable else self.asks.numpy()
-        answered = 0 if asks is None else int(asks[worker])
-        yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names), None
+        # This iteration's ask count, sent with the first message (shardkit.loader.mixer raises it).
+        control = torch.zeros(1, dtype=torch.int64).share_memory_() if self.ask and self.resumable else None
+        asks, answered = (None, 0) if control is None else (control.numpy(), 0)
+        yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names), control
         chunks = self._column_chunks(samples, ring, clock) if self.columns else self._chunks(samples, ring, clock)
         since = 0  # micro-batches since the latest state
         for count, payload in chunks:
             since += 1
             state = None
-            if asks is not None and asks[worker] != answered:  # state_dict() in the main process
-                answered, since, state = int(asks[worker]), 0, clock.state(saver)
+            if asks is not None and asks[0] != answered:  # state_dict() in the main process
+                answered, since, state = int(asks[0]), 0, clock.state(saver)
             elif self._due(since, clock, asks is not None):
                 since, state = 0, clock.state(saver)
             yield worker, count, payload, state, clock.figures(), None if log is None else log.take(count)

@@ -87,7 +87,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from shardkit.epoch import resume_at
 from shardkit.errors import LoaderError, check_int
 from shardkit.loader.autotune import AUTO, Autotune, check_prefetch, prefetch_for, tuner_for
-from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state
+from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state, records_of
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
 from shardkit.loader.slabs import SPARE_SLOTS
@@ -260,7 +260,6 @@ class MixedLoader:
             )
         collate = self.collate_fn is None
         slots = SPARE_SLOTS + (dataloader_kwargs.get("prefetch_factor") or 2) if collate and self.num_workers else 0
-        asks = torch.zeros(max(self.num_workers, 1), dtype=torch.int64).share_memory_() if self.resumable else None
         self._micro_batches = MicroBatches(
             self.dataset,
             self.micro_batch_size,
@@ -268,7 +267,7 @@ class MixedLoader:
             resumable=self.resumable,
             slots=slots,
             columns=self._columns,
-            asks=asks,  # raised by state_dict(): each worker sends its state when asked
+            ask=True,  # each worker sends its state when state_dict() asks
         )
         return DataLoader(
             self._micro_batches, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is, **dataloader_kwargs
@@ -475,8 +474,7 @@ class MixedLoader:
         """How a saved state holds the undelivered samples (``LoaderStats.carried_as``)."""
         if not self.resumable:
             return None
-        records = getattr(self.dataset, "records", None)
-        return "positions" if not self._columns and callable(records) and records() is not None else "data"
+        return "positions" if not self._columns and records_of(self.dataset) is not None else "data"
 
     def record_timeline(self) -> None:
         """Keep every step and micro-batch from the next epoch on, for :meth:`timeline`.

@@ -38,6 +38,7 @@ from shardkit.loader.loader_state import (
     deal_carry,
     loader_state,
     read_again,
+    records_of,
 )
 from shardkit.loader.micro_batches import START, Message
 from shardkit.loader.slabs import SlabBatch, from_slab, view
@@ -52,7 +53,6 @@ class MixerSettings(LoaderSettings, Protocol):
     drop_last: bool
     _loader: Any
     _pin: bool
-    _micro_batches: Any
 
 
 @dataclass(slots=True)
@@ -91,8 +91,6 @@ class Mixer(Iterator[Any]):
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
         self._dataloader = loader._loader
-        # Per worker, a count state_dict() raises to have the worker send its state (micro_batches).
-        self._asks = getattr(loader._micro_batches, "asks", None)
         self._dataset = loader.dataset  # named when a worker dies, read again by position
         self._records: Records | None | bool = False  # the dataset's records, once asked for (False: not yet)
         self._collate_fn = loader.collate_fn
@@ -111,6 +109,8 @@ class Mixer(Iterator[Any]):
         self._flags: list[Any] = [None] * workers
         self._slabs: list[dict[int, torch.Tensor]] = [{} for _ in range(workers)]
         self._release: list[tuple[int, int]] = []
+        # Per worker: the ask count of its iteration (micro_batches), raised to have it send its state; None: none.
+        self._asks: list[Any] = [None] * workers
         # Per worker: its dataset state past the entries that left its queue (None until
         # its first message; _UNKNOWN after an entry sent without a state), and after its last message.
         self._base: list[Any] = [None] * workers
@@ -125,7 +125,8 @@ class Mixer(Iterator[Any]):
         self._finished = False
         self._unconfirmed = False  # a restored finished state, not yet read to its end
         if resume is not None:
-            self._restore(resume, deal_carry(resume, tails, loader), loader)  # not kept: a loader -> mixer -> loader cycle
+            # The loader is not kept: a loader -> mixer -> loader cycle.
+            self._restore(resume, deal_carry(resume, tails, loader), loader)
 
     def _restore(self, state: State, carried: Sequence[Carried], loader: LoaderSettings) -> None:
         """Resume the position of ``state``, whose carried samples (this rank's) ``carried`` holds decoded;
@@ -200,15 +201,15 @@ class Mixer(Iterator[Any]):
     def _ask(self) -> None:
         """Have every worker whose state past the delivered samples is not here yet send it with its next
         micro-batch (:mod:`shardkit.loader.micro_batches`); :meth:`_position` then receives up to it."""
-        if self._asks is None or self._source is None:
+        if self._source is None:
             return
         for worker in range(self._workers):
-            queue, base = self._pending[worker], self._base[worker]
-            if self._done[worker] or any(entry.state is not None for entry in queue):
+            queue, base, asks = self._pending[worker], self._base[worker], self._asks[worker]
+            if asks is None or self._done[worker] or any(entry.state is not None for entry in queue):
                 continue
             if base is not _UNKNOWN and (not queue or (queue[0].start == 0 and not queue[0].carried)):
                 continue
-            self._asks[worker] += 1
+            asks[0] += 1
 
     def _position(self, worker: int) -> tuple[Any, list[_Pending]]:
         """A worker's dataset state to save, and the queued micro-batches (the first maybe cut
@@ -253,9 +254,8 @@ class Mixer(Iterator[Any]):
     def _held_records(self) -> Records | None:
         """The dataset's records (``Pipeline.records()``), made once per epoch; None: it cannot read them again."""
         if self._records is False:
-            records_of = getattr(self._dataset, "records", None)
-            self._records = records_of() if callable(records_of) and not self._columns else None
-        return self._records  # type: ignore[return-value]
+            self._records = None if self._columns else records_of(self._dataset)
+        return self._records  # type: ignore[return-value]  # not False now
 
     def _rest(self, entries: list[_Pending]) -> Any:
         """The undelivered samples of queued micro-batches as one payload, in the form the mixer cuts from."""
@@ -300,6 +300,7 @@ class Mixer(Iterator[Any]):
             queue.clear()
         self._slabs = [{} for _ in self._slabs]  # unmaps the workers' rings now, not with the loader
         self._flags = [None] * len(self._flags)
+        self._asks = [None] * len(self._asks)
 
     def _stop_workers(self) -> None:
         """Shut the workers down now: one of them raised.
@@ -388,6 +389,7 @@ class Mixer(Iterator[Any]):
             self._base[worker] = state
             if payload is not None:  # the busy flags of the worker's slab ring
                 self._flags[worker] = payload.numpy()
+            self._asks[worker] = None if positions is None else positions.numpy()  # its ask count
             return
         self._timed(worker, timing)
         if count == 0:

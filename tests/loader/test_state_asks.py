@@ -1,7 +1,8 @@
 """Saving costs one dataset state per worker per ``state_dict()``, not one per micro-batch (issue 39).
 
 Under a MixedLoader a worker sends its dataset's state only with its first and
-last message and when the main process asks (a count in shared memory), and
+last message and when the main process asks (a count in shared memory, sent
+with the first message), and
 its micro-batches carry their samples' record positions, which a saved state
 names the undelivered samples by. The carried positions travel as runs of
 consecutive records where they follow one another.
@@ -34,10 +35,11 @@ def as_sample(i: int) -> dict[str, Any]:
 
 
 def test_a_worker_sends_its_state_only_with_its_first_and_last_message_and_when_asked() -> None:
-    asks = torch.zeros(1, dtype=torch.int64)
-    messages = MicroBatches(dataset(), 4, collate=False, resumable=True, asks=asks)._messages(0, None)
+    messages = MicroBatches(dataset(), 4, collate=False, resumable=True, ask=True)._messages(0, None)
     first = next(messages)
     assert first[1] == START and isinstance(first[3], dict)
+    asks = first[5]  # the iteration's ask count, in shared memory
+    assert isinstance(asks, torch.Tensor) and asks.is_shared()
     unasked = [next(messages) for _ in range(3)]
     assert [message[3] for message in unasked] == [None] * 3
     asks[0] += 1  # state_dict() in the main process
