@@ -43,7 +43,7 @@ import torch
 
 import shardkit
 from shardkit.loader import timing
-from shardkit.loader.micro_batches import START, MicroBatches, StateSaver
+from shardkit.loader.micro_batches import START, STATE_EVERY, MicroBatches, StateSaver
 from shardkit.loader.slabs import SlabRing
 from shardkit.loader.stalls import StallMeter
 from shardkit.loader.timing import SAMPLE_EVERY, SAMPLED, WorkerClock, _Timed
@@ -55,8 +55,9 @@ def to_tensors(example: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 class Untimed(MicroBatches):
     """The workers' loop without the accounting's clock (figures None), for comparison. It still
-    decides which micro-batches carry the dataset's state as the timed loop does (the work since
-    the last state against what that state cost), with the two clock reads that needs."""
+    sends the dataset's state when the main process asks, as the timed loop does (an ask count
+    sent with the first message; the work since the last state against what it cost without one),
+    with the two clock reads that needs."""
 
     def _messages(self, worker: int, states: Any) -> Iterator[Any]:
         if states is not None:
@@ -64,8 +65,11 @@ class Untimed(MicroBatches):
         samples = iter(self.dataset)
         saver = StateSaver(self.dataset, self.resumable)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
-        yield worker, START, None if ring is None else ring.flags, saver(), None
+        control = torch.zeros(1, dtype=torch.int64).share_memory_() if self.ask and self.resumable else None
+        asks, answered = (None, 0) if control is None else (control.numpy(), 0)
+        yield worker, START, None if ring is None else ring.flags, saver(), None, control
         since, busy, cost = 0, 0, 0
+        every = STATE_EVERY if self.state_every is None else self.state_every
         while True:
             start = time.perf_counter_ns()
             chunk = list(islice(samples, self.size))
@@ -76,11 +80,14 @@ class Untimed(MicroBatches):
             )
             since, state, end = since + 1, None, time.perf_counter_ns()
             busy += end - start
-            if since >= self.state_every or busy >= self.state_ratio * cost:
+            if asks is not None and asks[0] != answered:
+                answered, state = int(asks[0]), saver()
+                since, busy, cost = 0, 0, time.perf_counter_ns() - end
+            elif since >= every or (asks is None and busy >= self.state_ratio * cost):
                 state = saver()
                 since, busy, cost = 0, 0, time.perf_counter_ns() - end
-            yield worker, len(chunk), payload, state, None
-        yield worker, 0, None, saver(), None
+            yield worker, len(chunk), payload, state, None, None
+        yield worker, 0, None, saver(), None, None
 
 
 def write(root: str, records: int) -> shardkit.ShardList:

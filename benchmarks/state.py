@@ -1,8 +1,8 @@
 """What saving samples as plain data costs, against the pickle it replaced.
 
-A ``.shuffle(n)`` buffer is encoded into every state, and under a resumable
-MixedLoader into every micro-batch message, so its encoding cost is paid per
-message. This times :func:`shardkit.state.encode` / ``decode`` over a whole
+A ``.shuffle(n)`` buffer that cannot be saved as positions is encoded into every
+state (under a resumable MixedLoader, every state a worker sends), so its encoding
+cost is paid per state. This times :func:`shardkit.state.encode` / ``decode`` over a whole
 buffer of samples against what shardkit did before (``torch.save`` of the
 buffer, base64; ``torch.load(weights_only=False)`` to read it back), as
 medians of interleaved rounds, and prints the JSON size of each.
@@ -10,9 +10,8 @@ medians of interleaved rounds, and prints the JSON size of each.
 Then what resumability costs a MixedLoader on the quickstart path
 (``benchmarks/stalls.py``'s pipeline: a shuffled TFRecord source, a map, a
 ``.shuffle(256)``; 2 workers, batch 64), epochs interleaved: a state with every
-micro-batch (as MixedLoader sent it before), with the micro-batches the
-workers pick (``shardkit.loader.micro_batches``: when the work since the last
-state is 9x what it cost, at least every 16), and ``resumable=False``; samples
+micro-batch (as MixedLoader sent it before), states only when ``state_dict()`` asks
+(``shardkit.loader.micro_batches``, the default), and ``resumable=False``; samples
 per second, CPU seconds per million samples (main process and workers), and what
 ``state_dict()`` mid-epoch costs (it may receive micro-batches ahead and
 carries the undelivered ones) and weighs as JSON.
@@ -24,7 +23,15 @@ saved as their positions, ``shardkit.stateful.positions``). And what a packed-to
 ``TokenDataset.pack(2048)`` (50M-token-like lognormal documents, int32) through ``MixedLoader`` (2
 workers, batch 8) as ``torch.save`` writes it (target: at most 4 KB per rank), its pack nodes alone
 and the micro-batches the loader carries; and ``.pack(2048, strategy="best_fit")`` (256 documents
-held) over records (target: at most 4 KB plus 16 bytes per held piece).
+held) over records (target: at most 4 KB plus 16 bytes per held piece). And a
+``MixedLoader(batch_size=50, num_workers=2)``'s state over 2,400 records of 100 KB, saved after
+each of the steps around 30% of the epoch (where the batch boundary falls decides how much of the
+workers' micro-batches is carried undelivered; the largest state counts).
+
+Last, the resumable ratios against their targets, medians of interleaved rounds with the load
+average beside them: MixedLoader ``resumable=True`` over ``resumable=False`` on the quickstart
+path (target >= 0.97x), and over a plain DataLoader on 3x224x224 uint8 images made by a
+``.map`` (target >= 1.0x).
 
     python benchmarks/state.py [--samples 1000] [--rounds 15] [--loader-rounds 5] [--records 20000] [--tokens 5000000]
 """
@@ -104,7 +111,8 @@ def loader_epoch(built: shardkit.MixedLoader, save_at: int) -> tuple[float, floa
 
 
 def loader_table(records: int, rounds: int) -> None:
-    cases = ("a state with every micro-batch", "states as the workers pick", "resumable=False")
+    """The quickstart path's cases, interleaved; the resumable ratio (median of the rounds') against 0.97x."""
+    cases = ("a state with every micro-batch", "states when asked", "resumable=False")
     print(f"\nMixedLoader, quickstart path, {records:,} records, {rounds} interleaved rounds, 2 workers, batch 64")
     print("| case | samples/s | CPU s/M samples | state_dict() ms | state JSON kB |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
@@ -113,13 +121,73 @@ def loader_table(records: int, rounds: int) -> None:
         results: dict[str, list[tuple[float, float, float, int]]] = {case: [] for case in cases}
         for built in loaders.values():  # warm-up: starts the persistent workers
             loader_epoch(built, 0)
+        loads = []
         for round_ in range(rounds):
             for case in cases if round_ % 2 == 0 else cases[::-1]:
                 results[case].append(loader_epoch(loaders[case], records // 64 // 2))
+            loads.append(os.getloadavg()[0])
     for case in cases:
         rate, cpu, saved, size = (statistics.median(column) for column in zip(*results[case]))
         state = f"{saved:.1f} | {size / 1e3:.0f}" if saved else "- | -"
         print(f"| {case} | {rate:,.0f} | {cpu:.1f} | {state} |")
+    resumable, plain = results["states when asked"], results["resumable=False"]
+    ratio = statistics.median(a[0] / b[0] for a, b in zip(resumable, plain))
+    cpu = statistics.median(b[1] / a[1] for a, b in zip(resumable, plain))
+    print(
+        f"resumable=True / resumable=False: {ratio:.2f}x samples/s, {cpu:.2f}x by CPU per sample "
+        f"(target >= 0.97x; {_verdict(ratio, 0.97, loads)}), load average {min(loads):.1f}-{max(loads):.1f}"
+    )
+
+
+def _verdict(ratio: float, target: float, loads: list[float]) -> str:
+    cores = os.cpu_count() or 1
+    if max(loads) > 1.5 * cores:
+        return f"not judged: load above {1.5 * cores:.0f} on {cores} cores"
+    return "met" if ratio >= target else "NOT met"
+
+
+def _image(i: int) -> torch.Tensor:
+    return torch.full((3, 224, 224), i % 251, dtype=torch.uint8)
+
+
+def image_table(records: int, rounds: int) -> None:
+    """MixedLoader resumable=True against resumable=False and a plain DataLoader, 3x224x224 uint8 images."""
+    counts = [records // 4] * 4
+    urls = [f"pos/{i}/{sum(counts[:i])}-{n}" for i, n in enumerate(counts)]
+
+    def dataset() -> shardkit.Pipeline:
+        return shardkit.ShardedDataset(shardkit.ShardList(urls, num_records=counts), _positional, shuffle=True).map(
+            _image
+        )
+
+    loaders: dict[str, Any] = {
+        "MixedLoader resumable=True": shardkit.MixedLoader(dataset(), 32, num_workers=2, persistent_workers=True),
+        "MixedLoader resumable=False": shardkit.MixedLoader(
+            dataset(), 32, num_workers=2, persistent_workers=True, resumable=False
+        ),
+        "DataLoader": torch.utils.data.DataLoader(dataset(), batch_size=32, num_workers=2, persistent_workers=True),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in loaders}
+    for built in loaders.values():
+        for _ in built:  # warm-up: starts the persistent workers
+            pass
+    loads = []
+    for round_ in range(rounds):
+        for name in loaders if round_ % 2 == 0 else list(loaders)[::-1]:
+            start, samples = time.perf_counter(), 0
+            for batch in loaders[name]:
+                samples += len(batch)
+            rates[name].append(samples / (time.perf_counter() - start))
+        loads.append(os.getloadavg()[0])
+    print(f"\n3x224x224 uint8 images by a .map, {sum(counts):,} records, batch 32, 2 workers, {rounds} rounds")
+    print("| loader | samples/s |\n|---|---|")
+    for name, values in rates.items():
+        print(f"| {name} | {statistics.median(values):,.0f} |")
+    ratio = statistics.median(a / b for a, b in zip(rates["MixedLoader resumable=True"], rates["DataLoader"]))
+    print(
+        f"MixedLoader resumable=True / DataLoader: {ratio:.2f}x (target >= 1.0x; {_verdict(ratio, 1.0, loads)}), "
+        f"load average {min(loads):.1f}-{max(loads):.1f}"
+    )
 
 
 def _positional(url: str, start: int, stop: int | None) -> Any:
@@ -232,7 +300,7 @@ def pack_state_table(tokens: int) -> None:
                 break
         _pack_row("TokenDataset.pack(2048) + MixedLoader(2 workers)", state, 4096, 0)
     print(
-        f"  (without the carried micro-batches, MixedLoader's undelivered tails saved as data: "
+        f"  (without the micro-batches MixedLoader carries: "
         f"{saved_bytes({**state, 'carry': []}):,} bytes)"
     )
     counts = [5000] * 4
@@ -259,6 +327,36 @@ def _pack_row(name: str, state: Any, base: int, per_piece: int) -> None:
     print(f"| {name} | {held} | {size:,} | {packs:,}{each} | {carried:,} | <= {target:,} | {met} |")
 
 
+def loader_state_table() -> None:
+    """A MixedLoader's state bytes per rank (pickled) around 30% of the epoch, against the targets."""
+    from shardkit.state import decode_positions
+
+    counts = [600] * 4  # 2,400 records of 100 KB, as issue 39 measured
+    urls = [f"pos/{i}/{sum(counts[:i])}-{n}" for i, n in enumerate(counts)]
+    print("\nMixedLoader(batch_size=50, num_workers=2) state bytes per rank (pickled), 2,400 records of 100 KB,")
+    print("saved after each of steps 14-17 of 48 (30%); the largest, with what it holds")
+    print(
+        "| pipeline | carried as | carried | shuffle-held | state bytes | target | met |\n|---|---|---|---|---|---|---|"
+    )
+    for name, buffer in (("no buffer (block shuffle)", None), (".shuffle(512)", 512)):
+        source = shardkit.ShardedDataset(shardkit.ShardList(urls, num_records=counts), _positional, shuffle=True)
+        source.shuffle_window = 0  # a sample-level window's unyielded intervals are the dataset's own state
+        pipeline = source.map(_blob) if buffer is None else source.map(_blob).shuffle(buffer)
+        built = shardkit.MixedLoader(pipeline, batch_size=50, num_workers=2)
+        worst: tuple[int, int, int] = (0, 0, 0)
+        for step, _ in enumerate(built, 1):
+            if 14 <= step <= 17:
+                state = built.state_dict()
+                carried = sum(tail["count"] for tail in state["carry"])
+                held = sum(len(decode_positions(w["positions"], "held")) for w in state["workers"] if "positions" in w)
+                worst = max(worst, (len(pickle.dumps(state)), carried, held))
+        size, carried, held = worst
+        target = 4096 + 16 * (carried + held) if buffer else 4096
+        met = "yes" if size <= target else "NO"
+        form = getattr(built.stats(), "carried_as", None)
+        print(f"| {name} | {form} | {carried} | {held} | {size:,} | <= {target:,} | {met} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1000)
@@ -266,9 +364,11 @@ def main() -> None:
     parser.add_argument("--loader-rounds", type=int, default=5)
     parser.add_argument("--records", type=int, default=20_000)
     parser.add_argument("--tokens", type=int, default=5_000_000, help="packed-token state: tokens in the file")
+    parser.add_argument("--images", type=int, default=4_000)
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}")
     state_size_table(12_000)
+    loader_state_table()
     pack_state_table(args.tokens)
     print(f"buffer of {args.samples} samples; ms per buffer (median of {args.rounds} interleaved rounds)")
     print(
@@ -293,6 +393,7 @@ def main() -> None:
         )
 
     loader_table(args.records, args.loader_rounds)
+    image_table(args.images, args.loader_rounds)
 
 
 if __name__ == "__main__":

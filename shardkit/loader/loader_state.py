@@ -4,14 +4,28 @@ loaded one goes through before a worker is started with it.
 A state (kind ``"mixed_loader"``) holds the ``epoch``, ``num_workers``,
 ``batch_size``, the ``batch_index``, whether the epoch has ``finished``,
 ``workers`` (each worker's dataset state at or past what was delivered) and
-``carry``, at most one tail per worker of the samples between the two, as
-plain data (see the :mod:`shardkit.loader.mixed` docstring): the rest of a
-micro-batch cut part-way, and, since a worker sends its state with some
-micro-batches only (:mod:`shardkit.loader.micro_batches`), the whole
-micro-batches received before the one its saved state came with.
-A tail is ``{"worker", "count", "payload"}`` (``worker`` None: a tail
-restored from another worker count) and, optionally, ``"repeat": true``
-when its samples are ``"pad"`` repeats, owed to no later gather.
+``carry``, at most one tail per worker of the samples between the two (see
+the :mod:`shardkit.loader.mixed` docstring): the rest of a micro-batch cut
+part-way, and, since a worker sends its state with some micro-batches only
+(:mod:`shardkit.loader.micro_batches`), the whole micro-batches received
+before the one its saved state came with. A tail is ``{"worker", "count"}``
+(``worker`` None: a tail restored from another worker count) with its samples
+in one of two forms:
+
+* by position (where the dataset can read its records again,
+  ``Pipeline.records()``): ``"positions"``, the samples' (shard, record)
+  positions (about 11 bytes a sample whatever its size), or ``"runs"``, the
+  same as runs of consecutive records (shard, first record, length; a few
+  bytes a run), whichever is smaller, and ``"identities"``, a digest of each
+  named shard's identity (:mod:`shardkit.stateful.positions`). Restored, they are read again in the main process
+  (:func:`read_again`), through the pipeline's maps and filters, after the
+  shards' identities are checked, and collated as a worker would;
+* as data: ``"payload"``, the samples encoded (:func:`~shardkit.state.encode`),
+  where they cannot be read again (a wrapped plain iterable, a ``.batch`` or
+  ``interleave`` on top, column batches, a dataset that is no shardkit pipeline).
+
+Optionally, ``"repeat": true`` when its samples are ``"pad"`` repeats, owed
+to no later gather.
 
 The states of all ranks combine (:func:`combine_loader_ranks`, through
 :func:`shardkit.state.merge_ranks`) into one *global* state: ``workers``
@@ -32,18 +46,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
+from torch.utils.data import default_collate
+
 from shardkit.loader import slab_columns
 from shardkit.loader.collate import collated_length
 from shardkit.loader.collate import tail as micro_batch_tail
 from shardkit.pipeline import Pipeline
 from shardkit.stateful import (
+    Records,
     State,
     StateError,
     check,
     check_balance,
+    check_identities,
+    check_identities_field,
     combine_ranks,
     deal,
     decode,
+    decode_positions,
+    decode_runs,
     field,
     merge,
     node,
@@ -57,6 +79,10 @@ from shardkit.topology import Topology
 KIND = "mixed_loader"
 BALANCE = "balance"  #: state key of a global state only: the balance its carried samples are dealt by
 REPEAT = "repeat"  #: tail key (optional): its samples are "pad" repeats, owed to no later gather
+PAYLOAD = "payload"  #: tail key: its samples as data, encoded
+POSITIONS = "positions"  #: tail key: its samples' record positions (an encoded [n, 2] array), read again on restore
+RUNS = "runs"  #: tail key: its samples' record positions as runs of consecutive records (an encoded [k, 3] array)
+IDENTITIES = "identities"  #: tail key (with positions or runs): the identities of the shards they name
 
 
 class RecordedSettings(Protocol):
@@ -86,7 +112,8 @@ def loader_state(loader: RecordedSettings, **fields: Any) -> State:
 
 
 def check_loader_state(state: State, loader: LoaderSettings) -> list[Any]:
-    """Check every field of a loaded MixedLoader state; returns its carried tails, decoded.
+    """Check every field of a loaded MixedLoader state; returns its carried tails, decoded (a
+    :class:`HeldTail` for one held by position: read again when the epoch starts).
 
     The workers' dataset states are checked as whole trees when the dataset is
     a shardkit pipeline (the dataset checks what depends on its files when a
@@ -144,9 +171,11 @@ def _check_tail(tail: Any, index: int, num_workers: int, loader: LoaderSettings)
     count = whole_number(tail, "count", where, 1)
     if REPEAT in tail:
         field(tail, REPEAT, where, bool)
-    if "payload" not in tail:
-        raise StateError(f"{where} has no 'payload'")
-    samples = decode(tail["payload"])
+    if sum(key in tail for key in (PAYLOAD, POSITIONS, RUNS)) != 1:
+        raise StateError(f"{where} must hold its samples as one of 'payload' (data), 'positions' or 'runs'")
+    if PAYLOAD not in tail:
+        return _check_held(tail, count, where, loader)
+    samples = decode(tail[PAYLOAD])
     if loader._columns:
         samples = slab_columns.from_plain(samples)
         length, form = slab_columns.columns_length(samples), "a column batch"
@@ -159,6 +188,54 @@ def _check_tail(tail: Any, index: int, num_workers: int, loader: LoaderSettings)
             f"{where}: the carried samples must be {form} of {count} samples; got {_describe(samples, length)}"
         )
     return samples
+
+
+class HeldTail(NamedTuple):
+    """A loaded tail held by position: its samples' packed record positions and the identities of their shards."""
+
+    positions: np.ndarray
+    identities: dict[str, list[Any]]
+
+
+def _check_held(tail: dict[str, Any], count: int, where: str, loader: LoaderSettings) -> HeldTail:
+    if loader._columns:
+        raise StateError(
+            f"{where} holds samples by position, but this loader's dataset yields column batches, whose rows "
+            "are carried as data; load the state into a loader over the dataset that saved it"
+        )
+    identities = check_identities_field(field(tail, IDENTITIES, where, dict), where)
+    if RUNS in tail:
+        return HeldTail(decode_runs(tail[RUNS], count, where), identities)
+    positions = decode_positions(tail[POSITIONS], where)
+    if len(positions) != count:
+        raise StateError(f"{where}: 'positions' names {len(positions)} samples, but 'count' is {count}")
+    return HeldTail(positions, identities)
+
+
+def records_of(dataset: Any) -> Records | None:
+    """How ``dataset`` makes its items again from their records' positions (``Pipeline.records()``); None: it cannot."""
+    method = getattr(dataset, "records", None)
+    found = method() if callable(method) else None
+    return found if isinstance(found, Records) else None
+
+
+def read_again(held: HeldTail, loader: LoaderSettings) -> Any:
+    """The samples of a tail held by position, read again through the loader's dataset and collated
+    as its workers collate a micro-batch (a list of samples for a ``collate_fn``).
+
+    Raises:
+        StateError: the dataset cannot read records again, a named shard is not the file it was
+            (:func:`~shardkit.stateful.check_identities`), or a record cannot be made again as it was.
+    """
+    records = records_of(loader.dataset)
+    if records is None:
+        raise StateError(
+            f"MixedLoader.load_state_dict(): the state holds carried samples by their records' positions, but "
+            f"{loader.dataset!r} cannot read records again; load the state into a loader over the pipeline that saved it"
+        )
+    check_identities(records, held.identities, loader.dataset)
+    samples = records.fetch(held.positions)
+    return samples if loader.collate_fn is not None else default_collate(samples)
 
 
 def _describe(samples: Any, length: int | None) -> str:
@@ -194,7 +271,7 @@ def combine_loader_ranks(states: Sequence[Any]) -> State:
         )
     dataset = combine_ranks([merge(s["workers"]) for s in checked])
     carry = [
-        {"worker": None, "count": tail["count"], "payload": tail["payload"]}
+        {"worker": None, **{key: value for key, value in tail.items() if key in _SAMPLE_KEYS}}
         for s in checked
         for tail in s["carry"]
         if not tail.get(REPEAT)
@@ -212,8 +289,12 @@ def combine_loader_ranks(states: Sequence[Any]) -> State:
     )
 
 
+_SAMPLE_KEYS = frozenset({"count", PAYLOAD, POSITIONS, RUNS, IDENTITIES})  # what a pooled tail keeps
+
+
 class Carried(NamedTuple):
-    """A tail of carried samples to restore: its saved entry (``worker``, ``count``) and its samples, decoded."""
+    """A tail of carried samples to restore: its saved entry (``worker``, ``count``) and its samples, decoded
+    (a :class:`HeldTail` where they are held by position, read again by the mixer)."""
 
     entry: dict[str, Any]
     samples: Any
@@ -252,6 +333,8 @@ def deal_carry(state: State, tails: Sequence[Any], loader: LoaderSettings) -> li
 
 def _slice(samples: Any, start: int, stop: int, loader: LoaderSettings) -> Any:
     """Samples ``start:stop`` of a decoded tail, in the tail's form."""
+    if isinstance(samples, HeldTail):
+        return HeldTail(samples.positions[start:stop], samples.identities)
     if loader._columns:
         return slab_columns.tail(samples, start, stop)
     return micro_batch_tail(samples, start, stop, collated=loader.collate_fn is None)

@@ -5,16 +5,28 @@ then, the dataset's state after it.
 Saving the dataset's state is the dearest step of a resumable worker when the
 state is large (a ``.shuffle(n)`` buffer, a window's unread positions: several
 times the cost of reading the micro-batch, and again to send and receive it),
-so a worker sends it only when the work since the last state is at least
+so a worker under a :class:`~shardkit.MixedLoader` sends it only when asked:
+each iteration of a worker makes an *ask count* (a one-int64 tensor in shared
+memory) and sends it with its first message; ``state_dict()`` in the main
+process raises it, and the worker attaches its state to the next micro-batch
+it sends after it sees the count change (and always to its first and last
+message). Saving thus costs one
+dataset state per worker per ``state_dict()``, not one per micro-batch; a
+training loop that never saves pays nothing per batch but the positions.
+Without asks (the messages made in the main process, :func:`in_process`)
+a worker sends its state when the work since the last one is at least
 :data:`STATE_RATIO` times what that state cost, and at least every
-:data:`STATE_EVERY` micro-batches (and always with its first and last
-message). A state that costs little relative to its micro-batch (large
-samples, a small state) thus goes with every message; a dear one costs at most
-about ``1 / (STATE_RATIO + 1)`` of the worker's time. Exactness does not
-depend on which micro-batches carry one: the main process
-(:mod:`shardkit.loader.mixer`) saves the loader's position as the state of
-the first micro-batch with a state at or after what it delivered, and carries
-the undelivered samples before it, which it holds, in the saved state.
+:data:`STATE_EVERY` micro-batches. Exactness does not depend on which
+micro-batches carry one: the main process (:mod:`shardkit.loader.mixer`)
+saves the loader's position as the state of the first micro-batch with a
+state at or after what it delivered, and carries the undelivered samples
+before it, which it holds (by position where it can), in the saved state.
+
+Where the dataset can read its records again by position (``Pipeline.records()``,
+:mod:`shardkit.stateful.positions`) a micro-batch also carries its samples' record
+positions (an int64 array, 8 bytes a sample; :class:`PositionLog` reads the root
+iterator's ``position`` after each sample), so that a saved state names the
+undelivered samples the main process holds by position rather than holding them.
 
 The main process (:mod:`shardkit.loader.mixer`) learns from the first message
 where a worker starts and from an empty one that it has no more data; in
@@ -28,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from shardkit.loader import slab_columns
@@ -42,19 +56,21 @@ STATE_RATIO = 9.0
 #: ... and at least with one micro-batch in this many (which bounds the samples a saved state carries).
 STATE_EVERY = 16
 
-Message = tuple[int, int, Any, Any, Any]
+Message = tuple[int, int, Any, Any, Any, Any]
 
 
 class MicroBatches(IterableDataset):
-    """Runs in each worker: sends ``(worker_id, -1, None, state, stage names)`` first, then
+    """Runs in each worker: sends ``(worker_id, -1, flags, state, stage names, asks)`` first, then
     the dataset's stream cut into micro-batches ``(worker_id, count, payload,
-    state, figures)``, and ends with ``(worker_id, 0, None, state, figures)``, so the main
-    process knows when a worker has no more data. ``figures`` are the worker's
+    state, figures, positions)``, and ends with ``(worker_id, 0, None, state, figures, None)``, so the main
+    process knows when a worker has no more data. ``positions`` are the micro-batch's
+    samples' packed record positions (see the module docstring), or None; ``asks`` the
+    iteration's ask count (with ``ask``; else None), ``flags`` its slab ring's (or None). ``figures`` are the worker's
     timings so far (:class:`~shardkit.loader.timing.WorkerClock`; with ``trace``,
     each micro-batch's too). ``state`` is the dataset's
     state after the message (a string saying why if it cannot save one), or None
-    for a micro-batch sent without one (see the module docstring: ``state_ratio``
-    and ``state_every`` default to :data:`STATE_RATIO` and :data:`STATE_EVERY`;
+    for a micro-batch sent without one (see the module docstring: with ``asks``, when
+    asked; else ``state_ratio`` and ``state_every`` default to :data:`STATE_RATIO` and :data:`STATE_EVERY`;
     column batches, each a large micro-batch, carry a state every time). ``states``, when set, are loaded into each worker's
     dataset before its next iteration, once. With ``slots``, collated
     micro-batches travel in a new :class:`~shardkit.loader.slabs.SlabRing` per
@@ -73,8 +89,10 @@ class MicroBatches(IterableDataset):
         slots: int = 0,
         columns: bool = False,
         trace: bool = False,
+        ask: bool = False,
     ) -> None:
         self.dataset = dataset
+        self.ask = ask
         self.trace = trace
         self.size = size
         self.collate = collate
@@ -83,7 +101,8 @@ class MicroBatches(IterableDataset):
         self.columns = columns
         self.states: list[State] | None = None
         self.state_ratio = STATE_RATIO
-        self.state_every = 1 if columns else STATE_EVERY
+        # A state with one micro-batch in this many (None: only when asked, with ask).
+        self.state_every: int | None = 1 if columns else None if ask else STATE_EVERY
 
     def __iter__(self) -> Iterator[Message]:
         info = get_worker_info()
@@ -97,17 +116,32 @@ class MicroBatches(IterableDataset):
         clock = WorkerClock(self.dataset, self.trace)
         samples = iter(self.dataset)
         saver = StateSaver(self.dataset, self.resumable)
+        log = PositionLog.of(self.dataset, samples) if self.resumable and not self.columns else None
+        if log is not None:
+            samples = log.logged(samples)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
-        yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names)
+        # This iteration's ask count, sent with the first message (shardkit.loader.mixer raises it).
+        control = torch.zeros(1, dtype=torch.int64).share_memory_() if self.ask and self.resumable else None
+        asks, answered = (None, 0) if control is None else (control.numpy(), 0)
+        yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names), control
         chunks = self._column_chunks(samples, ring, clock) if self.columns else self._chunks(samples, ring, clock)
         since = 0  # micro-batches since the latest state
         for count, payload in chunks:
             since += 1
             state = None
-            if since >= self.state_every or clock.busy_since_state() >= self.state_ratio * clock.state_ns:
+            if asks is not None and asks[0] != answered:  # state_dict() in the main process
+                answered, since, state = int(asks[0]), 0, clock.state(saver)
+            elif self._due(since, clock, asks is not None):
                 since, state = 0, clock.state(saver)
-            yield worker, count, payload, state, clock.figures()
-        yield worker, 0, None, saver(), clock.figures()
+            yield worker, count, payload, state, clock.figures(), None if log is None else log.take(count)
+        yield worker, 0, None, saver(), clock.figures(), None
+
+    def _due(self, since: int, clock: WorkerClock, asked: bool) -> bool:
+        """Whether a state goes with this micro-batch unasked: one in ``state_every``, and, without
+        asks, once the work since the last is ``state_ratio`` times what it cost."""
+        if self.state_every is not None and since >= self.state_every:
+            return True
+        return not asked and clock.busy_since_state() >= self.state_ratio * clock.state_ns
 
     def _chunks(self, samples: Iterator[Any], ring: SlabRing | None, clock: WorkerClock) -> Iterator[tuple[int, Any]]:
         while chunk := clock.take(samples, self.size):
@@ -133,6 +167,41 @@ def in_process(dataset: IterableDataset, size: int, *, collate: bool, resumable:
     """The messages of :class:`MicroBatches` made in this process, as worker 0 (its dataset
     already loaded): how a MixedLoader without workers delivers the tails of a restored state."""
     return MicroBatches(dataset, size, collate=collate, resumable=resumable)._messages(0, None)
+
+
+class PositionLog:
+    """The record positions of the samples a worker pulled, in order, for the micro-batches that take them.
+
+    Kept only where the samples can be read again by position (the dataset's ``records()`` is
+    not None and its root iterator has a ``position``); a sample whose position is None (a record
+    without one) makes its micro-batch's positions None, and the main process saves its samples
+    as data instead.
+    """
+
+    def __init__(self) -> None:
+        self._positions: list[int | None] = []
+
+    @classmethod
+    def of(cls, dataset: Any, samples: Iterator[Any]) -> PositionLog | None:
+        records = getattr(dataset, "records", None)
+        if not callable(records) or not hasattr(samples, "position") or records() is None:
+            return None
+        return cls()
+
+    def logged(self, samples: Iterator[Any]) -> Iterator[Any]:
+        """``samples``, noting each one's position as it is pulled (a generator: cheaper per sample than a class)."""
+        note = self._positions.append
+        for sample in samples:
+            note(samples.position)  # type: ignore[attr-defined]  # checked in of()
+            yield sample
+
+    def take(self, count: int) -> np.ndarray | None:
+        """The positions of the next ``count`` samples pulled (None if any has none)."""
+        taken = self._positions[:count]
+        del self._positions[:count]
+        if None in taken:
+            return None
+        return np.array(taken, dtype=np.int64)
 
 
 class StateSaver:

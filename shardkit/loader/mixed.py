@@ -44,14 +44,19 @@ How a batch is made:
   Without workers the same assembly runs in the main process.
 
 Resuming (:meth:`MixedLoader.state_dict` / :meth:`MixedLoader.load_state_dict`):
-a worker's messages carry its dataset's state after them (with every
-micro-batch when that is cheap, else with one in up to 16: see
+a worker's messages carry their samples' record positions, and its dataset's
+state after them when ``state_dict()`` asked for it (see
 :mod:`shardkit.loader.micro_batches`), and the main process knows which
 samples went out in batches. The saved state holds, per worker, the first
 dataset state at or past what was delivered, and the undelivered samples
-before it as encoded samples (the tail of a micro-batch cut part-way, and the
-micro-batches received before that state; samples still waiting in whole
-micro-batches after it are read again instead). Restored with the same number of
+before it (the tail of a micro-batch cut part-way, and the micro-batches
+received before that state; samples still waiting in whole micro-batches after
+it are read again instead): by their records' positions where the dataset can
+read records again (a shardkit pipeline over shards, through its maps, filters
+and shuffles: a worker sends its micro-batches' positions beside them, and the
+samples are read again in the main process on restore), else as encoded
+samples (a wrapped plain iterable, a ``.batch`` on top, column batches);
+``stats().carried_as`` says which (:mod:`shardkit.loader.loader_state`). Restored with the same number of
 workers, each worker resumes its own state and the batches are the ones the
 uninterrupted run would have made. With another number, the worker states
 are merged (:func:`shardkit.state.merge`) and split anew: exactly the samples
@@ -82,7 +87,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from shardkit.epoch import resume_at
 from shardkit.errors import LoaderError, check_int
 from shardkit.loader.autotune import AUTO, Autotune, check_prefetch, prefetch_for, tuner_for
-from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state
+from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state, records_of
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
 from shardkit.loader.slabs import SPARE_SLOTS
@@ -144,12 +149,14 @@ class MixedLoader:
             of one collated micro-batch for the epoch (5 x 4.8 MB for 32
             3x224x224 uint8 images).
         resumable: track the position for :meth:`state_dict`. Each worker
-            then sends its dataset's state with its micro-batches, with
-            every one while the state costs less than a ninth of the work
-            since the last, else with one in up to 16 (a ``.shuffle(n)``
-            buffer inside the dataset is saved as its records' positions where they can be
-            read again, else encoded whole into each state). Saved samples (a shuffle buffer, the cut
-            tail of a micro-batch) are plain data, never pickled (see
+            then sends its micro-batches' record positions beside them, and
+            its dataset's state when :meth:`state_dict` asks for it (with its
+            next micro-batch: see :mod:`shardkit.loader.micro_batches`), so
+            saving costs one dataset state per worker per call, nothing per
+            batch (a ``.shuffle(n)`` buffer inside the dataset is saved as its
+            records' positions where they can be read again, else encoded).
+            The undelivered samples of cut micro-batches are saved as their
+            records' positions likewise (``stats().carried_as``). Saved samples are plain data, never pickled (see
             :func:`shardkit.state.encode` for the types a state holds);
             ``state_dict()`` raises :class:`~shardkit.state.StateError` for
             samples of other types.
@@ -260,6 +267,7 @@ class MixedLoader:
             resumable=self.resumable,
             slots=slots,
             columns=self._columns,
+            ask=True,  # each worker sends its state when state_dict() asks
         )
         return DataLoader(
             self._micro_batches, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is, **dataloader_kwargs
@@ -455,12 +463,18 @@ class MixedLoader:
         slowest stage); call it on every rank at the same step. A rank that does not answer
         within ``timeout`` seconds is reported missing; it never hangs the others longer.
         """
-        stats = self._meter.stats(_rank(), self._mixer)
+        stats = dataclasses.replace(self._meter.stats(_rank(), self._mixer), carried_as=self._carried_as())
         if self._tuner is not None:
             stats = dataclasses.replace(stats, autotune=self._tuner.summary(self.prefetch_factor))
         if not gather:
             return stats
         return gather_stats(stats, self._meter.gather_tag(self.epoch), timeout)
+
+    def _carried_as(self) -> str | None:
+        """How a saved state holds the undelivered samples (``LoaderStats.carried_as``)."""
+        if not self.resumable:
+            return None
+        return "positions" if not self._columns and records_of(self.dataset) is not None else "data"
 
     def record_timeline(self) -> None:
         """Keep every step and micro-batch from the next epoch on, for :meth:`timeline`.
@@ -483,8 +497,10 @@ class MixedLoader:
 
         Call it between batches (in the training loop, with the model's
         checkpoint). It holds the epoch, the batch index, each worker's
-        dataset state and, per worker, the encoded undelivered samples
-        before it (one tail); see the module docstring. The dataset must
+        dataset state and, per worker, the undelivered samples before it
+        (one tail), by their records' positions where the dataset can read
+        them again, else encoded (``stats().carried_as`` says which); see
+        the module docstring. The dataset must
         be Stateful (every shardkit pipeline is).
 
         Under an initialised process group of more than one rank it returns

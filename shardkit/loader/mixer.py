@@ -19,17 +19,31 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from shardkit.errors import WorkerDiedError
 from shardkit.loader import slab_columns
 from shardkit.loader.collate import Part, join, tail
-from shardkit.loader.loader_state import REPEAT, Carried, LoaderSettings, deal_carry, loader_state
+from shardkit.loader.loader_state import (
+    IDENTITIES,
+    PAYLOAD,
+    POSITIONS,
+    REPEAT,
+    RUNS,
+    Carried,
+    HeldTail,
+    LoaderSettings,
+    deal_carry,
+    loader_state,
+    read_again,
+    records_of,
+)
 from shardkit.loader.micro_batches import START, Message
 from shardkit.loader.slabs import SlabBatch, from_slab, view
 from shardkit.loader.timing import now
-from shardkit.stateful import State, StateError, encode
+from shardkit.stateful import Records, State, StateError, encode, encode_positions, encode_runs, held_identities
 
 
 class MixerSettings(LoaderSettings, Protocol):
@@ -52,6 +66,7 @@ class _Pending:
     carried: bool = False  # a restored tail: saved again even when nothing of it was taken
     repeat: bool = False  # a restored tail of "pad" repeats: owed to no later gather
     slot: int | None = None  # the slab slot it lies in, freed once the batch holds copies of it
+    positions: np.ndarray | None = None  # its samples' record positions; None: it is saved as data
 
 
 class Mixer(Iterator[Any]):
@@ -76,7 +91,8 @@ class Mixer(Iterator[Any]):
         self.epoch, self.num_workers, self.batch_size = loader.epoch, loader.num_workers, loader.batch_size
         self._source: Iterator[Message] | None = source
         self._dataloader = loader._loader
-        self._dataset = loader.dataset  # named when a worker dies
+        self._dataset = loader.dataset  # named when a worker dies, read again by position
+        self._records: Records | None | bool = False  # the dataset's records, once asked for (False: not yet)
         self._collate_fn = loader.collate_fn
         self._columns = loader._columns
         self._drop_last = loader.drop_last
@@ -93,6 +109,8 @@ class Mixer(Iterator[Any]):
         self._flags: list[Any] = [None] * workers
         self._slabs: list[dict[int, torch.Tensor]] = [{} for _ in range(workers)]
         self._release: list[tuple[int, int]] = []
+        # Per worker: the ask count of its iteration (micro_batches), raised to have it send its state; None: none.
+        self._asks: list[Any] = [None] * workers
         # Per worker: its dataset state past the entries that left its queue (None until
         # its first message; _UNKNOWN after an entry sent without a state), and after its last message.
         self._base: list[Any] = [None] * workers
@@ -107,16 +125,21 @@ class Mixer(Iterator[Any]):
         self._finished = False
         self._unconfirmed = False  # a restored finished state, not yet read to its end
         if resume is not None:
-            self._restore(resume, deal_carry(resume, tails, loader))  # not kept: a loader -> mixer -> loader cycle
+            # The loader is not kept: a loader -> mixer -> loader cycle.
+            self._restore(resume, deal_carry(resume, tails, loader), loader)
 
-    def _restore(self, state: State, carried: Sequence[Carried]) -> None:
-        """Resume the position of ``state``, whose carried samples (this rank's) ``carried`` holds decoded."""
+    def _restore(self, state: State, carried: Sequence[Carried], loader: LoaderSettings) -> None:
+        """Resume the position of ``state``, whose carried samples (this rank's) ``carried`` holds decoded;
+        those held by position are read again through ``loader``'s dataset."""
         self.batch_index = state["batch_index"]
         # A finished state's workers resume past their last sample: they are read
         # to their end markers to prove it (_confirm_finished) rather than trusted.
         self._unconfirmed = state["finished"]
         same = state["num_workers"] == self.num_workers
         for saved, samples in carried:
+            positions = None
+            if isinstance(samples, HeldTail):  # read again now, in this process
+                positions, samples = samples.positions, read_again(samples, loader)
             worker = saved["worker"] if same and saved["worker"] is not None else None
             if worker is None:
                 worker = len(self._pending)
@@ -125,6 +148,7 @@ class Mixer(Iterator[Any]):
                 self._done.append(True)
             dataset_state = state["workers"][worker] if worker < self._workers else None
             entry = _Pending(samples, saved["count"], dataset_state, carried=True, repeat=saved.get(REPEAT, False))
+            entry.positions = positions
             self._pending[worker].appendleft(entry)
             self._available[worker] += saved["count"]
 
@@ -157,6 +181,7 @@ class Mixer(Iterator[Any]):
             self._confirm_finished()
         while self._source is not None and any(base is None for base in self._base):
             self._pull()  # every worker's starting state, for those that delivered nothing yet
+        self._ask()
         workers: list[Any] = []
         carry: list[dict[str, Any]] = []
         for worker, queue in enumerate(self._pending):
@@ -172,6 +197,19 @@ class Mixer(Iterator[Any]):
                 raise StateError(f"MixedLoader cannot save its position: {reason}")
             workers.append(state)
         return loader_state(self, batch_index=self.batch_index, finished=self._finished, workers=workers, carry=carry)
+
+    def _ask(self) -> None:
+        """Have every worker whose state past the delivered samples is not here yet send it with its next
+        micro-batch (:mod:`shardkit.loader.micro_batches`); :meth:`_position` then receives up to it."""
+        if self._source is None:
+            return
+        for worker in range(self._workers):
+            queue, base, asks = self._pending[worker], self._base[worker], self._asks[worker]
+            if asks is None or self._done[worker] or any(entry.state is not None for entry in queue):
+                continue
+            if base is not _UNKNOWN and (not queue or (queue[0].start == 0 and not queue[0].carried)):
+                continue
+            asks[0] += 1
 
     def _position(self, worker: int) -> tuple[Any, list[_Pending]]:
         """A worker's dataset state to save, and the queued micro-batches (the first maybe cut
@@ -196,21 +234,41 @@ class Mixer(Iterator[Any]):
             self._pull()
 
     def _carried(self, entries: list[_Pending], worker: int | None) -> dict[str, Any]:
-        """The saved form of the undelivered rest of queued micro-batches, as one tail."""
+        """The saved form of the undelivered rest of queued micro-batches, as one tail: their
+        samples' positions where every one has a position and the dataset reads records
+        again, else the samples, encoded."""
+        count = sum(entry.count - entry.start for entry in entries)
+        saved: dict[str, Any] = {"worker": worker, "count": count}
+        if entries[0].repeat:  # only restored tails of worker None are repeats
+            saved[REPEAT] = True
+        records = self._held_records() if all(entry.positions is not None for entry in entries) else None
+        if records is not None:
+            held = np.concatenate([entry.positions[entry.start : entry.count] for entry in entries])  # type: ignore[index]
+            runs = encode_runs(held)
+            saved.update({RUNS: runs} if runs is not None else {POSITIONS: encode_positions(held)})
+            saved[IDENTITIES] = held_identities(records, held)
+        else:
+            saved[PAYLOAD] = encode(self._rest(entries))
+        return saved
+
+    def _held_records(self) -> Records | None:
+        """The dataset's records (``Pipeline.records()``), made once per epoch; None: it cannot read them again."""
+        if self._records is False:
+            self._records = None if self._columns else records_of(self._dataset)
+        return self._records  # type: ignore[return-value]  # not False now
+
+    def _rest(self, entries: list[_Pending]) -> Any:
+        """The undelivered samples of queued micro-batches as one payload, in the form the mixer cuts from."""
         parts = [(entry.payload, entry.start, entry.count) for entry in entries]
         if self._columns:
-            rest: Any = slab_columns.plain(
+            return slab_columns.plain(
                 slab_columns.tail(*parts[0])
                 if len(parts) == 1
                 else slab_columns.as_parts(slab_columns.join_columns(parts))
             )
-        elif self._collate_fn is not None:
-            rest = [sample for payload, start, stop in parts for sample in payload[start:stop]]
-        else:
-            rest = tail(*parts[0], collated=True) if len(parts) == 1 else join(parts, copy=True)
-        count = sum(stop - start for _, start, stop in parts)
-        repeat = {REPEAT: True} if entries[0].repeat else {}  # only restored tails of worker None are repeats
-        return {"worker": worker, "count": count, "payload": encode(rest), **repeat}
+        if self._collate_fn is not None:
+            return [sample for payload, start, stop in parts for sample in payload[start:stop]]
+        return tail(*parts[0], collated=True) if len(parts) == 1 else join(parts, copy=True)
 
     def __next__(self) -> Any:
         if self._unconfirmed:
@@ -242,6 +300,7 @@ class Mixer(Iterator[Any]):
             queue.clear()
         self._slabs = [{} for _ in self._slabs]  # unmaps the workers' rings now, not with the loader
         self._flags = [None] * len(self._flags)
+        self._asks = [None] * len(self._asks)
 
     def _stop_workers(self) -> None:
         """Shut the workers down now: one of them raised.
@@ -312,7 +371,7 @@ class Mixer(Iterator[Any]):
         assert self._source is not None, "a finished epoch pulls no messages"
         start = now()
         try:
-            worker, count, payload, state, timing = next(self._source)
+            worker, count, payload, state, timing, positions = next(self._source)
         except StopIteration:
             # Every worker ends with an end marker; this only guards against a hang.
             self._done = [True] * len(self._done)
@@ -330,13 +389,14 @@ class Mixer(Iterator[Any]):
             self._base[worker] = state
             if payload is not None:  # the busy flags of the worker's slab ring
                 self._flags[worker] = payload.numpy()
+            self._asks[worker] = None if positions is None else positions.numpy()  # its ask count
             return
         self._timed(worker, timing)
         if count == 0:
             self._done[worker] = True
             self._final[worker] = state
         else:
-            self._queue(worker, count, payload, state)
+            self._queue(worker, count, payload, state, positions)
 
     def _timed(self, worker: int, figures: tuple[Any, ...]) -> None:
         """Keep a worker's latest figures; traced micro-batches come as a list at their end."""
@@ -345,7 +405,7 @@ class Mixer(Iterator[Any]):
             figures = figures[:-1]
         self.figures[worker] = figures
 
-    def _queue(self, worker: int, count: int, payload: Any, state: Any) -> None:
+    def _queue(self, worker: int, count: int, payload: Any, state: Any, positions: Any = None) -> None:
         """Queue a micro-batch; one in a slab becomes views of the slab, mapped once per slot."""
         slot = None
         if isinstance(payload, SlabBatch):
@@ -357,7 +417,7 @@ class Mixer(Iterator[Any]):
                 payload = slab_columns.from_slab(payload.skeleton, lambda place: view(slab, place))
             else:
                 payload = from_slab(payload.skeleton, slab)
-        self._pending[worker].append(_Pending(payload, count, state, slot=slot))
+        self._pending[worker].append(_Pending(payload, count, state, slot=slot, positions=positions))
         self._available[worker] += count
 
     def _take(self, worker: int, share: int) -> list[Part]:

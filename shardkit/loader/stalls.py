@@ -93,6 +93,10 @@ class LoaderStats:
     workers: tuple[WorkerStats, ...] = ()
     #: With ``num_workers="auto"``: the count now and every change, with its reason (plain data).
     autotune: dict[str, Any] | None = None
+    #: How a saved state holds the undelivered samples of cut micro-batches: ``"positions"`` (their
+    #: records', read again on restore), ``"data"`` (the samples, encoded: the dataset cannot read its
+    #: records again) or None (``resumable=False``). See :mod:`shardkit.loader.loader_state`.
+    carried_as: str | None = None
 
     @property
     def wait_ratio(self) -> float:

@@ -24,6 +24,11 @@ changed (:func:`check_identities`). A file system that reports no identity
 beyond the size is not checked (nothing binds to such a file anywhere in
 shardkit).
 
+Held records that mostly follow one another in their shards (MixedLoader's
+undelivered micro-batches over a pipeline without a shuffle buffer) are
+smaller as *runs* (:func:`encode_runs`: an ``[k, 3]`` array of (shard, first
+record, length)), a few bytes a run whatever its length.
+
 Where items cannot be read again (a wrapped plain iterable, a ``.batch``,
 ``interleave`` or ``.pack`` below the holding stage, column batches) the
 stage keeps the data form: the items themselves, encoded.
@@ -110,6 +115,54 @@ def decode_positions(data: Any, where: str) -> np.ndarray:
     return (table[:, 0] << RECORD_BITS) | table[:, 1]
 
 
+def encode_runs(positions: np.ndarray) -> Any | None:
+    """Packed positions as runs of consecutive records of one shard: an ``[k, 3]`` array of
+    (shard, first record, length), int32 where they fit; None where that is not smaller than
+    :func:`encode_positions` (more runs than two thirds of the positions)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if not len(positions):
+        return None
+    # A packed position + 1 is the next record of its shard, unless it is record 0 of the next shard.
+    breaks = np.flatnonzero((np.diff(positions) != 1) | ((positions[1:] & _RECORD_MASK) == 0)) + 1
+    if 3 * (len(breaks) + 1) >= 2 * len(positions):
+        return None
+    starts = np.concatenate([[0], breaks])
+    lengths = np.diff(np.concatenate([starts, [len(positions)]]))
+    shards, firsts = unpack(positions[starts])
+    table = np.stack([shards, firsts, lengths], axis=1)
+    return encode(table.astype("<i4" if int(table.max()) <= _INT32_MAX else "<i8"))
+
+
+def decode_runs(data: Any, count: int, where: str) -> np.ndarray:
+    """The packed positions :func:`encode_runs` made ``data`` from, which must be ``count`` of them.
+
+    Raises:
+        StateError: ``data`` is not an ``[k, 3]`` array of (shard, first record, length) runs
+            within the bounds of :func:`decode_positions`, or its lengths do not add up to ``count``.
+    """
+    try:
+        table = decode(data)
+    except StateError as error:
+        raise StateError(f"{where}: state['runs'] is not an encoded array of runs: {error}") from None
+    if type(table) is not np.ndarray or table.ndim != 2 or table.shape[1] != 3 or table.dtype.kind not in "iu":
+        raise StateError(
+            f"{where}: state['runs'] must be an [k, 3] integer array of (shard, first record, length), "
+            f"got {short(table)}"
+        )
+    table = table.astype(np.int64)
+    shards, firsts, lengths = table[:, 0], table[:, 1], table[:, 2]
+    if len(table) and (
+        int(shards.min()) < 0 or int(shards.max()) >= 2**31 or int(firsts.min()) < 0 or int(lengths.min()) < 1
+    ):
+        raise StateError(f"{where}: state['runs'] holds a negative shard or record, or a run shorter than 1")
+    if len(table) and int((firsts + lengths).max()) - 1 > MAX_RECORD:
+        raise StateError(f"{where}: state['runs'] holds a run past record {MAX_RECORD} of its shard")
+    if int(lengths.sum()) != count:  # before the runs are laid out: a length is a memory size
+        raise StateError(f"{where}: state['runs'] names {int(lengths.sum())} records, but 'count' is {count}")
+    offsets = np.arange(count, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat((shards << RECORD_BITS) | firsts, lengths) + offsets
+
+
 SHARDS = "shards"  #: key of a node's identities: the shards its positions name
 DIGESTS = "digests"  #: key of a node's identities: a digest of each shard's identity ("" where none is known)
 
@@ -165,5 +218,5 @@ def merge_identities(parts: Sequence[dict[str, list[Any]]]) -> dict[str, list[An
 
 __all__ = [
     "DIGESTS", "MAX_RECORD", "RECORD_BITS", "Records", "SHARDS", "check_identities", "check_identities_field",
-    "decode_positions", "encode_positions", "held_identities", "merge_identities", "pack", "unpack",
+    "decode_positions", "decode_runs", "encode_positions", "encode_runs", "held_identities", "merge_identities", "pack", "unpack",
 ]  # fmt: skip

@@ -187,10 +187,10 @@ def test_batches_do_not_depend_on_arrival_order(counts: list[int], batch_size: i
     loader = MixedLoader(Tagged(counts), batch_size, num_workers=len(counts), seed=3)
     streams = [
         [
-            (w, len(chunk), default_collate([make_sample(w, i) for i in chunk]), None, None)
+            (w, len(chunk), default_collate([make_sample(w, i) for i in chunk]), None, None, None)
             for chunk in (range(s, min(s + micro, n)) for s in range(0, n, micro))
         ]
-        + [(w, 0, None, None, None)]
+        + [(w, 0, None, None, None, None)]
         for w, n in enumerate(counts)
     ]
     rng = random.Random(0)

@@ -172,8 +172,15 @@ def test_a_pickle_planted_in_a_shuffle_state_runs_no_code(tmp_path: Path, plant:
     assert not target.exists()
 
 
+def carrying_data() -> Pipeline:
+    """The pipeline of the MixedLoader states these tests tamper with: a batch of one below its shuffle
+    cannot read its items again by position, so a state carries its cut micro-batches as data, encoded,
+    whose checks are tested here (the form by position: tests/loader/test_carry_positions.py)."""
+    return Shuffle(by_data(), 10).map(to_record)
+
+
 def mixed_loader(**kwargs: Any) -> MixedLoader:
-    return MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2, micro_batch_size=3, **kwargs)
+    return MixedLoader(carrying_data(), 8, num_workers=2, micro_batch_size=3, **kwargs)
 
 
 @cache
@@ -205,7 +212,7 @@ def test_a_pickle_planted_in_a_mixed_loader_carry_runs_no_code(tmp_path: Path) -
         state = mixed_state()
         state["carry"][0]["payload"] = planted
         with pytest.raises(StateError, match="carry|cannot be read"):
-            MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2).load_state_dict(torch_roundtrip(state))
+            MixedLoader(carrying_data(), 8, num_workers=2).load_state_dict(torch_roundtrip(state))
     assert not target.exists()
 
 
@@ -446,7 +453,7 @@ LOADER_TAMPERED = [
     (lambda s: s["carry"][0].update(count=s["carry"][0]["count"] + 1), "collated micro-batch of"),
     (lambda s: s["carry"][0].update(worker=2), "worker 2 is not one of the saving loader's 2 workers"),
     (lambda s: s["carry"].append(copy.deepcopy(s["carry"][0])), "more than one tail"),
-    (lambda s: s["carry"][0].pop("payload"), "has no 'payload'"),
+    (lambda s: s["carry"][0].pop("payload"), "must hold its samples as one of 'payload'"),
     (lambda s: s["workers"][0].update(kind="shuffle"), "workers'\\]\\[0\\]: the state has no 'epoch'"),
     (lambda s: s["workers"][1].update(kind="filter"), "'filter' stage but this stage is 'map'"),
 ]
@@ -457,14 +464,14 @@ def test_a_tampered_mixed_loader_state_is_refused_when_loaded(index: int) -> Non
     change, message = LOADER_TAMPERED[index]
     state = mixed_state()
     change(state)
-    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    loader = MixedLoader(carrying_data(), 8, num_workers=2)
     with pytest.raises(StateError, match=message):
         loader.load_state_dict(state)
 
 
 def test_a_carry_saved_for_a_collate_fn_does_not_load_into_a_collating_loader() -> None:
     state = mixed_state()
-    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2, collate_fn=list)
+    loader = MixedLoader(carrying_data(), 8, num_workers=2, collate_fn=list)
     with pytest.raises(StateError, match="must be a list of samples \\(for collate_fn\\)"):
         loader.load_state_dict(state)
 
@@ -622,7 +629,7 @@ def test_a_mixed_loader_state_missing_or_retyping_a_field_is_refused_before_work
         return  # another encoded value may still be samples: covered by the carry checks above
     if how == "retype" and value is None and (may_be_none(state, path) or path[-1] == "worker"):
         return
-    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    loader = MixedLoader(carrying_data(), 8, num_workers=2)
     with pytest.raises(StateError):
         loader.load_state_dict(mutate(state, how, path, value))
 
@@ -640,7 +647,7 @@ def test_fields_checked_against_the_dataset_fail_in_the_workers_as_state_errors(
         state = mixed_state()
         for planned in nodes(state["workers"], "planned"):
             change(planned)
-        loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+        loader = MixedLoader(carrying_data(), 8, num_workers=2)
         loader.load_state_dict(state)
         with pytest.raises(StateError, match=message):
             list(loader)
@@ -677,7 +684,7 @@ def test_a_mixed_loader_epoch_past_int64_is_a_state_error_naming_the_epoch() -> 
     state = mixed_state()
     for node in [state, *nodes(state, "planned"), *nodes(state, "shuffle")]:
         node["epoch"] = 2**63
-    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    loader = MixedLoader(carrying_data(), 8, num_workers=2)
     with pytest.raises(StateError, match=r"state\['epoch'\] must be an int"):
         loader.load_state_dict(state)
 
@@ -713,7 +720,7 @@ def test_any_int_of_a_mixed_loader_state_set_past_int64_is_refused_when_loaded(d
     state = mixed_state()
     path = data.draw(st.sampled_from([p for p in int_paths(state) if not deferred(p)]))
     value = data.draw(st.sampled_from(HUGE))
-    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    loader = MixedLoader(carrying_data(), 8, num_workers=2)
     with pytest.raises(StateError, match=named(path)):
         loader.load_state_dict(mutate(state, "shift", path, value))
 
@@ -742,7 +749,7 @@ def test_a_finished_mixed_loader_state_that_still_holds_samples_is_a_state_error
 def test_a_finished_mixed_loader_state_with_a_carry_is_refused_when_loaded() -> None:
     state = mixed_state()
     state["finished"] = True
-    loader = MixedLoader(Shuffle(source(), 10).map(to_record), 8, num_workers=2)
+    loader = MixedLoader(carrying_data(), 8, num_workers=2)
     with pytest.raises(StateError, match=r"state\['finished'\] is true, but state\['carry'\] holds \d tail"):
         loader.load_state_dict(state)
 
