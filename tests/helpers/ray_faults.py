@@ -10,9 +10,11 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from shardkit.ray import record_of
+from shardkit.writer import ShardWriter
 
 ROWS = 300
 """Rows of the test dataset: ids 0..299, each with a payload of its own."""
@@ -56,4 +58,12 @@ class FaultAt:
         if ray.get_runtime_context().get_node_id() == self.node_id:
             with open(self.marker, "w") as f:
                 f.write(str(os.getpid()))
-            time.sleep(600)  # the test removes this node now; the pytest timeout bounds a test that does not
+            time.sleep(600)  # the driver removes this node now; the driver's own bound ends a run where it does not
+
+
+def tfrecord_sources(folder: Path) -> str:
+    """The test rows as tf.Examples in 3 TFRecord files under ``folder/src`` (for ``convert --ray``); their glob."""
+    with ShardWriter(str(folder / "src" / "train-%05d.tfrecord"), max_records=100) as writer:
+        for row in rows():
+            writer.write(record_of(row, "tfrecord"))
+    return str(folder / "src" / "train-*.tfrecord")

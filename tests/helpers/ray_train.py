@@ -1,10 +1,11 @@
-"""Ray Train runs for the tests: a 2-node Ray cluster on this machine, the example loaded, faults, records.
+"""Ray Train runs for the tests: the example loaded, faults, records.
 
-The cluster (:mod:`tests.helpers.ray_cluster`) is a head node and a second node, each a raylet of its own
-with one CPU, so Ray Train's two workers sit one on each node and the second node can be lost for
-real (``remove_node`` stops its raylet and every process on it). The hooks run inside Ray Train's
-workers after each step; this module and the example are pickled by value, so the workers need not
-import ``tests``.
+The runs happen in tests/scripts/ray_train_check.py, a child process of the test, on a 2-node cluster
+(:mod:`tests.helpers.ray_cluster`): a head node and a second node, each a raylet of its own with one CPU,
+so Ray Train's two workers sit one on each node and the second node can be lost for real
+(``remove_node`` stops its raylet and every process on it). The hooks run inside Ray Train's workers
+after each step; this module and the example are pickled by value, so the workers need not import
+``tests``. The test reads the records the runs wrote.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from typing import Any
 
 from tests.helpers.load import hang_bound
 from tests.helpers.processes import EXAMPLES
+
+RECORDS, BATCH_SIZE, EPOCHS = 128, 8, 2
+"""The runs' data (``examples/ray_train.py``'s), its batches per rank and its epochs."""
+STEPS_PER_EPOCH = RECORDS // (2 * BATCH_SIZE)
+"""Steps of an epoch on 2 ranks."""
+EVERY = 3
+"""A checkpoint every this many steps."""
+KILL_AT = 11
+"""Rank 1 SIGKILLs itself after this step (epoch 1), on the first attempt."""
+LOSE_AT = 7
+"""The second node is lost after this step (epoch 0), on the first attempt."""
 
 
 def load_example() -> Any:
