@@ -32,6 +32,16 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile("shardkit")
 
 
+@pytest.hookimpl(trylast=True)  # after deselection (-k, -m): only the tests that run are placed
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the long tests go first, spread over the workers (``tests/helpers/schedule.py``):
+    every worker collects, and each reorders alike, so the collections stay identical."""
+    from tests.helpers.schedule import order
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    items[:] = order(items, [item.nodeid for item in items], workers)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool:
     """pytest-timeout's per-test bound (pyproject.toml) only catches hangs: stretched by the machine's
