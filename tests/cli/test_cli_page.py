@@ -59,13 +59,15 @@ def run_page(commands: list[tuple[str, list[str]]], cwd: Path) -> list[list[str]
 
 
 def timings_normalised(lines: list[str]) -> list[str]:
-    """``shardkit profile``'s output with its timings blanked, each paragraph's rows sorted."""
+    """``shardkit profile``'s output with its timings blanked and its column padding closed up, each paragraph's
+    rows sorted."""
     out = []
     for line in lines:
         line = re.sub(r"\d+\.\d+", "#", line)
         line = re.sub(r"\d+%", "#%", line)
         line = re.sub(r"[\d,]+ samples/s", "# samples/s", line)
         line = re.sub(r"^(\d+\s+#%\s+#%\s+)\d+$", r"\1#", line)  # a worker's samples: how the mix fell
+        line = re.sub(r" {2,}", " ", line)  # columns pad to the widest timing: one digit more moves them
         out.append(line)
     paragraphs = "\n".join(out).split("\n\n")
     return [line for paragraph in paragraphs for line in sorted(paragraph.splitlines())]

@@ -25,6 +25,9 @@ SMOKE = "tests/test_benchmarks_smoke.py::test_"
 #: (node-id prefixes, seconds): the suite's long units; a prefix that matches nothing is ignored. Seconds from
 #: one whole-suite run's ``--durations=60`` (2026-12-07, 3 workers, load 20-30 on 2 cores: 3-4x a quiet run).
 LONG_UNITS: tuple[tuple[tuple[str, ...], float], ...] = (
+    # One 2-node cluster at a time (the "ray-cluster" lock): both modules on one worker. Not in the run
+    # above (then opt-in): -n 0 figures at load 15-27 of their own, 352-530 s together.
+    (("tests/test_ray_train.py", "tests/test_ray_write.py"), 700),
     (("tests/formats/test_over_2gib.py",), 650),  # six reads under one lock: one after another on any worker
     ((SMOKE + "formats",), 180),  # a launch each (test_benchmarks_smoke.LAUNCHES)
     (tuple(SMOKE + name for name in ("compare", "shuffle", "packing", "stalls", "autotune", "tokens")), 170),
