@@ -299,10 +299,7 @@ def pack_state_table(tokens: int) -> None:
                 state = loader.state_dict()
                 break
         _pack_row("TokenDataset.pack(2048) + MixedLoader(2 workers)", state, 4096, 0)
-    print(
-        f"  (without the micro-batches MixedLoader carries: "
-        f"{saved_bytes({**state, 'carry': []}):,} bytes)"
-    )
+    print(f"  (without the micro-batches MixedLoader carries: {saved_bytes({**state, 'carry': []}):,} bytes)")
     counts = [5000] * 4
     urls = [f"pos/{i}/{sum(counts[:i])}-{n}" for i, n in enumerate(counts)]
     source = shardkit.ShardedDataset(shardkit.ShardList(urls, num_records=counts), _positional, shuffle=True)

@@ -7,12 +7,9 @@ Module level, so that DataLoader workers and ranks started with spawn can unpick
 from __future__ import annotations
 
 import json
-import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 import shardkit
@@ -36,22 +33,6 @@ def dataset(pattern: str | list[str], **kwargs: Any) -> shardkit.JsonlDataset:
 
 def ids(batch: Any) -> list[int]:
     return [int(i) for i in batch["id"]]
-
-
-def as_worker(worker: int, workers: int, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` as DataLoader worker ``worker`` of ``workers`` would, in this process (sources then seed
-    the global generators: they are put back afterwards)."""
-    from torch.utils.data._utils import worker as worker_module
-
-    saved = random.getstate(), np.random.get_state()
-    worker_module._worker_info = worker_module.WorkerInfo(id=worker, num_workers=workers, seed=0, dataset=None)
-    try:
-        with torch.random.fork_rng():
-            return fn()
-    finally:
-        worker_module._worker_info = None
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
 
 
 def resume_rank(rank: int, world_size: int, pattern: str, workers: int) -> None:

@@ -5,9 +5,11 @@ Module level, so that DataLoader workers and ranks started with spawn can unpick
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import random
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
@@ -162,6 +164,22 @@ def as_worker(worker: int, workers: int) -> Iterator[None]:
     info = SimpleNamespace(id=worker, num_workers=workers, seed=0, dataset=None)
     with mock.patch.object(torch.utils.data, "get_worker_info", lambda: info):
         yield
+
+
+def run_as_worker(worker: int, workers: int, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` as DataLoader worker ``worker`` of ``workers`` would, in this process (sources then seed
+    the global generators: they are put back afterwards)."""
+    from torch.utils.data._utils import worker as worker_module
+
+    saved = random.getstate(), np.random.get_state()
+    worker_module._worker_info = worker_module.WorkerInfo(id=worker, num_workers=workers, seed=0, dataset=None)
+    try:
+        with torch.random.fork_rng():
+            return fn()
+    finally:
+        worker_module._worker_info = None
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
 
 
 def batches_as_workers(dataset: Any, num_workers: int, batch_size: int) -> list[list[Any]]:

@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 import shardkit
 from shardkit import ShardedDataset
 from shardkit.state import StateError, merge, merge_ranks
-from tests.helpers.count_free import as_worker, dataset, resume_rank, write_glob
+from tests.helpers.count_free import dataset, resume_rank, write_glob
 from tests.helpers.examples import examples
 from tests.helpers.processes import gloo_ranks
+from tests.helpers.reading import run_as_worker
 from tests.helpers.shards import synthetic_read, synthetic_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*whole shards are dealt out:UserWarning")
@@ -50,7 +51,7 @@ def read(make: Any, worker: int, workers: int, take: int | None, state: dict[str
         got = list(itertools.islice(iterator, take))
         return got, roundtrip(source.state_dict()) if take is not None else None
 
-    return as_worker(worker, workers, run)
+    return run_as_worker(worker, workers, run)
 
 
 def test_a_glob_of_shard_writer_output_saves_and_resumes_exactly_without_counts(tmp_path: Path) -> None:

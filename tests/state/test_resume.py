@@ -30,7 +30,7 @@ from shardkit.pipeline import Pipeline, Shuffle
 from shardkit.state import StateError, merge
 from tests.helpers.load import hang_bound
 from tests.helpers.processes import last_json_line, run_python
-from tests.helpers.reading import CountingStream
+from tests.helpers.reading import CountingStream, run_as_worker
 from tests.helpers.shards import synthetic_read, synthetic_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -268,7 +268,7 @@ def test_worker_states_merge_and_split_over_any_worker_count() -> None:
             delivered.extend(next(iterator) for _ in range(5 + worker))
             return dataset.state_dict()
 
-        states.append(_as_worker(worker, 3, read_some))
+        states.append(run_as_worker(worker, 3, read_some))
     with pytest.raises(StateError, match="worker 0's of 3"):
         iter(_loaded(Shuffle(source(), 4), states[0]))
     with pytest.raises(StateError, match="all 3 workers"):
@@ -459,25 +459,6 @@ def test_merge_refuses_what_cannot_be_split_anew() -> None:
         merge(stopped)
 
 
-def _as_worker(worker: int, workers: int, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` as DataLoader worker ``worker`` of ``workers`` would, in this process
-    (sources then seed the global generators: put them back afterwards)."""
-    import random
-
-    import numpy as np
-    from torch.utils.data._utils import worker as worker_module
-
-    saved = random.getstate(), np.random.get_state()
-    worker_module._worker_info = worker_module.WorkerInfo(id=worker, num_workers=workers, seed=0, dataset=None)
-    try:
-        with torch.random.fork_rng():
-            return fn()
-    finally:
-        worker_module._worker_info = None
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-
-
 @pytest.mark.parametrize("trial", range(60))
 def test_random_worker_states_merge_into_exactly_the_rest(trial: int) -> None:
     """Workers stop anywhere; their merged state, split over another worker count, reads exactly the rest."""
@@ -497,7 +478,7 @@ def test_random_worker_states_merge_into_exactly_the_rest(trial: int) -> None:
         return interleave([Shuffle(base, 3), items], weights=[3, 1], stop="all_exhausted")
 
     before, after = rng.randint(1, 4), rng.randint(1, 4)
-    full = sorted(s for w in range(before) for s in _as_worker(w, before, lambda: list(make())))
+    full = sorted(s for w in range(before) for s in run_as_worker(w, before, lambda: list(make())))
     delivered: list[str] = []
     states = []
     for worker in range(before):
@@ -508,9 +489,9 @@ def test_random_worker_states_merge_into_exactly_the_rest(trial: int) -> None:
             delivered.extend(itertools.islice(iterator, rng.randint(0, 20)))
             return roundtrip(dataset.state_dict())
 
-        states.append(_as_worker(worker, before, read_some))
+        states.append(run_as_worker(worker, before, read_some))
     merged = merge(states)
-    rest = [s for w in range(after) for s in _as_worker(w, after, lambda: list(_loaded(make(), merged)))]
+    rest = [s for w in range(after) for s in run_as_worker(w, after, lambda: list(_loaded(make(), merged)))]
     assert sorted(delivered + rest) == full
 
 
