@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from shardkit.arrays import int64_values
 from shardkit.planning import (
     SHUFFLE_BLOCK,
     SHUFFLE_WINDOW,
@@ -112,7 +113,7 @@ class _PlannedSource(_Source):
     def _shards_fingerprint(self, counts: Any) -> dict[str, Any]:
         """The fingerprint of a source whose counts are not all known: its positions are whole shards
         (:mod:`~shardkit.sources.whole`), so it binds the shards, the counts it does know and the options."""
-        known = np.asarray(counts.fill_null(-1).to_numpy(zero_copy_only=False), dtype="<i8")
+        known = int64_values(counts, fill=-1)  # from buffers: a Python scalar would import pandas (shardkit.arrays)
         return {
             "shards": len(known),
             "records": None,
