@@ -168,17 +168,17 @@ def test_a_state_of_a_later_epoch_names_the_set_epoch_call() -> None:
 
 
 def test_a_shuffle_state_of_another_worker_is_refused_naming_the_fix() -> None:
-    from tests.state.test_resume import _as_worker
+    from tests.helpers.reading import run_as_worker
 
     def save() -> dict[str, Any]:
         return saved_state(lambda: Shuffle(source(shuffle=True, seed=5), 6), 3)
 
-    state = _as_worker(0, 2, save)
+    state = run_as_worker(0, 2, save)
     resumed = Shuffle(source(shuffle=True, seed=5), 6)
     resumed.load_state_dict(state)
     with pytest.raises(StateError, match="worker 0's of 2, loaded into worker 1 of 2.*merge the states"):
-        _as_worker(1, 2, lambda: iter(resumed))
-    rest = _as_worker(0, 2, lambda: list(_loaded(state)))
+        run_as_worker(1, 2, lambda: iter(resumed))
+    rest = run_as_worker(0, 2, lambda: list(_loaded(state)))
     assert rest  # its own worker resumes it
 
 
