@@ -101,18 +101,30 @@ def decode_positions(data: Any, where: str) -> np.ndarray:
     Raises:
         StateError: ``data`` is not an ``[n, 2]`` array of non-negative ints with records below 2**32.
     """
-    try:
-        table = decode(data)
-    except StateError as error:
-        raise StateError(f"{where}: state['positions'] is not an encoded array of positions: {error}") from None
-    if type(table) is not np.ndarray or table.ndim != 2 or table.shape[1] != 2 or table.dtype.kind not in "iu":
-        raise StateError(
-            f"{where}: state['positions'] must be an [n, 2] integer array of (shard, record), got {short(table)}"
-        )
-    table = table.astype(np.int64)
+    table = _int_table(data, "positions", ("shard", "record"), "n", where)
     if len(table) and (int(table.min()) < 0 or int(table[:, 1].max()) > MAX_RECORD or int(table[:, 0].max()) >= 2**31):
         raise StateError(f"{where}: state['positions'] holds a negative or out-of-range shard or record index")
     return (table[:, 0] << RECORD_BITS) | table[:, 1]
+
+
+def _int_table(data: Any, key: str, columns: tuple[str, ...], rows: str, where: str) -> np.ndarray:
+    """``state[key]`` decoded as an int64 table of one column per name in ``columns`` (``rows`` names
+    its row count in the message), or a StateError naming the key."""
+    try:
+        table = decode(data)
+    except StateError as error:
+        raise StateError(f"{where}: state['{key}'] is not an encoded array of {key}: {error}") from None
+    if (
+        type(table) is not np.ndarray
+        or table.ndim != 2
+        or table.shape[1] != len(columns)
+        or table.dtype.kind not in "iu"
+    ):
+        raise StateError(
+            f"{where}: state['{key}'] must be an [{rows}, {len(columns)}] integer array of ({', '.join(columns)}), "
+            f"got {short(table)}"
+        )
+    return table.astype(np.int64)
 
 
 def encode_runs(positions: np.ndarray) -> Any | None:
@@ -140,16 +152,7 @@ def decode_runs(data: Any, count: int, where: str) -> np.ndarray:
         StateError: ``data`` is not an ``[k, 3]`` array of (shard, first record, length) runs
             within the bounds of :func:`decode_positions`, or its lengths do not add up to ``count``.
     """
-    try:
-        table = decode(data)
-    except StateError as error:
-        raise StateError(f"{where}: state['runs'] is not an encoded array of runs: {error}") from None
-    if type(table) is not np.ndarray or table.ndim != 2 or table.shape[1] != 3 or table.dtype.kind not in "iu":
-        raise StateError(
-            f"{where}: state['runs'] must be an [k, 3] integer array of (shard, first record, length), "
-            f"got {short(table)}"
-        )
-    table = table.astype(np.int64)
+    table = _int_table(data, "runs", ("shard", "first record", "length"), "k", where)
     shards, firsts, lengths = table[:, 0], table[:, 1], table[:, 2]
     if len(table) and (
         int(shards.min()) < 0 or int(shards.max()) >= 2**31 or int(firsts.min()) < 0 or int(lengths.min()) < 1
