@@ -1,8 +1,8 @@
 """A MixedLoader worker's log of its samples' record positions (issue 39, item 3).
 
-Where the root iterator is ``.shuffle()``'s, it appends each sample's position
-to the log itself (``position_log``); around any other root a generator reads
-``position`` after each sample. Both must give every sample's own record
+Where the root iterator is ``.shuffle()``'s, ``.map()``'s or ``.filter()``'s, it
+appends each sample's position to the log itself (``position_log``); around any
+other root a generator reads ``position`` after each sample. Both must give every sample's own record
 position, in order, across shard boundaries and after a resume; a
 micro-batch's positions travel as an int64 array's bytes.
 """
@@ -39,21 +39,32 @@ def shuffled(counts: list[int], buffer: int, seed: int, window: int | None) -> s
     return source.shuffle(buffer)
 
 
-def logged(dataset: Any, size: int) -> tuple[list[int], list[list[int] | None], bool]:
-    """Every sample of a fresh iteration of ``dataset`` (state already loaded), each micro-batch's
-    positions as a worker logs them, and whether the root iterator logged them itself."""
+def rooted(kind: str, counts: list[int], buffer: int, seed: int, window: int | None) -> shardkit.Pipeline:
+    """A pipeline over positional records whose root (outermost) stage is ``kind``."""
+    if kind == "map over the source":
+        source = shardkit.ShardedDataset(positional_shards(counts), positional_read, shuffle=True, seed=seed)
+        if window is not None:
+            source.shuffle_window = window
+        return source.map(lambda x: x)
+    below = shuffled(counts, buffer, seed, window)
+    return {"shuffle": below, "map": below.map(lambda x: x), "filter": below.filter(lambda x: x % 3 != 1)}[kind]
+
+
+def logged(dataset: Any, size: int, bulk: bool = True) -> tuple[list[int], list[list[int] | None]]:
+    """Every sample of a fresh iteration of ``dataset`` (state already loaded) and each micro-batch's
+    positions as a worker logs them: by the root iterator itself (``bulk``), or by a generator around it."""
     samples = iter(dataset)
     log = PositionLog.of(dataset, samples)
     assert log is not None
-    bulk = getattr(samples, "position_log", False) is None
-    pulled = log.logged(samples)
+    pulled = log.logged(samples) if bulk else log._noted(samples)
+    assert (pulled is samples) == bulk  # the root logs them itself: nothing wraps it
     values: list[int] = []
     taken: list[list[int] | None] = []
     while chunk := list(islice(pulled, size)):
         values += chunk
         positions = positions_of(log.take(len(chunk)))
         taken.append(None if positions is None else positions.tolist())
-    return values, taken, bulk
+    return values, taken
 
 
 def flat(taken: list[list[int] | None]) -> list[int]:
@@ -62,11 +73,13 @@ def flat(taken: list[list[int] | None]) -> list[int]:
 
 
 counts_strategy = st.lists(st.integers(1, 40), min_size=1, max_size=5)
+kinds = st.sampled_from(["shuffle", "map", "filter", "map over the source"])
 
 
 @pytest.mark.slow  # many pipelines planned: about 10 s
-@settings(max_examples=examples(60), deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
+    kinds,
     counts_strategy,
     st.integers(1, 64),
     st.integers(1, 17),
@@ -74,30 +87,44 @@ counts_strategy = st.lists(st.integers(1, 40), min_size=1, max_size=5)
     st.sampled_from([None, 0, 7]),
     st.floats(0, 1),
 )
-def test_a_shuffle_logs_the_same_positions_in_bulk_as_read_one_sample_at_a_time_and_after_a_resume(
-    counts: list[int], buffer: int, size: int, seed: int, window: int | None, cut: float
+def test_a_root_logs_the_same_positions_in_bulk_as_read_one_sample_at_a_time_and_after_a_resume(
+    kind: str, counts: list[int], buffer: int, size: int, seed: int, window: int | None, cut: float
 ) -> None:
-    # The shuffle's own log (bulk) against the generator reading `position` around a map over the same shuffle.
-    bulk_values, bulk_taken, bulk = logged(shuffled(counts, buffer, seed, window), size)
-    one_values, one_taken, one_at_a_time = logged(shuffled(counts, buffer, seed, window).map(lambda x: x), size)
-    assert bulk and not one_at_a_time
-    assert bulk_values == one_values and sorted(bulk_values) == list(range(sum(counts)))
-    assert bulk_taken == one_taken
-    assert flat(bulk_taken) == packed(counts, bulk_values)  # every shard's records, named by their own shard
-    # Resumed part-way (the buffer held by position, read again), both logs go on with the rest.
+    values, taken = logged(rooted(kind, counts, buffer, seed, window), size)
+    assert logged(rooted(kind, counts, buffer, seed, window), size, bulk=False) == (values, taken)
+    expected = [value for value in range(sum(counts)) if kind != "filter" or value % 3 != 1]
+    assert sorted(values) == expected
+    assert flat(taken) == packed(counts, values)  # every shard's records, named by their own shard
+    # Resumed part-way (a shuffle buffer held by position, read again), both logs go on with the rest.
+    before = rooted(kind, counts, buffer, seed, window)
+    consumed = list(islice(iter(before), int(cut * len(expected))))
+    state = before.state_dict()
     resumed = []
-    for mapped in (False, True):
-        before = shuffled(counts, buffer, seed, window)
-        before = before.map(lambda x: x) if mapped else before
-        consumed = list(islice(iter(before), int(cut * sum(counts))))
-        after = shuffled(counts, buffer, seed, window)
-        after = after.map(lambda x: x) if mapped else after
-        after.load_state_dict(before.state_dict())
-        resumed.append(logged(after, size))
-        assert resumed[-1][2] is not mapped
-        assert resumed[-1][0] == bulk_values[len(consumed) :]
-        assert flat(resumed[-1][1]) == packed(counts, resumed[-1][0])
-    assert resumed[0][1] == resumed[1][1]
+    for bulk in (True, False):
+        after = rooted(kind, counts, buffer, seed, window)
+        after.load_state_dict(state)
+        resumed.append(logged(after, size, bulk))
+    assert resumed[0] == resumed[1]
+    assert resumed[0][0] == values[len(consumed) :]
+    assert flat(resumed[0][1]) == packed(counts, resumed[0][0])
+
+
+def test_a_map_that_raises_logs_no_position_for_the_sample_it_did_not_return() -> None:
+    def fussy(value: int) -> int:
+        if value == 5:
+            raise ValueError("five")
+        return value
+
+    dataset = shardkit.ShardedDataset(positional_shards([4, 6]), positional_read, shuffle=False).map(fussy)
+    samples = iter(dataset)
+    log = PositionLog.of(dataset, samples)
+    assert log is not None
+    pulled = log.logged(samples)
+    assert list(islice(pulled, 5)) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="five"):
+        next(pulled)
+    assert positions_of(log.take(5)).tolist() == packed([4, 6], [0, 1, 2, 3, 4])  # type: ignore[union-attr]
+    assert log.take(5) == b""  # nothing for the sample that raised
 
 
 class _Positioned:
