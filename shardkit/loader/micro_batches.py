@@ -37,7 +37,7 @@ segment per tensor.
 
 from __future__ import annotations
 
-from array import array
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -216,15 +216,15 @@ class PositionLog:
         """The positions of the next ``count`` samples pulled, as the bytes of an int64 array (None if any has none)."""
         taken = self._positions[:count]
         del self._positions[:count]
-        try:
-            return array("q", taken).tobytes()  # "q": a C long long, 64 bits on every platform numpy supports
-        except TypeError:  # a None among them: a sample without a position
+        try:  # struct packs Python ints fastest (array("q", ...) parses each item; numpy makes an array first)
+            return struct.pack(f"<{len(taken)}q", *taken)
+        except struct.error:  # a None among them: a sample without a position
             return None
 
 
 def positions_of(taken: bytes | None) -> np.ndarray | None:
     """A micro-batch's positions as :meth:`PositionLog.take` sent them, as an int64 array (read-only)."""
-    return None if taken is None else np.frombuffer(taken, dtype=np.int64)
+    return None if taken is None else np.frombuffer(taken, dtype="<i8")
 
 
 class StateSaver:
