@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import itertools
 import json
 import os
 import pickle
