@@ -43,7 +43,7 @@ import torch
 
 import shardkit
 from shardkit.loader import timing
-from shardkit.loader.micro_batches import START, STATE_EVERY, MicroBatches, StateSaver
+from shardkit.loader.micro_batches import START, STATE_EVERY, MicroBatches, PositionLog, StateSaver
 from shardkit.loader.slabs import SlabRing
 from shardkit.loader.stalls import StallMeter
 from shardkit.loader.timing import SAMPLE_EVERY, SAMPLED, WorkerClock, _Timed
@@ -57,13 +57,17 @@ class Untimed(MicroBatches):
     """The workers' loop without the accounting's clock (figures None), for comparison. It still
     sends the dataset's state when the main process asks, as the timed loop does (an ask count
     sent with the first message; the work since the last state against what it cost without one),
-    with the two clock reads that needs."""
+    with the two clock reads that needs, and its samples' positions (resumable), so that the two
+    loops differ by the accounting alone."""
 
     def _messages(self, worker: int, states: Any) -> Iterator[Any]:
         if states is not None:
             self.dataset.load_state_dict(states[worker])  # type: ignore[attr-defined]
         samples = iter(self.dataset)
         saver = StateSaver(self.dataset, self.resumable)
+        log = PositionLog.of(self.dataset, samples) if self.resumable else None
+        if log is not None:
+            samples = log.logged(samples)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
         control = torch.zeros(1, dtype=torch.int64).share_memory_() if self.ask and self.resumable else None
         asks, answered = (None, 0) if control is None else (control.numpy(), 0)
@@ -86,7 +90,7 @@ class Untimed(MicroBatches):
             elif since >= every or (asks is None and busy >= self.state_ratio * cost):
                 state = saver()
                 since, busy, cost = 0, 0, time.perf_counter_ns() - end
-            yield worker, len(chunk), payload, state, None, None
+            yield worker, len(chunk), payload, state, None, None if log is None else log.take(len(chunk))
         yield worker, 0, None, saver(), None, None
 
 

@@ -455,7 +455,7 @@ class MixedLoader:
         A :class:`~shardkit.loader.stalls.LoaderStats` (``wait_ratio``, ``stages``,
         ``slowest_stage``, ``workers``); see :mod:`shardkit.loader.stalls` for what each
         figure measures. Always on: a few clock reads per batch and per micro-batch;
-        how a worker's time splits over its stages is sampled in one micro-batch of 32.
+        how a worker's time splits over its stages is sampled in one micro-batch of 64.
         Without workers, only the main process's figures are known.
 
         ``gather=True`` returns every rank's (a :class:`~shardkit.loader.stalls.GatheredStats`,
@@ -479,7 +479,7 @@ class MixedLoader:
     def record_timeline(self) -> None:
         """Keep every step and micro-batch from the next epoch on, for :meth:`timeline`.
 
-        Every worker micro-batch then has its stages timed (not one in 32) and its
+        Every worker micro-batch then has its stages timed (not one in 64) and its
         figures travel to the main process: for profiling (``shardkit profile --trace``),
         not for a training run. Call it before the epoch starts its workers (persistent
         workers keep what they were started with).

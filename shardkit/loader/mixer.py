@@ -40,7 +40,7 @@ from shardkit.loader.loader_state import (
     read_again,
     records_of,
 )
-from shardkit.loader.micro_batches import START, Message
+from shardkit.loader.micro_batches import START, Message, positions_of
 from shardkit.loader.slabs import SlabBatch, from_slab, view
 from shardkit.loader.timing import now
 from shardkit.stateful import Records, State, StateError, encode, encode_positions, encode_runs, held_identities
@@ -396,7 +396,7 @@ class Mixer(Iterator[Any]):
             self._done[worker] = True
             self._final[worker] = state
         else:
-            self._queue(worker, count, payload, state, positions)
+            self._queue(worker, count, payload, state, positions_of(positions))
 
     def _timed(self, worker: int, figures: tuple[Any, ...]) -> None:
         """Keep a worker's latest figures; traced micro-batches come as a list at their end."""

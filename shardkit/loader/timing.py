@@ -19,13 +19,16 @@ iterators (the state is saved after). Each proxy measures its input's
 inclusive time; a stage's self time is its inclusive time less its inputs'.
 The pipeline's exact time is then split in the sampled proportions, so stage
 times always add up to at most the worker's busy time, itself at most its wall
-time. The proxies cost about 0.5-1 us per sample and stage, paid by
+time. The shares are estimates (an epoch of 20,000 samples in micro-batches of
+64 times 96 samples at each stage); the totals are exact. The proxies cost
+about 0.3-1 us per sample and stage (a stage's reads of its input's
+``position`` go through the proxy's own property, not ``__getattr__``), paid by
 ``SAMPLED`` samples in ``SAMPLE_EVERY`` micro-batches: a sampled micro-batch
-of the quickstart path costs about 60 us more than another (set-up included),
-0.3 % of its time. With the clock reads, the figures each message carries and
-the main process's per-step clock, accounting costs about 0.6 % there
-(``benchmarks/stalls.py`` prints each part, CPU time, and their sum against
-the 1 % target).
+of the quickstart path costs about 50 us more than another (set-up included),
+0.1 % of the time of the ``SAMPLE_EVERY`` micro-batches. With the clock reads,
+the figures each message carries and the main process's per-step clock,
+accounting costs under 1 % there (``benchmarks/stalls.py`` prints each part,
+CPU time, and their sum against the 1 % target).
 
 A stage is named by what it does: ``read TFRecordDataset`` (the source: read,
 fetch and decode), ``map(to_tensors)`` (its function's name), ``filter(...)``,
@@ -44,7 +47,7 @@ from typing import Any
 from shardkit.pipeline import Pipeline
 
 #: One micro-batch in this many has its stages timed (the first of each iteration always).
-SAMPLE_EVERY = 32
+SAMPLE_EVERY = 64
 #: Samples of a sampled micro-batch pulled through the timing proxies (all of them when tracing).
 SAMPLED = 16
 
@@ -99,6 +102,13 @@ class _Timed:
         item = next(self._it)  # the last, raising StopIteration, is not counted: one call in an epoch
         self.ns += _now() - start
         return item
+
+    @property
+    def position(self) -> Any:
+        """Its iterator's (None if it has none): the attribute stages read of their input at every sample
+        (``.shuffle()``, ``.map()``), looked up here rather than through ``__getattr__``, which Python calls
+        only after a failed lookup (about 1 us a read)."""
+        return getattr(self._it, "position", None)
 
     def __getattr__(self, name: str) -> Any:  # anything else a stage asks of its input
         return getattr(self._it, name)

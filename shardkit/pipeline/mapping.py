@@ -47,11 +47,16 @@ class _MapIterator(PassThroughIterator):
         super().__init__(source)
         self._fn = fn
         self.seed, self.epoch = seed, epoch  # for record_seed(), with position
+        self.position_log: list[int | None] | None = None  #: see :attr:`_ShuffleIterator.position_log`
 
     def __next__(self) -> Any:
         sample = next(self._source)
         seeding.mapping = self  # record_seed() while fn runs: this record's
-        return self._fn(sample)
+        made = self._fn(sample)
+        log = self.position_log
+        if log is not None:  # after fn: a sample fn raised on is never returned, so never logged
+            log.append(getattr(self._source, "position", None))
+        return made
 
     @property
     def position(self) -> int | None:
@@ -71,11 +76,15 @@ class _FilterIterator(PassThroughIterator):
     def __init__(self, source: Iterator[Any], predicate: Callable[[Any], object]) -> None:
         super().__init__(source)
         self._predicate = predicate
+        self.position_log: list[int | None] | None = None  #: see :attr:`_ShuffleIterator.position_log`
 
     def __next__(self) -> Any:
         while True:
             sample = next(self._source)
             if self._predicate(sample):
+                log = self.position_log
+                if log is not None:
+                    log.append(getattr(self._source, "position", None))
                 return sample
 
     @property

@@ -127,6 +127,10 @@ class _ShuffleIterator(StageIterator):
         self._epoch = epoch
         self._topology = topology
         self.position: int | None = None  # the record position of the sample returned last (None: by data)
+        #: Where set (a list), the ``position`` of each sample returned is appended to it as it is returned: how
+        #: a MixedLoader worker logs its samples' positions in bulk (``shardkit.loader.micro_batches.PositionLog``),
+        #: without a Python call per sample around this iterator (``.map()``'s and ``.filter()``'s have one too).
+        self.position_log: list[int | None] | None = None
 
     def __next__(self) -> Any:
         buffer, held = self._buffer, self._held
@@ -158,6 +162,9 @@ class _ShuffleIterator(StageIterator):
             encoded = self._encoded
             encoded[pick] = encoded[-1]
             encoded.pop()
+        log = self.position_log
+        if log is not None:
+            log.append(self.position)
         if self._repeats is not None:  # only after a resume that dealt "pad" repeats
             self._drop_flag(pick)
         return sample

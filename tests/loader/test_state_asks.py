@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardkit
-from shardkit.loader.micro_batches import START, MicroBatches
+from shardkit.loader.micro_batches import START, MicroBatches, positions_of
 from shardkit.state import StateError
 from shardkit.stateful import decode_runs, encode_positions, encode_runs, pack
 from tests.helpers.examples import examples
@@ -49,7 +49,7 @@ def test_a_worker_sends_its_state_only_with_its_first_and_last_message_and_when_
     assert [message[3] is None for message in rest[:-1]] == [True] * (len(rest) - 1)
     assert rest[-1][1] == 0 and isinstance(rest[-1][3], dict)
     # Every micro-batch carries its samples' record positions: 60 records read in order, shard after shard.
-    positions = np.concatenate([message[5] for message in [*unasked, answer, *rest[:-1]]])
+    positions = np.concatenate([positions_of(message[5]) for message in [*unasked, answer, *rest[:-1]]])
     assert positions.tolist() == [pack(shard, record) for shard in (0, 1) for record in range(30)]
 
 
