@@ -489,6 +489,21 @@ def read_batches(
     if src.compression is not None:
         first = offset = 0  # compressed streams cannot seek by record
         end = None
+    yield from _read_batches(source, src, verify, start=start, stop=stop, first=first, offset=offset, end=end)
+
+
+def _read_batches(
+    source: Stream | LocalFileOpener,
+    src: _Origin,
+    verify: bool,
+    *,
+    start: int,
+    stop: int | None,
+    first: int,
+    offset: int,
+    end: int | None,
+) -> Iterator[list[bytes]]:
+    """:func:`read_batches` from a source :func:`_open` opened (closed when done)."""
     blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
     try:
         for block in blocks:
