@@ -2,7 +2,8 @@
 
 It resolves where to start (from an index file or offsets the caller gives,
 checked against the file: :mod:`shardkit.formats.tfrecord.index`) and leaves
-the framing, the checks and the speed to :mod:`shardkit.formats.tfrecord.framing`.
+the framing, the checks and the speed to :mod:`shardkit.formats.tfrecord.arrays`
+(a local file under the compiled kernel) and :mod:`shardkit.formats.tfrecord.framing`.
 """
 
 from __future__ import annotations
