@@ -15,9 +15,8 @@ from shardkit import CorruptRecordError, ShardkitError
 from shardkit.cli import main
 from shardkit.formats.crc import crc32c, mask, mask_array, masked_crc32c, masked_crc32c_of_lengths
 from shardkit.formats.offsets import index_path_for
-from shardkit.formats.tfrecord import TFRecordWriter, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
+from shardkit.formats.tfrecord import TFRecordWriter, kernel, read_tfrecord, scan_count, scan_offsets, verify_tfrecord
 from shardkit.formats.tfrecord import framing as tfr
-from shardkit.formats.tfrecord import kernel
 from shardkit.formats.tfrecord.format import TFRecordFormat
 from shardkit.formats.tfrecord.index import build_index, read_index
 from shardkit.io import files as skio
