@@ -28,7 +28,8 @@ file's bytes in the same process (the fastest of ``f.read()`` of the whole file,
 CPU-time medians of interleaved rounds. The batches run
 in both layouts, ``large_binary`` (the default) and ``binary_view`` (no copy);
 with the compiled kernel they read the file in C, a batch per call
-(``read_pack``/``read_views``), with the Python one block by block.
+(``read_pack``/``read_views``; ``read_tfrecord``: ``read_cut``, a list of ``bytes``
+per call, shown beside the block reader it replaced), with the Python one block by block.
 Targets: per-record >= 0.5x and batches >= 0.8x of that fastest plain read.
 The load average is printed with the table: on a shared machine the cases
 that work on cache-resident blocks lose more to neighbours than plain reads.
@@ -322,6 +323,8 @@ def kernel_ratios(path: str, rounds: int, batch_records: int) -> None:
         runs[f"  same, binary_view, {kern.name} kernel"] = batches(kern, "binary_view")
         if kern is chosen:  # what bounds the targets: the readers with no CRC checked
             runs[f"  read_tfrecord, CRC off, {kern.name} kernel"] = per_record(kern, verify=False)
+            if kern.read_cut is not None:  # the block reader read_cut replaced (a Python call per 256 KB block)
+                runs[f"  read_tfrecord, block reader, {kern.name} kernel"] = per_record(kern._replace(read_cut=None))
             runs[f"  binary_view batches, CRC off, {kern.name} kernel"] = batches(kern, "binary_view", verify=False)
     for fn in runs.values():  # warms the page cache
         fn()

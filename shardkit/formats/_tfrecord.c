@@ -706,12 +706,16 @@ release_buf:
                           * the caller's block reader takes over at the record (it has the error messages) */
 #define READ_BAD_DATA 3  /* the record at state[START] has a bad data CRC */
 #define READ_ROOM 4      /* views: the buffer has no room for the next record; pack: the values buffer */
+#define READ_PAUSED 5    /* cut: the records of what was read are handed out (the next call reads on): as lazy as
+                          * the block reader, which hands out each block's records before it reads the next */
+#define READ_FAILED -2   /* cut: a bytes object could not be made (a Python error is set) */
 
 /* The reader's state (an int64 array Python keeps between calls, checked on every call). */
 enum { START, FILLED, POS, SIZE, INDEX, SKIP, LIMIT, CHUNK, STATE_LEN };
 
 typedef struct {
     int fd, verify, compact; /* compact: move a record cut off at the buffer's end to its start (pack's scratch) */
+    int gil;                 /* read_cut: the loop holds the GIL (it makes bytes objects), released around each read */
     uint8_t *buf;
     int64_t cap, s[STATE_LEN];
 } Reader;
@@ -750,9 +754,22 @@ static int fill(Reader *r, int64_t floor, int64_t hint) {
     if (hint > 0 && hint < want) want = hint;
     if (s[LIMIT] > s[POS] && s[LIMIT] - s[POS] < want) want = s[LIMIT] - s[POS];
     ssize_t n;
-    do n = pread(r->fd, r->buf + s[FILLED], (size_t)want, (off_t)s[POS]);
-    while (n < 0 && errno == EINTR);
-    if (n < 0) return FILL_ERROR;
+    int error = 0;
+    if (r->gil) {
+        Py_BEGIN_ALLOW_THREADS;
+        do n = pread(r->fd, r->buf + s[FILLED], (size_t)want, (off_t)s[POS]);
+        while (n < 0 && errno == EINTR);
+        error = errno;
+        Py_END_ALLOW_THREADS;
+    } else {
+        do n = pread(r->fd, r->buf + s[FILLED], (size_t)want, (off_t)s[POS]);
+        while (n < 0 && errno == EINTR);
+        error = errno;
+    }
+    if (n < 0) {
+        errno = error;
+        return FILL_ERROR;
+    }
     if (n == 0) return FILL_EOF;
     s[FILLED] += n;
     s[POS] += n;
@@ -764,6 +781,8 @@ typedef struct {
     uint8_t *views;   /* read_views: 16 bytes a record */
     int32_t index;    /* ... the array's data buffer the reader's buffer is */
     int64_t *offsets; /* read_pack: the data of record k at buf[offsets[k]:offsets[k + 1]] */
+    PyObject *records; /* read_cut: a list whose slot k gets record k's data as bytes (the GIL held) */
+    int failed;        /* ... a bytes object could not be made: a Python error is set */
 } Out;
 
 /* Check the data CRCs of the k records framed from START and hand out the good ones; the first bad one, or -1. */
@@ -773,7 +792,15 @@ static Py_ssize_t emit(Reader *r, Out *o, Py_ssize_t count, const int64_t *ends,
     int good = bad >= 0 ? (int)bad : k;
     for (int j = 0; j < good; j++, count++) {
         uint32_t n = (uint32_t)(ends[j] - start - OVERHEAD);
-        if (o->offsets) { /* down over the framing, in place: the bytes were read and checked just now, still cached */
+        if (o->records) { /* copied out of the bytes just read and checked, still in L1 */
+            PyObject *record = PyBytes_FromStringAndSize((const char *)r->buf + start + HEADER, (Py_ssize_t)n);
+            if (!record) {
+                o->failed = 1;
+                good = j;
+                break;
+            }
+            PyList_SET_ITEM(o->records, count, record);
+        } else if (o->offsets) { /* down over the framing, in place: the bytes were read and checked just now, still cached */
             memmove(r->buf + o->offsets[count], r->buf + start + HEADER, n);
             o->offsets[count + 1] = o->offsets[count] + n;
         } else {
@@ -802,14 +829,20 @@ static int read_loop(Reader *r, Out *o, Py_ssize_t max_records, Py_ssize_t *coun
                 if ((got = next_record(r, at, ends + k)) != 1) break;
         }
         if (k) {
+            int64_t before = s[INDEX];
             Py_ssize_t bad = emit(r, o, *count, ends, k);
+            if (o->failed) { /* the records before the one that failed are handed out */
+                *count += (Py_ssize_t)(s[INDEX] - before);
+                return READ_FAILED;
+            }
             *count += bad >= 0 ? bad : k;
             if (bad >= 0) return READ_BAD_DATA;
             continue;
         }
         if (got < 0) return READ_HAND_OVER;
+        if (o->records && *count > 0) return READ_PAUSED;
         int64_t floor = o->offsets ? o->offsets[*count] : 0, hint = 0;
-        if (r->compact && *count > 0) { /* read about what the batch's last records need: what read_pack reads after
+        if (o->offsets && *count > 0) { /* read about what the batch's last records need: what read_pack reads after
                                          * them moves to the next values buffer (or the same, if the array copies) */
             int64_t per = (s[POS] - (s[FILLED] - s[START]) - began) / *count + 1;
             hint = per * (max_records - *count + 1) - (s[FILLED] - s[START]);
@@ -852,17 +885,29 @@ static int reader_open(Reader *r, PyObject *buf_obj, Py_buffer *buf, PyObject *s
     return 0;
 }
 
-/* Run the loop, write the state back, release the buffers; (count, status) or NULL. */
-static PyObject *reader_run(Reader *r, Out *o, Py_ssize_t max_records, Py_buffer *buf, Py_buffer *state) {
-    Py_ssize_t count = 0;
+/* Run the loop, write the state back, release the buffers; the status (< 0: a Python error is set). */
+static int reader_loop(Reader *r, Out *o, Py_ssize_t max_records, Py_buffer *buf, Py_buffer *state,
+                       Py_ssize_t *count) {
     int status;
-    Py_BEGIN_ALLOW_THREADS;
-    status = read_loop(r, o, max_records, &count);
-    Py_END_ALLOW_THREADS;
-    if (status < 0) PyErr_SetFromErrno(PyExc_OSError);
+    *count = 0;
+    if (r->gil) { /* read_cut: the loop makes bytes objects, and releases the GIL around each read itself */
+        status = read_loop(r, o, max_records, count);
+    } else {
+        Py_BEGIN_ALLOW_THREADS;
+        status = read_loop(r, o, max_records, count);
+        Py_END_ALLOW_THREADS;
+    }
+    if (status == -1) PyErr_SetFromErrno(PyExc_OSError);
     memcpy(state->buf, r->s, sizeof(r->s));
     PyBuffer_Release(state);
     PyBuffer_Release(buf);
+    return status;
+}
+
+/* reader_loop's (count, status), or NULL. */
+static PyObject *reader_run(Reader *r, Out *o, Py_ssize_t max_records, Py_buffer *buf, Py_buffer *state) {
+    Py_ssize_t count;
+    int status = reader_loop(r, o, max_records, buf, state, &count);
     if (status < 0) return NULL;
     return Py_BuildValue("ni", count, status);
 }
@@ -919,6 +964,35 @@ fail:
     PyBuffer_Release(&state);
     PyBuffer_Release(&buf);
     return NULL;
+}
+
+/* read_pack's loop with each record's data copied into a bytes object as soon as it is checked (read_tfrecord):
+ * the buffer is scratch, compacted in place (what is left of a read moves to its start). */
+static PyObject *read_cut(PyObject *self, PyObject *args) {
+    PyObject *buf_obj, *state_obj;
+    int fd, verify;
+    Py_ssize_t max_records;
+    if (!PyArg_ParseTuple(args, "iOOnp", &fd, &buf_obj, &state_obj, &max_records, &verify)) return NULL;
+    if (max_records < 0 || max_records > ((Py_ssize_t)1 << 24)) {
+        PyErr_Format(PyExc_ValueError, "read_cut: max_records %zd not in 0..2**24", max_records);
+        return NULL;
+    }
+    Reader r = {.fd = fd, .verify = verify, .compact = 1, .gil = 1};
+    Py_buffer buf, state;
+    if (reader_open(&r, buf_obj, &buf, state_obj, &state, INT32_MAX) < 0) return NULL;
+    Out o = {.records = PyList_New(max_records)};
+    if (!o.records) {
+        PyBuffer_Release(&state);
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    Py_ssize_t count;
+    int status = reader_loop(&r, &o, max_records, &buf, &state, &count);
+    if (status < 0 || PyList_SetSlice(o.records, count, max_records, NULL) < 0) { /* the slots no record filled */
+        Py_DECREF(o.records);
+        return NULL;
+    }
+    return Py_BuildValue("Ni", o.records, status);
 }
 
 static PyObject *crc32c_py(PyObject *self, PyObject *arg) {
@@ -988,10 +1062,14 @@ static PyMethodDef methods[] = {
      "read_views(fd, buf, state, max_records, verify, out, index) -> (count, status): read a local file into buf "
      "from state (int64[8]: start, filled, pos, size, index, skip, limit, chunk), check the records, write their "
      "binary_view views into out (data buffer `index`), until max_records or status (0 full, 1 end, 2 hand over, "
-     "3 bad data CRC at start, 4 no room in buf)."},
+     "3 bad data CRC at start, 4 no room in buf, 5 paused: read_cut only)."},
     {"read_pack", read_pack, METH_VARARGS,
      "read_pack(fd, buf, state, max_records, verify, offsets) -> (count, status): as read_views, the records' data "
      "moved down in buf over their framing, from offsets[0] (<= start), ending at offsets[1:]."},
+    {"read_cut", read_cut, METH_VARARGS,
+     "read_cut(fd, buf, state, max_records, verify) -> (records, status): as read_pack, each record's data copied "
+     "into a bytes object (a list of at most max_records, returned before a read once it has any: status 5); "
+     "buf is scratch, compacted in place."},
     {"crc32c", crc32c_py, METH_O, "CRC-32C of a buffer (hardware when available)."},
     {"crc32c_records", crc32c_records_py, METH_O,
      "CRC-32C of each buffer of a sequence, computed four at a time (interleaved) as the views' checks are."},

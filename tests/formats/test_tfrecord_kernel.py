@@ -339,8 +339,12 @@ for _ in range(int(sys.argv[2])):
             state[rng.randrange(8)] = rng.randrange(-2**62, 2**62)
         take = rng.randrange(0, 9)
         try:
-            if rng.random() < 0.5:
+            which = rng.random()
+            if which < 0.33:
                 k.read_views(fd, np.empty(size, np.uint8), state, take, rng.random() < 0.5, np.empty(16 * take, np.uint8), 0)
+            elif which < 0.67:
+                got, status = k.read_cut(fd, np.empty(size, np.uint8), state, take, rng.random() < 0.5)
+                assert len(got) <= take and all(type(r) is bytes for r in got), (len(got), take)
             else:
                 offsets = np.zeros(take + 1, np.int64)
                 k.read_pack(fd, np.empty(size, np.uint8), state, take, rng.random() < 0.5, offsets)
@@ -580,6 +584,8 @@ def test_the_compiled_readers_refuse_a_state_that_does_not_fit_their_buffer(tmp_
                 compiled.read_views(fd, np.empty(100, np.uint8), state, 3, True, np.empty(48, np.uint8), 0)
             with pytest.raises(ValueError, match="does not fit a buffer of 100 bytes"):
                 compiled.read_pack(fd, np.empty(100, np.uint8), state, 3, True, np.zeros(4, np.int64))
+            with pytest.raises(ValueError, match="does not fit a buffer of 100 bytes"):
+                compiled.read_cut(fd, np.empty(100, np.uint8), state, 3, True)
         with pytest.raises(ValueError, match="too small for 3 views"):
             compiled.read_views(
                 fd, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.empty(47, np.uint8), 0
@@ -588,6 +594,10 @@ def test_the_compiled_readers_refuse_a_state_that_does_not_fit_their_buffer(tmp_
             compiled.read_pack(fd, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.ones(4, np.int64))
         with pytest.raises(OSError):
             compiled.read_pack(-1, np.empty(100, np.uint8), np.array(good, np.int64), 3, True, np.zeros(4, np.int64))
+        with pytest.raises(OSError):
+            compiled.read_cut(-1, np.empty(100, np.uint8), np.array(good, np.int64), 3, True)
+        with pytest.raises(ValueError, match="max_records -1"):
+            compiled.read_cut(fd, np.empty(100, np.uint8), np.array(good, np.int64), -1, True)
     finally:
         os.close(fd)
 
@@ -609,6 +619,58 @@ def test_read_pack_reads_about_what_a_batch_needs_not_a_whole_read_past_it(tmp_p
     start, filled, pos = state[:3]
     assert pos - (filled - start) == 300 * 116  # the next record's offset
     assert filled - start <= 4096 + 2 * 116, filled - start  # not the rest of a 256 KB read
+
+
+@needs_c
+def test_read_cut_hands_out_the_records_of_each_read_before_reading_on_and_stops_at_a_bad_data_crc(tmp_path) -> None:
+    """As lazy as the block reader (a file cut behind it is still seen), and a bad record is never handed out."""
+    assert compiled is not None
+    records = [bytes([i]) * 100 for i in range(50)]
+    data = bytearray(b"".join(map(framed, records)))
+    data[30 * 116 + 12 + 7] ^= 0x04  # record 30's data
+    path = str(tmp_path / "a.tfrecord")
+    with open(path, "wb") as f:
+        f.write(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        state = np.array([0, 0, 0, 1000, 0, 0, -1, 1000], np.int64)  # reads of 1,000 bytes: 8 records and a part
+        buf = np.empty(2000, np.uint8)
+        got, status = compiled.read_cut(fd, buf, state, 128, True)
+        assert (got, status) == (records[:8], kernel.READ_PAUSED)
+        assert state[2] == 1000  # one read so far
+        seen = got
+        while status == kernel.READ_PAUSED:
+            got, status = compiled.read_cut(fd, buf, state, 128, True)
+            seen += got
+        assert (seen, status) == (records[:30], kernel.READ_BAD_DATA)
+        start, filled, pos, _, index = state[:5].tolist()
+        assert (index, pos - (filled - start)) == (30, 30 * 116)  # the bad record: where the error names it
+        assert compiled.read_cut(fd, buf, state, 128, False)[0][0] == bytes(data[30 * 116 + 12 : 30 * 116 + 112])
+    finally:
+        os.close(fd)
+
+
+@needs_c
+def test_read_tfrecord_reads_a_local_file_with_read_cut_and_hands_long_records_to_the_block_reader(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(tfr, "BLOCK_SIZE", 4096)  # read_cut's reads: 4 KB, its buffer 8 KB
+    rng = np.random.default_rng(4)
+    records = [rng.bytes(int(n)) for n in rng.choice([10, 300, 5000, 20000], 400, p=[0.4, 0.5, 0.07, 0.03])]
+    path = write(str(tmp_path / "a.tfrecord"), records)
+    results: list[int] = []  # the status of each call
+
+    def counted(*args: object) -> tuple[list[bytes], int]:
+        got, status = compiled.read_cut(*args)  # type: ignore[union-attr]
+        results.append(status)
+        return got, status
+
+    monkeypatch.setattr(kernel, "KERNEL", c_kernel()._replace(read_cut=counted))
+    assert list(read_tfrecord(path)) == records
+    assert list(read_tfrecord(path, start=7, stop=391)) == records[7:391]
+    assert kernel.READ_HAND_OVER in results and kernel.READ_PAUSED in results and kernel.READ_END in results
+    handed = len(results) - 1 - results[::-1].index(kernel.READ_HAND_OVER)
+    assert handed < len(results) - 1  # the compiled reader read on after the last long record
 
 
 @needs_c
@@ -670,7 +732,7 @@ def test_a_file_truncated_under_read_tfrecord_batches_at_a_record_boundary_is_re
 CUTS_PROBE = r"""
 import json
 from shardkit import CorruptRecordError
-from shardkit.formats.tfrecord import framing, kernel, read_tfrecord_batches
+from shardkit.formats.tfrecord import framing, kernel, read_tfrecord, read_tfrecord_batches
 framing.BLOCK_SIZE = 512  # the compiled reader's buffers: switched, and records handed over, often
 path = PATH
 whole = open(path, "rb").read()
@@ -678,11 +740,14 @@ seen = []
 for cut in range(0, len(whole) + 1, 4):
     with open(path, "wb") as f:
         f.write(whole[:cut])
-    for arrow_type in ("large_binary", "binary_view"):
+    for arrow_type in ("large_binary", "binary_view", None):  # None: read_tfrecord (read_cut)
         records = []
         try:
-            for array in read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type, compression=None):
-                records.extend(r.hex() for r in array.to_pylist())
+            if arrow_type is None:
+                records.extend(r.hex() for r in read_tfrecord(path, compression=None))
+            else:
+                for array in read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type, compression=None):
+                    records.extend(r.hex() for r in array.to_pylist())
             error = None
         except CorruptRecordError as e:
             error = [e.record_index, e.offset, str(e)]
@@ -695,8 +760,9 @@ print(json.dumps([kernel.BACKEND, kernel.COMPILED.VECTOR_CRC, seen]))
 def test_every_cut_of_a_damaged_file_reads_alike_with_the_c_reader_without_avx512_and_the_python_kernel(
     tmp_path, monkeypatch
 ) -> None:
-    """The compiled reader in a process with ``SHARDKIT_NO_AVX512`` set (three crc32 streams, not folding), against
-    the Python kernel's block reader, on every fourth cut of a file with a damaged record."""
+    """The compiled readers (``read_pack``, ``read_views``, ``read_cut``) in a process with ``SHARDKIT_NO_AVX512`` set
+    (crc32 streams, not folding), against the Python kernel's block reader, on every fourth cut of a file with a
+    damaged record."""
     records = [bytes([n % 251]) * n for n in (0, 5, 70, 300, 1000, 64, 257, 700, 3)]
     data = bytearray(b"".join(map(framed, records)))
     data[sum(map(len, map(framed, records[:3]))) + 12 + 100] ^= 1  # record 3's data
@@ -711,8 +777,11 @@ def test_every_cut_of_a_damaged_file_reads_alike_with_the_c_reader_without_avx51
     for cut in range(0, len(data) + 1, 4):
         with open(path, "wb") as f:
             f.write(data[:cut])
-        for arrow_type in ("large_binary", "binary_view"):
-            got, error = read_all(lambda: read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type))
+        for arrow_type in ("large_binary", "binary_view", None):
+            if arrow_type is None:
+                got, error = read_all(lambda: read_tfrecord(path))
+            else:
+                got, error = read_all(lambda: read_tfrecord_batches(path, batch_records=2, arrow_type=arrow_type))
             expected.append([[r.hex() for r in got], None if error is None else [error[0], error[1], error[3]]])
     assert seen == expected
     assert sum(error is not None and "data CRC" in error[2] for _, error in seen) > 100

@@ -19,7 +19,8 @@ How the reader is fast (each step measured on ``benchmarks/tfrecord.py``):
   call finds the record boundaries of the whole block and checks their length
   CRCs; one call per :data:`_BATCH` records checks their data CRCs and copies
   them out, handed out (by ``read_tfrecord``) through ``itertools.chain``: no
-  Python frame per record.
+  Python frame per record (a local file under the compiled kernel: none per block
+  either, :func:`~shardkit.formats.tfrecord.arrays.read_records`).
 - ``read_arrays`` (:mod:`~shardkit.formats.tfrecord.arrays`, for
   ``read_tfrecord_batches``) makes no Python object per record, and reads a
   local uncompressed file with the compiled kernel's own reader, a batch per
@@ -489,6 +490,21 @@ def read_batches(
     if src.compression is not None:
         first = offset = 0  # compressed streams cannot seek by record
         end = None
+    yield from _read_batches(source, src, verify, start=start, stop=stop, first=first, offset=offset, end=end)
+
+
+def _read_batches(
+    source: Stream | LocalFileOpener,
+    src: _Origin,
+    verify: bool,
+    *,
+    start: int,
+    stop: int | None,
+    first: int,
+    offset: int,
+    end: int | None,
+) -> Iterator[list[bytes]]:
+    """:func:`read_batches` from what :func:`_open` opened (closed when done)."""
     blocks = _blocks(source, src, first_index=first, offset=offset, check_headers=verify, end=end)
     try:
         for block in blocks:

@@ -17,15 +17,16 @@ Python loop per record beyond handing the records out:
   ``binary_view`` view of each (16 bytes: length, prefix, buffer, offset),
   leaving the data where it was read: no copy at all.
 
-Two more, compiled only, read a local file themselves, a batch per call
-(``read_tfrecord_batches``' fast path, :mod:`~shardkit.formats.tfrecord.arrays`):
-``read_views`` and ``read_pack`` read the file in cache-sized pieces and
-frame, check and view (or copy out) each piece's records while they are in
-the cache, until the batch is whole or something needs Python (the end of the
-file, a bad CRC, a cut or overlong record: see :data:`READ_FULL` and the
-statuses after it). The Python kernel has none: without them the reader takes
-its blocks from :mod:`~shardkit.formats.tfrecord.framing` and calls ``views``
-or ``pack`` per block, which the tests compare with the fast path.
+Three more, compiled only, read a local file themselves, a batch per call
+(the fast path of ``read_tfrecord_batches`` and ``read_tfrecord``, :mod:`~shardkit.formats.tfrecord.arrays`):
+``read_views``, ``read_pack`` and ``read_cut`` (a ``bytes`` per record) read
+the file in cache-sized pieces and frame, check and view (or copy out) each
+piece's records while they are in the cache, until the batch is whole or
+something needs Python (the end of the file, a bad CRC, a cut or overlong
+record: see :data:`READ_FULL` and the statuses after it). The Python kernel
+has none: without them the reader takes its blocks from
+:mod:`~shardkit.formats.tfrecord.framing` and calls ``views``, ``pack`` or
+``cut`` per block, which the tests compare with the fast path.
 
 Record ``i`` of a block spans ``buf[start_i:ends[i]]`` where ``start_0`` is
 the block's ``first`` offset and ``start_i = ends[i - 1]``.
@@ -61,6 +62,7 @@ __all__ = [
     "READ_END",
     "READ_FULL",
     "READ_HAND_OVER",
+    "READ_PAUSED",
     "READ_ROOM",
     "READ_STATE",
     "VIEW_BYTES",
@@ -115,6 +117,12 @@ class _ReadPack(Protocol):
     ) -> tuple[int, int]: ...
 
 
+class _ReadCut(Protocol):
+    def __call__(
+        self, fd: int, buf: np.ndarray, state: np.ndarray, max_records: int, verify: bool
+    ) -> tuple[list[bytes], int]: ...
+
+
 READ_STATE: Final = ("start", "filled", "pos", "size", "index", "skip", "limit", "chunk")
 """The ``int64`` state ``read_views`` and ``read_pack`` read and update, in order: the buffer's next record
 (``start``) and end of data (``filled``), the file offset after it (``pos``), the next read's size (``size``,
@@ -134,6 +142,9 @@ READ_ROOM: Final = 4
 """The buffer has no room for the rest of the record at ``start``: ``read_views`` reads it into another,
 ``read_pack`` into a larger one (the data below ``floor`` kept). (A record that alone fills most of the buffer
 is handed over instead.)"""
+READ_PAUSED: Final = 5
+"""``read_cut`` only: the records of the bytes read so far are handed out, fewer than ``max_records``; the next call
+reads on (as lazy as the block reader, which hands out a block's records before reading the next)."""
 
 
 class Kernel(NamedTuple):
@@ -162,6 +173,10 @@ class Kernel(NamedTuple):
     """``read_pack(fd, buf, state, max_records, verify, offsets) -> (count, status)``: as ``read_views``, each
     record's data then moved down in ``buf`` over the framing, from ``offsets[0]`` (at most ``start``;
     ``offsets[k + 1]`` where the ``k``-th ends): ``buf`` is the values buffer, read and compacted in place."""
+    read_cut: _ReadCut | None = None
+    """``read_cut(fd, buf, state, max_records, verify) -> (records, status)``: as ``read_pack``, each record's data
+    copied into a ``bytes`` as soon as it is checked (``read_tfrecord``), ``buf`` a scratch buffer (what is left of
+    a read moves to its start)."""
 
 
 # --------------------------------------------------------------------------- Python
@@ -308,7 +323,7 @@ def _c_kernel(module: Any) -> Kernel:
         count, bad = c_frame(buf, pos, end, out, check_lengths)
         return out[:count], bool(bad)
 
-    return Kernel("c", frame, c_cut, c_pack, c_views, module.read_views, module.read_pack)
+    return Kernel("c", frame, c_cut, c_pack, c_views, module.read_views, module.read_pack, module.read_cut)
 
 
 KERNEL: Final = _c_kernel(COMPILED) if COMPILED is not None else PYTHON

@@ -2,7 +2,8 @@
 
 It resolves where to start (from an index file or offsets the caller gives,
 checked against the file: :mod:`shardkit.formats.tfrecord.index`) and leaves
-the framing, the checks and the speed to :mod:`shardkit.formats.tfrecord.framing`.
+the framing, the checks and the speed to :mod:`shardkit.formats.tfrecord.arrays`
+(a local file under the compiled kernel) and :mod:`shardkit.formats.tfrecord.framing`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import pyarrow as pa
 
 from shardkit.errors import ShardkitError
 from shardkit.formats.tfrecord import index as index_files
-from shardkit.formats.tfrecord.arrays import ARROW_TYPES, read_arrays
-from shardkit.formats.tfrecord.framing import read_batches
+from shardkit.formats.tfrecord.arrays import ARROW_TYPES, read_arrays, read_records
 from shardkit.io.remote import RemoteOptions
 
 __all__ = ["IndexLike", "read_tfrecord", "read_tfrecord_batches"]
@@ -175,7 +175,7 @@ def _read(
     if position is None:
         return
     first, offset, end = position
-    yield from read_batches(
+    yield from read_records(
         url, compression, verify, storage_options, remote, start=start, stop=stop, first=first, offset=offset, end=end
     )
 
