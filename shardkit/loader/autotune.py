@@ -29,7 +29,9 @@ Then the loader measures every step (:mod:`shardkit.loader.stalls`: the time the
 waited in ``next()`` against its compute). Every window of steps (at least
 :attr:`Autotune.window_steps` steps and :attr:`Autotune.window_seconds` seconds)
 it also reads, from ``/proc``, the CPU time its workers used, how many of its
-CPUs sat idle, and the workers' memory (proportional set size: a forked worker's
+CPUs sat idle, and, when the decision would add workers (the one case the bound
+can change: reading it makes the kernel walk each worker's page tables, about
+20 ms of the main thread per torch worker), the workers' memory (proportional set size: a forked worker's
 pages shared with the main process count once, not once per worker). From one
 window, and the window before the last change, :func:`decide` returns the next
 worker count and why:
@@ -461,14 +463,13 @@ class Tuner:
             worker_cpu_seconds=cpu[0] - cpu0[0] if known else None,  # type: ignore[index]
             worker_queued_seconds=cpu[1] - cpu0[1] if known and cpu[1] is not None and cpu0[1] is not None else None,  # type: ignore[index,operator]
             idle_cpus=idle_cpus(times0, cpu_times()),
-            worker_memory_bytes=process_memory_bytes(pids),
             worker_busy_seconds=None if busy is None or busy0 is None else busy - busy0,
         )
         self._mark = None
         if self._skip:
             self._skip = False
             return None
-        return self._judge(window, steps)
+        return self._judge(window, steps, lambda: process_memory_bytes(pids))
 
     def _open(self, steps: int, wait_ns: int, compute_ns: int) -> Decision | None:
         """A step of the opening: sum the main thread's times; once it is long enough, the first guess.
@@ -506,8 +507,15 @@ class Tuner:
         self._record(decision, opening, steps)
         return decision
 
-    def _judge(self, window: Window, steps: int) -> Decision | None:
+    def _judge(self, window: Window, steps: int, memory: Callable[[], int | None] = lambda: None) -> Decision | None:
+        """Decide after ``window``. ``memory`` reads the workers' memory: only when the decision
+        grows, the one case the memory bound can change (it only lowers a count): reading it
+        (``smaps_rollup``: the kernel walks each worker's page tables) costs the main thread
+        about 20 ms per torch worker, too much to pay every window."""
         decision = decide(window, self._before, self.settings, self.limits)
+        if decision.workers > window.workers and not decision.back and window.worker_memory_bytes is None:
+            window = dataclasses.replace(window, worker_memory_bytes=memory())
+            decision = decide(window, self._before, self.settings, self.limits)
         if self._guessed and decision.workers > self.workers > 0 and not decision.back:
             # After the guess, growing restarts every worker: seconds when they hold remote reads.
             decision = dataclasses.replace(decision, reason=f"{decision.reason} at the next epoch", deferred=True)
