@@ -28,13 +28,10 @@ for the next epoch (a restart of every worker holding remote reads costs seconds
 Then the loader measures every step (:mod:`shardkit.loader.stalls`: the time the loop
 waited in ``next()`` against its compute). Every window of steps (at least
 :attr:`Autotune.window_steps` steps and :attr:`Autotune.window_seconds` seconds)
-it also reads, from ``/proc``, the CPU time its workers used, how many of its
-CPUs sat idle, and, when the decision would add workers (the one case the bound
-can change: reading it makes the kernel walk each worker's page tables, about
-20 ms of the main thread per torch worker), the workers' memory (proportional set size: a forked worker's
-pages shared with the main process count once, not once per worker). From one
-window, and the window before the last change, :func:`decide` returns the next
-worker count and why:
+it also reads, from ``/proc``, the CPU time its workers used, how many of its CPUs sat idle,
+and, only when it would add workers (:meth:`Tuner._judge`), their memory (proportional set
+size: a forked worker's pages shared with the main process count once). From one window, and
+the window before the last change, :func:`decide` returns the next worker count and why:
 
 * **Go back** when the last change added workers and the loop did not get faster
   by at least ``min(min_gain, wait / 2)`` (half of what removing the wait
@@ -69,21 +66,19 @@ worker count and why:
   (:attr:`Autotune.memory_bytes`, the workers' memory), :attr:`Autotune.max_workers`,
   and the ceiling.
 
-The first window after a change is not judged: new workers start and refill
-the queues the old ones held; the next one, which judges the change, is twice
-as long, so that a step back is not made on the noise of one window. Changes are rare by construction: one a window
-at most, at most doubling, and none after a step back.
+The first window after a change is not judged: new workers start and refill the queues the old
+ones held; the next one, which judges the change, is twice as long, so that a step back is not
+made on the noise of one window. Changes are rare by construction: one a window at most, at
+most doubling, and none after a step back.
 
-``prefetch="auto"`` (:func:`prefetch_for`) is a rule, not a loop: each worker
-keeps ``max(2, ceil(4 / workers))`` micro-batches in flight, at least four
-over all workers, so one slow micro-batch (a shard opened, a remote read
-retried) does not stall the loop; more workers interleave and need no more
-each.
+``prefetch="auto"`` (:func:`prefetch_for`) is a rule, not a loop: each worker keeps
+``max(2, ceil(4 / workers))`` micro-batches in flight, at least four over all workers, so one
+slow micro-batch (a shard opened, a remote read retried) does not stall the loop; more workers
+interleave and need no more each.
 
-:func:`guess` and :func:`decide` are pure functions of measured numbers; :class:`Tuner`
-keeps the windows and the history, and :mod:`shardkit.loader.usage` reads ``/proc``
-(Linux; elsewhere its readings are None and the bounds that need them are taken as
-met: CPU not spare, so no growth).
+:func:`guess` and :func:`decide` are pure functions of measured numbers; :class:`Tuner` keeps the
+windows and the history, and :mod:`shardkit.loader.usage` reads ``/proc`` (Linux; elsewhere its
+readings are None and the bounds that need them are taken as met: CPU not spare, so no growth).
 """
 
 from __future__ import annotations
@@ -508,10 +503,8 @@ class Tuner:
         return decision
 
     def _judge(self, window: Window, steps: int, memory: Callable[[], int | None] = lambda: None) -> Decision | None:
-        """Decide after ``window``. ``memory`` reads the workers' memory: only when the decision
-        grows, the one case the memory bound can change (it only lowers a count): reading it
-        (``smaps_rollup``: the kernel walks each worker's page tables) costs the main thread
-        about 20 ms per torch worker, too much to pay every window."""
+        """Decide after ``window``; ``memory`` (the workers') is read only if it grows, the one case its
+        bound binds (``smaps_rollup`` costs the main thread 10-20 ms per torch worker)."""
         decision = decide(window, self._before, self.settings, self.limits)
         if decision.workers > window.workers and not decision.back and window.worker_memory_bytes is None:
             window = dataclasses.replace(window, worker_memory_bytes=memory())
