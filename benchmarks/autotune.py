@@ -17,15 +17,17 @@ and everything auto does to choose its count are inside the time, as in a job wh
 first epoch is its whole run. Each workload runs with ``num_workers`` in 0..4 (``--prefetch``:
 DataLoader's ``prefetch_factor``, 2 by default; ``--prefetch 2 4`` tries both) and with
 ``"auto"`` for both; the configurations are interleaved ``--rounds`` times, each round in
-another order. Memory is the peak, sampled every 10 steps, of the proportional set size
-(``/proc/PID/smaps_rollup``) of the main process and its workers: pages a forked worker shares
-with the main process count once.
+another order. Memory is the peak, sampled every 10 steps by a thread (the kernel's walk of the
+page tables for ``/proc/PID/smaps_rollup`` takes about 20 ms a torch process: not in the timed
+loop), of the proportional set size of the main process and its workers: pages a forked worker
+shares with the main process count once.
 
 Printed per workload: each configuration's median steps/s and peak memory, then auto's
 ratio to the best hand-picked configuration (the fastest median): the median of the rounds'
 ratios against the target (>= 0.9x) and the worst round's against its floor (>= 0.8x), the
 load average over the workload's runs, and what auto chose in each round (with the step and
-the second of the run each change came at).
+the second of the run each change came at, and its stall: the wait of the ``next()`` that made
+it, the old workers stopped and the new ones started up to their first micro-batches).
 
     python benchmarks/autotune.py            # full run: about 10 minutes on 2 quiet cores
     python benchmarks/autotune.py --quick    # a smoke run (0 workers, 2 workers, auto; one round): not to be quoted
@@ -40,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -141,7 +144,7 @@ class Run:
     steps_per_second: float
     peak_bytes: int
     workers: int
-    changes: list[tuple[int, float, int, int]]  # (step, second of the run, from, to)
+    changes: list[Change]
     last: str = ""
 
 
@@ -149,23 +152,62 @@ def run(shards: shardkit.ShardList, workload: Workload, config: Config, steps: i
     """One new loader's first ``steps`` steps, timed from its first ``next()`` (its workers' start inside)."""
     built = loader(shards, workload, config)
     batches = iter(built)
-    peak, changes, workers = 0, [], built.num_workers
+    changes, workers = [], built.num_workers
+    sampler = MemorySampler(built)
     start = time.perf_counter()
     done = 0
     for done in range(1, steps + 1):
+        entered = time.perf_counter()
         if next(batches, None) is None:
             done -= 1
             break
+        waited = time.perf_counter() - entered
         time.sleep(workload.step_seconds)
-        if built.num_workers != workers:
-            changes.append((done, time.perf_counter() - start, workers, built.num_workers))
+        if built.num_workers != workers:  # decided after the last batch, made in this next(): its wait is the stall
+            changes.append(Change(done, entered - start, workers, built.num_workers, waited))
             workers = built.num_workers
-        if done % 10 == 1:
-            peak = max(peak, _memory(built))
+        sampler.steps = done
     rate = done / (time.perf_counter() - start)
+    peak = sampler.stop()
     tuned = built.stats().autotune  # type: ignore[union-attr]
     del batches, built
     return Run(rate, peak, workers, changes, "" if tuned is None else tuned["last"])
+
+
+@dataclass
+class Change:
+    """A change of auto's count, made in the ``next()`` of batch ``step`` that began ``at`` seconds into the
+    run (decided after the batch before), whose wait, ``stall``, the loop spent idle: the old workers
+    stopped, the new ones started and their first micro-batches made."""
+
+    step: int
+    at: float
+    old: int
+    new: int
+    stall: float
+
+
+class MemorySampler:
+    """The peak proportional set size of the loader's processes, read every 10 steps by a thread: reading
+    ``smaps_rollup`` makes the kernel walk each process's page tables (about 20 ms a torch process), which
+    the timed loop must not wait for (the read releases the GIL)."""
+
+    def __init__(self, built: shardkit.MixedLoader) -> None:
+        self.built, self.steps, self.peak, self._done = built, 0, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        seen = -10
+        while not self._done.wait(0.01):
+            if self.steps - seen >= 10:
+                seen = self.steps
+                self.peak = max(self.peak, _memory(self.built))
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
 
 
 def _worker_pids(built: shardkit.MixedLoader | None) -> list[int]:
@@ -237,10 +279,25 @@ def bench(shards: shardkit.ShardList, workload: Workload, args: argparse.Namespa
         f"over {os.cpu_count()} CPUs"
     )
     print("  rounds: " + ", ".join(f"{r:.2f}x" for r in ratios))
-    for index, runs in enumerate(results[AUTO]):
-        path = " ".join(f"{a}->{b} at step {step} ({at:.2f} s)" for step, at, a, b in runs.changes) or "no change"
-        print(f"  auto round {index + 1}: {runs.workers} workers at the end; {path}; last: {runs.last}")
+    print_auto(results[AUTO])
     return met
+
+
+def print_auto(runs: list[Run]) -> None:
+    """What auto chose in each round, and when its first change came and what it stalled the loop: figures
+    that depend on the machine's load less than the ratios do."""
+    for index, run_ in enumerate(runs):
+        path = " ".join(_change(change) for change in run_.changes) or "no change"
+        print(f"  auto round {index + 1}: {run_.workers} workers at the end; {path}; last: {run_.last}")
+    first = [run_.changes[0] for run_ in runs if run_.changes]
+    if first:
+        made = statistics.median(change.at for change in first)
+        stall = statistics.median(change.stall for change in first)
+        print(f"  first change (median of rounds): made {made:.2f} s after the first next(), a stall of {stall:.2f} s")
+
+
+def _change(change: Change) -> str:
+    return f"{change.old}->{change.new} at step {change.step} ({change.at:.2f} s, stall {change.stall:.2f} s)"
 
 
 def main() -> None:

@@ -222,6 +222,8 @@ class FormatBase:
     def prefetch(self, url: str, start: int, stop: int | None) -> None:
         """Start opening remote ``url`` for a later read of ``[start, stop)``: its first blocks when
         the range starts at the file's start, else just the open. Local files: nothing."""
+        if "://" not in url or url.startswith("file://"):  # local: no fsspec lookup per hinted range
+            return
         prefetch(url, self.storage_options, self.remote, offset=0 if start == 0 else None)
 
 

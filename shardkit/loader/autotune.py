@@ -28,11 +28,10 @@ for the next epoch (a restart of every worker holding remote reads costs seconds
 Then the loader measures every step (:mod:`shardkit.loader.stalls`: the time the loop
 waited in ``next()`` against its compute). Every window of steps (at least
 :attr:`Autotune.window_steps` steps and :attr:`Autotune.window_seconds` seconds)
-it also reads, from ``/proc``, the CPU time its workers used, how many of its
-CPUs sat idle, and the workers' memory (proportional set size: a forked worker's
-pages shared with the main process count once, not once per worker). From one
-window, and the window before the last change, :func:`decide` returns the next
-worker count and why:
+it also reads, from ``/proc``, the CPU time its workers used, how many of its CPUs sat idle,
+and, only when it would add workers (:meth:`Tuner._judge`), their memory (proportional set
+size: a forked worker's pages shared with the main process count once). From one window, and
+the window before the last change, :func:`decide` returns the next worker count and why:
 
 * **Go back** when the last change added workers and the loop did not get faster
   by at least ``min(min_gain, wait / 2)`` (half of what removing the wait
@@ -67,21 +66,19 @@ worker count and why:
   (:attr:`Autotune.memory_bytes`, the workers' memory), :attr:`Autotune.max_workers`,
   and the ceiling.
 
-The first window after a change is not judged: new workers start and refill
-the queues the old ones held; the next one, which judges the change, is twice
-as long, so that a step back is not made on the noise of one window. Changes are rare by construction: one a window
-at most, at most doubling, and none after a step back.
+The first window after a change is not judged: new workers start and refill the queues the old
+ones held; the next one, which judges the change, is twice as long, so that a step back is not
+made on the noise of one window. Changes are rare by construction: one a window at most, at
+most doubling, and none after a step back.
 
-``prefetch="auto"`` (:func:`prefetch_for`) is a rule, not a loop: each worker
-keeps ``max(2, ceil(4 / workers))`` micro-batches in flight, at least four
-over all workers, so one slow micro-batch (a shard opened, a remote read
-retried) does not stall the loop; more workers interleave and need no more
-each.
+``prefetch="auto"`` (:func:`prefetch_for`) is a rule, not a loop: each worker keeps
+``max(2, ceil(4 / workers))`` micro-batches in flight, at least four over all workers, so one
+slow micro-batch (a shard opened, a remote read retried) does not stall the loop; more workers
+interleave and need no more each.
 
-:func:`guess` and :func:`decide` are pure functions of measured numbers; :class:`Tuner`
-keeps the windows and the history, and :mod:`shardkit.loader.usage` reads ``/proc``
-(Linux; elsewhere its readings are None and the bounds that need them are taken as
-met: CPU not spare, so no growth).
+:func:`guess` and :func:`decide` are pure functions of measured numbers; :class:`Tuner` keeps the
+windows and the history, and :mod:`shardkit.loader.usage` reads ``/proc`` (Linux; elsewhere its
+readings are None and the bounds that need them are taken as met: CPU not spare, so no growth).
 """
 
 from __future__ import annotations
@@ -461,14 +458,13 @@ class Tuner:
             worker_cpu_seconds=cpu[0] - cpu0[0] if known else None,  # type: ignore[index]
             worker_queued_seconds=cpu[1] - cpu0[1] if known and cpu[1] is not None and cpu0[1] is not None else None,  # type: ignore[index,operator]
             idle_cpus=idle_cpus(times0, cpu_times()),
-            worker_memory_bytes=process_memory_bytes(pids),
             worker_busy_seconds=None if busy is None or busy0 is None else busy - busy0,
         )
         self._mark = None
         if self._skip:
             self._skip = False
             return None
-        return self._judge(window, steps)
+        return self._judge(window, steps, lambda: process_memory_bytes(pids))
 
     def _open(self, steps: int, wait_ns: int, compute_ns: int) -> Decision | None:
         """A step of the opening: sum the main thread's times; once it is long enough, the first guess.
@@ -506,8 +502,13 @@ class Tuner:
         self._record(decision, opening, steps)
         return decision
 
-    def _judge(self, window: Window, steps: int) -> Decision | None:
+    def _judge(self, window: Window, steps: int, memory: Callable[[], int | None] = lambda: None) -> Decision | None:
+        """Decide after ``window``; ``memory`` (the workers') is read only if it grows, the one case its
+        bound binds (``smaps_rollup`` costs the main thread 10-20 ms per torch worker)."""
         decision = decide(window, self._before, self.settings, self.limits)
+        if decision.workers > window.workers and not decision.back and window.worker_memory_bytes is None:
+            window = dataclasses.replace(window, worker_memory_bytes=memory())
+            decision = decide(window, self._before, self.settings, self.limits)
         if self._guessed and decision.workers > self.workers > 0 and not decision.back:
             # After the guess, growing restarts every worker: seconds when they hold remote reads.
             decision = dataclasses.replace(decision, reason=f"{decision.reason} at the next epoch", deferred=True)

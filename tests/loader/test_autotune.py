@@ -91,6 +91,24 @@ def test_the_memory_bound_stops_growth_and_says_so():
     assert stay.workers == 3 and "memory bound" in stay.reason
 
 
+def test_the_tuner_reads_the_workers_memory_only_for_a_window_that_would_grow_and_still_bounds_it():
+    reads = []
+
+    def memory() -> int:  # smaps_rollup: ~20 ms of the main thread per torch worker, so read only when needed
+        reads.append(1)
+        return 300 << 20  # 150 MiB a worker: 2 fit under 300 MiB
+
+    tuner = Tuner(SETTINGS, Limits(max_workers=8, memory_bytes=300 << 20), workers=2)
+    for _ in range(3):  # the loop hardly waits: a stay, decided without the memory
+        assert tuner._judge(window(2, wait=0.05), steps=40, memory=memory) is None
+    assert reads == []
+    stay = tuner._judge(window(2, wait=0.9), steps=80, memory=memory)  # would grow: the memory bound applies
+    assert stay is None and reads == [1] and "memory bound" in tuner.last, tuner.last
+    roomy = Tuner(SETTINGS, Limits(max_workers=8, memory_bytes=8 << 30), workers=2)
+    grow = roomy._judge(window(2, wait=0.9), steps=40, memory=memory)
+    assert grow is not None and grow.workers == 4
+
+
 def test_a_change_that_did_not_help_is_undone_and_never_tried_again():
     tuner = Tuner(SETTINGS, LIMITS, workers=2)
     assert tuner._judge(window(2, wait=0.9, rate=10), steps=40).workers == 4
