@@ -90,6 +90,7 @@ from shardkit.loader.autotune import AUTO, Autotune, check_prefetch, prefetch_fo
 from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state, records_of
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
+from shardkit.loader.restart import restartable
 from shardkit.loader.slabs import SPARE_SLOTS
 from shardkit.loader.stalls import GATHER_TIMEOUT, GatheredStats, LoaderStats, StallMeter, chrome_trace
 from shardkit.loader.stalls import gather as gather_stats
@@ -474,7 +475,11 @@ class MixedLoader:
         """How a saved state holds the undelivered samples (``LoaderStats.carried_as``)."""
         if not self.resumable:
             return None
-        return "positions" if not self._columns and records_of(self.dataset) is not None else "data"
+        if self._columns:
+            return "data"
+        if records_of(self.dataset) is not None:
+            return "positions"
+        return "restart" if self.num_workers and restartable(self.dataset) else "data"
 
     def record_timeline(self) -> None:
         """Keep every step and micro-batch from the next epoch on, for :meth:`timeline`.

@@ -1,0 +1,114 @@
+"""A worker's dataset state at the point its samples were delivered, made again from a restart point.
+
+When :meth:`~shardkit.MixedLoader.state_dict` is called, a worker has made more samples than the
+batches delivered: the rest of a micro-batch cut part-way, the micro-batches queued in the main
+process and those in flight. Where their records can be read again the saved state names them by
+position (:mod:`shardkit.loader.loader_state`); where they cannot (``.pack()`` blocks, a
+``.batch``, ``interleave``, a wrapped plain iterable) they used to travel in the state as data,
+about 8 KB a packed block of 2048 int32 tokens.
+
+Instead, a worker keeps a few *restart points*: its dataset's state after a known number of its
+samples, taken (never sent) whenever the work since the last one is at least
+:data:`POINT_RATIO` times what a state costs (so keeping them costs at most about 1% of the
+worker's time), and the state it started its iteration from. The main process asks for the state
+at the *point*, the number of the worker's samples it has delivered (the ask's second slot in
+shared memory, :mod:`shardkit.loader.micro_batches`); the worker loads its latest restart point at
+or before it into a copy of its dataset, makes and drops the samples between the two (at most
+:data:`MAX_SKIP`), and answers with the copy's state: the dataset's exact position at the point,
+with nothing carried. It runs in the worker process that made the samples, so the copy reads the
+same shards as the same worker of the same rank: the samples it makes again are the ones it made,
+provided the pipeline is deterministic given its state (the requirement a ``.map`` already meets
+for records read again by position: its output a function of its input and ``record_seed()``).
+The saved state is an ordinary one, so it merges over workers and ranks as any other (elastic
+resume, ``merge_ranks``) and no new field is saved. Where no restart point lies within
+:data:`MAX_SKIP` samples before the point, the worker answers with its state after the micro-batch
+it sends, and the samples before it are carried as before.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from shardkit.pipeline import Pipeline
+from shardkit.stateful import State, StateError
+
+#: A restart point is kept once the worker's work since the last is this many times what a state costs (~1%).
+POINT_RATIO = 99.0
+#: The most samples a worker makes again to answer an ask; further from a restart point, it carries them.
+MAX_SKIP = 4096
+#: Restart points a worker keeps (the latest ones; the point asked for is at most a few micro-batches back).
+KEPT = 8
+
+
+def restartable(dataset: Any) -> bool:
+    """Whether a worker of ``dataset`` keeps restart points: a shardkit pipeline every source of which
+    reads its records again (``records()``: shards, a map-style dataset). A wrapped plain iterable is
+    not one: it may not give the same items twice (nor be copied), so what it made is carried as data."""
+    if not isinstance(dataset, Pipeline):
+        return False
+    if not dataset.upstream:
+        return dataset.records() is not None
+    return all(restartable(upstream) for upstream in dataset.upstream)
+
+
+@dataclass(frozen=True, slots=True)
+class AtPoint:
+    """A worker's answer to an ask (sent in a message's state slot): ``state``, its dataset's state after
+    ``point`` of its samples (None where it cannot make it), and ``after``, its state after the
+    micro-batch the answer comes with (None when ``state`` is given)."""
+
+    point: int
+    state: Any
+    after: Any
+
+
+class RestartPoints:
+    """A worker's recent restart points: ``(samples made, dataset state)``, oldest first."""
+
+    def __init__(self, dataset: Any) -> None:
+        self._dataset = dataset
+        self._points: deque[tuple[int, State]] = deque(maxlen=KEPT)
+        self.made = 0  #: samples this iteration has made so far
+
+    def keep(self, state: Any) -> None:
+        """Keep ``state`` (the dataset's, after :attr:`made` samples) as a restart point (not a failure message)."""
+        if isinstance(state, dict):
+            self._points.append((self.made, state))
+
+    def state_at(self, point: int) -> State | None:
+        """The dataset's state after ``point`` of its samples; None without a restart point at most
+        :data:`MAX_SKIP` samples before it.
+
+        Raises:
+            StateError: the samples made again end before the point (the shards changed under the run).
+        """
+        found = [(made, state) for made, state in self._points if made <= point <= self.made]
+        if not found or point - found[-1][0] > MAX_SKIP:
+            return None
+        made, state = found[-1]
+        return state if made == point else remade(self._dataset, state, point - made)
+
+
+def remade(dataset: Any, state: State, skip: int) -> State:
+    """The state of a copy of ``dataset`` loaded with ``state`` after its next ``skip`` samples.
+
+    Raises:
+        StateError: the stream ends before ``skip`` samples.
+    """
+    replica = copy.deepcopy(dataset)  # without its live iterator (Pipeline.__getstate__), counters of its own
+    replica.load_state_dict(state)
+    samples = iter(replica)
+    for made in range(skip):
+        if next(samples, _END) is _END:
+            raise StateError(
+                f"MixedLoader.state_dict(): a worker reading {dataset!r} made {skip} samples after a restart "
+                f"point, but read again from it the stream ends after {made}: its shards changed while they "
+                "were read (a file truncated or replaced), or the pipeline is not deterministic given its state"
+            )
+    return replica.state_dict()
+
+
+_END = object()
