@@ -104,11 +104,19 @@ def remade(dataset: Any, state: State, skip: int) -> State:
     for made in range(skip):
         if next(samples, _END) is _END:
             raise StateError(
-                f"MixedLoader.state_dict(): a worker reading {dataset!r} made {skip} samples after a restart "
-                f"point, but read again from it the stream ends after {made}: its shards changed while they "
-                "were read (a file truncated or replaced), or the pipeline is not deterministic given its state"
+                f"MixedLoader.state_dict(): a worker of {dataset!r} made {skip} samples after a restart point, "
+                f"but read again from it the stream ends after {made}: its shards ({_shards(dataset)}) changed "
+                "while they were read (a file truncated or replaced), or the pipeline is not deterministic given "
+                "its state; load the last state saved"
             )
     return replica.state_dict()
+
+
+def _shards(dataset: Any) -> str:
+    """The shard lists of ``dataset``'s sources, for an error (a ShardList names its first and last url)."""
+    if not isinstance(dataset, Pipeline) or dataset.upstream:
+        return ", ".join(_shards(upstream) for upstream in getattr(dataset, "upstream", ()))
+    return repr(getattr(dataset, "shards", dataset))
 
 
 _END = object()
