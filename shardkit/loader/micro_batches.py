@@ -28,6 +28,11 @@ positions (an int64 array, 8 bytes a sample; :class:`PositionLog` reads the root
 iterator's ``position`` after each sample), so that a saved state names the
 undelivered samples the main process holds by position rather than holding them.
 
+Where they cannot, but the pipeline's sources read records again (``.pack()`` blocks), the ask
+names a *point* (the worker's samples delivered, the control's second slot; its third says the
+worker answers so) and the worker answers with its state at that point, made from a restart point
+it kept (:mod:`shardkit.loader.restart`), wrapped in an :class:`~shardkit.loader.restart.AtPoint`.
+
 The main process (:mod:`shardkit.loader.mixer`) learns from the first message
 where a worker starts and from an empty one that it has no more data; in
 between, collated micro-batches travel through the worker's

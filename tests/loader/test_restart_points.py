@@ -88,6 +88,29 @@ def test_a_packed_token_loader_state_is_under_4_kb_per_rank_at_every_cut_and_res
 
 
 @pytest.mark.slow
+def test_states_saved_after_every_batch_of_one_run_each_resume_the_uninterrupted_blocks(tmp_path: Path) -> None:
+    """Each save asks the workers again for the point delivered then (micro-batches of 3 in batches of 4).
+    A save receives messages up to the answer, so the workers run ahead: these 37 blocks a worker have
+    all been made by the fifth save, after which what they made is carried."""
+
+    tokens = write_pair(tmp_path, dtype=np.int32)
+
+    def small() -> shardkit.MixedLoader:
+        pipeline = shardkit.TokenDataset(tokens, shuffle=True, seed=4).pack(16)
+        return shardkit.MixedLoader(pipeline, 4, num_workers=2, micro_batch_size=3)
+
+    full = [batch["input_ids"] for batch in small()]
+    saving, states = small(), []
+    for batch in saving:
+        states.append(json.loads(json.dumps(saving.state_dict())))
+    assert not any(state["carry"] for state in states[:3]), "no carry while the workers run"
+    for step in (1, 3, len(full) - 1):
+        resumed = small()
+        resumed.load_state_dict(states[step - 1])
+        assert same_blocks([batch["input_ids"] for batch in resumed], full[step:]), step
+
+
+@pytest.mark.slow
 def test_a_state_made_at_the_delivered_point_resumes_on_another_worker_count_every_token_once(prefix: str) -> None:
     full = torch.cat([batch["input_ids"].flatten() for batch in loader(prefix)])
     delivered, state = saved_after(loader(prefix), 5)
