@@ -416,7 +416,8 @@ class Mixer(Iterator[Any]):
             self._base[worker] = state
             if payload is not None:  # the busy flags of the worker's slab ring
                 self._flags[worker] = payload.numpy()
-            self._asks[worker] = None if positions is None else positions.numpy()  # its ask count, point, whether at points
+            # Its ask count, the point asked for, and whether it answers at points.
+            self._asks[worker] = None if positions is None else positions.numpy()
             self._points[worker] = positions is not None and len(positions) > 2 and bool(positions[2])
             return
         self._timed(worker, timing)

@@ -149,7 +149,9 @@ def test_a_gathered_global_state_is_not_gathered_twice() -> None:
 BATCH, MICRO = 8, 3  # micro_batch_size not dividing batch_size: every save cuts micro-batches
 
 
-def mixed_loader(kind: str, rank: int, world_size: int, balance: str, workers: int, restart: bool = False) -> MixedLoader:
+def mixed_loader(
+    kind: str, rank: int, world_size: int, balance: str, workers: int, restart: bool = False
+) -> MixedLoader:
     """Without ``restart`` its workers keep no restart points (shardkit.loader.restart): a save carries
     the undelivered samples of cut micro-batches, as these tests need."""
     loader = MixedLoader(pipeline(kind, rank, world_size, balance), BATCH, num_workers=workers, micro_batch_size=MICRO)
