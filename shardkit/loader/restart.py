@@ -70,13 +70,23 @@ class RestartPoints:
 
     def __init__(self, dataset: Any) -> None:
         self._dataset = dataset
+        self._replica: Any = None  # a copy of the dataset, made at the first answer, loaded anew for each
         self._points: deque[tuple[int, State]] = deque(maxlen=KEPT)
         self.made = 0  #: samples this iteration has made so far
 
-    def keep(self, state: Any) -> None:
-        """Keep ``state`` (the dataset's, after :attr:`made` samples) as a restart point (not a failure message)."""
-        if isinstance(state, dict):
-            self._points.append((self.made, state))
+    def keep(self, state: Any, made: int | None = None) -> None:
+        """Keep ``state`` (the dataset's, after ``made`` samples, default :attr:`made`) as a restart point
+        (not a failure message), in order."""
+        if not isinstance(state, dict):
+            return
+        made = self.made if made is None else made
+        place = sum(1 for kept, _ in self._points if kept <= made)
+        if place == 0 and len(self._points) == KEPT:
+            return  # older than every point kept
+        if len(self._points) == KEPT:
+            self._points.popleft()
+            place -= 1
+        self._points.insert(place, (made, state))
 
     def state_at(self, point: int) -> State | None:
         """The dataset's state after ``point`` of its samples; None without a restart point at most
@@ -89,16 +99,23 @@ class RestartPoints:
         if not found or point - found[-1][0] > MAX_SKIP:
             return None
         made, state = found[-1]
-        return state if made == point else remade(self._dataset, state, point - made)
+        if made == point:
+            return state
+        if self._replica is None:
+            self._replica = copy.deepcopy(self._dataset)  # without its live iterator (Pipeline.__getstate__)
+        exact = remade(self._replica, state, point - made, self._dataset)
+        self.keep(exact, point)  # the next save, further on, starts from here
+        return exact
 
 
-def remade(dataset: Any, state: State, skip: int) -> State:
-    """The state of a copy of ``dataset`` loaded with ``state`` after its next ``skip`` samples.
+def remade(replica: Any, state: State, skip: int, dataset: Any = None) -> State:
+    """The state of ``replica`` (a copy of ``dataset``, with counters of its own: its reads are not
+    counted twice) loaded with ``state`` after its next ``skip`` samples.
 
     Raises:
         StateError: the stream ends before ``skip`` samples.
     """
-    replica = copy.deepcopy(dataset)  # without its live iterator (Pipeline.__getstate__), counters of its own
+    dataset = replica if dataset is None else dataset
     replica.load_state_dict(state)
     samples = iter(replica)
     for made in range(skip):

@@ -174,3 +174,21 @@ def test_samples_made_again_that_end_before_the_point_are_a_state_error_never_a_
     with pytest.raises(StateError, match=rf"made {len(blocks) + 4} samples .* ends after {len(blocks) - 1}.*x\.bin"):
         restart.remade(pipeline, point, len(blocks) + 4)
     assert restart.remade(pipeline, point, len(blocks) - 1)["kind"] == point["kind"]  # the stream's end is fine
+
+
+def test_restart_points_are_kept_in_order_and_an_answer_starts_from_the_latest_at_or_before_the_point() -> None:
+    points = restart.RestartPoints(dataset=None)  # answers at kept points need no dataset: nothing is made again
+    for made in (0, 10, 20):
+        points.made = made
+        points.keep({"at": made})
+    points.made = 25
+    points.keep({"at": 15}, 15)  # a state made at a point asked for, kept between the others
+    points.keep("MixedLoader cannot save its position: ...")  # a failure message is no restart point
+    assert [made for made, _ in points._points] == [0, 10, 15, 20]
+    assert points.state_at(15) == {"at": 15} and points.state_at(20) == {"at": 20}
+    assert points.state_at(26) is None, "past what the worker made"
+    for made in range(30, 30 + restart.KEPT):
+        points.made = made
+        points.keep({"at": made})
+    points.keep({"at": 1}, 1)  # older than every point kept: dropped, not kept in place of a newer one
+    assert [made for made, _ in points._points] == list(range(30, 30 + restart.KEPT))
