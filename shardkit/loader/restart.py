@@ -7,7 +7,8 @@ position (:mod:`shardkit.loader.loader_state`); where they cannot (``.pack()`` b
 ``.batch``, ``interleave``, a wrapped plain iterable) they used to travel in the state as data,
 about 8 KB a packed block of 2048 int32 tokens.
 
-Instead, a worker keeps a few *restart points*: its dataset's state after a known number of its
+Instead, a worker of a pipeline whose sources read records again (:func:`restartable`; not a
+wrapped plain iterable, whose samples stay data) keeps a few *restart points*: its dataset's state after a known number of its
 samples, taken (never sent) whenever the work since the last one is at least
 :data:`POINT_RATIO` times what a state costs (so keeping them costs at most about 1% of the
 worker's time), and the state it started its iteration from. The main process asks for the state
@@ -15,9 +16,11 @@ at the *point*, the number of the worker's samples it has delivered (the ask's s
 shared memory, :mod:`shardkit.loader.micro_batches`); the worker loads its latest restart point at
 or before it into a copy of its dataset, makes and drops the samples between the two (at most
 :data:`MAX_SKIP`), and answers with the copy's state: the dataset's exact position at the point,
-with nothing carried. It runs in the worker process that made the samples, so the copy reads the
-same shards as the same worker of the same rank: the samples it makes again are the ones it made,
-provided the pipeline is deterministic given its state (the requirement a ``.map`` already meets
+with nothing carried (and keeps it as a restart point, so the next save starts there).
+A save thus costs making again the samples since the latest point (a few ms to tens of
+ms for packed blocks), against encoding them and carrying them in the state. It runs in the
+worker process that made the samples, so the copy reads the same shards as the same worker of
+the same rank: the samples it makes again are the ones it made, provided the pipeline is deterministic given its state (the requirement a ``.map`` already meets
 for records read again by position: its output a function of its input and ``record_seed()``).
 The saved state is an ordinary one, so it merges over workers and ranks as any other (elastic
 resume, ``merge_ranks``) and no new field is saved. Where no restart point lies within
