@@ -27,6 +27,10 @@ in one of two forms:
 Optionally, ``"repeat": true`` when its samples are ``"pad"`` repeats, owed
 to no later gather.
 
+A worker whose dataset state was made at the delivered point
+(:mod:`shardkit.loader.restart`) has no tail: its state is past exactly
+what was delivered.
+
 The states of all ranks combine (:func:`combine_loader_ranks`, through
 :func:`shardkit.state.merge_ranks`) into one *global* state: ``workers``
 holds one node, the global dataset state; ``carry`` every rank's tails

@@ -28,6 +28,11 @@ positions (an int64 array's bytes, 8 a sample; :class:`PositionLog` notes the ro
 iterator's ``position`` after each sample), so that a saved state names the
 undelivered samples the main process holds by position rather than holding them.
 
+Where they cannot, but the pipeline's sources read records again (``.pack()`` blocks), the ask
+names a *point* (the worker's samples delivered, the control's second slot; its third says the
+worker answers so) and the worker answers with its state at that point, made from a restart point
+it kept (:mod:`shardkit.loader.restart`), wrapped in an :class:`~shardkit.loader.restart.AtPoint`.
+
 The main process (:mod:`shardkit.loader.mixer`) learns from the first message
 where a worker starts and from an empty one that it has no more data; in
 between, collated micro-batches travel through the worker's
@@ -46,6 +51,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from shardkit.loader import slab_columns
+from shardkit.loader.restart import POINT_RATIO, AtPoint, RestartPoints, restartable
 from shardkit.loader.slabs import SlabRing
 from shardkit.loader.timing import WorkerClock
 from shardkit.stateful import State, StateError
@@ -101,6 +107,7 @@ class MicroBatches(IterableDataset):
         self.slots = slots
         self.columns = columns
         self.states: list[State] | None = None
+        self.restart = not columns and restartable(dataset)  # shardkit.loader.restart
         self.state_ratio = STATE_RATIO
         # A state with one micro-batch in this many (None: only when asked, with ask).
         self.state_every: int | None = 1 if columns else None if ask else STATE_EVERY
@@ -121,19 +128,34 @@ class MicroBatches(IterableDataset):
         if log is not None:
             samples = log.logged(samples)
         ring = SlabRing(self.slots) if self.collate and self.slots else None
-        # This iteration's ask count, sent with the first message (shardkit.loader.mixer raises it).
-        control = torch.zeros(1, dtype=torch.int64).share_memory_() if self.ask and self.resumable else None
+        # This iteration's ask count, the point asked for and whether it answers at points (shardkit.loader.restart),
+        # sent with the first message (shardkit.loader.mixer raises the count).
+        control = torch.zeros(3, dtype=torch.int64).share_memory_() if self.ask and self.resumable else None
         asks, answered = (None, 0) if control is None else (control.numpy(), 0)
-        yield worker, START, None if ring is None else ring.flags, saver(), tuple(clock.names), control
+        points = RestartPoints(self.dataset) if asks is not None and log is None and self.restart else None
+        first = saver()
+        if points is not None and asks is not None:
+            asks[2] = 1
+            points.keep(first)
+        yield worker, START, None if ring is None else ring.flags, first, tuple(clock.names), control
         chunks = self._column_chunks(samples, ring, clock) if self.columns else self._chunks(samples, ring, clock)
         since = 0  # micro-batches since the latest state
         for count, payload in chunks:
             since += 1
             state = None
+            if points is not None:
+                points.made += count
             if asks is not None and asks[0] != answered:  # state_dict() in the main process
-                answered, since, state = int(asks[0]), 0, clock.state(saver)
+                answered, since = int(asks[0]), 0
+                if points is None:
+                    state = clock.state(saver)
+                else:  # the ratio below weighs a plain state, not an answer's samples made again
+                    cost, state = clock.state_ns, clock.state(lambda: answer(points, asks, saver))
+                    clock.state_ns = cost or clock.state_ns
             elif self._due(since, clock, asks is not None):
                 since, state = 0, clock.state(saver)
+            elif points is not None and clock.busy_since_state() >= POINT_RATIO * clock.state_ns:
+                points.keep(clock.state(saver))  # a restart point, kept here
             yield worker, count, payload, state, clock.figures(), None if log is None else log.take(count)
         yield worker, 0, None, saver(), clock.figures(), None
 
@@ -162,6 +184,16 @@ class MicroBatches(IterableDataset):
                 payload = parts if ring is None else ring.put(parts)
                 clock.collated(count)
                 yield count, payload
+
+
+def answer(points: RestartPoints, asks: np.ndarray, saver: StateSaver) -> AtPoint:
+    """A worker's answer to an ask: its state at the point asked for, else its state now (kept as a restart point)."""
+    exact = points.state_at(int(asks[1]))
+    if exact is not None:
+        return AtPoint(int(asks[1]), exact, None)
+    after = saver()
+    points.keep(after)
+    return AtPoint(int(asks[1]), None, after)
 
 
 def in_process(dataset: IterableDataset, size: int, *, collate: bool, resumable: bool) -> Iterator[Message]:

@@ -55,8 +55,16 @@ it are read again instead): by their records' positions where the dataset can
 read records again (a shardkit pipeline over shards, through its maps, filters
 and shuffles: a worker sends its micro-batches' positions beside them, and the
 samples are read again in the main process on restore), else as encoded
-samples (a wrapped plain iterable, a ``.batch`` on top, column batches);
-``stats().carried_as`` says which (:mod:`shardkit.loader.loader_state`). Restored with the same number of
+samples (a wrapped plain iterable, column batches);
+``stats().carried_as`` says which (:mod:`shardkit.loader.loader_state`).
+Where the records cannot be read again but the pipeline's sources can
+(``.pack()`` blocks, a ``.batch`` or ``interleave`` over shard datasets),
+nothing is carried: ``state_dict()`` asks each worker for its dataset's state
+at the delivered point, which it makes in a copy of its dataset from a
+restart point it kept a few micro-batches back (:mod:`shardkit.loader.restart`;
+the pipeline must make the same samples again given its state), and the
+samples are made again from that state on resume (``carried_as`` is
+``"restart"``; a worker that has sent its last micro-batch carries them). Restored with the same number of
 workers, each worker resumes its own state and the batches are the ones the
 uninterrupted run would have made. With another number, the worker states
 are merged (:func:`shardkit.state.merge`) and split anew: exactly the samples
@@ -90,6 +98,7 @@ from shardkit.loader.autotune import AUTO, Autotune, check_prefetch, prefetch_fo
 from shardkit.loader.loader_state import check_loader_state, combine_loader_ranks, loader_state, records_of
 from shardkit.loader.micro_batches import MicroBatches, dataset_state, in_process
 from shardkit.loader.mixer import Mixer
+from shardkit.loader.restart import restartable
 from shardkit.loader.slabs import SPARE_SLOTS
 from shardkit.loader.stalls import GATHER_TIMEOUT, GatheredStats, LoaderStats, StallMeter, chrome_trace
 from shardkit.loader.stalls import gather as gather_stats
@@ -156,7 +165,9 @@ class MixedLoader:
             batch (a ``.shuffle(n)`` buffer inside the dataset is saved as its
             records' positions where they can be read again, else encoded).
             The undelivered samples of cut micro-batches are saved as their
-            records' positions likewise (``stats().carried_as``). Saved samples are plain data, never pickled (see
+            records' positions likewise, or, where they cannot be read again
+            (packed blocks), not at all: each worker's state is made at the
+            delivered point (``stats().carried_as``, the module docstring). Saved samples are plain data, never pickled (see
             :func:`shardkit.state.encode` for the types a state holds);
             ``state_dict()`` raises :class:`~shardkit.state.StateError` for
             samples of other types.
@@ -474,7 +485,11 @@ class MixedLoader:
         """How a saved state holds the undelivered samples (``LoaderStats.carried_as``)."""
         if not self.resumable:
             return None
-        return "positions" if not self._columns and records_of(self.dataset) is not None else "data"
+        if self._columns:
+            return "data"
+        if records_of(self.dataset) is not None:
+            return "positions"
+        return "restart" if self.num_workers and restartable(self.dataset) else "data"
 
     def record_timeline(self) -> None:
         """Keep every step and micro-batch from the next epoch on, for :meth:`timeline`.
@@ -499,8 +514,10 @@ class MixedLoader:
         checkpoint). It holds the epoch, the batch index, each worker's
         dataset state and, per worker, the undelivered samples before it
         (one tail), by their records' positions where the dataset can read
-        them again, else encoded (``stats().carried_as`` says which); see
-        the module docstring. The dataset must
+        them again, else encoded (``stats().carried_as`` says which); where
+        the records cannot be read again but the sources can (packed blocks),
+        each worker's state is made at the delivered point instead and
+        nothing is carried; see the module docstring. The dataset must
         be Stateful (every shardkit pipeline is).
 
         Under an initialised process group of more than one rank it returns

@@ -41,6 +41,7 @@ from shardkit.loader.loader_state import (
     records_of,
 )
 from shardkit.loader.micro_batches import START, Message, positions_of
+from shardkit.loader.restart import AtPoint
 from shardkit.loader.slabs import SlabBatch, from_slab, view
 from shardkit.loader.timing import now
 from shardkit.stateful import Records, State, StateError, encode, encode_positions, encode_runs, held_identities
@@ -115,6 +116,11 @@ class Mixer(Iterator[Any]):
         # its first message; _UNKNOWN after an entry sent without a state), and after its last message.
         self._base: list[Any] = [None] * workers
         self._final: list[Any] = [None] * workers
+        # Per worker: whether it answers an ask with its state at a point (shardkit.loader.restart), the samples
+        # of its own stream delivered (the point), and its latest answer.
+        self._points = [False] * workers
+        self._delivered = [0] * workers
+        self._answers: list[AtPoint | None] = [None] * workers
         # Stall accounting (shardkit.loader.stalls): each worker's stage names and latest
         # figures, traced micro-batches, and the time spent receiving messages.
         self.names: list[Any] = [None] * workers
@@ -200,16 +206,33 @@ class Mixer(Iterator[Any]):
 
     def _ask(self) -> None:
         """Have every worker whose state past the delivered samples is not here yet send it with its next
-        micro-batch (:mod:`shardkit.loader.micro_batches`); :meth:`_position` then receives up to it."""
+        micro-batch (:mod:`shardkit.loader.micro_batches`); :meth:`_position` then receives up to it.
+        A worker that answers at points is asked for its state at the delivered point instead
+        (:mod:`shardkit.loader.restart`), whatever states its queued micro-batches came with."""
         if self._source is None:
             return
         for worker in range(self._workers):
             queue, base, asks = self._pending[worker], self._base[worker], self._asks[worker]
-            if asks is None or self._done[worker] or any(entry.state is not None for entry in queue):
+            if asks is None or self._done[worker]:
                 continue
             if base is not _UNKNOWN and (not queue or (queue[0].start == 0 and not queue[0].carried)):
                 continue
+            if self._restartable(worker):
+                if self._answer(worker) is not None:
+                    continue
+                asks[1] = self._delivered[worker]  # written before the count, which the worker reads first
+            elif any(entry.state is not None for entry in queue):
+                continue
             asks[0] += 1
+
+    def _restartable(self, worker: int) -> bool:
+        """Whether the worker answers at points and its queue holds none of a restored state's tail."""
+        return self._points[worker] and not any(entry.carried for entry in self._pending[worker])
+
+    def _answer(self, worker: int) -> AtPoint | None:
+        """The worker's answer for the point delivered now, if it has come."""
+        answer = self._answers[worker]
+        return answer if answer is not None and answer.point == self._delivered[worker] else None
 
     def _position(self, worker: int) -> tuple[Any, list[_Pending]]:
         """A worker's dataset state to save, and the queued micro-batches (the first maybe cut
@@ -221,10 +244,14 @@ class Mixer(Iterator[Any]):
             base = self._base[worker]
             if base is not _UNKNOWN and (not queue or (queue[0].start == 0 and not queue[0].carried)):
                 return base, []  # the queued micro-batches are read again from ``base``
-            for index, entry in enumerate(queue):
+            answer = self._answer(worker) if self._restartable(worker) else None
+            if answer is not None and answer.state is not None:
+                return answer.state, []  # the worker's state at the delivered point: nothing carried
+            waiting = answer is None and self._restartable(worker) and not self._done[worker]
+            for index, entry in enumerate([] if waiting else queue):
                 if entry.state is not None:
                     return entry.state, list(islice(queue, index + 1))
-            if self._done[worker]:
+            if self._done[worker] and not waiting:
                 return self._final[worker], list(queue)
             if self._source is None:
                 raise StateError(
@@ -389,7 +416,9 @@ class Mixer(Iterator[Any]):
             self._base[worker] = state
             if payload is not None:  # the busy flags of the worker's slab ring
                 self._flags[worker] = payload.numpy()
-            self._asks[worker] = None if positions is None else positions.numpy()  # its ask count
+            # Its ask count, the point asked for, and whether it answers at points.
+            self._asks[worker] = None if positions is None else positions.numpy()
+            self._points[worker] = positions is not None and len(positions) > 2 and bool(positions[2])
             return
         self._timed(worker, timing)
         if count == 0:
@@ -417,6 +446,8 @@ class Mixer(Iterator[Any]):
                 payload = slab_columns.from_slab(payload.skeleton, lambda place: view(slab, place))
             else:
                 payload = from_slab(payload.skeleton, slab)
+        if isinstance(state, AtPoint):  # an answer to an ask (shardkit.loader.restart)
+            self._answers[worker], state = state, state.after
         self._pending[worker].append(_Pending(payload, count, state, slot=slot, positions=positions))
         self._available[worker] += count
 
@@ -430,6 +461,8 @@ class Mixer(Iterator[Any]):
             stop = min(entry.count, entry.start + share)
             parts.append((entry.payload, entry.start, stop))
             share -= stop - entry.start
+            if not entry.carried and worker < self._workers:
+                self._delivered[worker] += stop - entry.start
             entry.start = stop
             if stop == entry.count:
                 queue.popleft()

@@ -94,8 +94,10 @@ class LoaderStats:
     #: With ``num_workers="auto"``: the count now and every change, with its reason (plain data).
     autotune: dict[str, Any] | None = None
     #: How a saved state holds the undelivered samples of cut micro-batches: ``"positions"`` (their
-    #: records', read again on restore), ``"data"`` (the samples, encoded: the dataset cannot read its
-    #: records again) or None (``resumable=False``). See :mod:`shardkit.loader.loader_state`.
+    #: records', read again on restore), ``"restart"`` (not at all: each worker's state is made at the
+    #: delivered point from a restart point, :mod:`shardkit.loader.restart`; data where none serves),
+    #: ``"data"`` (the samples, encoded: the dataset cannot read its records again) or None
+    #: (``resumable=False``). See :mod:`shardkit.loader.loader_state`.
     carried_as: str | None = None
 
     @property

@@ -53,6 +53,8 @@ def step(balance: str) -> None:
 
 def save(balance: str, folder: Path) -> tuple[list[int], int, bool]:
     loader = MixedLoader(pipeline("interleave", None, None, balance), 8, num_workers=2, micro_batch_size=3)
+    assert loader._micro_batches is not None
+    loader._micro_batches.restart = False  # carried micro-batches, not restart points (shardkit.loader.restart)
     delivered: list[int] = []
     for count, batch in enumerate(loader, 1):
         step(balance)
