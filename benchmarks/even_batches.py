@@ -12,8 +12,9 @@ interleaved rounds: the plain loop; the floor, a bare asynchronous
 all-reduce of the agreement's int64 flags on the side group per batch, posted
 before the step and waited for after it (what every=1 cannot go below:
 the wrapper's own Python costs a few us a batch); ``even_batches(every=1)``,
-``every=8`` and ``every="auto"`` (the window it chose is printed, with its
-cost as a share of the plain step: the target is 1%). Printed: medians over
+``every=8`` and ``every="auto"`` (the largest window it chose and the
+agreements each variant posts per epoch are printed, with auto's cost as a
+share of the plain step: the target is 1%). Printed: medians over
 rounds of the time per batch and its excess over the plain loop, then the wait for the first batch of an
 epoch (plain, and a new wrapper's first epoch) next to one synchronous
 round trip on the side group, and the cost of making the side group (once,
@@ -107,12 +108,20 @@ def per_batch(
 ) -> tuple[dict[str, tuple[float, float]], list[int | None]]:
     """(median, fastest) seconds per batch of each variant over rounds, interleaved; the windows auto chose."""
     step = make_step(step_us)
+    side = even_module._side_group(None)
+    assert side is not None
     chosen: list[int | None] = []
     times: dict[str, list[float]] = {name: [] for name in variants(batches, chosen)}
     for _ in range(rounds):
         for name, make in variants(batches, chosen).items():
+            posted = side.posted
             times[name].append(epoch_time(make(), step)[1])
+            AGREEMENTS.setdefault(name, []).append(side.posted - posted)
     return {name: (statistics.median(values), min(values)) for name, values in times.items()}, chosen
+
+
+#: Agreements posted per epoch, per variant (the same whatever the load, for a given choice).
+AGREEMENTS: dict[str, list[int]] = {}
 
 
 def targets(results: dict[str, tuple[float, float]], plain: float) -> list[str]:
@@ -201,6 +210,7 @@ def run(rank: int, port: int, args: argparse.Namespace) -> None:
         batches = [torch.full((32, 8), float(i)) for i in range(args.batches)]
         lines = []
         for step_us in (0.0, args.step_us):
+            AGREEMENTS.clear()
             results, chosen = per_batch(batches, step_us, args.rounds)
             plain, plain_best = results["plain loop"]
             lines.append(f"\nstep: all-reduce (DDP sync){f' + sleep {step_us:.0f} us (free CPU)' if step_us else ''}")
@@ -216,6 +226,14 @@ def run(rank: int, port: int, args: argparse.Namespace) -> None:
                 )
             windows = sorted({w for w in chosen}, key=lambda w: -1 if w is None else w)
             lines.append(f"every='auto' chose window {' / '.join(map(str, windows))} (over {len(chosen)} epochs)")
+            lines.append(
+                f"agreements per epoch of {args.batches} batches: "
+                + "; ".join(
+                    f"{name.removeprefix('even_batches(').rstrip(')')} {statistics.median(counts):g}"
+                    for name, counts in AGREEMENTS.items()
+                    if counts[0]
+                )
+            )
             lines += targets(results, plain)
         waits = first_batch(batches, args.rounds)
         lines.append(f"\n{'first batch':<52}{'us':>8}")
