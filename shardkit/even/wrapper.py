@@ -19,9 +19,9 @@ How the ranks agree:
   due, so it overlaps the training step on the batch before.
 * Batches go in *windows*: the ranks agree on a whole window of up to
   ``every`` batches at once. The first window has one batch (the first batch
-  waits for one fetch and one round trip, no more), later ones double up to
-  ``every``. A rank holds at most the rest of its window plus the next
-  window's batches. ``every="auto"`` sizes each window from the side
+  waits for one round trip, its own fetch and the next window's), later ones
+  double up to ``every``. A rank holds at most the rest of its window plus
+  the next window's batches. ``every="auto"`` sizes each window from the side
   group's round trip and the first steps' time, so that the epoch's
   agreements cost at most 0.5% of its steps, the same on every rank
   (:mod:`shardkit.even.auto`).
