@@ -245,6 +245,15 @@ def run(rank: int, port: int, args: argparse.Namespace) -> None:
                 )
             )
             lines += targets(results, plain, load)
+            side = even_module._side_group(None)
+            assert side is not None
+            agreed = statistics.median(AGREEMENTS[AUTO])
+            lines.append(
+                f"every='auto' as its budget counts it: {agreed:g} agreements x {side.round_trip * 1e6:.0f} us "
+                f"(the side group's round trip) = {agreed * side.round_trip / (plain * args.batches):.2%} "
+                "of the plain epoch (the budget: 0.5%; the first 21 batches and an epoch ending inside a window "
+                "are not bounded)"
+            )
         waits = first_batch(batches, args.rounds)
         lines.append(f"\n{'first batch':<52}{'us':>8}")
         lines += [f"{name:<52}{seconds * 1e6:>8.0f}" for name, seconds in waits.items()]
