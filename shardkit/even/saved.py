@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from shardkit.even.auto import AUTO_MAX
+from shardkit.even.auto import AUTO_MAX, MEASURED
 from shardkit.ranks import ranks_node
 from shardkit.stateful import State, StateError, check, decode, field, node, short, whole_number
 
@@ -90,6 +90,7 @@ def _checked_auto(state: State, where: str, every: object) -> tuple[State, list[
     return state, [
         f"a window of {chosen} chosen by every={every!r}" * (chosen > (AUTO_MAX if every == "auto" else 0)),
         f"step times {short(steps)}" * any(type(t) is not float or not 0 <= t < float("inf") for t in steps),
+        f"{len(steps)} step times (at most {MEASURED} are measured)" * (len(steps) > MEASURED),
     ]
 
 

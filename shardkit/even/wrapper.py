@@ -19,10 +19,12 @@ How the ranks agree:
   due, so it overlaps the training step on the batch before.
 * Batches go in *windows*: the ranks agree on a whole window of up to
   ``every`` batches at once. The first window has one batch (the first batch
-  waits for one fetch and one round trip, no more), later ones double up to
-  ``every``. A rank holds at most the rest of its window plus the next
-  window's batches. ``every="auto"`` chooses that bound per epoch from the
-  first steps' time, the same on every rank (:mod:`shardkit.even.auto`).
+  waits for one round trip, its own fetch and the next window's), later ones
+  double up to ``every``. A rank holds at most the rest of its window plus
+  the next window's batches. ``every="auto"`` sizes each window from the side
+  group's round trip and the first steps' time, so that the epoch's
+  agreements cost at most 0.5% of its steps, the same on every rank
+  (:mod:`shardkit.even.auto`).
 * ``at_end="stop"``: a window yields ``min(have)`` batches; when a rank ran
   short, every rank stops after it. Batches left on the longer ranks are
   dropped: counted exactly when the loader has ``len()``, else those fetched
@@ -80,7 +82,7 @@ from typing import Any, Literal
 import torch
 
 from shardkit.errors import EvenBatchesError, check_int
-from shardkit.even.auto import DECIDE_AT, PROBE, auto_window, median_step
+from shardkit.even.auto import MEASURED, next_window, proposal
 from shardkit.even.group import _distributed, _Side, _side_group
 from shardkit.even.saved import checked, inner_state, load_inner, merged, state_of
 from shardkit.ranks import gather as gather_ranks
@@ -107,7 +109,8 @@ class EvenStats:
     or unyielded at a ``"stop"``. ``dropped_exact`` is False when the loader
     has no ``len()`` and ``dropped`` counts only the batches fetched ahead.
     ``window`` is the most batches one agreement covers: ``every``, or under
-    ``every="auto"`` the window the ranks chose (None until they chose).
+    ``every="auto"`` the largest window the ranks agreed on from measured
+    steps (None until they measured one).
     """
 
     epoch: int
@@ -140,11 +143,13 @@ def even_batches(
             all-reduce per batch, overlapped with the training step, and
             holds one batch ahead; larger values divide that cost and hold
             up to ``2 * every - 1`` batches ahead (benchmarks/even_batches.py
-            measures both). ``"auto"``: the smallest window (a power of two,
-            at most 64) whose agreements cost at most 1% of a step's time,
-            measured on the first steps of each epoch and the same on every
-            rank (see :mod:`shardkit.even.auto`; the choice is in
-            :meth:`EvenBatches.stats`).
+            measures both). ``"auto"``: windows (powers of two, 1, 4, 16,
+            then up to 256) sized so that the epoch's agreements, the first
+            one's round trip included, cost at most 0.5% of its steps'
+            time, from the side group's round trip and the median of each
+            epoch's first steps, the same on every rank (see
+            :mod:`shardkit.even.auto`; the largest window is in
+            :meth:`EvenBatches.stats`). It holds up to 511 batches ahead.
         gather_states: under a process group of more than one rank (and
             ``group`` the whole world), ``state_dict()`` returns every rank's
             state, so the copy a trainer writes from rank 0 resumes every
@@ -332,11 +337,10 @@ class _Agreed(Iterator[Any]):
         self._side = side
         self._pad_mode = owner.at_end == "pad"
         self._auto_mode = not isinstance(owner.every, int)  # "auto"
-        # the largest window allowed so far
-        self._every: int = owner.every if isinstance(owner.every, int) else PROBE
-        self._chosen = 0  # under "auto": the window the ranks chose (0: not yet)
+        self._every: int = owner.every if isinstance(owner.every, int) else 0  # 0: "auto"
+        self._chosen = 0  # under "auto": the largest window the ranks agreed on from measured steps (0: none yet)
         self._agreements = 0  # posted this epoch
-        self._probing = self._auto_mode  # measuring the steps' time for the choice
+        self._probing = self._auto_mode  # measuring the steps' time for the proposals
         self._gaps: list[float] = []  # seconds between handing a batch over and being asked for the next
         self._handed = 0.0  # when the last batch was handed over (while probing)
         self.epoch = owner.epoch
@@ -388,13 +392,12 @@ class _Agreed(Iterator[Any]):
         self._dropped_ahead = state["dropped_ahead"]
         self._agreements, self._chosen = state["agreements"], state["auto"]
         self._gaps = list(state["steps"])
-        if self._auto_mode:
-            self._every = self._chosen or PROBE
-            self._probing = self._agreements < DECIDE_AT
+        self._probing = self._auto_mode and len(self._gaps) < MEASURED
 
     def __next__(self) -> Any:
         if self._probing and self._handed:
             self._gaps.append(time.perf_counter() - self._handed)
+            self._probing = len(self._gaps) < MEASURED
         if self.done:
             raise StopIteration
         if self._quota == 0:
@@ -450,14 +453,16 @@ class _Agreed(Iterator[Any]):
         me = self._side.rank + 1  # flags carry the rank, so every rank can name one that failed
         empty = me if have == 0 and self._pad is None and not self._window else 0
         self._agreements += 1
-        proposal = self._proposal() if self._probing and self._agreements == DECIDE_AT else 0
-        self._flag_values[:] = (have, -have, -empty, -me if self._error is not None else 0, -proposal)
+        proposed = self._proposal() if self._auto_mode else 0
+        self._flag_values[:] = (have, -have, -empty, -me if self._error is not None else 0, -proposed)
         self._work = self._side.all_reduce_min(self._flags)
 
     def _proposal(self) -> int:
-        """This rank's window under "auto", from its own measurements (the ranks take the largest)."""
-        self._probing = False
-        return auto_window(self._side.round_trip, median_step(self._gaps))
+        """This rank's proposal under "auto" for the window after the next, from its own measurements
+        (0: none yet); the ranks take the largest (:func:`shardkit.even.auto.proposal`)."""
+        return proposal(
+            self._side.round_trip, self._gaps, agreements=self._agreements, batches=self.batches, current=self._target
+        )
 
     def _settle(self) -> None:
         """Wait for the next window's agreement and make it the current window."""
@@ -467,10 +472,10 @@ class _Agreed(Iterator[Any]):
         except Exception as error:  # the side group's timeout passed, or a peer's connection broke
             self._finish()
             raise self._side.lost(error) from None
-        low, high, empty, failed, chosen = self._flag_values.tolist()
-        high, empty, failed = -high, -empty, -failed  # a rank index plus one, or 0
-        if chosen:  # the agreement that carried the proposals: the largest, on every rank
-            self._chosen = self._every = -chosen
+        low, high, empty, failed, agreed = self._flag_values.tolist()
+        # empty, failed: a rank index plus one, or 0; agreed: the largest proposal (0: no rank measured a step yet)
+        high, empty, failed, agreed = -high, -empty, -failed, -agreed
+        self._chosen = max(self._chosen, agreed)
         if failed:
             self._abort(self._error, f"the loader of rank {failed - 1} raised (see that rank's error)")
         size = high if self._pad_mode else low
@@ -485,7 +490,7 @@ class _Agreed(Iterator[Any]):
         self._next = []
         self._quota = size
         self._last = size < self._target
-        self._target = min(self._every, self._target * 2)
+        self._target = next_window(self._target, agreed, self._every)
         if size == 0:
             self._finish()
             raise StopIteration
@@ -543,7 +548,7 @@ class _Agreed(Iterator[Any]):
             # an agreement in flight is posted again on resuming (see __init__): counted once
             agreements=self._agreements - (self._work is not None),
             auto=self._chosen,
-            steps=list(self._gaps) if self._auto_mode and not self._chosen else [],
+            steps=list(self._gaps),
         )
 
 

@@ -8,6 +8,7 @@ tests/scripts/even_auto_check.py runs it under gloo with one rank's steps slowed
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from shardkit import EvenBatchesError, even_batches
 from shardkit.even import auto
+from shardkit.even import wrapper as wrapper_module
 from shardkit.state import StateError
 from tests.helpers import even as even_helpers
 from tests.helpers.even import Batches, expected, rank_batches
@@ -34,27 +36,95 @@ def run_ranks(monkeypatch: pytest.MonkeyPatch, round_trips: list[float], body: C
 
 # -- the choice ------------------------------------------------------------------------------
 
+steps = st.floats(1e-6, 10)
+budgets = {
+    "round_trip": st.floats(0, 1),
+    "agreements": st.integers(1, 50),
+    "batches": st.integers(0, 10_000),
+    "largest": st.sampled_from([1, 4, 64, auto.AUTO_MAX]),
+}
 
-@given(round_trip=st.floats(0, 1), step=st.floats(1e-6, 10), largest=st.sampled_from([1, 8, 64]))
-def test_auto_window_is_the_smallest_power_of_two_whose_share_of_a_step_is_at_most_one_percent(
-    round_trip, step, largest
+
+@settings(max_examples=examples(300))
+@given(step=steps, **budgets)
+def test_auto_window_is_the_smallest_power_of_two_that_keeps_the_epochs_agreements_within_the_share(
+    round_trip, step, agreements, batches, largest
 ):
-    window = auto.auto_window(round_trip, step, largest=largest)
+    window = auto.auto_window(round_trip, step, agreements=agreements, batches=batches, largest=largest)
     assert 1 <= window <= largest and window & (window - 1) == 0
-    if window < largest:
-        assert round_trip / window <= auto.SHARE * step
-    if window > 1:
-        assert round_trip / (window // 2) > auto.SHARE * step
+    if window < largest:  # within budget: the agreements so far cost at most SHARE of the steps to the window's end
+        assert agreements * round_trip <= auto.SHARE * step * (batches + window)
+    if window > 1:  # and the smallest: half of it would not be
+        assert agreements * round_trip > auto.SHARE * step * (batches + window // 2)
 
 
-def test_auto_window_without_a_measured_step_proposes_the_probe_window():
-    assert auto.auto_window(0.5, None) == auto.PROBE
+@settings(max_examples=examples(300))
+@given(step=steps, longer=steps, **budgets)
+def test_a_longer_step_never_gets_a_larger_window(round_trip, step, longer, agreements, batches, largest):
+    step, longer = sorted([step, longer])
+    window = auto.auto_window(round_trip, step, agreements=agreements, batches=batches, largest=largest)
+    assert auto.auto_window(round_trip, longer, agreements=agreements, batches=batches, largest=largest) <= window
+
+
+@given(round_trip=st.floats(0, 1), gaps=st.lists(steps, max_size=auto.MEASURED), current=st.sampled_from([1, 4, 16]))
+def test_a_proposal_is_none_until_a_step_is_measured_and_grows_at_most_sixteen_fold(round_trip, gaps, current):
+    proposed = auto.proposal(round_trip, gaps, agreements=3, batches=5, current=current)
+    if not gaps:
+        assert proposed == 0
+    else:
+        assert 1 <= proposed <= min(auto.AUTO_MAX, current * auto.GROWTH)
+
+
+def test_windows_grow_fourfold_until_a_rank_measured_then_take_the_agreed_proposal():
+    assert [auto.next_window(w, 0, 0) for w in (1, 4, 16, 64, 256)] == [4, 16, 64, 256, 256]
+    assert auto.next_window(16, 2, 0) == 2  # shrinks at once to what the ranks measured
+    assert [auto.next_window(w, 0, 8) for w in (1, 2, 4, 8)] == [2, 4, 8, 8]  # a fixed every doubles to it
 
 
 def test_auto_window_examples():
     assert auto.auto_window(300e-6, 0.1) == 1  # a 100 ms GPU step: 0.3% at every batch
-    assert auto.auto_window(300e-6, 0.01) == 4  # 10 ms: 3% at 1, 0.75% at 4
-    assert auto.auto_window(300e-6, 300e-6) == 64  # a step as short as the round trip: the cap
+    assert auto.auto_window(300e-6, 0.01) == 8  # 10 ms: 0.6% at 4, 0.375% at 8
+    assert auto.auto_window(300e-6, 300e-6) == auto.AUTO_MAX  # a step as short as the round trip: the cap
+    # the 4th agreement of an epoch that yielded 5 batches and fetched 16 more: pays back the first three
+    assert auto.auto_window(600e-6, 1.3e-3, agreements=4, batches=21) == 256
+
+
+class SteadyClock:
+    """``time.perf_counter`` for the wrapper: each thread's clock moves ``step`` seconds a call,
+    so every step a rank measures (hand-over to the next ask) lasts exactly ``step``."""
+
+    def __init__(self, step: float) -> None:
+        self.step, self.local = step, threading.local()
+
+    def perf_counter(self) -> float:
+        self.local.now = getattr(self.local, "now", 0.0) + self.step
+        return self.local.now
+
+
+@pytest.mark.parametrize(
+    ("step", "agreements", "window"),
+    [
+        (1.3e-3, 4, 256),  # windows 1, 4, 16, then 256 for the rest
+        (2.6e-3, 4, 256),  # a longer step: the first three are paid back only by 256 again
+        (0.1, 167, 2),  # a 100 ms step: 1, 4, 16, then windows of 1 and 2 (one agreement is 0.6% of a step)
+    ],
+)
+def test_an_epoch_of_200_steps_posts_few_agreements_and_stays_within_its_share(monkeypatch, step, agreements, window):
+    """Before: windows 1, 2, 4, 4, then doubling to a cap of 64: 10 agreements for the short steps,
+    1.2% of the steps at 0.6 ms a round trip."""
+    monkeypatch.setattr(wrapper_module, "time", SteadyClock(step))
+    posted: list[int] = [0, 0]
+
+    def body(rank: int) -> Any:
+        seen, stats = epoch(rank, 200)
+        posted[rank] = wrapper_module._side_group(None).seq
+        return seen, stats
+
+    results = run_ranks(monkeypatch, [600e-6, 600e-6], body)
+    assert [stats.batches for _, stats in results] == [200, 200]
+    assert posted == [agreements] * 2 and windows(results) == {window}
+    if step == 0.1:  # no window capped: the agreements within the share of the steps up to the last window's end
+        assert agreements * 600e-6 <= auto.SHARE * step * (200 + window)
 
 
 def windows(results: list[Any]) -> set[int | None]:
@@ -80,7 +150,7 @@ def test_ranks_that_propose_different_windows_all_take_the_largest(monkeypatch):
 
 
 def test_a_rank_with_slower_steps_gets_the_same_window_as_the_others(monkeypatch):
-    """Rank 1's steps take 20 ms (it would take 8 at a round trip of 1 ms); rank 0's take
+    """Rank 1's steps take 20 ms (it would take 32 at a round trip of 1 ms); rank 0's take
     microseconds (it would take the cap below 3 ms): both take the cap, and stay in step."""
 
     def step(rank: int) -> None:
@@ -88,7 +158,7 @@ def test_a_rank_with_slower_steps_gets_the_same_window_as_the_others(monkeypatch
             time.sleep(0.02)
 
     results = run_ranks(monkeypatch, [1e-3, 1e-3], lambda rank: epoch(rank, 40, step=step))
-    assert auto.auto_window(1e-3, 0.02) == 8
+    assert auto.proposal(1e-3, [0.02], agreements=3, batches=5, current=16) == 32
     assert windows(results) == {auto.AUTO_MAX}
 
 
@@ -97,8 +167,10 @@ def test_a_slow_round_trip_against_slow_steps_picks_a_window_in_between(monkeypa
         time.sleep(0.01)
 
     results = run_ranks(monkeypatch, [4e-4, 4e-4], lambda rank: epoch(rank, 30, step=step))
-    # 0.4 ms against 10 ms: 4% at 1, 1% at 4 (a loaded machine sleeps longer: 2 or 1)
-    assert len(windows(results)) == 1 and windows(results) <= {1, 2, 4}
+    # 0.4 ms against 10 ms, 4 agreements over 21 batches and the next window's: 16 (a loaded machine
+    # sleeps longer: 8 or less)
+    assert auto.proposal(4e-4, [0.01], agreements=3, batches=5, current=16) == 16
+    assert len(windows(results)) == 1 and windows(results) <= {1, 2, 4, 8, 16}
 
 
 @pytest.mark.filterwarnings("ignore:even_batches. epoch")
@@ -145,8 +217,8 @@ def test_a_resumed_auto_epoch_yields_the_uninterrupted_batches_and_keeps_its_win
     for rank, (whole, resumed, state, stats) in enumerate(run_ranks(monkeypatch, round_trips, body)):
         assert resumed == whole == expected(rank, counts, at_end)
         assert state["every"] == "auto"
-        # saved after the proposals' agreement settled (batch 8 on): the choice is in the state
-        assert state["auto"] == (auto.AUTO_MAX if save_after >= 8 else 0)
+        # saved after the first agreement with proposals settled (batch 6 on): the choice is in the state
+        assert state["auto"] == (auto.AUTO_MAX if save_after >= 6 else 0)
         # resumed before the choice: the steps measured before saving were saved too
         assert stats.window == auto.AUTO_MAX
 
@@ -155,8 +227,8 @@ def test_a_state_of_a_fixed_window_is_refused_by_auto_and_a_tampered_choice_is_n
     state = even_batches(Batches(["a", "b"]), every=4).state_dict()
     with pytest.raises(StateError, match=r"saved by even_batches\(at_end='stop', every=4\)"):
         even_batches(Batches([]), every="auto").load_state_dict(state)
-    state = {**even_batches(Batches(["a"]), every="auto").state_dict(), "auto": 128}
-    with pytest.raises(StateError, match="a window of 128 chosen by every='auto'"):
+    state = {**even_batches(Batches(["a"]), every="auto").state_dict(), "auto": 512}
+    with pytest.raises(StateError, match="a window of 512 chosen by every='auto'"):
         even_batches(Batches([]), every="auto").load_state_dict(state)
     state = {**even_batches(Batches(["a"]), every=2).state_dict(), "auto": 2}
     with pytest.raises(StateError, match="a window of 2 chosen by every=2"):
@@ -241,19 +313,29 @@ CHECK = Path(__file__).resolve().parents[1] / "scripts" / "even_auto_check.py"
 
 
 @pytest.mark.slow
-def test_gloo_ranks_with_one_slowed_choose_one_window_yield_equal_batches_and_resume_exactly():
+def test_gloo_ranks_with_a_rank_dependent_filter_and_one_slowed_yield_equal_batches_in_few_agreements_and_resume():
     ranks = last_json_line(run_python(str(CHECK), timeout=240).stdout)
     assert [r["error"] for r in ranks] == [None, None]
     assert ranks[0]["window"] == ranks[1]["window"] is not None
     assert ranks[0]["round_trip"] > 0 and ranks[1]["round_trip"] > 0
-    # each rank's proposal from its own steps; the slowed rank would have taken a smaller window
-    assert ranks[0]["window"] == max(r["proposal"] for r in ranks)
+    # each rank's proposal from its own steps; the slowed rank's is no larger, and the ranks take the largest
+    assert ranks[0]["window"] >= max(r["proposal"] for r in ranks) > 0
     assert ranks[1]["proposal"] <= ranks[0]["proposal"]
+    # the same agreements on both ranks, and few: windows 1, 4, 16, then at least 16 (a 2 ms step against a
+    # round trip of at least ~0.1 ms: 4 agreements for 350 batches on a quiet machine)
+    assert ranks[0]["agreements"] == ranks[1]["agreements"] <= 3 + -(-(350 - 21) // 16) + 1
+    counts = [len(r["natural"]) for r in ranks]
+    assert counts == [400, 350]  # the filter: rank 1's count is known only when it runs out
     for rank in ranks:
         natural = rank["natural"]
-        target = min(len(r["natural"]) for r in ranks)
-        assert rank["batches"] == natural[:target] and rank["stats"][:3] == [target, 0, len(natural) - target]
-        assert rank["resumed"] == rank["batches"]
+        assert rank["batches"] == natural[:350] and rank["stats"][:2] == [350, 0]
+        # no len(): dropped is exact once the rank ran out, else the batches fetched ahead (a lower bound)
+        dropped, exact = rank["stats"][2:]
+        assert dropped == len(natural) - 350 if exact else dropped < len(natural) - 350
+        # resumed inside the first windows and inside the large one: the uninterrupted batches, the same window
+        assert rank["resumed"] == [rank["batches"]] * 2
+        assert rank["resumed_window"][0] == rank["resumed_window"][1] is not None
+    assert ranks[0]["resumed_window"] == ranks[1]["resumed_window"]
 
 
 class RaisesAtThird:
