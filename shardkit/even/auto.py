@@ -41,9 +41,12 @@ an epoch of 200 steps of 1.3 ms with 0.6 ms round trips takes windows 1, 4,
 up to a window of 64 (this module before) took 10 (2.3%); an epoch of 2,000
 such steps takes 22 (0.51%); with 100 ms steps, windows of 1 and 2 (0.50%).
 
-A rank holds up to the rest of its window plus the next one's batches
-(``2 * AUTO_MAX - 1`` at most; a state saves them): pass a fixed ``every``
-to bound that for large batches.
+A rank holds up to the rest of its window plus the next one's batches,
+and a state saves them; so a measured window is also at most what keeps
+``2 * window - 1`` batches of the size of the epoch's first within
+:data:`HELD_BYTES` (:func:`held_limit`; 256 MiB: windows of at most 16
+batches of 32 3x224x224 uint8 images, 4.8 MB a batch, where the round trips
+alone may ask for 256). Pass a fixed ``every`` to bound it otherwise.
 
 Each epoch measures and chooses again (an evaluation loop's steps are not
 training's). Which batches an epoch yields does not depend on its windows, so
@@ -70,6 +73,41 @@ GROWTH = 16
 
 #: Steps measured per epoch (at most): the step time is their median.
 MEASURED = 32
+
+#: The bytes of batches a rank may hold ahead under a measured window (see :func:`held_limit`).
+HELD_BYTES = 256 * 2**20
+
+#: How deep :func:`batch_bytes` looks into nested containers of a batch.
+_DEPTH = 8
+
+
+def batch_bytes(batch: object, depth: int = _DEPTH) -> int:
+    """The bytes a batch holds: its arrays' and tensors' ``nbytes`` and its strings' lengths, summed
+    through dicts, lists and tuples (``depth`` levels; deeper or other objects count 0)."""
+    nbytes = getattr(batch, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(batch, (bytes, bytearray, str)):
+        return len(batch)
+    if depth <= 0:
+        return 0
+    if isinstance(batch, dict):
+        return sum(batch_bytes(value, depth - 1) for value in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_bytes(value, depth - 1) for value in batch)
+    return 0
+
+
+def held_limit(nbytes: int, budget: int | None = None) -> int:
+    """The largest power-of-two window whose ``2 * window - 1`` held batches of ``nbytes`` stay within
+    ``budget`` (:data:`HELD_BYTES` by default; at least 1, at most :data:`AUTO_MAX`; ``nbytes`` 0, unknown: :data:`AUTO_MAX`)."""
+    if nbytes <= 0:
+        return AUTO_MAX
+    fits = ((HELD_BYTES if budget is None else budget) // nbytes + 1) // 2
+    window = 1
+    while window * 2 <= min(fits, AUTO_MAX):
+        window *= 2
+    return window
 
 
 def auto_window(
@@ -104,16 +142,18 @@ def next_window(current: int, agreed: int, every: int) -> int:
     return agreed or min(current * BLIND_GROWTH, AUTO_MAX)
 
 
-def proposal(round_trip: float, gaps: list[float], *, agreements: int, batches: int, current: int) -> int:
+def proposal(
+    round_trip: float, gaps: list[float], *, agreements: int, batches: int, current: int, nbytes: int = 0
+) -> int:
     """This rank's proposal for the window after ``current``: 0 while it has measured no step.
 
     ``agreements`` counts the one being posted; the window proposed follows
     it, so its agreement is the next one and the steps before it are the
-    ``batches`` yielded so far plus ``current``'s.
+    ``batches`` yielded so far plus ``current``'s. ``nbytes``, a batch's size, bounds it by :func:`held_limit`.
     """
     if not gaps:
         return 0
-    largest = min(AUTO_MAX, current * GROWTH)
+    largest = min(AUTO_MAX, current * GROWTH, held_limit(nbytes))
     return auto_window(
         round_trip, statistics.median(gaps), agreements=agreements + 1, batches=batches + current, largest=largest
     )

@@ -82,7 +82,7 @@ from typing import Any, Literal
 import torch
 
 from shardkit.errors import EvenBatchesError, check_int
-from shardkit.even.auto import MEASURED, next_window, proposal
+from shardkit.even.auto import MEASURED, batch_bytes, next_window, proposal
 from shardkit.even.group import _distributed, _Side, _side_group
 from shardkit.even.saved import checked, inner_state, load_inner, merged, state_of
 from shardkit.ranks import gather as gather_ranks
@@ -149,7 +149,8 @@ def even_batches(
             time, from the side group's round trip and the median of each
             epoch's first steps, the same on every rank (see
             :mod:`shardkit.even.auto`; the largest window is in
-            :meth:`EvenBatches.stats`). It holds up to 511 batches ahead.
+            :meth:`EvenBatches.stats`). It holds up to 511 batches ahead, at most
+            256 MiB of them once a window is measured (:func:`shardkit.even.auto.held_limit`).
         gather_states: under a process group of more than one rank (and
             ``group`` the whole world), ``state_dict()`` returns every rank's
             state, so the copy a trainer writes from rank 0 resumes every
@@ -342,6 +343,7 @@ class _Agreed(Iterator[Any]):
         self._agreements = 0  # posted this epoch
         self._probing = self._auto_mode  # measuring the steps' time for the proposals
         self._gaps: list[float] = []  # seconds between handing a batch over and being asked for the next
+        self._nbytes: int | None = None  # a batch's bytes under "auto" (shardkit.even.auto.held_limit)
         self._handed = 0.0  # when the last batch was handed over (while probing)
         self.epoch = owner.epoch
         self._inner: Iterator[Any] | None = None
@@ -460,8 +462,16 @@ class _Agreed(Iterator[Any]):
     def _proposal(self) -> int:
         """This rank's proposal under "auto" for the window after the next, from its own measurements
         (0: none yet); the ranks take the largest (:func:`shardkit.even.auto.proposal`)."""
+        held = self._next or self._window
+        if self._nbytes is None and held:  # the epoch's first batch seen sizes what a window may hold
+            self._nbytes = batch_bytes(held[0])
         return proposal(
-            self._side.round_trip, self._gaps, agreements=self._agreements, batches=self.batches, current=self._target
+            self._side.round_trip,
+            self._gaps,
+            agreements=self._agreements,
+            batches=self.batches,
+            current=self._target,
+            nbytes=self._nbytes or 0,
         )
 
     def _settle(self) -> None:

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -364,3 +366,41 @@ def test_the_wrapper_lets_go_of_a_loader_error_it_raised(monkeypatch):
     results = run_ranks(monkeypatch, [0.0, 0.0], body)
     assert [name for name, _ in results] == ["OSError", "EvenBatchesError"]
     assert [(iterator._error, iterator._inner, iterator.done) for _, iterator in results] == [(None, None, True)] * 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(nbytes=st.integers(0, 2**34), budget=st.integers(1, 2**32))
+def test_a_window_of_large_batches_holds_at_most_its_byte_budget_ahead(nbytes: int, budget: int) -> None:
+    window = auto.held_limit(nbytes, budget)
+    assert 1 <= window <= auto.AUTO_MAX and window & (window - 1) == 0
+    if nbytes == 0:
+        assert window == auto.AUTO_MAX
+    elif window > 1:
+        assert (2 * window - 1) * nbytes <= budget
+        assert window == auto.AUTO_MAX or (4 * window - 1) * nbytes > budget  # the largest that fits
+
+
+def test_a_proposal_for_image_batches_is_bounded_by_the_bytes_they_hold() -> None:
+    images = {"image": torch.zeros(32, 3, 224, 224, dtype=torch.uint8), "label": torch.zeros(32, dtype=torch.int64)}
+    nbytes = auto.batch_bytes(images)
+    assert nbytes == 32 * 3 * 224 * 224 + 32 * 8
+    # A slow round trip against short steps asks for the largest window; the bytes held cut it to 16.
+    free = auto.proposal(0.01, [0.001] * 32, agreements=3, batches=21, current=16)
+    bounded = auto.proposal(0.01, [0.001] * 32, agreements=3, batches=21, current=16, nbytes=nbytes)
+    assert free == auto.AUTO_MAX and bounded == 16
+    assert auto.batch_bytes([b"abc", "de", np.zeros(3, dtype=np.int32), {"n": 5}]) == 3 + 2 + 12
+
+
+def test_every_auto_holds_no_more_batches_than_the_byte_budget_allows(monkeypatch) -> None:
+    """Batches of 100 bytes under a 1,000-byte budget: windows of at most 4 where the steps alone would take 256."""
+    monkeypatch.setattr(auto, "HELD_BYTES", 1000)
+    monkeypatch.setattr(wrapper_module, "time", SteadyClock(1e-4))
+
+    def body(rank: int) -> Any:
+        wrapped = even_batches([np.full(100, rank * 100 + i % 100, dtype=np.uint8) for i in range(120)], every="auto")
+        return [int(batch[0]) for batch in wrapped], wrapped.stats()
+
+    results = run_ranks(monkeypatch, [0.01, 0.01], body)
+    for rank, (seen, stats) in enumerate(results):
+        assert seen == [rank * 100 + i % 100 for i in range(120)] and stats.batches == 120
+    assert windows(results) == {4}
