@@ -167,6 +167,10 @@ def test_a_state_that_is_not_plain_data_is_refused_and_nothing_is_written(tmp_pa
 
 
 # --------------------------------------------------------------------------- real ranks (gloo)
+#
+# The ranks are forked from the test's process, which has imported torch, Ray and this module: spawned,
+# each of the six calls' two ranks imported them again (about 50 s of CPU for the three tests, load 8 on
+# 2 cores). What the tests check, the files the ranks save and load and the errors they raise, is the same.
 
 
 def _save_on_two_ranks(rank: int, world_size: int, folder: str, delivered: str) -> None:
@@ -184,14 +188,14 @@ def _load_own_folder(rank: int, world_size: int, folders: list[str], errors: str
         Path(errors, f"rank{rank}.txt").write_text(str(error))
 
 
-@pytest.mark.slow  # two gloo ranks, spawned
+@pytest.mark.slow  # two gloo ranks, forked
 def test_ranks_given_checkpoints_of_two_saves_each_raise_naming_both(tmp_path):
     folders = [str(tmp_path / "a"), str(tmp_path / "b")]
     (tmp_path / "ids").mkdir()
     for folder in folders:  # the same run and step, saved twice: only the save differs
-        gloo_ranks(_save_on_two_ranks, 2, folder, str(tmp_path / "ids"))
+        gloo_ranks(_save_on_two_ranks, 2, folder, str(tmp_path / "ids"), start_method="fork")
     (tmp_path / "errors").mkdir()
-    gloo_ranks(_load_own_folder, 2, folders, str(tmp_path / "errors"))
+    gloo_ranks(_load_own_folder, 2, folders, str(tmp_path / "errors"), start_method="fork")
     saves = [json.loads(Path(folder, STATE_FILE).read_text())["save"] for folder in folders]
     for rank in (0, 1):
         message = (tmp_path / "errors" / f"rank{rank}.txt").read_text()
@@ -200,10 +204,10 @@ def test_ranks_given_checkpoints_of_two_saves_each_raise_naming_both(tmp_path):
         assert f"rank 1: run 'two' step 2 (save {saves[1]})" in message
 
 
-@pytest.mark.slow  # two gloo ranks, spawned
+@pytest.mark.slow  # two gloo ranks, forked
 def test_every_ranks_state_saved_by_two_ranks_resumes_one_process_with_every_sample_once(tmp_path):
     (tmp_path / "ids").mkdir()
-    gloo_ranks(_save_on_two_ranks, 2, str(tmp_path / "ck"), str(tmp_path / "ids"))
+    gloo_ranks(_save_on_two_ranks, 2, str(tmp_path / "ck"), str(tmp_path / "ids"), start_method="fork")
     assert os.listdir(tmp_path / "ck") == [STATE_FILE]  # rank 0 alone wrote
     delivered = [i for rank in (0, 1) for i in json.loads((tmp_path / "ids" / f"rank{rank}.json").read_text())]
     alone = loader()
@@ -221,17 +225,18 @@ def test_outside_ray_train_a_save_without_a_run_name_asks_for_one(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.slow  # two gloo ranks, spawned
+@pytest.mark.slow  # two gloo ranks, forked
 def test_a_damaged_file_on_one_rank_raises_on_every_rank_at_once_rather_than_at_the_jobs_timeout(tmp_path):
     (tmp_path / "ids").mkdir()
-    gloo_ranks(_save_on_two_ranks, 2, str(tmp_path / "good"), str(tmp_path / "ids"))
+    gloo_ranks(_save_on_two_ranks, 2, str(tmp_path / "good"), str(tmp_path / "ids"), start_method="fork")
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     (damaged / STATE_FILE).write_text((tmp_path / "good" / STATE_FILE).read_text()[:-40])
     (tmp_path / "errors").mkdir()
     gloo_ranks(
-        _load_own_folder, 2, [str(tmp_path / "good"), str(damaged)], str(tmp_path / "errors"), collective_timeout=600
-    )
+        _load_own_folder, 2, [str(tmp_path / "good"), str(damaged)], str(tmp_path / "errors"),
+        collective_timeout=600, start_method="fork",
+    )  # fmt: skip
     for rank in (0, 1):
         message = (tmp_path / "errors" / f"rank{rank}.txt").read_text()
         assert f"{damaged / STATE_FILE} is not a loader state written by save_loader_state()" in message

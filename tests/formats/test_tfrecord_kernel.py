@@ -301,6 +301,7 @@ def framed(record, length=None):
 
 rng = random.Random(int(sys.argv[1]))
 seen = {"records": 0, "bad_length": 0, "bad_data": 0, "refused": 0}
+made = 0
 for _ in range(int(sys.argv[2])):
     records = [rng.randbytes(rng.randrange(0, 200)) for _ in range(rng.randrange(1, 8))]
     buf = bytearray(b"".join(framed(r, rng.choice([None, None, None, 2**64 - 1 - rng.randrange(64)])) for r in records))
@@ -328,9 +329,12 @@ for _ in range(int(sys.argv[2])):
                 np.empty(16 * rng.randrange(0, 6), np.uint8), rng.randrange(-1, 3))
     except ValueError:
         seen["refused"] += 1
-    with open(sys.argv[3], "wb") as f:
+    made += 1
+    path = f"{sys.argv[3]}.{made}"  # a new file each time: ext4 flushes a file rewritten over its old bytes on close
+    with open(path, "wb") as f:
         f.write(buf)
-    fd = os.open(sys.argv[3], os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)
+    os.unlink(path)  # read through the open descriptor; unlinked unwritten, it costs no disk write
     try:
         size = rng.randrange(1, 300)
         state = np.array([0, 0, 0, rng.randrange(1, 64), 0, rng.randrange(0, 3), rng.choice([-1, rng.randrange(400)]),

@@ -118,7 +118,7 @@ def _train_and_gather(rank: int, world_size: int, out_dir: str) -> None:
 def test_the_straggling_rank_and_its_slowest_stage_are_named_and_a_missing_rank_does_not_hang(tmp_path):
     from tests.helpers.processes import gloo_ranks
 
-    gloo_ranks(_train_and_gather, 2, str(tmp_path))
+    gloo_ranks(_train_and_gather, 2, str(tmp_path), start_method="fork")  # forked: a spawned rank imports torch again
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     for result in results:
         assert result["straggler"] == 1, result["summary"]
