@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -151,7 +152,7 @@ def _convert_on_ray(args: argparse.Namespace, pattern: str, urls: list[str], con
         return fail(args, RayUnavailableError(f"--ray needs Ray: pip install 'shardkit[ray]' ({error})"))
     try:
         _check_reachable(args.ray)
-        ray.init(address=args.ray or "local", logging_level=logging.ERROR, include_dashboard=False)  # local: a new one
+        start_ray(ray, args.ray)
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # its progress bars stay; its INFO lines go
     except Exception as error:  # noqa: BLE001 - ConnectionError, or Ray's own kinds: one line, exit 2
         where = f"the Ray cluster at {args.ray}" if args.ray else "a local Ray cluster"
@@ -178,6 +179,29 @@ def _convert_on_ray(args: argparse.Namespace, pattern: str, urls: list[str], con
 
 
 _CONNECT_SECONDS = 10.0
+
+#: Starts of a new local Ray cluster tried: Ray waits a fixed 30 s for its raylet to register, which a busy
+#: machine can exceed (seen under a loaded test run); a start that timed out is shut down and tried again.
+LOCAL_STARTS = 3
+_START_TIMEOUT = "timed out during startup"
+
+
+def start_ray(ray: Any, address: str | None) -> None:
+    """``ray.init`` at ``address``, or a new local cluster (tried :data:`LOCAL_STARTS` times while Ray says its
+    start timed out, saying so on stderr); any other failure, or a cluster at an address, raises at once."""
+    for attempt in range(1, LOCAL_STARTS + 1):
+        try:
+            ray.init(address=address or "local", logging_level=logging.ERROR, include_dashboard=False)
+            return
+        except Exception as error:
+            if address or attempt == LOCAL_STARTS or _START_TIMEOUT not in str(error):
+                raise
+            ray.shutdown()
+            print(
+                f"shardkit convert: the local Ray cluster did not start in time (a busy machine?); "
+                f"starting it again ({attempt + 1} of {LOCAL_STARTS})",
+                file=sys.stderr,
+            )
 
 
 def _check_reachable(address: str) -> None:
