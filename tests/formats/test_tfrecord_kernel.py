@@ -148,6 +148,35 @@ def test_the_c_kernel_checks_four_records_at_once_as_the_crc32c_package_checks_o
     assert compiled.crc32c_records(records) == [crc32c_package(r) for r in records]  # type: ignore[union-attr]
 
 
+@needs_c
+def test_the_c_kernel_checks_records_of_every_length_up_to_4096_at_any_alignment_as_the_crc32c_package() -> None:
+    """Every length 0..4096, in groups of twelve of nearby lengths at random offsets (on a CPU with AVX2 folding and
+    not AVX-512, six at once by three crc32 streams and three folding chains; a group with a record under 32 bytes
+    falls back to four at a time), each record's CRC the crc32c package's."""
+    rng = random.Random(11)
+    data = rng.randbytes(4096 + 64 + 16)
+    assert compiled is not None
+    for n in range(4097):
+        records = [data[(at := rng.randrange(64)) : at + max(0, n + rng.randrange(-3, 4))] for _ in range(12)]
+        assert compiled.crc32c_records(records) == [crc32c_package(r) for r in records], n
+
+
+@needs_c
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    sizes=st.lists(st.one_of(st.integers(0, 64), st.integers(0, 4096)), min_size=6, max_size=30),
+    skips=st.lists(st.integers(0, 63), min_size=30, max_size=30),
+)
+def test_the_c_kernel_checks_six_and_twelve_records_at_once_as_the_crc32c_package_checks_one(
+    sizes: list[int], skips: list[int]
+) -> None:
+    """Groups of records of any mix of lengths, each at its own alignment: whichever interleaved path a group takes,
+    each record's CRC is its own."""
+    data = random.Random(sum(sizes)).randbytes(4096 + 64)
+    records = [data[skip : skip + n] for n, skip in zip(sizes, skips)]
+    assert compiled.crc32c_records(records) == [crc32c_package(r) for r in records]  # type: ignore[union-attr]
+
+
 def run_python(code: str, **env: str) -> str:
     """``code``'s output in a child interpreter with this checkout importable and ``env`` set."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -493,6 +522,32 @@ def test_a_bad_data_crc_at_each_record_of_a_file_of_long_records_is_found_alike_
         assert c[0] == c[1], bad
         got, error = c[1]
         assert got == records[:bad] and error is not None and error[:2] == (bad, starts[bad]), bad
+
+
+@needs_c
+def test_a_flipped_bit_in_any_record_of_mixed_lengths_is_named_with_url_index_and_offset_by_every_reader(
+    tmp_path,
+) -> None:
+    """Records of 0 to 1,200 bytes, checked twelve at a time (six at once where the CPU folds with AVX2): a bit
+    flipped anywhere in any record's data stops ``read_tfrecord`` and both layouts of ``read_tfrecord_batches`` at
+    that record, after the good ones before it, with the file, the record's index and its byte offset."""
+    rng = random.Random(7)
+    records = [rng.randbytes(rng.choice([rng.randrange(0, 40), rng.randrange(900, 1200)])) for _ in range(60)]
+    starts = np.cumsum([0, *map(len, map(framed, records))]).tolist()
+    path = str(tmp_path / "flipped.tfrecord")
+    for bad in (i for i, r in enumerate(records) if r):
+        data = bytearray(b"".join(map(framed, records)))
+        data[starts[bad] + 12 + rng.randrange(len(records[bad]))] ^= 1 << rng.randrange(8)
+        with open(path, "wb") as f:
+            f.write(data)
+        for got, error in (
+            read_all(lambda: read_tfrecord(path)),
+            read_all(lambda: read_tfrecord_batches(path, batch_records=1000)),
+            read_all(lambda: read_tfrecord_batches(path, batch_records=1000, arrow_type="binary_view")),
+        ):
+            assert got == records[:bad], bad
+            assert error is not None and error[:2] == (bad, starts[bad]), bad
+            assert path in str(error[3]) and "data CRC mismatch" in str(error[3]), error
 
 
 @needs_c

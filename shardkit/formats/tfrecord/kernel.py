@@ -37,8 +37,9 @@ one is used when ``shardkit.formats._tfrecord`` is built, unless
 Both return the same ends, records and first bad record for any bytes; the
 tests run them side by side on valid, mutated and truncated files. The C
 kernel computes CRC-32C itself (carry-less multiplication with AVX-512 or AVX2,
-or SSE4.2, when the CPU has them, else tables; the data CRCs of four records at once),
-to the ``crc32c`` package's values.
+or SSE4.2, when the CPU has them, else tables; the data CRCs of twelve records at a
+time: with AVX2 folding, six at once, three by the crc32 instruction and three by
+carry-less multiplication, the two units side by side), to the ``crc32c`` package's values.
 """
 
 from __future__ import annotations
