@@ -130,23 +130,33 @@ def variants(
     return {**found, OLD_AUTO: old_auto} if old else found
 
 
-#: Per agreement of every="auto"'s epochs: (batches yielded when it was waited for, window, seconds waited).
-WAITS: list[list[tuple[int, int, float]]] = []
+#: Per agreement of every="auto"'s epochs: (batches yielded when it was waited for, its window,
+#: seconds waited, seconds spent fetching its window's batches).
+WAITS: list[list[tuple[int, int, float, float]]] = []
 
 
 def traced(wrapped: Any) -> Iterator[Any]:
-    """``wrapped``'s batches, recording in :data:`WAITS` how long each agreement was waited for."""
-    waits: list[tuple[int, int, float]] = []
+    """``wrapped``'s batches, recording in :data:`WAITS` how long each agreement was waited for and
+    how long fetching the batches it agreed on took (the first window's are fetched in ``iter()``,
+    before this can see them: 0)."""
+    waits: list[tuple[int, int, float, float]] = []
+    fetching = [0.0]
     iterator = iter(wrapped)
-    work_of = wrapper_module._Agreed._settle
+    settle_of, fetch_of = wrapper_module._Agreed._settle, wrapper_module._Agreed._fetch
 
     def settle() -> None:
         start = time.perf_counter()
         iterator._work.wait()
-        waits.append((iterator.batches, iterator._target, time.perf_counter() - start))
-        work_of(iterator)
+        waits.append((iterator.batches, iterator._target, time.perf_counter() - start, fetching[0]))
+        fetching[0] = 0.0
+        settle_of(iterator)
 
-    iterator._settle = settle
+    def fetch(count: int) -> None:
+        start = time.perf_counter()
+        fetch_of(iterator, count)
+        fetching[0] += time.perf_counter() - start
+
+    iterator._settle, iterator._fetch = settle, fetch
     yield from iterator
     WAITS.append(waits)
 
@@ -155,14 +165,17 @@ def per_batch(
     batches: list[torch.Tensor], step_us: float, rounds: int, old: bool = False
 ) -> tuple[dict[str, tuple[float, float, float]], list[int | None]]:
     """(median, fastest, median of the excess over the plain loop in the same round) seconds per batch
-    of each variant over rounds, interleaved; the windows auto chose. Also fills :data:`STAMPS`."""
+    of each variant over rounds, interleaved (in an order rotated each round); the windows auto chose.
+    Also fills :data:`STAMPS`."""
     step = make_step(step_us)
     side = even_module._side_group(None)
     assert side is not None
     chosen: list[int | None] = []
     times: dict[str, list[float]] = {name: [] for name in variants(batches, chosen, old)}
-    for _ in range(rounds):
-        for name, make in variants(batches, chosen, old).items():
+    for round_ in range(rounds):
+        made = list(variants(batches, chosen, old).items())
+        # each round starts one variant later, so no variant always runs right after the same other one
+        for name, make in made[round_ % len(made) :] + made[: round_ % len(made)]:
             posted = side.posted
             stamps: list[float] = []
             times[name].append(epoch_time(make(), step, stamps)[1])
@@ -198,13 +211,14 @@ def wait_lines() -> list[str]:
     """every="auto"'s agreements: when each was waited for, its window, the median wait over epochs."""
     if not WAITS:
         return []
-    shape = statistics.mode(tuple((at, window) for at, window, _ in waits) for waits in WAITS)
-    same = [waits for waits in WAITS if tuple((at, window) for at, window, _ in waits) == shape]
+    shape = statistics.mode(tuple(agreement[:2] for agreement in waits) for waits in WAITS)
+    same = [waits for waits in WAITS if tuple(agreement[:2] for agreement in waits) == shape]
     parts = [
-        f"at batch {at} (next window {window}): {statistics.median(w[i][2] for w in same) * 1e6:.0f} us"
+        f"at batch {at}, window {window}: waited {statistics.median(w[i][2] for w in same) * 1e6:.0f} us, "
+        f"fetched in {statistics.median(w[i][3] for w in same) * 1e6:.0f} us"
         for i, (at, window) in enumerate(shape)
     ]
-    return [f"every='auto' waited for its agreements ({len(same)} of {len(WAITS)} epochs alike): " + "; ".join(parts)]
+    return [f"every='auto''s agreements, medians of the {len(same)} of {len(WAITS)} epochs alike: " + "; ".join(parts)]
 
 
 def targets(results: dict[str, tuple[float, float, float]], plain: float, load: float) -> list[str]:

@@ -22,9 +22,11 @@ and the agreements stay at the same steps everywhere. Windows are powers of
 two. The first has :data:`FIRST_WINDOW` (2) batches, so that the second
 agreement, posted as the second batch is handed over, already carries one
 measured step; it covers a blind window of :data:`BLIND_GROWTH` times the
-first (16: the first batch waits for one round trip, its own fetch and
-half of the next window's), and windows stay that many times the one before
-while no rank has measured a step. After, each window is at most
+first (16: the first batch waits for one round trip, the first window's two
+fetches and half of the next window's), and windows stay that many times
+the one before while no rank has measured a step. A first step slower than
+the rest (compiling, warming caches) only makes the third window smaller
+than needed: the next agreement proposes from the median of 17 steps. After, each window is at most
 :data:`GROWTH` times the one before it (so a rank fetches at most that many
 batches per step while windows grow) and at most :data:`AUTO_MAX`. The
 budget counts every agreement since the epoch began, so the first windows'
