@@ -8,7 +8,9 @@ batches (the loader costs ~nothing, so the wrapper's cost is not hidden
 behind loading) and runs a training step per batch: an all-reduce on the
 default group, as DDP's gradient sync, and optionally ``--step-us`` of time
 in which the CPU is free (a GPU step the host waits on). Variants, run in
-interleaved rounds: the plain loop; the floor, a bare asynchronous
+interleaved rounds: the plain loop, twice (the second's excess over the first
+is the noise of the machine: a difference between rows smaller than it says
+nothing); the floor, a bare asynchronous
 all-reduce of the agreement's int64 flags on the side group per batch, posted
 before the step and waited for after it (what every=1 cannot go below:
 the wrapper's own Python costs a few us a batch); ``even_batches(every=1)``,
@@ -101,6 +103,8 @@ def bare_agreements(batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
 FLOOR = "floor: bare agreement"
 AUTO = "even_batches(every='auto')"
 OLD_AUTO = "auto, windows 1, 4, 16 (old)"
+#: The plain loop run twice a round: its excess over the first is the noise the other rows stand in.
+AGAIN = "plain loop again (noise)"
 
 
 def variants(
@@ -122,6 +126,7 @@ def variants(
 
     found = {
         "plain loop": lambda: batches,
+        AGAIN: lambda: batches,
         FLOOR: lambda: bare_agreements(batches),
         "even_batches(every=1)": lambda: shardkit.even_batches(batches),
         "even_batches(every=8)": lambda: shardkit.even_batches(batches, every=8),
