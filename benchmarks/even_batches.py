@@ -33,7 +33,11 @@ second agreement carrying a measured step), interleaved with the rest.
 
 On a shared, loaded machine the step's own all-reduce varies by milliseconds
 from round to round; the fastest round of each variant is printed beside the
-median as the estimate least disturbed by other processes.
+median as the estimate least disturbed by other processes. The second plain
+loop shows how far two identical loops land apart by the same statistics: at
+load 5-13 on the 2-core VM, 1-26% of the step by median, more than the 1%
+target. There too, ``time.sleep(0.001)`` sleeps 1.8 or 4 ms (bimodal), so
+the second table's rows differ mostly by the sleeps.
 """
 
 from __future__ import annotations
