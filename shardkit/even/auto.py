@@ -19,27 +19,40 @@ Each agreement carries every rank's proposal for the window after the next
 (0 while it has measured no step) and the ranks take the largest, so the
 windows are the same on every rank even when one rank's steps are slower,
 and the agreements stay at the same steps everywhere. Windows are powers of
-two. Before any rank has measured a step they grow by :data:`BLIND_GROWTH`
-(1, 4, 16: the first batch waits for one round trip, its own fetch and the
-next window's 4); after, each window is at most :data:`GROWTH` times the one before
-it (so a rank fetches at most that many batches per step while windows grow)
-and at most :data:`AUTO_MAX`. The budget counts every agreement since the
-epoch began, so the first windows' agreements are paid back by larger
-windows next. Far into a long epoch the windows settle where one agreement
-costs ``share`` of its window's steps (``round_trip / (share * step)``
-batches, rounded to a power of two).
+two. The first has :data:`FIRST_WINDOW` (2) batches, so that the second
+agreement, posted as the second batch is handed over, already carries one
+measured step; it covers a blind window of :data:`BLIND_GROWTH` times the
+first (16: the first batch waits for one round trip, the first window's two
+fetches and half of the next window's), and windows stay that many times
+the one before while no rank has measured a step. A first step slower than
+the rest (compiling, warming caches) only makes the third window smaller
+than needed: the next agreement proposes from the median of 17 steps. After, each window is at most
+:data:`GROWTH` times the one before it (so a rank fetches at most that many
+batches per step while windows grow) and at most :data:`AUTO_MAX`. The
+budget counts every agreement since the epoch began, so the first windows'
+agreements are paid back by larger windows next. Far into a long epoch the
+windows settle where one agreement costs ``share`` of its window's steps
+(``round_trip / (share * step)`` batches, rounded to a power of two).
+
+Why few agreements, and not only cheap ones: on two ranks sharing two cores
+(benchmarks/even_batches.py) an agreement overlapped with a step whose
+all-reduce keeps the CPU busy slows that step by about as much as a
+blocking round trip would (gloo's threads for the two all-reduces take
+turns on the cores), so each agreement costs about a round trip wherever
+it is waited for, and the epoch pays per agreement, not per batch.
 
 What that bounds: at the end of every window chosen from measured steps,
 the epoch's agreements so far cost at most ``share`` of its steps so far,
 unless the window was at its largest (:data:`AUTO_MAX`, or :data:`GROWTH`
-times the one before). Not bounded: the 21 batches of the blind windows (3
-agreements), a round trip longer than ``share * AUTO_MAX`` steps (1.28
-steps: the windows stay at 256), and an epoch that ends inside a window,
-which pays its last agreement over fewer steps than the window planned. So
-an epoch of 200 steps of 1.3 ms with 0.6 ms round trips takes windows 1, 4,
-16 and 256 (cut at 179): 4 agreements, 0.9% of its steps, where doubling
-up to a window of 64 (this module before) took 10 (2.3%); an epoch of 2,000
-such steps takes 22 (0.51%); with 100 ms steps, windows of 1 and 2 (0.50%).
+times the one before). Not bounded: the 18 batches of the first two windows
+(2 agreements, the first one waited for before the first batch), a round
+trip longer than ``share * AUTO_MAX`` steps (1.28 steps: the windows stay
+at 256), and an epoch that ends inside a window, which pays its last
+agreement over fewer steps than the window planned. So an epoch of 200
+steps of 1.3 ms with 0.6 ms round trips takes windows 2, 16 and 256 (cut
+at 182): 3 agreements, 0.7% of its steps, where windows 1, 4, 16 and 256
+(this module before) took 4 (0.9%), and doubling up to a window of 64
+took 10 (2.3%); with 100 ms steps, windows of 2, 16, then 1 and 2 (0.50%).
 
 A rank holds up to the rest of its window plus the next one's batches,
 and a state saves them; so a measured window is also at most what keeps
@@ -65,8 +78,11 @@ SHARE = 0.005
 #: The largest window "auto" picks.
 AUTO_MAX = 256
 
+#: The first window of an epoch: two batches, so that the second agreement carries a measured step.
+FIRST_WINDOW = 2
+
 #: Before any rank has measured a step, each window is this many times the one before.
-BLIND_GROWTH = 4
+BLIND_GROWTH = 8
 
 #: Once measured, a window is at most this many times the one before (batches fetched per step while growing).
 GROWTH = 16

@@ -20,7 +20,8 @@ How the ranks agree:
 * Batches go in *windows*: the ranks agree on a whole window of up to
   ``every`` batches at once. The first window has one batch (the first batch
   waits for one round trip, its own fetch and the next window's), later ones
-  double up to ``every``. A rank holds at most the rest of its window plus
+  double up to ``every``; under ``every="auto"`` they are 2, 16, then
+  measured (:mod:`shardkit.even.auto`). A rank holds at most the rest of its window plus
   the next window's batches. ``every="auto"`` sizes each window from the side
   group's round trip and the first steps' time, so that the epoch's
   agreements cost at most 0.5% of its steps, the same on every rank
@@ -82,7 +83,7 @@ from typing import Any, Literal
 import torch
 
 from shardkit.errors import EvenBatchesError, check_int
-from shardkit.even.auto import MEASURED, batch_bytes, next_window, proposal
+from shardkit.even.auto import FIRST_WINDOW, MEASURED, batch_bytes, next_window, proposal
 from shardkit.even.group import _distributed, _Side, _side_group
 from shardkit.even.saved import checked, inner_state, load_inner, merged, state_of
 from shardkit.ranks import gather as gather_ranks
@@ -143,7 +144,7 @@ def even_batches(
             all-reduce per batch, overlapped with the training step, and
             holds one batch ahead; larger values divide that cost and hold
             up to ``2 * every - 1`` batches ahead (benchmarks/even_batches.py
-            measures both). ``"auto"``: windows (powers of two, 1, 4, 16,
+            measures both). ``"auto"``: windows (powers of two, 2, 16,
             then up to 256) sized so that the epoch's agreements, the first
             one's round trip included, cost at most 0.5% of its steps'
             time, from the side group's round trip and the median of each
@@ -350,7 +351,7 @@ class _Agreed(Iterator[Any]):
         self._window: deque[Any] = deque()  # agreed, fetched, not yielded yet
         self._next: list[Any] = []  # fetched for the next window, agreement maybe in flight
         self._quota = 0  # batches the current window still yields
-        self._target = 1  # size of the next window
+        self._target = FIRST_WINDOW if self._auto_mode else 1  # size of the next window
         self._pad: tuple[Any] | None = None  # (batch,) to repeat
         self._exhausted = False
         self._error: BaseException | None = None

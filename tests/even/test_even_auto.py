@@ -77,8 +77,9 @@ def test_a_proposal_is_none_until_a_step_is_measured_and_grows_at_most_sixteen_f
         assert 1 <= proposed <= min(auto.AUTO_MAX, current * auto.GROWTH)
 
 
-def test_windows_grow_fourfold_until_a_rank_measured_then_take_the_agreed_proposal():
-    assert [auto.next_window(w, 0, 0) for w in (1, 4, 16, 64, 256)] == [4, 16, 64, 256, 256]
+def test_windows_grow_eightfold_from_two_until_a_rank_measured_then_take_the_agreed_proposal():
+    assert auto.FIRST_WINDOW == 2
+    assert [auto.next_window(w, 0, 0) for w in (2, 16, 128, 256)] == [16, 128, 256, 256]
     assert auto.next_window(16, 2, 0) == 2  # shrinks at once to what the ranks measured
     assert [auto.next_window(w, 0, 8) for w in (1, 2, 4, 8)] == [2, 4, 8, 8]  # a fixed every doubles to it
 
@@ -106,14 +107,15 @@ class SteadyClock:
 @pytest.mark.parametrize(
     ("step", "agreements", "window"),
     [
-        (1.3e-3, 4, 256),  # windows 1, 4, 16, then 256 for the rest
-        (2.6e-3, 4, 256),  # a longer step: the first three are paid back only by 256 again
-        (0.1, 167, 2),  # a 100 ms step: 1, 4, 16, then windows of 1 and 2 (one agreement is 0.6% of a step)
+        (1.1e-3, 3, 256),  # windows 2, 16, then 256 for the rest (cut at 182)
+        (1.3e-3, 3, 256),
+        (2.6e-3, 4, 128),  # a longer step: 2, 16, 128, then the rest
+        (0.1, 167, 2),  # a 100 ms step: 2, 16, then windows of 1 and 2 (one agreement is 0.6% of a step)
     ],
 )
 def test_an_epoch_of_200_steps_posts_few_agreements_and_stays_within_its_share(monkeypatch, step, agreements, window):
     """Before: windows 1, 2, 4, 4, then doubling to a cap of 64: 10 agreements for the short steps,
-    1.2% of the steps at 0.6 ms a round trip."""
+    1.2% of the steps at 0.6 ms a round trip; then windows 1, 4, 16 and 256: 4 agreements (0.9%)."""
     monkeypatch.setattr(wrapper_module, "time", SteadyClock(step))
     posted: list[int] = [0, 0]
 
@@ -127,6 +129,24 @@ def test_an_epoch_of_200_steps_posts_few_agreements_and_stays_within_its_share(m
     assert posted == [agreements] * 2 and windows(results) == {window}
     if step == 0.1:  # no window capped: the agreements within the share of the steps up to the last window's end
         assert agreements * 600e-6 <= auto.SHARE * step * (200 + window)
+
+
+def test_the_second_agreement_of_an_auto_epoch_carries_a_measured_step(monkeypatch):
+    """Windows 2 and 16 before any measurement, then the ranks' proposal from the one step measured
+    when the second agreement was posted (a 100 ms step: a window of 1), not a blind 128."""
+    monkeypatch.setattr(wrapper_module, "time", SteadyClock(0.1))
+    sizes: list[list[int]] = [[], []]
+    real = wrapper_module.next_window
+
+    def recorded(current: int, agreed: int, every: int) -> int:
+        window = real(current, agreed, every)
+        sizes[wrapper_module._side_group(None).rank].append(window)
+        return window
+
+    monkeypatch.setattr(wrapper_module, "next_window", recorded)
+    results = run_ranks(monkeypatch, [600e-6, 600e-6], lambda rank: epoch(rank, 30))
+    assert [stats.batches for _, stats in results] == [30, 30]
+    assert sizes[0] == sizes[1] and sizes[0][:2] == [16, 1]
 
 
 def windows(results: list[Any]) -> set[int | None]:
@@ -152,7 +172,7 @@ def test_ranks_that_propose_different_windows_all_take_the_largest(monkeypatch):
 
 
 def test_a_rank_with_slower_steps_gets_the_same_window_as_the_others(monkeypatch):
-    """Rank 1's steps take 20 ms (it would take 32 at a round trip of 1 ms); rank 0's take
+    """Rank 1's steps take 20 ms (it would take 16 at a round trip of 1 ms); rank 0's take
     microseconds (it would take the cap below 3 ms): both take the cap, and stay in step."""
 
     def step(rank: int) -> None:
@@ -160,7 +180,7 @@ def test_a_rank_with_slower_steps_gets_the_same_window_as_the_others(monkeypatch
             time.sleep(0.02)
 
     results = run_ranks(monkeypatch, [1e-3, 1e-3], lambda rank: epoch(rank, 40, step=step))
-    assert auto.proposal(1e-3, [0.02], agreements=3, batches=5, current=16) == 32
+    assert auto.proposal(1e-3, [0.02], agreements=2, batches=2, current=16) == 16
     assert windows(results) == {auto.AUTO_MAX}
 
 
@@ -169,9 +189,9 @@ def test_a_slow_round_trip_against_slow_steps_picks_a_window_in_between(monkeypa
         time.sleep(0.01)
 
     results = run_ranks(monkeypatch, [4e-4, 4e-4], lambda rank: epoch(rank, 30, step=step))
-    # 0.4 ms against 10 ms, 4 agreements over 21 batches and the next window's: 16 (a loaded machine
-    # sleeps longer: 8 or less)
-    assert auto.proposal(4e-4, [0.01], agreements=3, batches=5, current=16) == 16
+    # 0.4 ms against 10 ms, 3 agreements over 18 batches and the next window's: 8 (a loaded machine
+    # sleeps longer: 4 or less); the second window (16) is blind
+    assert auto.proposal(4e-4, [0.01], agreements=2, batches=2, current=16) == 8
     assert len(windows(results)) == 1 and windows(results) <= {1, 2, 4, 8, 16}
 
 
@@ -198,7 +218,7 @@ def test_every_auto_yields_the_same_batches_as_a_fixed_window_stop_at_min_pad_to
 
 
 @pytest.mark.filterwarnings("ignore:even_batches. epoch")
-@pytest.mark.parametrize("save_after", [0, 2, 3, 7, 8, 11, 30])
+@pytest.mark.parametrize("save_after", [0, 1, 2, 3, 7, 17, 18, 19, 30])
 @pytest.mark.parametrize("at_end", ["stop", "pad"])
 def test_a_resumed_auto_epoch_yields_the_uninterrupted_batches_and_keeps_its_window(monkeypatch, at_end, save_after):
     counts = [45, 52]
@@ -219,8 +239,9 @@ def test_a_resumed_auto_epoch_yields_the_uninterrupted_batches_and_keeps_its_win
     for rank, (whole, resumed, state, stats) in enumerate(run_ranks(monkeypatch, round_trips, body)):
         assert resumed == whole == expected(rank, counts, at_end)
         assert state["every"] == "auto"
-        # saved after the first agreement with proposals settled (batch 6 on): the choice is in the state
-        assert state["auto"] == (auto.AUTO_MAX if save_after >= 6 else 0)
+        # saved after the first agreement with proposals settled (the second, at the third batch): the
+        # choice is in the state; saved after two batches, that agreement is in flight and posted again
+        assert state["auto"] == (auto.AUTO_MAX if save_after >= 3 else 0)
         # resumed before the choice: the steps measured before saving were saved too
         assert stats.window == auto.AUTO_MAX
 
@@ -323,9 +344,9 @@ def test_gloo_ranks_with_a_rank_dependent_filter_and_one_slowed_yield_equal_batc
     # each rank's proposal from its own steps; the slowed rank's is no larger, and the ranks take the largest
     assert ranks[0]["window"] >= max(r["proposal"] for r in ranks) > 0
     assert ranks[1]["proposal"] <= ranks[0]["proposal"]
-    # the same agreements on both ranks, and few: windows 1, 4, 16, then at least 16 (a 2 ms step against a
+    # the same agreements on both ranks, and few: windows 2, 16, then at least 16 (a 2 ms step against a
     # round trip of at least ~0.1 ms: 4 agreements for 350 batches on a quiet machine)
-    assert ranks[0]["agreements"] == ranks[1]["agreements"] <= 3 + -(-(350 - 21) // 16) + 1
+    assert ranks[0]["agreements"] == ranks[1]["agreements"] <= 2 + -(-(350 - 18) // 16) + 1
     counts = [len(r["natural"]) for r in ranks]
     assert counts == [400, 350]  # the filter: rank 1's count is known only when it runs out
     for rank in ranks:

@@ -93,9 +93,9 @@ def run_checks(rank: int) -> dict[str, Any]:
         result["window"] = stats.window
         result["round_trip"] = side.round_trip
         # what this rank alone would have proposed at the first agreement with a measured step (the
-        # third, posted after 5 batches for a window of 16), from the steps it measured then
-        gaps = wrapped._iterator._gaps[:4]
-        result["proposal"] = auto.proposal(side.round_trip, gaps, agreements=3, batches=5, current=16)
+        # second, posted after 2 batches for a window of 16), from the step it measured then
+        gaps = wrapped._iterator._gaps[:1]
+        result["proposal"] = auto.proposal(side.round_trip, gaps, agreements=2, batches=2, current=16)
         result["resumed"], result["resumed_window"] = [], []
         for stop in STOPS:
             first = shardkit.even_batches(Filtered(rank), every="auto")
