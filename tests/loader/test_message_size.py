@@ -38,7 +38,7 @@ def test_a_grown_micro_batch_is_whole_batches_near_the_message_bytes_and_never_s
     assert grown <= max(size, MESSAGE_SAMPLES)
     if grown > size:  # grown by whole batches, the last of them needed to reach the bytes
         assert (grown - size) * per_sample < MESSAGE_BYTES
-    if size < grown + size <= MESSAGE_SAMPLES:  # not stopped by the sample bound: it reached the bytes
+    if grown + size <= MESSAGE_SAMPLES:  # not stopped by the sample bound: it reached the bytes
         assert grown * per_sample >= MESSAGE_BYTES
 
 
@@ -52,9 +52,14 @@ def corpus(folder: Path, tokens: int) -> str:
     return write_pair(folder, docs, dtype=np.int32)
 
 
+def worker(dataset: Any, size: int, grow: bool) -> Any:
+    """A worker's messages (as under a MixedLoader without micro_batch_size: ``grow``), made in this process."""
+    return MicroBatches(dataset, size, collate=True, resumable=True, slots=5, ask=True, grow=grow)._messages(0, None)
+
+
 def worker_messages(dataset: Any, size: int, grow: bool) -> list[tuple[int, torch.Tensor]]:
     """A worker's micro-batches, made in this process through a slab ring freed after each: (count, input_ids)."""
-    messages = MicroBatches(dataset, size, collate=True, resumable=True, slots=5, ask=True, grow=grow)._messages(0, None)
+    messages = worker(dataset, size, grow)
     first = next(messages)
     assert first[1] == START
     flags, slabs, out = first[2], {}, []
@@ -98,7 +103,7 @@ def test_a_wrapped_plain_iterable_whose_state_carries_samples_as_data_keeps_micr
 
 
 def ids_messages(dataset: Any, size: int) -> list[tuple[int, Any]]:
-    messages = MicroBatches(dataset, size, collate=True, resumable=True, slots=5, ask=True, grow=True)._messages(0, None)
+    messages = worker(dataset, size, grow=True)
     flags = next(messages)[2]
     out = []
     for _, count, payload, *_ in messages:
