@@ -151,9 +151,10 @@ class MixedLoader:
         micro_batch_size: samples per message from a worker (with workers);
             None: ``batch_size`` for the first, then, without ``collate_fn``, as
             many times ``batch_size`` as bring a message of small samples near
-            512 KB, at most 256 samples (:func:`~shardkit.loader.micro_batches.message_size`:
-            a message costs about 0.5 ms of CPU whatever it holds; 8 blocks of 2,048
-            int32 tokens are 64 KB), except where a saved state would carry the
+            512 KB, at most 256 samples and 20 ms of making them
+            (:func:`~shardkit.loader.micro_batches.message_size`: a message costs about
+            0.5 ms of CPU whatever it holds; 8 blocks of 2,048 int32 tokens are 64 KB),
+            except where a saved state would carry the
             undelivered samples as data (a wrapped plain iterable). For column batches, the dataset's
             batch_size is the micro-batch and this must stay None. The main process holds one or two
             micro-batches per worker; smaller values shorten that and the

@@ -2,7 +2,7 @@
 not given (issue 39, item 2): a message costs about 0.5 ms of CPU whatever it holds, so 8 packed blocks
 of 2,048 int32 tokens (64 KB) a message spent more on messages than on packing.
 
-Growing changes no batch (assembly depends only on what each worker yields), keeps the first message at
+Slow samples (a remote read's) do not grow past about ``MESSAGE_NS`` of making them. Growing changes no batch (assembly depends only on what each worker yields), keeps the first message at
 the batch size (the first batch is not delayed), and is left out where a saved state would carry the
 undelivered samples as data (a wrapped plain iterable).
 """
@@ -10,6 +10,7 @@ undelivered samples as data (a wrapped plain iterable).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardkit
-from shardkit.loader.micro_batches import MESSAGE_BYTES, MESSAGE_SAMPLES, START, MicroBatches, message_size
+from shardkit.loader import micro_batches
+from shardkit.loader.micro_batches import (
+    MESSAGE_BYTES,
+    MESSAGE_NS,
+    MESSAGE_SAMPLES,
+    START,
+    MicroBatches,
+    message_size,
+)
 from shardkit.loader.slabs import SlabBatch, from_slab
 from tests.helpers.examples import examples
 from tests.helpers.tokens import write_pair
@@ -29,16 +38,24 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 
 @settings(max_examples=examples(300), deadline=None)
-@given(size=st.integers(1, 600), count=st.integers(1, 600), per_sample=st.integers(1, 1 << 21))
-def test_a_grown_micro_batch_is_whole_batches_near_the_message_bytes_and_never_smaller(
-    size: int, count: int, per_sample: int
+@given(
+    size=st.integers(1, 600),
+    count=st.integers(1, 600),
+    per_sample=st.integers(1, 1 << 21),
+    ns_per_sample=st.integers(1, 10_000_000),
+)
+def test_a_grown_micro_batch_is_whole_batches_near_the_message_bytes_and_time_and_never_smaller(
+    size: int, count: int, per_sample: int, ns_per_sample: int
 ) -> None:
-    grown = message_size(size, count, count * per_sample)
+    grown = message_size(size, count, count * per_sample, count * ns_per_sample)
     assert grown % size == 0 and grown >= size
     assert grown <= max(size, MESSAGE_SAMPLES)
-    if grown > size:  # grown by whole batches, the last of them needed to reach the bytes
+    if grown > size:  # grown by whole batches, the last of them needed to reach the bytes, within the time
         assert (grown - size) * per_sample < MESSAGE_BYTES
-    if grown + size <= MESSAGE_SAMPLES:  # not stopped by the sample bound: it reached the bytes
+        assert grown * ns_per_sample <= MESSAGE_NS
+    bound_by_samples = grown + size > MESSAGE_SAMPLES
+    bound_by_time = (grown + size) * ns_per_sample > MESSAGE_NS
+    if not (bound_by_samples or bound_by_time):  # stopped by nothing else: it reached the bytes
         assert grown * per_sample >= MESSAGE_BYTES
 
 
@@ -75,8 +92,9 @@ def worker_messages(dataset: Any, size: int, grow: bool) -> list[tuple[int, torc
 
 
 def test_a_worker_packing_blocks_sends_the_batch_size_first_then_64_blocks_a_message_with_the_same_tokens(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(micro_batches, "MESSAGE_NS", 10**15)  # the bytes alone decide (a loaded machine is slow)
     prefix = corpus(tmp_path, 600_000)
     grown = worker_messages(shardkit.TokenDataset(prefix).pack(2048), 8, grow=True)
     plain = worker_messages(shardkit.TokenDataset(prefix).pack(2048), 8, grow=False)
@@ -118,6 +136,17 @@ def test_small_samples_over_shards_grow_to_256_a_message() -> None:
     """Records read again by position (a map-style dataset): their positions, not they, are carried."""
     counts = [count for count, _ in ids_messages(shardkit.wrap(list(range(3000))).map(small), 8)]
     assert counts[0] == 8 and set(counts[1:-1]) == {MESSAGE_SAMPLES}
+
+
+def slow(i: int) -> dict[str, Any]:
+    time.sleep(0.004)  # a remote read: 8 samples take longer than MESSAGE_NS / 2
+    return {"id": i}
+
+
+def test_slow_small_samples_keep_micro_batches_of_the_size_asked() -> None:
+    assert MESSAGE_NS < 2 * 8 * 4_000_000
+    counts = [count for count, _ in ids_messages(shardkit.wrap(list(range(48))).map(slow), 8)]
+    assert counts == [8] * 6
 
 
 @pytest.mark.slow
