@@ -149,6 +149,7 @@ class SlabRing:
         self.flags = torch.zeros(slots, dtype=torch.uint8).share_memory_()
         self._busy = self.flags.numpy()
         self._slabs: list[torch.Tensor | None] = [None] * slots
+        self.used = 0  #: the bytes of the latest micro-batch put in a slab
 
     def collate(self, chunk: list[Any]) -> Any:
         """``default_collate(chunk)``, its tensors in a free slot; as
@@ -182,6 +183,7 @@ class SlabRing:
             self._slabs[slot] = slab
         assert slab is not None
         self._busy[slot] = 1
+        self.used = layout.size
         layout.write(slab)
         return SlabBatch(slot, slab if new else None, skeleton)
 

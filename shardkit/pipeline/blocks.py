@@ -10,6 +10,7 @@ and copied by numpy, never touched one by one in Python.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -119,27 +120,52 @@ def block(
     """One packed block from ``parts`` (at most ``seq_len`` tokens in all, each fitting ``dtype``), padded at
     the end: ``input_ids`` in ``dtype`` and, when asked, ``position_ids`` and ``document_ids`` (int64).
 
-    Each row is a handful of numpy calls (the cost of a block is their overhead, not its tokens).
+    Each row is a numpy call or two per piece (the cost of a block is their overhead, not its tokens).
     """
     lengths = [len(piece[0]) for piece in parts]
     used = sum(lengths)
     input_ids = np.empty(seq_len, dtype)
-    if parts:
+    if len(parts) == 1:
+        input_ids[:used] = parts[0][0]  # fits: checked
+    elif parts:
         np.concatenate([piece[0] for piece in parts], out=input_ids[:used], casting="unsafe")  # fit: checked
-    input_ids[used:] = pad_id
+    if used < seq_len:
+        input_ids[used:] = pad_id
     out = {"input_ids": torch.from_numpy(input_ids)}
     if position_ids:
-        # A token's position is its index in the block less where its piece starts, plus the piece's first position.
-        shifts, start = [], 0
-        for length, piece in zip(lengths, parts):
-            shifts.append(start - piece[1])
-            start += length
-        positions = np.arange(seq_len, dtype=np.int64)
-        positions[:used] -= np.repeat(np.array(shifts, np.int64), lengths)
-        positions[used:] -= used  # the padding counts from 0, like a document of its own
-        out["position_ids"] = torch.from_numpy(positions)
+        out["position_ids"] = torch.from_numpy(_positions(parts, lengths, used, seq_len))
     if document_ids:
-        documents = np.full(seq_len, PAD_DOCUMENT, np.int64)
-        documents[:used] = np.repeat(np.arange(len(parts), dtype=np.int64), lengths)
-        out["document_ids"] = torch.from_numpy(documents)
+        out["document_ids"] = torch.from_numpy(_documents(lengths, used, seq_len))
     return out
+
+
+def _positions(parts: Sequence[Piece], lengths: list[int], used: int, seq_len: int) -> np.ndarray:
+    """Each token's position in its document (a piece counts on from its start); the padding counts from 0,
+    like a document of its own."""
+    ramp = _ramp(seq_len)
+    positions = np.empty(seq_len, np.int64)
+    at = 0
+    for piece, length in zip(parts, lengths):
+        np.add(ramp[:length], piece[1], out=positions[at : at + length])
+        at += length
+    positions[used:] = ramp[: seq_len - used]
+    return positions
+
+
+def _documents(lengths: list[int], used: int, seq_len: int) -> np.ndarray:
+    """Each token's piece's index in the block; :data:`PAD_DOCUMENT` where the block is padded."""
+    documents = np.empty(seq_len, np.int64)
+    at = 0
+    for index, length in enumerate(lengths):
+        documents[at : at + length] = index
+        at += length
+    documents[used:] = PAD_DOCUMENT
+    return documents
+
+
+@functools.lru_cache(maxsize=8)
+def _ramp(seq_len: int) -> np.ndarray:
+    """``0, 1, ..., seq_len - 1`` (int64, read-only), sliced by every block of ``seq_len`` instead of made anew."""
+    ramp = np.arange(seq_len, dtype=np.int64)
+    ramp.flags.writeable = False
+    return ramp

@@ -97,8 +97,8 @@ from shardkit.stateful import (
 )
 from shardkit.topology import Topology
 
-#: The position of a document just read, asked of the input only if the document is held (concat).
-_FRESH = -2
+#: What ``next(source, _END)`` returns once the input has ended.
+_END = object()
 
 #: The packing strategies ``.pack(strategy=...)`` takes.
 STRATEGIES = ("concat", "best_fit")
@@ -181,13 +181,13 @@ class _PackIterator(StageIterator):
 
     def _read(self) -> np.ndarray | None:
         """The next non-empty document of the input, or None once it has ended."""
+        source, key = self._source, self._key
         while not self._exhausted:
-            try:
-                sample = next(self._source)
-            except StopIteration:
+            sample = next(source, _END)
+            if sample is _END:
                 self._exhausted = True
                 break
-            tokens = tokens_of(sample, self._key)
+            tokens = tokens_of(sample, key)
             if len(tokens):
                 return tokens
         return None
@@ -222,24 +222,25 @@ class _PackIterator(StageIterator):
         return dtype
 
     def _next_concat(self) -> list[Piece]:
-        """The next ``seq_len`` tokens of the stream, cutting the document that crosses the end."""
+        """The next ``seq_len`` tokens of the stream, cutting the piece that crosses the end: held pieces
+        first (oldest first), then documents read."""
         parts: list[Piece] = []
         room = self._seq_len
-        while room:
-            if self._queue:
-                piece = self._queue.popleft()
-            else:
-                read = self._read()
-                if read is None:
-                    break
-                piece = (read, 0, _FRESH)
-            tokens = piece[0]
+        queue = self._queue
+        while room and queue:
+            tokens, start, position = queue.popleft()
+            if len(tokens) > room:
+                queue.appendleft((tokens[room:], start + room, position))
+                tokens = tokens[:room]
+            parts.append((tokens, start, UNKNOWN))
+            room -= len(tokens)
+        read = self._read
+        while room and (tokens := read()) is not None:  # every document's path: no piece made for a whole one
             if len(tokens) > room:
                 # Only a document cut here is held: its position is asked for now, not for every document read.
-                position = self._read_position() if piece[2] == _FRESH else piece[2]
-                self._queue.appendleft((tokens[room:], piece[1] + room, position))
+                queue.append((tokens[room:], room, self._read_position()))
                 tokens = tokens[:room]
-            parts.append((tokens, piece[1], UNKNOWN))
+            parts.append((tokens, 0, UNKNOWN))
             room -= len(tokens)
         return parts
 

@@ -146,6 +146,7 @@ class _RangeIterator(StageIterator):
         else:
             self.positions = [position for position, _ in pieces]
             self.ranges = [piece for _, piece in pieces]
+        self._range_count = len(self.ranges)  # asked before every record: a plan's lazy column counts slowly
         self.range_index = 0
         self.done_in_range = 0
         self._records: Iterator[Any] | None = None
@@ -174,7 +175,7 @@ class _RangeIterator(StageIterator):
     def __next__(self) -> Any:
         if self._owed:
             return self._made_up()
-        while self.range_index < len(self.ranges):
+        while self.range_index < self._range_count:
             records = self._records if self._records is not None else self._open_range()
             try:
                 sample = next(records)

@@ -41,9 +41,12 @@ def prefix(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def loader(prefix: str, workers: int = 2) -> shardkit.MixedLoader:
-    """Pads with -1 (not a token): another worker count pads the ends of other readers' last blocks."""
+    """Pads with -1 (not a token): another worker count pads the ends of other readers' last blocks.
+    Micro-batches of 8: the 196 blocks are then many messages, so the cuts leave both workers running
+    (grown to 64 blocks a message, each worker would have sent its last by the first batch;
+    tests/loader/test_message_size.py saves a larger corpus mid-epoch with grown ones)."""
     pipeline = shardkit.TokenDataset(prefix).pack(2048, pad_id=-1)
-    return shardkit.MixedLoader(pipeline, batch_size=8, num_workers=workers)
+    return shardkit.MixedLoader(pipeline, batch_size=8, num_workers=workers, micro_batch_size=8)
 
 
 def saved_bytes(state: Any) -> int:

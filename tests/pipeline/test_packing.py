@@ -91,6 +91,38 @@ def test_concat_reproduces_the_token_stream_exactly_with_positions_restarting_at
         assert np.array_equal(np.diff(used), (block["position_ids"][~pad].numpy()[1:] == 0).astype(np.int64))
 
 
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 2**40)), max_size=6),
+    room=st.integers(0, 20),
+    dtype=st.sampled_from([np.int32, np.uint16, np.int64]),
+    rows=st.booleans(),
+)
+def test_a_block_holds_its_pieces_tokens_then_padding_with_each_tokens_position_and_piece_index(
+    pieces, room, dtype, rows
+):
+    """block() against the definition, token by token: one piece (copied alone) or several (concatenated),
+    full or padded, pieces starting anywhere in their documents."""
+    from shardkit.pipeline.blocks import block
+
+    rng = np.random.default_rng(len(pieces))
+    parts = [(rng.integers(0, 60_000, n).astype(np.uint16), start, -1) for n, start in pieces]
+    seq_len = sum(n for n, _ in pieces) + room or 1
+    got = block(parts, seq_len, 7, np.dtype(dtype), position_ids=rows, document_ids=rows)
+    tokens, positions, index = [], [], []
+    for i, (array, start, _) in enumerate(parts):
+        for k, token in enumerate(array.tolist()):
+            tokens.append(token), positions.append(start + k), index.append(i)
+    padding = seq_len - len(tokens)
+    assert got["input_ids"].numpy().dtype == dtype
+    assert got["input_ids"].tolist() == tokens + [7] * padding
+    assert set(got) == ({"input_ids", "position_ids", "document_ids"} if rows else {"input_ids"})
+    if rows:
+        assert got["position_ids"].dtype == got["document_ids"].dtype == torch.int64
+        assert got["position_ids"].tolist() == positions + list(range(padding))
+        assert got["document_ids"].tolist() == index + [-1] * padding
+
+
 def test_concat_pads_with_pad_id_and_takes_lists_tensors_and_any_integer_dtype():
     lengths = [5, 6, 6]
     as_numpy = list(shardkit.wrap(documents(lengths, np.uint16)).pack(8, pad_id=-100, dtype=np.int64, **IDS))
