@@ -192,15 +192,21 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hardware(const uint8_t *p,
     return crc_hardware_on(0xFFFFFFFFu, p, len) ^ 0xFFFFFFFFu;
 }
 
+/* The length every one of the n buffers has, rounded down to a multiple of step (a power of two): what the
+ * interleaved CRCs below run over together before each buffer's rest goes on alone. */
+static inline size_t common_length(const size_t *len, int n, size_t step) {
+    size_t common = len[0];
+    for (int j = 1; j < n; j++) common = len[j] < common ? len[j] : common;
+    return common & ~(step - 1);
+}
+
 /* The CRCs of three separate buffers at once: their common length runs as three interleaved streams (the
  * instruction's latency is 3 cycles, its throughput 1), with nothing to combine, since each stream is a whole
  * record's CRC; the rest of each record then goes on alone. Short records gain most: one record of 1 KB has
  * only one 768-byte triple of CRC_TRIPLE's short blocks, the rest serial. */
 __attribute__((target("sse4.2"))) static void crc_hardware3(const uint8_t *const p[3], const size_t len[3],
                                                             uint32_t out[3]) {
-    size_t common = len[0] < len[1] ? len[0] : len[1];
-    if (len[2] < common) common = len[2];
-    common &= ~(size_t)7;
+    size_t common = common_length(len, 3, 8);
     uint64_t c0 = 0xFFFFFFFFu, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu;
     const uint8_t *a = p[0], *b = p[1], *c = p[2];
     for (size_t i = 0; i < common; i += 8) {
@@ -217,9 +223,7 @@ __attribute__((target("sse4.2"))) static void crc_hardware3(const uint8_t *const
  * streams and a fourth record alone left the fourth latency-bound (three cycles per 8 bytes). */
 __attribute__((target("sse4.2"))) static void crc_hardware4(const uint8_t *const p[4], const size_t len[4],
                                                             uint32_t out[4]) {
-    size_t common = len[0];
-    for (int j = 1; j < 4; j++) common = len[j] < common ? len[j] : common;
-    common &= ~(size_t)7;
+    size_t common = common_length(len, 4, 8);
     uint64_t c0 = 0xFFFFFFFFu, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu, c3 = 0xFFFFFFFFu;
     const uint8_t *a = p[0], *b = p[1], *c = p[2], *d = p[3];
     for (size_t i = 0; i < common; i += 8) {
@@ -302,9 +306,7 @@ VECTOR_TARGET static inline uint32_t reduce_vector(__m512i x) {
  * latency (crc_vector is slower than the crc32 instruction there); four independent chains keep the multiplier
  * busy, about three times the crc32 instruction's speed on records of 1 KB. */
 VECTOR_TARGET static void crc_vector4(const uint8_t *const p[4], const size_t len[4], uint32_t out[4]) {
-    size_t common = len[0];
-    for (int j = 1; j < 4; j++) common = len[j] < common ? len[j] : common;
-    common &= ~(size_t)63;
+    size_t common = common_length(len, 4, 64);
     const __m512i k = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fold_512));
     const __m512i start = _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)0xFFFFFFFFu));
     __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p[0]), start);
@@ -349,9 +351,7 @@ VECTOR2_TARGET static inline uint32_t reduce_vector2(__m256i x) {
  * of 1 KB (an AMD EPYC, Zen 3) about 20 GB/s, 1.1x crc_hardware4's four crc32 streams, 1.25x three streams and a
  * fourth record alone. */
 VECTOR2_TARGET static void crc_vector4_avx2(const uint8_t *const p[4], const size_t len[4], uint32_t out[4]) {
-    size_t common = len[0];
-    for (int j = 1; j < 4; j++) common = len[j] < common ? len[j] : common;
-    common &= ~(size_t)31;
+    size_t common = common_length(len, 4, 32);
     const __m256i k = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(fold_lanes + 2))); /* 256 bits */
     const __m256i start = _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)0xFFFFFFFFu));
     __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p[0]), start);
@@ -379,9 +379,7 @@ VECTOR2_TARGET static void crc_vector4_avx2(const uint8_t *const p[4], const siz
  * crc_vector4_avx2's four folding chains (22 GB/s) and 1.5x four crc32 streams (benchmarks/tfrecord.py prints the
  * data CRCs' share of a read). Records are independent: no combining step. */
 VECTOR2_TARGET static void crc_hybrid6(const uint8_t *const p[6], const size_t len[6], uint32_t out[6]) {
-    size_t common = len[0];
-    for (int j = 1; j < 6; j++) common = len[j] < common ? len[j] : common;
-    common &= ~(size_t)31;
+    size_t common = common_length(len, 6, 32);
     const __m256i k = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(fold_lanes + 2))); /* 256 bits */
     const __m256i start = _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)0xFFFFFFFFu));
     const uint8_t *a = p[0], *b = p[1], *c = p[2];
