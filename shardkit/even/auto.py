@@ -81,6 +81,13 @@ AUTO_MAX = 256
 #: The first window of an epoch: two batches, so that the second agreement carries a measured step.
 FIRST_WINDOW = 2
 
+
+def first_window(every: int | str) -> int:
+    """The first window of an epoch under ``every``: :data:`FIRST_WINDOW` under ``"auto"``, else one batch
+    (windows then double up to ``every``)."""
+    return 1 if isinstance(every, int) else FIRST_WINDOW
+
+
 #: Before any rank has measured a step, each window is this many times the one before.
 BLIND_GROWTH = 8
 

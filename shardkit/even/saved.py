@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from shardkit.even.auto import AUTO_MAX, FIRST_WINDOW, MEASURED
+from shardkit.even.auto import AUTO_MAX, MEASURED, first_window
 from shardkit.ranks import ranks_node
 from shardkit.stateful import State, StateError, check, decode, field, node, short, whole_number
 
@@ -27,7 +27,7 @@ def state_of(owner: Any, **fields: Any) -> State:
         "window": [],
         "next": [],
         "quota": 0,
-        "target": FIRST_WINDOW if owner.every == "auto" else 1,
+        "target": first_window(owner.every),
         "last": False,
         "pad": [],
         "exhausted": False,

@@ -83,7 +83,7 @@ from typing import Any, Literal
 import torch
 
 from shardkit.errors import EvenBatchesError, check_int
-from shardkit.even.auto import FIRST_WINDOW, MEASURED, batch_bytes, next_window, proposal
+from shardkit.even.auto import MEASURED, batch_bytes, first_window, next_window, proposal
 from shardkit.even.group import _distributed, _Side, _side_group
 from shardkit.even.saved import checked, inner_state, load_inner, merged, state_of
 from shardkit.ranks import gather as gather_ranks
@@ -351,7 +351,7 @@ class _Agreed(Iterator[Any]):
         self._window: deque[Any] = deque()  # agreed, fetched, not yielded yet
         self._next: list[Any] = []  # fetched for the next window, agreement maybe in flight
         self._quota = 0  # batches the current window still yields
-        self._target = FIRST_WINDOW if self._auto_mode else 1  # size of the next window
+        self._target = first_window(owner.every)  # size of the next window
         self._pad: tuple[Any] | None = None  # (batch,) to repeat
         self._exhausted = False
         self._error: BaseException | None = None
